@@ -1,0 +1,1 @@
+"""The gpuslice command line."""

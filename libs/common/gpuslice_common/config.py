@@ -1,0 +1,195 @@
+"""Typed settings for every component, read from environment variables.
+
+Every variable starts with ``GPUSLICE_``; nested groups use a double underscore,
+for example ``GPUSLICE_RESOURCES__GPU=nvidia.com/gpu``. ``load(SettingsClass)``
+fails fast with a :class:`ConfigError` whose message names each bad variable.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpuslice_common.models import GpuPolicy
+
+ENV_PREFIX = "GPUSLICE_"
+NESTED_DELIMITER = "__"
+
+_RESOURCE_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+class ConfigError(Exception):
+    """Settings could not be loaded; the message names every offending variable."""
+
+
+def parse_duration(value: Any) -> timedelta:
+    """Accept ``30s``, ``5m``, ``2h``, ``30d``, a number of seconds, or a timedelta."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    elif isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
+        seconds = float(value)
+    else:
+        raise ValueError(f"not a duration: {value!r} (use e.g. 30s, 5m, 2h, 30d)")
+    if seconds <= 0:
+        raise ValueError("duration must be positive")
+    return timedelta(seconds=seconds)
+
+
+class ResourceNames(BaseModel):
+    """Extended-resource names a pod uses to ask for GPUs (HAMi's by default)."""
+
+    gpu: str = "nvidia.com/gpu"
+    memory: str = "nvidia.com/gpumem"
+    memory_percentage: str = "nvidia.com/gpumem-percentage"
+    cores: str = "nvidia.com/gpucores"
+    priority: str = "nvidia.com/priority"
+
+    @field_validator("*")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not _RESOURCE_NAME.match(value):
+            raise ValueError(f"not a Kubernetes resource name: {value!r}")
+        return value
+
+    def all(self) -> tuple[str, ...]:
+        return (self.gpu, self.memory, self.memory_percentage, self.cores, self.priority)
+
+
+class RequestDefaults(BaseModel):
+    """Values filled in when a container leaves them out (HAMi's names in comments)."""
+
+    gpu_count: Annotated[int, Field(ge=1, le=64)] = 1  # defaultGPUNum
+    memory_mib: Annotated[int, Field(ge=0)] = 0  # defaultMem: 0 means the whole card
+    cores: Annotated[int, Field(ge=0, le=100)] = 0  # defaultCores
+    priority: Annotated[int, Field(ge=0, le=1)] = 1
+
+
+class RequestSettings(BaseModel):
+    """How pods' GPU requests are read; shared by the webhook and the scheduler."""
+
+    resources: ResourceNames = ResourceNames()
+    defaults: RequestDefaults = RequestDefaults()
+    default_gpu_policy: GpuPolicy = GpuPolicy.FRAGMENTATION
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service reads: where the bus and the ledger are."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=NESTED_DELIMITER,
+        extra="ignore",
+        frozen=True,
+    )
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_creds_file: str | None = None
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    subject_prefix: str = "gpuslice"
+    ledger_prefix: str = "gpuslice"
+    audit_max_age: Annotated[timedelta, Field(description="retention of the audit stream")] = (
+        timedelta(days=90)
+    )
+    log_level: str = "INFO"
+    requests: RequestSettings = RequestSettings()
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_scheme(cls, value: str) -> str:
+        for url in value.split(","):
+            if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+", url.strip()):
+                raise ValueError(f"not a NATS URL: {url.strip()!r} (expected nats://host:port)")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if not re.match(r"^(redis|rediss|unix)://", value):
+            raise ValueError(f"not a Redis URL: {value!r} (expected redis://host:port/db)")
+        return value
+
+    @field_validator("subject_prefix", "ledger_prefix")
+    @classmethod
+    def _token(cls, value: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_-]+$", value):
+            raise ValueError(f"must be one token of letters, digits, '-' or '_': {value!r}")
+        return value
+
+    @field_validator("audit_max_age", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> timedelta:
+        return parse_duration(value)
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError(f"unknown log level {value!r}")
+        return level
+
+
+class WebhookSettings(CommonSettings):
+    listen_host: str = "0.0.0.0"
+    listen_port: Annotated[int, Field(ge=1, le=65535)] = 8443
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    scheduler_name: str = "gpuslice-scheduler"
+
+
+class SchedulerSettings(CommonSettings):
+    listen_host: str = "0.0.0.0"
+    listen_port: Annotated[int, Field(ge=1, le=65535)] = 8888
+
+
+class InventorySettings(CommonSettings):
+    listen_host: str = "0.0.0.0"
+    listen_port: Annotated[int, Field(ge=1, le=65535)] = 9090
+    heartbeat_interval: timedelta = timedelta(seconds=10)
+    reservation_ttl: timedelta = timedelta(minutes=5)
+
+    @field_validator("heartbeat_interval", "reservation_ttl", mode="before")
+    @classmethod
+    def _durations(cls, value: Any) -> timedelta:
+        return parse_duration(value)
+
+
+class DevicePluginSettings(CommonSettings):
+    node_name: Annotated[str, Field(min_length=1)]
+    kubelet_dir: str = "/var/lib/kubelet/device-plugins"
+    metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9400
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def env_name(loc: tuple[int | str, ...]) -> str:
+    """The environment variable behind a validation error location."""
+    return ENV_PREFIX + NESTED_DELIMITER.join(str(part) for part in loc).upper()
+
+
+def load(cls: type[S], **overrides: Any) -> S:
+    """Read ``cls`` from the environment, or raise ConfigError naming each bad variable."""
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(p for p in err["loc"] if p not in {"__root__"})
+            message = str(err["msg"]).removeprefix("Value error, ")
+            if err["type"] == "missing":
+                message = "is required but not set"
+            problems.append(f"{env_name(loc)}: {message}")
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from None

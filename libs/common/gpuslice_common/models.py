@@ -1,0 +1,358 @@
+"""Typed data shared by every gpuslice component.
+
+Units are fixed across the project: device memory in MiB (integers), compute in
+percent of one card (0-100 before scaling), times as timezone-aware UTC datetimes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+NonNegInt = Annotated[int, Field(ge=0)]
+Percent = Annotated[int, Field(ge=0, le=100)]
+
+
+class Frozen(BaseModel):
+    """Base for value objects: immutable, and unknown fields are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+# ---------------------------------------------------------------- devices and nodes
+
+
+class GpuDevice(Frozen):
+    """One physical GPU as the node agent discovered it."""
+
+    uuid: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$")]
+    index: NonNegInt
+    model: Annotated[str, Field(min_length=1, max_length=128)]
+    memory_mib: Annotated[int, Field(gt=0)]
+    numa: int | None = None
+    healthy: bool = True
+    mig: bool = False
+
+
+class NodeInventory(Frozen):
+    """A node's full device list and sharing configuration, sent as a heartbeat."""
+
+    node: Annotated[str, Field(min_length=1, max_length=253)]
+    devices: tuple[GpuDevice, ...]
+    split_count: Annotated[int, Field(ge=1, le=1024)] = 10
+    memory_scaling: Annotated[float, Field(gt=0, le=100)] = 1.0
+    core_scaling: Annotated[float, Field(gt=0, le=100)] = 1.0
+    sent_at: datetime = Field(default_factory=utcnow)
+
+    @model_validator(mode="after")
+    def _unique_devices(self) -> NodeInventory:
+        uuids = [d.uuid for d in self.devices]
+        if len(set(uuids)) != len(uuids):
+            raise ValueError("device UUIDs must be unique within a node")
+        indexes = [d.index for d in self.devices]
+        if len(set(indexes)) != len(indexes):
+            raise ValueError("device indexes must be unique within a node")
+        return self
+
+    def capacity(self, device: GpuDevice) -> GpuCapacity:
+        """Schedulable capacity of one of this node's cards after scaling."""
+        return GpuCapacity(
+            memory_mib=math.floor(device.memory_mib * self.memory_scaling),
+            cores=math.floor(100 * self.core_scaling),
+            slots=self.split_count,
+        )
+
+
+class GpuCapacity(Frozen):
+    memory_mib: NonNegInt
+    cores: NonNegInt
+    slots: NonNegInt
+
+
+class GpuUsage(Frozen):
+    """What reservations currently hold on one card."""
+
+    memory_mib: NonNegInt = 0
+    cores: NonNegInt = 0
+    slots: NonNegInt = 0
+    exclusive_owner: str | None = None
+
+
+class GpuState(Frozen):
+    """A card as the ledger sees it: facts, capacity and current usage."""
+
+    node: str
+    device: GpuDevice
+    capacity: GpuCapacity
+    used: GpuUsage
+    present: bool = True
+
+    @property
+    def free_memory_mib(self) -> int:
+        return max(0, self.capacity.memory_mib - self.used.memory_mib)
+
+    @property
+    def free_cores(self) -> int:
+        return max(0, self.capacity.cores - self.used.cores)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.capacity.slots - self.used.slots)
+
+
+# ---------------------------------------------------------------- requests
+
+
+class MemoryRequest(Frozen):
+    """Device memory per GPU: an exact amount or a share of the card."""
+
+    mib: NonNegInt | None = None
+    percent: Percent | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> MemoryRequest:
+        if (self.mib is None) == (self.percent is None):
+            raise ValueError("memory request needs exactly one of mib or percent")
+        return self
+
+    def on_card(self, card_memory_mib: int) -> int:
+        """MiB this request takes on a card with the given schedulable memory."""
+        if self.mib is not None:
+            return self.mib
+        assert self.percent is not None
+        return card_memory_mib * self.percent // 100
+
+
+class ContainerGpuRequest(Frozen):
+    """What one container asks for, per GPU, after defaults are applied."""
+
+    name: Annotated[str, Field(min_length=1)]
+    init: bool = False
+    count: Annotated[int, Field(ge=1)]
+    memory: MemoryRequest
+    cores: Percent = 0
+    priority: Literal[0, 1] = 1
+
+    @property
+    def exclusive(self) -> bool:
+        """A 100 % compute request takes the whole card alone."""
+        return self.cores == 100
+
+
+class GpuPolicy(enum.StrEnum):
+    """How devices are chosen on a node."""
+
+    FRAGMENTATION = "fragmentation"
+    BINPACK = "binpack"
+    SPREAD = "spread"
+
+
+class NodePolicy(enum.StrEnum):
+    """How nodes are ranked."""
+
+    BINPACK = "binpack"
+    SPREAD = "spread"
+
+
+class VgpuMode(enum.StrEnum):
+    HAMI_CORE = "hami-core"
+    MIG = "mig"
+
+
+class DeviceSelector(Frozen):
+    """Pod-level constraints on which cards may be used."""
+
+    include_types: tuple[str, ...] = ()
+    exclude_types: tuple[str, ...] = ()
+    include_uuids: tuple[str, ...] = ()
+    exclude_uuids: tuple[str, ...] = ()
+    numa_bind: bool = False
+
+    def admits(self, device: GpuDevice) -> bool:
+        model = device.model.lower()
+        if self.include_types and not any(t.lower() in model for t in self.include_types):
+            return False
+        if any(t.lower() in model for t in self.exclude_types):
+            return False
+        if self.include_uuids and device.uuid not in self.include_uuids:
+            return False
+        return device.uuid not in self.exclude_uuids
+
+
+class PodRef(Frozen):
+    uid: Annotated[str, Field(min_length=1, max_length=128)]
+    namespace: str = "default"
+    name: str = ""
+
+
+class PodGpuRequest(Frozen):
+    """Everything the control plane needs to know about a pod's GPU demand."""
+
+    pod: PodRef
+    containers: tuple[ContainerGpuRequest, ...]
+    selector: DeviceSelector = DeviceSelector()
+    gpu_policy: GpuPolicy | None = None
+    node_policy: NodePolicy | None = None
+    vgpu_mode: VgpuMode = VgpuMode.HAMI_CORE
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def init_containers(self) -> tuple[ContainerGpuRequest, ...]:
+        return tuple(c for c in self.containers if c.init)
+
+    @property
+    def app_containers(self) -> tuple[ContainerGpuRequest, ...]:
+        return tuple(c for c in self.containers if not c.init)
+
+
+# ---------------------------------------------------------------- placements
+
+
+class DeviceGrant(Frozen):
+    """One card given to one container, with the share it may use."""
+
+    uuid: str
+    memory_mib: NonNegInt
+    cores: Percent
+
+
+class ContainerAssignment(Frozen):
+    name: str
+    init: bool = False
+    devices: tuple[DeviceGrant, ...]
+    priority: Literal[0, 1] = 1
+
+    @model_validator(mode="after")
+    def _distinct_cards(self) -> ContainerAssignment:
+        uuids = [d.uuid for d in self.devices]
+        if not uuids:
+            raise ValueError(f"container {self.name!r} is assigned no device")
+        if len(set(uuids)) != len(uuids):
+            raise ValueError(f"container {self.name!r} is assigned the same card twice")
+        return self
+
+
+class FitReason(enum.StrEnum):
+    """Why a card (and so a node) cannot take a request; HAMi's reason names."""
+
+    CARD_NOT_FOUND = "CardNotFound"
+    CARD_NOT_HEALTH = "CardNotHealth"
+    CARD_CORDONED = "CardCordoned"
+    CARD_TYPE_MISMATCH = "CardTypeMismatch"
+    NUMA_NOT_FIT = "NumaNotFit"
+    CARD_UUID_MISMATCH = "CardUuidMismatch"
+    CARD_TIME_SLICING_EXHAUSTED = "CardTimeSlicingExhausted"
+    CARD_INSUFFICIENT_MEMORY = "CardInsufficientMemory"
+    CARD_INSUFFICIENT_CORE = "CardInsufficientCore"
+    EXCLUSIVE_DEVICE_ALLOCATE_CONFLICT = "ExclusiveDeviceAllocateConflict"
+    CARD_COMPUTE_UNITS_EXHAUSTED = "CardComputeUnitsExhausted"
+    ALLOCATED_CARDS_INSUFFICIENT_REQUEST = "AllocatedCardsInsufficientRequest"
+
+
+class DeviceFootprint(Frozen):
+    """What one pod holds on one card at its peak."""
+
+    memory_mib: NonNegInt = 0
+    cores: NonNegInt = 0
+    slots: NonNegInt = 0
+    exclusive: bool = False
+
+    def peak(self, other: DeviceFootprint) -> DeviceFootprint:
+        return DeviceFootprint(
+            memory_mib=max(self.memory_mib, other.memory_mib),
+            cores=max(self.cores, other.cores),
+            slots=max(self.slots, other.slots),
+            exclusive=self.exclusive or other.exclusive,
+        )
+
+    def plus(self, grant: DeviceGrant) -> DeviceFootprint:
+        return DeviceFootprint(
+            memory_mib=self.memory_mib + grant.memory_mib,
+            cores=self.cores + grant.cores,
+            slots=self.slots + 1,
+            exclusive=self.exclusive or grant.cores == 100,
+        )
+
+
+class PlacementState(enum.StrEnum):
+    RESERVED = "reserved"
+    BOUND = "bound"
+    ALLOCATED = "allocated"
+    RELEASED = "released"
+
+
+class Placement(Frozen):
+    """A pod's devices on one node: the ledger's record of a reservation."""
+
+    pod: PodRef
+    node: str
+    containers: tuple[ContainerAssignment, ...]
+    policy: str = ""
+    state: PlacementState = PlacementState.RESERVED
+    allocated_containers: NonNegInt = 0
+    reserved_at: datetime | None = None
+    bound_at: datetime | None = None
+    allocated_at: datetime | None = None
+    released_at: datetime | None = None
+    release_reason: str = ""
+
+    @model_validator(mode="after")
+    def _has_containers(self) -> Placement:
+        if not self.containers:
+            raise ValueError("a placement needs at least one container")
+        names = [c.name for c in self.containers]
+        if len(set(names)) != len(names):
+            raise ValueError("container names in a placement must be unique")
+        return self
+
+    def footprint(self) -> dict[str, DeviceFootprint]:
+        """Per card, the most this pod holds at any moment.
+
+        Init containers run one at a time before the app containers, which run
+        together: a card carries max(sum of app containers, largest init container).
+        """
+        apps: dict[str, DeviceFootprint] = {}
+        inits: dict[str, DeviceFootprint] = {}
+        for container in self.containers:
+            for grant in container.devices:
+                if container.init:
+                    single = DeviceFootprint().plus(grant)
+                    inits[grant.uuid] = inits.get(grant.uuid, DeviceFootprint()).peak(single)
+                else:
+                    apps[grant.uuid] = apps.get(grant.uuid, DeviceFootprint()).plus(grant)
+        result = dict(apps)
+        for uuid, fp in inits.items():
+            result[uuid] = result.get(uuid, DeviceFootprint()).peak(fp)
+        return result
+
+
+# ---------------------------------------------------------------- telemetry
+
+
+class DeviceTelemetry(Frozen):
+    uuid: str
+    used_bytes: NonNegInt
+    limit_bytes: NonNegInt
+    sm_percent: Annotated[float, Field(ge=0, le=100)] = 0.0
+    throttled_ns: NonNegInt = 0
+    denied_allocations: NonNegInt = 0
+
+
+class TelemetrySample(Frozen):
+    """One report from the interposer in a container."""
+
+    node: str
+    pod_uid: str
+    container: str
+    pid: NonNegInt
+    time: datetime
+    devices: tuple[DeviceTelemetry, ...]
+    dropped_samples: NonNegInt = 0

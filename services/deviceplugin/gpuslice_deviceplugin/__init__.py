@@ -1,0 +1,1 @@
+"""Per-node agent: kubelet device plugin, GPU discovery, Allocate from the ledger."""

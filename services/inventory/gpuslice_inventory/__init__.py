@@ -1,0 +1,1 @@
+"""Keeps the ledger true over time: inventories, telemetry, releases, reconciliation."""

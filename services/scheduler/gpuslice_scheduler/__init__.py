@@ -1,0 +1,1 @@
+"""kube-scheduler HTTP extender and the placement engine behind it."""

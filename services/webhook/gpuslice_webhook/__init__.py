@@ -1,0 +1,1 @@
+"""Mutating admission webhook: validates, defaults and routes GPU pods."""
