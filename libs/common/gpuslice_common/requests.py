@@ -1,0 +1,597 @@
+"""Reading a pod's GPU demand from its spec and annotations (HAMi v2.10 compatible).
+
+A pod asks for GPUs through five extended resources per container (names are
+configurable through :class:`~gpuslice_common.config.ResourceNames`; HAMi's by default):
+
+* ``nvidia.com/gpu`` - number of distinct cards (0-64);
+* ``nvidia.com/gpumem`` - device memory per card in MiB (0 means "not set");
+* ``nvidia.com/gpumem-percentage`` - device memory per card as 0-100 % of the card;
+* ``nvidia.com/gpucores`` - compute share per card, 0-100 %;
+* ``nvidia.com/priority`` - 0 (high) or 1 (low).
+
+Rules applied to each container (init containers included):
+
+* A value is read from ``resources.limits`` and else from ``resources.requests``; when
+  both hold it they must be equal. Values are Kubernetes quantities (strings or
+  integers) and must be whole, non-negative and within the bounds above.
+* Setting memory, memory percentage or cores without a count asks for
+  ``defaults.gpu_count`` cards (HAMi's ``defaultGPUNum``). A count of 0 together with
+  any other GPU resource is an error; a count of 0 alone asks for nothing. Priority
+  without any GPU is an error (no node advertises the priority resource).
+* A count alone (no memory, no cores) takes whole cards exclusively: 100 % cores and
+  100 % memory. ``gpumem: 0`` is "not set" for memory, though its presence still
+  brings in the default count; ``gpumem-percentage: 0`` is an explicit 0 %.
+* ``gpumem`` wins over ``gpumem-percentage``; the pod gets a warning. Without either,
+  memory is ``defaults.memory_mib`` MiB when that is positive (``defaultMem``), else
+  the whole card. Cores default to ``defaults.cores``, priority to
+  ``defaults.priority``.
+* Container names are non-empty and unique across init and app containers. The
+  result lists init containers first, then app containers, each in spec order.
+
+Pod annotations (see :data:`ANNOTATIONS`) are read in HAMi's form and in gpuslice's
+``gpuslice.io/...`` form; when both are present the gpuslice one wins. Annotation
+values must be strings; a blank value counts as unset. Annotations are read only
+when some container asks for a GPU, so a pod without GPUs never fails here. HAMi's
+GPU policies ``topology-aware``, ``mutex`` and ``numa`` are accepted with a warning
+and mean the default policy (``numa`` also binds each container to one NUMA node).
+
+Every problem is reported as :class:`RequestError`, whose message names the
+container and the resource (or the annotation) at fault.
+"""
+
+from __future__ import annotations
+
+import decimal
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any, Final, Literal
+
+from pydantic import ValidationError
+
+from gpuslice_common.config import RequestSettings, ResourceNames
+from gpuslice_common.models import (
+    ContainerGpuRequest,
+    DeviceSelector,
+    GpuPolicy,
+    MemoryRequest,
+    NodePolicy,
+    PodGpuRequest,
+    PodRef,
+    VgpuMode,
+)
+
+__all__ = [
+    "ANNOTATIONS",
+    "DEFAULT_SETTINGS",
+    "MAX_GPU_COUNT",
+    "MAX_GPU_MEMORY_MIB",
+    "AnnotationKey",
+    "AnnotationKeys",
+    "RequestError",
+    "has_gpu_request",
+    "parse_container",
+    "parse_pod",
+    "parse_quantity",
+]
+
+DEFAULT_SETTINGS: Final = RequestSettings()
+MAX_GPU_COUNT: Final = 64
+MAX_GPU_MEMORY_MIB: Final = 2**31
+
+
+class RequestError(ValueError):
+    """A pod's GPU request is malformed or out of range; the message says where and why."""
+
+
+# ---------------------------------------------------------------- annotation keys
+
+
+@dataclass(frozen=True, slots=True)
+class AnnotationKey:
+    """One pod annotation in HAMi's spelling and in gpuslice's."""
+
+    hami: str
+    gpuslice: str
+
+    def lookup_order(self) -> tuple[str, str]:
+        """Keys to try, the winning one first."""
+        return (self.gpuslice, self.hami)
+
+
+@dataclass(frozen=True, slots=True)
+class AnnotationKeys:
+    """Every pod annotation this module reads."""
+
+    use_gpu_type: AnnotationKey = AnnotationKey("nvidia.com/use-gputype", "gpuslice.io/use-gputype")
+    nouse_gpu_type: AnnotationKey = AnnotationKey(
+        "nvidia.com/nouse-gputype", "gpuslice.io/nouse-gputype"
+    )
+    use_gpu_uuid: AnnotationKey = AnnotationKey("nvidia.com/use-gpuuuid", "gpuslice.io/use-gpuuuid")
+    nouse_gpu_uuid: AnnotationKey = AnnotationKey(
+        "nvidia.com/nouse-gpuuuid", "gpuslice.io/nouse-gpuuuid"
+    )
+    numa_bind: AnnotationKey = AnnotationKey("nvidia.com/numa-bind", "gpuslice.io/numa-bind")
+    vgpu_mode: AnnotationKey = AnnotationKey("nvidia.com/vgpu-mode", "gpuslice.io/vgpu-mode")
+    gpu_policy: AnnotationKey = AnnotationKey(
+        "hami.io/gpu-scheduler-policy", "gpuslice.io/gpu-scheduler-policy"
+    )
+    node_policy: AnnotationKey = AnnotationKey(
+        "hami.io/node-scheduler-policy", "gpuslice.io/node-scheduler-policy"
+    )
+
+
+ANNOTATIONS: Final = AnnotationKeys()
+
+# HAMi GPU policies accepted for compatibility; they fall back to the default policy.
+_COMPAT_GPU_POLICIES: Final = ("topology-aware", "mutex", "numa")
+_NUMA_GPU_POLICY: Final = "numa"
+
+
+# ---------------------------------------------------------------- quantities
+
+_QUANTITY: Final = re.compile(
+    r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?:[eE](?P<exponent>[+-]?[0-9]+)|(?P<suffix>[KMGTPE]i|[numkMGTPE]))?"
+)
+_BINARY_SUFFIXES: Final = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL_SUFFIXES: Final = {
+    "n": -9,
+    "u": -6,
+    "m": -3,
+    "k": 3,
+    "M": 6,
+    "G": 9,
+    "T": 12,
+    "P": 15,
+    "E": 18,
+}
+_MAX_QUANTITY_LENGTH: Final = 128
+_MAX_EXPONENT: Final = 64
+_MAX_MAGNITUDE: Final = 10**30
+# Wide enough that scaling a <=128-digit mantissa by 1024**6 is always exact.
+_EXACT: Final = decimal.Context(prec=512)
+
+
+def parse_quantity(value: object) -> Decimal:
+    """Parse a Kubernetes ``resource.Quantity`` given as a string or an integer.
+
+    Grammar: optional sign, digits with an optional fraction, then an optional
+    binary suffix (Ki Mi Gi Ti Pi Ei), decimal suffix (n u m k M G T P E) or
+    exponent (``e``/``E`` and an integer). Magnitudes above 1e30, exponents beyond
+    +-64 and strings over 128 characters are refused, so the arithmetic stays
+    small. Raises :class:`RequestError` without naming a container.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise RequestError(f"quantity must be a string or an integer, got {_type_name(value)}")
+    if isinstance(value, int):
+        if abs(value) > _MAX_MAGNITUDE:
+            raise RequestError("quantity is too large (limit 1e30)")
+        return Decimal(value)
+    if len(value) > _MAX_QUANTITY_LENGTH:
+        raise RequestError(f"quantity is longer than {_MAX_QUANTITY_LENGTH} characters")
+    match = _QUANTITY.fullmatch(value)
+    if match is None:
+        raise RequestError(f"not a Kubernetes quantity: {_clip(value)}")
+    result = _scale(Decimal(match["number"]), match["exponent"], match["suffix"], value)
+    if abs(result) > _MAX_MAGNITUDE:
+        raise RequestError(f"quantity is too large (limit 1e30): {_clip(value)}")
+    return result
+
+
+def _scale(number: Decimal, exponent: str | None, suffix: str | None, text: str) -> Decimal:
+    if exponent is not None:
+        power = int(exponent)
+        if abs(power) > _MAX_EXPONENT:
+            raise RequestError(f"quantity exponent is out of range: {_clip(text)}")
+        return _EXACT.scaleb(number, Decimal(power))
+    if suffix is None:
+        return number
+    if suffix in _BINARY_SUFFIXES:
+        return _EXACT.multiply(number, Decimal(1024 ** _BINARY_SUFFIXES[suffix]))
+    return _EXACT.scaleb(number, Decimal(_DECIMAL_SUFFIXES[suffix]))
+
+
+# ---------------------------------------------------------------- small shape helpers
+
+
+_JSON_TYPE_NAMES: Final = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+_CLIP: Final = 60
+
+
+def _type_name(value: object) -> str:
+    """The JSON name of a value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _clip(text: str) -> str:
+    """``repr`` of user text, shortened so messages stay readable."""
+    return repr(text if len(text) <= _CLIP else text[:_CLIP] + "...")
+
+
+def _mapping(value: object, where: str) -> Mapping[Any, Any]:
+    """An optional JSON object: missing or null reads as empty."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise RequestError(f"{where} must be an object, got {_type_name(value)}")
+    return value
+
+
+def _list(value: object, where: str) -> Sequence[Any]:
+    """An optional JSON list: missing or null reads as empty."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise RequestError(f"{where} must be a list, got {_type_name(value)}")
+    return value
+
+
+def _optional_str(value: object, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string, got {_type_name(value)}")
+    return value
+
+
+# ---------------------------------------------------------------- containers
+
+
+def _bounds(names: ResourceNames) -> tuple[tuple[str, int, int], ...]:
+    """Each GPU resource with its lowest and highest accepted value."""
+    return (
+        (names.gpu, 0, MAX_GPU_COUNT),
+        (names.memory, 0, MAX_GPU_MEMORY_MIB),
+        (names.memory_percentage, 0, 100),
+        (names.cores, 0, 100),
+        (names.priority, 0, 1),
+    )
+
+
+def _container_name(container: object, where: str) -> str:
+    if not isinstance(container, Mapping):
+        raise RequestError(f"{where} must be an object, got {_type_name(container)}")
+    name = container.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"{where}: container name must be a non-empty string")
+    return name
+
+
+def _quantity(label: str, resource: str, raw: object, source: str) -> Decimal:
+    try:
+        return parse_quantity(raw)
+    except RequestError as err:
+        raise RequestError(
+            f"{label}: {resource} in {source} has an invalid value ({err})"
+        ) from None
+
+
+def _amount(
+    label: str,
+    resource: str,
+    limits: Mapping[Any, Any],
+    requests: Mapping[Any, Any],
+    low: int,
+    high: int,
+) -> int | None:
+    """The whole-number value of one resource, or None when the container omits it."""
+    in_limits, in_requests = resource in limits, resource in requests
+    if not (in_limits or in_requests):
+        return None
+    limit = _quantity(label, resource, limits[resource], "limits") if in_limits else None
+    request = _quantity(label, resource, requests[resource], "requests") if in_requests else None
+    if limit is not None and request is not None and limit != request:
+        raise RequestError(
+            f"{label}: {resource} requests and limits differ "
+            f"(requests {requests[resource]}, limits {limits[resource]})"
+        )
+    raw = limits[resource] if in_limits else requests[resource]
+    value = limit if limit is not None else request
+    assert value is not None
+    if value < 0:
+        raise RequestError(f"{label}: {resource} must not be negative, got {raw}")
+    if value != value.to_integral_value():
+        raise RequestError(f"{label}: {resource} must be a whole number, got {raw}")
+    number = int(value)
+    if not low <= number <= high:
+        raise RequestError(f"{label}: {resource} must be between {low} and {high}, got {raw}")
+    return number
+
+
+def _amounts(container: Mapping[Any, Any], label: str, names: ResourceNames) -> dict[str, int]:
+    """The GPU resources a container sets, by resource name, checked against their bounds."""
+    resources = _mapping(container.get("resources"), f"{label}: resources")
+    limits = _mapping(resources.get("limits"), f"{label}: resources.limits")
+    requests = _mapping(resources.get("requests"), f"{label}: resources.requests")
+    found: dict[str, int] = {}
+    for resource, low, high in _bounds(names):
+        value = _amount(label, resource, limits, requests, low, high)
+        if value is not None:
+            found[resource] = value
+    return found
+
+
+def _set_together(names: Sequence[str]) -> str:
+    return f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} set"
+
+
+def _build_container(
+    name: str, init: bool, amounts: Mapping[str, int], settings: RequestSettings
+) -> tuple[ContainerGpuRequest | None, list[str]]:
+    """Apply HAMi's defaults to one container's amounts; also return its warnings."""
+    names, defaults = settings.resources, settings.defaults
+    label = f"container {name!r}"
+    shares = [r for r in (names.memory, names.memory_percentage, names.cores) if r in amounts]
+    count = amounts.get(names.gpu)
+    if count == 0:
+        others = [*shares, *([names.priority] if names.priority in amounts else [])]
+        if others:
+            raise RequestError(f"{label}: {names.gpu} is 0 but {_set_together(others)}")
+        return None, []
+    if count is None and not shares:
+        if names.priority in amounts:
+            raise RequestError(
+                f"{label}: {names.priority} is set but no GPU is requested "
+                f"(set {names.gpu}, {names.memory}, {names.memory_percentage} or {names.cores})"
+            )
+        return None, []
+
+    mib = amounts.get(names.memory) or None  # gpumem 0 means "not set"
+    percent = amounts.get(names.memory_percentage)
+    cores = amounts.get(names.cores)
+    warnings: list[str] = []
+    if mib is not None and percent is not None:
+        warnings.append(
+            f"{label}: {names.memory_percentage} is ignored because {names.memory} is set"
+        )
+    if count is not None and mib is None and percent is None and cores is None:
+        memory, cores = MemoryRequest(percent=100), 100  # a count alone: whole cards, alone
+    elif mib is not None:
+        memory = MemoryRequest(mib=mib)
+    elif percent is not None:
+        memory = MemoryRequest(percent=percent)
+    elif defaults.memory_mib > 0:
+        memory = MemoryRequest(mib=defaults.memory_mib)
+    else:
+        memory = MemoryRequest(percent=100)
+    priority: Literal[0, 1] = 0 if amounts.get(names.priority, defaults.priority) == 0 else 1
+    request = ContainerGpuRequest(
+        name=name,
+        init=init,
+        count=count if count is not None else defaults.gpu_count,
+        memory=memory,
+        cores=cores if cores is not None else defaults.cores,
+        priority=priority,
+    )
+    return request, warnings
+
+
+def _parse_named_container(
+    container: Mapping[Any, Any], name: str, init: bool, settings: RequestSettings
+) -> tuple[ContainerGpuRequest | None, list[str]]:
+    label = f"container {name!r}"
+    amounts = _amounts(container, label, settings.resources)
+    try:
+        return _build_container(name, init, amounts, settings)
+    except ValidationError as exc:
+        raise RequestError(f"{label}: invalid GPU request ({_first_error(exc)})") from None
+
+
+def parse_container(
+    container: Mapping[str, Any], *, init: bool, settings: RequestSettings = DEFAULT_SETTINGS
+) -> ContainerGpuRequest | None:
+    """One container's GPU request with defaults applied, or None if it asks for no GPU.
+
+    Warnings (such as an ignored memory percentage) are only reported by
+    :func:`parse_pod`.
+    """
+    name = _container_name(container, "container")
+    request, _warnings = _parse_named_container(container, name, init, settings)
+    return request
+
+
+# ---------------------------------------------------------------- annotations
+
+
+def _annotations(metadata: Mapping[Any, Any]) -> Mapping[str, str]:
+    annotations = _mapping(metadata.get("annotations"), "metadata.annotations")
+    for key, value in annotations.items():
+        if not isinstance(key, str):
+            raise RequestError(f"annotation keys must be strings, got {_type_name(key)}")
+        if not isinstance(value, str):
+            raise RequestError(f"annotation {_clip(key)} must be a string, got {_type_name(value)}")
+    return annotations
+
+
+def _annotation(annotations: Mapping[str, str], key: AnnotationKey) -> tuple[str, str] | None:
+    """The winning (key, stripped value) of an annotation, or None when unset or blank."""
+    for name in key.lookup_order():
+        if name in annotations:
+            value = annotations[name].strip()
+            return (name, value) if value else None
+    return None
+
+
+def _name_list(annotations: Mapping[str, str], key: AnnotationKey) -> tuple[str, ...]:
+    found = _annotation(annotations, key)
+    if found is None:
+        return ()
+    items = (item.strip() for item in found[1].split(","))
+    return tuple(dict.fromkeys(item for item in items if item))
+
+
+def _numa_bind(annotations: Mapping[str, str]) -> bool:
+    found = _annotation(annotations, ANNOTATIONS.numa_bind)
+    if found is None:
+        return False
+    key, value = found
+    if value.lower() not in {"true", "false"}:
+        raise RequestError(f"annotation {key} must be 'true' or 'false', got {_clip(value)}")
+    return value.lower() == "true"
+
+
+def _vgpu_mode(annotations: Mapping[str, str]) -> VgpuMode:
+    found = _annotation(annotations, ANNOTATIONS.vgpu_mode)
+    if found is None:
+        return VgpuMode.HAMI_CORE
+    key, value = found
+    try:
+        return VgpuMode(value.lower())
+    except ValueError:
+        accepted = ", ".join(mode.value for mode in VgpuMode)
+        raise RequestError(
+            f"annotation {key}: unknown vGPU mode {_clip(value)}; accepted: {accepted}"
+        ) from None
+
+
+def _gpu_policy(annotations: Mapping[str, str]) -> tuple[GpuPolicy | None, bool, list[str]]:
+    """The GPU policy, whether it asks for NUMA binding, and any compatibility warning."""
+    found = _annotation(annotations, ANNOTATIONS.gpu_policy)
+    if found is None:
+        return None, False, []
+    key, value = found
+    policy = value.lower()
+    if policy in {p.value for p in GpuPolicy}:
+        return GpuPolicy(policy), False, []
+    if policy in _COMPAT_GPU_POLICIES:
+        numa = policy == _NUMA_GPU_POLICY
+        effect = "the default GPU policy" + (" with NUMA binding" if numa else "")
+        warning = f"annotation {key}={value!r} is accepted for HAMi compatibility; using {effect}"
+        return None, numa, [warning]
+    accepted = ", ".join([*(p.value for p in GpuPolicy), *_COMPAT_GPU_POLICIES])
+    raise RequestError(f"annotation {key}: unknown GPU policy {_clip(value)}; accepted: {accepted}")
+
+
+def _node_policy(annotations: Mapping[str, str]) -> NodePolicy | None:
+    found = _annotation(annotations, ANNOTATIONS.node_policy)
+    if found is None:
+        return None
+    key, value = found
+    try:
+        return NodePolicy(value.lower())
+    except ValueError:
+        accepted = ", ".join(p.value for p in NodePolicy)
+        raise RequestError(
+            f"annotation {key}: unknown node policy {_clip(value)}; accepted: {accepted}"
+        ) from None
+
+
+# ---------------------------------------------------------------- pods
+
+_MAX_UID_LENGTH: Final = 128
+_UID_HASH_LENGTH: Final = 16
+
+
+def _placeholder_uid(namespace: str, name: str) -> str:
+    """``namespace/name`` for a pod not yet given a UID, hashed down when too long."""
+    text = f"{namespace}/{name}"
+    if len(text) <= _MAX_UID_LENGTH:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:_UID_HASH_LENGTH]
+    return f"{text[: _MAX_UID_LENGTH - _UID_HASH_LENGTH - 1]}~{digest}"
+
+
+def _pod_ref(metadata: Mapping[Any, Any]) -> PodRef:
+    namespace = _optional_str(metadata.get("namespace"), "metadata.namespace") or "default"
+    name = _optional_str(metadata.get("name"), "metadata.name")
+    generate_name = _optional_str(metadata.get("generateName"), "metadata.generateName")
+    uid = _optional_str(metadata.get("uid"), "metadata.uid")
+    if len(uid) > _MAX_UID_LENGTH:
+        raise RequestError(f"metadata.uid is longer than {_MAX_UID_LENGTH} characters")
+    return PodRef(
+        uid=uid or _placeholder_uid(namespace, name or generate_name),
+        namespace=namespace,
+        name=name,
+    )
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    return str(errors[0]["msg"]) if errors else str(exc)
+
+
+def parse_pod(
+    pod: Mapping[str, Any], settings: RequestSettings = DEFAULT_SETTINGS
+) -> PodGpuRequest | None:
+    """A pod's GPU demand, or None when no container asks for a GPU.
+
+    ``pod`` is a Kubernetes Pod in its JSON shape. The result's ``pod.uid`` is
+    ``metadata.uid``; at admission a pod may have none yet, and then it is
+    ``"<namespace>/<name or generateName>"`` (hashed down to 128 characters when
+    longer). Raises :class:`RequestError` for any malformed or out-of-range input.
+    """
+    if not isinstance(pod, Mapping):
+        raise RequestError(f"pod must be an object, got {_type_name(pod)}")
+    spec = _mapping(pod.get("spec"), "spec")
+    containers: list[ContainerGpuRequest] = []
+    warnings: list[str] = []
+    seen: set[str] = set()
+    for init, field in ((True, "initContainers"), (False, "containers")):
+        for index, container in enumerate(_list(spec.get(field), f"spec.{field}")):
+            name = _container_name(container, f"spec.{field}[{index}]")
+            if name in seen:
+                raise RequestError(f"container {name!r}: the name is used by another container")
+            seen.add(name)
+            request, notes = _parse_named_container(container, name, init, settings)
+            warnings.extend(notes)
+            if request is not None:
+                containers.append(request)
+    if not containers:
+        return None
+
+    metadata = _mapping(pod.get("metadata"), "metadata")
+    annotations = _annotations(metadata)
+    gpu_policy, policy_numa, policy_warnings = _gpu_policy(annotations)
+    selector = DeviceSelector(
+        include_types=_name_list(annotations, ANNOTATIONS.use_gpu_type),
+        exclude_types=_name_list(annotations, ANNOTATIONS.nouse_gpu_type),
+        include_uuids=_name_list(annotations, ANNOTATIONS.use_gpu_uuid),
+        exclude_uuids=_name_list(annotations, ANNOTATIONS.nouse_gpu_uuid),
+        numa_bind=_numa_bind(annotations) or policy_numa,
+    )
+    try:
+        return PodGpuRequest(
+            pod=_pod_ref(metadata),
+            containers=tuple(containers),
+            selector=selector,
+            gpu_policy=gpu_policy,
+            node_policy=_node_policy(annotations),
+            vgpu_mode=_vgpu_mode(annotations),
+            warnings=(*warnings, *policy_warnings),
+        )
+    except ValidationError as exc:
+        raise RequestError(f"invalid GPU request: {_first_error(exc)}") from None
+
+
+def has_gpu_request(pod: Mapping[str, Any], settings: RequestSettings = DEFAULT_SETTINGS) -> bool:
+    """Cheap check: does any container mention a GPU resource in its limits or requests?
+
+    Never raises; malformed parts are skipped. It may say True for a pod that
+    :func:`parse_pod` maps to None (``nvidia.com/gpu: 0``) or rejects.
+    """
+    names = settings.resources.all()
+    spec = pod.get("spec") if isinstance(pod, Mapping) else None
+    if not isinstance(spec, Mapping):
+        return False
+    for field in ("initContainers", "containers"):
+        containers = spec.get(field)
+        if not isinstance(containers, list | tuple):
+            continue
+        for container in containers:
+            resources = container.get("resources") if isinstance(container, Mapping) else None
+            if not isinstance(resources, Mapping):
+                continue
+            for part in ("limits", "requests"):
+                amounts = resources.get(part)
+                if isinstance(amounts, Mapping) and any(name in amounts for name in names):
+                    return True
+    return False
