@@ -1,0 +1,92 @@
+"""Test harness: real nats-server and redis-server processes on free loopback ports.
+
+Session-wide servers serve most tests (each test gets a clean Redis database and
+its own subject prefix); fault tests take the per-test ``own_*`` servers, which
+they may stop, kill and restart at will.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import GpuDevice, NodeInventory
+from gpuslice_common.servers import NatsServer, RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"), persist=False)
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    with server:
+        yield server
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis only this test uses, with append-only persistence, to stop or kill."""
+    server = RedisServer(tmp_path / "redis", persist=True)
+    with server:
+        yield server
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    """A nats-server only this test uses, to stop, kill and restart."""
+    server = NatsServer(tmp_path / "nats")
+    with server:
+        yield server
+
+
+@pytest.fixture
+async def redis_url(redis_server: RedisServer) -> AsyncIterator[str]:
+    client: Redis = Redis.from_url(redis_server.url)
+    await client.flushall()
+    await client.script_flush()
+    await client.aclose()
+    yield redis_server.url
+
+
+@pytest.fixture
+async def ledger(redis_url: str) -> AsyncIterator[Ledger]:
+    led = Ledger.from_url(redis_url)
+    yield led
+    await led.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A subject prefix unique to this test, so tests on one nats-server never mix."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+def make_inventory(
+    node: str,
+    gpus: int = 2,
+    memory_mib: int = 16384,
+    model: str = "NVIDIA A100-SXM4-80GB",
+    split_count: int = 10,
+    **kwargs: object,
+) -> NodeInventory:
+    devices = tuple(
+        GpuDevice(
+            uuid=f"GPU-{node}-{i}",
+            index=i,
+            model=model,
+            memory_mib=memory_mib,
+            numa=i % 2,
+        )
+        for i in range(gpus)
+    )
+    return NodeInventory(node=node, devices=devices, split_count=split_count, **kwargs)  # type: ignore[arg-type]
