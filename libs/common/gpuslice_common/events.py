@@ -1,0 +1,153 @@
+"""Audited events: CloudEvents 1.0 in structured JSON mode.
+
+Every event carries a typed payload; the envelope and the payload are validated
+when an event is built (before publishing) and again when one is parsed (on
+receipt), so a subscriber never sees an event it cannot trust.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import uuid
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuslice_common.models import (
+    ContainerAssignment,
+    ContainerGpuRequest,
+    Frozen,
+    PodRef,
+    utcnow,
+)
+
+SPEC_VERSION = "1.0"
+TYPE_PREFIX = "io.gpuslice."
+
+
+class EventError(ValueError):
+    """A payload is not a valid gpuslice event; the message says what is wrong."""
+
+
+class EventType(enum.StrEnum):
+    POD_ADMITTED = "io.gpuslice.pod.admitted"
+    POD_DENIED = "io.gpuslice.pod.denied"
+    ALLOC_RESERVED = "io.gpuslice.alloc.reserved"
+    ALLOC_BOUND = "io.gpuslice.alloc.bound"
+    ALLOC_ALLOCATED = "io.gpuslice.alloc.allocated"
+    ALLOC_RELEASED = "io.gpuslice.alloc.released"
+    ALLOC_FAILED = "io.gpuslice.alloc.failed"
+
+    @property
+    def suffix(self) -> str:
+        """The subject part after '<prefix>.events.', e.g. 'alloc.bound'."""
+        return self.value.removeprefix(TYPE_PREFIX)
+
+
+class PodAdmitted(Frozen):
+    pod: PodRef
+    containers: tuple[ContainerGpuRequest, ...]
+    warnings: tuple[str, ...] = ()
+
+
+class PodDenied(Frozen):
+    pod: PodRef
+    reason: str
+
+
+class AllocationEvent(Frozen):
+    """Payload of every alloc.* event; which fields are set depends on the step."""
+
+    pod: PodRef
+    node: str
+    containers: tuple[ContainerAssignment, ...] = ()
+    container: str | None = None
+    policy: str = ""
+    reason: str = ""
+
+
+PAYLOADS: dict[EventType, type[Frozen]] = {
+    EventType.POD_ADMITTED: PodAdmitted,
+    EventType.POD_DENIED: PodDenied,
+    EventType.ALLOC_RESERVED: AllocationEvent,
+    EventType.ALLOC_BOUND: AllocationEvent,
+    EventType.ALLOC_ALLOCATED: AllocationEvent,
+    EventType.ALLOC_RELEASED: AllocationEvent,
+    EventType.ALLOC_FAILED: AllocationEvent,
+}
+
+
+class CloudEvent(BaseModel):
+    """The structured-mode envelope. ``data`` is checked against the type's payload model."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    specversion: Literal["1.0"] = SPEC_VERSION
+    id: Annotated[str, Field(min_length=1, max_length=200)]
+    source: Annotated[str, Field(min_length=1)]
+    type: EventType
+    time: datetime
+    subject: str | None = None
+    datacontenttype: Literal["application/json"] = "application/json"
+    data: dict[str, Any]
+
+    def payload(self) -> Frozen:
+        """The typed payload (already validated when this envelope was made)."""
+        return PAYLOADS[self.type].model_validate(self.data)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+def make_event(
+    event_type: EventType,
+    payload: Frozen,
+    *,
+    source: str,
+    subject: str | None = None,
+    event_id: str | None = None,
+    time: datetime | None = None,
+) -> CloudEvent:
+    """Build an event; the payload must be the model registered for the type."""
+    expected = PAYLOADS[event_type]
+    if not isinstance(payload, expected):
+        raise EventError(
+            f"{event_type.value} carries {expected.__name__}, not {type(payload).__name__}"
+        )
+    return CloudEvent(
+        id=event_id or str(uuid.uuid4()),
+        source=source,
+        type=event_type,
+        time=time or utcnow(),
+        subject=subject,
+        data=payload.model_dump(mode="json"),
+    )
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "event"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_event(raw: bytes | str) -> CloudEvent:
+    """Parse and validate an event received from the wire, envelope and payload."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EventError(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise EventError("an event must be a JSON object")
+    try:
+        event = CloudEvent.model_validate(doc)
+    except ValidationError as exc:
+        raise EventError(f"bad CloudEvent envelope: {_describe(exc)}") from None
+    try:
+        PAYLOADS[event.type].model_validate(event.data)
+    except ValidationError as exc:
+        raise EventError(f"bad {event.type.value} data: {_describe(exc)}") from None
+    return event

@@ -1,0 +1,460 @@
+"""The live per-GPU usage ledger in Redis.
+
+Every change that touches more than one key is a Lua script (``lua/``), so it is
+all-or-nothing and never leaves a card over its capacity. All keys of one node
+carry the node's hash tag (``{node}``), so the scripts run unchanged on Redis
+Cluster. A pod's lifecycle is ``reserved -> bound -> allocated -> released``;
+reserve, bind, allocate and release are idempotent, so a client may retry any of
+them after a dropped connection.
+
+The only key outside a node's slot is the pod index ``<p>:pod:{uid}`` (pod UID ->
+node). It is written before the reservation and checked after it, so a process
+killed in between leaves at worst an index entry pointing at no reservation, which
+every reader treats as absent.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from importlib import resources
+from typing import Any, cast
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gpuslice_common.models import (
+    DeviceGrant,
+    FitReason,
+    GpuCapacity,
+    GpuDevice,
+    GpuState,
+    GpuUsage,
+    NodeInventory,
+    Placement,
+    PlacementState,
+)
+from gpuslice_common.subjects import node_token
+
+
+class LedgerError(Exception):
+    """Base of every ledger failure; the message is meant for an operator."""
+
+
+class ReservationConflict(LedgerError):
+    """A card cannot take the reservation (capacity, health, exclusivity)."""
+
+    def __init__(self, node: str, uuid: str, reason: str) -> None:
+        super().__init__(f"cannot reserve {uuid} on {node}: {reason}")
+        self.node = node
+        self.uuid = uuid
+        self.reason = reason
+
+
+class AlreadyReserved(LedgerError):
+    """The pod already holds a live reservation on another node."""
+
+    def __init__(self, pod_uid: str, node: str) -> None:
+        super().__init__(f"pod {pod_uid} is already reserved on node {node}")
+        self.pod_uid = pod_uid
+        self.node = node
+
+
+class NotReserved(LedgerError):
+    """The pod has no live reservation."""
+
+
+@dataclass(frozen=True)
+class NodeKeys:
+    gpus: str
+    meta: str
+    pods: str
+    pending: str
+    released: str
+
+    def all(self) -> list[str]:
+        return [self.gpus, self.meta, self.pods, self.pending, self.released]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One container's devices, handed out in answer to a kubelet Allocate."""
+
+    placement: Placement
+    container_index: int
+
+    @property
+    def devices(self) -> tuple[DeviceGrant, ...]:
+        return self.placement.containers[self.container_index].devices
+
+
+@dataclass(frozen=True)
+class Release:
+    placement: Placement
+    first: bool  # False when the pod had already been released
+    clamped: int = 0  # usage counters that would have gone negative (a ledger defect)
+
+
+def _script_source(name: str) -> str:
+    pkg = resources.files("gpuslice_common") / "lua"
+    prelude = (pkg / "lib.lua").read_text()
+    return prelude + "\n" + (pkg / f"{name}.lua").read_text()
+
+
+def _ms_to_datetime(value: Any) -> datetime | None:
+    if value is None:
+        return None
+    return datetime.fromtimestamp(float(value) / 1000, UTC)
+
+
+def _placement_from_record(raw: str) -> Placement:
+    rec = json.loads(raw)
+    times = rec.pop("times", {}) or {}
+    rec.pop("footprint", None)
+    for step in ("reserved", "bound", "allocated", "released"):
+        rec[f"{step}_at"] = _ms_to_datetime(times.get(step))
+    return Placement.model_validate(rec)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Ledger:
+    """Async access to the ledger. Construct with :meth:`from_url` or a Redis client.
+
+    A pod is reserved by one caller at a time (kube-scheduler binds a pod once per
+    attempt); concurrent reserves of one pod on different nodes are still detected
+    after the fact and the loser is released.
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        prefix: str = "gpuslice",
+        released_retention: timedelta = timedelta(hours=1),
+        answer_retention: timedelta = timedelta(minutes=10),
+    ) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.released_retention_ms = int(released_retention.total_seconds() * 1000)
+        self.answer_retention_s = max(1, int(answer_retention.total_seconds()))
+        self._scripts: dict[str, AsyncScript] = {
+            name: redis.register_script(_script_source(name))
+            for name in ("reserve", "bind", "allocate", "release", "register")
+        }
+
+    @classmethod
+    def from_url(
+        cls, url: str, prefix: str = "gpuslice", max_connections: int = 64, **kwargs: Any
+    ) -> Ledger:
+        """Connect lazily; commands retry with backoff across a Redis restart (~10 s).
+
+        Callers beyond ``max_connections`` wait for a free connection (a burst of
+        scheduling requests queues rather than fails).
+        """
+        pool = BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=10,
+            decode_responses=True,
+            socket_timeout=5,
+            socket_connect_timeout=2,
+            health_check_interval=15,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=12),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
+        )
+        return cls(Redis.from_pool(pool), prefix, **kwargs)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    # ------------------------------------------------------------ keys
+
+    def node_keys(self, node: str) -> NodeKeys:
+        tag = "{" + node_token(node) + "}"
+        base = f"{self.prefix}:{tag}"
+        return NodeKeys(
+            gpus=f"{base}:gpus",
+            meta=f"{base}:meta",
+            pods=f"{base}:pods",
+            pending=f"{base}:pending",
+            released=f"{base}:released",
+        )
+
+    def pod_index_key(self, pod_uid: str) -> str:
+        return f"{self.prefix}:pod:{{{pod_uid}}}"
+
+    @property
+    def nodes_key(self) -> str:
+        return f"{self.prefix}:nodes"
+
+    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> list[str]:
+        result = await self._scripts[name](keys=list(keys), args=list(args))
+        if isinstance(result, list):
+            return [_text(v) for v in result]
+        return [_text(result)]
+
+    # ------------------------------------------------------------ nodes
+
+    async def register_node(self, inventory: NodeInventory) -> int:
+        """Create or refresh a node's cards; returns how many cards it now lists."""
+        devices = []
+        for d in inventory.devices:
+            cap = inventory.capacity(d)
+            devices.append(
+                {
+                    "uuid": d.uuid,
+                    "index": d.index,
+                    "model": d.model,
+                    "memory_mib": d.memory_mib,
+                    "numa": "" if d.numa is None else d.numa,
+                    "healthy": int(d.healthy),
+                    "mig": int(d.mig),
+                    "cap_mem": cap.memory_mib,
+                    "cap_cores": cap.cores,
+                    "cap_slots": cap.slots,
+                }
+            )
+        config = {
+            "split_count": inventory.split_count,
+            "memory_scaling": inventory.memory_scaling,
+            "core_scaling": inventory.core_scaling,
+        }
+        payload = json.dumps({"devices": devices, "config": config})
+        keys = self.node_keys(inventory.node).all()
+        [count] = await self._run("register", keys, [payload])
+        await self.redis.sadd(self.nodes_key, inventory.node)  # type: ignore[misc]
+        return int(count)
+
+    async def nodes(self) -> list[str]:
+        members = await self.redis.smembers(self.nodes_key)  # type: ignore[misc]
+        return sorted(_text(m) for m in members)
+
+    async def node_gpus(self, node: str) -> list[GpuState]:
+        """A node's cards with capacity and usage, read in one round trip."""
+        return (await self.nodes_gpus([node]))[node]
+
+    async def nodes_gpus(self, nodes: Sequence[str]) -> dict[str, list[GpuState]]:
+        """Several nodes' cards in one round trip (unknown nodes map to [])."""
+        pipe = self.redis.pipeline(transaction=False)
+        for node in nodes:
+            keys = self.node_keys(node)
+            pipe.hgetall(keys.gpus)
+            pipe.hget(keys.meta, "devices")
+        replies = await pipe.execute()
+        result: dict[str, list[GpuState]] = {}
+        for i, node in enumerate(nodes):
+            fields = cast(dict[str, str], replies[2 * i])
+            order = json.loads(replies[2 * i + 1] or "[]")
+            result[node] = [_gpu_state(node, u, fields) for u in order if f"{u}|index" in fields]
+        return result
+
+    # ------------------------------------------------------------ pods
+
+    async def reserve(self, placement: Placement) -> Placement:
+        """Reserve every device of ``placement`` at once, or nothing.
+
+        Retrying with the same pod UID returns the live reservation. Raises
+        ReservationConflict when a card cannot take it, AlreadyReserved when the
+        pod holds a live reservation on another node.
+        """
+        uid, node = placement.pod.uid, placement.node
+        index_key = self.pod_index_key(uid)
+        current = await self.redis.get(index_key)
+        if current is not None and current != node:
+            if await self._live_on(current, uid):
+                raise AlreadyReserved(uid, current)
+        await self.redis.set(index_key, node)
+
+        footprint = [
+            [u, fp.memory_mib, fp.cores, fp.slots, int(fp.exclusive)]
+            for u, fp in sorted(placement.footprint().items())
+        ]
+        record = placement.model_dump(
+            mode="json",
+            include={"pod", "node", "containers", "policy"},
+        )
+        keys = self.node_keys(node).all()
+        reply = await self._run(
+            "reserve", keys, [uid, json.dumps(record), json.dumps(footprint)]
+        )
+        if reply[0] == "fail":
+            if not await self._live_on(node, uid):
+                await self._drop_index(uid, node)
+            raise ReservationConflict(node, reply[1], reply[2])
+        owner = await self.redis.get(index_key)
+        if owner != node and owner is not None and await self._live_on(owner, uid):
+            # A concurrent reserve of the same pod on another node won the index.
+            await self._run("release", keys, [uid, "superseded", self.released_retention_ms])
+            raise AlreadyReserved(uid, owner)
+        return _placement_from_record(reply[1])
+
+    async def mark_bound(self, pod_uid: str) -> Placement:
+        """Move a reservation to ``bound``: kubelet may now ask to allocate it."""
+        node = await self._node_of(pod_uid)
+        reply = await self._run("bind", self.node_keys(node).all(), [pod_uid])
+        if reply[0] != "ok":
+            raise NotReserved(f"pod {pod_uid} has no live reservation to bind ({reply[0]})")
+        return _placement_from_record(reply[1])
+
+    async def allocate(self, node: str, count: int, request_id: str | None = None) -> Allocation:
+        """Take the next container of the oldest bound pod on ``node`` asking for ``count`` GPUs.
+
+        Pass the same ``request_id`` when retrying one kubelet call: the answer is
+        remembered, so a retry never hands out a second container.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        keys = self.node_keys(node)
+        answer_key = f"{keys.gpus.removesuffix(':gpus')}:alloc:{request_id}"
+        reply = await self._run(
+            "allocate", [*keys.all(), answer_key], [count, self.answer_retention_s]
+        )
+        if reply[0] != "ok":
+            raise NotReserved(
+                f"no bound pod on node {node} waits for a container with {count} GPU(s) "
+                f"({reply[1]} pod(s) pending)"
+            )
+        answer = json.loads(reply[1])
+        placement = _placement_from_record(json.dumps(answer["record"]))
+        return Allocation(placement=placement, container_index=int(answer["index"]))
+
+    async def release(self, pod_uid: str, reason: str = "") -> Release | None:
+        """Give a pod's devices back. Returns None if the ledger never had it."""
+        node = await self.redis.get(self.pod_index_key(pod_uid))
+        if node is None:
+            return None
+        keys = self.node_keys(node).all()
+        reply = await self._run("release", keys, [pod_uid, reason, self.released_retention_ms])
+        await self.redis.expire(
+            self.pod_index_key(pod_uid), max(1, self.released_retention_ms // 1000)
+        )
+        if reply[0] == "absent":
+            return None
+        first = reply[0] == "ok"
+        clamped = int(reply[2]) if first else 0
+        return Release(_placement_from_record(reply[1]), first=first, clamped=clamped)
+
+    async def placement(self, pod_uid: str) -> Placement | None:
+        node = await self.redis.get(self.pod_index_key(pod_uid))
+        if node is None:
+            return None
+        raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)  # type: ignore[misc]
+        return None if raw is None else _placement_from_record(raw)
+
+    async def node_placements(self, node: str) -> list[Placement]:
+        raw = await self.redis.hgetall(self.node_keys(node).pods)  # type: ignore[misc]
+        return [_placement_from_record(v) for v in raw.values()]
+
+    async def check_node(self, node: str) -> list[str]:
+        """Compare each card's usage with the sum of live reservations; [] when consistent."""
+        keys = self.node_keys(node)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(keys.gpus)
+        pipe.hgetall(keys.pods)
+        gpus, pods = await pipe.execute()
+        expected: dict[str, list[int]] = {}
+        owners: dict[str, str] = {}
+        for uid, raw in pods.items():
+            rec = json.loads(raw)
+            if rec["state"] == PlacementState.RELEASED:
+                continue
+            for u, mem, cores, slots, excl in rec["footprint"]:
+                acc = expected.setdefault(u, [0, 0, 0])
+                acc[0] += mem
+                acc[1] += cores
+                acc[2] += slots
+                if excl:
+                    owners[u] = uid
+        problems = []
+        uuids = {k.split("|", 1)[0] for k in gpus}
+        for u in sorted(uuids | set(expected)):
+            used = [int(gpus.get(f"{u}|{f}", 0)) for f in ("mem", "cores", "slots")]
+            want = expected.get(u, [0, 0, 0])
+            if used != want:
+                problems.append(f"{node}/{u}: usage {used} but reservations sum to {want}")
+            caps = [int(gpus.get(f"{u}|{f}", 0)) for f in ("cap_mem", "cap_cores", "cap_slots")]
+            if gpus.get(f"{u}|present") == "1" and any(a > c for a, c in zip(used, caps, strict=True)):
+                problems.append(f"{node}/{u}: usage {used} exceeds capacity {caps}")
+            if gpus.get(f"{u}|owner", "") != owners.get(u, ""):
+                problems.append(f"{node}/{u}: exclusive owner differs from reservations")
+        return problems
+
+    # ------------------------------------------------------------ helpers
+
+    async def _node_of(self, pod_uid: str) -> str:
+        node = await self.redis.get(self.pod_index_key(pod_uid))
+        if node is None:
+            raise NotReserved(f"pod {pod_uid} has no reservation")
+        return str(node)
+
+    async def _live_on(self, node: str, pod_uid: str) -> bool:
+        raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)  # type: ignore[misc]
+        return raw is not None and json.loads(raw)["state"] != PlacementState.RELEASED
+
+    async def _drop_index(self, pod_uid: str, node: str) -> None:
+        """Remove the pod index if it still names ``node`` (another writer may have moved it)."""
+        key = self.pod_index_key(pod_uid)
+        pipe = self.redis.pipeline(transaction=True)
+        await pipe.watch(key)
+        if await pipe.get(key) == node:
+            pipe.multi()
+            pipe.delete(key)
+            try:
+                await pipe.execute()
+            except Exception:  # a concurrent writer changed the key: theirs stands
+                return
+        else:
+            await pipe.reset()
+
+
+def _gpu_state(node: str, u: str, f: dict[str, str]) -> GpuState:
+    numa = f.get(f"{u}|numa", "")
+    owner = f.get(f"{u}|owner", "")
+    return GpuState(
+        node=node,
+        device=GpuDevice(
+            uuid=u,
+            index=int(f[f"{u}|index"]),
+            model=f[f"{u}|model"],
+            memory_mib=int(f[f"{u}|memory"]),
+            numa=int(numa) if numa != "" else None,
+            healthy=f.get(f"{u}|healthy") == "1",
+            mig=f.get(f"{u}|mig") == "1",
+        ),
+        capacity=GpuCapacity(
+            memory_mib=int(f[f"{u}|cap_mem"]),
+            cores=int(f[f"{u}|cap_cores"]),
+            slots=int(f[f"{u}|cap_slots"]),
+        ),
+        used=GpuUsage(
+            memory_mib=int(f.get(f"{u}|mem", 0)),
+            cores=int(f.get(f"{u}|cores", 0)),
+            slots=int(f.get(f"{u}|slots", 0)),
+            exclusive_owner=owner or None,
+        ),
+        present=f.get(f"{u}|present") == "1",
+    )
+
+
+__all__ = [
+    "AlreadyReserved",
+    "Allocation",
+    "FitReason",
+    "Ledger",
+    "LedgerError",
+    "NodeKeys",
+    "NotReserved",
+    "Release",
+    "ReservationConflict",
+]

@@ -1,0 +1,42 @@
+-- Prelude shared by every ledger script.
+-- KEYS[1] <p>:{node}:gpus     hash  "<uuid>|<field>" -> value
+-- KEYS[2] <p>:{node}:meta     hash  devices (JSON list), heartbeat, config, bind_seq
+-- KEYS[3] <p>:{node}:pods     hash  pod uid -> placement record (JSON)
+-- KEYS[4] <p>:{node}:pending  zset  pod uid -> bind order, pods awaiting Allocate
+-- KEYS[5] <p>:{node}:released zset  pod uid -> release time (ms), for pruning
+local GPUS, META, PODS, PENDING, RELEASED = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function gkey(uuid, field)
+  return uuid .. '|' .. field
+end
+
+local function gget(uuid, field)
+  return redis.call('HGET', GPUS, gkey(uuid, field))
+end
+
+local function gnum(uuid, field)
+  return tonumber(gget(uuid, field) or '0') or 0
+end
+
+local function load_pod(uid)
+  local raw = redis.call('HGET', PODS, uid)
+  if not raw then
+    return nil
+  end
+  return cjson.decode(raw)
+end
+
+local function save_pod(uid, rec)
+  local raw = cjson.encode(rec)
+  redis.call('HSET', PODS, uid, raw)
+  return raw
+end
+
+local function is_count(v)
+  return type(v) == 'number' and v >= 0 and v == math.floor(v)
+end

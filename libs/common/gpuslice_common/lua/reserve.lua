@@ -1,0 +1,63 @@
+-- Reserve a pod's devices on one node: all or nothing, idempotent by pod UID.
+-- ARGV[1] pod uid
+-- ARGV[2] placement record (JSON object, without state or times)
+-- ARGV[3] footprint: JSON list of [uuid, memory_mib, cores, slots, exclusive(0|1)]
+-- Returns {'ok', record} | {'exists', record} | {'fail', uuid, reason}
+local uid = ARGV[1]
+local existing = load_pod(uid)
+if existing and existing.state ~= 'released' then
+  return {'exists', redis.call('HGET', PODS, uid)}
+end
+
+local fp = cjson.decode(ARGV[3])
+for _, f in ipairs(fp) do
+  local u, mem, cores, slots, excl = f[1], f[2], f[3], f[4], f[5]
+  if type(u) ~= 'string' or not is_count(mem) or not is_count(cores) or not is_count(slots) then
+    return {'fail', tostring(u), 'InvalidRequest'}
+  end
+  if gget(u, 'present') ~= '1' then
+    return {'fail', u, 'CardNotFound'}
+  end
+  if gget(u, 'healthy') ~= '1' then
+    return {'fail', u, 'CardNotHealth'}
+  end
+  local owner = gget(u, 'owner') or ''
+  if owner ~= '' then
+    return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
+  end
+  local used_slots, used_cores = gnum(u, 'slots'), gnum(u, 'cores')
+  local cap_cores = gnum(u, 'cap_cores')
+  if used_slots + slots > gnum(u, 'cap_slots') then
+    return {'fail', u, 'CardTimeSlicingExhausted'}
+  end
+  if gnum(u, 'mem') + mem > gnum(u, 'cap_mem') then
+    return {'fail', u, 'CardInsufficientMemory'}
+  end
+  if used_cores + cores > cap_cores then
+    return {'fail', u, 'CardInsufficientCore'}
+  end
+  if excl == 1 and used_slots > 0 then
+    return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
+  end
+  if cores == 0 and used_cores >= cap_cores then
+    return {'fail', u, 'CardComputeUnitsExhausted'}
+  end
+end
+
+for _, f in ipairs(fp) do
+  local u = f[1]
+  redis.call('HINCRBY', GPUS, gkey(u, 'mem'), f[2])
+  redis.call('HINCRBY', GPUS, gkey(u, 'cores'), f[3])
+  redis.call('HINCRBY', GPUS, gkey(u, 'slots'), f[4])
+  if f[5] == 1 then
+    redis.call('HSET', GPUS, gkey(u, 'owner'), uid)
+  end
+end
+
+local rec = cjson.decode(ARGV[2])
+rec.state = 'reserved'
+rec.footprint = fp
+rec.allocated_containers = 0
+rec.times = {reserved = now_ms()}
+redis.call('ZREM', RELEASED, uid)
+return {'ok', save_pod(uid, rec)}

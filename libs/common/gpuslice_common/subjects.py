@@ -1,0 +1,76 @@
+"""Every NATS subject gpuslice uses, built in one place under a configurable prefix.
+
+Node names become subject tokens. Kubernetes node names are RFC 1123 subdomains
+(lower-case letters, digits, '-' and '.'); a '.' would split the token, so it is
+written as '_', which such names never contain, and the mapping stays reversible.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gpuslice_common.events import EventType
+
+_PREFIX = re.compile(r"^[A-Za-z0-9_-]+$")
+_NODE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_UID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def node_token(node: str) -> str:
+    """The subject token for a Kubernetes node name."""
+    if len(node) > 253 or not _NODE.match(node):
+        raise ValueError(f"not a Kubernetes node name: {node!r}")
+    return node.replace(".", "_")
+
+
+def node_from_token(token: str) -> str:
+    return token.replace("_", ".")
+
+
+def uid_token(uid: str) -> str:
+    if not _UID.match(uid):
+        raise ValueError(f"not a pod UID: {uid!r}")
+    return uid
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = "gpuslice"
+
+    def __post_init__(self) -> None:
+        if not _PREFIX.match(self.prefix):
+            raise ValueError(f"subject prefix must be one token: {self.prefix!r}")
+
+    # node agent -> inventory
+    def inventory(self, node: str) -> str:
+        return f"{self.prefix}.inventory.{node_token(node)}"
+
+    @property
+    def inventory_all(self) -> str:
+        return f"{self.prefix}.inventory.*"
+
+    # interposer -> inventory
+    def telemetry(self, node: str, pod_uid: str) -> str:
+        return f"{self.prefix}.telemetry.{node_token(node)}.{uid_token(pod_uid)}"
+
+    def telemetry_node(self, node: str) -> str:
+        """What a container credential on this node may publish to."""
+        return f"{self.prefix}.telemetry.{node_token(node)}.*"
+
+    @property
+    def telemetry_all(self) -> str:
+        return f"{self.prefix}.telemetry.*.*"
+
+    # audited events
+    def event(self, event_type: EventType) -> str:
+        return f"{self.prefix}.events.{event_type.suffix}"
+
+    @property
+    def events_all(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    @property
+    def audit_stream(self) -> str:
+        """JetStream stream name that captures every event (names allow no '.')."""
+        return f"{self.prefix.upper().replace('-', '_')}_AUDIT"

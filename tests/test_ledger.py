@@ -1,0 +1,244 @@
+"""Ledger behaviour against a real redis-server."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuslice_common.ledger import AlreadyReserved, Ledger, NotReserved, ReservationConflict
+from gpuslice_common.models import (
+    ContainerAssignment,
+    DeviceGrant,
+    FitReason,
+    GpuDevice,
+    NodeInventory,
+    Placement,
+    PlacementState,
+    PodRef,
+)
+from gpuslice_common.servers import RedisServer
+from tests.conftest import make_inventory
+
+
+def placement(
+    uid: str,
+    node: str,
+    grants: list[list[tuple[int, int, int]]],
+    init: list[list[tuple[int, int, int]]] | None = None,
+) -> Placement:
+    """grants[c] = [(gpu index, memory MiB, cores), ...] for app container c."""
+
+    def container(name: str, devs: list[tuple[int, int, int]], is_init: bool) -> ContainerAssignment:
+        return ContainerAssignment(
+            name=name,
+            init=is_init,
+            devices=tuple(DeviceGrant(uuid=f"GPU-{node}-{i}", memory_mib=m, cores=c) for i, m, c in devs),
+        )
+
+    containers = [container(f"init{i}", g, True) for i, g in enumerate(init or [])]
+    containers += [container(f"c{i}", g, False) for i, g in enumerate(grants)]
+    return Placement(pod=PodRef(uid=uid, namespace="ns", name=uid), node=node, containers=tuple(containers))
+
+
+async def usage(ledger: Ledger, node: str) -> list[tuple[int, int, int, str | None]]:
+    return [
+        (g.used.memory_mib, g.used.cores, g.used.slots, g.used.exclusive_owner)
+        for g in await ledger.node_gpus(node)
+    ]
+
+
+async def test_register_reports_capacity_after_scaling(ledger: Ledger) -> None:
+    inv = make_inventory("node-a", gpus=2, memory_mib=10000, memory_scaling=1.5, core_scaling=2.0)
+    assert await ledger.register_node(inv) == 2
+    gpus = await ledger.node_gpus("node-a")
+    assert [g.device.uuid for g in gpus] == ["GPU-node-a-0", "GPU-node-a-1"]
+    assert gpus[0].capacity.memory_mib == 15000
+    assert gpus[0].capacity.cores == 200
+    assert gpus[0].capacity.slots == 10
+    assert gpus[1].device.numa == 1
+    assert await ledger.nodes() == ["node-a"]
+
+
+async def test_reserve_bind_allocate_release_moves_through_states(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"))
+    p = await ledger.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)], [(1, 2000, 0), (0, 1000, 10)]]))
+    assert p.state is PlacementState.RESERVED
+    assert p.reserved_at is not None
+    assert await usage(ledger, "node-a") == [(5000, 40, 2, None), (2000, 0, 1, None)]
+
+    bound = await ledger.mark_bound("pod-1")
+    assert bound.state is PlacementState.BOUND
+    first = await ledger.allocate("node-a", 1)
+    assert first.container_index == 0
+    assert [d.uuid for d in first.devices] == ["GPU-node-a-0"]
+    with pytest.raises(NotReserved, match="1 GPU"):
+        await ledger.allocate("node-a", 1)
+    second = await ledger.allocate("node-a", 2)
+    assert second.container_index == 1
+    assert second.placement.state is PlacementState.ALLOCATED
+
+    released = await ledger.release("pod-1", reason="pod deleted")
+    assert released is not None and released.first
+    assert released.placement.state is PlacementState.RELEASED
+    assert released.placement.release_reason == "pod deleted"
+    assert await usage(ledger, "node-a") == [(0, 0, 0, None), (0, 0, 0, None)]
+    again = await ledger.release("pod-1")
+    assert again is not None and not again.first
+    assert await ledger.release("never-seen") is None
+    assert await ledger.check_node("node-a") == []
+
+
+async def test_reserve_is_idempotent_by_pod_uid(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"))
+    p = placement("pod-1", "node-a", [[(0, 4000, 30)]])
+    first = await ledger.reserve(p)
+    second = await ledger.reserve(p)
+    assert first.reserved_at == second.reserved_at
+    assert await usage(ledger, "node-a") == [(4000, 30, 1, None), (0, 0, 0, None)]
+
+
+async def test_pod_reserved_on_one_node_cannot_reserve_another(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-b"))
+    await ledger.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)]]))
+    with pytest.raises(AlreadyReserved) as err:
+        await ledger.reserve(placement("pod-1", "node-b", [[(0, 4000, 30)]]))
+    assert err.value.node == "node-a"
+    assert await usage(ledger, "node-b") == [(0, 0, 0, None), (0, 0, 0, None)]
+    # once released, the same pod (a retried schedule) may go elsewhere
+    await ledger.release("pod-1")
+    moved = await ledger.reserve(placement("pod-1", "node-b", [[(1, 100, 0)]]))
+    assert moved.node == "node-b"
+    assert (await ledger.placement("pod-1")) == moved
+
+
+@pytest.mark.parametrize(
+    ("existing", "request_", "reason"),
+    [
+        ([(0, 10000, 10)], [(0, 7000, 10)], FitReason.CARD_INSUFFICIENT_MEMORY),
+        ([(0, 1000, 80)], [(0, 1000, 30)], FitReason.CARD_INSUFFICIENT_CORE),
+        ([(0, 1000, 100)], [(0, 1000, 0)], FitReason.EXCLUSIVE_DEVICE_ALLOCATE_CONFLICT),
+        ([(0, 1000, 0)], [(0, 1000, 100)], FitReason.EXCLUSIVE_DEVICE_ALLOCATE_CONFLICT),
+        ([(0, 1000, 10)], [(0, 1000, 100)], FitReason.CARD_INSUFFICIENT_CORE),
+        ([(0, 1000, 60), (0, 1000, 40)], [(0, 1000, 0)], FitReason.CARD_COMPUTE_UNITS_EXHAUSTED),
+    ],
+)
+async def test_reserve_refuses_what_does_not_fit_and_changes_nothing(
+    ledger: Ledger,
+    existing: list[tuple[int, int, int]],
+    request_: list[tuple[int, int, int]],
+    reason: FitReason,
+) -> None:
+    await ledger.register_node(make_inventory("node-a"))
+    await ledger.reserve(placement("holder", "node-a", [[g] for g in existing]))
+    before = await usage(ledger, "node-a")
+    new = placement("pod-2", "node-a", [[g] for g in request_])
+    with pytest.raises(ReservationConflict) as err:
+        await ledger.reserve(new)
+    assert err.value.reason == reason
+    assert await usage(ledger, "node-a") == before
+    assert await ledger.placement("pod-2") is None
+    assert await ledger.check_node("node-a") == []
+
+
+async def test_split_slots_and_health_and_unknown_cards(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a", split_count=2))
+    await ledger.reserve(placement("p1", "node-a", [[(0, 10, 1)]]))
+    await ledger.reserve(placement("p2", "node-a", [[(0, 10, 1)]]))
+    with pytest.raises(ReservationConflict) as err:
+        await ledger.reserve(placement("p3", "node-a", [[(0, 10, 1)]]))
+    assert err.value.reason == FitReason.CARD_TIME_SLICING_EXHAUSTED
+
+    unhealthy = make_inventory("node-a", split_count=2)
+    devices = (unhealthy.devices[0], unhealthy.devices[1].model_copy(update={"healthy": False}))
+    await ledger.register_node(unhealthy.model_copy(update={"devices": devices}))
+    with pytest.raises(ReservationConflict) as err:
+        await ledger.reserve(placement("p4", "node-a", [[(1, 10, 1)]]))
+    assert err.value.reason == FitReason.CARD_NOT_HEALTH
+
+    with pytest.raises(ReservationConflict) as err:
+        await ledger.reserve(placement("p5", "node-a", [[(7, 10, 1)]]))
+    assert err.value.reason == FitReason.CARD_NOT_FOUND
+
+
+async def test_init_containers_count_at_the_pods_peak(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"))
+    p = placement(
+        "pod-1",
+        "node-a",
+        grants=[[(0, 3000, 20)], [(0, 2000, 10)]],
+        init=[[(0, 8000, 5)], [(0, 1000, 50), (1, 500, 5)]],
+    )
+    await ledger.reserve(p)
+    # card 0: max(apps 5000/30/2, inits 8000/50/1); card 1: init only
+    assert await usage(ledger, "node-a") == [(8000, 50, 2, None), (500, 5, 1, None)]
+    await ledger.mark_bound("pod-1")
+    order = [(await ledger.allocate("node-a", n)).container_index for n in (1, 2, 1, 1)]
+    assert order == [0, 1, 2, 3]
+
+
+async def test_allocate_serves_oldest_bound_pod_and_is_idempotent_per_request(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"))
+    for uid in ("old", "new"):
+        await ledger.reserve(placement(uid, "node-a", [[(0, 100, 1)]]))
+    await ledger.reserve(placement("unbound", "node-a", [[(1, 100, 1)]]))
+    await ledger.mark_bound("old")
+    await ledger.mark_bound("new")
+    a = await ledger.allocate("node-a", 1, request_id="req-1")
+    retry = await ledger.allocate("node-a", 1, request_id="req-1")
+    assert a.placement.pod.uid == retry.placement.pod.uid == "old"
+    b = await ledger.allocate("node-a", 1, request_id="req-2")
+    assert b.placement.pod.uid == "new"
+    with pytest.raises(NotReserved, match="0 pod"):
+        await ledger.allocate("node-a", 1)  # 'unbound' is reserved but not bound
+
+
+async def test_bind_requires_a_live_reservation(ledger: Ledger) -> None:
+    with pytest.raises(NotReserved):
+        await ledger.mark_bound("ghost")
+    await ledger.register_node(make_inventory("node-a"))
+    await ledger.reserve(placement("p", "node-a", [[(0, 1, 1)]]))
+    await ledger.release("p")
+    with pytest.raises(NotReserved):
+        await ledger.mark_bound("p")
+
+
+async def test_card_removed_while_in_use_stays_until_released(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"))
+    await ledger.reserve(placement("p", "node-a", [[(1, 100, 10)]]))
+    only_first = make_inventory("node-a")
+    await ledger.register_node(only_first.model_copy(update={"devices": only_first.devices[:1]}))
+    gpus = await ledger.node_gpus("node-a")
+    assert [(g.device.index, g.present) for g in gpus] == [(0, True), (1, False)]
+    await ledger.release("p")
+    await ledger.register_node(only_first.model_copy(update={"devices": only_first.devices[:1]}))
+    assert [g.device.index for g in await ledger.node_gpus("node-a")] == [0]
+
+
+async def test_keys_of_a_node_share_one_hash_tag(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("gpu-1.example.com"))
+    await ledger.reserve(placement("p", "gpu-1.example.com", [[(0, 1, 1)]]))
+    keys = [str(k) for k in await ledger.redis.keys("*")]
+    node_keys = [k for k in keys if "pod:" not in k and k != "gpuslice:nodes"]
+    assert node_keys
+    assert {k.split("{", 1)[1].split("}", 1)[0] for k in node_keys} == {"gpu-1_example_com"}
+
+
+async def test_ledger_survives_a_redis_restart(own_redis: RedisServer) -> None:
+    led = Ledger.from_url(own_redis.url)
+    try:
+        await led.register_node(make_inventory("node-a"))
+        await led.reserve(placement("p1", "node-a", [[(0, 1000, 10)]]))
+        own_redis.kill()
+        own_redis.start()
+        # script cache is empty after the restart; the data came back from the AOF
+        await led.reserve(placement("p2", "node-a", [[(0, 1000, 10)]]))
+        assert await usage(led, "node-a") == [(2000, 20, 2, None), (0, 0, 0, None)]
+        assert await led.check_node("node-a") == []
+    finally:
+        await led.close()
+
+
+def test_inventory_rejects_duplicate_devices() -> None:
+    dev = GpuDevice(uuid="GPU-x", index=0, model="T4", memory_mib=15360)
+    with pytest.raises(ValueError, match="unique"):
+        NodeInventory(node="n", devices=(dev, dev))
