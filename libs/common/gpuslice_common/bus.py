@@ -1,0 +1,322 @@
+"""The NATS bus: connect with reconnect, publish and subscribe typed messages,
+and keep the JetStream audit stream that records every event.
+
+A malformed message is logged and counted in :class:`BusStats`; it never reaches
+a handler and never stops a subscription. A handler that raises is logged and
+counted the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+)
+from nats.js.errors import NotFoundError
+from pydantic import BaseModel, ValidationError
+
+from gpuslice_common.config import CommonSettings
+from gpuslice_common.events import CloudEvent, EventError, parse_event
+from gpuslice_common.subjects import Subjects
+
+log = logging.getLogger("gpuslice.bus")
+
+M = TypeVar("M", bound=BaseModel)
+EventHandler = Callable[[CloudEvent], Awaitable[None]]
+MessageHandler = Callable[[str, M], Awaitable[None]]
+
+DEDUP_WINDOW = timedelta(minutes=2)
+
+
+class BusError(Exception):
+    """The bus could not do what was asked; the message says why."""
+
+
+@dataclass
+class BusStats:
+    published: int = 0
+    publish_failures: int = 0
+    received: int = 0
+    malformed: int = 0
+    handler_errors: int = 0
+    disconnects: int = 0
+    reconnects: int = 0
+    last_malformed: str = field(default="", repr=False)
+
+
+class Bus:
+    """One component's connection to NATS. Create with :meth:`connect`."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, source: str, stats: BusStats) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects = subjects
+        self.source = source
+        self.stats = stats
+
+    @classmethod
+    async def connect(
+        cls,
+        settings: CommonSettings,
+        name: str,
+        *,
+        connect_timeout: float = 2.0,
+        reconnect_wait: float = 0.5,
+        first_connect_wait: float = 10.0,
+    ) -> Bus:
+        """Connect, reconnecting forever after a drop. ``name`` identifies the component.
+
+        The first connection is tried for about ``first_connect_wait`` seconds
+        before BusError; once connected, a lost server is retried without end.
+        """
+        stats = BusStats()
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats: %s", exc)
+
+        async def on_disconnect() -> None:
+            stats.disconnects += 1
+            log.warning("nats: disconnected from %s", settings.nats_url)
+
+        async def on_reconnect() -> None:
+            stats.reconnects += 1
+            log.info("nats: reconnected")
+
+        options: dict[str, Any] = {
+            "name": name,
+            "connect_timeout": connect_timeout,
+            "reconnect_time_wait": reconnect_wait,
+            "max_reconnect_attempts": max(1, math.ceil(first_connect_wait / reconnect_wait)),
+            "allow_reconnect": True,
+            "error_cb": on_error,
+            "disconnected_cb": on_disconnect,
+            "reconnected_cb": on_reconnect,
+        }
+        if settings.nats_user:
+            options["user"] = settings.nats_user
+            options["password"] = settings.nats_password or ""
+        if settings.nats_creds_file:
+            options["user_credentials"] = settings.nats_creds_file
+        servers = [s.strip() for s in settings.nats_url.split(",")]
+        try:
+            nc = await nats.connect(servers, **options)
+        except (OSError, NatsError, asyncio.TimeoutError) as exc:
+            raise BusError(f"cannot connect to NATS at {settings.nats_url}: {exc!r}") from None
+        nc.options["max_reconnect_attempts"] = -1
+        return cls(nc, Subjects(settings.subject_prefix), source=f"/gpuslice/{name}", stats=stats)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.nc.is_connected)
+
+    async def close(self) -> None:
+        if self.nc.is_closed:
+            return
+        try:
+            await self.nc.drain()
+        except (NatsError, asyncio.TimeoutError, OSError):
+            await self.nc.close()
+
+    # ------------------------------------------------------------ publishing
+
+    async def publish(self, event: CloudEvent) -> None:
+        """Publish without waiting for the server; buffered across a reconnect.
+
+        The event id doubles as ``Nats-Msg-Id``, so the audit stream stores a
+        retried event once.
+        """
+        subject = self.subjects.event(event.type)
+        try:
+            await self.nc.publish(subject, event.to_json(), headers={"Nats-Msg-Id": event.id})
+        except (NatsError, OSError) as exc:
+            self.stats.publish_failures += 1
+            raise BusError(f"cannot publish {event.type.value}: {exc}") from None
+        self.stats.published += 1
+
+    async def publish_acked(self, event: CloudEvent, timeout: float = 2.0) -> int:
+        """Publish and wait until the audit stream has stored it; returns its sequence."""
+        subject = self.subjects.event(event.type)
+        try:
+            ack = await self.js.publish(
+                subject, event.to_json(), timeout=timeout, headers={"Nats-Msg-Id": event.id}
+            )
+        except (NatsError, OSError, asyncio.TimeoutError) as exc:
+            self.stats.publish_failures += 1
+            raise BusError(f"audit stream did not store {event.type.value}: {exc!r}") from None
+        self.stats.published += 1
+        return int(ack.seq)
+
+    async def publish_model(self, subject: str, message: BaseModel) -> None:
+        """Publish a typed non-event message (inventories, telemetry)."""
+        try:
+            await self.nc.publish(subject, message.model_dump_json().encode())
+        except (NatsError, OSError) as exc:
+            self.stats.publish_failures += 1
+            raise BusError(f"cannot publish to {subject}: {exc}") from None
+        self.stats.published += 1
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        try:
+            await self.nc.flush(timeout)
+        except (NatsError, asyncio.TimeoutError) as exc:
+            raise BusError(f"NATS did not confirm within {timeout}s: {exc!r}") from None
+
+    # ------------------------------------------------------------ subscribing
+
+    def _malformed(self, subject: str, problem: str) -> None:
+        self.stats.malformed += 1
+        self.stats.last_malformed = f"{subject}: {problem}"
+        log.warning("dropped malformed message on %s: %s", subject, problem)
+
+    async def _call(self, subject: str, handler: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await handler()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.stats.handler_errors += 1
+            log.exception("handler failed for a message on %s", subject)
+
+    async def subscribe_events(
+        self, subject: str, handler: EventHandler, queue: str = ""
+    ) -> Subscription:
+        """Deliver each valid CloudEvent on ``subject`` (wildcards allowed) to ``handler``."""
+
+        async def on_msg(msg: Msg) -> None:
+            self.stats.received += 1
+            try:
+                event = parse_event(msg.data)
+            except EventError as exc:
+                self._malformed(msg.subject, str(exc))
+                return
+            await self._call(msg.subject, lambda: handler(event))
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    async def subscribe(
+        self, subject: str, model: type[M], handler: MessageHandler[M], queue: str = ""
+    ) -> Subscription:
+        """Deliver each message on ``subject`` that validates as ``model`` to ``handler``."""
+
+        async def on_msg(msg: Msg) -> None:
+            self.stats.received += 1
+            try:
+                value = model.model_validate_json(msg.data)
+            except ValidationError as exc:
+                errors = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or 'message'}: {e['msg']}"
+                    for e in exc.errors()[:5]
+                )
+                self._malformed(msg.subject, f"not a valid {model.__name__}: {errors}")
+                return
+            await self._call(msg.subject, lambda: handler(msg.subject, value))
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    # ------------------------------------------------------------ audit stream
+
+    def _audit_config(self, max_age: timedelta) -> StreamConfig:
+        return StreamConfig(
+            name=self.subjects.audit_stream,
+            description="gpuslice allocation and admission events, for audit",
+            subjects=[self.subjects.events_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=max_age.total_seconds(),
+            duplicate_window=DEDUP_WINDOW.total_seconds(),
+            deny_delete=True,
+            deny_purge=True,
+        )
+
+    async def ensure_audit_stream(self, max_age: timedelta) -> StreamInfo:
+        """Create the audit stream, or check an existing one and bring its retention up to date.
+
+        Raises BusError if an existing stream cannot be made to match (for example
+        it uses memory storage, or allows deletes), rather than audit on a weaker one.
+        """
+        wanted = self._audit_config(max_age)
+        name = self.subjects.audit_stream
+        try:
+            info = await self.js.stream_info(name)
+        except NotFoundError:
+            try:
+                return await self.js.add_stream(wanted)
+            except NatsError as exc:
+                raise BusError(f"cannot create audit stream {name}: {exc}") from None
+        except (NatsError, asyncio.TimeoutError) as exc:
+            raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+        have = info.config
+        problems = []
+        if have.storage != StorageType.FILE:
+            problems.append(f"storage is {have.storage}, not file")
+        if not have.deny_delete or not have.deny_purge:
+            problems.append("it allows deleting or purging messages")
+        if have.retention != RetentionPolicy.LIMITS:
+            problems.append(f"retention is {have.retention}, not limits")
+        if problems:
+            raise BusError(f"existing stream {name} is unfit for audit: " + "; ".join(problems))
+        if set(have.subjects or []) != {self.subjects.events_all} or have.max_age != wanted.max_age:
+            try:
+                return await self.js.update_stream(wanted)
+            except NatsError as exc:
+                raise BusError(f"cannot update audit stream {name}: {exc}") from None
+        return info
+
+    async def read_audit(
+        self,
+        since: datetime | None = None,
+        subject: str | None = None,
+        timeout: float = 2.0,
+    ) -> list[CloudEvent]:
+        """Every event stored in the audit stream (since a time, on a subject), in order.
+
+        Stored messages that do not parse are counted as malformed and skipped.
+        """
+        name = self.subjects.audit_stream
+        try:
+            info = await self.js.stream_info(name)
+        except NotFoundError:
+            raise BusError(f"audit stream {name} does not exist") from None
+        if info.state.messages == 0:
+            return []
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_TIME if since else DeliverPolicy.ALL,
+            opt_start_time=since.isoformat() if since else None,
+        )
+        sub = await self.js.subscribe(
+            subject or self.subjects.events_all, stream=name, ordered_consumer=True, config=config
+        )
+        events: list[CloudEvent] = []
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout)
+                except NatsTimeoutError:
+                    break
+                try:
+                    events.append(parse_event(msg.data))
+                except EventError as exc:
+                    self._malformed(msg.subject, str(exc))
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return events
