@@ -50,12 +50,13 @@ def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
 
 
 @pytest.fixture
-async def redis_url(redis_server: RedisServer) -> AsyncIterator[str]:
+async def redis_url(redis_server: RedisServer) -> str:
+    """The session Redis, emptied for this test."""
     client: Redis = Redis.from_url(redis_server.url)
     await client.flushall()
     await client.script_flush()
     await client.aclose()
-    yield redis_server.url
+    return redis_server.url
 
 
 @pytest.fixture

@@ -108,12 +108,21 @@ async def test_event_subjects_follow_the_type(bus: Bus) -> None:
         (b"\xff\xfe not json", "not JSON"),
         (b"[1, 2]", "JSON object"),
         (b'{"specversion": "1.0", "id": "x"}', "source"),
-        (b'{"specversion": "0.3", "id": "x", "source": "/s", "type": "io.gpuslice.pod.denied",'
-         b' "time": "2026-01-01T00:00:00Z", "data": {}}', "specversion"),
-        (b'{"specversion": "1.0", "id": "x", "source": "/s", "type": "io.other.thing",'
-         b' "time": "2026-01-01T00:00:00Z", "data": {}}', "type"),
-        (b'{"specversion": "1.0", "id": "x", "source": "/s", "type": "io.gpuslice.pod.denied",'
-         b' "time": "2026-01-01T00:00:00Z", "data": {"pod": {"uid": "u"}}}', "reason"),
+        (
+            b'{"specversion": "0.3", "id": "x", "source": "/s", "type": "io.gpuslice.pod.denied",'
+            b' "time": "2026-01-01T00:00:00Z", "data": {}}',
+            "specversion",
+        ),
+        (
+            b'{"specversion": "1.0", "id": "x", "source": "/s", "type": "io.other.thing",'
+            b' "time": "2026-01-01T00:00:00Z", "data": {}}',
+            "type",
+        ),
+        (
+            b'{"specversion": "1.0", "id": "x", "source": "/s", "type": "io.gpuslice.pod.denied",'
+            b' "time": "2026-01-01T00:00:00Z", "data": {"pod": {"uid": "u"}}}',
+            "reason",
+        ),
     ],
 )
 async def test_malformed_events_are_counted_and_never_reach_handlers(
@@ -197,7 +206,7 @@ async def test_audit_refuses_a_stream_that_allows_deletes(bus: Bus) -> None:
             storage=StorageType.MEMORY,
         )
     )
-    with pytest.raises(BusError, match="storage.*deleting"):
+    with pytest.raises(BusError, match=r"storage.*deleting"):
         await bus.ensure_audit_stream(timedelta(days=1))
 
 
@@ -228,7 +237,8 @@ async def test_audit_survives_a_nats_restart_and_buffered_events_arrive(
             return ids
 
         assert await both_stored() == [before.id, during.id]
-        assert bus.stats.disconnects >= 1 and bus.stats.reconnects >= 1
+        assert bus.stats.disconnects >= 1
+        assert bus.stats.reconnects >= 1
     finally:
         await bus.close()
 

@@ -27,16 +27,22 @@ def placement(
 ) -> Placement:
     """grants[c] = [(gpu index, memory MiB, cores), ...] for app container c."""
 
-    def container(name: str, devs: list[tuple[int, int, int]], is_init: bool) -> ContainerAssignment:
+    def container(
+        name: str, devs: list[tuple[int, int, int]], is_init: bool
+    ) -> ContainerAssignment:
         return ContainerAssignment(
             name=name,
             init=is_init,
-            devices=tuple(DeviceGrant(uuid=f"GPU-{node}-{i}", memory_mib=m, cores=c) for i, m, c in devs),
+            devices=tuple(
+                DeviceGrant(uuid=f"GPU-{node}-{i}", memory_mib=m, cores=c) for i, m, c in devs
+            ),
         )
 
     containers = [container(f"init{i}", g, True) for i, g in enumerate(init or [])]
     containers += [container(f"c{i}", g, False) for i, g in enumerate(grants)]
-    return Placement(pod=PodRef(uid=uid, namespace="ns", name=uid), node=node, containers=tuple(containers))
+    return Placement(
+        pod=PodRef(uid=uid, namespace="ns", name=uid), node=node, containers=tuple(containers)
+    )
 
 
 async def usage(ledger: Ledger, node: str) -> list[tuple[int, int, int, str | None]]:
@@ -60,7 +66,9 @@ async def test_register_reports_capacity_after_scaling(ledger: Ledger) -> None:
 
 async def test_reserve_bind_allocate_release_moves_through_states(ledger: Ledger) -> None:
     await ledger.register_node(make_inventory("node-a"))
-    p = await ledger.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)], [(1, 2000, 0), (0, 1000, 10)]]))
+    p = await ledger.reserve(
+        placement("pod-1", "node-a", [[(0, 4000, 30)], [(1, 2000, 0), (0, 1000, 10)]])
+    )
     assert p.state is PlacementState.RESERVED
     assert p.reserved_at is not None
     assert await usage(ledger, "node-a") == [(5000, 40, 2, None), (2000, 0, 1, None)]
@@ -77,12 +85,14 @@ async def test_reserve_bind_allocate_release_moves_through_states(ledger: Ledger
     assert second.placement.state is PlacementState.ALLOCATED
 
     released = await ledger.release("pod-1", reason="pod deleted")
-    assert released is not None and released.first
+    assert released is not None
+    assert released.first
     assert released.placement.state is PlacementState.RELEASED
     assert released.placement.release_reason == "pod deleted"
     assert await usage(ledger, "node-a") == [(0, 0, 0, None), (0, 0, 0, None)]
     again = await ledger.release("pod-1")
-    assert again is not None and not again.first
+    assert again is not None
+    assert not again.first
     assert await ledger.release("never-seen") is None
     assert await ledger.check_node("node-a") == []
 
@@ -176,7 +186,9 @@ async def test_init_containers_count_at_the_pods_peak(ledger: Ledger) -> None:
     assert order == [0, 1, 2, 3]
 
 
-async def test_allocate_serves_oldest_bound_pod_and_is_idempotent_per_request(ledger: Ledger) -> None:
+async def test_allocate_serves_oldest_bound_pod_and_is_idempotent_per_request(
+    ledger: Ledger,
+) -> None:
     await ledger.register_node(make_inventory("node-a"))
     for uid in ("old", "new"):
         await ledger.reserve(placement(uid, "node-a", [[(0, 100, 1)]]))

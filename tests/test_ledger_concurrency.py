@@ -92,9 +92,13 @@ async def test_1200_racing_reservations_in_one_process(redis_url: str) -> None:
         # every winner holds exactly its own footprint: release all and reach zero
         for uid in won:
             released = await ledger.release(uid)
-            assert released is not None and released.first and released.clamped == 0
+            assert released is not None
+            assert released.first
+            assert released.clamped == 0
         for node in NODES:
-            assert all(g.used.slots == 0 and g.used.memory_mib == 0 for g in await ledger.node_gpus(node))
+            assert all(
+                g.used.slots == 0 and g.used.memory_mib == 0 for g in await ledger.node_gpus(node)
+            )
     finally:
         await ledger.close()
 
@@ -171,7 +175,8 @@ async def _check_after_kills(url: str) -> None:
                 assert p is None or p.state == "released"
         for uid in live:
             released = await ledger.release(uid, reason="cleanup after crash")
-            assert released is not None and released.first
+            assert released is not None
+            assert released.first
         await assert_consistent(ledger)
         for node in NODES:
             assert all(g.used.slots == 0 for g in await ledger.node_gpus(node))
@@ -189,7 +194,9 @@ container = st.lists(grant, min_size=1, max_size=3, unique_by=lambda g: g.uuid)
 pods = st.lists(st.lists(container, min_size=1, max_size=3), min_size=1, max_size=40)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(pods=pods, inits=st.lists(st.booleans(), min_size=3, max_size=3))
 def test_property_any_workload_never_exceeds_capacity(
     redis_url: str, pods: list[list[list[DeviceGrant]]], inits: list[bool]

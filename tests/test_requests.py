@@ -7,6 +7,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+
 from gpuslice_common.config import RequestDefaults, RequestSettings, ResourceNames
 from gpuslice_common.models import (
     ContainerGpuRequest,

@@ -5,11 +5,12 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gpuslice_common.config import RequestDefaults, RequestSettings
 from gpuslice_common.models import PodGpuRequest
 from gpuslice_common.requests import RequestError, parse_pod, parse_quantity
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 NAMES = RequestSettings().resources
 GPU_RESOURCES = NAMES.all()

@@ -60,6 +60,7 @@ class BusStats:
     disconnects: int = 0
     reconnects: int = 0
     last_malformed: str = field(default="", repr=False)
+    closing: bool = field(default=False, repr=False)
 
 
 class Bus:
@@ -93,6 +94,8 @@ class Bus:
             log.warning("nats: %s", exc)
 
         async def on_disconnect() -> None:
+            if stats.closing:
+                return
             stats.disconnects += 1
             log.warning("nats: disconnected from %s", settings.nats_url)
 
@@ -118,7 +121,7 @@ class Bus:
         servers = [s.strip() for s in settings.nats_url.split(",")]
         try:
             nc = await nats.connect(servers, **options)
-        except (OSError, NatsError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, NatsError) as exc:
             raise BusError(f"cannot connect to NATS at {settings.nats_url}: {exc!r}") from None
         nc.options["max_reconnect_attempts"] = -1
         return cls(nc, Subjects(settings.subject_prefix), source=f"/gpuslice/{name}", stats=stats)
@@ -130,9 +133,10 @@ class Bus:
     async def close(self) -> None:
         if self.nc.is_closed:
             return
+        self.stats.closing = True
         try:
             await self.nc.drain()
-        except (NatsError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, NatsError, OSError):
             await self.nc.close()
 
     # ------------------------------------------------------------ publishing
@@ -158,7 +162,7 @@ class Bus:
             ack = await self.js.publish(
                 subject, event.to_json(), timeout=timeout, headers={"Nats-Msg-Id": event.id}
             )
-        except (NatsError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, NatsError, OSError) as exc:
             self.stats.publish_failures += 1
             raise BusError(f"audit stream did not store {event.type.value}: {exc!r}") from None
         self.stats.published += 1
@@ -173,10 +177,10 @@ class Bus:
             raise BusError(f"cannot publish to {subject}: {exc}") from None
         self.stats.published += 1
 
-    async def flush(self, timeout: float = 2.0) -> None:
+    async def flush(self, timeout: int = 2) -> None:
         try:
-            await self.nc.flush(timeout)
-        except (NatsError, asyncio.TimeoutError) as exc:
+            await self.nc.flush(max(1, math.ceil(timeout)))
+        except (TimeoutError, NatsError) as exc:
             raise BusError(f"NATS did not confirm within {timeout}s: {exc!r}") from None
 
     # ------------------------------------------------------------ subscribing
@@ -261,7 +265,7 @@ class Bus:
                 return await self.js.add_stream(wanted)
             except NatsError as exc:
                 raise BusError(f"cannot create audit stream {name}: {exc}") from None
-        except (NatsError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, NatsError) as exc:
             raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
         have = info.config
         problems = []
@@ -299,7 +303,7 @@ class Bus:
             return []
         config = ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_TIME if since else DeliverPolicy.ALL,
-            opt_start_time=since.isoformat() if since else None,
+            opt_start_time=since,
         )
         sub = await self.js.subscribe(
             subject or self.subjects.events_all, stream=name, ordered_consumer=True, config=config

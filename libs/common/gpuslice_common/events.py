@@ -23,7 +23,6 @@ from gpuslice_common.models import (
     utcnow,
 )
 
-SPEC_VERSION = "1.0"
 TYPE_PREFIX = "io.gpuslice."
 
 
@@ -84,7 +83,7 @@ class CloudEvent(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="allow")
 
-    specversion: Literal["1.0"] = SPEC_VERSION
+    specversion: Literal["1.0"] = "1.0"
     id: Annotated[str, Field(min_length=1, max_length=200)]
     source: Annotated[str, Field(min_length=1)]
     type: EventType

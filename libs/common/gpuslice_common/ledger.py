@@ -150,6 +150,7 @@ class Ledger:
             name: redis.register_script(_script_source(name))
             for name in ("reserve", "bind", "allocate", "release", "register")
         }
+        self._forget_index = redis.register_script(_script_source("forget_index"))
 
     @classmethod
     def from_url(
@@ -199,6 +200,10 @@ class Ledger:
     def nodes_key(self) -> str:
         return f"{self.prefix}:nodes"
 
+    async def _get(self, key: str) -> str | None:
+        value = await self.redis.get(key)
+        return None if value is None else _text(value)
+
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> list[str]:
         result = await self._scripts[name](keys=list(keys), args=list(args))
         if isinstance(result, list):
@@ -234,11 +239,11 @@ class Ledger:
         payload = json.dumps({"devices": devices, "config": config})
         keys = self.node_keys(inventory.node).all()
         [count] = await self._run("register", keys, [payload])
-        await self.redis.sadd(self.nodes_key, inventory.node)  # type: ignore[misc]
+        await self.redis.sadd(self.nodes_key, inventory.node)
         return int(count)
 
     async def nodes(self) -> list[str]:
-        members = await self.redis.smembers(self.nodes_key)  # type: ignore[misc]
+        members = await self.redis.smembers(self.nodes_key)
         return sorted(_text(m) for m in members)
 
     async def node_gpus(self, node: str) -> list[GpuState]:
@@ -271,10 +276,9 @@ class Ledger:
         """
         uid, node = placement.pod.uid, placement.node
         index_key = self.pod_index_key(uid)
-        current = await self.redis.get(index_key)
-        if current is not None and current != node:
-            if await self._live_on(current, uid):
-                raise AlreadyReserved(uid, current)
+        current = await self._get(index_key)
+        if current is not None and current != node and await self._live_on(current, uid):
+            raise AlreadyReserved(uid, current)
         await self.redis.set(index_key, node)
 
         footprint = [
@@ -286,14 +290,12 @@ class Ledger:
             include={"pod", "node", "containers", "policy"},
         )
         keys = self.node_keys(node).all()
-        reply = await self._run(
-            "reserve", keys, [uid, json.dumps(record), json.dumps(footprint)]
-        )
+        reply = await self._run("reserve", keys, [uid, json.dumps(record), json.dumps(footprint)])
         if reply[0] == "fail":
             if not await self._live_on(node, uid):
                 await self._drop_index(uid, node)
             raise ReservationConflict(node, reply[1], reply[2])
-        owner = await self.redis.get(index_key)
+        owner = await self._get(index_key)
         if owner != node and owner is not None and await self._live_on(owner, uid):
             # A concurrent reserve of the same pod on another node won the index.
             await self._run("release", keys, [uid, "superseded", self.released_retention_ms])
@@ -331,7 +333,7 @@ class Ledger:
 
     async def release(self, pod_uid: str, reason: str = "") -> Release | None:
         """Give a pod's devices back. Returns None if the ledger never had it."""
-        node = await self.redis.get(self.pod_index_key(pod_uid))
+        node = await self._get(self.pod_index_key(pod_uid))
         if node is None:
             return None
         keys = self.node_keys(node).all()
@@ -346,15 +348,15 @@ class Ledger:
         return Release(_placement_from_record(reply[1]), first=first, clamped=clamped)
 
     async def placement(self, pod_uid: str) -> Placement | None:
-        node = await self.redis.get(self.pod_index_key(pod_uid))
+        node = await self._get(self.pod_index_key(pod_uid))
         if node is None:
             return None
-        raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)  # type: ignore[misc]
-        return None if raw is None else _placement_from_record(raw)
+        raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)
+        return None if raw is None else _placement_from_record(_text(raw))
 
     async def node_placements(self, node: str) -> list[Placement]:
-        raw = await self.redis.hgetall(self.node_keys(node).pods)  # type: ignore[misc]
-        return [_placement_from_record(v) for v in raw.values()]
+        raw = await self.redis.hgetall(self.node_keys(node).pods)
+        return [_placement_from_record(_text(v)) for v in raw.values()]
 
     async def check_node(self, node: str) -> list[str]:
         """Compare each card's usage with the sum of live reservations; [] when consistent."""
@@ -384,7 +386,9 @@ class Ledger:
             if used != want:
                 problems.append(f"{node}/{u}: usage {used} but reservations sum to {want}")
             caps = [int(gpus.get(f"{u}|{f}", 0)) for f in ("cap_mem", "cap_cores", "cap_slots")]
-            if gpus.get(f"{u}|present") == "1" and any(a > c for a, c in zip(used, caps, strict=True)):
+            if gpus.get(f"{u}|present") == "1" and any(
+                a > c for a, c in zip(used, caps, strict=True)
+            ):
                 problems.append(f"{node}/{u}: usage {used} exceeds capacity {caps}")
             if gpus.get(f"{u}|owner", "") != owners.get(u, ""):
                 problems.append(f"{node}/{u}: exclusive owner differs from reservations")
@@ -393,29 +397,18 @@ class Ledger:
     # ------------------------------------------------------------ helpers
 
     async def _node_of(self, pod_uid: str) -> str:
-        node = await self.redis.get(self.pod_index_key(pod_uid))
+        node = await self._get(self.pod_index_key(pod_uid))
         if node is None:
             raise NotReserved(f"pod {pod_uid} has no reservation")
-        return str(node)
+        return node
 
     async def _live_on(self, node: str, pod_uid: str) -> bool:
-        raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)  # type: ignore[misc]
+        raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)
         return raw is not None and json.loads(raw)["state"] != PlacementState.RELEASED
 
     async def _drop_index(self, pod_uid: str, node: str) -> None:
         """Remove the pod index if it still names ``node`` (another writer may have moved it)."""
-        key = self.pod_index_key(pod_uid)
-        pipe = self.redis.pipeline(transaction=True)
-        await pipe.watch(key)
-        if await pipe.get(key) == node:
-            pipe.multi()
-            pipe.delete(key)
-            try:
-                await pipe.execute()
-            except Exception:  # a concurrent writer changed the key: theirs stands
-                return
-        else:
-            await pipe.reset()
+        await self._forget_index(keys=[self.pod_index_key(pod_uid)], args=[node])
 
 
 def _gpu_state(node: str, u: str, f: dict[str, str]) -> GpuState:
@@ -448,8 +441,8 @@ def _gpu_state(node: str, u: str, f: dict[str, str]) -> GpuState:
 
 
 __all__ = [
-    "AlreadyReserved",
     "Allocation",
+    "AlreadyReserved",
     "FitReason",
     "Ledger",
     "LedgerError",

