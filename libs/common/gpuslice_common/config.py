@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from gpuslice_common.models import GpuPolicy
 
@@ -44,7 +44,10 @@ def parse_duration(value: Any) -> timedelta:
         raise ValueError(f"not a duration: {value!r} (use e.g. 30s, 5m, 2h, 30d)")
     if seconds <= 0:
         raise ValueError("duration must be positive")
-    return timedelta(seconds=seconds)
+    try:
+        return timedelta(seconds=seconds)
+    except (OverflowError, ValueError):  # inf, nan, or beyond timedelta's ~2.7 million years
+        raise ValueError(f"duration out of range: {value!r}") from None
 
 
 class ResourceNames(BaseModel):
@@ -59,7 +62,7 @@ class ResourceNames(BaseModel):
     @field_validator("*")
     @classmethod
     def _valid_name(cls, value: str) -> str:
-        if not _RESOURCE_NAME.match(value):
+        if not _RESOURCE_NAME.fullmatch(value):
             raise ValueError(f"not a Kubernetes resource name: {value!r}")
         return value
 
@@ -125,7 +128,7 @@ class CommonSettings(BaseSettings):
     @field_validator("subject_prefix", "ledger_prefix")
     @classmethod
     def _token(cls, value: str) -> str:
-        if not re.match(r"^[A-Za-z0-9_-]+$", value):
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", value):
             raise ValueError(f"must be one token of letters, digits, '-' or '_': {value!r}")
         return value
 
@@ -195,3 +198,10 @@ def load(cls: type[S], **overrides: Any) -> S:
                 message = "is required but not set"
             problems.append(f"{env_name(loc)}: {message}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
+    except SettingsError as exc:
+        # Raised before validation when a group variable (GPUSLICE_REQUESTS) is not JSON.
+        field = re.search(r'field "([^"]+)"', str(exc))
+        where = env_name((field.group(1),)) if field else ENV_PREFIX + "*"
+        raise ConfigError(
+            f"invalid configuration: {where}: cannot parse value ({exc.__cause__ or exc})"
+        ) from None

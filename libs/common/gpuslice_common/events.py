@@ -13,7 +13,7 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from gpuslice_common.models import (
     ContainerAssignment,
@@ -83,11 +83,11 @@ class CloudEvent(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="allow")
 
-    specversion: Literal["1.0"] = "1.0"
+    specversion: Literal["1.0"]  # required on the wire, as CloudEvents says
     id: Annotated[str, Field(min_length=1, max_length=200)]
     source: Annotated[str, Field(min_length=1)]
     type: EventType
-    time: datetime
+    time: AwareDatetime  # RFC 3339: an offset is required
     subject: str | None = None
     datacontenttype: Literal["application/json"] = "application/json"
     data: dict[str, Any]
@@ -116,6 +116,7 @@ def make_event(
             f"{event_type.value} carries {expected.__name__}, not {type(payload).__name__}"
         )
     return CloudEvent(
+        specversion="1.0",
         id=event_id or str(uuid.uuid4()),
         source=source,
         type=event_type,
@@ -137,7 +138,7 @@ def parse_event(raw: bytes | str) -> CloudEvent:
     """Parse and validate an event received from the wire, envelope and payload."""
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also too deep, or an int too long
         raise EventError(f"not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise EventError("an event must be a JSON object")

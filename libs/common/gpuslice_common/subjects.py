@@ -19,7 +19,7 @@ _UID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 def node_token(node: str) -> str:
     """The subject token for a Kubernetes node name."""
-    if len(node) > 253 or not _NODE.match(node):
+    if len(node) > 253 or not _NODE.fullmatch(node):
         raise ValueError(f"not a Kubernetes node name: {node!r}")
     return node.replace(".", "_")
 
@@ -29,7 +29,7 @@ def node_from_token(token: str) -> str:
 
 
 def uid_token(uid: str) -> str:
-    if not _UID.match(uid):
+    if not _UID.fullmatch(uid):
         raise ValueError(f"not a pod UID: {uid!r}")
     return uid
 
@@ -39,7 +39,7 @@ class Subjects:
     prefix: str = "gpuslice"
 
     def __post_init__(self) -> None:
-        if not _PREFIX.match(self.prefix):
+        if not _PREFIX.fullmatch(self.prefix):
             raise ValueError(f"subject prefix must be one token: {self.prefix!r}")
 
     # node agent -> inventory

@@ -1,0 +1,429 @@
+"""Settings read from GPUSLICE_* environment variables, and the errors naming them."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import BaseSettings
+
+from gpuslice_common.config import (
+    CommonSettings,
+    ConfigError,
+    DevicePluginSettings,
+    InventorySettings,
+    RequestDefaults,
+    ResourceNames,
+    SchedulerSettings,
+    WebhookSettings,
+    env_name,
+    load,
+    parse_duration,
+)
+from gpuslice_common.models import GpuPolicy
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPUSLICE_* variable from the outer environment leaks into a test."""
+    for name in list(os.environ):
+        if name.upper().startswith("GPUSLICE_"):
+            monkeypatch.delenv(name)
+
+
+def set_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def config_error(cls: type[BaseSettings] = CommonSettings) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(cls)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_defaults_load_with_no_environment() -> None:
+    s = load(CommonSettings)
+    assert s.nats_url == "nats://127.0.0.1:4222"
+    assert s.nats_user is None
+    assert s.nats_password is None
+    assert s.nats_creds_file is None
+    assert s.redis_url == "redis://127.0.0.1:6379/0"
+    assert s.subject_prefix == "gpuslice"
+    assert s.ledger_prefix == "gpuslice"
+    assert s.audit_max_age == timedelta(days=90)
+    assert s.log_level == "INFO"
+    assert s.requests.resources == ResourceNames()
+    assert s.requests.resources.gpu == "nvidia.com/gpu"
+    assert s.requests.defaults == RequestDefaults()
+    assert s.requests.default_gpu_policy is GpuPolicy.FRAGMENTATION
+
+
+# Every scalar CommonSettings field: (environment value, value it loads as).
+COMMON_FIELDS: dict[str, tuple[str, Any]] = {
+    "nats_url": ("nats://bus-1:4222,tls://bus-2:4443", "nats://bus-1:4222,tls://bus-2:4443"),
+    "nats_user": ("scheduler", "scheduler"),
+    "nats_password": ("s3cret", "s3cret"),
+    "nats_creds_file": ("/etc/gpuslice/nats.creds", "/etc/gpuslice/nats.creds"),
+    "redis_url": ("rediss://ledger:6380/2", "rediss://ledger:6380/2"),
+    "subject_prefix": ("my-co", "my-co"),
+    "ledger_prefix": ("ledger_1", "ledger_1"),
+    "audit_max_age": ("7d", timedelta(days=7)),
+    "log_level": ("debug", "DEBUG"),
+}
+
+
+def test_the_field_table_covers_every_common_field() -> None:
+    assert set(COMMON_FIELDS) | {"requests"} == set(CommonSettings.model_fields)
+
+
+def test_every_common_field_is_read_from_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, {env_name((f,)): raw for f, (raw, _) in COMMON_FIELDS.items()})
+    s = load(CommonSettings)
+    for field, (_, expected) in COMMON_FIELDS.items():
+        assert getattr(s, field) == expected, field
+
+
+@pytest.mark.parametrize("field", sorted(COMMON_FIELDS))
+def test_each_variable_alone_changes_only_its_field(
+    monkeypatch: pytest.MonkeyPatch, field: str
+) -> None:
+    raw, expected = COMMON_FIELDS[field]
+    monkeypatch.setenv(f"GPUSLICE_{field.upper()}", raw)
+    s = load(CommonSettings)
+    defaults = CommonSettings()
+    assert getattr(s, field) == expected
+    assert s.model_dump(exclude={field}) == defaults.model_dump(exclude={field})
+
+
+def test_nested_request_settings_use_a_double_underscore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_env(
+        monkeypatch,
+        {
+            "GPUSLICE_REQUESTS__RESOURCES__GPU": "example.com/vgpu",
+            "GPUSLICE_REQUESTS__DEFAULTS__MEMORY_MIB": "2048",
+            "GPUSLICE_REQUESTS__DEFAULT_GPU_POLICY": "binpack",
+        },
+    )
+    s = load(CommonSettings)
+    assert s.requests.resources.gpu == "example.com/vgpu"
+    assert s.requests.defaults.memory_mib == 2048
+    assert s.requests.default_gpu_policy is GpuPolicy.BINPACK
+    # siblings keep their defaults
+    assert s.requests.resources.memory == "nvidia.com/gpumem"
+    assert s.requests.defaults.gpu_count == 1
+    assert s.requests.defaults.cores == 0
+
+
+def test_a_nested_group_may_also_be_given_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUSLICE_REQUESTS", '{"defaults": {"cores": 50}}')
+    s = load(CommonSettings)
+    assert s.requests.defaults.cores == 50
+    assert s.requests.defaults.gpu_count == 1
+
+
+def test_overrides_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUSLICE_LOG_LEVEL", "error")
+    assert load(CommonSettings).log_level == "ERROR"
+    assert load(CommonSettings, log_level="warning").log_level == "WARNING"
+
+
+def test_settings_are_frozen() -> None:
+    s = load(CommonSettings)
+    with pytest.raises(ValidationError):
+        s.log_level = "DEBUG"
+    assert s.log_level == "INFO"
+
+
+# ---------------------------------------------------------------- errors name the variable
+
+
+@pytest.mark.parametrize(
+    ("env", "variable", "complaint"),
+    [
+        ({"GPUSLICE_NATS_URL": "http://x"}, "GPUSLICE_NATS_URL", "not a NATS URL"),
+        ({"GPUSLICE_NATS_URL": "nats://a:1,http://b"}, "GPUSLICE_NATS_URL", "'http://b'"),
+        ({"GPUSLICE_REDIS_URL": "http://x"}, "GPUSLICE_REDIS_URL", "not a Redis URL"),
+        ({"GPUSLICE_SUBJECT_PREFIX": "gpu.slice"}, "GPUSLICE_SUBJECT_PREFIX", "one token"),
+        ({"GPUSLICE_LEDGER_PREFIX": "a b"}, "GPUSLICE_LEDGER_PREFIX", "one token"),
+        # a trailing newline (a value read from a file) must not pass a '$'-anchored check
+        ({"GPUSLICE_SUBJECT_PREFIX": "gpuslice\n"}, "GPUSLICE_SUBJECT_PREFIX", "one token"),
+        (
+            {"GPUSLICE_REQUESTS__RESOURCES__CORES": "nvidia.com/gpucores\n"},
+            "GPUSLICE_REQUESTS__RESOURCES__CORES",
+            "not a Kubernetes resource name",
+        ),
+        ({"GPUSLICE_LOG_LEVEL": "loud"}, "GPUSLICE_LOG_LEVEL", "unknown log level"),
+        ({"GPUSLICE_AUDIT_MAX_AGE": "forever"}, "GPUSLICE_AUDIT_MAX_AGE", "not a duration"),
+        ({"GPUSLICE_AUDIT_MAX_AGE": "0s"}, "GPUSLICE_AUDIT_MAX_AGE", "positive"),
+        (
+            {"GPUSLICE_REQUESTS__RESOURCES__GPU": "Not A Name!"},
+            "GPUSLICE_REQUESTS__RESOURCES__GPU",
+            "not a Kubernetes resource name",
+        ),
+        (
+            {"GPUSLICE_REQUESTS__DEFAULTS__CORES": "101"},
+            "GPUSLICE_REQUESTS__DEFAULTS__CORES",
+            "less than or equal to 100",
+        ),
+        (
+            {"GPUSLICE_REQUESTS__DEFAULTS__GPU_COUNT": "0"},
+            "GPUSLICE_REQUESTS__DEFAULTS__GPU_COUNT",
+            "greater than or equal to 1",
+        ),
+        (
+            {"GPUSLICE_REQUESTS__DEFAULT_GPU_POLICY": "random"},
+            "GPUSLICE_REQUESTS__DEFAULT_GPU_POLICY",
+            "'binpack'",
+        ),
+    ],
+)
+def test_a_bad_value_names_its_variable(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], variable: str, complaint: str
+) -> None:
+    set_env(monkeypatch, env)
+    message = config_error()
+    assert message.startswith("invalid configuration: ")
+    assert f"{variable}: " in message
+    assert complaint in message
+
+
+def test_a_missing_required_variable_is_named() -> None:
+    message = config_error(DevicePluginSettings)
+    assert message == "invalid configuration: GPUSLICE_NODE_NAME: is required but not set"
+
+
+def test_an_empty_required_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUSLICE_NODE_NAME", "")
+    message = config_error(DevicePluginSettings)
+    assert "GPUSLICE_NODE_NAME: " in message
+    assert "at least 1 character" in message
+
+
+def test_every_bad_variable_is_named_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(
+        monkeypatch,
+        {
+            "GPUSLICE_NATS_URL": "http://x",
+            "GPUSLICE_LOG_LEVEL": "loud",
+            "GPUSLICE_AUDIT_MAX_AGE": "forever",
+            "GPUSLICE_REQUESTS__DEFAULTS__CORES": "101",
+        },
+    )
+    message = config_error(DevicePluginSettings)
+    for variable in (
+        "GPUSLICE_NATS_URL",
+        "GPUSLICE_LOG_LEVEL",
+        "GPUSLICE_AUDIT_MAX_AGE",
+        "GPUSLICE_REQUESTS__DEFAULTS__CORES",
+        "GPUSLICE_NODE_NAME",
+    ):
+        assert f"{variable}: " in message, variable
+    assert message.count("; ") == 4
+
+
+def test_the_error_carries_no_traceback_or_pydantic_noise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_env(monkeypatch, {"GPUSLICE_NATS_URL": "http://x", "GPUSLICE_LISTEN_PORT": "many"})
+    with pytest.raises(ConfigError) as info:
+        load(WebhookSettings)
+    message = str(info.value)
+    assert "GPUSLICE_NATS_URL: " in message
+    assert "GPUSLICE_LISTEN_PORT: " in message
+    assert "Traceback" not in message
+    assert "pydantic" not in message.lower()
+    assert "http" not in message.replace("'http://x'", "")
+    assert "Value error," not in message
+    assert "\n" not in message
+    # raised "from None": no chained ValidationError is printed under it
+    assert info.value.__cause__ is None
+    assert info.value.__suppress_context__
+
+
+def test_a_group_variable_that_is_not_json_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GPUSLICE_REQUESTS", "not json")
+    message = config_error()
+    assert "GPUSLICE_REQUESTS: " in message
+    assert "Traceback" not in message
+
+
+def test_a_duration_too_long_for_timedelta_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GPUSLICE_AUDIT_MAX_AGE", "99999999999d")
+    message = config_error()
+    assert "GPUSLICE_AUDIT_MAX_AGE: " in message
+
+
+def test_env_name_joins_nested_locations() -> None:
+    assert env_name(("nats_url",)) == "GPUSLICE_NATS_URL"
+    assert env_name(("requests", "defaults", "memory_mib")) == (
+        "GPUSLICE_REQUESTS__DEFAULTS__MEMORY_MIB"
+    )
+
+
+# ---------------------------------------------------------------- durations
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("30s", timedelta(seconds=30)),
+        ("5m", timedelta(minutes=5)),
+        ("2h", timedelta(hours=2)),
+        ("30d", timedelta(days=30)),
+        ("250ms", timedelta(milliseconds=250)),
+        ("1.5h", timedelta(minutes=90)),
+        (" 5 m ", timedelta(minutes=5)),
+        ("12", timedelta(seconds=12)),
+        ("0.5", timedelta(milliseconds=500)),
+        (12, timedelta(seconds=12)),
+        (3.5, timedelta(seconds=3.5)),
+        (timedelta(minutes=3), timedelta(minutes=3)),
+    ],
+)
+def test_parse_duration_accepts(value: Any, expected: timedelta) -> None:
+    assert parse_duration(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "   ",
+        "5 parsecs",
+        "5min",
+        "1e3",
+        "-1s",
+        "0s",
+        "0",
+        "0ms",
+        -1,
+        0,
+        0.0,
+        True,
+        False,
+        None,
+        "nan",
+        float("nan"),
+        float("inf"),
+        "1" + "0" * 400 + "s",
+        "99999999999d",
+        [30],
+    ],
+)
+def test_parse_duration_rejects(value: Any) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - the ValueError is the contract
+        parse_duration(value)
+
+
+def test_parse_duration_messages_explain() -> None:
+    with pytest.raises(ValueError, match=r"not a duration: '5 parsecs' \(use e\.g\. 30s"):
+        parse_duration("5 parsecs")
+    with pytest.raises(ValueError, match="must be positive"):
+        parse_duration("0s")
+
+
+# ---------------------------------------------------------------- per-service settings
+
+
+def test_webhook_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load(WebhookSettings).listen_port == 8443
+    set_env(
+        monkeypatch,
+        {
+            "GPUSLICE_LISTEN_HOST": "127.0.0.1",
+            "GPUSLICE_LISTEN_PORT": "9443",
+            "GPUSLICE_TLS_CERT_FILE": "/tls/tls.crt",
+            "GPUSLICE_TLS_KEY_FILE": "/tls/tls.key",
+            "GPUSLICE_SCHEDULER_NAME": "my-scheduler",
+            "GPUSLICE_SUBJECT_PREFIX": "hooks",
+        },
+    )
+    s = load(WebhookSettings)
+    assert (s.listen_host, s.listen_port) == ("127.0.0.1", 9443)
+    assert (s.tls_cert_file, s.tls_key_file) == ("/tls/tls.crt", "/tls/tls.key")
+    assert s.scheduler_name == "my-scheduler"
+    assert s.subject_prefix == "hooks"  # the common fields come along
+
+
+def test_scheduler_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load(SchedulerSettings).listen_port == 8888
+    monkeypatch.setenv("GPUSLICE_LISTEN_PORT", "18888")
+    monkeypatch.setenv("GPUSLICE_REQUESTS__DEFAULTS__CORES", "25")
+    s = load(SchedulerSettings)
+    assert s.listen_port == 18888
+    assert s.requests.defaults.cores == 25
+
+
+def test_inventory_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = load(InventorySettings)
+    assert defaults.heartbeat_interval == timedelta(seconds=10)
+    assert defaults.reservation_ttl == timedelta(minutes=5)
+    assert defaults.listen_port == 9090
+    monkeypatch.setenv("GPUSLICE_HEARTBEAT_INTERVAL", "3s")
+    monkeypatch.setenv("GPUSLICE_RESERVATION_TTL", "2m")
+    s = load(InventorySettings)
+    assert s.heartbeat_interval == timedelta(seconds=3)
+    assert s.reservation_ttl == timedelta(minutes=2)
+
+
+def test_device_plugin_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(
+        monkeypatch,
+        {
+            "GPUSLICE_NODE_NAME": "gpu-1.example.com",
+            "GPUSLICE_KUBELET_DIR": "/tmp/plugins",
+            "GPUSLICE_METRICS_PORT": "19400",
+        },
+    )
+    s = load(DevicePluginSettings)
+    assert s.node_name == "gpu-1.example.com"
+    assert s.kubelet_dir == "/tmp/plugins"
+    assert s.metrics_port == 19400
+
+
+@pytest.mark.parametrize(
+    ("cls", "env", "variable"),
+    [
+        (WebhookSettings, {"GPUSLICE_LISTEN_PORT": "70000"}, "GPUSLICE_LISTEN_PORT"),
+        (SchedulerSettings, {"GPUSLICE_LISTEN_PORT": "0"}, "GPUSLICE_LISTEN_PORT"),
+        (InventorySettings, {"GPUSLICE_HEARTBEAT_INTERVAL": "soon"}, "GPUSLICE_HEARTBEAT_INTERVAL"),
+        (InventorySettings, {"GPUSLICE_RESERVATION_TTL": "-5m"}, "GPUSLICE_RESERVATION_TTL"),
+        (
+            DevicePluginSettings,
+            {"GPUSLICE_NODE_NAME": "n1", "GPUSLICE_METRICS_PORT": "x"},
+            "GPUSLICE_METRICS_PORT",
+        ),
+    ],
+)
+def test_service_fields_name_their_variable(
+    monkeypatch: pytest.MonkeyPatch,
+    cls: type[BaseSettings],
+    env: dict[str, str],
+    variable: str,
+) -> None:
+    set_env(monkeypatch, env)
+    message = config_error(cls)
+    assert message.startswith(f"invalid configuration: {variable}: ")
+    assert message.count("GPUSLICE_") == 1
+
+
+def test_service_fields_are_ignored_by_other_services(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUSLICE_HEARTBEAT_INTERVAL", "not-a-duration")
+    monkeypatch.setenv("GPUSLICE_SOMETHING_ELSE", "x")
+    s: BaseModel = load(WebhookSettings)
+    assert "heartbeat_interval" not in s.model_dump()
+    with pytest.raises(ConfigError, match="GPUSLICE_HEARTBEAT_INTERVAL"):
+        load(InventorySettings)
