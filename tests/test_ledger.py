@@ -114,6 +114,13 @@ async def test_pod_reserved_on_one_node_cannot_reserve_another(ledger: Ledger) -
         await ledger.reserve(placement("pod-1", "node-b", [[(0, 4000, 30)]]))
     assert err.value.node == "node-a"
     assert await usage(ledger, "node-b") == [(0, 0, 0, None), (0, 0, 0, None)]
+    still = await ledger.placement("pod-1")  # the refused retry left the index alone
+    assert still is not None
+    assert still.node == "node-a"
+    released = await ledger.release("pod-1")
+    assert released is not None
+    assert released.placement.node == "node-a"
+    await ledger.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)]]))
     # once released, the same pod (a retried schedule) may go elsewhere
     await ledger.release("pod-1")
     moved = await ledger.reserve(placement("pod-1", "node-b", [[(1, 100, 0)]]))

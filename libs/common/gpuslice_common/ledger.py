@@ -130,9 +130,10 @@ def _text(value: Any) -> str:
 class Ledger:
     """Async access to the ledger. Construct with :meth:`from_url` or a Redis client.
 
-    A pod is reserved by one caller at a time (kube-scheduler binds a pod once per
-    attempt); concurrent reserves of one pod on different nodes are still detected
-    after the fact and the loser is released.
+    A pod is reserved by one caller at a time: kube-scheduler binds a pod once per
+    scheduling attempt. A retry on another node is refused while the first
+    reservation is live; two reserves of one pod racing on two nodes are not
+    serialised (the pod index lives in another hash slot than the nodes).
     """
 
     def __init__(
@@ -150,7 +151,7 @@ class Ledger:
             name: redis.register_script(_script_source(name))
             for name in ("reserve", "bind", "allocate", "release", "register")
         }
-        self._forget_index = redis.register_script(_script_source("forget_index"))
+        self._swap_index_script = redis.register_script(_script_source("swap_index"))
 
     @classmethod
     def from_url(
@@ -276,10 +277,11 @@ class Ledger:
         """
         uid, node = placement.pod.uid, placement.node
         index_key = self.pod_index_key(uid)
-        current = await self._get(index_key)
-        if current is not None and current != node and await self._live_on(current, uid):
-            raise AlreadyReserved(uid, current)
-        await self.redis.set(index_key, node)
+        raw_previous = await self.redis.set(index_key, node, get=True)
+        previous = None if raw_previous is None else _text(raw_previous)
+        if previous not in (None, node) and await self._live_on(str(previous), uid):
+            await self._swap_index(uid, expected=node, value=str(previous))
+            raise AlreadyReserved(uid, str(previous))
 
         footprint = [
             [u, fp.memory_mib, fp.cores, fp.slots, int(fp.exclusive)]
@@ -293,13 +295,8 @@ class Ledger:
         reply = await self._run("reserve", keys, [uid, json.dumps(record), json.dumps(footprint)])
         if reply[0] == "fail":
             if not await self._live_on(node, uid):
-                await self._drop_index(uid, node)
+                await self._swap_index(uid, expected=node, value=previous or "")
             raise ReservationConflict(node, reply[1], reply[2])
-        owner = await self._get(index_key)
-        if owner != node and owner is not None and await self._live_on(owner, uid):
-            # A concurrent reserve of the same pod on another node won the index.
-            await self._run("release", keys, [uid, "superseded", self.released_retention_ms])
-            raise AlreadyReserved(uid, owner)
         return _placement_from_record(reply[1])
 
     async def mark_bound(self, pod_uid: str) -> Placement:
@@ -406,9 +403,9 @@ class Ledger:
         raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)
         return raw is not None and json.loads(raw)["state"] != PlacementState.RELEASED
 
-    async def _drop_index(self, pod_uid: str, node: str) -> None:
-        """Remove the pod index if it still names ``node`` (another writer may have moved it)."""
-        await self._forget_index(keys=[self.pod_index_key(pod_uid)], args=[node])
+    async def _swap_index(self, pod_uid: str, expected: str, value: str) -> None:
+        """Point the pod index at ``value`` (or delete it for "") if it still names ``expected``."""
+        await self._swap_index_script(keys=[self.pod_index_key(pod_uid)], args=[expected, value])
 
 
 def _gpu_state(node: str, u: str, f: dict[str, str]) -> GpuState:
