@@ -143,19 +143,22 @@ def main() -> None:
         return
     print(f"ledger benchmark  {result['date']}  {result['machine']}")
     print(f"{result['nodes']} nodes, {result['gpus']} GPUs, {result['pairs']} pods")
-    print(f"{'':32}{'p50 ms':>10}{'p99 ms':>10}{'per s':>12}")
-    print(
-        f"{'reserve+release (1 client)':32}{result['reserve_release_p50_ms']:>10.3f}"
-        f"{result['reserve_release_p99_ms']:>10.3f}"
-    )
-    print(
-        f"{'baseline: 5 PINGs (1 client)':32}{result['baseline_p50_ms']:>10.3f}"
-        f"{result['baseline_p99_ms']:>10.3f}"
-    )
     conc = result["concurrency"]
-    print(f"{f'reserve+release ({conc} clients)':32}{'':20}{result['reserve_release_per_s']:>12.0f}")
-    print(f"{f'baseline: 5 PINGs ({conc} clients)':32}{'':20}{result['baseline_per_s']:>12.0f}")
-    print(f"{f'reserve only ({conc} clients)':32}{'':20}{result['reservations_per_s']:>12.0f}")
+    rows = [
+        ("reserve+release (1 client)", "reserve_release", None),
+        ("baseline: 5 PINGs (1 client)", "baseline", None),
+        (f"reserve+release ({conc} clients)", None, "reserve_release_per_s"),
+        (f"baseline: 5 PINGs ({conc} clients)", None, "baseline_per_s"),
+        (f"reserve only ({conc} clients)", None, "reservations_per_s"),
+    ]
+    print(f"{'':34}{'p50 ms':>10}{'p99 ms':>10}{'per s':>12}")
+    for label, latency, rate in rows:
+        cells = (
+            f"{'':20}"
+            if latency is None
+            else (f"{result[latency + '_p50_ms']:>10.3f}{result[latency + '_p99_ms']:>10.3f}")
+        )
+        print(f"{label:34}{cells}{'' if rate is None else format(result[rate], '>12.0f')}")
     print(f"ledger consistent afterwards: {result['consistent']}")
     if not result["consistent"]:
         raise SystemExit(1)

@@ -370,3 +370,18 @@ def test_mangled_events_raise_only_event_error(
         # to_json drops attributes set to null, so compare what goes on the wire
         assert parse_event(event.to_json()).to_json() == event.to_json()
         assert isinstance(event.payload(), PAYLOADS[event.type])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "complaint"),
+    [
+        ({"source": ""}, "source"),
+        ({"source": "/s", "time": datetime(2026, 1, 1)}, "time"),  # naive: no offset
+    ],
+)
+def test_make_event_reports_bad_envelope_values_as_event_errors(
+    kwargs: dict[str, Any], complaint: str
+) -> None:
+    payload = PodDenied(pod=PodRef(uid="u"), reason="r")
+    with pytest.raises(EventError, match=complaint):
+        make_event(EventType.POD_DENIED, payload, **kwargs)

@@ -115,15 +115,18 @@ def make_event(
         raise EventError(
             f"{event_type.value} carries {expected.__name__}, not {type(payload).__name__}"
         )
-    return CloudEvent(
-        specversion="1.0",
-        id=event_id or str(uuid.uuid4()),
-        source=source,
-        type=event_type,
-        time=time or utcnow(),
-        subject=subject,
-        data=payload.model_dump(mode="json"),
-    )
+    try:
+        return CloudEvent(
+            specversion="1.0",
+            id=event_id or str(uuid.uuid4()),
+            source=source,
+            type=event_type,
+            time=time or utcnow(),
+            subject=subject,
+            data=payload.model_dump(mode="json"),
+        )
+    except ValidationError as exc:
+        raise EventError(f"cannot build {event_type.value}: {_describe(exc)}") from None
 
 
 def _describe(exc: ValidationError) -> str:
