@@ -2,7 +2,7 @@
 
 Prints, for one client at a time (latency) and for many concurrent clients
 (throughput), the ledger's numbers beside a baseline measured in the same run:
-the same number of plain Redis round trips (PING), which is the floor any
+the same number (6) of plain Redis round trips (PING), which is the floor any
 network ledger pays.
 
     python bench/ledger_bench.py [--pairs 5000] [--concurrency 64] [--redis-url URL] [--json]
@@ -93,7 +93,7 @@ async def run(url: str, pairs: int, concurrency: int) -> dict[str, Any]:
     async def reserve_only(i: int) -> None:
         await ledger.reserve(placements[i].model_copy(update={"pod": PodRef(uid=f"r-{i}")}))
 
-    round_trips = 5  # reserve: index SET-GET + script; release: index GET + script + EXPIRE
+    round_trips = 6  # reserve: claim, script, confirm; release: index GET, script, mark released
 
     async def baseline(_: int) -> None:
         for _ in range(round_trips):
@@ -146,9 +146,9 @@ def main() -> None:
     conc = result["concurrency"]
     rows = [
         ("reserve+release (1 client)", "reserve_release", None),
-        ("baseline: 5 PINGs (1 client)", "baseline", None),
+        ("baseline: 6 PINGs (1 client)", "baseline", None),
         (f"reserve+release ({conc} clients)", None, "reserve_release_per_s"),
-        (f"baseline: 5 PINGs ({conc} clients)", None, "baseline_per_s"),
+        (f"baseline: 6 PINGs ({conc} clients)", None, "baseline_per_s"),
         (f"reserve only ({conc} clients)", None, "reservations_per_s"),
     ]
     print(f"{'':34}{'p50 ms':>10}{'p99 ms':>10}{'per s':>12}")

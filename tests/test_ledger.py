@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from datetime import timedelta
+
 import pytest
 
 from gpuslice_common.ledger import AlreadyReserved, Ledger, NotReserved, ReservationConflict
@@ -261,3 +265,82 @@ def test_inventory_rejects_duplicate_devices() -> None:
     dev = GpuDevice(uuid="GPU-x", index=0, model="T4", memory_mib=15360)
     with pytest.raises(ValueError, match="unique"):
         NodeInventory(node="n", devices=(dev, dev))
+
+
+async def test_one_pod_raced_onto_two_nodes_ends_on_exactly_one(ledger: Ledger) -> None:
+    for node in ("node-a", "node-b"):
+        await ledger.register_node(make_inventory(node, split_count=1000))
+    uids = [f"pod-{i}" for i in range(150)]
+
+    async def attempt(uid: str, node: str) -> str | None:
+        try:
+            return (await ledger.reserve(placement(uid, node, [[(0, 10, 0)]]))).node
+        except AlreadyReserved:
+            return None
+
+    results = await asyncio.gather(
+        *(attempt(uid, node) for uid in uids for node in ("node-a", "node-b"))
+    )
+    winners = dict(zip([(u, n) for u in uids for n in ("node-a", "node-b")], results, strict=True))
+    for uid in uids:
+        held = [n for n in ("node-a", "node-b") if winners[(uid, n)] is not None]
+        live = [
+            n
+            for n in ("node-a", "node-b")
+            if any(
+                p.pod.uid == uid and p.state != "released" for p in await ledger.node_placements(n)
+            )
+        ]
+        assert live == held
+        assert len(live) == 1, f"{uid} is live on {live}"
+        p = await ledger.placement(uid)
+        assert p is not None
+        assert p.node == live[0]
+    assert await ledger.check_node("node-a") == []
+    assert await ledger.check_node("node-b") == []
+
+
+async def test_a_crashed_reserve_blocks_other_nodes_only_for_the_lease(redis_url: str) -> None:
+    led = Ledger.from_url(redis_url, claim_lease=timedelta(milliseconds=300))
+    try:
+        await led.register_node(make_inventory("node-a"))
+        await led.register_node(make_inventory("node-b"))
+        # a reserve on node-a that died after claiming the index, before its script ran
+        await led._index("claim", "pod-1", "node-a")
+        with pytest.raises(AlreadyReserved) as err:
+            await led.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))
+        assert err.value.node == "node-a"
+        await asyncio.sleep(0.35)
+        p = await led.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))
+        assert p.node == "node-b"
+        # the same on node-a itself is a retry, and needs no wait
+        await led._index("claim", "pod-2", "node-a")
+        assert (await led.reserve(placement("pod-2", "node-a", [[(1, 10, 1)]]))).node == "node-a"
+    finally:
+        await led.close()
+
+
+async def test_a_reserve_that_loses_its_claim_gives_its_cards_back(redis_url: str) -> None:
+    led = Ledger.from_url(redis_url, claim_lease=timedelta(milliseconds=1))
+    try:
+        await led.register_node(make_inventory("node-a"))
+        await led.register_node(make_inventory("node-b"))
+        # node-a's reserve claims the index, then stalls past its lease before confirming
+        [_, mine_a, _] = await led._index("claim", "pod-1", "node-a")
+        await asyncio.sleep(0.01)
+        taken = await led.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))
+        assert taken.node == "node-b"
+        keys = led.node_keys("node-a").all()
+        record = placement("pod-1", "node-a", [[(0, 10, 1)]])
+        fp = [
+            [u, f.memory_mib, f.cores, f.slots, int(f.exclusive)]
+            for u, f in record.footprint().items()
+        ]
+        body = json.dumps(
+            record.model_dump(mode="json", include={"pod", "node", "containers", "policy"})
+        )
+        assert (await led._run("reserve", keys, ["pod-1", body, json.dumps(fp)]))[0] == "ok"
+        [confirmed] = await led._index("confirm", "pod-1", mine_a, "node-a")
+        assert confirmed != "ok"  # the stalled reserve must roll back, as reserve() does
+    finally:
+        await led.close()

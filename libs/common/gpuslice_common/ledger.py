@@ -7,10 +7,15 @@ Cluster. A pod's lifecycle is ``reserved -> bound -> allocated -> released``;
 reserve, bind, allocate and release are idempotent, so a client may retry any of
 them after a dropped connection.
 
-The only key outside a node's slot is the pod index ``<p>:pod:{uid}`` (pod UID ->
-node). It is written before the reservation and checked after it, so a process
-killed in between leaves at worst an index entry pointing at no reservation, which
-every reader treats as absent.
+The only key outside a node's slot is the pod index ``<p>:pod:{uid}``, which says
+on which node a pod is reserved. A reserve claims it for its node, runs the node's
+script, then confirms the claim; the claim and the confirmation are
+compare-and-swaps on that one key (``lua/index.lua``). So of two reserves of one
+pod on two nodes at most one keeps its reservation: a reserve elsewhere is refused
+while the index is live or freshly claimed, a claim older than ``claim_lease``
+whose pod is not live may be taken over, and a reserve that loses its claim before
+confirming releases what it reserved. A process killed mid-reserve blocks that pod
+on other nodes for at most the lease.
 """
 
 from __future__ import annotations
@@ -123,6 +128,11 @@ def _placement_from_record(raw: str) -> Placement:
     return Placement.model_validate(rec)
 
 
+def _index_node(value: str) -> str:
+    """The node named by a pod index value ``<state>:<ms>:<node>``."""
+    return value.split(":", 2)[2] if value.count(":") >= 2 else ""
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -130,10 +140,8 @@ def _text(value: Any) -> str:
 class Ledger:
     """Async access to the ledger. Construct with :meth:`from_url` or a Redis client.
 
-    A pod is reserved by one caller at a time: kube-scheduler binds a pod once per
-    scheduling attempt. A retry on another node is refused while the first
-    reservation is live; two reserves of one pod racing on two nodes are not
-    serialised (the pod index lives in another hash slot than the nodes).
+    Every operation is safe to retry and safe to run concurrently from many
+    processes, including reserves of one pod on different nodes.
     """
 
     def __init__(
@@ -142,16 +150,17 @@ class Ledger:
         prefix: str = "gpuslice",
         released_retention: timedelta = timedelta(hours=1),
         answer_retention: timedelta = timedelta(minutes=10),
+        claim_lease: timedelta = timedelta(seconds=10),
     ) -> None:
         self.redis = redis
         self.prefix = prefix
         self.released_retention_ms = int(released_retention.total_seconds() * 1000)
         self.answer_retention_s = max(1, int(answer_retention.total_seconds()))
+        self.claim_lease_ms = int(claim_lease.total_seconds() * 1000)
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(_script_source(name))
-            for name in ("reserve", "bind", "allocate", "release", "register")
+            for name in ("reserve", "bind", "allocate", "release", "register", "index")
         }
-        self._swap_index_script = redis.register_script(_script_source("swap_index"))
 
     @classmethod
     def from_url(
@@ -273,31 +282,47 @@ class Ledger:
 
         Retrying with the same pod UID returns the live reservation. Raises
         ReservationConflict when a card cannot take it, AlreadyReserved when the
-        pod holds a live reservation on another node.
+        pod is reserved, or being reserved, on another node.
         """
         uid, node = placement.pod.uid, placement.node
-        index_key = self.pod_index_key(uid)
-        raw_previous = await self.redis.set(index_key, node, get=True)
-        previous = None if raw_previous is None else _text(raw_previous)
-        if previous not in (None, node) and await self._live_on(str(previous), uid):
-            await self._swap_index(uid, expected=node, value=str(previous))
-            raise AlreadyReserved(uid, str(previous))
-
+        mine, shared = await self._claim(uid, node)
         footprint = [
             [u, fp.memory_mib, fp.cores, fp.slots, int(fp.exclusive)]
             for u, fp in sorted(placement.footprint().items())
         ]
-        record = placement.model_dump(
-            mode="json",
-            include={"pod", "node", "containers", "policy"},
-        )
+        record = placement.model_dump(mode="json", include={"pod", "node", "containers", "policy"})
         keys = self.node_keys(node).all()
         reply = await self._run("reserve", keys, [uid, json.dumps(record), json.dumps(footprint)])
         if reply[0] == "fail":
-            if not await self._live_on(node, uid):
-                await self._swap_index(uid, expected=node, value=previous or "")
+            if not shared:
+                await self._index("abandon", uid, mine)
             raise ReservationConflict(node, reply[1], reply[2])
+        [confirmed] = await self._index("confirm", uid, mine, node)
+        if confirmed != "ok":
+            # Our claim was taken over (it outlived its lease): the other node wins.
+            await self._run("release", keys, [uid, "claim lost", self.released_retention_ms])
+            raise AlreadyReserved(uid, _index_node(confirmed) or "another node")
         return _placement_from_record(reply[1])
+
+    async def _claim(self, uid: str, node: str) -> tuple[str, bool]:
+        """Claim the pod index for ``node``; returns (our claim, shared with a retry)."""
+        reply = await self._index("claim", uid, node)
+        for _ in range(8):
+            if reply[0] != "busy":
+                return reply[1], reply[1] == reply[2]
+            current, age_ms = reply[1], int(reply[2])
+            if not current:  # the index vanished in between: claim afresh
+                reply = await self._index("claim", uid, node)
+                continue
+            other = _index_node(current)
+            stale = not current.startswith("claimed:") or age_ms >= self.claim_lease_ms
+            if not stale or await self._live_on(other, uid):
+                raise AlreadyReserved(uid, other)
+            reply = await self._index("takeover", uid, current, node)
+        raise AlreadyReserved(uid, "another node (the pod index keeps changing)")
+
+    async def _index(self, op: str, uid: str, *args: Any) -> list[str]:
+        return await self._run("index", [self.pod_index_key(uid)], [op, *args])
 
     async def mark_bound(self, pod_uid: str) -> Placement:
         """Move a reservation to ``bound``: kubelet may now ask to allocate it."""
@@ -330,14 +355,13 @@ class Ledger:
 
     async def release(self, pod_uid: str, reason: str = "") -> Release | None:
         """Give a pod's devices back. Returns None if the ledger never had it."""
-        node = await self._get(self.pod_index_key(pod_uid))
+        node = await self._index_node_of(pod_uid)
         if node is None:
             return None
         keys = self.node_keys(node).all()
         reply = await self._run("release", keys, [pod_uid, reason, self.released_retention_ms])
-        await self.redis.expire(
-            self.pod_index_key(pod_uid), max(1, self.released_retention_ms // 1000)
-        )
+        ttl = max(1, self.released_retention_ms // 1000)
+        await self._index("released", pod_uid, node, ttl)
         if reply[0] == "absent":
             return None
         first = reply[0] == "ok"
@@ -345,7 +369,7 @@ class Ledger:
         return Release(_placement_from_record(reply[1]), first=first, clamped=clamped)
 
     async def placement(self, pod_uid: str) -> Placement | None:
-        node = await self._get(self.pod_index_key(pod_uid))
+        node = await self._index_node_of(pod_uid)
         if node is None:
             return None
         raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)
@@ -393,8 +417,12 @@ class Ledger:
 
     # ------------------------------------------------------------ helpers
 
+    async def _index_node_of(self, pod_uid: str) -> str | None:
+        value = await self._get(self.pod_index_key(pod_uid))
+        return None if value is None else _index_node(value)
+
     async def _node_of(self, pod_uid: str) -> str:
-        node = await self._get(self.pod_index_key(pod_uid))
+        node = await self._index_node_of(pod_uid)
         if node is None:
             raise NotReserved(f"pod {pod_uid} has no reservation")
         return node
@@ -402,10 +430,6 @@ class Ledger:
     async def _live_on(self, node: str, pod_uid: str) -> bool:
         raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)
         return raw is not None and json.loads(raw)["state"] != PlacementState.RELEASED
-
-    async def _swap_index(self, pod_uid: str, expected: str, value: str) -> None:
-        """Point the pod index at ``value`` (or delete it for "") if it still names ``expected``."""
-        await self._swap_index_script(keys=[self.pod_index_key(pod_uid)], args=[expected, value])
 
 
 def _gpu_state(node: str, u: str, f: dict[str, str]) -> GpuState:
