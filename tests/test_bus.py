@@ -249,3 +249,11 @@ async def test_connecting_to_nothing_is_a_clear_error() -> None:
         await Bus.connect(
             settings_for(url, "x"), "test", connect_timeout=0.2, first_connect_wait=0.3
         )
+
+
+async def test_an_event_changed_after_it_was_built_is_refused(bus: Bus) -> None:
+    event = make_event(EventType.POD_DENIED, sample_payload(EventType.POD_DENIED), source="/t")
+    del event.data["reason"]
+    with pytest.raises(BusError, match=r"invalid io\.gpuslice\.pod\.denied"):
+        await bus.publish(event)
+    assert bus.stats.publish_failures == 1

@@ -58,6 +58,7 @@ def test_defaults_load_with_no_environment() -> None:
     assert s.subject_prefix == "gpuslice"
     assert s.ledger_prefix == "gpuslice"
     assert s.audit_max_age == timedelta(days=90)
+    assert s.connect_wait == timedelta(seconds=10)
     assert s.log_level == "INFO"
     assert s.requests.resources == ResourceNames()
     assert s.requests.resources.gpu == "nvidia.com/gpu"
@@ -75,6 +76,7 @@ COMMON_FIELDS: dict[str, tuple[str, Any]] = {
     "subject_prefix": ("my-co", "my-co"),
     "ledger_prefix": ("ledger_1", "ledger_1"),
     "audit_max_age": ("7d", timedelta(days=7)),
+    "connect_wait": ("750ms", timedelta(milliseconds=750)),
     "log_level": ("debug", "DEBUG"),
 }
 

@@ -30,6 +30,7 @@ from gpuslice_common.models import (
     NodeInventory,
     Placement,
     PodGpuRequest,
+    utcnow,
 )
 from gpuslice_common.requests import parse_pod
 
@@ -135,6 +136,7 @@ async def run_scenario(settings: CommonSettings, console: Console) -> Outcome:
     bus = await Bus.connect(settings, "smoke")
     ledger = Ledger.from_url(settings.redis_url, settings.ledger_prefix)
     try:
+        started = utcnow()
         await bus.ensure_audit_stream(timedelta(days=1))
         for inv in NODES:
             await ledger.register_node(inv)
@@ -215,7 +217,7 @@ async def run_scenario(settings: CommonSettings, console: Console) -> Outcome:
                 f"ledger of {inv.node} is consistent", await ledger.check_node(inv.node) == []
             )
 
-        audit = await bus.read_audit()
+        audit = [e for e in await bus.read_audit(since=started) if e.source == bus.source]
         table = Table(title="audit stream")
         for col in ("time", "type", "pod", "reason"):
             table.add_column(col)

@@ -81,13 +81,16 @@ class Bus:
         *,
         connect_timeout: float = 2.0,
         reconnect_wait: float = 0.5,
-        first_connect_wait: float = 10.0,
+        first_connect_wait: float | None = None,
     ) -> Bus:
         """Connect, reconnecting forever after a drop. ``name`` identifies the component.
 
         The first connection is tried for about ``first_connect_wait`` seconds
-        before BusError; once connected, a lost server is retried without end.
+        (default: the ``connect_wait`` setting) before BusError; once connected, a
+        lost server is retried without end.
         """
+        if first_connect_wait is None:
+            first_connect_wait = settings.connect_wait.total_seconds()
         stats = BusStats()
 
         async def on_error(exc: Exception) -> None:
@@ -147,7 +150,7 @@ class Bus:
         The event id doubles as ``Nats-Msg-Id``, so the audit stream stores a
         retried event once.
         """
-        subject = self.subjects.event(event.type)
+        subject = self._checked_subject(event)
         try:
             await self.nc.publish(subject, event.to_json(), headers={"Nats-Msg-Id": event.id})
         except (NatsError, OSError) as exc:
@@ -157,7 +160,7 @@ class Bus:
 
     async def publish_acked(self, event: CloudEvent, timeout: float = 2.0) -> int:
         """Publish and wait until the audit stream has stored it; returns its sequence."""
-        subject = self.subjects.event(event.type)
+        subject = self._checked_subject(event)
         try:
             ack = await self.js.publish(
                 subject, event.to_json(), timeout=timeout, headers={"Nats-Msg-Id": event.id}
@@ -167,6 +170,15 @@ class Bus:
             raise BusError(f"audit stream did not store {event.type.value}: {exc!r}") from None
         self.stats.published += 1
         return int(ack.seq)
+
+    def _checked_subject(self, event: CloudEvent) -> str:
+        """Validate the payload once more (its dict may have been changed) and route it."""
+        try:
+            event.payload()
+        except ValidationError as exc:
+            self.stats.publish_failures += 1
+            raise BusError(f"refusing to publish an invalid {event.type.value}: {exc}") from None
+        return self.subjects.event(event.type)
 
     async def publish_model(self, subject: str, message: BaseModel) -> None:
         """Publish a typed non-event message (inventories, telemetry)."""

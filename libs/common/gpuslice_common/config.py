@@ -107,6 +107,9 @@ class CommonSettings(BaseSettings):
     audit_max_age: Annotated[timedelta, Field(description="retention of the audit stream")] = (
         timedelta(days=90)
     )
+    connect_wait: Annotated[
+        timedelta, Field(description="how long a component waits for NATS at start-up")
+    ] = timedelta(seconds=10)
     log_level: str = "INFO"
     requests: RequestSettings = RequestSettings()
 
@@ -132,7 +135,7 @@ class CommonSettings(BaseSettings):
             raise ValueError(f"must be one token of letters, digits, '-' or '_': {value!r}")
         return value
 
-    @field_validator("audit_max_age", mode="before")
+    @field_validator("audit_max_age", "connect_wait", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> timedelta:
         return parse_duration(value)
