@@ -42,12 +42,13 @@ container and the resource (or the annotation) at fault.
 from __future__ import annotations
 
 import decimal
+import enum
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from pydantic import ValidationError
 
@@ -439,18 +440,29 @@ def _numa_bind(annotations: Mapping[str, str]) -> bool:
     return value.lower() == "true"
 
 
-def _vgpu_mode(annotations: Mapping[str, str]) -> VgpuMode:
-    found = _annotation(annotations, ANNOTATIONS.vgpu_mode)
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def _choice(
+    annotations: Mapping[str, str], key: AnnotationKey, kind: type[E], what: str
+) -> E | None:
+    """An annotation whose value must be one of ``kind``'s values (case-insensitive)."""
+    found = _annotation(annotations, key)
     if found is None:
-        return VgpuMode.HAMI_CORE
-    key, value = found
+        return None
+    name, value = found
     try:
-        return VgpuMode(value.lower())
+        return kind(value.lower())
     except ValueError:
-        accepted = ", ".join(mode.value for mode in VgpuMode)
+        accepted = ", ".join(member.value for member in kind)
         raise RequestError(
-            f"annotation {key}: unknown vGPU mode {_clip(value)}; accepted: {accepted}"
+            f"annotation {name}: unknown {what} {_clip(value)}; accepted: {accepted}"
         ) from None
+
+
+def _vgpu_mode(annotations: Mapping[str, str]) -> VgpuMode:
+    mode = _choice(annotations, ANNOTATIONS.vgpu_mode, VgpuMode, "vGPU mode")
+    return VgpuMode.HAMI_CORE if mode is None else mode
 
 
 def _gpu_policy(annotations: Mapping[str, str]) -> tuple[GpuPolicy | None, bool, list[str]]:
@@ -472,17 +484,7 @@ def _gpu_policy(annotations: Mapping[str, str]) -> tuple[GpuPolicy | None, bool,
 
 
 def _node_policy(annotations: Mapping[str, str]) -> NodePolicy | None:
-    found = _annotation(annotations, ANNOTATIONS.node_policy)
-    if found is None:
-        return None
-    key, value = found
-    try:
-        return NodePolicy(value.lower())
-    except ValueError:
-        accepted = ", ".join(p.value for p in NodePolicy)
-        raise RequestError(
-            f"annotation {key}: unknown node policy {_clip(value)}; accepted: {accepted}"
-        ) from None
+    return _choice(annotations, ANNOTATIONS.node_policy, NodePolicy, "node policy")
 
 
 # ---------------------------------------------------------------- pods
