@@ -306,7 +306,7 @@ async def test_a_crashed_reserve_blocks_other_nodes_only_for_the_lease(redis_url
         await led.register_node(make_inventory("node-a"))
         await led.register_node(make_inventory("node-b"))
         # a reserve on node-a that died after claiming the index, before its script ran
-        await led._index("claim", "pod-1", "node-a")
+        await led._index("claim", "pod-1", "node-a", "crashed")
         with pytest.raises(AlreadyReserved) as err:
             await led.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))
         assert err.value.node == "node-a"
@@ -314,7 +314,7 @@ async def test_a_crashed_reserve_blocks_other_nodes_only_for_the_lease(redis_url
         p = await led.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))
         assert p.node == "node-b"
         # the same on node-a itself is a retry, and needs no wait
-        await led._index("claim", "pod-2", "node-a")
+        await led._index("claim", "pod-2", "node-a", "crashed")
         assert (await led.reserve(placement("pod-2", "node-a", [[(1, 10, 1)]]))).node == "node-a"
     finally:
         await led.close()
@@ -326,7 +326,7 @@ async def test_a_reserve_that_loses_its_claim_gives_its_cards_back(redis_url: st
         await led.register_node(make_inventory("node-a"))
         await led.register_node(make_inventory("node-b"))
         # node-a's reserve claims the index, then stalls past its lease before confirming
-        [_, mine_a, _] = await led._index("claim", "pod-1", "node-a")
+        [_, mine_a, _] = await led._index("claim", "pod-1", "node-a", "crashed")
         await asyncio.sleep(0.01)
         taken = await led.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))
         assert taken.node == "node-b"
@@ -344,3 +344,68 @@ async def test_a_reserve_that_loses_its_claim_gives_its_cards_back(redis_url: st
         assert confirmed != "ok"  # the stalled reserve must roll back, as reserve() does
     finally:
         await led.close()
+
+
+async def test_a_reserve_slipping_into_a_release_leaves_nothing_unreachable(ledger: Ledger) -> None:
+    for node in ("node-a", "node-b"):
+        await ledger.register_node(make_inventory(node))
+    p_a = placement("pod-1", "node-a", [[(0, 4000, 30)]])
+    await ledger.reserve(p_a)
+    # a release marks the index released, then a scheduler retry reserves on node-a
+    # before the release frees the cards
+    value = await ledger._get(ledger.pod_index_key("pod-1"))
+    assert value is not None
+    assert (await ledger._index("release", "pod-1", value, 60)) == ["ok"]
+    await ledger.reserve(p_a)
+    await ledger._free("node-a", "pod-1", "pod deleted")
+    # the pod may now go to node-b, and nothing stays behind on node-a
+    moved = await ledger.reserve(placement("pod-1", "node-b", [[(1, 1000, 10)]]))
+    assert moved.node == "node-b"
+    assert await usage(ledger, "node-a") == [(0, 0, 0, None), (0, 0, 0, None)]
+    assert await ledger.check_node("node-a") == []
+    assert await ledger.check_node("node-b") == []
+
+
+async def test_a_release_killed_halfway_is_finished_by_the_next_reserve(ledger: Ledger) -> None:
+    for node in ("node-a", "node-b"):
+        await ledger.register_node(make_inventory(node))
+    await ledger.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)]]))
+    value = await ledger._get(ledger.pod_index_key("pod-1"))
+    assert value is not None
+    await ledger._index("release", "pod-1", value, 60)  # then the releasing process died
+    assert await ledger.check_node("node-a") != []  # detected: live here, index says released
+    moved = await ledger.reserve(placement("pod-1", "node-b", [[(0, 1000, 10)]]))
+    assert moved.node == "node-b"
+    assert await usage(ledger, "node-a") == [(0, 0, 0, None), (0, 0, 0, None)]
+    assert await ledger.check_node("node-a") == []
+
+
+async def test_two_reserves_on_one_node_share_a_takeover(redis_url: str) -> None:
+    led = Ledger.from_url(redis_url, claim_lease=timedelta(milliseconds=1))
+    try:
+        for node in ("node-a", "node-b"):
+            await led.register_node(make_inventory(node))
+        await led._index("claim", "pod-1", "node-a", "crashed")
+        await asyncio.sleep(0.01)
+        p = placement("pod-1", "node-b", [[(0, 1000, 10)]])
+        results = await asyncio.gather(led.reserve(p), led.reserve(p))
+        assert [r.node for r in results] == ["node-b", "node-b"]
+        assert await usage(led, "node-b") == [(1000, 10, 1, None), (0, 0, 0, None)]
+    finally:
+        await led.close()
+
+
+async def test_a_resent_claim_is_still_ours_and_is_abandoned_on_failure(ledger: Ledger) -> None:
+    for node in ("node-a", "node-b"):
+        await ledger.register_node(make_inventory(node))
+    first = await ledger._index("claim", "pod-1", "node-a", "tok")
+    again = await ledger._index("claim", "pod-1", "node-a", "tok")  # reply was lost; re-sent
+    assert first[1] == again[1]
+    assert again[2] == ""  # not "shared": this call owns the claim
+    other = await ledger._index("claim", "pod-1", "node-a", "other-call")
+    assert other[2] == other[1]  # a different call on the same node shares it
+    await ledger._index("abandon", "pod-1", first[1])
+    with pytest.raises(ReservationConflict):
+        await ledger.reserve(placement("pod-1", "node-a", [[(0, 99999, 10)]]))
+    # the failed reserve left no claim behind: node-b is free to take the pod at once
+    assert (await ledger.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))).node == "node-b"

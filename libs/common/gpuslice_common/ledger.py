@@ -129,8 +129,9 @@ def _placement_from_record(raw: str) -> Placement:
 
 
 def _index_node(value: str) -> str:
-    """The node named by a pod index value ``<state>:<ms>:<node>``."""
-    return value.split(":", 2)[2] if value.count(":") >= 2 else ""
+    """The node named by a pod index value ``<state>:<ms>:<token>:<node>``."""
+    parts = value.split(":", 3)
+    return parts[3] if len(parts) == 4 else ""
 
 
 def _text(value: Any) -> str:
@@ -300,26 +301,42 @@ class Ledger:
         [confirmed] = await self._index("confirm", uid, mine, node)
         if confirmed != "ok":
             # Our claim was taken over (it outlived its lease): the other node wins.
-            await self._run("release", keys, [uid, "claim lost", self.released_retention_ms])
+            await self._free(node, uid, "claim lost")
             raise AlreadyReserved(uid, _index_node(confirmed) or "another node")
         return _placement_from_record(reply[1])
 
     async def _claim(self, uid: str, node: str) -> tuple[str, bool]:
-        """Claim the pod index for ``node``; returns (our claim, shared with a retry)."""
-        reply = await self._index("claim", uid, node)
+        """Claim the pod index for ``node``; returns (our claim, shared with another call)."""
+        token = uuid.uuid4().hex[:16]
+        reply = await self._index("claim", uid, node, token)
         for _ in range(8):
             if reply[0] != "busy":
-                return reply[1], reply[1] == reply[2]
+                mine, previous = reply[1], reply[2]
+                await self._finish_interrupted_release(uid, previous, node)
+                return mine, mine == previous
             current, age_ms = reply[1], int(reply[2])
             if not current:  # the index vanished in between: claim afresh
-                reply = await self._index("claim", uid, node)
+                reply = await self._index("claim", uid, node, token)
                 continue
             other = _index_node(current)
+            if other == node:  # another call for this node claimed it first: share it
+                return current, True
             stale = not current.startswith("claimed:") or age_ms >= self.claim_lease_ms
             if not stale or await self._live_on(other, uid):
                 raise AlreadyReserved(uid, other)
-            reply = await self._index("takeover", uid, current, node)
+            reply = await self._index("takeover", uid, current, node, token)
         raise AlreadyReserved(uid, "another node (the pod index keeps changing)")
+
+    async def _finish_interrupted_release(self, uid: str, previous: str, node: str) -> None:
+        """A release marks the index first; if it died before freeing the cards, free them."""
+        other = _index_node(previous)
+        if previous.startswith("released:") and other != node and await self._live_on(other, uid):
+            await self._free(other, uid, "interrupted release")
+
+    async def _free(self, node: str, uid: str, reason: str) -> list[str]:
+        """Run the release script for ``uid`` on ``node``."""
+        keys = self.node_keys(node).all()
+        return await self._run("release", keys, [uid, reason, self.released_retention_ms])
 
     async def _index(self, op: str, uid: str, *args: Any) -> list[str]:
         return await self._run("index", [self.pod_index_key(uid)], [op, *args])
@@ -354,14 +371,24 @@ class Ledger:
         return Allocation(placement=placement, container_index=int(answer["index"]))
 
     async def release(self, pod_uid: str, reason: str = "") -> Release | None:
-        """Give a pod's devices back. Returns None if the ledger never had it."""
-        node = await self._index_node_of(pod_uid)
-        if node is None:
-            return None
-        keys = self.node_keys(node).all()
-        reply = await self._run("release", keys, [pod_uid, reason, self.released_retention_ms])
+        """Give a pod's devices back. Returns None if the ledger never had it.
+
+        The index is marked released first (compare-and-swap on the value read),
+        then the node's cards are freed: a reserve that slips in between finds the
+        pod released and claims afresh, so no live reservation is left unreachable.
+        """
         ttl = max(1, self.released_retention_ms // 1000)
-        await self._index("released", pod_uid, node, ttl)
+        key = self.pod_index_key(pod_uid)
+        for _ in range(8):
+            value = await self._get(key)
+            if value is None:
+                return None
+            [marked] = await self._index("release", pod_uid, value, ttl)
+            if marked == "ok":
+                break
+        else:
+            raise LedgerError(f"the index of pod {pod_uid} keeps changing; release not done")
+        reply = await self._free(_index_node(value), pod_uid, reason)
         if reply[0] == "absent":
             return None
         first = reply[0] == "ok"
@@ -386,6 +413,7 @@ class Ledger:
         pipe.hgetall(keys.gpus)
         pipe.hgetall(keys.pods)
         gpus, pods = await pipe.execute()
+        problems = await self._index_mismatches(node, pods)
         expected: dict[str, list[int]] = {}
         owners: dict[str, str] = {}
         for uid, raw in pods.items():
@@ -399,7 +427,6 @@ class Ledger:
                 acc[2] += slots
                 if excl:
                     owners[u] = uid
-        problems = []
         uuids = {k.split("|", 1)[0] for k in gpus}
         for u in sorted(uuids | set(expected)):
             used = [int(gpus.get(f"{u}|{f}", 0)) for f in ("mem", "cores", "slots")]
@@ -414,6 +441,23 @@ class Ledger:
             if gpus.get(f"{u}|owner", "") != owners.get(u, ""):
                 problems.append(f"{node}/{u}: exclusive owner differs from reservations")
         return problems
+
+    async def _index_mismatches(self, node: str, pods: dict[str, str]) -> list[str]:
+        """Live reservations on ``node`` that the pod index does not lead to, or calls released."""
+        live = [uid for uid, raw in pods.items() if json.loads(raw)["state"] != "released"]
+        if not live:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for uid in live:
+            pipe.get(self.pod_index_key(uid))
+        values = await pipe.execute()
+        return [
+            f"{node}: pod {uid} is reserved here but its index says {value!r}"
+            for uid, value in zip(live, values, strict=True)
+            if value is None
+            or _index_node(_text(value)) != node
+            or _text(value).startswith("released:")
+        ]
 
     # ------------------------------------------------------------ helpers
 

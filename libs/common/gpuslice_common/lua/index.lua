@@ -1,52 +1,64 @@
--- The pod index KEYS[1] (pod UID -> node), as "<state>:<ms>:<node>" with state
--- claimed | live | released. Every change is a compare-and-swap on this one key,
--- so of two reserves of one pod on two nodes at most one can confirm.
+-- The pod index KEYS[1] (pod UID -> node), as "<state>:<ms>:<token>:<node>" with
+-- state claimed | live | released and token naming the reserve call that claimed it.
+-- Every change is a compare-and-swap on this one key, so of two reserves of one
+-- pod on two nodes at most one can confirm.
 -- ARGV[1] is the operation:
---   claim    ARGV[2] node  -> {'ok', mine, previous} | {'busy', current, age ms}
---   takeover ARGV[2] expected value, ARGV[3] node -> {'ok', mine, previous} | {'busy', current, '0'}
+--   claim    ARGV[2] node, ARGV[3] token -> {'ok', mine, previous} | {'busy', current, age ms}
+--   takeover ARGV[2] expected, ARGV[3] node, ARGV[4] token -> like claim
 --   confirm  ARGV[2] mine, ARGV[3] node -> 'ok' | current value ('' if none)
 --   abandon  ARGV[2] mine -> deletes the index if it still holds mine
---   released ARGV[2] node, ARGV[3] ttl seconds -> marks the pod released on node
+--   release  ARGV[2] expected, ARGV[3] ttl seconds -> 'ok' | current value ('' if none)
 local op = ARGV[1]
 local cur = redis.call('GET', KEYS[1])
 
 local function parse(v)
-  local s, t, n = string.match(v, '^(%a+):(%d+):(.*)$')
-  return s, tonumber(t), n
+  local s, t, token, n = string.match(v, '^(%a+):(%d+):([%w]*):(.*)$')
+  return s, tonumber(t), token, n
 end
 
-local function claim_for(node)
-  local mine = 'claimed:' .. now_ms() .. ':' .. node
+local function age(v)
+  local _, t = parse(v)
+  return tostring(now_ms() - (t or 0))
+end
+
+local function claim_for(node, token)
+  local mine = 'claimed:' .. now_ms() .. ':' .. token .. ':' .. node
   redis.call('SET', KEYS[1], mine)
   return mine
 end
 
 if op == 'claim' then
-  local node = ARGV[2]
+  local node, token = ARGV[2], ARGV[3]
   if not cur then
-    return {'ok', claim_for(node), ''}
+    return {'ok', claim_for(node, token), ''}
   end
-  local s, t, n = parse(cur)
+  local s, _, their_token, n = parse(cur)
   if s == 'released' then
-    return {'ok', claim_for(node), cur}
+    return {'ok', claim_for(node, token), cur}
   end
   if n == node then
-    return {'ok', cur, cur}
+    if their_token == token then
+      return {'ok', cur, ''}  -- a re-sent claim of this very call
+    end
+    return {'ok', cur, cur}  -- another call for the same node: share its claim
   end
-  return {'busy', cur, tostring(now_ms() - t)}
+  return {'busy', cur, age(cur)}
 elseif op == 'takeover' then
   if cur ~= ARGV[2] then
-    return {'busy', cur or '', '0'}
+    if not cur then
+      return {'busy', '', '0'}
+    end
+    return {'busy', cur, age(cur)}
   end
-  return {'ok', claim_for(ARGV[3]), cur}
+  return {'ok', claim_for(ARGV[3], ARGV[4]), cur}
 elseif op == 'confirm' then
   if cur == ARGV[2] then
-    local _, t, n = parse(cur)
-    redis.call('SET', KEYS[1], 'live:' .. t .. ':' .. n)
+    local _, t, token, n = parse(cur)
+    redis.call('SET', KEYS[1], 'live:' .. t .. ':' .. token .. ':' .. n)
     return 'ok'
   end
   if cur then
-    local s, _, n = parse(cur)
+    local s, _, _, n = parse(cur)
     if s == 'live' and n == ARGV[3] then
       return 'ok'
     end
@@ -57,13 +69,13 @@ elseif op == 'abandon' then
     redis.call('DEL', KEYS[1])
   end
   return 'ok'
-elseif op == 'released' then
-  if cur then
-    local _, _, n = parse(cur)
-    if n == ARGV[2] then
-      redis.call('SET', KEYS[1], 'released:' .. now_ms() .. ':' .. n, 'EX', tonumber(ARGV[3]))
-    end
+elseif op == 'release' then
+  if cur ~= ARGV[2] then
+    return cur or ''
   end
+  local _, _, token, n = parse(cur)
+  redis.call('SET', KEYS[1], 'released:' .. now_ms() .. ':' .. token .. ':' .. n,
+    'EX', tonumber(ARGV[3]))
   return 'ok'
 end
 return redis.error_reply('unknown index operation ' .. tostring(op))
