@@ -257,3 +257,35 @@ async def test_an_event_changed_after_it_was_built_is_refused(bus: Bus) -> None:
     with pytest.raises(BusError, match=r"invalid io\.gpuslice\.pod\.denied"):
         await bus.publish(event)
     assert bus.stats.publish_failures == 1
+
+
+async def test_audit_refuses_a_stream_that_would_drop_old_events(bus: Bus) -> None:
+    await bus.js.add_stream(
+        StreamConfig(
+            name=bus.subjects.audit_stream,
+            subjects=[bus.subjects.events_all],
+            storage=StorageType.FILE,
+            deny_delete=True,
+            deny_purge=True,
+            max_msgs=3,
+        )
+    )
+    with pytest.raises(BusError, match="max_msgs is 3"):
+        await bus.ensure_audit_stream(timedelta(days=1))
+
+
+async def test_a_short_retention_gets_a_matching_duplicate_window(bus: Bus) -> None:
+    info = await bus.ensure_audit_stream(timedelta(seconds=30))
+    assert info.config.max_age == 30
+    assert info.config.duplicate_window == 30
+
+
+async def test_reading_a_subject_with_no_events_returns_at_once(bus: Bus) -> None:
+    await bus.ensure_audit_stream(timedelta(days=1))
+    t = EventType.ALLOC_BOUND
+    await bus.publish_acked(make_event(t, sample_payload(t), source=bus.source))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await bus.read_audit(subject=bus.subjects.event(EventType.ALLOC_FAILED)) == []
+    assert loop.time() - started < 1.0
+    assert len(await bus.read_audit(subject=bus.subjects.event(t))) == 1

@@ -409,3 +409,26 @@ async def test_a_resent_claim_is_still_ours_and_is_abandoned_on_failure(ledger: 
         await ledger.reserve(placement("pod-1", "node-a", [[(0, 99999, 10)]]))
     # the failed reserve left no claim behind: node-b is free to take the pod at once
     assert (await ledger.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))).node == "node-b"
+
+
+def test_native_sidecars_count_beside_later_init_containers_and_the_apps() -> None:
+    def c(name: str, mem: int, *, init: bool = False, sidecar: bool = False) -> ContainerAssignment:
+        grant = DeviceGrant(uuid="GPU-0", memory_mib=mem, cores=0)
+        return ContainerAssignment(name=name, init=init, sidecar=sidecar, devices=(grant,))
+
+    def peak(*containers: ContainerAssignment) -> int:
+        p = Placement(pod=PodRef(uid="u"), node="n", containers=containers)
+        return p.footprint()["GPU-0"].memory_mib
+
+    # sidecar 8 GiB beside an 8 GiB app: 16 GiB, not max(8, 8)
+    assert peak(c("proxy", 8192, init=True, sidecar=True), c("app", 8192)) == 16384
+    # a plain init container before the sidecar runs alone; after it, beside it
+    assert peak(c("setup", 10000, init=True), c("proxy", 1000, init=True, sidecar=True)) == 10000
+    assert (
+        peak(c("proxy", 1000, init=True, sidecar=True), c("setup", 10000, init=True), c("app", 500))
+        == 11000
+    )
+    # without sidecars: max(sum of apps, largest init container)
+    assert (
+        peak(c("i1", 3000, init=True), c("i2", 5000, init=True), c("a", 2000), c("b", 2000)) == 5000
+    )

@@ -860,3 +860,27 @@ def test_parse_quantity_rejects(value: object) -> None:
     with pytest.raises(RequestError):
         parse_quantity(value)
     assert time.perf_counter() - started < 0.1
+
+
+def test_an_init_container_that_restarts_always_is_a_sidecar() -> None:
+    pod = {
+        "metadata": {"uid": "u1", "name": "p"},
+        "spec": {
+            "initContainers": [
+                {
+                    "name": "proxy",
+                    "restartPolicy": "Always",
+                    "resources": {"limits": {"nvidia.com/gpumem": 1000}},
+                },
+                {"name": "setup", "resources": {"limits": {"nvidia.com/gpumem": 2000}}},
+            ],
+            "containers": [{"name": "app", "resources": {"limits": {"nvidia.com/gpumem": 3000}}}],
+        },
+    }
+    parsed = parse_pod(pod)
+    assert parsed is not None
+    assert [(c.name, c.init, c.sidecar) for c in parsed.containers] == [
+        ("proxy", True, True),
+        ("setup", True, False),
+        ("app", False, False),
+    ]

@@ -99,7 +99,9 @@ def grants(request: PodGpuRequest, gpus: list[GpuState], cards: list[int]) -> Pl
             for i in cards[: c.count]
         )
         containers.append(
-            ContainerAssignment(name=c.name, init=c.init, devices=devs, priority=c.priority)
+            ContainerAssignment(
+                name=c.name, init=c.init, sidecar=c.sidecar, devices=devs, priority=c.priority
+            )
         )
     return Placement(
         pod=request.pod, node=gpus[0].node, containers=tuple(containers), policy="manual"

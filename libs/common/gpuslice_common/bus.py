@@ -9,6 +9,7 @@ counted the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -257,7 +258,7 @@ class Bus:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=max_age.total_seconds(),
-            duplicate_window=DEDUP_WINDOW.total_seconds(),
+            duplicate_window=min(DEDUP_WINDOW, max_age).total_seconds(),
             deny_delete=True,
             deny_purge=True,
         )
@@ -287,11 +288,25 @@ class Bus:
             problems.append("it allows deleting or purging messages")
         if have.retention != RetentionPolicy.LIMITS:
             problems.append(f"retention is {have.retention}, not limits")
+        for limit in ("max_msgs", "max_bytes", "max_msgs_per_subject"):
+            if (getattr(have, limit) or -1) > 0:
+                problems.append(f"{limit} is {getattr(have, limit)}: old events would be dropped")
         if problems:
             raise BusError(f"existing stream {name} is unfit for audit: " + "; ".join(problems))
-        if set(have.subjects or []) != {self.subjects.events_all} or have.max_age != wanted.max_age:
+        if (
+            set(have.subjects or []) != {self.subjects.events_all}
+            or have.max_age != wanted.max_age
+            or have.duplicate_window != wanted.duplicate_window
+        ):
+            # change only what this component owns; replicas and placement stay as set
+            updated = dataclasses.replace(
+                have,
+                subjects=wanted.subjects,
+                max_age=wanted.max_age,
+                duplicate_window=wanted.duplicate_window,
+            )
             try:
-                return await self.js.update_stream(wanted)
+                return await self.js.update_stream(updated)
             except NatsError as exc:
                 raise BusError(f"cannot update audit stream {name}: {exc}") from None
         return info
@@ -300,39 +315,50 @@ class Bus:
         self,
         since: datetime | None = None,
         subject: str | None = None,
-        timeout: float = 2.0,
+        timeout: float = 5.0,
     ) -> list[CloudEvent]:
         """Every event stored in the audit stream (since a time, on a subject), in order.
 
-        Stored messages that do not parse are counted as malformed and skipped.
+        Stored messages that do not parse are counted as malformed and skipped. If
+        the stream stops delivering before the last matching event, BusError is
+        raised rather than a silently shortened list.
         """
         name = self.subjects.audit_stream
-        try:
-            info = await self.js.stream_info(name)
-        except NotFoundError:
-            raise BusError(f"audit stream {name} does not exist") from None
-        if info.state.messages == 0:
-            return []
         config = ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_TIME if since else DeliverPolicy.ALL,
             opt_start_time=since,
         )
-        sub = await self.js.subscribe(
-            subject or self.subjects.events_all, stream=name, ordered_consumer=True, config=config
-        )
         events: list[CloudEvent] = []
         try:
-            while True:
+            info = await self.js.stream_info(name)
+            if info.state.messages == 0:
+                return []
+            sub = await self.js.subscribe(
+                subject or self.subjects.events_all,
+                stream=name,
+                ordered_consumer=True,
+                config=config,
+            )
+        except NotFoundError:
+            raise BusError(f"audit stream {name} does not exist") from None
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+        try:
+            pending = (await sub.consumer_info()).num_pending
+            while pending or sub.pending_msgs:
                 try:
                     msg = await sub.next_msg(timeout)
                 except NatsTimeoutError:
-                    break
+                    raise BusError(
+                        f"audit stream {name} stopped delivering after {len(events)} events"
+                    ) from None
                 try:
                     events.append(parse_event(msg.data))
                 except EventError as exc:
                     self._malformed(msg.subject, str(exc))
-                if msg.metadata.num_pending == 0:
-                    break
+                pending = msg.metadata.num_pending
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
         finally:
             await sub.unsubscribe()
         return events

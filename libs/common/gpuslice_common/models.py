@@ -136,6 +136,7 @@ class ContainerGpuRequest(Frozen):
 
     name: Annotated[str, Field(min_length=1)]
     init: bool = False
+    sidecar: bool = False  # an init container with restartPolicy Always: runs beside the apps
     count: Annotated[int, Field(ge=1)]
     memory: MemoryRequest
     cores: Percent = 0
@@ -227,6 +228,7 @@ class DeviceGrant(Frozen):
 class ContainerAssignment(Frozen):
     name: str
     init: bool = False
+    sidecar: bool = False
     devices: tuple[DeviceGrant, ...]
     priority: Literal[0, 1] = 1
 
@@ -316,22 +318,46 @@ class Placement(Frozen):
     def footprint(self) -> dict[str, DeviceFootprint]:
         """Per card, the most this pod holds at any moment.
 
-        Init containers run one at a time before the app containers, which run
-        together: a card carries max(sum of app containers, largest init container).
+        Kubernetes runs a pod in phases: each plain init container alone beside
+        the sidecars started before it (init containers with restartPolicy
+        Always), then the app containers together beside every sidecar. A card
+        carries the maximum over those phases.
         """
+        sidecars: dict[str, DeviceFootprint] = {}
         apps: dict[str, DeviceFootprint] = {}
-        inits: dict[str, DeviceFootprint] = {}
+        peak: dict[str, DeviceFootprint] = {}
+
+        def observe(phase: dict[str, DeviceFootprint]) -> None:
+            for uuid, fp in phase.items():
+                peak[uuid] = peak.get(uuid, DeviceFootprint()).peak(fp)
+
         for container in self.containers:
-            for grant in container.devices:
-                if container.init:
-                    single = DeviceFootprint().plus(grant)
-                    inits[grant.uuid] = inits.get(grant.uuid, DeviceFootprint()).peak(single)
-                else:
-                    apps[grant.uuid] = apps.get(grant.uuid, DeviceFootprint()).plus(grant)
-        result = dict(apps)
-        for uuid, fp in inits.items():
-            result[uuid] = result.get(uuid, DeviceFootprint()).peak(fp)
-        return result
+            if container.sidecar:
+                _add(sidecars, container.devices)
+                observe(sidecars)
+            elif container.init:
+                observe(_add(dict(sidecars), container.devices))
+            else:
+                _add(apps, container.devices)
+        together = dict(sidecars)
+        for uuid, fp in apps.items():
+            base = together.get(uuid, DeviceFootprint())
+            together[uuid] = DeviceFootprint(
+                memory_mib=base.memory_mib + fp.memory_mib,
+                cores=base.cores + fp.cores,
+                slots=base.slots + fp.slots,
+                exclusive=base.exclusive or fp.exclusive,
+            )
+        observe(together)
+        return peak
+
+
+def _add(
+    phase: dict[str, DeviceFootprint], grants: tuple[DeviceGrant, ...]
+) -> dict[str, DeviceFootprint]:
+    for grant in grants:
+        phase[grant.uuid] = phase.get(grant.uuid, DeviceFootprint()).plus(grant)
+    return phase
 
 
 # ---------------------------------------------------------------- telemetry

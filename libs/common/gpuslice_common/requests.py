@@ -26,7 +26,9 @@ Rules applied to each container (init containers included):
   the whole card. Cores default to ``defaults.cores``, priority to
   ``defaults.priority``.
 * Container names are non-empty and unique across init and app containers. The
-  result lists init containers first, then app containers, each in spec order.
+  result lists init containers first, then app containers, each in spec order. An
+  init container with ``restartPolicy: Always`` (a native sidecar) is flagged
+  ``sidecar``: it keeps running beside the app containers.
 
 Pod annotations (see :data:`ANNOTATIONS`) are read in HAMi's form and in gpuslice's
 ``gpuslice.io/...`` form; when both are present the gpuslice one wins. Annotation
@@ -326,7 +328,7 @@ def _set_together(names: Sequence[str]) -> str:
 
 
 def _build_container(
-    name: str, init: bool, amounts: Mapping[str, int], settings: RequestSettings
+    name: str, init: bool, sidecar: bool, amounts: Mapping[str, int], settings: RequestSettings
 ) -> tuple[ContainerGpuRequest | None, list[str]]:
     """Apply HAMi's defaults to one container's amounts; also return its warnings."""
     names, defaults = settings.resources, settings.defaults
@@ -368,6 +370,7 @@ def _build_container(
     request = ContainerGpuRequest(
         name=name,
         init=init,
+        sidecar=sidecar,
         count=count if count is not None else defaults.gpu_count,
         memory=memory,
         cores=cores if cores is not None else defaults.cores,
@@ -381,8 +384,9 @@ def _parse_named_container(
 ) -> tuple[ContainerGpuRequest | None, list[str]]:
     label = f"container {name!r}"
     amounts = _amounts(container, label, settings.resources)
+    sidecar = init and container.get("restartPolicy") == "Always"
     try:
-        return _build_container(name, init, amounts, settings)
+        return _build_container(name, init, sidecar, amounts, settings)
     except ValidationError as exc:
         raise RequestError(f"{label}: invalid GPU request ({_first_error(exc)})") from None
 

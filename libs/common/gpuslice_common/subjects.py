@@ -72,5 +72,5 @@ class Subjects:
 
     @property
     def audit_stream(self) -> str:
-        """JetStream stream name that captures every event (names allow no '.')."""
-        return f"{self.prefix.upper().replace('-', '_')}_AUDIT"
+        """JetStream stream that captures every event; distinct prefixes never share one."""
+        return f"{self.prefix}_audit"
