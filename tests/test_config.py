@@ -77,6 +77,7 @@ COMMON_FIELDS: dict[str, tuple[str, Any]] = {
     "ledger_prefix": ("ledger_1", "ledger_1"),
     "audit_max_age": ("7d", timedelta(days=7)),
     "connect_wait": ("750ms", timedelta(milliseconds=750)),
+    "redis_cluster": ("true", True),
     "log_level": ("debug", "DEBUG"),
 }
 

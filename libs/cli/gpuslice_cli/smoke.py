@@ -136,7 +136,7 @@ def usage_table(states: dict[str, list[GpuState]]) -> Table:
 async def run_scenario(settings: CommonSettings, console: Console) -> Outcome:
     out = Outcome()
     bus = await Bus.connect(settings, "smoke")
-    ledger = Ledger.from_url(settings.redis_url, settings.ledger_prefix)
+    ledger = Ledger.from_settings(settings)
     try:
         started = utcnow()
         await bus.ensure_audit_stream(timedelta(days=1))

@@ -102,6 +102,7 @@ class CommonSettings(BaseSettings):
     nats_password: str | None = None
     nats_creds_file: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
     subject_prefix: str = "gpuslice"
     ledger_prefix: str = "gpuslice"
     audit_max_age: Annotated[timedelta, Field(description="retention of the audit stream")] = (

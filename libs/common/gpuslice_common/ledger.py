@@ -20,21 +20,25 @@ on other nodes for at most the lease.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from importlib import resources
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gpuslice_common.config import CommonSettings
 from gpuslice_common.models import (
     DeviceGrant,
     FitReason,
@@ -138,6 +142,30 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+RedisClient = Redis | RedisCluster
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _gated(
+    op: Callable[Concatenate[Ledger, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Ledger, P], Coroutine[Any, Any, T]]:
+    """Bound the operations in flight: a burst waits instead of exhausting connections.
+
+    Each operation holds at most one connection per Redis node at a time, so the
+    gate keeps every node's pool within ``max_in_flight``.
+    """
+
+    @functools.wraps(op)
+    async def gated(ledger: Ledger, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        async with ledger._gate:
+            return await op(ledger, *args, **kwargs)
+
+    return gated
+
+
 class Ledger:
     """Async access to the ledger. Construct with :meth:`from_url` or a Redis client.
 
@@ -147,17 +175,19 @@ class Ledger:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         prefix: str = "gpuslice",
         released_retention: timedelta = timedelta(hours=1),
         answer_retention: timedelta = timedelta(minutes=10),
         claim_lease: timedelta = timedelta(seconds=10),
+        max_in_flight: int = 64,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
         self.released_retention_ms = int(released_retention.total_seconds() * 1000)
         self.answer_retention_s = max(1, int(answer_retention.total_seconds()))
         self.claim_lease_ms = int(claim_lease.total_seconds() * 1000)
+        self._gate = asyncio.Semaphore(max_in_flight)
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(_script_source(name))
             for name in ("reserve", "bind", "allocate", "release", "register", "index")
@@ -165,13 +195,29 @@ class Ledger:
 
     @classmethod
     def from_url(
-        cls, url: str, prefix: str = "gpuslice", max_connections: int = 64, **kwargs: Any
+        cls,
+        url: str,
+        prefix: str = "gpuslice",
+        max_connections: int = 64,
+        cluster: bool = False,
+        **kwargs: Any,
     ) -> Ledger:
         """Connect lazily; commands retry with backoff across a Redis restart (~10 s).
 
         Callers beyond ``max_connections`` wait for a free connection (a burst of
-        scheduling requests queues rather than fails).
+        scheduling requests queues rather than fails). With ``cluster`` the URL
+        names any one node of a Redis Cluster.
         """
+        if cluster:
+            client = RedisCluster.from_url(
+                url,
+                decode_responses=True,
+                max_connections=max_connections,
+                socket_timeout=5,
+                socket_connect_timeout=2,
+                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=12),
+            )
+            return cls(client, prefix, max_in_flight=max_connections, **kwargs)
         pool = BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
@@ -183,7 +229,14 @@ class Ledger:
             retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=12),
             retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
         )
-        return cls(Redis.from_pool(pool), prefix, **kwargs)
+        return cls(Redis.from_pool(pool), prefix, max_in_flight=max_connections, **kwargs)
+
+    @classmethod
+    def from_settings(cls, settings: CommonSettings, **kwargs: Any) -> Ledger:
+        """The ledger a component's settings point at (URL, prefix, cluster or not)."""
+        return cls.from_url(
+            settings.redis_url, settings.ledger_prefix, cluster=settings.redis_cluster, **kwargs
+        )
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -223,6 +276,7 @@ class Ledger:
 
     # ------------------------------------------------------------ nodes
 
+    @_gated
     async def register_node(self, inventory: NodeInventory) -> int:
         """Create or refresh a node's cards; returns how many cards it now lists."""
         devices = []
@@ -253,6 +307,7 @@ class Ledger:
         await self.redis.sadd(self.nodes_key, inventory.node)
         return int(count)
 
+    @_gated
     async def nodes(self) -> list[str]:
         members = await self.redis.smembers(self.nodes_key)
         return sorted(_text(m) for m in members)
@@ -261,6 +316,7 @@ class Ledger:
         """A node's cards with capacity and usage, read in one round trip."""
         return (await self.nodes_gpus([node]))[node]
 
+    @_gated
     async def nodes_gpus(self, nodes: Sequence[str]) -> dict[str, list[GpuState]]:
         """Several nodes' cards in one round trip (unknown nodes map to [])."""
         pipe = self.redis.pipeline(transaction=False)
@@ -278,6 +334,7 @@ class Ledger:
 
     # ------------------------------------------------------------ pods
 
+    @_gated
     async def reserve(self, placement: Placement) -> Placement:
         """Reserve every device of ``placement`` at once, or nothing.
 
@@ -341,6 +398,7 @@ class Ledger:
     async def _index(self, op: str, uid: str, *args: Any) -> list[str]:
         return await self._run("index", [self.pod_index_key(uid)], [op, *args])
 
+    @_gated
     async def mark_bound(self, pod_uid: str) -> Placement:
         """Move a reservation to ``bound``: kubelet may now ask to allocate it."""
         node = await self._node_of(pod_uid)
@@ -349,6 +407,7 @@ class Ledger:
             raise NotReserved(f"pod {pod_uid} has no live reservation to bind ({reply[0]})")
         return _placement_from_record(reply[1])
 
+    @_gated
     async def allocate(self, node: str, count: int, request_id: str | None = None) -> Allocation:
         """Take the next container of the oldest bound pod on ``node`` asking for ``count`` GPUs.
 
@@ -370,6 +429,7 @@ class Ledger:
         placement = _placement_from_record(json.dumps(answer["record"]))
         return Allocation(placement=placement, container_index=int(answer["index"]))
 
+    @_gated
     async def release(self, pod_uid: str, reason: str = "") -> Release | None:
         """Give a pod's devices back. Returns None if the ledger never had it.
 
@@ -395,6 +455,7 @@ class Ledger:
         clamped = int(reply[2]) if first else 0
         return Release(_placement_from_record(reply[1]), first=first, clamped=clamped)
 
+    @_gated
     async def placement(self, pod_uid: str) -> Placement | None:
         node = await self._index_node_of(pod_uid)
         if node is None:
@@ -402,10 +463,12 @@ class Ledger:
         raw = await self.redis.hget(self.node_keys(node).pods, pod_uid)
         return None if raw is None else _placement_from_record(_text(raw))
 
+    @_gated
     async def node_placements(self, node: str) -> list[Placement]:
         raw = await self.redis.hgetall(self.node_keys(node).pods)
         return [_placement_from_record(_text(v)) for v in raw.values()]
 
+    @_gated
     async def check_node(self, node: str) -> list[str]:
         """Compare each card's usage with the sum of live reservations; [] when consistent."""
         keys = self.node_keys(node)

@@ -198,3 +198,79 @@ class RedisServer(ServerProcess):
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+
+class RedisClusterServers:
+    """A Redis Cluster of ``shards`` masters on loopback (no replicas), for tests."""
+
+    def __init__(self, shards: int = 3, workdir: Path | None = None) -> None:
+        self._own_dir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-rediscluster-"))
+        self.nodes = [_ClusterNode(self.workdir / f"shard{i}") for i in range(shards)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 20.0) -> None:
+        for node in self.nodes:
+            node.start()
+        cli = find_binary("redis-cli", "GPUSLICE_REDIS_CLI")
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        created = subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if created.returncode != 0:
+            raise ServerError(f"redis-cli --cluster create failed: {created.stdout[-1000:]}")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [
+                subprocess.run(
+                    [cli, "-p", str(n.port), "cluster", "info"],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout
+                for n in self.nodes
+            ]
+            if all("cluster_state:ok" in st for st in states):
+                return
+            time.sleep(0.05)
+        raise ServerError(f"the Redis cluster did not converge within {timeout:.0f}s")
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+class _ClusterNode(RedisServer):
+    """One cluster master; its bus port is chosen freely (not port + 10000)."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir, persist=False)
+        self.bus_port = free_port()
+
+    def command(self) -> list[str]:
+        return [
+            *super().command(),
+            *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+            *("--cluster-port", str(self.bus_port)),
+        ]
