@@ -15,7 +15,9 @@ pod on two nodes at most one keeps its reservation: a reserve elsewhere is refus
 while the index is live or freshly claimed, a claim older than ``claim_lease``
 whose pod is not live may be taken over, and a reserve that loses its claim before
 confirming releases what it reserved. A process killed mid-reserve blocks that pod
-on other nodes for at most the lease.
+on other nodes for at most the lease. A release marks the index released before it
+frees the cards, and the next reserve elsewhere finishes a release that died
+between the two.
 """
 
 from __future__ import annotations
