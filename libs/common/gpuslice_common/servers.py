@@ -62,15 +62,48 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float, log
     raise ServerError(f"server did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
 
 
-class ServerProcess:
-    """Base: one server process with a fixed port and a working directory."""
+class _Managed:
+    """Started on entering a ``with`` block, stopped and cleaned up on leaving it.
+
+    Works in ``workdir``, or in a temporary directory it removes afterwards.
+    """
 
     name = "server"
 
-    def __init__(self, workdir: Path | None = None, port: int | None = None) -> None:
+    def __init__(self, workdir: Path | None) -> None:
         self._own_dir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"gpuslice-{self.name}-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, timeout: float = 15.0) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+class ServerProcess(_Managed):
+    """Base: one server process with a fixed port and a working directory."""
+
+    def __init__(self, workdir: Path | None = None, port: int | None = None) -> None:
+        super().__init__(workdir)
         self.port = port or free_port()
         self.log_path = self.workdir / f"{self.name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -100,15 +133,15 @@ class ServerProcess:
             )
         _wait_for_port(self.port, self._proc, timeout, self.log_path)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Graceful stop (SIGTERM), then SIGKILL if it lingers."""
+    def stop(self) -> None:
+        """Graceful stop (SIGTERM), then SIGKILL if it lingers for 10 s."""
         proc = self._proc
         if proc is None:
             return
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout)
+                proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -123,27 +156,6 @@ class ServerProcess:
             proc.kill()
             proc.wait()
         self._proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        self.stop()
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
 
 
 class NatsServer(ServerProcess):
@@ -200,12 +212,13 @@ class RedisServer(ServerProcess):
         return f"redis://127.0.0.1:{self.port}/0"
 
 
-class RedisClusterServers:
+class RedisClusterServers(_Managed):
     """A Redis Cluster of ``shards`` masters on loopback (no replicas), for tests."""
 
+    name = "rediscluster"
+
     def __init__(self, shards: int = 3, workdir: Path | None = None) -> None:
-        self._own_dir = workdir is None
-        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-rediscluster-"))
+        super().__init__(workdir)
         self.nodes = [_ClusterNode(self.workdir / f"shard{i}") for i in range(shards)]
 
     @property
@@ -242,23 +255,9 @@ class RedisClusterServers:
             time.sleep(0.05)
         raise ServerError(f"the Redis cluster did not converge within {timeout:.0f}s")
 
-    def cleanup(self) -> None:
+    def stop(self) -> None:
         for node in self.nodes:
-            node.cleanup()
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
+            node.stop()
 
 
 class _ClusterNode(RedisServer):
