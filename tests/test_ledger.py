@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
-from gpuslice_common.ledger import AlreadyReserved, Ledger, NotReserved, ReservationConflict
+from gpuslice_common.ledger import (
+    AlreadyReserved,
+    Ledger,
+    LedgerUnavailable,
+    NotReserved,
+    ReservationConflict,
+)
 from gpuslice_common.models import (
     ContainerAssignment,
     DeviceGrant,
@@ -19,7 +26,7 @@ from gpuslice_common.models import (
     PlacementState,
     PodRef,
 )
-from gpuslice_common.servers import RedisServer
+from gpuslice_common.servers import RedisServer, free_port
 from tests.conftest import make_inventory
 
 
@@ -320,30 +327,57 @@ async def test_a_crashed_reserve_blocks_other_nodes_only_for_the_lease(redis_url
         await led.close()
 
 
-async def test_a_reserve_that_loses_its_claim_gives_its_cards_back(redis_url: str) -> None:
-    led = Ledger.from_url(redis_url, claim_lease=timedelta(milliseconds=1))
+class PausingLedger(Ledger):
+    """A ledger whose next reserve waits, after claiming the index, before its script."""
+
+    def __init__(self, redis: Any, **kwargs: Any) -> None:
+        super().__init__(redis, **kwargs)
+        self.paused = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> list[str]:
+        if name == "reserve" and not self.go_on.is_set():
+            self.paused.set()
+            await self.go_on.wait()
+        return await super()._run(name, keys, args)
+
+
+async def test_a_reserve_that_loses_its_claim_gives_its_cards_back(
+    ledger: Ledger, redis_url: str
+) -> None:
+    for node in ("node-a", "node-b"):
+        await ledger.register_node(make_inventory(node))
+    slow = PausingLedger(ledger.redis, claim_lease=timedelta(milliseconds=1))
+    fast = Ledger(ledger.redis, claim_lease=timedelta(milliseconds=1))
+    stalled = asyncio.create_task(slow.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)]])))
+    await slow.paused.wait()  # node-a's reserve holds a claim, past its lease
+    await asyncio.sleep(0.01)
+    taken = await fast.reserve(placement("pod-1", "node-b", [[(1, 1000, 10)]]))
+    assert taken.node == "node-b"
+    slow.go_on.set()  # node-a's reserve now runs its script, then fails to confirm
+    with pytest.raises(AlreadyReserved) as err:
+        await stalled
+    assert err.value.node == "node-b"
+    assert await usage(ledger, "node-a") == [(0, 0, 0, None), (0, 0, 0, None)]
+    assert await ledger.check_node("node-a") == []
+    assert await ledger.check_node("node-b") == []
+    p = await ledger.placement("pod-1")
+    assert p is not None
+    assert p.node == "node-b"
+
+
+async def test_an_unreachable_redis_is_a_clear_ledger_error(redis_url: str) -> None:
+    up = Ledger.from_url(redis_url)
+    assert await up.ping()
+    await up.close()
+    down = Ledger.from_url(f"redis://127.0.0.1:{free_port()}/0", retries=1)
     try:
-        await led.register_node(make_inventory("node-a"))
-        await led.register_node(make_inventory("node-b"))
-        # node-a's reserve claims the index, then stalls past its lease before confirming
-        [_, mine_a, _] = await led._index("claim", "pod-1", "node-a", "crashed")
-        await asyncio.sleep(0.01)
-        taken = await led.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))
-        assert taken.node == "node-b"
-        keys = led.node_keys("node-a").all()
-        record = placement("pod-1", "node-a", [[(0, 10, 1)]])
-        fp = [
-            [u, f.memory_mib, f.cores, f.slots, int(f.exclusive)]
-            for u, f in record.footprint().items()
-        ]
-        body = json.dumps(
-            record.model_dump(mode="json", include={"pod", "node", "containers", "policy"})
-        )
-        assert (await led._run("reserve", keys, ["pod-1", body, json.dumps(fp)]))[0] == "ok"
-        [confirmed] = await led._index("confirm", "pod-1", mine_a, "node-a")
-        assert confirmed != "ok"  # the stalled reserve must roll back, as reserve() does
+        with pytest.raises(LedgerUnavailable, match="Redis is unreachable"):
+            await down.reserve(placement("pod-1", "node-a", [[(0, 10, 1)]]))
+        with pytest.raises(LedgerUnavailable):
+            await down.node_gpus("node-a")
     finally:
-        await led.close()
+        await down.close()
 
 
 async def test_a_reserve_slipping_into_a_release_leaves_nothing_unreachable(ledger: Ledger) -> None:

@@ -43,7 +43,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gpuslice_common.config import CommonSettings
 from gpuslice_common.models import (
     DeviceGrant,
-    FitReason,
     GpuCapacity,
     GpuDevice,
     GpuState,
@@ -57,6 +56,10 @@ from gpuslice_common.subjects import node_token
 
 class LedgerError(Exception):
     """Base of every ledger failure; the message is meant for an operator."""
+
+
+class LedgerUnavailable(LedgerError):
+    """Redis could not be reached, even after retrying."""
 
 
 class ReservationConflict(LedgerError):
@@ -157,13 +160,17 @@ def _gated(
     """Bound the operations in flight: a burst waits instead of exhausting connections.
 
     Each operation holds at most one connection per Redis node at a time, so the
-    gate keeps every node's pool within ``max_in_flight``.
+    gate keeps every node's pool within ``max_in_flight``. An outage that outlasts
+    the client's retries surfaces as LedgerUnavailable.
     """
 
     @functools.wraps(op)
     async def gated(ledger: Ledger, /, *args: P.args, **kwargs: P.kwargs) -> T:
         async with ledger._gate:
-            return await op(ledger, *args, **kwargs)
+            try:
+                return await op(ledger, *args, **kwargs)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                raise LedgerUnavailable(f"Redis is unreachable: {exc}") from None
 
     return gated
 
@@ -202,9 +209,10 @@ class Ledger:
         prefix: str = "gpuslice",
         max_connections: int = 64,
         cluster: bool = False,
+        retries: int = 12,
         **kwargs: Any,
     ) -> Ledger:
-        """Connect lazily; commands retry with backoff across a Redis restart (~10 s).
+        """Connect lazily; commands retry with backoff across a Redis restart (~10 s by default).
 
         Callers beyond ``max_connections`` wait for a free connection (a burst of
         scheduling requests queues rather than fails). With ``cluster`` the URL
@@ -217,7 +225,7 @@ class Ledger:
                 max_connections=max_connections,
                 socket_timeout=5,
                 socket_connect_timeout=2,
-                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=12),
+                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=retries),
             )
             return cls(client, prefix, max_in_flight=max_connections, **kwargs)
         pool = BlockingConnectionPool.from_url(
@@ -228,7 +236,7 @@ class Ledger:
             socket_timeout=5,
             socket_connect_timeout=2,
             health_check_interval=15,
-            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=12),
+            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=retries),
             retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
         )
         return cls(Redis.from_pool(pool), prefix, max_in_flight=max_connections, **kwargs)
@@ -243,6 +251,7 @@ class Ledger:
     async def close(self) -> None:
         await self.redis.aclose()
 
+    @_gated
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 
@@ -573,9 +582,9 @@ def _gpu_state(node: str, u: str, f: dict[str, str]) -> GpuState:
 __all__ = [
     "Allocation",
     "AlreadyReserved",
-    "FitReason",
     "Ledger",
     "LedgerError",
+    "LedgerUnavailable",
     "NodeKeys",
     "NotReserved",
     "Release",
