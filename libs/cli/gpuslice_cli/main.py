@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 import gpuslice_common
+from gpuslice_cli.simulate import sim
 from gpuslice_cli.smoke import run_scenario
 from gpuslice_common.bus import BusError
 from gpuslice_common.config import CommonSettings, ConfigError, load
@@ -19,6 +20,7 @@ from gpuslice_common.servers import NatsServer, RedisServer, ServerError
 app = typer.Typer(help="GPU sharing for Kubernetes.", no_args_is_help=True, add_completion=False)
 dev = typer.Typer(help="Run gpuslice on this machine, without a cluster.", no_args_is_help=True)
 app.add_typer(dev, name="dev")
+app.command("sim")(sim)
 console = Console()
 errors = Console(stderr=True)
 

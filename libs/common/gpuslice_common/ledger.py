@@ -319,6 +319,14 @@ class Ledger:
         return int(count)
 
     @_gated
+    async def cordon(self, node: str, card: str, cordoned: bool = True) -> None:
+        """Take a card out of scheduling (or back in); reservations it holds stay."""
+        keys = self.node_keys(node)
+        if not await self.redis.hexists(keys.gpus, f"{card}|index"):
+            raise LedgerError(f"node {node} has no card {card}")
+        await self.redis.hset(keys.gpus, f"{card}|cordoned", int(cordoned))
+
+    @_gated
     async def nodes(self) -> list[str]:
         members = await self.redis.smembers(self.nodes_key)
         return sorted(_text(m) for m in members)
@@ -576,6 +584,7 @@ def _gpu_state(node: str, u: str, f: dict[str, str]) -> GpuState:
             exclusive_owner=owner or None,
         ),
         present=f.get(f"{u}|present") == "1",
+        cordoned=f.get(f"{u}|cordoned") == "1",
     )
 
 

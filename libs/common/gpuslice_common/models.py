@@ -94,6 +94,7 @@ class GpuState(Frozen):
     capacity: GpuCapacity
     used: GpuUsage
     present: bool = True
+    cordoned: bool = False  # an operator took the card out of scheduling; its pods stay
 
     @property
     def free_memory_mib(self) -> int:

@@ -18,6 +18,7 @@ for _, d in ipairs(inv.devices) do
     redis.call('HSETNX', GPUS, gkey(u, field), 0)
   end
   redis.call('HSETNX', GPUS, gkey(u, 'owner'), '')
+  redis.call('HSETNX', GPUS, gkey(u, 'cordoned'), 0)
 end
 local before = cjson.decode(redis.call('HGET', META, 'devices') or '[]')
 for _, u in ipairs(before) do
@@ -27,7 +28,7 @@ for _, u in ipairs(before) do
       table.insert(order, u)
     else
       for _, field in ipairs({'index', 'model', 'memory', 'numa', 'healthy', 'mig', 'cap_mem',
-          'cap_cores', 'cap_slots', 'present', 'mem', 'cores', 'slots', 'owner'}) do
+          'cap_cores', 'cap_slots', 'present', 'mem', 'cores', 'slots', 'owner', 'cordoned'}) do
         redis.call('HDEL', GPUS, gkey(u, field))
       end
     end

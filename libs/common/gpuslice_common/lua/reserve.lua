@@ -21,6 +21,9 @@ for _, f in ipairs(fp) do
   if gget(u, 'healthy') ~= '1' then
     return {'fail', u, 'CardNotHealth'}
   end
+  if gget(u, 'cordoned') == '1' then
+    return {'fail', u, 'CardCordoned'}
+  end
   local owner = gget(u, 'owner') or ''
   if owner ~= '' then
     return {'fail', u, 'ExclusiveDeviceAllocateConflict'}

@@ -1,0 +1,152 @@
+"""The cluster as NumPy arrays: one row per card, cards grouped by node.
+
+The placement engine reads and scores every card at once from these arrays
+instead of looping over cards in Python. Cards of one node are contiguous, in
+the node's index order; ``node_start[n]:node_start[n + 1]`` are node ``n``'s cards.
+
+Node CPU and memory are tracked only where they are known (the trace replay);
+elsewhere they are infinite, because kube-scheduler has already checked them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from gpuslice_common.models import GpuState
+
+Ints = npt.NDArray[np.int64]
+Bools = npt.NDArray[np.bool_]
+Floats = npt.NDArray[np.float64]
+
+
+@dataclass
+class Cluster:
+    """Capacity and usage of every card, plus each node's free CPU and memory."""
+
+    node_names: list[str]
+    node_start: Ints  # length nodes + 1
+    uuids: list[str]
+    models: list[str]  # distinct model names; model_id indexes this list
+    model_id: Ints
+    numa: Ints  # -1 when unknown
+    cap_mem: Ints
+    cap_cores: Ints
+    cap_slots: Ints
+    used_mem: Ints
+    used_cores: Ints
+    used_slots: Ints
+    owned: Bools  # held exclusively by one pod
+    healthy: Bools
+    present: Bools
+    cordoned: Bools
+    node_cpu_free: Floats  # milli-CPU; inf when not tracked
+    node_mem_free: Floats  # MiB; inf when not tracked
+    node_index: dict[str, int] = field(init=False)
+    node_of: Ints = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.node_index = {name: i for i, name in enumerate(self.node_names)}
+        counts = np.diff(self.node_start)
+        self.node_of = np.repeat(np.arange(len(self.node_names), dtype=np.int64), counts)
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def build(
+        cls,
+        nodes: Sequence[tuple[str, Sequence[GpuState]]],
+        node_cpu: Sequence[float] | None = None,
+        node_mem: Sequence[float] | None = None,
+    ) -> Cluster:
+        """A cluster from the ledger's view of each node's cards, in the given node order."""
+        names: list[str] = []
+        starts = [0]
+        cards: list[GpuState] = []
+        for name, states in nodes:
+            names.append(name)
+            ordered = sorted(states, key=lambda s: s.device.index)
+            cards.extend(ordered)
+            starts.append(len(cards))
+        models: dict[str, int] = {}
+        model_id = [models.setdefault(c.device.model, len(models)) for c in cards]
+
+        def ints(values: Sequence[int]) -> Ints:
+            return np.asarray(values, dtype=np.int64)
+
+        def bools(values: Sequence[bool]) -> Bools:
+            return np.asarray(values, dtype=np.bool_)
+
+        n = len(names)
+        return cls(
+            node_names=names,
+            node_start=ints(starts),
+            uuids=[c.device.uuid for c in cards],
+            models=list(models),
+            model_id=ints(model_id),
+            numa=ints([-1 if c.device.numa is None else c.device.numa for c in cards]),
+            cap_mem=ints([c.capacity.memory_mib for c in cards]),
+            cap_cores=ints([c.capacity.cores for c in cards]),
+            cap_slots=ints([c.capacity.slots for c in cards]),
+            used_mem=ints([c.used.memory_mib for c in cards]),
+            used_cores=ints([c.used.cores for c in cards]),
+            used_slots=ints([c.used.slots for c in cards]),
+            owned=bools([c.used.exclusive_owner is not None for c in cards]),
+            healthy=bools([c.device.healthy for c in cards]),
+            present=bools([c.present for c in cards]),
+            cordoned=bools([c.cordoned for c in cards]),
+            node_cpu_free=np.asarray(node_cpu if node_cpu is not None else [np.inf] * n, float),
+            node_mem_free=np.asarray(node_mem if node_mem is not None else [np.inf] * n, float),
+        )
+
+    @classmethod
+    def from_ledger(cls, nodes: Mapping[str, Sequence[GpuState]]) -> Cluster:
+        return cls.build(list(nodes.items()))
+
+    # ------------------------------------------------------------ reading
+
+    @property
+    def node_count(self) -> int:
+        return len(self.node_names)
+
+    @property
+    def card_count(self) -> int:
+        return len(self.uuids)
+
+    def cards_of(self, nodes: Ints) -> Ints:
+        """Card indexes of ``nodes`` (node indexes), concatenated in the nodes' order."""
+        starts = self.node_start[nodes]
+        counts = self.node_start[nodes + 1] - starts
+        total = int(counts.sum())
+        if total == 0:
+            return np.zeros(0, dtype=np.int64)
+        offsets = np.repeat(starts - np.cumsum(counts) + counts, counts)
+        return offsets + np.arange(total, dtype=np.int64)
+
+    def schedulable(self) -> Bools:
+        """Cards that may take new work at all (present, healthy, not cordoned)."""
+        return self.present & self.healthy & ~self.cordoned
+
+    # ------------------------------------------------------------ changing
+
+    def take(
+        self,
+        cards: Ints,
+        mem: Ints,
+        cores: Ints,
+        slots: Ints,
+        exclusive: Bools,
+        node: int,
+        cpu: float = 0.0,
+        memory: float = 0.0,
+    ) -> None:
+        """Add a placed pod's footprint (one row per distinct card) to the usage."""
+        self.used_mem[cards] += mem
+        self.used_cores[cards] += cores
+        self.used_slots[cards] += slots
+        self.owned[cards] |= exclusive
+        self.node_cpu_free[node] -= cpu
+        self.node_mem_free[node] -= memory

@@ -1,0 +1,255 @@
+"""Fragmentation of nodes measured against the expected workload.
+
+After the FGD paper (ATC'23, "Beware of Fragmentation"): free GPU capacity is a
+*fragment* for a kind of pod when that pod could not use it. For one node and
+one workload class ``m``:
+
+* if the node cannot host ``m`` at all (CPU or memory short, too few cards
+  that fit it, wrong model), every free share of every card is a fragment;
+* otherwise the free shares of the cards that cannot take ``m`` are fragments.
+
+The node's fragmentation is the mean over classes weighted by how common each
+class is times the square root of its GPU demand: FGD weighs by frequency
+alone; weighing big pods a little more keeps room for the pods that are hardest
+to place (docs/benchmarks.md compares the two). Free share is measured in
+milli-GPU of compute (1000 = a whole free card); a card held exclusively,
+unhealthy, cordoned or absent has none. A class is one kind of pod: CPU and
+memory on the node, and a per-card demand for its largest GPU container (count,
+memory, cores, type lists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from gpuslice_common.models import DeviceSelector
+from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
+from gpuslice_scheduler.fit import CardDemand, Usage, model_mask
+
+SIZE_EXPONENT = 0.5  # 0 weighs classes by frequency alone, as FGD does
+
+
+@dataclass(frozen=True)
+class WorkloadClass:
+    """One kind of pod in the expected workload and how common it is."""
+
+    frequency: float
+    card: CardDemand | None  # None: the pod asks for no GPU
+    selector: DeviceSelector = field(default_factory=DeviceSelector)
+    cpu: float = 0.0
+    memory: float = 0.0
+
+    @property
+    def gpu_milli(self) -> int:
+        """Milli-GPU one pod of the class takes (compute share, else memory share)."""
+        if self.card is None:
+            return 0
+        share = self.card.cores or max(self.card.mem_percent, 0) or 100
+        return self.card.count * share * 10
+
+    def weight(self, size_exponent: float) -> float:
+        """Frequency x size ** exponent: a big pod left without room costs more."""
+        return float(self.frequency * max(self.gpu_milli, 100) ** size_exponent)
+
+
+@dataclass
+class WorkloadMix:
+    """Classes as arrays: the GPU parts deduplicated, then each class pointing at one."""
+
+    classes: tuple[WorkloadClass, ...]
+    size_exponent: float = SIZE_EXPONENT
+    weight: Floats = field(init=False)
+    cpu: Floats = field(init=False)
+    memory: Floats = field(init=False)
+    need: Ints = field(init=False)  # cards each class needs (0 for CPU-only)
+    part: Ints = field(init=False)  # index of the class's GPU part
+    parts: list[tuple[CardDemand, DeviceSelector]] = field(init=False)
+    part_mem_mib: Ints = field(init=False)
+    part_mem_percent: Ints = field(init=False)
+    part_cores: Ints = field(init=False)
+    part_exclusive: Bools = field(init=False)
+    _model_ok: dict[tuple[str, ...], Bools] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.classes:
+            raise ValueError("a workload mix needs at least one class")
+        weights = [c.weight(self.size_exponent) for c in self.classes]
+        total = sum(weights)
+        if total <= 0:
+            raise ValueError("a workload mix needs a positive total weight")
+        index: dict[tuple[CardDemand, DeviceSelector], int] = {}
+        cpu_only = CardDemand(count=1, mem_mib=0, mem_percent=-1, cores=0, exclusive=False)
+        parts: list[int] = []
+        for c in self.classes:
+            key = (c.card or cpu_only, c.selector)
+            parts.append(index.setdefault(key, len(index)))
+        self.parts = list(index)
+        self.weight = np.asarray(weights) / total
+        self.cpu = np.asarray([c.cpu for c in self.classes], dtype=float)
+        self.memory = np.asarray([c.memory for c in self.classes], dtype=float)
+        self.need = np.asarray([c.card.count if c.card else 0 for c in self.classes], np.int64)
+        self.part = np.asarray(parts, dtype=np.int64)
+        self.part_mem_mib = np.asarray([d.mem_mib for d, _ in self.parts], dtype=np.int64)
+        self.part_mem_percent = np.asarray([d.mem_percent for d, _ in self.parts], np.int64)
+        self.part_cores = np.asarray([d.cores for d, _ in self.parts], dtype=np.int64)
+        self.part_exclusive = np.asarray([d.exclusive for d, _ in self.parts], dtype=np.bool_)
+
+    @classmethod
+    def of(
+        cls, classes: Sequence[WorkloadClass], size_exponent: float = SIZE_EXPONENT
+    ) -> WorkloadMix:
+        return cls(tuple(classes), size_exponent)
+
+    def model_ok(self, models: list[str]) -> Bools:
+        """(models, parts): may a part's type lists use a model."""
+        key = tuple(models)
+        cached = self._model_ok.get(key)
+        if cached is None:
+            cached = np.stack([model_mask(s, models) for _, s in self.parts], axis=1)
+            self._model_ok[key] = cached
+        return cached
+
+    # ------------------------------------------------------------ per card
+
+    def usable(self, cluster: Cluster, cards: Ints, usage: Usage) -> Bools:
+        """(cards, parts): could one more container of each part go on each card."""
+        cap_mem = cluster.cap_mem[cards][:, None]
+        cap_cores = cluster.cap_cores[cards][:, None]
+        need_mem = np.where(
+            self.part_mem_mib >= 0, self.part_mem_mib, cap_mem * self.part_mem_percent // 100
+        )
+        free_cores = cap_cores - usage.cores[:, None]
+        ok = (
+            (
+                cluster.schedulable()[cards]
+                & ~usage.owned
+                & (usage.slots < cluster.cap_slots[cards])
+            )[:, None]
+            & self.model_ok(cluster.models)[cluster.model_id[cards]]
+            & (cap_mem - usage.mem[:, None] >= need_mem)
+            & (free_cores >= self.part_cores)
+            & (~self.part_exclusive | (usage.slots == 0)[:, None])
+            & ((self.part_cores > 0) | (free_cores > 0))
+        )
+        return np.asarray(ok, dtype=np.bool_)
+
+    @staticmethod
+    def free_share(cluster: Cluster, cards: Ints, usage: Usage) -> Floats:
+        """Free compute of each card in milli-GPU; 0 where the card takes no new work."""
+        cap = cluster.cap_cores[cards]
+        free = np.maximum(cap - usage.cores, 0) * 1000.0 / np.maximum(cap, 1)
+        return np.where(cluster.schedulable()[cards] & ~usage.owned, free, 0.0)
+
+    # ------------------------------------------------------------ per node
+
+    def hosts(self, cpu_free: Floats, mem_free: Floats, count: npt.NDArray[np.int64]) -> Bools:
+        """(nodes, classes): can the node host one pod of the class (count: usable per part)."""
+        return (
+            (cpu_free[:, None] >= self.cpu)
+            & (mem_free[:, None] >= self.memory)
+            & (count[:, self.part] >= self.need)
+        )
+
+    def score(self, host: Bools, unusable: Floats, total: Floats) -> Floats:
+        """Weighted fragmentation from per-part aggregates (rows are nodes or candidates)."""
+        frag = np.where(host, unusable[:, self.part], total[:, None])
+        return np.asarray(frag @ self.weight, dtype=float)
+
+
+@dataclass
+class NodeFragments:
+    """Per-node aggregates of a set of nodes, enough to price a change to one card."""
+
+    count: Ints  # (nodes, parts) cards usable by each part
+    unusable: Floats  # (nodes, parts) free share on cards the part cannot use
+    total: Floats  # (nodes,) free share
+    fragmentation: Floats  # (nodes,)
+
+
+def segment_sums(values: npt.NDArray[np.float64], bounds: Ints) -> npt.NDArray[np.float64]:
+    """Sums of rows between consecutive ``bounds`` (which start at 0), empty segments 0."""
+    shape = (1, *values.shape[1:])
+    acc = np.concatenate([np.zeros(shape), np.cumsum(values, axis=0)])
+    return np.asarray(acc[bounds[1:]] - acc[bounds[:-1]])
+
+
+def node_fragments(
+    mix: WorkloadMix,
+    cluster: Cluster,
+    cards: Ints,
+    bounds: Ints,
+    usage: Usage,
+    cpu_free: Floats,
+    mem_free: Floats,
+) -> tuple[NodeFragments, Bools, Floats]:
+    """Fragmentation of nodes whose cards are ``cards[bounds[i]:bounds[i+1]]``.
+
+    Also returns the per-card usability and free share it was computed from.
+    """
+    usable = mix.usable(cluster, cards, usage)
+    share = mix.free_share(cluster, cards, usage)
+    count = segment_sums(usable.astype(float), bounds).round().astype(np.int64)
+    unusable = segment_sums(np.where(usable, 0.0, share[:, None]), bounds)
+    total = segment_sums(share, bounds)
+    host = mix.hosts(cpu_free, mem_free, count)
+    frag = NodeFragments(count, unusable, total, mix.score(host, unusable, total))
+    return frag, usable, share
+
+
+def fragmentation_after(
+    mix: WorkloadMix,
+    cluster: Cluster,
+    before: NodeFragments,
+    rows: Ints,
+    node_pos: Ints,
+    cards: Ints,
+    usable: Bools,
+    share: Floats,
+    after: Usage,
+    cpu_after: Floats,
+    mem_after: Floats,
+) -> Floats:
+    """Node fragmentation if one card changed to ``after`` (one candidate per row).
+
+    ``rows`` index the per-card arrays (``usable``, ``share``) of the evaluation;
+    ``cards`` are the cluster's card indexes; ``node_pos`` the node of each row.
+    """
+    new_usable = mix.usable(cluster, cards, after)
+    new_share = mix.free_share(cluster, cards, after)
+    old_usable, old_share = usable[rows], share[rows]
+    count = before.count[node_pos] - old_usable + new_usable
+    unusable = (
+        before.unusable[node_pos]
+        - np.where(old_usable, 0.0, old_share[:, None])
+        + np.where(new_usable, 0.0, new_share[:, None])
+    )
+    total = before.total[node_pos] - old_share + new_share
+    host = mix.hosts(cpu_after[node_pos], mem_after[node_pos], count)
+    return mix.score(host, unusable, total)
+
+
+def default_mix() -> WorkloadMix:
+    """The mix assumed before any pod has been seen: common shapes of GPU pods."""
+
+    def share(percent: int, weight: float) -> WorkloadClass:
+        return WorkloadClass(weight, CardDemand(1, -1, percent, percent, percent == 100))
+
+    def whole(count: int, weight: float) -> WorkloadClass:
+        return WorkloadClass(weight, CardDemand(count, -1, 100, 100, True))
+
+    return WorkloadMix.of(
+        [
+            whole(1, 0.30),
+            whole(2, 0.06),
+            whole(4, 0.04),
+            whole(8, 0.04),
+            share(50, 0.20),
+            share(25, 0.18),
+            share(10, 0.10),
+            share(75, 0.08),
+        ]
+    )

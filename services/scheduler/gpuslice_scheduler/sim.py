@@ -1,0 +1,467 @@
+"""Trace replay: the Alibaba openb traces scheduled by the placement engine.
+
+The published method (FGD paper and its simulator):
+
+1. load every pod of the trace;
+2. inflate: append pods drawn uniformly with replacement until the summed GPU
+   request reaches ``inflation`` x the cluster's capacity (a trace already past
+   that is not inflated);
+3. shuffle with the same seed;
+4. schedule pods one at a time in that order until the arrived demand reaches
+   the target; nothing leaves; a pod that fits nowhere fails;
+5. report allocated milli-GPU as a share of capacity after each 1 % of arrived
+   demand.
+
+Each pod is a one-container gpuslice request: ``nvidia.com/gpu = num_gpu``,
+cores ``gpu_milli / 10`` % and the same percentage of card memory, ``gpu_spec``
+as the type include list; its CPU and memory must fit the node's as
+kube-scheduler would require. Placement uses :func:`engine.evaluate`, the code
+the extender runs. Scores of a node depend only on that node, so the replay
+keeps each pod class's scores and re-evaluates only the nodes that changed
+since the class was last seen.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuslice_common.models import (
+    ContainerGpuRequest,
+    DeviceSelector,
+    GpuPolicy,
+    MemoryRequest,
+    NodePolicy,
+    PodGpuRequest,
+    PodRef,
+)
+from gpuslice_scheduler.cluster import Cluster, Ints
+from gpuslice_scheduler.engine import Demand, evaluate
+from gpuslice_scheduler.fit import CardDemand
+from gpuslice_scheduler.fragmentation import SIZE_EXPONENT, WorkloadClass, WorkloadMix
+
+# Device memory per model in MiB; requests are percentages, so only the ratio matters.
+MODEL_MEMORY_MIB = {"P100": 16384, "T4": 15360, "V100M16": 16384, "V100M32": 32768, "A10": 24576}
+DEFAULT_MEMORY_MIB = 24576
+SPLIT_COUNT = 10  # HAMi's default deviceSplitCount
+
+
+@dataclass(frozen=True)
+class SimPolicy:
+    gpu: GpuPolicy
+    node: NodePolicy | None = None
+    size_exponent: float = SIZE_EXPONENT
+
+
+POLICIES: dict[str, SimPolicy] = {
+    "fragmentation": SimPolicy(GpuPolicy.FRAGMENTATION),
+    # FGD as published: classes weighted by frequency alone (a baseline in the same run).
+    "fgd": SimPolicy(GpuPolicy.FRAGMENTATION, size_exponent=0.0),
+    "binpack": SimPolicy(GpuPolicy.BINPACK, NodePolicy.BINPACK),
+    "spread": SimPolicy(GpuPolicy.SPREAD, NodePolicy.SPREAD),
+    "hami-default": SimPolicy(GpuPolicy.SPREAD, NodePolicy.BINPACK),
+}
+
+
+class TraceError(ValueError):
+    """A trace file is missing, malformed or out of range; the message names the line."""
+
+
+@dataclass(frozen=True)
+class TraceNode:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    gpus: int
+    model: str
+
+
+@dataclass(frozen=True)
+class PodClass:
+    """Pods of a trace that ask for exactly the same thing."""
+
+    cpu_milli: int
+    memory_mib: int
+    num_gpu: int
+    gpu_milli: int
+    gpu_spec: tuple[str, ...]
+
+    @property
+    def gpu_demand(self) -> int:
+        """Milli-GPU the pod asks for."""
+        return self.num_gpu * self.gpu_milli
+
+    def request(self) -> PodGpuRequest | None:
+        if self.num_gpu == 0:
+            return None
+        share = math.ceil(self.gpu_milli / 10)
+        container = ContainerGpuRequest(
+            name="main",
+            count=self.num_gpu,
+            memory=MemoryRequest(percent=share),
+            cores=share,
+        )
+        return PodGpuRequest(
+            pod=PodRef(uid="trace"),
+            containers=(container,),
+            selector=DeviceSelector(include_types=self.gpu_spec),
+        )
+
+
+def _int(row: dict[str, str], key: str, where: str, lo: int, hi: int) -> int:
+    raw = (row.get(key) or "").strip()
+    try:
+        value = int(float(raw))
+    except ValueError:
+        raise TraceError(f"{where}: column {key!r} is not a number: {raw!r}") from None
+    if not lo <= value <= hi:
+        raise TraceError(f"{where}: column {key!r} = {value} is outside {lo}..{hi}")
+    return value
+
+
+def _rows(path: Path, required: Sequence[str]) -> Iterable[tuple[str, dict[str, str]]]:
+    try:
+        handle = path.open(newline="")
+    except OSError as exc:
+        raise TraceError(f"cannot read {path}: {exc.strerror}") from None
+    with handle:
+        reader = csv.DictReader(handle)
+        missing = [c for c in required if c not in (reader.fieldnames or [])]
+        if missing:
+            raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
+        for line, row in enumerate(reader, start=2):
+            yield f"{path.name}:{line}", row
+
+
+def load_nodes(path: Path) -> list[TraceNode]:
+    nodes = []
+    for where, row in _rows(path, ("sn", "cpu_milli", "memory_mib", "gpu", "model")):
+        nodes.append(
+            TraceNode(
+                name=(row["sn"] or "").strip() or where,
+                cpu_milli=_int(row, "cpu_milli", where, 0, 10**9),
+                memory_mib=_int(row, "memory_mib", where, 0, 10**12),
+                gpus=_int(row, "gpu", where, 0, 64),
+                model=(row["model"] or "").strip() or "unknown",
+            )
+        )
+    if not nodes:
+        raise TraceError(f"{path}: no nodes")
+    return nodes
+
+
+def load_pods(path: Path) -> list[PodClass]:
+    pods = []
+    for where, row in _rows(path, ("cpu_milli", "memory_mib", "num_gpu", "gpu_milli")):
+        num_gpu = _int(row, "num_gpu", where, 0, 64)
+        gpu_milli = _int(row, "gpu_milli", where, 0, 1000)
+        if num_gpu > 1 and gpu_milli != 1000:
+            raise TraceError(f"{where}: a pod with {num_gpu} GPUs must ask 1000 milli each")
+        spec = tuple(s.strip() for s in (row.get("gpu_spec") or "").split("|") if s.strip())
+        pods.append(
+            PodClass(
+                cpu_milli=_int(row, "cpu_milli", where, 0, 10**9),
+                memory_mib=_int(row, "memory_mib", where, 0, 10**12),
+                num_gpu=num_gpu,
+                gpu_milli=gpu_milli if num_gpu else 0,
+                gpu_spec=spec if num_gpu else (),
+            )
+        )
+    if not pods:
+        raise TraceError(f"{path}: no pods")
+    return pods
+
+
+def build_cluster(nodes: Sequence[TraceNode], split_count: int = SPLIT_COUNT) -> Cluster:
+    counts = np.asarray([n.gpus for n in nodes], dtype=np.int64)
+    total = int(counts.sum())
+    models = sorted({n.model for n in nodes})
+    model_of = {m: i for i, m in enumerate(models)}
+    card_model = np.repeat([model_of[n.model] for n in nodes], counts).astype(np.int64)
+    cap_mem = np.asarray([MODEL_MEMORY_MIB.get(models[m], DEFAULT_MEMORY_MIB) for m in card_model])
+
+    def zeros() -> Ints:
+        return np.zeros(total, dtype=np.int64)
+
+    return Cluster(
+        node_names=[n.name for n in nodes],
+        node_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        uuids=[f"{n.name}-gpu{i}" for n in nodes for i in range(n.gpus)],
+        models=models,
+        model_id=card_model,
+        numa=np.full(total, -1, dtype=np.int64),
+        cap_mem=cap_mem.astype(np.int64),
+        cap_cores=np.full(total, 100, dtype=np.int64),
+        cap_slots=np.full(total, split_count, dtype=np.int64),
+        used_mem=zeros(),
+        used_cores=zeros(),
+        used_slots=zeros(),
+        owned=np.zeros(total, dtype=np.bool_),
+        healthy=np.ones(total, dtype=np.bool_),
+        present=np.ones(total, dtype=np.bool_),
+        cordoned=np.zeros(total, dtype=np.bool_),
+        node_cpu_free=np.asarray([n.cpu_milli for n in nodes], dtype=float),
+        node_mem_free=np.asarray([n.memory_mib for n in nodes], dtype=float),
+    )
+
+
+def workload_mix(pods: Sequence[PodClass], size_exponent: float = SIZE_EXPONENT) -> WorkloadMix:
+    """The trace's own pod distribution: what the fragmentation policy expects to come."""
+    classes = []
+    for pod, count in Counter(pods).items():
+        request = pod.request()
+        card = CardDemand.of(request.containers[0]) if request else None
+        selector = request.selector if request else DeviceSelector()
+        classes.append(WorkloadClass(count, card, selector, pod.cpu_milli, pod.memory_mib))
+    return WorkloadMix.of(classes, size_exponent)
+
+
+def arrivals(pods: Sequence[PodClass], capacity: int, inflation: float, seed: int) -> list[int]:
+    """Indexes into ``pods`` in arrival order: inflated with replacement, then shuffled."""
+    rng = np.random.default_rng(seed)
+    demand = np.asarray([p.gpu_demand for p in pods], dtype=np.int64)
+    order = list(range(len(pods)))
+    total, target = int(demand.sum()), inflation * capacity
+    if demand.max() <= 0:
+        raise TraceError("no pod in the trace asks for a GPU")
+    while total < target:
+        draw = int(rng.integers(len(pods)))
+        order.append(draw)
+        total += int(demand[draw])
+    return [order[i] for i in rng.permutation(len(order))]
+
+
+@dataclass
+class RunResult:
+    trace: str
+    policy: str
+    seed: int
+    milli_gpu_allocation_ratio: float
+    unallocated_gpus: float
+    failed_pods: int
+    failed_gpu_pods: int
+    scheduled_pods: int
+    arrived_pods: int
+    curve: list[float] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _ClassCache:
+    score: np.ndarray[Any, np.dtype[np.float64]]
+    cards: Ints  # (nodes, count) chosen cards of the single container, or (nodes, 0)
+    seen: int = -1
+
+
+def replay(
+    nodes: Sequence[TraceNode],
+    pods: Sequence[PodClass],
+    policy: str,
+    seed: int,
+    *,
+    trace: str = "",
+    inflation: float = 1.3,
+    split_count: int = SPLIT_COUNT,
+    progress: Callable[[float], None] | None = None,
+) -> RunResult:
+    """Schedule the trace once; ``progress`` gets the arrived share (0-1) as it goes."""
+    if policy not in POLICIES:
+        raise TraceError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    started = time.perf_counter()
+    cluster = build_cluster(nodes, split_count)
+    capacity = 1000 * cluster.card_count
+    if capacity == 0:
+        raise TraceError("the cluster has no GPU")
+    chosen = POLICIES[policy]
+    gpu_policy, node_policy = chosen.gpu, chosen.node
+    mix = (
+        workload_mix(pods, chosen.size_exponent) if gpu_policy is GpuPolicy.FRAGMENTATION else None
+    )
+    classes = list(dict.fromkeys(pods))
+    class_of = {c: i for i, c in enumerate(classes)}
+    demands = [
+        Demand(c.request(), gpu_policy, node_policy, float(c.cpu_milli), float(c.memory_mib))
+        for c in classes
+    ]
+    n = cluster.node_count
+    caches = [
+        _ClassCache(np.full(n, -np.inf), np.full((n, c.num_gpu), -1, dtype=np.int64))
+        for c in classes
+    ]
+    changed = np.zeros(n, dtype=np.int64)  # per node: the placement that last changed it
+    placements = 0
+
+    order = arrivals(pods, capacity, inflation, seed)
+    target = inflation * capacity
+    arrived = allocated = 0
+    failed = failed_gpu = scheduled = 0
+    curve: list[float] = []
+    next_mark = 1
+    for count, index in enumerate(order, start=1):
+        pod = pods[index]
+        k = class_of[pod]
+        cache, demand = caches[k], demands[k]
+        stale = np.flatnonzero(changed > cache.seen)
+        if stale.size:
+            ev = evaluate(cluster, demand, stale, mix)
+            cache.score[stale] = ev.score
+            if ev.chosen:
+                cache.cards[stale] = ev.chosen[0]
+            cache.seen = placements
+        best = int(np.argmax(cache.score))
+        if np.isfinite(cache.score[best]):
+            cards = cache.cards[best]
+            _take(cluster, pod, cards, best)
+            placements += 1
+            changed[best] = placements
+            allocated += pod.gpu_demand
+            scheduled += 1
+        else:
+            failed += 1
+            failed_gpu += pod.num_gpu > 0
+        arrived += pod.gpu_demand
+        while next_mark <= round(inflation * 100) and arrived * 100 >= next_mark * capacity:
+            curve.append(100.0 * allocated / capacity)
+            next_mark += 1
+        if progress is not None and count % 256 == 0:
+            progress(min(1.0, arrived / target))
+        if arrived >= target:
+            break
+    if progress is not None:
+        progress(1.0)
+    return RunResult(
+        trace=trace,
+        policy=policy,
+        seed=seed,
+        milli_gpu_allocation_ratio=round(100.0 * allocated / capacity, 3),
+        unallocated_gpus=round((capacity - allocated) / 1000, 3),
+        failed_pods=failed,
+        failed_gpu_pods=failed_gpu,
+        scheduled_pods=scheduled,
+        arrived_pods=scheduled + failed,
+        curve=[round(v, 3) for v in curve],
+        wall_seconds=round(time.perf_counter() - started, 3),
+    )
+
+
+def _take(cluster: Cluster, pod: PodClass, cards: Ints, node: int) -> None:
+    if pod.num_gpu == 0:
+        cluster.node_cpu_free[node] -= pod.cpu_milli
+        cluster.node_mem_free[node] -= pod.memory_mib
+        return
+    share = math.ceil(pod.gpu_milli / 10)
+    mem = cluster.cap_mem[cards] * share // 100
+    count = cards.size
+    cluster.take(
+        cards,
+        mem,
+        np.full(count, share, dtype=np.int64),
+        np.ones(count, dtype=np.int64),
+        np.full(count, share == 100),
+        node,
+        pod.cpu_milli,
+        pod.memory_mib,
+    )
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``42``, ``42-51`` or ``42,45,50-51`` as a list of seeds."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first = int(lo)
+            last = int(hi) if sep else first
+        except ValueError:
+            raise TraceError(f"not a seed or seed range: {part.strip()!r} (e.g. 42-51)") from None
+        if last < first or last - first > 10_000:
+            raise TraceError(f"bad seed range: {part.strip()!r}")
+        seeds.extend(range(first, last + 1))
+    return seeds
+
+
+def _run_one(
+    args: tuple[Path, Path, str, int, float, int],
+    progress: Callable[[float], None] | None = None,
+) -> RunResult:
+    nodes_path, pods_path, policy, seed, inflation, split_count = args
+    return replay(
+        load_nodes(nodes_path),
+        load_pods(pods_path),
+        policy,
+        seed,
+        trace=trace_name(pods_path),
+        inflation=inflation,
+        split_count=split_count,
+        progress=progress,
+    )
+
+
+def trace_name(pods_path: Path) -> str:
+    return pods_path.stem.removeprefix("openb_pod_list_")
+
+
+def replay_many(
+    nodes_path: Path,
+    pods_path: Path,
+    policies: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    inflation: float = 1.3,
+    split_count: int = SPLIT_COUNT,
+    jobs: int = 1,
+    progress: Callable[[float], None] | None = None,
+) -> list[RunResult]:
+    """Every (policy, seed) run, in parallel processes when ``jobs`` > 1.
+
+    ``progress`` gets the number of runs done so far (fractional while one runs alone).
+    """
+    for policy in policies:
+        if policy not in POLICIES:
+            raise TraceError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    load_nodes(nodes_path), load_pods(pods_path)  # report a bad file before forking
+    work = [(nodes_path, pods_path, p, s, inflation, split_count) for p in policies for s in seeds]
+    results: list[RunResult] = []
+    if jobs <= 1 or len(work) == 1:
+        for i, item in enumerate(work):
+            step = None if progress is None else (lambda f, i=i: progress(i + f))
+            results.append(_run_one(item, step))
+        return results
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for result in pool.map(_run_one, work):
+            results.append(result)
+            if progress is not None:
+                progress(len(results))
+    return results
+
+
+def summarise(results: Sequence[RunResult]) -> dict[str, dict[str, float]]:
+    """Per policy, the mean over seeds of the headline numbers."""
+    by_policy: dict[str, list[RunResult]] = {}
+    for r in results:
+        by_policy.setdefault(r.policy, []).append(r)
+    return {
+        policy: {
+            "seeds": len(runs),
+            "milli_gpu_allocation_ratio": round(
+                float(np.mean([r.milli_gpu_allocation_ratio for r in runs])), 3
+            ),
+            "unallocated_gpus": round(float(np.mean([r.unallocated_gpus for r in runs])), 3),
+            "failed_pods": round(float(np.mean([r.failed_pods for r in runs])), 1),
+            "wall_seconds": round(float(np.mean([r.wall_seconds for r in runs])), 3),
+        }
+        for policy, runs in by_policy.items()
+    }
