@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
@@ -161,6 +161,15 @@ class WebhookSettings(CommonSettings):
 class SchedulerSettings(CommonSettings):
     listen_host: str = "0.0.0.0"
     listen_port: Annotated[int, Field(ge=1, le=65535)] = 8888
+    # where the Kubernetes API is: "cluster" (in-cluster or kubeconfig) or "local"
+    # (an in-memory API for the dev stack)
+    kube_api: Literal["cluster", "local"] = "cluster"
+    sync_interval: timedelta = timedelta(seconds=1)  # refresh of the ledger copy
+
+    @field_validator("sync_interval", mode="before")
+    @classmethod
+    def _sync(cls, value: Any) -> timedelta:
+        return parse_duration(value)
 
 
 class InventorySettings(CommonSettings):

@@ -324,7 +324,10 @@ class Ledger:
         keys = self.node_keys(node)
         if not await self.redis.hexists(keys.gpus, f"{card}|index"):
             raise LedgerError(f"node {node} has no card {card}")
-        await self.redis.hset(keys.gpus, f"{card}|cordoned", int(cordoned))
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(keys.gpus, f"{card}|cordoned", int(cordoned))
+        pipe.hincrby(keys.meta, "rev", 1)
+        await pipe.execute()
 
     @_gated
     async def nodes(self) -> list[str]:
@@ -335,21 +338,44 @@ class Ledger:
         """A node's cards with capacity and usage, read in one round trip."""
         return (await self.nodes_gpus([node]))[node]
 
-    @_gated
     async def nodes_gpus(self, nodes: Sequence[str]) -> dict[str, list[GpuState]]:
         """Several nodes' cards in one round trip (unknown nodes map to [])."""
+        raw = await self.nodes_raw(nodes)
+        return {
+            node: [_gpu_state(node, u, fields) for u in order if f"{u}|index" in fields]
+            for node, (order, fields, _) in raw.items()
+        }
+
+    @_gated
+    async def nodes_raw(
+        self, nodes: Sequence[str]
+    ) -> dict[str, tuple[list[str], dict[str, str], int]]:
+        """Per node: card UUIDs in index order, the raw card fields, and the revision.
+
+        One round trip; for readers that build their own arrays (the scheduler)
+        without a model object per card.
+        """
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
             keys = self.node_keys(node)
             pipe.hgetall(keys.gpus)
-            pipe.hget(keys.meta, "devices")
+            pipe.hmget(keys.meta, ["devices", "rev"])
         replies = await pipe.execute()
-        result: dict[str, list[GpuState]] = {}
+        result: dict[str, tuple[list[str], dict[str, str], int]] = {}
         for i, node in enumerate(nodes):
             fields = cast(dict[str, str], replies[2 * i])
-            order = json.loads(replies[2 * i + 1] or "[]")
-            result[node] = [_gpu_state(node, u, fields) for u in order if f"{u}|index" in fields]
+            devices, rev = replies[2 * i + 1]
+            result[node] = (json.loads(devices or "[]"), fields, int(rev or 0))
         return result
+
+    @_gated
+    async def revisions(self, nodes: Sequence[str]) -> dict[str, int]:
+        """Each node's revision: it grows with every change to the node's cards or usage."""
+        pipe = self.redis.pipeline(transaction=False)
+        for node in nodes:
+            pipe.hget(self.node_keys(node).meta, "rev")
+        replies = await pipe.execute()
+        return {node: int(rev or 0) for node, rev in zip(nodes, replies, strict=True)}
 
     # ------------------------------------------------------------ pods
 

@@ -285,6 +285,10 @@ class DeviceFootprint(Frozen):
         )
 
 
+# Pod annotation holding the placement: the copy the ledger can be rebuilt from.
+PLACEMENT_ANNOTATION = "gpuslice.io/placement"
+
+
 class PlacementState(enum.StrEnum):
     RESERVED = "reserved"
     BOUND = "bound"
@@ -315,6 +319,15 @@ class Placement(Frozen):
         if len(set(names)) != len(names):
             raise ValueError("container names in a placement must be unique")
         return self
+
+    def to_annotation(self) -> str:
+        """The durable record written on the pod (:data:`PLACEMENT_ANNOTATION`)."""
+        return self.model_dump_json(include={"pod", "node", "containers", "policy"})
+
+    @classmethod
+    def from_annotation(cls, value: str) -> Placement:
+        """Read a record written by :meth:`to_annotation`; raises ValueError when malformed."""
+        return cls.model_validate_json(value)
 
     def footprint(self) -> dict[str, DeviceFootprint]:
         """Per card, the most this pod holds at any moment.

@@ -10,6 +10,7 @@ elsewhere they are infinite, because kube-scheduler has already checked them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -129,6 +130,19 @@ class Cluster:
     def schedulable(self) -> Bools:
         """Cards that may take new work at all (present, healthy, not cordoned)."""
         return self.present & self.healthy & ~self.cordoned
+
+    def emptied(self) -> Cluster:
+        """The same cards with nothing reserved: what could ever fit here."""
+        zeros = np.zeros_like(self.used_mem)
+        return dataclasses.replace(
+            self,
+            used_mem=zeros,
+            used_cores=zeros.copy(),
+            used_slots=zeros.copy(),
+            owned=np.zeros_like(self.owned),
+            node_cpu_free=np.full(self.node_count, np.inf),
+            node_mem_free=np.full(self.node_count, np.inf),
+        )
 
     # ------------------------------------------------------------ changing
 

@@ -196,8 +196,12 @@ def evaluate(
                 rows = picked[feasible].ravel()
                 rows = rows[rows >= 0]
                 usage.add(rows, d, mem[rows])
+        for p in chosen:  # a node that failed on a later container keeps no earlier cards
+            p[~feasible] = NO_CARD
         # ``chosen`` holds rows into the scope; turn them into cluster card indexes.
-        chosen = [np.where(p >= 0, scope.cards[np.maximum(p, 0)], NO_CARD) for p in chosen]
+        # Without any card in the scope every entry is NO_CARD already (and indexing fails).
+        if scope.cards.size:
+            chosen = [np.where(p >= 0, scope.cards[np.maximum(p, 0)], NO_CARD) for p in chosen]
 
     score = _node_scores(cluster, scope, demand, mix, fragments, usage, feasible)
     score = np.where(feasible, score, -np.inf)

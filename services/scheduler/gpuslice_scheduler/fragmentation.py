@@ -253,3 +253,62 @@ def default_mix() -> WorkloadMix:
             share(75, 0.08),
         ]
     )
+
+
+class MixLearner:
+    """The workload mix the service expects, learned from the pods it is asked to place.
+
+    Starts from a prior (:func:`default_mix`) worth ``prior_weight`` pods; every
+    distinct pod counts once toward its class. The mix is rebuilt after every
+    ``rebuild_every`` new pods and keeps the ``max_classes`` most common classes.
+    """
+
+    def __init__(
+        self,
+        prior: WorkloadMix | None = None,
+        prior_weight: float = 50.0,
+        rebuild_every: int = 32,
+        max_classes: int = 48,
+        remember: int = 20_000,
+    ) -> None:
+        self.prior = prior or default_mix()
+        self.prior_weight = prior_weight
+        self.rebuild_every = rebuild_every
+        self.max_classes = max_classes
+        self.remember = remember
+        self.counts: dict[tuple[CardDemand, DeviceSelector], int] = {}
+        self.seen: dict[str, None] = {}
+        self.pending = 0
+        self._mix: WorkloadMix = self.prior
+
+    @property
+    def mix(self) -> WorkloadMix:
+        if self.pending >= self.rebuild_every:
+            self._mix = self._build()
+            self.pending = 0
+        return self._mix
+
+    def observe(self, pod_uid: str, card: CardDemand, selector: DeviceSelector) -> None:
+        if pod_uid in self.seen:
+            return
+        self.seen[pod_uid] = None
+        if len(self.seen) > self.remember:
+            del self.seen[next(iter(self.seen))]
+        key = (
+            card,
+            DeviceSelector(
+                include_types=selector.include_types, exclude_types=selector.exclude_types
+            ),
+        )
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.pending += 1
+
+    def _build(self) -> WorkloadMix:
+        total = sum(c.frequency for c in self.prior.classes)
+        classes = [
+            WorkloadClass(c.frequency / total * self.prior_weight, c.card, c.selector)
+            for c in self.prior.classes
+        ]
+        common = sorted(self.counts.items(), key=lambda kv: -kv[1])[: self.max_classes]
+        classes += [WorkloadClass(float(n), card, sel) for (card, sel), n in common]
+        return WorkloadMix.of(classes, self.prior.size_exponent)

@@ -119,9 +119,12 @@ class PodClass:
 def _int(row: dict[str, str], key: str, where: str, lo: int, hi: int) -> int:
     raw = (row.get(key) or "").strip()
     try:
-        value = int(float(raw))
+        number = float(raw)
     except ValueError:
         raise TraceError(f"{where}: column {key!r} is not a number: {raw!r}") from None
+    if not number.is_integer():  # also inf and nan, which int() cannot take
+        raise TraceError(f"{where}: column {key!r} is not a whole number: {raw!r}")
+    value = int(number)
     if not lo <= value <= hi:
         raise TraceError(f"{where}: column {key!r} = {value} is outside {lo}..{hi}")
     return value
@@ -134,11 +137,15 @@ def _rows(path: Path, required: Sequence[str]) -> Iterable[tuple[str, dict[str, 
         raise TraceError(f"cannot read {path}: {exc.strerror}") from None
     with handle:
         reader = csv.DictReader(handle)
-        missing = [c for c in required if c not in (reader.fieldnames or [])]
-        if missing:
-            raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
-        for line, row in enumerate(reader, start=2):
-            yield f"{path.name}:{line}", row
+        try:
+            missing = [c for c in required if c not in (reader.fieldnames or [])]
+            if missing:
+                raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
+            for row in reader:
+                yield f"{path.name}:{reader.line_num}", row
+        except (UnicodeDecodeError, csv.Error) as exc:
+            where = f"{path}: near line {reader.line_num + 1}"
+            raise TraceError(f"{where}: not a UTF-8 CSV file ({exc})") from None
 
 
 def load_nodes(path: Path) -> list[TraceNode]:
@@ -307,7 +314,7 @@ def replay(
     arrived = allocated = 0
     failed = failed_gpu = scheduled = 0
     curve: list[float] = []
-    next_mark = 1
+    next_mark, marks = 1, math.floor(inflation * 100 + 1e-9)  # one point per whole 1 %
     for count, index in enumerate(order, start=1):
         pod = pods[index]
         k = class_of[pod]
@@ -331,7 +338,7 @@ def replay(
             failed += 1
             failed_gpu += pod.num_gpu > 0
         arrived += pod.gpu_demand
-        while next_mark <= round(inflation * 100) and arrived * 100 >= next_mark * capacity:
+        while next_mark <= marks and arrived * 100 >= next_mark * capacity:
             curve.append(100.0 * allocated / capacity)
             next_mark += 1
         if progress is not None and count % 256 == 0:

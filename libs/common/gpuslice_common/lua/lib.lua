@@ -1,6 +1,6 @@
 -- Prelude shared by every ledger script.
 -- KEYS[1] <p>:{node}:gpus     hash  "<uuid>|<field>" -> value
--- KEYS[2] <p>:{node}:meta     hash  devices (JSON list), heartbeat, config, bind_seq
+-- KEYS[2] <p>:{node}:meta     hash  devices (JSON list), heartbeat, config, bind_seq, rev
 -- KEYS[3] <p>:{node}:pods     hash  pod uid -> placement record (JSON)
 -- KEYS[4] <p>:{node}:pending  zset  pod uid -> bind order, pods awaiting Allocate
 -- KEYS[5] <p>:{node}:released zset  pod uid -> release time (ms), for pruning
@@ -35,6 +35,12 @@ local function save_pod(uid, rec)
   local raw = cjson.encode(rec)
   redis.call('HSET', PODS, uid, raw)
   return raw
+end
+
+-- Every change to a node's cards or usage bumps its revision, so readers that
+-- keep a copy re-read only the nodes that changed.
+local function bump()
+  redis.call('HINCRBY', META, 'rev', 1)
 end
 
 local function is_count(v)

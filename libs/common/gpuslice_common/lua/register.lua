@@ -41,4 +41,5 @@ if #order > 0 then
 end
 redis.call('HSET', META, 'devices', devices, 'heartbeat', now, 'config', cjson.encode(inv.config))
 redis.call('HSETNX', META, 'registered', now)
+bump()
 return #order

@@ -41,4 +41,5 @@ for _, gone in ipairs(old) do
   end
   redis.call('ZREM', RELEASED, gone)
 end
+bump()
 return {'ok', raw, tostring(clamped)}

@@ -63,4 +63,5 @@ rec.footprint = fp
 rec.allocated_containers = 0
 rec.times = {reserved = now_ms()}
 redis.call('ZREM', RELEASED, uid)
+bump()
 return {'ok', save_pod(uid, rec)}

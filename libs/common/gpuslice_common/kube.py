@@ -1,0 +1,370 @@
+"""The one small door through which gpuslice services talk to the Kubernetes API server.
+
+:class:`KubeApi` is the interface: read a Pod, merge-patch its annotations, bind it
+to a node. Two implementations stand behind it:
+
+* :class:`KubernetesApi` speaks to a real API server through the official
+  ``kubernetes`` client. The client is blocking, so every call runs in a worker
+  thread, under a request timeout. Pods come back as the server's own JSON
+  (camelCase keys), never as client model objects.
+* :class:`LocalKubeApi` keeps Pods in memory, for the dev stack and for tests of
+  the services that use this interface.
+
+Every failure surfaces as a :class:`KubeError` whose message reads well for an
+operator; :class:`PodNotFound` (404) and :class:`Conflict` (409) are the two that
+callers usually handle on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+__all__ = [
+    "Conflict",
+    "KubeApi",
+    "KubeError",
+    "KubernetesApi",
+    "LocalKubeApi",
+    "PodNotFound",
+]
+
+DEFAULT_TIMEOUT = 5.0
+MERGE_PATCH = "application/merge-patch+json"
+USER_AGENT = "gpuslice"
+
+
+class KubeError(Exception):
+    """The Kubernetes API did not do what was asked; the message says why.
+
+    ``status`` is the HTTP status of the server's answer, when there was one.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class PodNotFound(KubeError):
+    """The pod (or its namespace) does not exist."""
+
+
+class Conflict(KubeError):
+    """The server refused the change as conflicting (HTTP 409), e.g. the pod is
+    already bound to another node."""
+
+
+class KubeApi(Protocol):
+    """What gpuslice services need from the Kubernetes API server."""
+
+    async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        """The Pod as the server sends it (camelCase keys). Raises :class:`PodNotFound`."""
+        ...
+
+    async def patch_pod_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+    ) -> None:
+        """Merge ``annotations`` into the pod's ``metadata.annotations``; a None
+        value deletes that key."""
+        ...
+
+    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        """Bind the pod to ``node``. ``uid`` guards against binding a newer pod
+        that took the same name. Raises :class:`Conflict` if it is already bound."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; the object is not used afterwards."""
+        ...
+
+
+def _pod_ref(namespace: str, name: str) -> str:
+    return f"{namespace}/{name}"
+
+
+def _server_message(body: Any) -> str:
+    """The ``message`` of a Kubernetes Status body, or the body's text itself."""
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", errors="replace")
+    if not isinstance(body, str) or not body.strip():
+        return ""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        text = " ".join(body.split())
+        return text if len(text) <= 300 else text[:297] + "..."
+    if isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
+        return str(parsed["message"])
+    return ""
+
+
+def _read_body(response: Any) -> bytes:
+    """Read an unparsed response (``_preload_content=False``) and free its connection."""
+    try:
+        data = response.data
+    finally:
+        release = getattr(response, "release_conn", None)
+        if callable(release):
+            release()
+    return data if isinstance(data, bytes) else bytes(data or b"")
+
+
+def _load_incluster(configuration: k8s.Configuration) -> None:
+    k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+
+
+def _load_kubeconfig(path: str, configuration: k8s.Configuration) -> None:
+    k8s_config.load_kube_config(config_file=path, client_configuration=configuration)  # type: ignore[no-untyped-call]
+
+
+class KubernetesApi:
+    """:class:`KubeApi` on a real API server, through the official ``kubernetes`` client."""
+
+    def __init__(
+        self, api_client: k8s.ApiClient, *, host: str, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError("timeout must be positive")
+        self._api_client = api_client
+        self._core = k8s.CoreV1Api(api_client)
+        self._timeout = timeout
+        self.host = host
+
+    @classmethod
+    def connect(
+        cls,
+        host: str,
+        token: str | None = None,
+        verify_ssl: bool = True,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> KubernetesApi:
+        """Talk to the API server at ``host`` (``https://...``), with a bearer token if given."""
+        configuration = k8s.Configuration()
+        configuration.host = host.rstrip("/")
+        configuration.verify_ssl = verify_ssl
+        if token is not None:
+            configuration.api_key = {"authorization": token}
+            configuration.api_key_prefix = {"authorization": "Bearer"}
+        return cls._from_configuration(configuration, timeout)
+
+    @classmethod
+    def from_environment(cls, timeout: float = DEFAULT_TIMEOUT) -> KubernetesApi:
+        """Credentials as a pod or an operator's shell has them: the service
+        account when running in a cluster (``KUBERNETES_SERVICE_HOST`` is set),
+        else the current kubeconfig context (``KUBECONFIG`` or ``~/.kube/config``)."""
+        configuration = k8s.Configuration()
+        try:
+            if os.environ.get("KUBERNETES_SERVICE_HOST"):
+                source = "the in-cluster service account"
+                _load_incluster(configuration)
+            else:
+                # KUBECONFIG is read now: the client's own default was fixed at import.
+                kubeconfig = os.environ.get("KUBECONFIG") or "~/.kube/config"
+                source = f"kubeconfig {kubeconfig}"
+                _load_kubeconfig(kubeconfig, configuration)
+        except (ConfigException, OSError, ValueError, TypeError, KeyError) as error:
+            detail = " ".join(str(error).split()) or type(error).__name__
+            raise KubeError(f"cannot load Kubernetes credentials from {source}: {detail}") from None
+        return cls._from_configuration(configuration, timeout)
+
+    @classmethod
+    def _from_configuration(cls, configuration: k8s.Configuration, timeout: float) -> KubernetesApi:
+        # One retry covers a pooled keep-alive connection the server has dropped,
+        # without stretching an outage into several timeouts.
+        configuration.retries = 1
+        api_client = k8s.ApiClient(configuration)
+        api_client.user_agent = USER_AGENT
+        return cls(api_client, host=str(configuration.host), timeout=timeout)
+
+    async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        what = f"reading pod {_pod_ref(namespace, name)}"
+        body = await self._call(
+            what,
+            lambda: self._core.read_namespaced_pod(
+                name=name,
+                namespace=namespace,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+            not_found=f"pod {_pod_ref(namespace, name)} not found",
+        )
+        try:
+            pod = json.loads(body)
+        except ValueError:
+            raise KubeError(f"{what}: the API server at {self.host} sent no JSON") from None
+        if not isinstance(pod, dict):
+            raise KubeError(f"{what}: the API server at {self.host} sent no object")
+        return pod
+
+    async def patch_pod_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+    ) -> None:
+        patch = {"metadata": {"annotations": dict(annotations)}}
+        await self._call(
+            f"annotating pod {_pod_ref(namespace, name)}",
+            lambda: self._core.patch_namespaced_pod(
+                name=name,
+                namespace=namespace,
+                body=patch,
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+            not_found=f"pod {_pod_ref(namespace, name)} not found",
+        )
+
+    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        binding = k8s.V1Binding(
+            api_version="v1",
+            kind="Binding",
+            metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, uid=uid),
+            target=k8s.V1ObjectReference(api_version="v1", kind="Node", name=node),
+        )
+        # The response is not deserialised: some client versions fail on a
+        # Binding without ``target``, which is what servers send back. The
+        # content type is named because the client sends none for this call.
+        await self._call(
+            f"binding pod {_pod_ref(namespace, name)} to node {node}",
+            lambda: self._core.create_namespaced_pod_binding(
+                name=name,
+                namespace=namespace,
+                body=binding,
+                _headers={"Content-Type": "application/json"},
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+            not_found=f"pod {_pod_ref(namespace, name)} not found",
+        )
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._api_client.close)
+
+    async def _call(self, what: str, request: Callable[[], Any], *, not_found: str) -> bytes:
+        """Run one blocking request in a thread; return the raw body, or raise a KubeError."""
+
+        def run() -> bytes:
+            return _read_body(request())
+
+        try:
+            return await asyncio.to_thread(run)
+        except ApiException as error:
+            raise self._api_error(what, error, not_found) from None
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise KubeError(
+                f"cannot reach the Kubernetes API at {self.host} ({what}): {_describe(error)}"
+            ) from None
+
+    def _api_error(self, what: str, error: ApiException, not_found: str) -> KubeError:
+        status = error.status if isinstance(error.status, int) else None
+        if not status:
+            # Status 0: the client failed before any answer (TLS, unusable request).
+            reason = " ".join(str(error.reason or "no answer").split())
+            return KubeError(f"cannot reach the Kubernetes API at {self.host} ({what}): {reason}")
+        message = _server_message(error.body)
+        reason = str(error.reason or "").strip()
+        head = f"HTTP {status} {reason}".rstrip()
+        if status == 404:
+            return PodNotFound(f"{not_found}: {message or head}", status)
+        text = f"{what} failed: {head}" + (f": {message}" if message else "")
+        if status == 409:
+            return Conflict(text, status)
+        return KubeError(text, status)
+
+
+def _describe(error: BaseException) -> str:
+    """A one-line reason for a connection failure, without urllib3's object reprs."""
+    reason = getattr(error, "reason", None)
+    if isinstance(reason, BaseException):
+        error = reason
+    text = str(error)
+    # urllib3 prefixes "<urllib3.connection.HTTPConnection object at 0x...>: ".
+    if text.startswith("<") and ">: " in text:
+        text = text.split(">: ", 1)[1]
+    return " ".join(text.split()) or type(error).__name__
+
+
+class LocalKubeApi:
+    """:class:`KubeApi` in memory: Pods held as JSON-shaped dicts, for the dev
+    stack and tests. ``bindings`` and ``patches`` record what was asked, in order."""
+
+    def __init__(self) -> None:
+        self._pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self.bindings: list[tuple[str, str, str]] = []
+        self.patches: list[tuple[str, str, dict[str, str | None]]] = []
+        self.closed = False
+
+    def add_pod(self, pod: Mapping[str, Any]) -> None:
+        """Store (a copy of) ``pod``, replacing any pod of the same namespace and name."""
+        stored = copy.deepcopy(dict(pod))
+        metadata = stored.setdefault("metadata", {})
+        name = metadata.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError("a pod needs metadata.name")
+        namespace = metadata.setdefault("namespace", "default")
+        self._pods[(namespace, name)] = stored
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        if self._pods.pop((namespace, name), None) is None:
+            raise PodNotFound(f"pod {_pod_ref(namespace, name)} not found", 404)
+
+    def pods(self) -> list[dict[str, Any]]:
+        """Copies of every stored pod."""
+        return [copy.deepcopy(pod) for pod in self._pods.values()]
+
+    def _pod(self, namespace: str, name: str) -> dict[str, Any]:
+        pod = self._pods.get((namespace, name))
+        if pod is None:
+            raise PodNotFound(f"pod {_pod_ref(namespace, name)} not found", 404)
+        return pod
+
+    async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return copy.deepcopy(self._pod(namespace, name))
+
+    async def patch_pod_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+    ) -> None:
+        pod = self._pod(namespace, name)
+        self.patches.append((namespace, name, dict(annotations)))
+        metadata = pod.setdefault("metadata", {})
+        current = metadata.get("annotations") or {}
+        for key, value in annotations.items():
+            if value is None:
+                current.pop(key, None)
+            else:
+                current[key] = value
+        if current:
+            metadata["annotations"] = current
+        else:
+            metadata.pop("annotations", None)
+
+    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        pod = self._pod(namespace, name)
+        ref = _pod_ref(namespace, name)
+        actual_uid = pod["metadata"].get("uid")
+        if actual_uid is not None and actual_uid != uid:
+            raise Conflict(
+                f"binding pod {ref} to node {node} failed: the pod's uid is {actual_uid}, "
+                f"not {uid} (it was replaced)",
+                409,
+            )
+        spec = pod.setdefault("spec", {})
+        bound = spec.get("nodeName")
+        if bound and bound != node:
+            raise Conflict(
+                f"binding pod {ref} to node {node} failed: already bound to node {bound}", 409
+            )
+        spec["nodeName"] = node
+        self.bindings.append((namespace, name, node))
+
+    async def close(self) -> None:
+        self.closed = True

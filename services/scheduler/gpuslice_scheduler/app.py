@@ -1,0 +1,116 @@
+"""HTTP face of the extender (FastAPI): the verbs kube-scheduler calls, health, metrics.
+
+Every verb answers 200 with an ``Error`` field when the request is bad or the
+verb fails, as kube-scheduler expects; prioritize, whose reply is a bare list,
+answers 400 with ``{"Error": ...}``. No traceback ever reaches the caller: an
+unexpected exception is logged and answered as an ``Error`` too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gpuslice_common.ledger import LedgerError
+from gpuslice_scheduler.extender import BindError, Extender
+from gpuslice_scheduler.wire import (
+    BindingArgs,
+    ExtenderArgs,
+    PreemptionArgs,
+    WireError,
+    filter_error,
+)
+
+log = logging.getLogger(__name__)
+
+
+def create_app(extender: Extender) -> FastAPI:
+    app = FastAPI(title="gpuslice scheduler extender", docs_url=None, redoc_url=None)
+    metrics = extender.metrics
+
+    async def timed(
+        verb: str,
+        handler: Callable[[], Awaitable[Any]],
+        on_error: Callable[[str], Any],
+        status: int,
+    ) -> Response:
+        started = time.perf_counter()
+        try:
+            body = await handler()
+            code, outcome = 200, "ok"
+        except (WireError, BindError, LedgerError) as exc:
+            log.info("%s: %s", verb, exc)
+            body, code, outcome = on_error(str(exc)), status, "error"
+        except Exception as exc:  # an engine bug must not become a 500 with a traceback
+            log.exception("%s failed unexpectedly", verb)
+            body, code, outcome = on_error(f"internal error: {type(exc).__name__}"), status, "error"
+        metrics.requests.labels(verb, outcome).inc()
+        metrics.latency.labels(verb).observe(time.perf_counter() - started)
+        return JSONResponse(body, status_code=code)
+
+    @app.post("/filter")
+    async def filter_(request: Request) -> Response:
+        body = await request.body()
+
+        async def run() -> Any:
+            return extender.filter(ExtenderArgs.parse(body, "filter"))
+
+        return await timed("filter", run, filter_error, 200)
+
+    @app.post("/prioritize")
+    async def prioritize(request: Request) -> Response:
+        body = await request.body()
+
+        async def run() -> Any:
+            return extender.prioritize(ExtenderArgs.parse(body, "prioritize"))
+
+        return await timed("prioritize", run, lambda e: {"Error": e}, 400)
+
+    @app.post("/bind")
+    async def bind(request: Request) -> Response:
+        body = await request.body()
+
+        async def run() -> Any:
+            await extender.bind(BindingArgs.parse(body))
+            return {"Error": ""}
+
+        return await timed("bind", run, lambda e: {"Error": e}, 200)
+
+    @app.post("/preempt")
+    async def preempt(request: Request) -> Response:
+        body = await request.body()
+
+        async def run() -> Any:
+            return extender.preempt(PreemptionArgs.parse(body))
+
+        return await timed(
+            "preempt", run, lambda e: {"NodeNameToMetaVictims": None, "Error": e}, 200
+        )
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        try:
+            ok = await extender.ledger.ping()
+        except LedgerError:
+            ok = False
+        if not ok or not extender.view.synced:
+            why = "ledger unreachable" if not ok else "ledger copy not loaded yet"
+            return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
+        return JSONResponse({"status": "ready", "nodes": extender.view.cluster.node_count})
+
+    @app.get("/metrics")
+    async def metrics_() -> Response:
+        metrics.nodes.set(extender.view.cluster.node_count)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,278 @@
+"""The extender's verbs, independent of HTTP: filter, prioritize, bind, preempt.
+
+Filter and prioritize only read (the scheduler's copy of the ledger). Bind is
+the one verb with effects, in this order:
+
+1. read the pod from the API server and choose its cards on the node;
+2. reserve them in the ledger (atomic; a lost race is an error kube-scheduler
+   retries) and publish ``alloc.reserved``;
+3. write the placement annotation on the pod (the durable record);
+4. mark the reservation bound, then create the Binding; publish ``alloc.bound``.
+
+If anything after the reservation fails, the reservation is released and
+``alloc.failed`` is published: a failed bind leaves nothing behind. A bind for a
+pod already bound to that node with its reservation in place succeeds again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from gpuslice_common.bus import Bus, BusError
+from gpuslice_common.config import SchedulerSettings
+from gpuslice_common.events import AllocationEvent, EventType, make_event
+from gpuslice_common.kube import KubeApi, KubeError
+from gpuslice_common.ledger import AlreadyReserved, Ledger, LedgerError, ReservationConflict
+from gpuslice_common.models import (
+    PLACEMENT_ANNOTATION,
+    GpuPolicy,
+    NodePolicy,
+    Placement,
+    PlacementState,
+    PodRef,
+)
+from gpuslice_common.requests import RequestError, parse_pod
+from gpuslice_scheduler.engine import Demand, Evaluation, evaluate, normalise, placement
+from gpuslice_scheduler.fit import CardDemand
+from gpuslice_scheduler.fragmentation import MixLearner
+from gpuslice_scheduler.metrics import Metrics
+from gpuslice_scheduler.view import ClusterView
+from gpuslice_scheduler.wire import BindingArgs, ExtenderArgs, PreemptionArgs, filter_error
+
+log = logging.getLogger(__name__)
+
+SOURCE = "gpuslice-scheduler"
+UNKNOWN_NODE = "CardNotFound: no GPU of this node is registered with gpuslice"
+
+
+class BindError(Exception):
+    """A bind that did not happen; the message is what kube-scheduler shows."""
+
+
+class Extender:
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        ledger: Ledger,
+        view: ClusterView,
+        kube: KubeApi,
+        bus: Bus | None = None,
+        metrics: Metrics | None = None,
+        learner: MixLearner | None = None,
+    ) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.view = view
+        self.kube = kube
+        self.bus = bus
+        self.metrics = metrics or Metrics()
+        self.learner = learner or MixLearner()
+
+    # ------------------------------------------------------------ reading verbs
+
+    def _demand(self, pod: dict[str, Any]) -> Demand | None:
+        request = parse_pod(pod, self.settings.requests)
+        if request is None:
+            return None
+        demand = Demand.of(request, self.settings.requests.default_gpu_policy)
+        main = max(request.containers, key=lambda c: (c.count, c.cores))
+        self.learner.observe(request.pod.uid, CardDemand.of(main), request.selector)
+        return demand
+
+    def _evaluate(self, demand: Demand, names: list[str]) -> tuple[Evaluation, list[str]]:
+        nodes, unknown = self.view.node_indexes(names)
+        ev = evaluate(self.view.cluster, demand, nodes, self.learner.mix)
+        return ev, unknown
+
+    def filter(self, args: ExtenderArgs) -> dict[str, Any]:
+        try:
+            demand = self._demand(args.pod)
+        except RequestError as exc:
+            log.info("filter: %s", exc)
+            return filter_error(f"gpuslice: {exc}")
+        if demand is None:  # not a GPU pod: every node passes
+            return args.filter_reply(args.node_names, {}, {})
+        ev, unknown = self._evaluate(demand, args.node_names)
+        names = self.view.cluster.node_names
+        passed: list[str] = []
+        failed: dict[str, str] = {}
+        unresolvable = dict.fromkeys(unknown, UNKNOWN_NODE)
+        never = _never_fit(self.view, demand, ev)
+        for row, node in enumerate(ev.nodes.tolist()):
+            name = names[node]
+            if ev.feasible[row]:
+                passed.append(name)
+                continue
+            reason = ev.reason(row)
+            self.metrics.failures.labels("filter", reason.value if reason else "unknown").inc()
+            (unresolvable if never[row] else failed)[name] = ev.detail[row]
+        order = {n: i for i, n in enumerate(args.node_names)}
+        passed.sort(key=order.__getitem__)
+        return args.filter_reply(passed, failed, unresolvable)
+
+    def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
+        demand = self._demand(args.pod)
+        if demand is None:
+            return [{"Host": n, "Score": 0} for n in args.node_names]
+        ev, _ = self._evaluate(demand, args.node_names)
+        scores = dict(zip(ev.nodes.tolist(), normalise(ev.score), strict=True))
+        index = self.view.cluster.node_index
+        return [{"Host": n, "Score": scores.get(index.get(n, -1), 0)} for n in args.node_names]
+
+    def preempt(self, args: PreemptionArgs) -> dict[str, Any]:
+        """Victims as proposed, in MetaVictims form (gpuslice does not narrow them)."""
+        return {"NodeNameToMetaVictims": args.victims}
+
+    # ------------------------------------------------------------ bind
+
+    async def bind(self, args: BindingArgs) -> None:
+        pod = await self._pod(args)
+        bound_to = (pod.get("spec") or {}).get("nodeName")
+        if bound_to and bound_to != args.node:
+            raise BindError(f"pod {args.pod_namespace}/{args.pod_name} is bound to {bound_to}")
+        try:
+            demand = self._demand(pod)
+        except RequestError as exc:
+            raise BindError(f"gpuslice: {exc}") from None
+        if demand is None:
+            await self._create_binding(args)
+            return
+        live = await self.ledger.placement(args.pod_uid)
+        if live is not None and live.state is not PlacementState.RELEASED:
+            if live.node != args.node:
+                raise BindError(f"pod {args.pod_uid} is reserved on node {live.node}")
+            if bound_to == args.node:
+                return  # bound before: nothing left to do
+            chosen = live
+        else:
+            chosen = await self._reserve(args, demand)
+        await self._record_and_bind(args, chosen)
+
+    async def _pod(self, args: BindingArgs) -> dict[str, Any]:
+        try:
+            pod = await self.kube.get_pod(args.pod_namespace, args.pod_name)
+        except KubeError as exc:
+            raise BindError(
+                f"cannot read pod {args.pod_namespace}/{args.pod_name}: {exc}"
+            ) from None
+        uid = (pod.get("metadata") or {}).get("uid")
+        if uid != args.pod_uid:
+            raise BindError(
+                f"pod {args.pod_namespace}/{args.pod_name} has UID {uid}, not {args.pod_uid}"
+            )
+        return pod
+
+    async def _reserve(self, args: BindingArgs, demand: Demand) -> Placement:
+        assert demand.request is not None
+        demand = Demand(
+            demand.request.model_copy(
+                update={
+                    "pod": PodRef(
+                        uid=args.pod_uid, namespace=args.pod_namespace, name=args.pod_name
+                    )
+                }
+            ),
+            demand.gpu_policy,
+            demand.node_policy,
+        )
+        for attempt in range(2):
+            ev, unknown = self._evaluate(demand, [args.node])
+            if unknown:
+                raise BindError(f"node {args.node}: {UNKNOWN_NODE}")
+            if not ev.feasible[0]:
+                reason = ev.reason(0)
+                await self._failed(args, reason.value if reason else "unknown", ev.detail[0])
+                raise BindError(f"node {args.node} cannot take the pod: {ev.detail[0]}")
+            chosen = placement(self.view.cluster, demand, ev, 0)
+            try:
+                reserved = await self.ledger.reserve(chosen)
+            except ReservationConflict as exc:
+                await self.view.refresh_node(args.node)
+                if attempt == 0:
+                    continue
+                await self._failed(args, exc.reason, str(exc))
+                raise BindError(
+                    f"lost a race for {exc.uuid} on {args.node}: {exc.reason}"
+                ) from None
+            except AlreadyReserved as exc:
+                raise BindError(str(exc)) from None
+            except LedgerError as exc:
+                raise BindError(f"ledger: {exc}") from None
+            self.view.apply(reserved)
+            await self._publish(EventType.ALLOC_RESERVED, reserved)
+            return reserved
+        raise BindError(f"node {args.node} keeps changing; try again")  # pragma: no cover
+
+    async def _record_and_bind(self, args: BindingArgs, chosen: Placement) -> None:
+        try:
+            await self.kube.patch_pod_annotations(
+                args.pod_namespace, args.pod_name, {PLACEMENT_ANNOTATION: chosen.to_annotation()}
+            )
+            if chosen.state is PlacementState.RESERVED:
+                await self.ledger.mark_bound(args.pod_uid)
+            await self._create_binding(args)
+        except (KubeError, LedgerError, BindError) as exc:
+            await self._undo(args, chosen, str(exc))
+            raise BindError(f"bind of {args.pod_namespace}/{args.pod_name} failed: {exc}") from None
+        self.metrics.placements.labels(chosen.policy or "unknown").inc()
+        await self._publish(EventType.ALLOC_BOUND, chosen)
+
+    async def _create_binding(self, args: BindingArgs) -> None:
+        await self.kube.bind_pod(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+
+    async def _undo(self, args: BindingArgs, chosen: Placement, why: str) -> None:
+        try:
+            await self.ledger.release(args.pod_uid, f"bind failed: {why}")
+        except LedgerError as exc:  # inventory's reservation TTL frees it later
+            log.error("cannot release pod %s after a failed bind: %s", args.pod_uid, exc)
+        with contextlib.suppress(LedgerError):  # else the next sync catches up
+            await self.view.refresh_node(args.node)
+        await self._failed(args, "BindFailed", why, chosen)
+
+    async def _failed(
+        self, args: BindingArgs, reason: str, detail: str, chosen: Placement | None = None
+    ) -> None:
+        self.metrics.failures.labels("bind", reason).inc()
+        log.info(
+            "bind %s/%s on %s failed: %s", args.pod_namespace, args.pod_name, args.node, detail
+        )
+        payload = AllocationEvent(
+            pod=PodRef(uid=args.pod_uid, namespace=args.pod_namespace, name=args.pod_name),
+            node=args.node,
+            containers=chosen.containers if chosen else (),
+            policy=chosen.policy if chosen else "",
+            reason=f"{reason}: {detail}"[:1024],
+        )
+        await self._send(EventType.ALLOC_FAILED, payload)
+
+    async def _publish(self, event_type: EventType, chosen: Placement) -> None:
+        payload = AllocationEvent(
+            pod=chosen.pod, node=chosen.node, containers=chosen.containers, policy=chosen.policy
+        )
+        await self._send(event_type, payload)
+
+    async def _send(self, event_type: EventType, payload: AllocationEvent) -> None:
+        if self.bus is None:
+            return
+        try:
+            await self.bus.publish(
+                make_event(event_type, payload, source=SOURCE, subject=payload.pod.uid)
+            )
+        except BusError as exc:  # the bind stands; the bus buffers across reconnects
+            log.warning("event %s for pod %s not published: %s", event_type, payload.pod.uid, exc)
+
+
+def _never_fit(view: ClusterView, demand: Demand, ev: Evaluation) -> np.ndarray[Any, Any]:
+    """Rows of failed nodes that could not take the pod even with every card empty."""
+    failed = ~ev.feasible
+    never = np.zeros(ev.nodes.size, dtype=np.bool_)
+    if not failed.any():
+        return never
+    plain = Demand(demand.request, GpuPolicy.BINPACK, NodePolicy.BINPACK, demand.cpu, demand.memory)
+    again = evaluate(view.cluster.emptied(), plain, ev.nodes[failed], None)
+    never[np.flatnonzero(failed)] = ~again.feasible
+    return never

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the extender (names documented in docs/architecture.md)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "gpuslice_scheduler_requests",
+            "Extender requests by verb and outcome (ok, error).",
+            ["verb", "outcome"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "gpuslice_scheduler_request_seconds",
+            "Time to answer an extender request, by verb.",
+            ["verb"],
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.placements = Counter(
+            "gpuslice_scheduler_placements",
+            "Pods bound with devices reserved, by policy.",
+            ["policy"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "gpuslice_scheduler_failures",
+            "Nodes rejected by filter and binds that failed, by reason.",
+            ["verb", "reason"],
+            registry=self.registry,
+        )
+        self.nodes = Gauge(
+            "gpuslice_scheduler_known_nodes",
+            "Nodes in the scheduler's copy of the ledger.",
+            registry=self.registry,
+        )

@@ -1,0 +1,78 @@
+"""Running the extender: connect the ledger, the bus and the Kubernetes API, serve HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import uvicorn
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import SchedulerSettings
+from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_scheduler.app import create_app
+from gpuslice_scheduler.extender import SOURCE, Extender
+from gpuslice_scheduler.view import ClusterView
+
+log = logging.getLogger(__name__)
+
+
+def kube_api(settings: SchedulerSettings) -> KubeApi:
+    if settings.kube_api == "local":
+        return LocalKubeApi()
+    return KubernetesApi.from_environment()
+
+
+@contextlib.asynccontextmanager
+async def running(
+    settings: SchedulerSettings, kube: KubeApi, *, bus: Bus | None = None
+) -> AsyncIterator[tuple[Extender, asyncio.Task[None]]]:
+    """The extender serving on ``settings.listen_host:listen_port`` until the block ends."""
+    ledger = Ledger.from_settings(settings)
+    view = ClusterView(ledger, settings.sync_interval.total_seconds())
+    extender = Extender(settings, ledger, view, kube, bus)
+    try:
+        await view.sync()
+    except LedgerError as exc:  # serve anyway; /readyz says not ready until a sync works
+        log.warning("ledger not reachable at start: %s", exc)
+    syncing = asyncio.create_task(view.run(), name="ledger-sync")
+    config = uvicorn.Config(
+        create_app(extender),
+        host=settings.listen_host,
+        port=settings.listen_port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve(), name="extender-http")
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()  # raises the startup error (e.g. port in use)
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+        yield extender, serving
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await serving
+        syncing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await syncing
+        await ledger.close()
+
+
+async def main(settings: SchedulerSettings) -> None:
+    bus = await Bus.connect(settings, SOURCE)
+    kube = kube_api(settings)
+    try:
+        async with running(settings, kube, bus=bus) as (_, serving):
+            log.info("extender listening on %s:%d", settings.listen_host, settings.listen_port)
+            await serving  # uvicorn returns on SIGINT/SIGTERM
+    finally:
+        await kube.close()
+        await bus.close()

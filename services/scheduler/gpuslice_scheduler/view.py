@@ -1,0 +1,197 @@
+"""The scheduler's copy of the ledger's cards, kept fresh by node revision.
+
+Filter and prioritize read this copy and never wait on Redis. Every ledger
+change to a node bumps its revision; :meth:`ClusterView.sync` reads all
+revisions in one round trip and re-reads only the nodes whose revision moved.
+The copy may lag by one sync interval: that only affects scores, because bind
+reserves through the ledger, which checks capacity atomically, and a lost race
+refreshes the node at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.models import Placement
+from gpuslice_scheduler.cluster import Cluster, Ints
+
+log = logging.getLogger(__name__)
+
+# uuid, model, numa, cap_mem, cap_cores, cap_slots, mem, cores, slots, owned, healthy,
+# present, cordoned
+Row = tuple[str, str, int, int, int, int, int, int, int, bool, bool, bool, bool]
+
+
+def _rows(order: Sequence[str], f: dict[str, str]) -> list[Row]:
+    rows = []
+    for u in order:
+        if f"{u}|index" not in f:
+            continue
+        numa = f.get(f"{u}|numa", "")
+        rows.append(
+            (
+                u,
+                f.get(f"{u}|model", "unknown"),
+                int(numa) if numa not in ("", None) else -1,
+                int(f.get(f"{u}|cap_mem", 0)),
+                int(f.get(f"{u}|cap_cores", 0)),
+                int(f.get(f"{u}|cap_slots", 0)),
+                int(f.get(f"{u}|mem", 0)),
+                int(f.get(f"{u}|cores", 0)),
+                int(f.get(f"{u}|slots", 0)),
+                bool(f.get(f"{u}|owner", "")),
+                f.get(f"{u}|healthy") == "1",
+                f.get(f"{u}|present") == "1",
+                f.get(f"{u}|cordoned") == "1",
+            )
+        )
+    return rows
+
+
+def build(nodes: Sequence[tuple[str, list[Row]]]) -> Cluster:
+    counts = [len(rows) for _, rows in nodes]
+    cards = [r for _, rows in nodes for r in rows]
+    models: dict[str, int] = {}
+    model_id = [models.setdefault(r[1], len(models)) for r in cards]
+
+    def col(i: int, dtype: type) -> np.ndarray[Any, Any]:
+        return np.asarray([r[i] for r in cards], dtype=dtype)
+
+    return Cluster(
+        node_names=[name for name, _ in nodes],
+        node_start=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
+        uuids=[r[0] for r in cards],
+        models=list(models),
+        model_id=np.asarray(model_id, dtype=np.int64),
+        numa=col(2, np.int64),
+        cap_mem=col(3, np.int64),
+        cap_cores=col(4, np.int64),
+        cap_slots=col(5, np.int64),
+        used_mem=col(6, np.int64),
+        used_cores=col(7, np.int64),
+        used_slots=col(8, np.int64),
+        owned=col(9, np.bool_),
+        healthy=col(10, np.bool_),
+        present=col(11, np.bool_),
+        cordoned=col(12, np.bool_),
+        node_cpu_free=np.full(len(nodes), np.inf),
+        node_mem_free=np.full(len(nodes), np.inf),
+    )
+
+
+class ClusterView:
+    """Every registered node's cards as one :class:`Cluster`, refreshed by revision."""
+
+    def __init__(self, ledger: Ledger, interval: float = 1.0) -> None:
+        self.ledger = ledger
+        self.interval = interval
+        self.rows: dict[str, list[Row]] = {}
+        self.revs: dict[str, int] = {}
+        self.cluster = build([])
+        self.synced = False
+        self.syncs = 0
+
+    async def sync(self) -> int:
+        """Re-read nodes that changed (and new ones); returns how many were re-read."""
+        names = await self.ledger.nodes()
+        revs = await self.ledger.revisions(names)
+        changed = [n for n in names if revs[n] != self.revs.get(n)]
+        gone = set(self.rows) - set(names)
+        if changed:
+            raw = await self.ledger.nodes_raw(changed)
+            for node, (order, fields, rev) in raw.items():
+                self.rows[node] = _rows(order, fields)
+                self.revs[node] = rev
+        for node in gone:
+            self.rows.pop(node, None)
+            self.revs.pop(node, None)
+        if changed or gone or not self.synced:
+            self._rebuild(changed, bool(gone))
+        self.synced = True
+        self.syncs += 1
+        return len(changed)
+
+    def _rebuild(self, changed: Sequence[str], removed: bool) -> None:
+        cluster = self.cluster
+        in_place = not removed and all(n in cluster.node_index for n in changed)
+        if in_place:
+            for node in changed:
+                if not self._update_node(cluster, node):
+                    in_place = False
+                    break
+        if not in_place:
+            self.cluster = build(sorted(self.rows.items()))
+
+    def _update_node(self, cluster: Cluster, node: str) -> bool:
+        """Overwrite one node's usage in place; False when its card list changed shape."""
+        i = cluster.node_index[node]
+        lo, hi = int(cluster.node_start[i]), int(cluster.node_start[i + 1])
+        rows = self.rows[node]
+        if [r[0] for r in rows] != cluster.uuids[lo:hi] or any(
+            r[1] not in cluster.models for r in rows
+        ):
+            return False
+        for offset, r in enumerate(rows):
+            c = lo + offset
+            cluster.model_id[c] = cluster.models.index(r[1])
+            cluster.numa[c] = r[2]
+            cluster.cap_mem[c], cluster.cap_cores[c], cluster.cap_slots[c] = r[3], r[4], r[5]
+            cluster.used_mem[c], cluster.used_cores[c], cluster.used_slots[c] = r[6], r[7], r[8]
+            cluster.owned[c], cluster.healthy[c] = r[9], r[10]
+            cluster.present[c], cluster.cordoned[c] = r[11], r[12]
+        return True
+
+    def node_indexes(self, names: Sequence[str]) -> tuple[Ints, list[str]]:
+        """Indexes of the known nodes among ``names`` (in order), and the unknown names."""
+        index = self.cluster.node_index
+        known = [index[n] for n in names if n in index]
+        unknown = [n for n in names if n not in index]
+        return np.asarray(known, dtype=np.int64), unknown
+
+    def apply(self, placement: Placement) -> None:
+        """Count a reservation made by this process at once; the next sync re-reads the node."""
+        cluster = self.cluster
+        node = cluster.node_index.get(placement.node)
+        if node is None:
+            return
+        lo, hi = int(cluster.node_start[node]), int(cluster.node_start[node + 1])
+        where = {u: lo + k for k, u in enumerate(cluster.uuids[lo:hi])}
+        for uuid, fp in placement.footprint().items():
+            c = where.get(uuid)
+            if c is None:
+                continue
+            cluster.used_mem[c] += fp.memory_mib
+            cluster.used_cores[c] += fp.cores
+            cluster.used_slots[c] += fp.slots
+            cluster.owned[c] |= fp.exclusive
+        self.revs[placement.node] = -1
+
+    async def refresh_node(self, node: str) -> None:
+        """Re-read one node now (after a lost race)."""
+        self.revs[node] = -1
+        raw = await self.ledger.nodes_raw([node])
+        order, fields, rev = raw[node]
+        self.rows[node] = _rows(order, fields)
+        self.revs[node] = rev
+        self._rebuild([node], False)
+
+    async def run(self) -> None:
+        """Sync forever; a Redis outage is logged and retried, never fatal."""
+        failing = False
+        while True:
+            try:
+                await self.sync()
+                if failing:
+                    log.info("ledger reachable again; the scheduler's copy is in sync")
+                failing = False
+            except LedgerError as exc:
+                if not failing:
+                    log.warning("cannot sync the scheduler's copy of the ledger: %s", exc)
+                failing = True
+            await asyncio.sleep(self.interval)

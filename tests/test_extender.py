@@ -1,0 +1,385 @@
+"""The extender over real HTTP, with a real Redis ledger, a real NATS bus and a local API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import SchedulerSettings, load
+from gpuslice_common.events import CloudEvent, EventType
+from gpuslice_common.kube import KubeError, LocalKubeApi
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
+from gpuslice_common.servers import NatsServer, RedisServer, free_port
+from gpuslice_scheduler.extender import Extender
+from gpuslice_scheduler.service import running
+from tests.conftest import make_inventory
+
+
+def gpu_pod(
+    name: str,
+    *,
+    gpus: int = 1,
+    mem: int | None = None,
+    cores: int | None = None,
+    annotations: dict[str, str] | None = None,
+    uid: str | None = None,
+) -> dict[str, Any]:
+    limits: dict[str, Any] = {"nvidia.com/gpu": str(gpus)}
+    if mem is not None:
+        limits["nvidia.com/gpumem"] = str(mem)
+    if cores is not None:
+        limits["nvidia.com/gpucores"] = str(cores)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "team",
+            "uid": uid or f"uid-{name}",
+            "annotations": annotations or {},
+        },
+        "spec": {"containers": [{"name": "main", "resources": {"limits": limits}}]},
+    }
+
+
+class FlakyKube(LocalKubeApi):
+    """The local API, but Binding creation fails while ``fail_binding`` is set."""
+
+    fail_binding = False
+
+    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        if self.fail_binding:
+            raise KubeError("binding refused by the test API server", status=500)
+        await super().bind_pod(namespace, name, uid, node)
+
+
+@dataclass
+class Stack:
+    url: str
+    http: httpx.AsyncClient
+    kube: FlakyKube
+    ledger: Ledger
+    extender: Extender
+    events: list[CloudEvent]
+
+    async def post(self, verb: str, body: Any) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return await self.http.post(f"{self.url}/{verb}", content=content)
+
+    async def add(self, pod: dict[str, Any]) -> dict[str, Any]:
+        self.kube.add_pod(pod)
+        return pod
+
+    async def bind(self, pod: dict[str, Any], node: str) -> httpx.Response:
+        meta = pod["metadata"]
+        return await self.post(
+            "bind",
+            {
+                "PodName": meta["name"],
+                "PodNamespace": meta["namespace"],
+                "PodUID": meta["uid"],
+                "Node": node,
+            },
+        )
+
+    async def wait_events(self, count: int) -> list[EventType]:
+        for _ in range(200):
+            if len(self.events) >= count:
+                break
+            await asyncio.sleep(0.01)
+        return [e.type for e in self.events]
+
+
+@pytest.fixture
+async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIterator[Stack]:
+    settings = load(
+        SchedulerSettings,
+        redis_url=redis_url,
+        nats_url=nats_server.url,
+        subject_prefix=prefix,
+        listen_host="127.0.0.1",
+        listen_port=free_port(),
+        sync_interval="50ms",
+    )
+    ledger = Ledger.from_url(redis_url)
+    await ledger.register_node(make_inventory("node-a", gpus=2, memory_mib=16384))
+    await ledger.register_node(make_inventory("node-b", gpus=4, memory_mib=16384))
+    await ledger.register_node(make_inventory("node-c", gpus=1, memory_mib=8192, model="Tesla T4"))
+    bus = await Bus.connect(settings, "test")
+    events: list[CloudEvent] = []
+
+    async def collect(event: CloudEvent) -> None:
+        events.append(event)
+
+    await bus.subscribe_events(bus.subjects.events_all, collect)
+    kube = FlakyKube()
+    async with (
+        running(settings, kube, bus=bus) as (extender, _),
+        httpx.AsyncClient(timeout=5) as http,
+    ):
+        yield Stack(
+            f"http://127.0.0.1:{settings.listen_port}", http, kube, ledger, extender, events
+        )
+    await bus.close()
+    await ledger.close()
+
+
+def args(pod: dict[str, Any], *nodes: str) -> dict[str, Any]:
+    return {"Pod": pod, "NodeNames": list(nodes)}
+
+
+# ---------------------------------------------------------------- filter
+
+
+async def test_filter_passes_nodes_that_fit_and_gives_hami_reasons(stack: Stack) -> None:
+    pod = gpu_pod("big", gpus=2, mem=12000, cores=30)
+    reply = (await stack.post("filter", args(pod, "node-a", "node-b", "node-c"))).json()
+    assert reply["NodeNames"] == ["node-a", "node-b"]
+    assert reply["Error"] == ""
+    # node-c has one 8 GiB card: no amount of preemption makes it fit.
+    assert "node-c" in reply["FailedAndUnresolvableNodes"]
+    assert "CardInsufficientMemory" in reply["FailedAndUnresolvableNodes"]["node-c"]
+
+
+async def test_filter_failure_that_preemption_could_fix_is_resolvable(stack: Stack) -> None:
+    hog = await stack.add(gpu_pod("hog", gpus=1))  # a whole card
+    assert (await stack.bind(hog, "node-c")).json() == {"Error": ""}
+    pod = gpu_pod("small", mem=1000, cores=10)
+    reply = (await stack.post("filter", args(pod, "node-c"))).json()
+    assert reply["NodeNames"] == []
+    # HAMi's order: the whole card's memory is taken before exclusivity is checked.
+    assert "CardInsufficientMemory" in reply["FailedNodes"]["node-c"]
+    assert reply["FailedAndUnresolvableNodes"] == {}
+
+
+async def test_filter_reads_go_keys_in_any_case_and_node_lists(stack: Stack) -> None:
+    pod = gpu_pod("t4", gpus=1, mem=1000, annotations={"nvidia.com/use-gputype": "t4"})
+    nodes = {"Items": None, "items": [{"metadata": {"name": n}} for n in ("node-a", "node-c")]}
+    reply = (await stack.post("filter", {"pod": pod, "nodes": nodes})).json()
+    assert [i["metadata"]["name"] for i in reply["Nodes"]["items"]] == ["node-c"]
+    assert reply["NodeNames"] is None
+    assert "CardTypeMismatch" in reply["FailedAndUnresolvableNodes"]["node-a"]
+
+
+async def test_filter_of_a_pod_without_gpus_passes_every_node(stack: Stack) -> None:
+    pod = {"metadata": {"name": "cpu", "uid": "u"}, "spec": {"containers": [{"name": "c"}]}}
+    reply = (await stack.post("filter", args(pod, "node-a", "elsewhere"))).json()
+    assert reply["NodeNames"] == ["node-a", "elsewhere"]
+
+
+async def test_filter_calls_unregistered_nodes_unresolvable(stack: Stack) -> None:
+    reply = (await stack.post("filter", args(gpu_pod("p"), "node-a", "ghost"))).json()
+    assert reply["NodeNames"] == ["node-a"]
+    assert "no GPU of this node is registered" in reply["FailedAndUnresolvableNodes"]["ghost"]
+
+
+async def test_both_node_fields_null_means_no_node_fits(stack: Stack) -> None:
+    reply = (await stack.post("filter", {"Pod": gpu_pod("p")})).json()
+    assert reply["NodeNames"] == []
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[]", "must be a JSON object"),
+        (b'{"NodeNames": ["a"]}', "missing Pod"),
+        (b'{"Pod": 3, "NodeNames": []}', "Pod must be an object"),
+        (b'{"Pod": {}, "NodeNames": "node-a"}', "list of node names"),
+    ],
+)
+async def test_malformed_filter_requests_get_an_error_not_a_500(
+    stack: Stack, body: bytes, needle: str
+) -> None:
+    response = await stack.post("filter", body)
+    assert response.status_code == 200
+    assert needle in response.json()["Error"]
+    assert response.json()["NodeNames"] is None
+
+
+async def test_absurd_quantities_are_an_error_naming_the_resource(stack: Stack) -> None:
+    pod = gpu_pod("absurd", gpus=1, mem=10**15)
+    reply = (await stack.post("filter", args(pod, "node-a"))).json()
+    assert "nvidia.com/gpumem" in reply["Error"]
+    assert reply["NodeNames"] is None
+
+
+# ---------------------------------------------------------------- prioritize
+
+
+async def test_prioritize_scores_between_0_and_10_with_the_best_at_10(stack: Stack) -> None:
+    # Half of node-a's first card is in use: the fragmentation policy fills it.
+    first = await stack.add(gpu_pod("first", mem=8000, cores=50))
+    assert (await stack.bind(first, "node-a")).json() == {"Error": ""}
+    pod = gpu_pod("second", mem=8000, cores=50)
+    response = await stack.post("prioritize", args(pod, "node-a", "node-b"))
+    scores = {h["Host"]: h["Score"] for h in response.json()}
+    assert set(scores) == {"node-a", "node-b"}
+    assert all(0 <= s <= 10 for s in scores.values())
+    assert scores["node-a"] == 10
+    assert scores["node-b"] < 10
+
+
+async def test_prioritize_with_a_bad_body_answers_400_with_an_error(stack: Stack) -> None:
+    response = await stack.post("prioritize", b"\xff\xfe")
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["Error"]
+
+
+# ---------------------------------------------------------------- bind
+
+
+async def test_bind_reserves_annotates_binds_and_publishes(stack: Stack) -> None:
+    pod = await stack.add(gpu_pod("web", mem=4000, cores=25))
+    assert (await stack.bind(pod, "node-b")).json() == {"Error": ""}
+    placed = await stack.ledger.placement("uid-web")
+    assert placed is not None
+    assert placed.state is PlacementState.BOUND
+    assert placed.node == "node-b"
+    assert placed.containers[0].devices[0].memory_mib == 4000
+    stored = await stack.kube.get_pod("team", "web")
+    assert stored["spec"]["nodeName"] == "node-b"
+    record = Placement.from_annotation(stored["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+    assert record.containers == placed.containers
+    assert await stack.wait_events(2) == [EventType.ALLOC_RESERVED, EventType.ALLOC_BOUND]
+    assert await stack.ledger.check_node("node-b") == []
+
+
+async def test_bind_is_idempotent_for_a_pod_already_bound_there(stack: Stack) -> None:
+    pod = await stack.add(gpu_pod("twice", mem=4000, cores=25))
+    assert (await stack.bind(pod, "node-a")).json() == {"Error": ""}
+    assert (await stack.bind(pod, "node-a")).json() == {"Error": ""}
+    gpus = await stack.ledger.node_gpus("node-a")
+    assert sum(g.used.slots for g in gpus) == 1
+    other = (await stack.bind(pod, "node-b")).json()
+    assert "bound to node-a" in other["Error"]
+
+
+async def test_failed_binding_releases_the_reservation(stack: Stack) -> None:
+    pod = await stack.add(gpu_pod("unlucky", mem=4000, cores=25))
+    stack.kube.fail_binding = True
+    reply = (await stack.bind(pod, "node-a")).json()
+    assert "binding refused" in reply["Error"]
+    placed = await stack.ledger.placement("uid-unlucky")
+    assert placed is not None
+    assert placed.state is PlacementState.RELEASED
+    assert all(g.used.slots == 0 for g in await stack.ledger.node_gpus("node-a"))
+    assert EventType.ALLOC_FAILED in await stack.wait_events(2)
+    stack.kube.fail_binding = False
+    assert (await stack.bind(pod, "node-a")).json() == {"Error": ""}
+
+
+async def test_bind_that_cannot_fit_is_an_error_and_an_event(stack: Stack) -> None:
+    pod = await stack.add(gpu_pod("huge", gpus=3))
+    reply = (await stack.bind(pod, "node-a")).json()
+    assert "AllocatedCardsInsufficientRequest" in reply["Error"]
+    assert await stack.wait_events(1) == [EventType.ALLOC_FAILED]
+    assert await stack.ledger.placement("uid-huge") is None
+
+
+async def test_bind_checks_the_pod_uid_and_existence(stack: Stack) -> None:
+    pod = gpu_pod("ghost")
+    assert "cannot read pod team/ghost" in (await stack.bind(pod, "node-a")).json()["Error"]
+    await stack.add(gpu_pod("renamed", uid="new-uid"))
+    stale = gpu_pod("renamed", uid="old-uid")
+    assert "has UID new-uid" in (await stack.bind(stale, "node-a")).json()["Error"]
+
+
+async def test_bind_with_missing_fields_is_a_clear_error(stack: Stack) -> None:
+    reply = (await stack.post("bind", {"PodName": "x", "PodNamespace": "y"})).json()
+    assert reply["Error"] == "bind: PodUID must be a non-empty string"
+
+
+async def test_concurrent_binds_never_double_allocate(stack: Stack) -> None:
+    # node-c has one 8 GiB card; ten pods of 3 GiB race for it: at most two fit.
+    pods = [await stack.add(gpu_pod(f"race{i}", mem=3000, cores=10)) for i in range(10)]
+    replies = await asyncio.gather(*(stack.bind(p, "node-c") for p in pods))
+    ok = [r.json()["Error"] == "" for r in replies]
+    assert sum(ok) == 2
+    [card] = await stack.ledger.node_gpus("node-c")
+    assert card.used.memory_mib == 6000
+    assert await stack.ledger.check_node("node-c") == []
+
+
+# ---------------------------------------------------------------- preempt, health
+
+
+async def test_preempt_answers_meta_victims(stack: Stack) -> None:
+    body = {
+        "Pod": gpu_pod("p"),
+        "NodeNameToVictims": {
+            "node-a": {"Pods": [{"metadata": {"uid": "v1"}}], "NumPDBViolations": 1}
+        },
+    }
+    reply = (await stack.post("preempt", body)).json()
+    assert reply["NodeNameToMetaVictims"] == {
+        "node-a": {"Pods": [{"UID": "v1"}], "NumPDBViolations": 1}
+    }
+    bad = await stack.post("preempt", {"Pod": {}, "NodeNameToMetaVictims": {"n": {"Pods": [{}]}}})
+    assert "has no UID" in bad.json()["Error"]
+
+
+async def test_health_readiness_and_metrics(stack: Stack) -> None:
+    assert (await stack.http.get(f"{stack.url}/healthz")).status_code == 200
+    ready = await stack.http.get(f"{stack.url}/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["nodes"] == 3
+    await stack.post("filter", args(gpu_pod("m", gpus=3), "node-a"))
+    text = (await stack.http.get(f"{stack.url}/metrics")).text
+    assert 'gpuslice_scheduler_requests_total{outcome="ok",verb="filter"} 1.0' in text
+    assert 'gpuslice_scheduler_failures_total{reason="AllocatedCardsInsufficientRequest"' in text
+    assert "gpuslice_scheduler_request_seconds_bucket" in text
+
+
+async def test_new_nodes_and_usage_reach_the_copy_by_revision(stack: Stack) -> None:
+    await stack.ledger.register_node(make_inventory("node-d", gpus=1))
+    for _ in range(100):
+        if "node-d" in stack.extender.view.cluster.node_index:
+            break
+        await asyncio.sleep(0.02)
+    reply = (await stack.post("filter", args(gpu_pod("p"), "node-d"))).json()
+    assert reply["NodeNames"] == ["node-d"]
+    await stack.ledger.cordon("node-d", "GPU-node-d-0")
+    for _ in range(100):
+        reply = (await stack.post("filter", args(gpu_pod("p"), "node-d"))).json()
+        if reply["NodeNames"] == []:
+            break
+        await asyncio.sleep(0.02)
+    assert "CardCordoned" in reply["FailedAndUnresolvableNodes"]["node-d"]
+
+
+async def test_readyz_fails_while_redis_is_down_and_recovers(
+    own_redis: RedisServer, nats_server: NatsServer
+) -> None:
+    settings = load(
+        SchedulerSettings,
+        redis_url=own_redis.url,
+        nats_url=nats_server.url,
+        listen_host="127.0.0.1",
+        listen_port=free_port(),
+        sync_interval="50ms",
+    )
+    async with running(settings, LocalKubeApi()), httpx.AsyncClient(timeout=30) as http:
+        url = f"http://127.0.0.1:{settings.listen_port}"
+        assert (await http.get(f"{url}/readyz")).status_code == 200
+        own_redis.stop()
+        down = await http.get(f"{url}/readyz")
+        assert down.status_code == 503
+        assert down.json()["reason"] == "ledger unreachable"
+        # Filter keeps answering from the copy while Redis is away.
+        reply = (await http.post(f"{url}/filter", json=args(gpu_pod("p"), "x"))).json()
+        assert reply["Error"] == ""
+        own_redis.start()
+        for _ in range(100):
+            if (await http.get(f"{url}/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        assert (await http.get(f"{url}/readyz")).status_code == 200
