@@ -992,9 +992,9 @@ def test_fragmentation_keeps_whole_nodes_whole_for_small_pods() -> None:
     assert ev.chosen[0][1].tolist() == [c.node_start[1]]  # the half-used card
 
 
-def test_fragmentation_without_a_mix_is_refused_by_assertion() -> None:
+def test_fragmentation_without_a_mix_is_refused() -> None:
     demand = Demand.of(pod(SMALL))
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="needs a workload mix"):
         evaluate(one_card(), demand, np.arange(1), None)
 
 

@@ -383,3 +383,62 @@ async def test_readyz_fails_while_redis_is_down_and_recovers(
                 break
             await asyncio.sleep(0.1)
         assert (await http.get(f"{url}/readyz")).status_code == 200
+
+
+# ---------------------------------------------------------------- replay through the service
+
+
+async def test_trace_replay_through_the_live_extender(redis_url: str) -> None:
+    from gpuslice_scheduler.sim import PodClass, TraceNode, arrivals
+    from gpuslice_scheduler.via import replay_via
+
+    nodes = [
+        TraceNode("t4-0", 16000, 65536, 2, "T4"),
+        TraceNode("t4-1", 16000, 65536, 2, "T4"),
+        TraceNode("g2-0", 64000, 262144, 8, "G2"),
+        TraceNode("cpu-0", 8000, 32768, 0, "none"),
+    ]
+    pods = [
+        PodClass(2000, 4096, 1, 500, ()),
+        PodClass(2000, 4096, 1, 250, ()),
+        PodClass(4000, 8192, 1, 1000, ()),
+        PodClass(8000, 16384, 2, 1000, ("G2",)),
+        PodClass(1000, 1024, 0, 0, ()),
+    ]
+    settings = load(
+        SchedulerSettings,
+        redis_url=redis_url,
+        listen_host="127.0.0.1",
+        listen_port=free_port(),
+        sync_interval="50ms",
+        kube_api="local",
+    )
+    kube = LocalKubeApi()
+    async with running(settings, kube):
+        result = await replay_via(
+            f"http://127.0.0.1:{settings.listen_port}", redis_url, nodes, pods, sample=40
+        )
+    expected = len(arrivals(pods, 12_000, 1.3, 42)[:40])  # the list ends at 130 % demand
+    assert result.pods == expected
+    assert result.scheduled_pods + result.failed_pods == expected
+    assert result.bind_errors == 0
+    assert result.scheduled_pods > 10
+    assert result.latency_ms["filter"]["count"] > 0
+    assert result.latency_ms["bind"]["p99"] > 0
+    # What the replay reports is what the ledger holds, and the ledger is consistent.
+    ledger = Ledger.from_url(redis_url)
+    try:
+        states = await ledger.nodes_gpus(["t4-0", "t4-1", "g2-0"])
+        used = sum(g.used.cores * 10 for s in states.values() for g in s)
+        assert result.milli_gpu_allocation_ratio == pytest.approx(100 * used / 12000, abs=0.01)
+        for node in states:
+            assert await ledger.check_node(node) == []
+        # Two-GPU pods asked for G2: nothing exclusive-by-two landed on a T4 node.
+        bound = [p for p in kube.pods() if p["spec"].get("nodeName")]
+        assert bound
+        for pod in bound:
+            placed = Placement.from_annotation(pod["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+            if len(placed.containers[0].devices) == 2:
+                assert placed.node == "g2-0"
+    finally:
+        await ledger.close()

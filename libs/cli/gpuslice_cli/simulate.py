@@ -2,27 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gpuslice_common.ledger import LedgerError
 from gpuslice_scheduler.sim import (
     POLICIES,
     SPLIT_COUNT,
     RunResult,
     TraceError,
+    load_nodes,
+    load_pods,
     parse_seeds,
     replay_many,
     summarise,
     trace_name,
 )
+from gpuslice_scheduler.via import replay_via
 
 POLICY_HELP = f"placement policy, repeatable: {', '.join(POLICIES)}"
 console = Console()
@@ -52,8 +58,21 @@ def sim(
     plot: Path | None = typer.Option(
         None, "--plot", help="draw allocation vs arrived demand into this PNG"
     ),
+    via: str | None = typer.Option(
+        None, "--via", help="replay through the live extender at this URL instead"
+    ),
+    redis_url: str = typer.Option(
+        "redis://127.0.0.1:6379/0", "--redis-url", help="the ledger of the --via extender"
+    ),
+    ledger_prefix: str = typer.Option("gpuslice", "--ledger-prefix", help="with --via"),
+    sample: int = typer.Option(1000, "--sample", min=1, help="pods to replay with --via"),
 ) -> None:
     """Replay a trace (FGD's published method) and report milli-GPU allocation."""
+    if via is not None:
+        replay_live(
+            via, redis_url, ledger_prefix, nodes, pods, seed, sample, inflation, split_count
+        )
+        return
     try:
         seed_list = parse_seeds(seeds) if seeds is not None else [seed]
         show = console.is_terminal and not as_json
@@ -139,3 +158,35 @@ def draw(results: Sequence[RunResult], path: Path, inflation: float) -> None:
         raise TraceError(f"cannot write {path}: {exc.strerror}") from None
     finally:
         plt.close(fig)
+
+
+def replay_live(
+    url: str,
+    redis_url: str,
+    ledger_prefix: str,
+    nodes: Path,
+    pods: Path,
+    seed: int,
+    sample: int,
+    inflation: float,
+    split_count: int,
+) -> None:
+    """``--via``: one seed through a live extender; prints JSON."""
+    try:
+        result = asyncio.run(
+            replay_via(
+                url,
+                redis_url,
+                load_nodes(nodes),
+                load_pods(pods),
+                seed=seed,
+                sample=sample,
+                inflation=inflation,
+                split_count=split_count,
+                ledger_prefix=ledger_prefix,
+            )
+        )
+    except (TraceError, LedgerError, httpx.HTTPError) as exc:
+        errors.print(f"[red]error:[/] {escape(str(exc) or type(exc).__name__)}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    print(json.dumps({"trace": trace_name(pods), "via": url, "seed": seed, **result.as_dict()}))

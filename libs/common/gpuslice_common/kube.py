@@ -313,6 +313,25 @@ class LocalKubeApi:
         namespace = metadata.setdefault("namespace", "default")
         self._pods[(namespace, name)] = stored
 
+    def learn(self, pod: Mapping[str, Any]) -> bool:
+        """Store ``pod`` unless a pod of that name and UID is already held; True if stored.
+
+        The dev stack has no API server: the extender learns pods from the
+        filter calls that precede their bind.
+        """
+        metadata = pod.get("metadata")
+        if not isinstance(metadata, Mapping):
+            return False
+        key = (metadata.get("namespace") or "default", metadata.get("name"))
+        held = self._pods.get(key)  # type: ignore[arg-type]
+        if held is not None and held.get("metadata", {}).get("uid") == metadata.get("uid"):
+            return False
+        try:
+            self.add_pod(pod)
+        except ValueError:
+            return False
+        return True
+
     def delete_pod(self, namespace: str, name: str) -> None:
         if self._pods.pop((namespace, name), None) is None:
             raise PodNotFound(f"pod {_pod_ref(namespace, name)} not found", 404)

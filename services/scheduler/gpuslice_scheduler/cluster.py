@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +49,9 @@ class Cluster:
     node_mem_free: Floats  # MiB; inf when not tracked
     node_index: dict[str, int] = field(init=False)
     node_of: Ints = field(init=False)
+    # Grows with every change to usage or cards; derived values are cached per version.
+    version: int = field(init=False, default=0)
+    cache: dict[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.node_index = {name: i for i, name in enumerate(self.node_names)}
@@ -164,3 +168,9 @@ class Cluster:
         self.owned[cards] |= exclusive
         self.node_cpu_free[node] -= cpu
         self.node_mem_free[node] -= memory
+        self.touch()
+
+    def touch(self) -> None:
+        """Say the arrays changed: cached derived values are stale."""
+        self.version += 1
+        self.cache.clear()

@@ -46,6 +46,7 @@ from gpuslice_scheduler.fit import (
 from gpuslice_scheduler.fragmentation import (
     NodeFragments,
     WorkloadMix,
+    cluster_fragments,
     fragmentation_after,
     node_fragments,
 )
@@ -99,6 +100,17 @@ class Evaluation:
         if hits.size == 0:
             raise KeyError(node)
         return int(hits[0])
+
+    def subset(self, rows: Ints) -> Evaluation:
+        """The rows ``rows`` of this evaluation, in that order."""
+        return Evaluation(
+            self.nodes[rows],
+            self.feasible[rows],
+            self.score[rows],
+            self.code[rows],
+            [self.detail[r] for r in rows.tolist()],
+            [c[rows] for c in self.chosen],
+        )
 
     def reason(self, row: int) -> FitReason | None:
         code = Code(int(self.code[row]))
@@ -172,9 +184,9 @@ def evaluate(
     )
     if use_fragments:
         assert mix is not None
-        fragments = node_fragments(
-            mix, cluster, scope.cards, scope.bounds, base, cpu_free, mem_free
-        )
+        fragments = _fragments(cluster, scope, mix, base, cpu_free, mem_free)
+    # One card for one container: the node's new fragmentation is that card's price.
+    prices: _Prices | None = None
 
     request = demand.request
     if request is not None:
@@ -184,7 +196,8 @@ def evaluate(
             mem = d.memory_on(cluster.cap_mem[scope.cards])
             codes = np.where(static != 0, static, usage_codes(cluster, scope.cards, usage, d, mem))
             fit = codes == 0
-            card_score = _card_scores(cluster, scope, demand, mix, fragments, usage, d, mem, fit)
+            prices = _card_scores(cluster, scope, demand, mix, fragments, usage, d, mem, fit)
+            card_score = prices.score
             picked, short = _pick(cluster, scope, d, fit, card_score, request.selector.numa_bind)
             newly = feasible & short
             if newly.any():
@@ -198,14 +211,51 @@ def evaluate(
                 usage.add(rows, d, mem[rows])
         for p in chosen:  # a node that failed on a later container keeps no earlier cards
             p[~feasible] = NO_CARD
+        single = len(request.containers) == 1 and request.containers[0].count == 1
+        if single and not request.containers[0].init and prices is not None:
+            prices.rows = chosen[0][:, 0]
+        else:
+            prices = None
         # ``chosen`` holds rows into the scope; turn them into cluster card indexes.
         # Without any card in the scope every entry is NO_CARD already (and indexing fails).
         if scope.cards.size:
             chosen = [np.where(p >= 0, scope.cards[np.maximum(p, 0)], NO_CARD) for p in chosen]
 
-    score = _node_scores(cluster, scope, demand, mix, fragments, usage, feasible)
+    score = _node_scores(cluster, scope, demand, mix, fragments, usage, prices)
     score = np.where(feasible, score, -np.inf)
     return Evaluation(nodes, feasible, score, code, detail, chosen)
+
+
+def _fragments(
+    cluster: Cluster,
+    scope: _Scope,
+    mix: WorkloadMix,
+    usage: Usage,
+    cpu_free: Floats,
+    mem_free: Floats,
+) -> tuple[NodeFragments, Bools, Floats]:
+    """Fragmentation before the pod: from the cluster-wide cache for a large scope."""
+    if "fragments" not in cluster.cache and scope.cards.size * 4 < cluster.card_count:
+        return node_fragments(mix, cluster, scope.cards, scope.bounds, usage, cpu_free, mem_free)
+    nodes, usable, share = cluster_fragments(mix, cluster)
+    part = NodeFragments(
+        nodes.count[scope.nodes],
+        nodes.unusable[scope.nodes],
+        nodes.total[scope.nodes],
+        nodes.fragmentation[scope.nodes],
+    )
+    return part, usable[scope.cards], share[scope.cards]
+
+
+@dataclass
+class _Prices:
+    """Per row of the scope: the card score, and for the fragmentation policy the
+    node's fragmentation and free share if the container took that card."""
+
+    score: Floats
+    fragmentation: Floats | None = None
+    total: Floats | None = None
+    rows: Ints | None = None  # per node, the card a one-card pod took
 
 
 def _card_scores(
@@ -218,20 +268,21 @@ def _card_scores(
     d: CardDemand,
     mem: Ints,
     fit: Bools,
-) -> Floats:
+) -> _Prices:
     """Score of giving this container each card (higher first); only fitting rows matter."""
     hami = hami_card_score(cluster, scope.cards, usage, d, mem)
     if demand.gpu_policy is GpuPolicy.BINPACK:
-        return hami
+        return _Prices(hami)
     if demand.gpu_policy is GpuPolicy.SPREAD:
-        return -hami
-    assert mix is not None
-    assert fragments is not None
+        return _Prices(-hami)
+    if mix is None or fragments is None:
+        raise ValueError("the fragmentation policy needs a workload mix")
     before, usable, share = fragments
     rows = np.flatnonzero(fit)
-    score = np.full(scope.cards.size, -np.inf)
+    size = scope.cards.size
+    prices = _Prices(np.full(size, -np.inf), np.full(size, np.nan), np.full(size, np.nan))
     if rows.size == 0:
-        return score
+        return prices
     after = Usage(
         mem=usage.mem[rows] + mem[rows],
         cores=usage.cores[rows] + d.cores,
@@ -252,8 +303,14 @@ def _card_scores(
         cluster.node_mem_free[scope.nodes] - demand.memory,
     )
     # Less added fragmentation first; among equals, the fuller card (best fit).
-    score[rows] = -(frag - before.fragmentation[scope.pos[rows]]) + 1e-6 * hami[rows]
-    return score
+    pos = scope.pos[rows]
+    prices.score[rows] = -(frag - before.fragmentation[pos]) + 1e-6 * hami[rows]
+    assert prices.fragmentation is not None
+    assert prices.total is not None
+    prices.fragmentation[rows] = frag
+    new_share = mix.free_share(cluster, scope.cards[rows], after)
+    prices.total[rows] = before.total[pos] - share[rows] + new_share
+    return prices
 
 
 def _pick(
@@ -339,12 +396,19 @@ def _node_scores(
     mix: WorkloadMix | None,
     fragments: tuple[NodeFragments, Bools, Floats] | None,
     usage: Usage,
-    feasible: Bools,
+    prices: _Prices | None,
 ) -> Floats:
     if demand.node_policy is not None or fragments is None or mix is None:
         hami = hami_node_score(cluster, scope.nodes)
         return -hami if demand.node_policy is NodePolicy.SPREAD else hami
     before = fragments[0]
+    if prices is not None and prices.rows is not None and prices.fragmentation is not None:
+        assert prices.total is not None
+        if prices.fragmentation.size == 0:  # no card at all: every node is infeasible
+            return np.zeros(scope.nodes.size)
+        rows = np.maximum(prices.rows, 0)  # infeasible nodes' scores are replaced by -inf
+        frag, total = prices.fragmentation[rows], prices.total[rows]
+        return np.asarray(-(frag - before.fragmentation) - 1e-9 * total)
     cpu_after = cluster.node_cpu_free[scope.nodes] - demand.cpu
     mem_after = cluster.node_mem_free[scope.nodes] - demand.memory
     after, _, _ = node_fragments(

@@ -25,7 +25,7 @@ import numpy as np
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import SchedulerSettings
 from gpuslice_common.events import AllocationEvent, EventType, make_event
-from gpuslice_common.kube import KubeApi, KubeError
+from gpuslice_common.kube import KubeApi, KubeError, LocalKubeApi
 from gpuslice_common.ledger import AlreadyReserved, Ledger, LedgerError, ReservationConflict
 from gpuslice_common.models import (
     PLACEMENT_ANNOTATION,
@@ -46,6 +46,7 @@ from gpuslice_scheduler.wire import BindingArgs, ExtenderArgs, PreemptionArgs, f
 log = logging.getLogger(__name__)
 
 SOURCE = "gpuslice-scheduler"
+RECENT = 16  # evaluations kept for the prioritize and bind that follow a filter
 UNKNOWN_NODE = "CardNotFound: no GPU of this node is registered with gpuslice"
 
 
@@ -71,6 +72,7 @@ class Extender:
         self.bus = bus
         self.metrics = metrics or Metrics()
         self.learner = learner or MixLearner()
+        self._recent: dict[tuple[Any, ...], tuple[Evaluation, dict[int, int]]] = {}
 
     # ------------------------------------------------------------ reading verbs
 
@@ -84,8 +86,25 @@ class Extender:
         return demand
 
     def _evaluate(self, demand: Demand, names: list[str]) -> tuple[Evaluation, list[str]]:
+        """Evaluate ``demand`` on ``names``; reuses the answer filter computed for this pod.
+
+        kube-scheduler calls filter, prioritize and bind for one pod in a row;
+        while the cluster copy has not changed, they share one evaluation.
+        """
         nodes, unknown = self.view.node_indexes(names)
-        ev = evaluate(self.view.cluster, demand, nodes, self.learner.mix)
+        cluster, mix = self.view.cluster, self.learner.mix
+        assert demand.request is not None
+        key = (demand.request.pod.uid, id(cluster), cluster.version, id(mix), demand.policy_name)
+        hit = self._recent.get(key)
+        if hit is not None:
+            ev, row_of = hit
+            rows = [row_of.get(n, -1) for n in nodes.tolist()]
+            if all(r >= 0 for r in rows):
+                return ev.subset(np.asarray(rows, dtype=np.int64)), unknown
+        ev = evaluate(cluster, demand, nodes, mix)
+        self._recent[key] = (ev, {n: r for r, n in enumerate(nodes.tolist())})
+        while len(self._recent) > RECENT:
+            del self._recent[next(iter(self._recent))]
         return ev, unknown
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
@@ -96,6 +115,8 @@ class Extender:
             return filter_error(f"gpuslice: {exc}")
         if demand is None:  # not a GPU pod: every node passes
             return args.filter_reply(args.node_names, {}, {})
+        if isinstance(self.kube, LocalKubeApi):
+            self.kube.learn(args.pod)
         ev, unknown = self._evaluate(demand, args.node_names)
         names = self.view.cluster.node_names
         passed: list[str] = []

@@ -200,6 +200,27 @@ def node_fragments(
     return frag, usable, share
 
 
+def cluster_fragments(
+    mix: WorkloadMix, cluster: Cluster
+) -> tuple[NodeFragments, Bools, Floats]:
+    """:func:`node_fragments` of every node, cached on the cluster until it changes."""
+    cached = cluster.cache.get("fragments")
+    if cached is not None and cached[0] is mix:
+        return cached[1]  # type: ignore[no-any-return]
+    cards = np.arange(cluster.card_count, dtype=np.int64)
+    result = node_fragments(
+        mix,
+        cluster,
+        cards,
+        cluster.node_start,
+        Usage.of(cluster, cards),
+        cluster.node_cpu_free,
+        cluster.node_mem_free,
+    )
+    cluster.cache["fragments"] = (mix, result)
+    return result
+
+
 def fragmentation_after(
     mix: WorkloadMix,
     cluster: Cluster,

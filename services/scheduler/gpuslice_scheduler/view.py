@@ -145,6 +145,7 @@ class ClusterView:
             cluster.used_mem[c], cluster.used_cores[c], cluster.used_slots[c] = r[6], r[7], r[8]
             cluster.owned[c], cluster.healthy[c] = r[9], r[10]
             cluster.present[c], cluster.cordoned[c] = r[11], r[12]
+        cluster.touch()
         return True
 
     def node_indexes(self, names: Sequence[str]) -> tuple[Ints, list[str]]:
@@ -170,6 +171,7 @@ class ClusterView:
             cluster.used_cores[c] += fp.cores
             cluster.used_slots[c] += fp.slots
             cluster.owned[c] |= fp.exclusive
+        cluster.touch()
         self.revs[placement.node] = -1
 
     async def refresh_node(self, node: str) -> None:

@@ -1,0 +1,247 @@
+"""Trace replay through a live extender and Redis ledger (``gpuslice sim --via URL``).
+
+The replay plays kube-scheduler: it registers the trace's nodes in the ledger,
+then for each pod of a sample (the same seeded arrival order as the offline
+replay) applies the node CPU/memory fit kube-scheduler's own filters would,
+POSTs ``filter``, ``prioritize`` (when more than one node is left) and ``bind``
+to the extender, and takes the best-scored node. The extender must run with
+``GPUSLICE_KUBE_API=local`` so that it learns each pod from its filter call.
+CPU-only pods never reach an extender; they take the first node that fits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import GpuDevice, NodeInventory
+from gpuslice_scheduler.sim import (
+    DEFAULT_MEMORY_MIB,
+    MODEL_MEMORY_MIB,
+    SPLIT_COUNT,
+    PodClass,
+    TraceError,
+    TraceNode,
+    arrivals,
+)
+
+VERBS = ("filter", "prioritize", "bind")
+
+
+@dataclass
+class ViaResult:
+    pods: int
+    scheduled_pods: int
+    failed_pods: int
+    bind_errors: int
+    milli_gpu_allocation_ratio: float  # of the cluster, read back from the ledger
+    pods_per_second: float
+    latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def inventory(node: TraceNode, split_count: int = SPLIT_COUNT) -> NodeInventory:
+    memory = MODEL_MEMORY_MIB.get(node.model, DEFAULT_MEMORY_MIB)
+    devices = tuple(
+        GpuDevice(uuid=f"{node.name}-gpu{i}", index=i, model=node.model, memory_mib=memory)
+        for i in range(node.gpus)
+    )
+    return NodeInventory(node=node.name, devices=devices, split_count=split_count)
+
+
+def pod_json(pod: PodClass, name: str) -> dict[str, Any]:
+    """The trace pod as a HAMi pod spec."""
+    limits: dict[str, str] = {
+        "cpu": f"{pod.cpu_milli}m",
+        "memory": f"{pod.memory_mib}Mi",
+        "nvidia.com/gpu": str(pod.num_gpu),
+    }
+    if 0 < pod.gpu_milli < 1000:
+        share = str(math.ceil(pod.gpu_milli / 10))
+        limits["nvidia.com/gpucores"] = share
+        limits["nvidia.com/gpumem-percentage"] = share
+    annotations = {"nvidia.com/use-gputype": ",".join(pod.gpu_spec)} if pod.gpu_spec else {}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "sim",
+            "uid": str(uuid.uuid4()),
+            "annotations": annotations,
+        },
+        "spec": {"containers": [{"name": "main", "resources": {"limits": limits}}]},
+    }
+
+
+async def register(ledger: Ledger, nodes: Sequence[TraceNode], split_count: int) -> None:
+    gate = asyncio.Semaphore(32)
+
+    async def one(node: TraceNode) -> None:
+        async with gate:
+            await ledger.register_node(inventory(node, split_count))
+
+    await asyncio.gather(*(one(n) for n in nodes if n.gpus > 0))
+
+
+async def wait_ready(http: httpx.AsyncClient, nodes: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            reply = await http.get("/readyz")
+            body = reply.json()
+            if reply.status_code == 200 and body.get("nodes", 0) >= nodes:
+                return
+            last = f"{reply.status_code} {body}"
+        except (httpx.HTTPError, ValueError) as exc:
+            last = str(exc) or type(exc).__name__
+        await asyncio.sleep(0.2)
+    raise TraceError(f"the extender did not become ready with {nodes} nodes: {last}")
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {"count": 0}
+    ms = np.asarray(samples) * 1000
+    return {
+        "count": len(samples),
+        "p50": round(float(np.percentile(ms, 50)), 3),
+        "p99": round(float(np.percentile(ms, 99)), 3),
+        "max": round(float(ms.max()), 3),
+    }
+
+
+async def replay_via(
+    url: str,
+    redis_url: str,
+    nodes: Sequence[TraceNode],
+    pods: Sequence[PodClass],
+    *,
+    seed: int = 42,
+    sample: int = 1000,
+    inflation: float = 1.3,
+    split_count: int = SPLIT_COUNT,
+    ledger_prefix: str = "gpuslice",
+    progress: Callable[[float], None] | None = None,
+) -> ViaResult:
+    """Replay ``sample`` pods of the seeded arrival order through the extender at ``url``."""
+    ledger = Ledger.from_url(redis_url, prefix=ledger_prefix)
+    try:
+        await register(ledger, nodes, split_count)
+        async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=30.0) as http:
+            await wait_ready(http, sum(1 for n in nodes if n.gpus > 0))
+            result = await _drive(http, nodes, pods, seed, sample, inflation, progress)
+        states = await ledger.nodes_gpus([n.name for n in nodes if n.gpus > 0])
+    finally:
+        await ledger.close()
+    cores = sum(g.used.cores * 1000 // max(g.capacity.cores, 1) for s in states.values() for g in s)
+    capacity = 1000 * sum(len(s) for s in states.values())
+    result.milli_gpu_allocation_ratio = round(100.0 * cores / max(capacity, 1), 3)
+    return result
+
+
+async def _drive(
+    http: httpx.AsyncClient,
+    nodes: Sequence[TraceNode],
+    pods: Sequence[PodClass],
+    seed: int,
+    sample: int,
+    inflation: float,
+    progress: Callable[[float], None] | None,
+) -> ViaResult:
+    capacity = 1000 * sum(n.gpus for n in nodes)
+    order = arrivals(pods, capacity, inflation, seed)[:sample]
+    cpu = np.asarray([n.cpu_milli for n in nodes], dtype=float)
+    mem = np.asarray([n.memory_mib for n in nodes], dtype=float)
+    gpus = np.asarray([n.gpus for n in nodes])
+    names = [n.name for n in nodes]
+    index = {name: i for i, name in enumerate(names)}
+    latency: dict[str, list[float]] = {v: [] for v in VERBS}
+    scheduled = failed = bind_errors = 0
+
+    async def call(verb: str, body: dict[str, Any]) -> Any:
+        started = time.perf_counter()
+        reply = await http.post(f"/{verb}", json=body)
+        latency[verb].append(time.perf_counter() - started)
+        if reply.status_code != 200:
+            raise TraceError(f"{verb} answered {reply.status_code}: {reply.text[:200]}")
+        return reply.json()
+
+    started = time.perf_counter()
+    for i, k in enumerate(order):
+        pod = pods[k]
+        fits = np.flatnonzero((cpu >= pod.cpu_milli) & (mem >= pod.memory_mib))
+        if pod.num_gpu == 0:
+            chosen = int(fits[0]) if fits.size else -1
+        else:
+            chosen = await _place(call, pod_json(pod, f"sim-{seed}-{i}"), fits, gpus, names, index)
+            bind_errors += chosen == -2
+        if chosen >= 0:
+            cpu[chosen] -= pod.cpu_milli
+            mem[chosen] -= pod.memory_mib
+            scheduled += 1
+        else:
+            failed += 1
+        if progress is not None and i % 64 == 0:
+            progress(i / max(len(order), 1))
+    wall = time.perf_counter() - started
+    return ViaResult(
+        pods=len(order),
+        scheduled_pods=scheduled,
+        failed_pods=failed,
+        bind_errors=bind_errors,
+        milli_gpu_allocation_ratio=0.0,
+        pods_per_second=round(len(order) / wall, 1) if wall > 0 else 0.0,
+        latency_ms={v: _percentiles(s) for v, s in latency.items()},
+        wall_seconds=round(wall, 3),
+    )
+
+
+async def _place(
+    call: Callable[[str, dict[str, Any]], Any],
+    pod: dict[str, Any],
+    fits: np.ndarray[Any, Any],
+    gpus: np.ndarray[Any, Any],
+    names: list[str],
+    index: dict[str, int],
+) -> int:
+    """Filter, prioritize and bind one pod; the node index, -1 if none fits, -2 on a bind error."""
+    candidates = [names[i] for i in fits.tolist() if gpus[i] > 0]
+    if not candidates:
+        return -1
+    reply = await call("filter", {"Pod": pod, "NodeNames": candidates})
+    if reply.get("Error"):
+        raise TraceError(f"filter: {reply['Error']}")
+    feasible = reply.get("NodeNames") or []
+    if not feasible:
+        return -1
+    best = feasible[0]
+    if len(feasible) > 1:
+        scores = await call("prioritize", {"Pod": pod, "NodeNames": feasible})
+        best = max(scores, key=lambda h: h["Score"])["Host"]  # first of the best, as sent
+    meta = pod["metadata"]
+    bound = await call(
+        "bind",
+        {
+            "PodName": meta["name"],
+            "PodNamespace": meta["namespace"],
+            "PodUID": meta["uid"],
+            "Node": best,
+        },
+    )
+    if bound.get("Error"):
+        return -2
+    return index[best]
