@@ -200,9 +200,7 @@ def node_fragments(
     return frag, usable, share
 
 
-def cluster_fragments(
-    mix: WorkloadMix, cluster: Cluster
-) -> tuple[NodeFragments, Bools, Floats]:
+def cluster_fragments(mix: WorkloadMix, cluster: Cluster) -> tuple[NodeFragments, Bools, Floats]:
     """:func:`node_fragments` of every node, cached on the cluster until it changes."""
     cached = cluster.cache.get("fragments")
     if cached is not None and cached[0] is mix:
