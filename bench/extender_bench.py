@@ -79,9 +79,8 @@ def main() -> None:
     print("| verb | calls | p50 ms | p99 ms | max ms |")
     print("|---|---|---|---|---|")
     for verb, row in result.latency_ms.items():
-        print(
-            f"| {verb} | {row['count']:.0f} | {row['p50']:.2f} | {row['p99']:.2f} | {row['max']:.2f} |"
-        )
+        cells = [f"{row['count']:.0f}", *(f"{row[k]:.2f}" for k in ("p50", "p99", "max"))]
+        print(f"| {verb} | {' | '.join(cells)} |")
     print(f"| baseline GET /healthz | 500 | {floor['p50']:.2f} | {floor['p99']:.2f} | |")
     print(
         f"# scheduled {result.scheduled_pods}, failed {result.failed_pods}, "

@@ -35,6 +35,7 @@ from gpuslice_scheduler.sim import (
 )
 
 VERBS = ("filter", "prioritize", "bind")
+PER_POD = "filter+prioritize+bind"  # the three calls of one bound pod, end to end
 
 
 @dataclass
@@ -169,7 +170,7 @@ async def _drive(
     gpus = np.asarray([n.gpus for n in nodes])
     names = [n.name for n in nodes]
     index = {name: i for i, name in enumerate(names)}
-    latency: dict[str, list[float]] = {v: [] for v in VERBS}
+    latency: dict[str, list[float]] = {v: [] for v in (*VERBS, PER_POD)}
     scheduled = failed = bind_errors = 0
 
     async def call(verb: str, body: dict[str, Any]) -> Any:
@@ -187,7 +188,10 @@ async def _drive(
         if pod.num_gpu == 0:
             chosen = int(fits[0]) if fits.size else -1
         else:
+            began = time.perf_counter()
             chosen = await _place(call, pod_json(pod, f"sim-{seed}-{i}"), fits, gpus, names, index)
+            if chosen >= 0:
+                latency[PER_POD].append(time.perf_counter() - began)
             bind_errors += chosen == -2
         if chosen >= 0:
             cpu[chosen] -= pod.cpu_milli
