@@ -442,3 +442,18 @@ async def test_trace_replay_through_the_live_extender(redis_url: str) -> None:
                 assert placed.node == "g2-0"
     finally:
         await ledger.close()
+
+
+async def test_an_unexpected_failure_is_an_error_reply_not_a_500(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(args: object) -> object:
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(stack.extender, "filter", broken)
+    response = await stack.post("filter", args(gpu_pod("p"), "node-a"))
+    assert response.status_code == 200
+    assert response.json()["Error"] == "internal error: RuntimeError"
+    assert "Traceback" not in response.text
+    text = (await stack.http.get(f"{stack.url}/metrics")).text
+    assert 'gpuslice_scheduler_requests_total{outcome="error",verb="filter"} 1.0' in text

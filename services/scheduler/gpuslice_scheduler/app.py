@@ -34,64 +34,52 @@ def create_app(extender: Extender) -> FastAPI:
     app = FastAPI(title="gpuslice scheduler extender", docs_url=None, redoc_url=None)
     metrics = extender.metrics
 
-    async def timed(
-        verb: str,
-        handler: Callable[[], Awaitable[Any]],
-        on_error: Callable[[str], Any],
-        status: int,
-    ) -> Response:
-        started = time.perf_counter()
-        try:
-            body = await handler()
-            code, outcome = 200, "ok"
-        except (WireError, BindError, LedgerError) as exc:
-            log.info("%s: %s", verb, exc)
-            body, code, outcome = on_error(str(exc)), status, "error"
-        except Exception as exc:  # an engine bug must not become a 500 with a traceback
-            log.exception("%s failed unexpectedly", verb)
-            body, code, outcome = on_error(f"internal error: {type(exc).__name__}"), status, "error"
-        metrics.requests.labels(verb, outcome).inc()
-        metrics.latency.labels(verb).observe(time.perf_counter() - started)
-        return JSONResponse(body, status_code=code)
+    async def filter_(body: bytes) -> Any:
+        return extender.filter(ExtenderArgs.parse(body, "filter"))
 
-    @app.post("/filter")
-    async def filter_(request: Request) -> Response:
-        body = await request.body()
+    async def prioritize(body: bytes) -> Any:
+        return extender.prioritize(ExtenderArgs.parse(body, "prioritize"))
 
-        async def run() -> Any:
-            return extender.filter(ExtenderArgs.parse(body, "filter"))
+    async def bind(body: bytes) -> Any:
+        await extender.bind(BindingArgs.parse(body))
+        return {"Error": ""}
 
-        return await timed("filter", run, filter_error, 200)
+    async def preempt(body: bytes) -> Any:
+        return extender.preempt(PreemptionArgs.parse(body))
 
-    @app.post("/prioritize")
-    async def prioritize(request: Request) -> Response:
-        body = await request.body()
+    # verb -> (handler, reply for an error, HTTP status of an error reply)
+    verbs: dict[str, tuple[Callable[[bytes], Awaitable[Any]], Callable[[str], Any], int]] = {
+        "filter": (filter_, filter_error, 200),
+        "prioritize": (prioritize, lambda e: {"Error": e}, 400),
+        "bind": (bind, lambda e: {"Error": e}, 200),
+        "preempt": (preempt, lambda e: {"NodeNameToMetaVictims": None, "Error": e}, 200),
+    }
 
-        async def run() -> Any:
-            return extender.prioritize(ExtenderArgs.parse(body, "prioritize"))
+    def route(verb: str) -> Callable[[Request], Awaitable[Response]]:
+        handler, on_error, status = verbs[verb]
 
-        return await timed("prioritize", run, lambda e: {"Error": e}, 400)
+        async def answer(request: Request) -> Response:
+            started = time.perf_counter()
+            try:
+                body, code, outcome = await handler(await request.body()), 200, "ok"
+            except (WireError, BindError, LedgerError) as exc:
+                log.info("%s: %s", verb, exc)
+                body, code, outcome = on_error(str(exc)), status, "error"
+            except Exception as exc:  # an engine bug must not become a 500 with a traceback
+                log.exception("%s failed unexpectedly", verb)
+                body, code, outcome = (
+                    on_error(f"internal error: {type(exc).__name__}"),
+                    status,
+                    "error",
+                )
+            metrics.requests.labels(verb, outcome).inc()
+            metrics.latency.labels(verb).observe(time.perf_counter() - started)
+            return JSONResponse(body, status_code=code)
 
-    @app.post("/bind")
-    async def bind(request: Request) -> Response:
-        body = await request.body()
+        return answer
 
-        async def run() -> Any:
-            await extender.bind(BindingArgs.parse(body))
-            return {"Error": ""}
-
-        return await timed("bind", run, lambda e: {"Error": e}, 200)
-
-    @app.post("/preempt")
-    async def preempt(request: Request) -> Response:
-        body = await request.body()
-
-        async def run() -> Any:
-            return extender.preempt(PreemptionArgs.parse(body))
-
-        return await timed(
-            "preempt", run, lambda e: {"NodeNameToMetaVictims": None, "Error": e}, 200
-        )
+    for verb in verbs:
+        app.add_api_route(f"/{verb}", route(verb), methods=["POST"], name=verb)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
