@@ -9,9 +9,9 @@ one workload class ``m``:
 * otherwise the free shares of the cards that cannot take ``m`` are fragments.
 
 The node's fragmentation is the mean over classes weighted by how common each
-class is times the square root of its GPU demand: FGD weighs by frequency
-alone; weighing big pods a little more keeps room for the pods that are hardest
-to place (docs/benchmarks.md compares the two). Free share is measured in
+class is times the square root of the share of a card it needs (0.1 to 1):
+FGD weighs by frequency alone; weighing bigger shares a little more keeps room
+for the pods that are harder to place (docs/benchmarks.md compares the two). Free share is measured in
 milli-GPU of compute (1000 = a whole free card); a card held exclusively,
 unhealthy, cordoned or absent has none. A class is one kind of pod: CPU and
 memory on the node, and a per-card demand for its largest GPU container (count,
@@ -52,8 +52,13 @@ class WorkloadClass:
         return self.card.count * share * 10
 
     def weight(self, size_exponent: float) -> float:
-        """Frequency x size ** exponent: a big pod left without room costs more."""
-        return float(self.frequency * max(self.gpu_milli, 100) ** size_exponent)
+        """Frequency x (share of one card) ** exponent, the share between 0.1 and 1 card.
+
+        A pod left without room costs more the more of a card it needs; a pod
+        of several whole cards counts as much as one whole card.
+        """
+        share = min(max(self.gpu_milli, 100), 1000)
+        return float(self.frequency * share**size_exponent)
 
 
 @dataclass
