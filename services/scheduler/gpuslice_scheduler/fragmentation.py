@@ -11,9 +11,11 @@ one workload class ``m``:
 The node's fragmentation is the mean over classes weighted by how common each
 class is times the square root of the share of a card it needs (0.1 to 1):
 FGD weighs by frequency alone; weighing bigger shares a little more keeps room
-for the pods that are harder to place (docs/benchmarks.md compares the two). Free share is measured in
-milli-GPU of compute (1000 = a whole free card); a card held exclusively,
-unhealthy, cordoned or absent has none. A class is one kind of pod: CPU and
+for the pods that are harder to place (docs/benchmarks.md compares the two).
+
+Free share is measured in milli-GPU of compute (1000 = a whole free card); a
+card held exclusively, unhealthy, cordoned or absent has none. A class is one
+kind of pod: CPU and
 memory on the node, and a per-card demand for its largest GPU container (count,
 memory, cores, type lists).
 """
