@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementSta
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_scheduler.extender import Extender
 from gpuslice_scheduler.service import running
+from gpuslice_scheduler.view import ClusterView
 from tests.conftest import make_inventory
 
 
@@ -457,3 +459,79 @@ async def test_an_unexpected_failure_is_an_error_reply_not_a_500(
     assert "Traceback" not in response.text
     text = (await stack.http.get(f"{stack.url}/metrics")).text
     assert 'gpuslice_scheduler_requests_total{outcome="error",verb="filter"} 1.0' in text
+
+
+# ---------------------------------------------------------------- the ledger copy
+
+
+async def test_ledger_announces_each_changed_node(ledger: Ledger) -> None:
+    seen: list[str] = []
+    ready = asyncio.Event()
+
+    async def follow() -> None:
+        async for node in ledger.watch_changes(poll=0.05, on_subscribed=ready.set):
+            seen.append(node)
+
+    task = asyncio.create_task(follow())
+    try:
+        await asyncio.wait_for(ready.wait(), 5)
+        await ledger.register_node(make_inventory("gpu-1.example.com", gpus=1))
+        await ledger.cordon("gpu-1.example.com", "GPU-gpu-1.example.com-0")
+        for _ in range(100):
+            if len(seen) >= 2:
+                break
+            await asyncio.sleep(0.02)
+        assert seen == ["gpu-1.example.com", "gpu-1.example.com"]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert ledger.node_of_meta_key(ledger.node_keys("a.b").meta) == "a.b"
+    assert ledger.node_of_meta_key("other:{a}:meta") is None
+    assert ledger.node_of_meta_key(f"{ledger.prefix}:{{}}:meta") is None
+
+
+async def test_the_copy_follows_notices_without_waiting_for_a_poll(own_redis: RedisServer) -> None:
+    ledger = Ledger.from_url(own_redis.url)
+    await ledger.register_node(make_inventory("n1", gpus=1))
+    view = ClusterView(ledger, interval=30.0, resync=30.0)  # polling alone would take 30 s
+    await view.sync()
+    task = asyncio.create_task(view.run())
+
+    async def copy_sees(slots: int) -> bool:
+        for _ in range(150):
+            if int(view.cluster.used_slots.sum()) == slots:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    try:
+        for _ in range(100):
+            if view.listening:
+                break
+            await asyncio.sleep(0.02)
+        assert view.listening
+        card = (await ledger.node_gpus("n1"))[0].device.uuid
+        await ledger.reserve(_placement("p1", "n1", card))
+        assert await copy_sees(1)
+        # Redis restarts: the notices come back.
+        own_redis.stop()
+        own_redis.start()
+        await ledger.reserve(_placement("p2", "n1", card))
+        assert await copy_sees(2)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await ledger.close()
+
+
+def _placement(uid: str, node: str, card: str) -> Placement:
+    from gpuslice_common.models import ContainerAssignment, DeviceGrant, PodRef
+
+    grant = DeviceGrant(uuid=card, memory_mib=1000, cores=10)
+    return Placement(
+        pod=PodRef(uid=uid),
+        node=node,
+        containers=(ContainerAssignment(name="main", devices=(grant,)),),
+    )

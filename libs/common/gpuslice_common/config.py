@@ -164,9 +164,12 @@ class SchedulerSettings(CommonSettings):
     # where the Kubernetes API is: "cluster" (in-cluster or kubeconfig) or "local"
     # (an in-memory API for the dev stack)
     kube_api: Literal["cluster", "local"] = "cluster"
-    sync_interval: timedelta = timedelta(seconds=1)  # refresh of the ledger copy
+    # the ledger copy: polled this often without change notices (Redis Cluster) ...
+    sync_interval: timedelta = timedelta(seconds=1)
+    # ... and read whole this often with them
+    resync_interval: timedelta = timedelta(seconds=30)
 
-    @field_validator("sync_interval", mode="before")
+    @field_validator("sync_interval", "resync_interval", mode="before")
     @classmethod
     def _sync(cls, value: Any) -> timedelta:
         return parse_duration(value)

@@ -23,10 +23,11 @@ between the two.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from importlib import resources
@@ -38,6 +39,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gpuslice_common.config import CommonSettings
@@ -51,7 +53,7 @@ from gpuslice_common.models import (
     Placement,
     PlacementState,
 )
-from gpuslice_common.subjects import node_token
+from gpuslice_common.subjects import node_from_token, node_token
 
 
 class LedgerError(Exception):
@@ -272,6 +274,47 @@ class Ledger:
         return f"{self.prefix}:pod:{{{pod_uid}}}"
 
     @property
+    def changes_channel(self) -> str:
+        """Pub/sub channel on which every change announces its node's meta key."""
+        return f"{self.prefix}:changes"
+
+    def node_of_meta_key(self, key: str) -> str | None:
+        """The node whose meta key ``key`` is, or None for anything else."""
+        head, tail = f"{self.prefix}:{{", "}:meta"
+        if not key.startswith(head) or not key.endswith(tail) or len(key) <= len(head + tail):
+            return None
+        return node_from_token(key[len(head) : -len(tail)])
+
+    async def watch_changes(
+        self, poll: float = 1.0, on_subscribed: Callable[[], None] | None = None
+    ) -> AsyncIterator[str]:
+        """Names of nodes as their cards or usage change, announced by the scripts.
+
+        Not on Redis Cluster (raises NotImplementedError). A dropped connection
+        raises LedgerUnavailable: changes in between are lost, so re-read
+        everything (revisions) after subscribing again.
+        """
+        if isinstance(self.redis, RedisCluster):
+            raise NotImplementedError("change notices are not followed on Redis Cluster")
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.changes_channel)
+            if on_subscribed is not None:
+                on_subscribed()
+            while True:
+                message = await pubsub.get_message(timeout=poll)
+                if message is None or message.get("type") != "message":
+                    continue
+                node = self.node_of_meta_key(_text(message["data"]))
+                if node is not None:
+                    yield node
+        except (RedisError, OSError) as exc:
+            raise LedgerUnavailable(f"lost the ledger's change notices: {exc}") from None
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    @property
     def nodes_key(self) -> str:
         return f"{self.prefix}:nodes"
 
@@ -328,6 +371,7 @@ class Ledger:
         pipe.hset(keys.gpus, f"{card}|cordoned", int(cordoned))
         pipe.hincrby(keys.meta, "rev", 1)
         await pipe.execute()
+        await self.redis.publish(self.changes_channel, keys.meta)
 
     @_gated
     async def nodes(self) -> list[str]:
@@ -444,9 +488,12 @@ class Ledger:
         return await self._run("index", [self.pod_index_key(uid)], [op, *args])
 
     @_gated
-    async def mark_bound(self, pod_uid: str) -> Placement:
-        """Move a reservation to ``bound``: kubelet may now ask to allocate it."""
-        node = await self._node_of(pod_uid)
+    async def mark_bound(self, pod_uid: str, node: str | None = None) -> Placement:
+        """Move a reservation to ``bound``: kubelet may now ask to allocate it.
+
+        Pass the node when known, to save looking it up in the pod index.
+        """
+        node = node or await self._node_of(pod_uid)
         reply = await self._run("bind", self.node_keys(node).all(), [pod_uid])
         if reply[0] != "ok":
             raise NotReserved(f"pod {pod_uid} has no live reservation to bind ({reply[0]})")

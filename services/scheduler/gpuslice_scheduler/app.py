@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -72,9 +73,10 @@ def create_app(extender: Extender) -> FastAPI:
                     status,
                     "error",
                 )
+            reply = Response(orjson.dumps(body), status_code=code, media_type="application/json")
             metrics.requests.labels(verb, outcome).inc()
             metrics.latency.labels(verb).observe(time.perf_counter() - started)
-            return JSONResponse(body, status_code=code)
+            return reply
 
         return answer
 

@@ -48,15 +48,24 @@ class Cluster:
     node_cpu_free: Floats  # milli-CPU; inf when not tracked
     node_mem_free: Floats  # MiB; inf when not tracked
     node_index: dict[str, int] = field(init=False)
+    names: npt.NDArray[np.object_] = field(init=False)  # node_names as an array, for indexing
     node_of: Ints = field(init=False)
     # Grows with every change to usage or cards; derived values are cached per version.
     version: int = field(init=False, default=0)
     cache: dict[str, Any] = field(init=False, default_factory=dict)
+    lookups: dict[str, Any] = field(init=False, default_factory=dict)  # by node name; kept
+    # Per node, the version that last changed it (usage or anything), and the one
+    # that last changed its facts or capacity (what could ever fit there).
+    changed: Ints = field(init=False)
+    reshaped: Ints = field(init=False)
 
     def __post_init__(self) -> None:
         self.node_index = {name: i for i, name in enumerate(self.node_names)}
+        self.names = np.asarray(self.node_names, dtype=object)
         counts = np.diff(self.node_start)
         self.node_of = np.repeat(np.arange(len(self.node_names), dtype=np.int64), counts)
+        self.changed = np.zeros(len(self.node_names), dtype=np.int64)
+        self.reshaped = np.zeros(len(self.node_names), dtype=np.int64)
 
     # ------------------------------------------------------------ building
 
@@ -121,6 +130,21 @@ class Cluster:
     def card_count(self) -> int:
         return len(self.uuids)
 
+    def lookup(self, names: Sequence[str]) -> tuple[Ints, list[str]]:
+        """Indexes of the known nodes among ``names`` (in order), and the unknown names."""
+        if not names:
+            return np.zeros(0, dtype=np.int64), []
+        if "sorted" not in self.lookups:
+            order = np.argsort(np.asarray(self.node_names, dtype=str), kind="stable")
+            self.lookups["sorted"] = (np.asarray(self.node_names, dtype=str)[order], order)
+        keys, order = self.lookups["sorted"]
+        wanted = np.asarray(names, dtype=str)
+        if keys.size == 0:
+            return np.zeros(0, dtype=np.int64), list(names)
+        at = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
+        found = keys[at] == wanted
+        return order[at[found]].astype(np.int64), wanted[~found].tolist()
+
     def cards_of(self, nodes: Ints) -> Ints:
         """Card indexes of ``nodes`` (node indexes), concatenated in the nodes' order."""
         starts = self.node_start[nodes]
@@ -168,9 +192,13 @@ class Cluster:
         self.owned[cards] |= exclusive
         self.node_cpu_free[node] -= cpu
         self.node_mem_free[node] -= memory
-        self.touch()
+        self.touch([node])
 
-    def touch(self) -> None:
-        """Say the arrays changed: cached derived values are stale."""
+    def touch(self, nodes: Sequence[int] | None = None, *, facts: bool = False) -> None:
+        """Say ``nodes`` (default: all) changed; ``facts`` when more than usage did."""
         self.version += 1
+        where = slice(None) if nodes is None else np.asarray(nodes, dtype=np.int64)
+        self.changed[where] = self.version
+        if facts:
+            self.reshaped[where] = self.version
         self.cache.clear()

@@ -48,6 +48,7 @@ from gpuslice_scheduler.fragmentation import (
     WorkloadMix,
     cluster_fragments,
     fragmentation_after,
+    has_cluster_fragments,
     node_fragments,
 )
 
@@ -235,7 +236,7 @@ def _fragments(
     mem_free: Floats,
 ) -> tuple[NodeFragments, Bools, Floats]:
     """Fragmentation before the pod: from the cluster-wide cache for a large scope."""
-    if "fragments" not in cluster.cache and scope.cards.size * 4 < cluster.card_count:
+    if not has_cluster_fragments(mix, cluster) and scope.cards.size * 4 < cluster.card_count:
         return node_fragments(mix, cluster, scope.cards, scope.bounds, usage, cpu_free, mem_free)
     nodes, usable, share = cluster_fragments(mix, cluster)
     part = NodeFragments(
@@ -464,3 +465,110 @@ def normalise(scores: Floats) -> list[int]:
         return [10 if f else 0 for f in finite.tolist()]
     scaled = np.where(finite, np.rint((scores - lo) / (hi - lo) * 10), 0)
     return [int(s) for s in scaled.tolist()]
+
+
+# ---------------------------------------------------------------- incremental
+
+
+def demand_key(demand: Demand) -> tuple[object, ...]:
+    """What makes two pods the same kind for the engine (everything but their identity)."""
+    request = demand.request
+    shape = (request.containers, request.selector, request.vgpu_mode) if request else None
+    return (shape, demand.gpu_policy, demand.node_policy, demand.cpu, demand.memory)
+
+
+@dataclass
+class _Entry:
+    demand: Demand
+    evaluation: Evaluation
+    seen: int  # cluster version the rows were last brought up to
+
+
+class Evaluator:
+    """Evaluations of every node for each kind of pod, re-computed only where nodes changed.
+
+    A node's fit, cards and score depend on that node alone (and the mix), so a
+    pod of a kind seen before costs one :func:`evaluate` over the nodes changed
+    since. Bound to one cluster and mix; make a new one when either is replaced.
+    An evaluator may be filled in another thread while its cluster changes: rows
+    of nodes changed meanwhile are simply evaluated again on the next call.
+    """
+
+    def __init__(self, cluster: Cluster, mix: WorkloadMix | None, kinds: int = 256) -> None:
+        self.cluster = cluster
+        self.mix = mix
+        self.kinds = kinds
+        self.entries: dict[tuple[object, ...], _Entry] = {}
+        self.all_nodes = np.arange(cluster.node_count, dtype=np.int64)
+
+    def evaluate(self, demand: Demand) -> Evaluation:
+        """The pod's evaluation on every node of the cluster (row = node index)."""
+        key = demand_key(demand)
+        entry = self.entries.pop(key, None)  # re-inserted below: most recent last
+        cluster = self.cluster
+        version = cluster.version  # before reading: a change from now on is seen as stale
+        if entry is None:
+            entry = _Entry(demand, evaluate(cluster, demand, self.all_nodes, self.mix), version)
+        else:
+            stale = np.flatnonzero(cluster.changed > entry.seen)
+            if stale.size:
+                _write(entry.evaluation, stale, evaluate(cluster, demand, stale, self.mix))
+                entry.seen = version
+        self.entries[key] = entry
+        while len(self.entries) > self.kinds:
+            del self.entries[next(iter(self.entries))]
+        return entry.evaluation
+
+    def recent(self, count: int) -> list[Demand]:
+        """The kinds of pod evaluated last, most recent first."""
+        return [e.demand for e in reversed(self.entries.values())][:count]
+
+
+class Ceiling:
+    """Per kind of pod, the nodes it could never fit even with every card empty.
+
+    What preemption cannot fix: type, UUID or NUMA lists, too few or too small
+    cards, unhealthy or cordoned ones. Computed only for the nodes asked about,
+    and again only where a node's facts changed.
+    """
+
+    def __init__(self, cluster: Cluster, kinds: int = 256) -> None:
+        self.cluster = cluster
+        self.kinds = kinds
+        # per kind: (known per node, never per node, version the facts were read at)
+        self.entries: dict[tuple[object, ...], tuple[Bools, Bools, Ints]] = {}
+
+    def never_fit(self, demand: Demand, nodes: Ints) -> Bools:
+        """For each of ``nodes``: True where the pod could never fit."""
+        key = demand_key(demand)
+        cluster = self.cluster
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            n = cluster.node_count
+            entry = (np.zeros(n, np.bool_), np.zeros(n, np.bool_), np.zeros(n, np.int64))
+        known, never, seen = entry
+        todo = nodes[~known[nodes] | (cluster.reshaped[nodes] > seen[nodes])]
+        if todo.size:
+            version = cluster.version
+            plain = Demand(
+                demand.request, GpuPolicy.BINPACK, NodePolicy.BINPACK, demand.cpu, demand.memory
+            )
+            empty = evaluate(cluster.emptied(), plain, todo, None)
+            never[todo] = ~empty.feasible
+            known[todo] = True
+            seen[todo] = version
+        self.entries[key] = entry
+        while len(self.entries) > self.kinds:
+            del self.entries[next(iter(self.entries))]
+        return never[nodes]
+
+
+def _write(into: Evaluation, rows: Ints, part: Evaluation) -> None:
+    """Overwrite ``rows`` of ``into`` with ``part`` (whose rows are those nodes, in order)."""
+    into.feasible[rows] = part.feasible
+    into.score[rows] = part.score
+    into.code[rows] = part.code
+    for row, line in zip(rows.tolist(), part.detail, strict=True):
+        into.detail[row] = line
+    for whole, piece in zip(into.chosen, part.chosen, strict=True):
+        whole[rows] = piece

@@ -16,6 +16,7 @@ pod already bound to that node with its reservation in place succeeds again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -29,16 +30,22 @@ from gpuslice_common.kube import KubeApi, KubeError, LocalKubeApi
 from gpuslice_common.ledger import AlreadyReserved, Ledger, LedgerError, ReservationConflict
 from gpuslice_common.models import (
     PLACEMENT_ANNOTATION,
-    GpuPolicy,
-    NodePolicy,
     Placement,
     PlacementState,
+    PodGpuRequest,
     PodRef,
 )
 from gpuslice_common.requests import RequestError, parse_pod
-from gpuslice_scheduler.engine import Demand, Evaluation, evaluate, normalise, placement
-from gpuslice_scheduler.fit import CardDemand
-from gpuslice_scheduler.fragmentation import MixLearner
+from gpuslice_scheduler.engine import (
+    Ceiling,
+    Demand,
+    Evaluation,
+    Evaluator,
+    normalise,
+    placement,
+)
+from gpuslice_scheduler.fit import REASONS, CardDemand, Code
+from gpuslice_scheduler.fragmentation import MixLearner, WorkloadMix
 from gpuslice_scheduler.metrics import Metrics
 from gpuslice_scheduler.view import ClusterView
 from gpuslice_scheduler.wire import BindingArgs, ExtenderArgs, PreemptionArgs, filter_error
@@ -46,7 +53,8 @@ from gpuslice_scheduler.wire import BindingArgs, ExtenderArgs, PreemptionArgs, f
 log = logging.getLogger(__name__)
 
 SOURCE = "gpuslice-scheduler"
-RECENT = 16  # evaluations kept for the prioritize and bind that follow a filter
+WARM_KINDS = 64  # kinds of pod evaluated with a new mix before it is put in place
+PARSED = 64  # pods whose parsed request is kept for the verbs that follow
 UNKNOWN_NODE = "CardNotFound: no GPU of this node is registered with gpuslice"
 
 
@@ -72,12 +80,15 @@ class Extender:
         self.bus = bus
         self.metrics = metrics or Metrics()
         self.learner = learner or MixLearner()
-        self._recent: dict[tuple[Any, ...], tuple[Evaluation, dict[int, int]]] = {}
+        self._current: Evaluator | None = None
+        self._ceiling = Ceiling(view.cluster)
+        self._warming: asyncio.Task[None] | None = None
+        self._parsed: dict[tuple[str, str], PodGpuRequest | None] = {}
 
     # ------------------------------------------------------------ reading verbs
 
     def _demand(self, pod: dict[str, Any]) -> Demand | None:
-        request = parse_pod(pod, self.settings.requests)
+        request = self._parse(pod)
         if request is None:
             return None
         demand = Demand.of(request, self.settings.requests.default_gpu_policy)
@@ -85,27 +96,62 @@ class Extender:
         self.learner.observe(request.pod.uid, CardDemand.of(main), request.selector)
         return demand
 
-    def _evaluate(self, demand: Demand, names: list[str]) -> tuple[Evaluation, list[str]]:
-        """Evaluate ``demand`` on ``names``; reuses the answer filter computed for this pod.
+    async def close(self) -> None:
+        """Stop background work (a mix being warmed up)."""
+        if self._warming is not None:
+            self._warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._warming
 
-        kube-scheduler calls filter, prioritize and bind for one pod in a row;
-        while the cluster copy has not changed, they share one evaluation.
+    def _parse(self, pod: dict[str, Any]) -> PodGpuRequest | None:
+        """The pod's GPU request; kube-scheduler sends one pod to three verbs, so keep a few.
+
+        Resources of a pod cannot change; annotations can, so they are part of the key.
         """
-        nodes, unknown = self.view.node_indexes(names)
+        metadata = pod.get("metadata")
+        uid = metadata.get("uid") if isinstance(metadata, dict) else None
+        annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+        if not isinstance(uid, str) or not uid:
+            return parse_pod(pod, self.settings.requests)
+        key = (uid, repr(sorted(annotations.items())) if isinstance(annotations, dict) else "")
+        if key in self._parsed:
+            return self._parsed[key]
+        request = parse_pod(pod, self.settings.requests)
+        self._parsed[key] = request
+        if len(self._parsed) > PARSED:
+            del self._parsed[next(iter(self._parsed))]
+        return request
+
+    def _evaluator(self) -> Evaluator:
+        """The engine's per-kind evaluations for the current copy of the ledger.
+
+        A new copy (nodes added or removed) starts afresh at once. A new mix is
+        put in place only once the kinds seen last are evaluated with it, in a
+        thread beside the requests, so no request pays for a whole re-evaluation.
+        """
         cluster, mix = self.view.cluster, self.learner.mix
-        assert demand.request is not None
-        key = (demand.request.pod.uid, id(cluster), cluster.version, id(mix), demand.policy_name)
-        hit = self._recent.get(key)
-        if hit is not None:
-            ev, row_of = hit
-            rows = [row_of.get(n, -1) for n in nodes.tolist()]
-            if all(r >= 0 for r in rows):
-                return ev.subset(np.asarray(rows, dtype=np.int64)), unknown
-        ev = evaluate(cluster, demand, nodes, mix)
-        self._recent[key] = (ev, {n: r for r, n in enumerate(nodes.tolist())})
-        while len(self._recent) > RECENT:
-            del self._recent[next(iter(self._recent))]
-        return ev, unknown
+        current = self._current
+        if current is None or current.cluster is not cluster:
+            current = self._current = Evaluator(cluster, mix)
+            self._ceiling = Ceiling(cluster)
+        elif current.mix is not mix and self._warming is None:
+            self._warming = asyncio.get_running_loop().create_task(self._warm(current, mix))
+        return current
+
+    async def _warm(self, current: Evaluator, mix: WorkloadMix) -> None:
+        fresh = Evaluator(current.cluster, mix)
+        try:
+            for demand in current.recent(WARM_KINDS):
+                await asyncio.to_thread(fresh.evaluate, demand)
+            if self._current is current:
+                self._current = fresh
+        finally:
+            self._warming = None
+
+    def _evaluate(self, demand: Demand, names: list[str]) -> tuple[Evaluation, list[str]]:
+        """Evaluate ``demand`` on the nodes ``names``; also returns the unknown names."""
+        nodes, unknown = self.view.node_indexes(names)
+        return self._evaluator().evaluate(demand).subset(nodes), unknown
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
         try:
@@ -118,31 +164,34 @@ class Extender:
         if isinstance(self.kube, LocalKubeApi):
             self.kube.learn(args.pod)
         ev, unknown = self._evaluate(demand, args.node_names)
-        names = self.view.cluster.node_names
-        passed: list[str] = []
+        names = self.view.cluster.names
+        passed = names[ev.nodes[ev.feasible]].tolist()  # in the order they were sent
         failed: dict[str, str] = {}
         unresolvable = dict.fromkeys(unknown, UNKNOWN_NODE)
-        never = _never_fit(self.view, demand, ev)
-        for row, node in enumerate(ev.nodes.tolist()):
-            name = names[node]
-            if ev.feasible[row]:
-                passed.append(name)
-                continue
-            reason = ev.reason(row)
-            self.metrics.failures.labels("filter", reason.value if reason else "unknown").inc()
-            (unresolvable if never[row] else failed)[name] = ev.detail[row]
-        order = {n: i for i, n in enumerate(args.node_names)}
-        passed.sort(key=order.__getitem__)
+        rows = np.flatnonzero(~ev.feasible)
+        if rows.size:
+            self._evaluator()
+            never = self._ceiling.never_fit(demand, ev.nodes[rows])
+            for row, hopeless in zip(rows.tolist(), never.tolist(), strict=True):
+                name = names[ev.nodes[row]]
+                (unresolvable if hopeless else failed)[name] = ev.detail[row]
+            codes, counts = np.unique(ev.code[rows], return_counts=True)
+            for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
+                reason = REASONS.get(Code(code))
+                self.metrics.failures.labels("filter", reason or "unknown").inc(count)
         return args.filter_reply(passed, failed, unresolvable)
 
     def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
         demand = self._demand(args.pod)
         if demand is None:
             return [{"Host": n, "Score": 0} for n in args.node_names]
-        ev, _ = self._evaluate(demand, args.node_names)
-        scores = dict(zip(ev.nodes.tolist(), normalise(ev.score), strict=True))
-        index = self.view.cluster.node_index
-        return [{"Host": n, "Score": scores.get(index.get(n, -1), 0)} for n in args.node_names]
+        ev, unknown = self._evaluate(demand, args.node_names)
+        hosts = self.view.cluster.names[ev.nodes].tolist()
+        scores = normalise(ev.score)
+        if unknown:  # unregistered nodes score 0, in the order they were sent
+            known = dict(zip(hosts, scores, strict=True))
+            hosts, scores = args.node_names, [known.get(n, 0) for n in args.node_names]
+        return [{"Host": h, "Score": s} for h, s in zip(hosts, scores, strict=True)]
 
     def preempt(self, args: PreemptionArgs) -> dict[str, Any]:
         """Victims as proposed, in MetaVictims form (gpuslice does not narrow them)."""
@@ -162,16 +211,19 @@ class Extender:
         if demand is None:
             await self._create_binding(args)
             return
-        live = await self.ledger.placement(args.pod_uid)
-        if live is not None and live.state is not PlacementState.RELEASED:
-            if live.node != args.node:
-                raise BindError(f"pod {args.pod_uid} is reserved on node {live.node}")
-            if bound_to == args.node:
-                return  # bound before: nothing left to do
-            chosen = live
-        else:
-            chosen = await self._reserve(args, demand)
+        chosen = await self._reserve(args, demand)
+        if chosen.state is not PlacementState.RESERVED and bound_to == args.node:
+            return  # bound before: nothing left to do
         await self._record_and_bind(args, chosen)
+
+    async def _earlier(self, args: BindingArgs) -> Placement | None:
+        """The live reservation an earlier bind of this pod made (kube-scheduler retried)."""
+        live = await self.ledger.placement(args.pod_uid)
+        if live is None or live.state is PlacementState.RELEASED:
+            return None
+        if live.node != args.node:
+            raise BindError(f"pod {args.pod_uid} is reserved on node {live.node}")
+        return live
 
     async def _pod(self, args: BindingArgs) -> dict[str, Any]:
         try:
@@ -188,6 +240,7 @@ class Extender:
         return pod
 
     async def _reserve(self, args: BindingArgs, demand: Demand) -> Placement:
+        """Reserve the pod's cards on the node, or return the reservation it already holds."""
         assert demand.request is not None
         demand = Demand(
             demand.request.model_copy(
@@ -205,6 +258,9 @@ class Extender:
             if unknown:
                 raise BindError(f"node {args.node}: {UNKNOWN_NODE}")
             if not ev.feasible[0]:
+                earlier = await self._earlier(args)  # its own reservation fills the node
+                if earlier is not None:
+                    return earlier
                 reason = ev.reason(0)
                 await self._failed(args, reason.value if reason else "unknown", ev.detail[0])
                 raise BindError(f"node {args.node} cannot take the pod: {ev.detail[0]}")
@@ -223,8 +279,9 @@ class Extender:
                 raise BindError(str(exc)) from None
             except LedgerError as exc:
                 raise BindError(f"ledger: {exc}") from None
-            self.view.apply(reserved)
-            await self._publish(EventType.ALLOC_RESERVED, reserved)
+            if reserved.containers == chosen.containers and reserved.state is chosen.state:
+                self.view.apply(reserved)
+                await self._publish(EventType.ALLOC_RESERVED, reserved)
             return reserved
         raise BindError(f"node {args.node} keeps changing; try again")  # pragma: no cover
 
@@ -234,7 +291,7 @@ class Extender:
                 args.pod_namespace, args.pod_name, {PLACEMENT_ANNOTATION: chosen.to_annotation()}
             )
             if chosen.state is PlacementState.RESERVED:
-                await self.ledger.mark_bound(args.pod_uid)
+                await self.ledger.mark_bound(args.pod_uid, args.node)
             await self._create_binding(args)
         except (KubeError, LedgerError, BindError) as exc:
             await self._undo(args, chosen, str(exc))
@@ -285,15 +342,3 @@ class Extender:
             )
         except BusError as exc:  # the bind stands; the bus buffers across reconnects
             log.warning("event %s for pod %s not published: %s", event_type, payload.pod.uid, exc)
-
-
-def _never_fit(view: ClusterView, demand: Demand, ev: Evaluation) -> np.ndarray[Any, Any]:
-    """Rows of failed nodes that could not take the pod even with every card empty."""
-    failed = ~ev.feasible
-    never = np.zeros(ev.nodes.size, dtype=np.bool_)
-    if not failed.any():
-        return never
-    plain = Demand(demand.request, GpuPolicy.BINPACK, NodePolicy.BINPACK, demand.cpu, demand.memory)
-    again = evaluate(view.cluster.emptied(), plain, ev.nodes[failed], None)
-    never[np.flatnonzero(failed)] = ~again.feasible
-    return never

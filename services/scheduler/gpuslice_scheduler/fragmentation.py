@@ -207,11 +207,16 @@ def node_fragments(
     return frag, usable, share
 
 
+def has_cluster_fragments(mix: WorkloadMix, cluster: Cluster) -> bool:
+    cached = cluster.cache.get("fragments")
+    return cached is not None and cached[0] is mix and cached[1] == cluster.version
+
+
 def cluster_fragments(mix: WorkloadMix, cluster: Cluster) -> tuple[NodeFragments, Bools, Floats]:
     """:func:`node_fragments` of every node, cached on the cluster until it changes."""
-    cached = cluster.cache.get("fragments")
-    if cached is not None and cached[0] is mix:
-        return cached[1]  # type: ignore[no-any-return]
+    if has_cluster_fragments(mix, cluster):
+        return cluster.cache["fragments"][2]  # type: ignore[no-any-return]
+    version = cluster.version  # a change while computing makes the result stale at once
     cards = np.arange(cluster.card_count, dtype=np.int64)
     result = node_fragments(
         mix,
@@ -222,7 +227,7 @@ def cluster_fragments(mix: WorkloadMix, cluster: Cluster) -> tuple[NodeFragments
         cluster.node_cpu_free,
         cluster.node_mem_free,
     )
-    cluster.cache["fragments"] = (mix, result)
+    cluster.cache["fragments"] = (mix, version, result)
     return result
 
 
@@ -293,15 +298,17 @@ class MixLearner:
         self,
         prior: WorkloadMix | None = None,
         prior_weight: float = 50.0,
-        rebuild_every: int = 32,
+        rebuild_every: int = 256,
         max_classes: int = 48,
         remember: int = 20_000,
+        shift: float = 0.02,
     ) -> None:
         self.prior = prior or default_mix()
         self.prior_weight = prior_weight
         self.rebuild_every = rebuild_every
         self.max_classes = max_classes
         self.remember = remember
+        self.shift = shift
         self.counts: dict[tuple[CardDemand, DeviceSelector], int] = {}
         self.seen: dict[str, None] = {}
         self.pending = 0
@@ -309,8 +316,15 @@ class MixLearner:
 
     @property
     def mix(self) -> WorkloadMix:
+        """The current mix; replaced only when the learned one differs by more than ``shift``.
+
+        Every new mix makes the scheduler evaluate each kind of pod afresh, so a
+        mix that has settled is kept.
+        """
         if self.pending >= self.rebuild_every:
-            self._mix = self._build()
+            fresh = self._build()
+            if _distance(fresh, self._mix) > self.shift:
+                self._mix = fresh
             self.pending = 0
         return self._mix
 
@@ -338,3 +352,17 @@ class MixLearner:
         common = sorted(self.counts.items(), key=lambda kv: -kv[1])[: self.max_classes]
         classes += [WorkloadClass(float(n), card, sel) for (card, sel), n in common]
         return WorkloadMix.of(classes, self.prior.size_exponent)
+
+
+def _distance(a: WorkloadMix, b: WorkloadMix) -> float:
+    """Largest difference in any class's normalised weight between two mixes."""
+
+    def weights(mix: WorkloadMix) -> dict[tuple[object, ...], float]:
+        out: dict[tuple[object, ...], float] = {}
+        for cls, w in zip(mix.classes, mix.weight.tolist(), strict=True):
+            key = (cls.card, cls.selector, cls.cpu, cls.memory)
+            out[key] = out.get(key, 0.0) + w
+        return out
+
+    wa, wb = weights(a), weights(b)
+    return max((abs(wa.get(k, 0.0) - wb.get(k, 0.0)) for k in wa.keys() | wb.keys()), default=0.0)

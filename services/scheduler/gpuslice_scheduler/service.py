@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 
@@ -32,12 +33,15 @@ async def running(
 ) -> AsyncIterator[tuple[Extender, asyncio.Task[None]]]:
     """The extender serving on ``settings.listen_host:listen_port`` until the block ends."""
     ledger = Ledger.from_settings(settings)
-    view = ClusterView(ledger, settings.sync_interval.total_seconds())
+    view = ClusterView(
+        ledger, settings.sync_interval.total_seconds(), settings.resync_interval.total_seconds()
+    )
     extender = Extender(settings, ledger, view, kube, bus)
     try:
         await view.sync()
     except LedgerError as exc:  # serve anyway; /readyz says not ready until a sync works
         log.warning("ledger not reachable at start: %s", exc)
+    gc.freeze()  # what exists now lives as long as the process: keep it out of collections
     syncing = asyncio.create_task(view.run(), name="ledger-sync")
     config = uvicorn.Config(
         create_app(extender),
@@ -63,6 +67,7 @@ async def running(
         syncing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await syncing
+        await extender.close()
         await ledger.close()
 
 

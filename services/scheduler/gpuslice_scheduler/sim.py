@@ -15,10 +15,10 @@ The published method (FGD paper and its simulator):
 Each pod is a one-container gpuslice request: ``nvidia.com/gpu = num_gpu``,
 cores ``gpu_milli / 10`` % and the same percentage of card memory, ``gpu_spec``
 as the type include list; its CPU and memory must fit the node's as
-kube-scheduler would require. Placement uses :func:`engine.evaluate`, the code
-the extender runs. Scores of a node depend only on that node, so the replay
-keeps each pod class's scores and re-evaluates only the nodes that changed
-since the class was last seen.
+kube-scheduler would require. Placement uses :class:`engine.Evaluator`, as the
+extender does: scores of a node depend only on that node, so each pod class's
+evaluation is kept and only the nodes changed since it was last seen are
+evaluated again.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from gpuslice_common.models import (
     PodRef,
 )
 from gpuslice_scheduler.cluster import Cluster, Ints
-from gpuslice_scheduler.engine import Demand, evaluate
+from gpuslice_scheduler.engine import Demand, Evaluator
 from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.fragmentation import SIZE_EXPONENT, WorkloadClass, WorkloadMix
 
@@ -264,13 +264,6 @@ class RunResult:
         return dict(self.__dict__)
 
 
-@dataclass
-class _ClassCache:
-    score: np.ndarray[Any, np.dtype[np.float64]]
-    cards: Ints  # (nodes, count) chosen cards of the single container, or (nodes, 0)
-    seen: int = -1
-
-
 def replay(
     nodes: Sequence[TraceNode],
     pods: Sequence[PodClass],
@@ -301,13 +294,7 @@ def replay(
         Demand(c.request(), gpu_policy, node_policy, float(c.cpu_milli), float(c.memory_mib))
         for c in classes
     ]
-    n = cluster.node_count
-    caches = [
-        _ClassCache(np.full(n, -np.inf), np.full((n, c.num_gpu), -1, dtype=np.int64))
-        for c in classes
-    ]
-    changed = np.zeros(n, dtype=np.int64)  # per node: the placement that last changed it
-    placements = 0
+    evaluator = Evaluator(cluster, mix, kinds=len(classes) + 1)
 
     order = arrivals(pods, capacity, inflation, seed)
     target = inflation * capacity
@@ -317,21 +304,11 @@ def replay(
     next_mark, marks = 1, math.floor(inflation * 100 + 1e-9)  # one point per whole 1 %
     for count, index in enumerate(order, start=1):
         pod = pods[index]
-        k = class_of[pod]
-        cache, demand = caches[k], demands[k]
-        stale = np.flatnonzero(changed > cache.seen)
-        if stale.size:
-            ev = evaluate(cluster, demand, stale, mix)
-            cache.score[stale] = ev.score
-            if ev.chosen:
-                cache.cards[stale] = ev.chosen[0]
-            cache.seen = placements
-        best = int(np.argmax(cache.score))
-        if np.isfinite(cache.score[best]):
-            cards = cache.cards[best]
+        ev = evaluator.evaluate(demands[class_of[pod]])
+        best = int(np.argmax(ev.score))
+        if np.isfinite(ev.score[best]):
+            cards = ev.chosen[0][best] if ev.chosen else np.zeros(0, dtype=np.int64)
             _take(cluster, pod, cards, best)
-            placements += 1
-            changed[best] = placements
             allocated += pod.gpu_demand
             scheduled += 1
         else:
@@ -366,6 +343,7 @@ def _take(cluster: Cluster, pod: PodClass, cards: Ints, node: int) -> None:
     if pod.num_gpu == 0:
         cluster.node_cpu_free[node] -= pod.cpu_milli
         cluster.node_mem_free[node] -= pod.memory_mib
+        cluster.touch([node])
         return
     share = math.ceil(pod.gpu_milli / 10)
     mem = cluster.cap_mem[cards] * share // 100

@@ -12,8 +12,10 @@ CPU-only pods never reach an extender; they take the first node that fits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import GpuDevice, NodeInventory
@@ -46,6 +49,7 @@ class ViaResult:
     bind_errors: int
     milli_gpu_allocation_ratio: float  # of the cluster, read back from the ledger
     pods_per_second: float
+    extender_pods_per_second: float  # pods that went through filter, prioritize and bind
     latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     wall_seconds: float = 0.0
 
@@ -125,6 +129,47 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection posting JSON, as kube-scheduler's client does.
+
+    The replay shares the machine's CPUs with the extender it measures; a general
+    HTTP client would cost the driver several times what it costs kube-scheduler.
+    """
+
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise TraceError(f"--via needs an http://host:port URL, not {url!r}")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.base = parts.path.rstrip("/")
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None or self.reader is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (
+            f"POST {self.base}{path} HTTP/1.1\r\nHost: {self.host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        status = int((await self.reader.readline()).split()[1])
+        length = -1
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        if length < 0:
+            raise TraceError(f"POST {path}: the reply has no Content-Length")
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+
+
 async def replay_via(
     url: str,
     redis_url: str,
@@ -144,7 +189,11 @@ async def replay_via(
         await register(ledger, nodes, split_count)
         async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=30.0) as http:
             await wait_ready(http, sum(1 for n in nodes if n.gpus > 0))
-            result = await _drive(http, nodes, pods, seed, sample, inflation, progress)
+        connection = Connection(url)
+        try:
+            result = await _drive(connection, nodes, pods, seed, sample, inflation, progress)
+        finally:
+            await connection.close()
         states = await ledger.nodes_gpus([n.name for n in nodes if n.gpus > 0])
     finally:
         await ledger.close()
@@ -155,7 +204,7 @@ async def replay_via(
 
 
 async def _drive(
-    http: httpx.AsyncClient,
+    http: Connection,
     nodes: Sequence[TraceNode],
     pods: Sequence[PodClass],
     seed: int,
@@ -175,11 +224,11 @@ async def _drive(
 
     async def call(verb: str, body: dict[str, Any]) -> Any:
         started = time.perf_counter()
-        reply = await http.post(f"/{verb}", json=body)
+        status, reply = await http.post(f"/{verb}", orjson.dumps(body))
         latency[verb].append(time.perf_counter() - started)
-        if reply.status_code != 200:
-            raise TraceError(f"{verb} answered {reply.status_code}: {reply.text[:200]}")
-        return reply.json()
+        if status != 200:
+            raise TraceError(f"{verb} answered {status}: {reply[:200]!r}")
+        return orjson.loads(reply)
 
     started = time.perf_counter()
     for i, k in enumerate(order):
@@ -209,6 +258,7 @@ async def _drive(
         bind_errors=bind_errors,
         milli_gpu_allocation_ratio=0.0,
         pods_per_second=round(len(order) / wall, 1) if wall > 0 else 0.0,
+        extender_pods_per_second=round(len(latency[PER_POD]) / wall, 1) if wall > 0 else 0.0,
         latency_ms={v: _percentiles(s) for v, s in latency.items()},
         wall_seconds=round(wall, 3),
     )

@@ -1,8 +1,11 @@
-"""The scheduler's copy of the ledger's cards, kept fresh by node revision.
+"""The scheduler's copy of the ledger's cards, kept fresh by change notices and revisions.
 
 Filter and prioritize read this copy and never wait on Redis. Every ledger
-change to a node bumps its revision; :meth:`ClusterView.sync` reads all
-revisions in one round trip and re-reads only the nodes whose revision moved.
+change to a node bumps its revision and announces the node on the ledger's
+changes channel: an announced node is re-read at once. :meth:`ClusterView.sync`
+reads all revisions in one round trip and re-reads the nodes whose revision
+moved; it runs at start, after (re)subscribing, every ``resync`` seconds, and
+every ``interval`` seconds while notices are unavailable.
 The copy may lag by one sync interval: that only affects scores, because bind
 reserves through the ledger, which checks capacity atomically, and a lost race
 refreshes the node at once.
@@ -11,7 +14,9 @@ refreshes the node at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,9 +93,14 @@ def build(nodes: Sequence[tuple[str, list[Row]]]) -> Cluster:
 class ClusterView:
     """Every registered node's cards as one :class:`Cluster`, refreshed by revision."""
 
-    def __init__(self, ledger: Ledger, interval: float = 1.0) -> None:
+    def __init__(self, ledger: Ledger, interval: float = 1.0, resync: float = 30.0) -> None:
         self.ledger = ledger
         self.interval = interval
+        self.resync = resync
+        self.listening = False
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._resync_due = 0.0
         self.rows: dict[str, list[Row]] = {}
         self.revs: dict[str, int] = {}
         self.cluster = build([])
@@ -137,23 +147,32 @@ class ClusterView:
             r[1] not in cluster.models for r in rows
         ):
             return False
+        facts = False
         for offset, r in enumerate(rows):
             c = lo + offset
+            before = (
+                cluster.models[cluster.model_id[c]],
+                int(cluster.numa[c]),
+                int(cluster.cap_mem[c]),
+                int(cluster.cap_cores[c]),
+                int(cluster.cap_slots[c]),
+                bool(cluster.healthy[c]),
+                bool(cluster.present[c]),
+                bool(cluster.cordoned[c]),
+            )
+            facts |= before != (r[1], r[2], r[3], r[4], r[5], r[10], r[11], r[12])
             cluster.model_id[c] = cluster.models.index(r[1])
             cluster.numa[c] = r[2]
             cluster.cap_mem[c], cluster.cap_cores[c], cluster.cap_slots[c] = r[3], r[4], r[5]
             cluster.used_mem[c], cluster.used_cores[c], cluster.used_slots[c] = r[6], r[7], r[8]
             cluster.owned[c], cluster.healthy[c] = r[9], r[10]
             cluster.present[c], cluster.cordoned[c] = r[11], r[12]
-        cluster.touch()
+        cluster.touch([i], facts=facts)
         return True
 
     def node_indexes(self, names: Sequence[str]) -> tuple[Ints, list[str]]:
         """Indexes of the known nodes among ``names`` (in order), and the unknown names."""
-        index = self.cluster.node_index
-        known = [index[n] for n in names if n in index]
-        unknown = [n for n in names if n not in index]
-        return np.asarray(known, dtype=np.int64), unknown
+        return self.cluster.lookup(names)
 
     def apply(self, placement: Placement) -> None:
         """Count a reservation made by this process at once; the next sync re-reads the node."""
@@ -171,29 +190,75 @@ class ClusterView:
             cluster.used_cores[c] += fp.cores
             cluster.used_slots[c] += fp.slots
             cluster.owned[c] |= fp.exclusive
-        cluster.touch()
+        cluster.touch([node])
         self.revs[placement.node] = -1
 
-    async def refresh_node(self, node: str) -> None:
-        """Re-read one node now (after a lost race)."""
-        self.revs[node] = -1
-        raw = await self.ledger.nodes_raw([node])
-        order, fields, rev = raw[node]
-        self.rows[node] = _rows(order, fields)
-        self.revs[node] = rev
-        self._rebuild([node], False)
+    async def refresh(self, nodes: Sequence[str]) -> None:
+        """Re-read ``nodes`` now (announced changes, a lost race)."""
+        raw = await self.ledger.nodes_raw(nodes)
+        for node, (order, fields, rev) in raw.items():
+            self.rows[node] = _rows(order, fields)
+            self.revs[node] = rev
+        self._rebuild(list(raw), False)
 
-    async def run(self) -> None:
-        """Sync forever; a Redis outage is logged and retried, never fatal."""
-        failing = False
+    async def refresh_node(self, node: str) -> None:
+        await self.refresh([node])
+
+    async def _listen(self) -> None:
+        """Follow the ledger's change notices: an announced node is re-read at once."""
+
+        def subscribed() -> None:
+            self.listening = True
+            self._resync_due = 0.0  # changes before the subscription: read everything again
+            self._wake.set()
+
         while True:
             try:
-                await self.sync()
-                if failing:
-                    log.info("ledger reachable again; the scheduler's copy is in sync")
-                failing = False
+                async for node in self.ledger.watch_changes(on_subscribed=subscribed):
+                    self._dirty.add(node)
+                    self._wake.set()
+            except NotImplementedError:  # Redis Cluster: polling only
+                return
             except LedgerError as exc:
-                if not failing:
-                    log.warning("cannot sync the scheduler's copy of the ledger: %s", exc)
-                failing = True
-            await asyncio.sleep(self.interval)
+                if self.listening:
+                    log.warning("%s; polling the ledger until they resume", exc)
+                self.listening = False
+                await asyncio.sleep(self.interval)
+
+    async def run(self) -> None:
+        """Keep the copy fresh forever; a Redis outage is logged and retried, never fatal.
+
+        With change notices, announced nodes are re-read at once and everything
+        every ``resync`` seconds; without them (Redis Cluster, or while the
+        notices are down), every node's revision is read every ``interval``.
+        """
+        listener = asyncio.create_task(self._listen(), name="ledger-changes")
+        failing = False
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    now = time.monotonic()
+                    if not self.listening or now >= self._resync_due:
+                        self._dirty.clear()
+                        await self.sync()
+                        self._resync_due = now + self.resync
+                    elif self._dirty:
+                        dirty, self._dirty = sorted(self._dirty), set()
+                        await self.refresh(dirty)
+                    if failing:
+                        log.info("ledger reachable again; the scheduler's copy is in sync")
+                    failing = False
+                except LedgerError as exc:
+                    if not failing:
+                        log.warning("cannot sync the scheduler's copy of the ledger: %s", exc)
+                    failing = True
+                wait = self.interval
+                if self.listening and not failing:
+                    wait = max(0.0, self._resync_due - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener

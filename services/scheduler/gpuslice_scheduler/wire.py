@@ -8,10 +8,11 @@ written in Go casing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 MAX_NODES = 100_000
 
@@ -29,8 +30,8 @@ def _fold(value: object, what: str) -> dict[str, Any]:
 def decode(body: bytes, what: str) -> dict[str, Any]:
     """Parse a request body into a dict with lower-cased top-level keys."""
     try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise WireError(f"{what}: body is not valid JSON ({exc})") from None
     return _fold(value, what)
 
@@ -45,7 +46,7 @@ def _pod(args: Mapping[str, Any], what: str) -> dict[str, Any]:
 
 
 def _names(value: object, what: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
+    if not isinstance(value, list) or not set(map(type, value)) <= {str} or "" in value:
         raise WireError(f"{what} must be a list of node names")
     if len(value) > MAX_NODES:
         raise WireError(f"{what} lists {len(value)} nodes, more than {MAX_NODES}")

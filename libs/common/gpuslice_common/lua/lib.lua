@@ -37,10 +37,15 @@ local function save_pod(uid, rec)
   return raw
 end
 
--- Every change to a node's cards or usage bumps its revision, so readers that
--- keep a copy re-read only the nodes that changed.
+-- Every change to a node's cards or usage bumps its revision and announces the
+-- node's meta key on <p>:changes, so readers that keep a copy re-read only the
+-- nodes that changed.
 local function bump()
   redis.call('HINCRBY', META, 'rev', 1)
+  local prefix = string.match(META, '^(.*):{[^}]*}:meta$')
+  if prefix then
+    redis.call('PUBLISH', prefix .. ':changes', META)
+  end
 end
 
 local function is_count(v)
