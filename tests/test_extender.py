@@ -17,9 +17,10 @@ from gpuslice_common.config import SchedulerSettings, load
 from gpuslice_common.events import CloudEvent, EventType
 from gpuslice_common.kube import KubeError, LocalKubeApi
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
+from gpuslice_common.models import PLACEMENT_ANNOTATION, DeviceSelector, Placement, PlacementState
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_scheduler.extender import Extender
+from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.service import running
 from gpuslice_scheduler.view import ClusterView
 from tests.conftest import make_inventory
@@ -535,3 +536,25 @@ def _placement(uid: str, node: str, card: str) -> Placement:
         node=node,
         containers=(ContainerAssignment(name="main", devices=(grant,)),),
     )
+
+
+async def test_a_new_mix_is_warmed_before_it_serves(stack: Stack) -> None:
+    pod = gpu_pod("w", mem=4000, cores=25)
+    assert (await stack.post("filter", args(pod, "node-a", "node-b"))).json()["Error"] == ""
+    serving = stack.extender._current
+    assert serving is not None
+    learner = stack.extender.learner
+    learner.rebuild_every, learner.shift = 1, 0.0
+    learner.observe("another-pod", CardDemand(2, -1, 100, 100, True), DeviceSelector())
+    reply = (await stack.post("filter", args(pod, "node-a", "node-b"))).json()
+    assert reply["NodeNames"] == ["node-a", "node-b"]
+    # That call was answered by the old evaluations; the new mix replaces them once warm.
+    for _ in range(200):
+        if stack.extender._current is not serving:
+            break
+        await asyncio.sleep(0.01)
+    current = stack.extender._current
+    assert current is not serving
+    assert current is not None
+    assert current.mix is learner.mix
+    assert current.entries  # the kinds seen last were evaluated with the new mix

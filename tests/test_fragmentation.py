@@ -155,3 +155,13 @@ def test_mix_learner_keeps_the_most_common_classes() -> None:
     learner.observe("s", SHARE_60, selector)
     learned = [c.card for c in learner.mix.classes[len(learner.prior.classes) :]]
     assert learned == [WHOLE]
+
+
+def test_a_learned_mix_close_to_the_current_one_is_not_put_in_place() -> None:
+    selector = DeviceSelector()
+    steady = MixLearner(rebuild_every=1, shift=0.5)
+    steady.observe("a", SHARE_60, selector)
+    assert steady.mix is steady.prior  # one pod against a prior of 50 moves little
+    eager = MixLearner(rebuild_every=1, shift=0.0)
+    eager.observe("a", SHARE_60, selector)
+    assert eager.mix is not eager.prior
