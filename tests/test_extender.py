@@ -54,14 +54,18 @@ def gpu_pod(
 
 
 class FlakyKube(LocalKubeApi):
-    """The local API, but Binding creation fails while ``fail_binding`` is set."""
+    """The local API, but Binding creation fails while ``fail_binding`` is set, or
+    succeeds and loses its reply while ``lose_reply`` is set."""
 
     fail_binding = False
+    lose_reply = False
 
     async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
         if self.fail_binding:
             raise KubeError("binding refused by the test API server", status=500)
         await super().bind_pod(namespace, name, uid, node)
+        if self.lose_reply:
+            raise KubeError("cannot reach the Kubernetes API: read timed out")
 
 
 @dataclass
@@ -558,3 +562,33 @@ async def test_a_new_mix_is_warmed_before_it_serves(stack: Stack) -> None:
     assert current is not None
     assert current.mix is learner.mix
     assert current.entries  # the kinds seen last were evaluated with the new mix
+
+
+async def test_a_binding_whose_reply_was_lost_keeps_its_reservation(stack: Stack) -> None:
+    pod = await stack.add(gpu_pod("lost", mem=4000, cores=25))
+    stack.kube.lose_reply = True
+    assert (await stack.bind(pod, "node-a")).json() == {"Error": ""}
+    placed = await stack.ledger.placement("uid-lost")
+    assert placed is not None
+    assert placed.state is PlacementState.BOUND
+    assert (await stack.kube.get_pod("team", "lost"))["spec"]["nodeName"] == "node-a"
+    assert await stack.wait_events(2) == [EventType.ALLOC_RESERVED, EventType.ALLOC_BOUND]
+
+
+async def test_a_failed_bind_does_not_release_a_reservation_it_did_not_make(
+    stack: Stack,
+) -> None:
+    # An earlier bind of the pod reserved it; this one finds that reservation and fails.
+    pod = await stack.add(gpu_pod("shared", mem=4000, cores=25))
+    from gpuslice_scheduler.engine import placement
+
+    demand = stack.extender._demand(pod)
+    assert demand is not None
+    ev, _ = stack.extender._evaluate(demand, ["node-a"])
+    await stack.ledger.reserve(placement(stack.extender.view.cluster, demand, ev, 0))
+    stack.kube.fail_binding = True
+    reply = (await stack.bind(pod, "node-a")).json()
+    assert "binding refused" in reply["Error"]
+    placed = await stack.ledger.placement("uid-shared")
+    assert placed is not None
+    assert placed.state is not PlacementState.RELEASED

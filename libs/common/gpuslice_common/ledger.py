@@ -173,6 +173,8 @@ def _gated(
                 return await op(ledger, *args, **kwargs)
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 raise LedgerUnavailable(f"Redis is unreachable: {exc}") from None
+            except RedisError as exc:  # out of memory, read-only replica, ...
+                raise LedgerError(f"Redis refused {op.__name__}: {exc}") from None
 
     return gated
 
@@ -423,7 +425,6 @@ class Ledger:
 
     # ------------------------------------------------------------ pods
 
-    @_gated
     async def reserve(self, placement: Placement) -> Placement:
         """Reserve every device of ``placement`` at once, or nothing.
 
@@ -431,6 +432,12 @@ class Ledger:
         ReservationConflict when a card cannot take it, AlreadyReserved when the
         pod is reserved, or being reserved, on another node.
         """
+        return (await self.reserve_new(placement))[0]
+
+    @_gated
+    async def reserve_new(self, placement: Placement) -> tuple[Placement, bool]:
+        """:meth:`reserve`, also saying whether this call made the reservation (True)
+        or found the pod's live one on the node (False)."""
         uid, node = placement.pod.uid, placement.node
         mine, shared = await self._claim(uid, node)
         footprint = [
@@ -449,7 +456,7 @@ class Ledger:
             # Our claim was taken over (it outlived its lease): the other node wins.
             await self._free(node, uid, "claim lost")
             raise AlreadyReserved(uid, _index_node(confirmed) or "another node")
-        return _placement_from_record(reply[1])
+        return _placement_from_record(reply[1]), reply[0] == "ok"
 
     async def _claim(self, uid: str, node: str) -> tuple[str, bool]:
         """Claim the pod index for ``node``; returns (our claim, shared with another call)."""

@@ -1,8 +1,8 @@
 """HTTP face of the extender (FastAPI): the verbs kube-scheduler calls, health, metrics.
 
-Every verb answers 200 with an ``Error`` field when the request is bad or the
-verb fails, as kube-scheduler expects; prioritize, whose reply is a bare list,
-answers 400 with ``{"Error": ...}``. No traceback ever reaches the caller: an
+Filter and bind answer 200 with an ``Error`` field when the request is bad or
+the verb fails, as kube-scheduler expects; prioritize and preempt, whose replies
+have no such field, answer 400 with ``{"Error": ...}``. No traceback ever reaches the caller: an
 unexpected exception is logged and answered as an ``Error`` too.
 """
 
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuslice_common.ledger import LedgerError
+from gpuslice_common.requests import RequestError
 from gpuslice_scheduler.extender import BindError, Extender
 from gpuslice_scheduler.wire import (
     BindingArgs,
@@ -53,7 +54,8 @@ def create_app(extender: Extender) -> FastAPI:
         "filter": (filter_, filter_error, 200),
         "prioritize": (prioritize, lambda e: {"Error": e}, 400),
         "bind": (bind, lambda e: {"Error": e}, 200),
-        "preempt": (preempt, lambda e: {"NodeNameToMetaVictims": None, "Error": e}, 200),
+        # ExtenderPreemptionResult has no Error field: an error must be a non-200.
+        "preempt": (preempt, lambda e: {"Error": e}, 400),
     }
 
     def route(verb: str) -> Callable[[Request], Awaitable[Response]]:
@@ -63,7 +65,7 @@ def create_app(extender: Extender) -> FastAPI:
             started = time.perf_counter()
             try:
                 body, code, outcome = await handler(await request.body()), 200, "ok"
-            except (WireError, BindError, LedgerError) as exc:
+            except (WireError, BindError, LedgerError, RequestError) as exc:
                 log.info("%s: %s", verb, exc)
                 body, code, outcome = on_error(str(exc)), status, "error"
             except Exception as exc:  # an engine bug must not become a 500 with a traceback

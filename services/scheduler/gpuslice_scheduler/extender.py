@@ -145,6 +145,8 @@ class Extender:
                 await asyncio.to_thread(fresh.evaluate, demand)
             if self._current is current:
                 self._current = fresh
+        except Exception:  # the old mix keeps serving; the next change tries again
+            log.exception("evaluating with the new workload mix failed")
         finally:
             self._warming = None
 
@@ -209,12 +211,18 @@ class Extender:
         except RequestError as exc:
             raise BindError(f"gpuslice: {exc}") from None
         if demand is None:
-            await self._create_binding(args)
+            try:
+                await self._create_binding(args)
+            except KubeError as exc:
+                if not await self._bound_here(args):
+                    raise BindError(
+                        f"cannot bind {args.pod_namespace}/{args.pod_name}: {exc}"
+                    ) from None
             return
-        chosen = await self._reserve(args, demand)
+        chosen, created = await self._reserve(args, demand)
         if chosen.state is not PlacementState.RESERVED and bound_to == args.node:
             return  # bound before: nothing left to do
-        await self._record_and_bind(args, chosen)
+        await self._record_and_bind(args, chosen, created)
 
     async def _earlier(self, args: BindingArgs) -> Placement | None:
         """The live reservation an earlier bind of this pod made (kube-scheduler retried)."""
@@ -239,8 +247,11 @@ class Extender:
             )
         return pod
 
-    async def _reserve(self, args: BindingArgs, demand: Demand) -> Placement:
-        """Reserve the pod's cards on the node, or return the reservation it already holds."""
+    async def _reserve(self, args: BindingArgs, demand: Demand) -> tuple[Placement, bool]:
+        """Reserve the pod's cards on the node, or find the reservation it already holds.
+
+        Returns the reservation and whether this call made it.
+        """
         assert demand.request is not None
         demand = Demand(
             demand.request.model_copy(
@@ -260,13 +271,13 @@ class Extender:
             if not ev.feasible[0]:
                 earlier = await self._earlier(args)  # its own reservation fills the node
                 if earlier is not None:
-                    return earlier
+                    return earlier, False
                 reason = ev.reason(0)
                 await self._failed(args, reason.value if reason else "unknown", ev.detail[0])
                 raise BindError(f"node {args.node} cannot take the pod: {ev.detail[0]}")
             chosen = placement(self.view.cluster, demand, ev, 0)
             try:
-                reserved = await self.ledger.reserve(chosen)
+                reserved, created = await self.ledger.reserve_new(chosen)
             except ReservationConflict as exc:
                 await self.view.refresh_node(args.node)
                 if attempt == 0:
@@ -279,13 +290,13 @@ class Extender:
                 raise BindError(str(exc)) from None
             except LedgerError as exc:
                 raise BindError(f"ledger: {exc}") from None
-            if reserved.containers == chosen.containers and reserved.state is chosen.state:
+            if created:
                 self.view.apply(reserved)
                 await self._publish(EventType.ALLOC_RESERVED, reserved)
-            return reserved
+            return reserved, created
         raise BindError(f"node {args.node} keeps changing; try again")  # pragma: no cover
 
-    async def _record_and_bind(self, args: BindingArgs, chosen: Placement) -> None:
+    async def _record_and_bind(self, args: BindingArgs, chosen: Placement, created: bool) -> None:
         try:
             await self.kube.patch_pod_annotations(
                 args.pod_namespace, args.pod_name, {PLACEMENT_ANNOTATION: chosen.to_annotation()}
@@ -294,13 +305,28 @@ class Extender:
                 await self.ledger.mark_bound(args.pod_uid, args.node)
             await self._create_binding(args)
         except (KubeError, LedgerError, BindError) as exc:
-            await self._undo(args, chosen, str(exc))
-            raise BindError(f"bind of {args.pod_namespace}/{args.pod_name} failed: {exc}") from None
+            if isinstance(exc, KubeError) and await self._bound_here(args):
+                pass  # the Binding exists after all (a lost reply, or another bind of the pod)
+            else:
+                if created:  # a reservation found, not made, belongs to the call that made it
+                    await self._undo(args, chosen, str(exc))
+                raise BindError(
+                    f"bind of {args.pod_namespace}/{args.pod_name} failed: {exc}"
+                ) from None
         self.metrics.placements.labels(chosen.policy or "unknown").inc()
         await self._publish(EventType.ALLOC_BOUND, chosen)
 
     async def _create_binding(self, args: BindingArgs) -> None:
         await self.kube.bind_pod(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+
+    async def _bound_here(self, args: BindingArgs) -> bool:
+        """Is the pod (this UID) bound to the node, whatever the last call said?"""
+        try:
+            pod = await self.kube.get_pod(args.pod_namespace, args.pod_name)
+        except KubeError:
+            return False
+        metadata, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        return metadata.get("uid") == args.pod_uid and spec.get("nodeName") == args.node
 
     async def _undo(self, args: BindingArgs, chosen: Placement, why: str) -> None:
         try:

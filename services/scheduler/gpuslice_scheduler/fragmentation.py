@@ -207,15 +207,24 @@ def node_fragments(
     return frag, usable, share
 
 
+def _cached_fragments(
+    mix: WorkloadMix, cluster: Cluster
+) -> tuple[NodeFragments, Bools, Floats] | None:
+    cached = cluster.cache.get("fragments")  # one read: another thread may clear the cache
+    if cached is not None and cached[0] is mix and cached[1] == cluster.version:
+        return cached[2]  # type: ignore[no-any-return]
+    return None
+
+
 def has_cluster_fragments(mix: WorkloadMix, cluster: Cluster) -> bool:
-    cached = cluster.cache.get("fragments")
-    return cached is not None and cached[0] is mix and cached[1] == cluster.version
+    return _cached_fragments(mix, cluster) is not None
 
 
 def cluster_fragments(mix: WorkloadMix, cluster: Cluster) -> tuple[NodeFragments, Bools, Floats]:
     """:func:`node_fragments` of every node, cached on the cluster until it changes."""
-    if has_cluster_fragments(mix, cluster):
-        return cluster.cache["fragments"][2]  # type: ignore[no-any-return]
+    cached = _cached_fragments(mix, cluster)
+    if cached is not None:
+        return cached
     version = cluster.version  # a change while computing makes the result stale at once
     cards = np.arange(cluster.card_count, dtype=np.int64)
     result = node_fragments(

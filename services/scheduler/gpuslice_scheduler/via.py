@@ -146,6 +146,14 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """POST ``body``; a connection the server closed meanwhile is opened again once."""
+        try:
+            return await self._post(path, body)
+        except (OSError, EOFError, asyncio.IncompleteReadError, IndexError, ValueError):
+            await self.close()
+            return await self._post(path, body)
+
+    async def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
         if self.writer is None or self.reader is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         head = (
@@ -153,6 +161,7 @@ class Connection:
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         )
         self.writer.write(head.encode() + body)
+        await self.writer.drain()
         status = int((await self.reader.readline()).split()[1])
         length = -1
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
@@ -168,6 +177,7 @@ class Connection:
             self.writer.close()
             with contextlib.suppress(OSError):
                 await self.writer.wait_closed()
+        self.reader = self.writer = None
 
 
 async def replay_via(

@@ -237,21 +237,28 @@ class ClusterView:
         try:
             while True:
                 self._wake.clear()
+                dirty: list[str] = []
                 try:
                     now = time.monotonic()
                     if not self.listening or now >= self._resync_due:
+                        # Set first: a subscription made during the sync asks for another.
+                        self._resync_due = now + self.resync
                         self._dirty.clear()
                         await self.sync()
-                        self._resync_due = now + self.resync
                     elif self._dirty:
                         dirty, self._dirty = sorted(self._dirty), set()
                         await self.refresh(dirty)
                     if failing:
                         log.info("ledger reachable again; the scheduler's copy is in sync")
                     failing = False
-                except LedgerError as exc:
+                except Exception as exc:  # the copy must outlive any one failure
+                    self._dirty.update(dirty)
+                    self._resync_due = 0.0
                     if not failing:
-                        log.warning("cannot sync the scheduler's copy of the ledger: %s", exc)
+                        if isinstance(exc, LedgerError):
+                            log.warning("cannot sync the scheduler's copy of the ledger: %s", exc)
+                        else:
+                            log.exception("syncing the scheduler's copy of the ledger failed")
                     failing = True
                 wait = self.interval
                 if self.listening and not failing:
