@@ -10,12 +10,13 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 	&& { echo $$p; break; }; done)
 
-.PHONY: help deps servers lint test demo bench clean
+.PHONY: help deps servers lint test demo bench bench-packing clean
 
 help:
 	@echo "make demo   - install, start NATS + Redis, run the ledger smoke scenario"
 	@echo "make test   - install, lint, type-check, check import contracts, run the tests"
-	@echo "make bench  - run the benchmarks under bench/"
+	@echo "make bench  - run the ledger and extender benchmarks (a few minutes)"
+	@echo "make bench-packing - replay the openb traces with every policy (about 30 minutes)"
 	@echo "make clean  - remove the virtualenv and caches"
 
 $(STAMP): pyproject.toml
@@ -54,8 +55,14 @@ test: deps lint
 demo: deps
 	$(BIN)/gpuslice dev smoke
 
+TRACES ?= ../shared/traces/openb
+
 bench: deps
 	$(BIN)/python bench/ledger_bench.py
+	$(BIN)/python bench/extender_bench.py --traces $(TRACES)
+
+bench-packing: deps
+	$(BIN)/python bench/packing_bench.py --traces $(TRACES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .import_linter_cache

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -592,3 +594,66 @@ async def test_a_failed_bind_does_not_release_a_reservation_it_did_not_make(
     placed = await stack.ledger.placement("uid-shared")
     assert placed is not None
     assert placed.state is not PlacementState.RELEASED
+
+
+async def test_gpuslice_sim_via_prints_json_from_the_live_extender(
+    redis_url: str, tmp_path: Path
+) -> None:
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nv-0,32000,131072,4,T4\n")
+    pods = tmp_path / "pods.csv"
+    pods.write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\np1,1000,1024,1,1000\n"
+    )
+    settings = load(
+        SchedulerSettings,
+        redis_url=redis_url,
+        listen_host="127.0.0.1",
+        listen_port=free_port(),
+        sync_interval="50ms",
+        kube_api="local",
+    )
+    cli = str(Path(sys.executable).parent / "gpuslice")
+    url = f"http://127.0.0.1:{settings.listen_port}"
+    async with running(settings, LocalKubeApi()):
+        proc = await asyncio.create_subprocess_exec(
+            cli,
+            "sim",
+            "--nodes",
+            str(nodes),
+            "--pods",
+            str(pods),
+            "--via",
+            url,
+            "--redis-url",
+            redis_url,
+            "--sample",
+            "5",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    report = json.loads(out)
+    assert report["via"] == url
+    assert report["scheduled_pods"] + report["failed_pods"] == report["pods"] > 0
+    assert report["latency_ms"]["bind"]["count"] >= 1
+    assert 0 < report["milli_gpu_allocation_ratio"] <= 100
+    # A URL it cannot use is a one-line error, not a traceback.
+    bad = await asyncio.create_subprocess_exec(
+        cli,
+        "sim",
+        "--nodes",
+        str(nodes),
+        "--pods",
+        str(pods),
+        "--via",
+        "https://x:1",
+        "--redis-url",
+        redis_url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(bad.communicate(), 60)
+    assert bad.returncode == 2
+    assert "Traceback" not in err.decode()

@@ -194,12 +194,12 @@ async def replay_via(
     progress: Callable[[float], None] | None = None,
 ) -> ViaResult:
     """Replay ``sample`` pods of the seeded arrival order through the extender at ``url``."""
+    connection = Connection(url)  # checks the URL before anything is registered
     ledger = Ledger.from_url(redis_url, prefix=ledger_prefix)
     try:
         await register(ledger, nodes, split_count)
         async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=30.0) as http:
             await wait_ready(http, sum(1 for n in nodes if n.gpus > 0))
-        connection = Connection(url)
         try:
             result = await _drive(connection, nodes, pods, seed, sample, inflation, progress)
         finally:
