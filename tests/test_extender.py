@@ -141,6 +141,18 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
     await ledger.close()
 
 
+def local_settings(redis_url: str) -> SchedulerSettings:
+    """An extender on a free loopback port with the in-memory Kubernetes API."""
+    return load(
+        SchedulerSettings,
+        redis_url=redis_url,
+        listen_host="127.0.0.1",
+        listen_port=free_port(),
+        sync_interval="50ms",
+        kube_api="local",
+    )
+
+
 def args(pod: dict[str, Any], *nodes: str) -> dict[str, Any]:
     return {"Pod": pod, "NodeNames": list(nodes)}
 
@@ -414,14 +426,7 @@ async def test_trace_replay_through_the_live_extender(redis_url: str) -> None:
         PodClass(8000, 16384, 2, 1000, ("G2",)),
         PodClass(1000, 1024, 0, 0, ()),
     ]
-    settings = load(
-        SchedulerSettings,
-        redis_url=redis_url,
-        listen_host="127.0.0.1",
-        listen_port=free_port(),
-        sync_interval="50ms",
-        kube_api="local",
-    )
+    settings = local_settings(redis_url)
     kube = LocalKubeApi()
     async with running(settings, kube):
         result = await replay_via(
@@ -605,14 +610,7 @@ async def test_gpuslice_sim_via_prints_json_from_the_live_extender(
     pods.write_text(
         "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\np1,1000,1024,1,1000\n"
     )
-    settings = load(
-        SchedulerSettings,
-        redis_url=redis_url,
-        listen_host="127.0.0.1",
-        listen_port=free_port(),
-        sync_interval="50ms",
-        kube_api="local",
-    )
+    settings = local_settings(redis_url)
     cli = str(Path(sys.executable).parent / "gpuslice")
     url = f"http://127.0.0.1:{settings.listen_port}"
     async with running(settings, LocalKubeApi()):
