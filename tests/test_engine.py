@@ -864,7 +864,7 @@ def test_hami_node_score_and_ordering() -> None:
     spread = pod(ctr(percent=5, cores=5), node_policy=NodePolicy.SPREAD)
     _, ev = run(c, spread, GpuPolicy.BINPACK)
     assert ev.score == pytest.approx([0.0, -5.5, -19.0])
-    assert normalise(ev.score) == [10, 7, 0]
+    assert normalise(ev.score) == [10, 9, 8]
 
 
 @pytest.mark.parametrize("default", [GpuPolicy.BINPACK, GpuPolicy.FRAGMENTATION])
@@ -880,7 +880,7 @@ def test_node_policy_from_annotation_orders_nodes(default: GpuPolicy) -> None:
         assert demand.gpu_policy is default
         assert ev.feasible.all()
         assert c.node_names[int(ev.nodes[np.argmax(ev.score)])] == best
-        assert normalise(ev.score) == ([0, 10] if best == "heavy" else [10, 0])
+        assert normalise(ev.score) == ([9, 10] if best == "heavy" else [10, 9])
 
 
 def test_gpu_policy_from_annotation_orders_cards() -> None:
@@ -952,7 +952,7 @@ def test_fragmentation_sends_a_whole_card_where_it_breaks_nothing() -> None:
     assert demand.node_policy is None
     assert ev.feasible.tolist() == [True, True]
     assert int(np.argmax(ev.score)) == 1
-    assert normalise(ev.score) == [0, 10]
+    assert normalise(ev.score) == [9, 10]
     assert placement(c, demand, ev, 1).node == "last"
 
 
@@ -1004,11 +1004,13 @@ def test_fragmentation_without_a_mix_is_refused() -> None:
 @pytest.mark.parametrize(
     ("scores", "expected"),
     [
-        ([1.0, 3.0, -np.inf, 2.0], [0, 10, 0, 5]),
-        ([-5.0, -1.0], [0, 10]),
+        ([1.0, 3.0, -np.inf, 2.0], [8, 10, 0, 9]),
+        ([-5.0, -1.0], [9, 10]),
         ([2.0, 2.0, -np.inf], [10, 10, 0]),
         ([-np.inf, -np.inf], [0, 0]),
-        ([0.0, 0.25, 1.0], [0, 2, 10]),
+        ([0.0, 0.25, 1.0], [8, 9, 10]),
+        ([1000.0, 1.0, 1.0 + 1e-12, 0.999], [10, 9, 9, 8]),  # far outliers do not crowd
+        (list(range(13)), [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
     ],
 )
 def test_normalise(scores: list[float], expected: list[int]) -> None:
@@ -1026,4 +1028,4 @@ def test_normalise_real_scores_gives_the_best_node_ten() -> None:
     scaled = normalise(ev.score)
     assert all(0 <= s <= 10 for s in scaled)
     assert scaled[int(np.argmax(ev.score))] == 10
-    assert scaled == [0, 5, 0, 10]
+    assert scaled == [8, 9, 0, 10]

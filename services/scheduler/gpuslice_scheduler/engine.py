@@ -455,16 +455,23 @@ def placement(cluster: Cluster, demand: Demand, evaluation: Evaluation, row: int
     )
 
 
-def normalise(scores: Floats) -> list[int]:
-    """Scores scaled to kube-scheduler's 0-10 (best 10); all equal gives all 10."""
+def normalise(scores: Floats, tolerance: float = 1e-9) -> list[int]:
+    """Scores as kube-scheduler's 0-10, by rank: the best score 10, each distinctly
+    worse one a step less (0 from the eleventh on, and for infeasible nodes).
+
+    Ranks keep the best node alone at 10 however far apart the others are,
+    where scaling between the worst and the best would crowd it among near
+    equals; within ``tolerance`` scores count as equal.
+    """
     finite = np.isfinite(scores)
-    if not finite.any():
-        return [0] * scores.size
-    lo, hi = scores[finite].min(), scores[finite].max()
-    if hi - lo <= 1e-12:
-        return [10 if f else 0 for f in finite.tolist()]
-    scaled = np.where(finite, np.rint((scores - lo) / (hi - lo) * 10), 0)
-    return [int(s) for s in scaled.tolist()]
+    result = np.zeros(scores.size, dtype=np.int64)
+    if finite.any():
+        values = scores[finite]
+        levels = np.sort(np.unique(values))[::-1]
+        distinct = levels[np.r_[True, np.diff(levels) < -tolerance]]
+        rank = np.searchsorted(-distinct, -values - tolerance)
+        result[finite] = np.maximum(10 - rank, 0)
+    return [int(s) for s in result.tolist()]
 
 
 # ---------------------------------------------------------------- incremental
