@@ -12,6 +12,7 @@ import pytest
 from gpuslice_common.ledger import (
     AlreadyReserved,
     Ledger,
+    LedgerError,
     LedgerUnavailable,
     NotReserved,
     ReservationConflict,
@@ -466,3 +467,24 @@ def test_native_sidecars_count_beside_later_init_containers_and_the_apps() -> No
     assert (
         peak(c("i1", 3000, init=True), c("i2", 5000, init=True), c("a", 2000), c("b", 2000)) == 5000
     )
+
+
+async def test_a_cordoned_card_takes_no_new_reservation_and_keeps_its_pods(
+    ledger: Ledger,
+) -> None:
+    await ledger.register_node(make_inventory("n1", gpus=1))
+    await ledger.reserve(placement("before", "n1", [[(0, 1000, 10)]]))
+    revision = (await ledger.revisions(["n1"]))["n1"]
+    await ledger.cordon("n1", "GPU-n1-0")
+    assert (await ledger.revisions(["n1"]))["n1"] == revision + 1
+    [card] = await ledger.node_gpus("n1")
+    assert card.cordoned
+    assert card.used.slots == 1  # the pod already there stays
+    with pytest.raises(ReservationConflict) as refused:
+        await ledger.reserve(placement("after", "n1", [[(0, 1000, 10)]]))
+    assert refused.value.reason == FitReason.CARD_CORDONED
+    await ledger.cordon("n1", "GPU-n1-0", cordoned=False)
+    await ledger.reserve(placement("after", "n1", [[(0, 1000, 10)]]))
+    assert await ledger.check_node("n1") == []
+    with pytest.raises(LedgerError, match="has no card GPU-n1-9"):
+        await ledger.cordon("n1", "GPU-n1-9")

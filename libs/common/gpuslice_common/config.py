@@ -11,7 +11,7 @@ import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from gpuslice_common.models import GpuPolicy
@@ -48,6 +48,10 @@ def parse_duration(value: Any) -> timedelta:
         return timedelta(seconds=seconds)
     except (OverflowError, ValueError):  # inf, nan, or beyond timedelta's ~2.7 million years
         raise ValueError(f"duration out of range: {value!r}") from None
+
+
+# A duration setting: "30s", "5m", "2h", "90d" or a number of seconds.
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
 
 class ResourceNames(BaseModel):
@@ -105,11 +109,11 @@ class CommonSettings(BaseSettings):
     redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
     subject_prefix: str = "gpuslice"
     ledger_prefix: str = "gpuslice"
-    audit_max_age: Annotated[timedelta, Field(description="retention of the audit stream")] = (
+    audit_max_age: Annotated[Duration, Field(description="retention of the audit stream")] = (
         timedelta(days=90)
     )
     connect_wait: Annotated[
-        timedelta, Field(description="how long a component waits for NATS at start-up")
+        Duration, Field(description="how long a component waits for NATS at start-up")
     ] = timedelta(seconds=10)
     log_level: str = "INFO"
     requests: RequestSettings = RequestSettings()
@@ -136,11 +140,6 @@ class CommonSettings(BaseSettings):
             raise ValueError(f"must be one token of letters, digits, '-' or '_': {value!r}")
         return value
 
-    @field_validator("audit_max_age", "connect_wait", mode="before")
-    @classmethod
-    def _duration(cls, value: Any) -> timedelta:
-        return parse_duration(value)
-
     @field_validator("log_level")
     @classmethod
     def _level(cls, value: str) -> str:
@@ -165,26 +164,16 @@ class SchedulerSettings(CommonSettings):
     # (an in-memory API for the dev stack)
     kube_api: Literal["cluster", "local"] = "cluster"
     # the ledger copy: polled this often without change notices (Redis Cluster) ...
-    sync_interval: timedelta = timedelta(seconds=1)
+    sync_interval: Duration = timedelta(seconds=1)
     # ... and read whole this often with them
-    resync_interval: timedelta = timedelta(seconds=30)
-
-    @field_validator("sync_interval", "resync_interval", mode="before")
-    @classmethod
-    def _sync(cls, value: Any) -> timedelta:
-        return parse_duration(value)
+    resync_interval: Duration = timedelta(seconds=30)
 
 
 class InventorySettings(CommonSettings):
     listen_host: str = "0.0.0.0"
     listen_port: Annotated[int, Field(ge=1, le=65535)] = 9090
-    heartbeat_interval: timedelta = timedelta(seconds=10)
-    reservation_ttl: timedelta = timedelta(minutes=5)
-
-    @field_validator("heartbeat_interval", "reservation_ttl", mode="before")
-    @classmethod
-    def _durations(cls, value: Any) -> timedelta:
-        return parse_duration(value)
+    heartbeat_interval: Duration = timedelta(seconds=10)
+    reservation_ttl: Duration = timedelta(minutes=5)
 
 
 class DevicePluginSettings(CommonSettings):

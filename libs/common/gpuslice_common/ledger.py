@@ -203,7 +203,7 @@ class Ledger:
         self._gate = asyncio.Semaphore(max_in_flight)
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(_script_source(name))
-            for name in ("reserve", "bind", "allocate", "release", "register", "index")
+            for name in ("reserve", "bind", "allocate", "release", "register", "index", "cordon")
         }
 
     @classmethod
@@ -366,14 +366,9 @@ class Ledger:
     @_gated
     async def cordon(self, node: str, card: str, cordoned: bool = True) -> None:
         """Take a card out of scheduling (or back in); reservations it holds stay."""
-        keys = self.node_keys(node)
-        if not await self.redis.hexists(keys.gpus, f"{card}|index"):
+        reply = await self._run("cordon", self.node_keys(node).all(), [card, int(cordoned)])
+        if reply[0] != "ok":
             raise LedgerError(f"node {node} has no card {card}")
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(keys.gpus, f"{card}|cordoned", int(cordoned))
-        pipe.hincrby(keys.meta, "rev", 1)
-        await pipe.execute()
-        await self.redis.publish(self.changes_channel, keys.meta)
 
     @_gated
     async def nodes(self) -> list[str]:
