@@ -316,7 +316,7 @@ def test_placing_the_chosen_pod_keeps_the_cluster_within_capacity(
             np.asarray([f.exclusive for f in fp.values()], dtype=np.bool_),
             best,
         )
-        assert cluster.schedulable()[rows].all()
+        assert cluster.schedulable(rows).all()
         assert (cluster.used_mem <= cluster.cap_mem).all()
         assert (cluster.used_cores <= cluster.cap_cores).all()
         assert (cluster.used_slots <= cluster.cap_slots).all()

@@ -11,7 +11,7 @@ elsewhere they are infinite, because kube-scheduler has already checked them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,9 @@ import numpy.typing as npt
 
 from gpuslice_common.models import GpuState
 
+# One card: uuid, model, numa (-1 unknown), cap_mem, cap_cores, cap_slots, used mem,
+# cores, slots, owned, healthy, present, cordoned
+Row = tuple[str, str, int, int, int, int, int, int, int, bool, bool, bool, bool]
 Ints = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
 Floats = npt.NDArray[np.float64]
@@ -49,7 +52,6 @@ class Cluster:
     node_mem_free: Floats  # MiB; inf when not tracked
     node_index: dict[str, int] = field(init=False)
     names: npt.NDArray[np.object_] = field(init=False)  # node_names as an array, for indexing
-    node_of: Ints = field(init=False)
     # Grows with every change to usage or cards; derived values are cached per version.
     version: int = field(init=False, default=0)
     cache: dict[str, Any] = field(init=False, default_factory=dict)
@@ -62,12 +64,48 @@ class Cluster:
     def __post_init__(self) -> None:
         self.node_index = {name: i for i, name in enumerate(self.node_names)}
         self.names = np.asarray(self.node_names, dtype=object)
-        counts = np.diff(self.node_start)
-        self.node_of = np.repeat(np.arange(len(self.node_names), dtype=np.int64), counts)
         self.changed = np.zeros(len(self.node_names), dtype=np.int64)
         self.reshaped = np.zeros(len(self.node_names), dtype=np.int64)
 
     # ------------------------------------------------------------ building
+
+    @classmethod
+    def from_rows(
+        cls,
+        nodes: Sequence[tuple[str, Sequence[Row]]],
+        node_cpu: Sequence[float] | None = None,
+        node_mem: Sequence[float] | None = None,
+    ) -> Cluster:
+        """A cluster from each node's cards as :data:`Row` tuples, in the given node order."""
+        counts = [len(rows) for _, rows in nodes]
+        cards = [r for _, rows in nodes for r in rows]
+        models: dict[str, int] = {}
+        model_id = [models.setdefault(r[1], len(models)) for r in cards]
+
+        def col(i: int, dtype: type) -> np.ndarray[Any, Any]:
+            return np.asarray([r[i] for r in cards], dtype=dtype)
+
+        n = len(nodes)
+        return cls(
+            node_names=[name for name, _ in nodes],
+            node_start=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
+            uuids=[r[0] for r in cards],
+            models=list(models),
+            model_id=np.asarray(model_id, dtype=np.int64),
+            numa=col(2, np.int64),
+            cap_mem=col(3, np.int64),
+            cap_cores=col(4, np.int64),
+            cap_slots=col(5, np.int64),
+            used_mem=col(6, np.int64),
+            used_cores=col(7, np.int64),
+            used_slots=col(8, np.int64),
+            owned=col(9, np.bool_),
+            healthy=col(10, np.bool_),
+            present=col(11, np.bool_),
+            cordoned=col(12, np.bool_),
+            node_cpu_free=np.asarray(node_cpu if node_cpu is not None else [np.inf] * n, float),
+            node_mem_free=np.asarray(node_mem if node_mem is not None else [np.inf] * n, float),
+        )
 
     @classmethod
     def build(
@@ -77,48 +115,11 @@ class Cluster:
         node_mem: Sequence[float] | None = None,
     ) -> Cluster:
         """A cluster from the ledger's view of each node's cards, in the given node order."""
-        names: list[str] = []
-        starts = [0]
-        cards: list[GpuState] = []
-        for name, states in nodes:
-            names.append(name)
-            ordered = sorted(states, key=lambda s: s.device.index)
-            cards.extend(ordered)
-            starts.append(len(cards))
-        models: dict[str, int] = {}
-        model_id = [models.setdefault(c.device.model, len(models)) for c in cards]
-
-        def ints(values: Sequence[int]) -> Ints:
-            return np.asarray(values, dtype=np.int64)
-
-        def bools(values: Sequence[bool]) -> Bools:
-            return np.asarray(values, dtype=np.bool_)
-
-        n = len(names)
-        return cls(
-            node_names=names,
-            node_start=ints(starts),
-            uuids=[c.device.uuid for c in cards],
-            models=list(models),
-            model_id=ints(model_id),
-            numa=ints([-1 if c.device.numa is None else c.device.numa for c in cards]),
-            cap_mem=ints([c.capacity.memory_mib for c in cards]),
-            cap_cores=ints([c.capacity.cores for c in cards]),
-            cap_slots=ints([c.capacity.slots for c in cards]),
-            used_mem=ints([c.used.memory_mib for c in cards]),
-            used_cores=ints([c.used.cores for c in cards]),
-            used_slots=ints([c.used.slots for c in cards]),
-            owned=bools([c.used.exclusive_owner is not None for c in cards]),
-            healthy=bools([c.device.healthy for c in cards]),
-            present=bools([c.present for c in cards]),
-            cordoned=bools([c.cordoned for c in cards]),
-            node_cpu_free=np.asarray(node_cpu if node_cpu is not None else [np.inf] * n, float),
-            node_mem_free=np.asarray(node_mem if node_mem is not None else [np.inf] * n, float),
-        )
-
-    @classmethod
-    def from_ledger(cls, nodes: Mapping[str, Sequence[GpuState]]) -> Cluster:
-        return cls.build(list(nodes.items()))
+        rows = [
+            (name, [_row(s) for s in sorted(states, key=lambda s: s.device.index)])
+            for name, states in nodes
+        ]
+        return cls.from_rows(rows, node_cpu, node_mem)
 
     # ------------------------------------------------------------ reading
 
@@ -155,9 +156,9 @@ class Cluster:
         offsets = np.repeat(starts - np.cumsum(counts) + counts, counts)
         return offsets + np.arange(total, dtype=np.int64)
 
-    def schedulable(self) -> Bools:
-        """Cards that may take new work at all (present, healthy, not cordoned)."""
-        return self.present & self.healthy & ~self.cordoned
+    def schedulable(self, cards: Ints) -> Bools:
+        """Which of ``cards`` may take new work at all (present, healthy, not cordoned)."""
+        return np.asarray(self.present[cards] & self.healthy[cards] & ~self.cordoned[cards])
 
     def emptied(self) -> Cluster:
         """The same cards with nothing reserved: what could ever fit here."""
@@ -202,3 +203,22 @@ class Cluster:
         if facts:
             self.reshaped[where] = self.version
         self.cache.clear()
+
+
+def _row(s: GpuState) -> Row:
+    d = s.device
+    return (
+        d.uuid,
+        d.model,
+        -1 if d.numa is None else d.numa,
+        s.capacity.memory_mib,
+        s.capacity.cores,
+        s.capacity.slots,
+        s.used.memory_mib,
+        s.used.cores,
+        s.used.slots,
+        s.used.exclusive_owner is not None,
+        d.healthy,
+        s.present,
+        s.cordoned,
+    )

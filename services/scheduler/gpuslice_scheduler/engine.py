@@ -50,6 +50,7 @@ from gpuslice_scheduler.fragmentation import (
     fragmentation_after,
     has_cluster_fragments,
     node_fragments,
+    segment_sums,
 )
 
 NO_CARD = -1
@@ -133,15 +134,14 @@ def hami_card_score(
     return np.asarray(10.0 * score, dtype=float)
 
 
-def hami_node_score(cluster: Cluster, nodes: Ints) -> Floats:
-    """HAMi's node score before the pod: 10 x (share of slots + cores + memory in use)."""
-    bounds = cluster.node_start
-    used = np.stack([cluster.used_slots, cluster.used_cores, cluster.used_mem], axis=1)
-    cap = np.stack([cluster.cap_slots, cluster.cap_cores, cluster.cap_mem], axis=1)
-    acc_used = np.concatenate([np.zeros((1, 3)), np.cumsum(used, axis=0)])
-    acc_cap = np.concatenate([np.zeros((1, 3)), np.cumsum(cap, axis=0)])
-    used_n = acc_used[bounds[nodes + 1]] - acc_used[bounds[nodes]]
-    cap_n = acc_cap[bounds[nodes + 1]] - acc_cap[bounds[nodes]]
+def hami_node_score(cluster: Cluster, cards: Ints, bounds: Ints, usage: Usage) -> Floats:
+    """HAMi's node score before the pod: 10 x (share of slots + cores + memory in use),
+    for the nodes whose cards are ``cards[bounds[i]:bounds[i + 1]]`` with ``usage``."""
+    used = np.stack([usage.slots, usage.cores, usage.mem], axis=1).astype(float)
+    cap = np.stack(
+        [cluster.cap_slots[cards], cluster.cap_cores[cards], cluster.cap_mem[cards]], axis=1
+    ).astype(float)
+    used_n, cap_n = segment_sums(used, bounds), segment_sums(cap, bounds)
     return np.asarray(10.0 * (used_n / np.maximum(cap_n, 1)).sum(axis=1), dtype=float)
 
 
@@ -222,7 +222,7 @@ def evaluate(
         if scope.cards.size:
             chosen = [np.where(p >= 0, scope.cards[np.maximum(p, 0)], NO_CARD) for p in chosen]
 
-    score = _node_scores(cluster, scope, demand, mix, fragments, usage, prices)
+    score = _node_scores(cluster, scope, demand, mix, fragments, base, usage, prices)
     score = np.where(feasible, score, -np.inf)
     return Evaluation(nodes, feasible, score, code, detail, chosen)
 
@@ -396,11 +396,12 @@ def _node_scores(
     demand: Demand,
     mix: WorkloadMix | None,
     fragments: tuple[NodeFragments, Bools, Floats] | None,
+    base: Usage,
     usage: Usage,
     prices: _Prices | None,
 ) -> Floats:
     if demand.node_policy is not None or fragments is None or mix is None:
-        hami = hami_node_score(cluster, scope.nodes)
+        hami = hami_node_score(cluster, scope.cards, scope.bounds, base)
         return -hami if demand.node_policy is NodePolicy.SPREAD else hami
     before = fragments[0]
     if prices is not None and prices.rows is not None and prices.fragmentation is not None:

@@ -172,8 +172,7 @@ class Extender:
         unresolvable = dict.fromkeys(unknown, UNKNOWN_NODE)
         rows = np.flatnonzero(~ev.feasible)
         if rows.size:
-            self._evaluator()
-            never = self._ceiling.never_fit(demand, ev.nodes[rows])
+            never = self._ceiling.never_fit(demand, ev.nodes[rows])  # current: _evaluate
             for row, hopeless in zip(rows.tolist(), never.tolist(), strict=True):
                 name = names[ev.nodes[row]]
                 (unresolvable if hopeless else failed)[name] = ev.detail[row]

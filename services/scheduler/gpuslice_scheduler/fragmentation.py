@@ -131,11 +131,9 @@ class WorkloadMix:
         )
         free_cores = cap_cores - usage.cores[:, None]
         ok = (
-            (
-                cluster.schedulable()[cards]
-                & ~usage.owned
-                & (usage.slots < cluster.cap_slots[cards])
-            )[:, None]
+            (cluster.schedulable(cards) & ~usage.owned & (usage.slots < cluster.cap_slots[cards]))[
+                :, None
+            ]
             & self.model_ok(cluster.models)[cluster.model_id[cards]]
             & (cap_mem - usage.mem[:, None] >= need_mem)
             & (free_cores >= self.part_cores)
@@ -149,7 +147,7 @@ class WorkloadMix:
         """Free compute of each card in milli-GPU; 0 where the card takes no new work."""
         cap = cluster.cap_cores[cards]
         free = np.maximum(cap - usage.cores, 0) * 1000.0 / np.maximum(cap, 1)
-        return np.where(cluster.schedulable()[cards] & ~usage.owned, free, 0.0)
+        return np.where(cluster.schedulable(cards) & ~usage.owned, free, 0.0)
 
     # ------------------------------------------------------------ per node
 

@@ -43,7 +43,7 @@ from gpuslice_common.models import (
     PodGpuRequest,
     PodRef,
 )
-from gpuslice_scheduler.cluster import Cluster, Ints
+from gpuslice_scheduler.cluster import Cluster, Ints, Row
 from gpuslice_scheduler.engine import Demand, Evaluator
 from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.fragmentation import SIZE_EXPONENT, WorkloadClass, WorkloadMix
@@ -188,35 +188,15 @@ def load_pods(path: Path) -> list[PodClass]:
 
 
 def build_cluster(nodes: Sequence[TraceNode], split_count: int = SPLIT_COUNT) -> Cluster:
-    counts = np.asarray([n.gpus for n in nodes], dtype=np.int64)
-    total = int(counts.sum())
-    models = sorted({n.model for n in nodes})
-    model_of = {m: i for i, m in enumerate(models)}
-    card_model = np.repeat([model_of[n.model] for n in nodes], counts).astype(np.int64)
-    cap_mem = np.asarray([MODEL_MEMORY_MIB.get(models[m], DEFAULT_MEMORY_MIB) for m in card_model])
+    def card(node: TraceNode, i: int) -> Row:
+        memory = MODEL_MEMORY_MIB.get(node.model, DEFAULT_MEMORY_MIB)
+        uuid = f"{node.name}-gpu{i}"
+        return (uuid, node.model, -1, memory, 100, split_count, 0, 0, 0, False, True, True, False)
 
-    def zeros() -> Ints:
-        return np.zeros(total, dtype=np.int64)
-
-    return Cluster(
-        node_names=[n.name for n in nodes],
-        node_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        uuids=[f"{n.name}-gpu{i}" for n in nodes for i in range(n.gpus)],
-        models=models,
-        model_id=card_model,
-        numa=np.full(total, -1, dtype=np.int64),
-        cap_mem=cap_mem.astype(np.int64),
-        cap_cores=np.full(total, 100, dtype=np.int64),
-        cap_slots=np.full(total, split_count, dtype=np.int64),
-        used_mem=zeros(),
-        used_cores=zeros(),
-        used_slots=zeros(),
-        owned=np.zeros(total, dtype=np.bool_),
-        healthy=np.ones(total, dtype=np.bool_),
-        present=np.ones(total, dtype=np.bool_),
-        cordoned=np.zeros(total, dtype=np.bool_),
-        node_cpu_free=np.asarray([n.cpu_milli for n in nodes], dtype=float),
-        node_mem_free=np.asarray([n.memory_mib for n in nodes], dtype=float),
+    return Cluster.from_rows(
+        [(n.name, [card(n, i) for i in range(n.gpus)]) for n in nodes],
+        node_cpu=[n.cpu_milli for n in nodes],
+        node_mem=[n.memory_mib for n in nodes],
     )
 
 

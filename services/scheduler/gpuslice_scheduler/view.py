@@ -18,19 +18,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
 
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import Placement
-from gpuslice_scheduler.cluster import Cluster, Ints
+from gpuslice_scheduler.cluster import Cluster, Ints, Row
 
 log = logging.getLogger(__name__)
-
-# uuid, model, numa, cap_mem, cap_cores, cap_slots, mem, cores, slots, owned, healthy,
-# present, cordoned
-Row = tuple[str, str, int, int, int, int, int, int, int, bool, bool, bool, bool]
 
 
 def _rows(order: Sequence[str], f: dict[str, str]) -> list[Row]:
@@ -59,37 +52,6 @@ def _rows(order: Sequence[str], f: dict[str, str]) -> list[Row]:
     return rows
 
 
-def build(nodes: Sequence[tuple[str, list[Row]]]) -> Cluster:
-    counts = [len(rows) for _, rows in nodes]
-    cards = [r for _, rows in nodes for r in rows]
-    models: dict[str, int] = {}
-    model_id = [models.setdefault(r[1], len(models)) for r in cards]
-
-    def col(i: int, dtype: type) -> np.ndarray[Any, Any]:
-        return np.asarray([r[i] for r in cards], dtype=dtype)
-
-    return Cluster(
-        node_names=[name for name, _ in nodes],
-        node_start=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
-        uuids=[r[0] for r in cards],
-        models=list(models),
-        model_id=np.asarray(model_id, dtype=np.int64),
-        numa=col(2, np.int64),
-        cap_mem=col(3, np.int64),
-        cap_cores=col(4, np.int64),
-        cap_slots=col(5, np.int64),
-        used_mem=col(6, np.int64),
-        used_cores=col(7, np.int64),
-        used_slots=col(8, np.int64),
-        owned=col(9, np.bool_),
-        healthy=col(10, np.bool_),
-        present=col(11, np.bool_),
-        cordoned=col(12, np.bool_),
-        node_cpu_free=np.full(len(nodes), np.inf),
-        node_mem_free=np.full(len(nodes), np.inf),
-    )
-
-
 class ClusterView:
     """Every registered node's cards as one :class:`Cluster`, refreshed by revision."""
 
@@ -103,7 +65,7 @@ class ClusterView:
         self._resync_due = 0.0
         self.rows: dict[str, list[Row]] = {}
         self.revs: dict[str, int] = {}
-        self.cluster = build([])
+        self.cluster = Cluster.from_rows([])
         self.synced = False
         self.syncs = 0
 
@@ -136,7 +98,7 @@ class ClusterView:
                     in_place = False
                     break
         if not in_place:
-            self.cluster = build(sorted(self.rows.items()))
+            self.cluster = Cluster.from_rows(sorted(self.rows.items()))
 
     def _update_node(self, cluster: Cluster, node: str) -> bool:
         """Overwrite one node's usage in place; False when its card list changed shape."""
