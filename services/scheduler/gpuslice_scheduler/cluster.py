@@ -175,6 +175,23 @@ class Cluster:
 
     # ------------------------------------------------------------ changing
 
+    def set_row(self, card: int, row: Row) -> bool:
+        """Overwrite one card from ``row`` (its model must be known); True when more than
+        its usage changed. Call :meth:`touch` for its node afterwards."""
+        model = self.models.index(row[1])
+        facts = (
+            model != self.model_id[card]
+            or row[2] != self.numa[card]
+            or row[3:6] != (self.cap_mem[card], self.cap_cores[card], self.cap_slots[card])
+            or row[10:13] != (self.healthy[card], self.present[card], self.cordoned[card])
+        )
+        self.model_id[card], self.numa[card] = model, row[2]
+        self.cap_mem[card], self.cap_cores[card], self.cap_slots[card] = row[3:6]
+        self.used_mem[card], self.used_cores[card], self.used_slots[card] = row[6:9]
+        self.owned[card], self.healthy[card] = row[9], row[10]
+        self.present[card], self.cordoned[card] = row[11], row[12]
+        return bool(facts)
+
     def take(
         self,
         cards: Ints,

@@ -139,11 +139,6 @@ class Usage:
             owned=cluster.owned[cards].copy(),
         )
 
-    @classmethod
-    def empty(cls, size: int) -> Usage:
-        zeros = np.zeros(size, dtype=np.int64)
-        return cls(zeros, zeros.copy(), zeros.copy(), np.zeros(size, dtype=np.bool_))
-
     def copy(self) -> Usage:
         return Usage(self.mem.copy(), self.cores.copy(), self.slots.copy(), self.owned.copy())
 

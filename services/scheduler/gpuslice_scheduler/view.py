@@ -67,7 +67,6 @@ class ClusterView:
         self.revs: dict[str, int] = {}
         self.cluster = Cluster.from_rows([])
         self.synced = False
-        self.syncs = 0
 
     async def sync(self) -> int:
         """Re-read nodes that changed (and new ones); returns how many were re-read."""
@@ -86,7 +85,6 @@ class ClusterView:
         if changed or gone or not self.synced:
             self._rebuild(changed, bool(gone))
         self.synced = True
-        self.syncs += 1
         return len(changed)
 
     def _rebuild(self, changed: Sequence[str], removed: bool) -> None:
@@ -110,25 +108,8 @@ class ClusterView:
         ):
             return False
         facts = False
-        for offset, r in enumerate(rows):
-            c = lo + offset
-            before = (
-                cluster.models[cluster.model_id[c]],
-                int(cluster.numa[c]),
-                int(cluster.cap_mem[c]),
-                int(cluster.cap_cores[c]),
-                int(cluster.cap_slots[c]),
-                bool(cluster.healthy[c]),
-                bool(cluster.present[c]),
-                bool(cluster.cordoned[c]),
-            )
-            facts |= before != (r[1], r[2], r[3], r[4], r[5], r[10], r[11], r[12])
-            cluster.model_id[c] = cluster.models.index(r[1])
-            cluster.numa[c] = r[2]
-            cluster.cap_mem[c], cluster.cap_cores[c], cluster.cap_slots[c] = r[3], r[4], r[5]
-            cluster.used_mem[c], cluster.used_cores[c], cluster.used_slots[c] = r[6], r[7], r[8]
-            cluster.owned[c], cluster.healthy[c] = r[9], r[10]
-            cluster.present[c], cluster.cordoned[c] = r[11], r[12]
+        for card, row in enumerate(rows, start=lo):
+            facts |= cluster.set_row(card, row)
         cluster.touch([i], facts=facts)
         return True
 
