@@ -153,6 +153,17 @@ def local_settings(redis_url: str) -> SchedulerSettings:
     )
 
 
+async def gpuslice(*argv: str) -> tuple[int, str, str]:
+    """Run the gpuslice command; its exit code, stdout and stderr."""
+    cli = str(Path(sys.executable).parent / "gpuslice")
+    proc = await asyncio.create_subprocess_exec(
+        cli, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
 def args(pod: dict[str, Any], *nodes: str) -> dict[str, Any]:
     return {"Pod": pod, "NodeNames": list(nodes)}
 
@@ -611,47 +622,17 @@ async def test_gpuslice_sim_via_prints_json_from_the_live_extender(
         "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\np1,1000,1024,1,1000\n"
     )
     settings = local_settings(redis_url)
-    cli = str(Path(sys.executable).parent / "gpuslice")
     url = f"http://127.0.0.1:{settings.listen_port}"
+    trace = ("sim", "--nodes", str(nodes), "--pods", str(pods), "--redis-url", redis_url)
     async with running(settings, LocalKubeApi()):
-        proc = await asyncio.create_subprocess_exec(
-            cli,
-            "sim",
-            "--nodes",
-            str(nodes),
-            "--pods",
-            str(pods),
-            "--via",
-            url,
-            "--redis-url",
-            redis_url,
-            "--sample",
-            "5",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
+        code, out, err = await gpuslice(*trace, "--via", url, "--sample", "5")
+    assert code == 0, err
     report = json.loads(out)
     assert report["via"] == url
     assert report["scheduled_pods"] + report["failed_pods"] == report["pods"] > 0
     assert report["latency_ms"]["bind"]["count"] >= 1
     assert 0 < report["milli_gpu_allocation_ratio"] <= 100
     # A URL it cannot use is a one-line error, not a traceback.
-    bad = await asyncio.create_subprocess_exec(
-        cli,
-        "sim",
-        "--nodes",
-        str(nodes),
-        "--pods",
-        str(pods),
-        "--via",
-        "https://x:1",
-        "--redis-url",
-        redis_url,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(bad.communicate(), 60)
-    assert bad.returncode == 2
-    assert "Traceback" not in err.decode()
+    code, _, err = await gpuslice(*trace, "--via", "https://x:1")
+    assert code == 2
+    assert "Traceback" not in err

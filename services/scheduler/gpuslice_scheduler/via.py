@@ -234,11 +234,19 @@ async def _drive(
 
     async def call(verb: str, body: dict[str, Any]) -> Any:
         started = time.perf_counter()
-        status, reply = await http.post(f"/{verb}", orjson.dumps(body))
+        try:
+            status, reply = await http.post(f"/{verb}", orjson.dumps(body))
+        except (OSError, EOFError, asyncio.IncompleteReadError, IndexError, ValueError) as exc:
+            raise TraceError(f"{verb}: no answer from the extender ({exc})") from None
         latency[verb].append(time.perf_counter() - started)
         if status != 200:
             raise TraceError(f"{verb} answered {status}: {reply[:200]!r}")
-        return orjson.loads(reply)
+        try:
+            return orjson.loads(reply)
+        except orjson.JSONDecodeError:
+            raise TraceError(
+                f"{verb} answered something that is not JSON: {reply[:200]!r}"
+            ) from None
 
     started = time.perf_counter()
     for i, k in enumerate(order):
