@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -150,18 +151,39 @@ class Usage:
             self.owned[rows] = True
 
 
+def usage_rules(
+    cluster: Cluster,
+    cards: Ints,
+    usage: Usage,
+    mem: Any,
+    cores: Any,
+    exclusive: Any,
+    kinds: bool = False,
+) -> list[Bools]:
+    """HAMi's rules 4-8 as "broken" masks, in order: slots, memory, cores, exclusivity,
+    compute exhausted. For one container, ``mem`` is per card and ``cores`` and
+    ``exclusive`` are scalars; with ``kinds`` they carry a trailing axis of kinds of
+    container, and the masks are (cards, kinds)."""
+
+    def card(values: Any) -> Any:
+        return values[:, None] if kinds else values
+
+    cap_cores = card(cluster.cap_cores[cards])
+    used_cores, used_slots = card(usage.cores), card(usage.slots)
+    return [
+        used_slots + 1 > card(cluster.cap_slots[cards]),
+        card(usage.mem) + mem > card(cluster.cap_mem[cards]),
+        used_cores + cores > cap_cores,
+        card(usage.owned) | (exclusive & (used_slots > 0)),
+        (cores == 0) & (used_cores >= cap_cores),
+    ]
+
+
 def usage_codes(
     cluster: Cluster, cards: Ints, usage: Usage, demand: CardDemand, mem: Ints
 ) -> Codes:
     """Rules 4-8 for cards with ``usage`` (rows aligned with ``cards``)."""
-    cap_cores = cluster.cap_cores[cards]
-    conditions = [
-        usage.slots + 1 > cluster.cap_slots[cards],
-        usage.mem + mem > cluster.cap_mem[cards],
-        usage.cores + demand.cores > cap_cores,
-        usage.owned | (demand.exclusive & (usage.slots > 0)),
-        (demand.cores == 0) & (usage.cores >= cap_cores),
-    ]
+    conditions = usage_rules(cluster, cards, usage, mem, demand.cores, demand.exclusive)
     codes = [
         Code.SLOTS_EXHAUSTED,
         Code.INSUFFICIENT_MEMORY,

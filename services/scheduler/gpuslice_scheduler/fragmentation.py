@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from gpuslice_common.models import DeviceSelector
 from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
-from gpuslice_scheduler.fit import CardDemand, Usage, model_mask
+from gpuslice_scheduler.fit import CardDemand, Usage, model_mask, usage_rules
 
 SIZE_EXPONENT = 0.5  # 0 weighs classes by frequency alone, as FGD does
 
@@ -125,21 +125,18 @@ class WorkloadMix:
     def usable(self, cluster: Cluster, cards: Ints, usage: Usage) -> Bools:
         """(cards, parts): could one more container of each part go on each card."""
         cap_mem = cluster.cap_mem[cards][:, None]
-        cap_cores = cluster.cap_cores[cards][:, None]
         need_mem = np.where(
             self.part_mem_mib >= 0, self.part_mem_mib, cap_mem * self.part_mem_percent // 100
         )
-        free_cores = cap_cores - usage.cores[:, None]
-        ok = (
-            (cluster.schedulable(cards) & ~usage.owned & (usage.slots < cluster.cap_slots[cards]))[
-                :, None
-            ]
-            & self.model_ok(cluster.models)[cluster.model_id[cards]]
-            & (cap_mem - usage.mem[:, None] >= need_mem)
-            & (free_cores >= self.part_cores)
-            & (~self.part_exclusive | (usage.slots == 0)[:, None])
-            & ((self.part_cores > 0) | (free_cores > 0))
+        broken = usage_rules(
+            cluster, cards, usage, need_mem, self.part_cores, self.part_exclusive, kinds=True
         )
+        ok = (
+            cluster.schedulable(cards)[:, None]
+            & self.model_ok(cluster.models)[cluster.model_id[cards]]
+        )
+        for rule in broken:  # the masks broadcast: (cards, 1) or (cards, parts)
+            ok = ok & ~rule
         return np.asarray(ok, dtype=np.bool_)
 
     @staticmethod
