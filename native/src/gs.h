@@ -1,0 +1,160 @@
+/* Internal interface of libgpuslice.so: shared state and the functions each module offers. */
+#ifndef GS_H
+#define GS_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gs_cuda.h"
+#include "region_layout.h"
+
+#define GS_EXPORT __attribute__((visibility("default")))
+#define GS_LIKELY(x) __builtin_expect(!!(x), 1)
+#define GS_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* ------------------------------------------------------------ settings (config.c) */
+enum gs_policy { GS_POLICY_DEFAULT = 0, GS_POLICY_FORCE = 1, GS_POLICY_DISABLE = 2 };
+
+typedef struct {
+    bool disabled;                           /* CUDA_DISABLE_CONTROL */
+    int log_level;                           /* LIBCUDA_LOG_LEVEL, 0..4 */
+    uint64_t mem_limit[GS_MAX_DEVICES];      /* bytes, 0 = none */
+    uint32_t sm_limit[GS_MAX_DEVICES];       /* percent, 0 = none */
+    enum gs_policy policy;                   /* GPU_CORE_UTILIZATION_POLICY */
+    uint32_t priority;                       /* CUDA_TASK_PRIORITY */
+    bool oom_killer;                         /* ACTIVE_OOM_KILLER */
+    uint64_t context_overhead;               /* GPUSLICE_CONTEXT_OVERHEAD bytes per context */
+    char region_path[512];                   /* CUDA_DEVICE_MEMORY_SHARED_CACHE ("" = private) */
+    char libcuda_path[512];                  /* GPUSLICE_LIBCUDA ("" = libcuda.so.1) */
+    char libnvml_path[512];                  /* GPUSLICE_LIBNVML ("" = libnvidia-ml.so.1) */
+    /* telemetry */
+    char nats_url[512];                      /* GPUSLICE_NATS_URL ("" = telemetry off) */
+    char nats_user[128], nats_pass[256], nats_token[256];
+    char subject_prefix[64];                 /* GPUSLICE_SUBJECT_PREFIX (gpuslice) */
+    char node[254];                          /* GPUSLICE_NODE_NAME */
+    char pod_uid[129];                       /* GPUSLICE_POD_UID */
+    char container[254];                     /* GPUSLICE_CONTAINER_NAME */
+    uint64_t telemetry_interval_ns;          /* GPUSLICE_TELEMETRY_INTERVAL (1s) */
+    uint32_t telemetry_ring;                 /* GPUSLICE_TELEMETRY_RING samples (64) */
+} gs_config_t;
+
+extern gs_config_t gs_cfg;
+
+/* Reads the environment once; every problem is logged with the variable's name.
+ * Returns false when a value is malformed (the offending setting is ignored). */
+bool gs_config_load(void);
+/* "10g", "512m", "4096", "1.5g": bytes. Returns false when not a size. */
+bool gs_parse_size(const char *text, uint64_t *out);
+
+/* ------------------------------------------------------------ logging (log.c) */
+enum { GS_LOG_ERROR = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3, GS_LOG_TRACE = 4 };
+void gs_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define GS_LOG(level, ...)                                                                    \
+    do {                                                                                      \
+        if (GS_UNLIKELY((level) <= gs_cfg.log_level)) gs_log((level), __VA_ARGS__);           \
+    } while (0)
+
+/* ------------------------------------------------------------ loader (loader.c) */
+typedef struct {
+#define CUDA_HOOK(name, params, args) CUresult(*name) params;
+#define CUDA_REAL(name, params, args) CUresult(*name) params;
+#define NVML_HOOK(name, params, args) nvmlReturn_t(*name) params;
+#define NVML_REAL(name, params, args) nvmlReturn_t(*name) params;
+#include "hooks.def"
+} gs_real_t;
+
+extern gs_real_t gs_real;
+
+/* Prototypes of every exported wrapper. */
+#define CUDA_HOOK(name, params, args) GS_EXPORT CUresult name params;
+#define NVML_HOOK(name, params, args) GS_EXPORT nvmlReturn_t name params;
+#include "hooks.def"
+
+/* Loads settings, the real driver and NVML, once; cheap after the first call. */
+void gs_init_slow(void);
+extern atomic_int gs_ready;
+static inline void gs_init(void) {
+    if (GS_UNLIKELY(!atomic_load_explicit(&gs_ready, memory_order_acquire))) gs_init_slow();
+}
+/* Our wrapper for a hooked symbol name, or NULL. */
+void *gs_wrapper_for(const char *name);
+/* Joins the region (a process slot, the limits, the device UUIDs) and starts
+ * telemetry: done after the real cuInit succeeds, and lazily by any hook. */
+void gs_attach(void);
+extern atomic_int gs_attached;
+/* True when the hook should account: settings loaded, control on, region joined. */
+static inline bool gs_enter(void) {
+    gs_init();
+    if (GS_UNLIKELY(gs_cfg.disabled)) return false;
+    if (GS_UNLIKELY(!atomic_load_explicit(&gs_attached, memory_order_acquire))) gs_attach();
+    return atomic_load_explicit(&gs_attached, memory_order_acquire) == 1;
+}
+/* Real NVML pointers are resolved on the first NVML hook. */
+void gs_nvml_init(void);
+
+/* Error to return when a real function is missing. */
+#define GS_CALL(name, args)                                                                   \
+    (GS_LIKELY(gs_real.name != NULL) ? gs_real.name args : CUDA_ERROR_NOT_INITIALIZED)
+
+/* ------------------------------------------------------------ region (region.c) */
+extern gs_region_t *gs_region;   /* never NULL after gs_attach(): private if no file */
+extern gs_proc_t *gs_self;       /* this process's slot */
+
+/* Reserve `bytes` on device `dev` before the driver call: false (and counted as
+ * denied) when the container would exceed the limit, after reclaiming dead processes. */
+bool gs_reserve(int dev, uint64_t bytes);
+/* Give back what gs_reserve took (driver failure, free). */
+void gs_unreserve(int dev, uint64_t bytes);
+/* Container-wide usage on a device. */
+uint64_t gs_used(int dev);
+uint64_t gs_limit(int dev);
+/* Frees the slots of dead processes and their usage; returns slots reclaimed. */
+int gs_reclaim_dead(void);
+/* Maps the region (file or private) without joining: enough to read it (NVML in
+ * a process that never uses CUDA). False when the file is incompatible. */
+bool gs_region_map(void);
+/* Maps and joins: a process slot, the limits from the settings. */
+bool gs_region_attach(void);
+/* Reclaims dead processes at most once a second (for the read paths). */
+void gs_reclaim_maybe(void);
+/* Device index in the region with this UUID, or -1. */
+int gs_region_find_uuid(const char *uuid);
+void gs_region_detach(void);
+void gs_region_set_uuid(int dev, const char *uuid);
+void gs_region_after_fork(void);
+
+/* ------------------------------------------------------------ allocations (track.c) */
+enum gs_kind { GS_K_MEM = 1, GS_K_ARRAY, GS_K_MIPMAP, GS_K_VMM, GS_K_CTX };
+/* GS_K_MEM covers every pointer allocation (plain, pitch, managed, stream-ordered):
+ * cuMemFree may free any of them. `ctx` is the context the memory dies with. */
+void gs_track_add(enum gs_kind kind, uint64_t key, int dev, uint64_t bytes, CUcontext ctx);
+/* Removes and returns the entry; false when unknown. */
+bool gs_track_take(enum gs_kind kind, uint64_t key, int *dev, uint64_t *bytes);
+/* Forgets every entry of a destroyed context (its memory went with it) and gives the
+ * bytes back; returns the bytes released. */
+uint64_t gs_track_drop_ctx(CUcontext ctx);
+/* In a fork child: the parent's allocations are not the child's; forget them. */
+void gs_track_forget_all(void);
+
+/* ------------------------------------------------------------ helpers (memory.c) */
+/* Device ordinal of the current context; -1 when none. */
+int gs_current_device(void);
+/* Turns a CUuuid into "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx". */
+void gs_format_uuid(const CUuuid *uuid, char out[GS_UUID_LEN]);
+
+/* ------------------------------------------------------------ compute limiter (launch.c) */
+/* Re-evaluated when settings or the agent's flags change. */
+void gs_limiter_setup(void);
+
+/* ------------------------------------------------------------ telemetry (telemetry.c) */
+/* Starts the publisher thread once when GPUSLICE_NATS_URL is set; never blocks. */
+void gs_telemetry_start(void);
+/* Called after fork() in the child: the thread is gone; restart lazily. */
+void gs_telemetry_after_fork(void);
+
+/* ------------------------------------------------------------ time */
+uint64_t gs_now_ns(void); /* CLOCK_MONOTONIC */
+
+#endif

@@ -1,0 +1,215 @@
+/*
+ * Finding the real driver, and handing out our wrappers wherever the application
+ * looks a driver function up: the dynamic linker (our exports come first),
+ * dlsym on the driver's handle, and cuGetProcAddress(_v2), through which the CUDA
+ * runtime >= 11.3 resolves the whole driver API.
+ */
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+#include <string.h>
+
+#include "gs.h"
+
+gs_real_t gs_real;
+atomic_int gs_ready;
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static _Atomic(dlsym_fn) real_dlsym_ptr;
+static void *cuda_handle;
+static void *nvml_handle;
+static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
+static pthread_once_t nvml_once = PTHREAD_ONCE_INIT;
+/* Set while this thread loads a library: lookups made by its constructors pass through. */
+static __thread bool loading;
+
+/* glibc's dlsym, found past ourselves, so another interposer of dlsym keeps its place. */
+static dlsym_fn real_dlsym(void) {
+    dlsym_fn f = atomic_load_explicit(&real_dlsym_ptr, memory_order_acquire);
+    if (GS_LIKELY(f != NULL)) return f;
+    f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!f) f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    atomic_store_explicit(&real_dlsym_ptr, f, memory_order_release);
+    return f;
+}
+
+/* ------------------------------------------------------------ name -> wrapper */
+typedef struct {
+    const char *name;
+    void *wrapper;
+} gs_entry_t;
+
+static const gs_entry_t wrappers[] = {
+#define CUDA_HOOK(name, params, args) {#name, (void *)name},
+#define NVML_HOOK(name, params, args) {#name, (void *)name},
+#include "hooks.def"
+};
+
+void *gs_wrapper_for(const char *name) {
+    if (!name || (name[0] != 'c' && name[0] != 'n')) return NULL;
+    for (size_t i = 0; i < sizeof wrappers / sizeof wrappers[0]; i++)
+        if (!strcmp(wrappers[i].name, name)) return wrappers[i].wrapper;
+    return NULL;
+}
+
+/* Our wrapper of the real function `fn`: the exact version the driver chose. */
+static void *wrapper_of_real(void *fn) {
+    if (!fn) return NULL;
+#define CUDA_HOOK(name, params, args)                                                         \
+    if (fn == (void *)gs_real.name) return (void *)name;
+#include "hooks.def"
+    return NULL;
+}
+
+/* Length of a symbol's base name: without _v2.._v9, _ptsz or _ptds. */
+static size_t base_len(const char *s) {
+    size_t n = strlen(s);
+    if (n > 5 && (!strcmp(s + n - 5, "_ptsz") || !strcmp(s + n - 5, "_ptds"))) n -= 5;
+    if (n > 3 && s[n - 3] == '_' && s[n - 2] == 'v' && s[n - 1] >= '2' && s[n - 1] <= '9') n -= 3;
+    return n;
+}
+
+/*
+ * The driver returned a pointer that is none of the exported functions we hooked.
+ * When the base name has exactly one hooked signature (ignoring the per-thread
+ * twin) the wrapper is still unambiguous; otherwise passing the real function
+ * through is the only safe answer.
+ */
+static void *wrapper_by_base(const char *symbol, cuuint64_t flags) {
+    size_t n = base_len(symbol);
+    void *found = NULL;
+    int count = 0;
+    bool ptds = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    for (size_t i = 0; i < sizeof wrappers / sizeof wrappers[0]; i++) {
+        const char *w = wrappers[i].name;
+        if (base_len(w) != n || strncmp(w, symbol, n)) continue;
+        size_t wl = strlen(w);
+        bool twin = wl > 5 && !strcmp(w + wl - 5, "_ptsz");
+        if (twin != ptds) continue;
+        found = wrappers[i].wrapper;
+        count++;
+    }
+    return count == 1 ? found : NULL;
+}
+
+static void resolve_wrapper(const char *symbol, void **pfn, cuuint64_t flags) {
+    if (!pfn || !*pfn || gs_cfg.disabled) return;
+    void *w = wrapper_of_real(*pfn);
+    if (!w) {
+        w = wrapper_by_base(symbol, flags);
+        if (w) GS_LOG(GS_LOG_DEBUG, "cuGetProcAddress(%s): unknown driver entry, hooked by name", symbol);
+    }
+    if (w) *pfn = w;
+}
+
+/* ------------------------------------------------------------ loading */
+static void load_cuda(void) {
+    loading = true;
+    gs_config_load();
+    const char *path = gs_cfg.libcuda_path[0] ? gs_cfg.libcuda_path : "libcuda.so.1";
+    cuda_handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!cuda_handle) {
+        gs_log(GS_LOG_ERROR, "cannot load the CUDA driver %s: %s", path, dlerror());
+    } else {
+        dlsym_fn sym = real_dlsym();
+#define CUDA_HOOK(name, params, args) gs_real.name = (__typeof__(gs_real.name))sym(cuda_handle, #name);
+#define CUDA_REAL(name, params, args) gs_real.name = (__typeof__(gs_real.name))sym(cuda_handle, #name);
+#include "hooks.def"
+    }
+    loading = false;
+    atomic_store_explicit(&gs_ready, 1, memory_order_release);
+}
+
+void gs_init_slow(void) { pthread_once(&cuda_once, load_cuda); }
+
+static void load_nvml(void) {
+    gs_init();
+    const char *path = gs_cfg.libnvml_path[0] ? gs_cfg.libnvml_path : "libnvidia-ml.so.1";
+    loading = true;
+    nvml_handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    loading = false;
+    if (!nvml_handle) {
+        gs_log(GS_LOG_ERROR, "cannot load NVML %s: %s", path, dlerror());
+        return;
+    }
+    dlsym_fn sym = real_dlsym();
+#define NVML_HOOK(name, params, args) gs_real.name = (__typeof__(gs_real.name))sym(nvml_handle, #name);
+#define NVML_REAL(name, params, args) gs_real.name = (__typeof__(gs_real.name))sym(nvml_handle, #name);
+#include "hooks.def"
+}
+
+void gs_nvml_init(void) { pthread_once(&nvml_once, load_nvml); }
+
+/* ------------------------------------------------------------ dlsym */
+static bool named_like(const char *path, const char *prefix) {
+    if (!path) return false;
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    return !strncmp(base, prefix, strlen(prefix));
+}
+
+static bool configured(const char *path, const char *setting) {
+    return setting[0] && path && !strcmp(path, setting);
+}
+
+/* Is `handle` the driver's or NVML's library? */
+static __attribute__((noinline)) bool driver_handle(void *handle) {
+    if (handle == cuda_handle || handle == nvml_handle) return handle != NULL;
+    struct link_map *map = NULL;
+    if (dlinfo(handle, RTLD_DI_LINKMAP, &map) != 0 || !map) return false;
+    return named_like(map->l_name, "libcuda.so") || named_like(map->l_name, "libnvidia-ml.so") ||
+           configured(map->l_name, gs_cfg.libcuda_path) || configured(map->l_name, gs_cfg.libnvml_path);
+}
+
+static __attribute__((noinline)) void *hooked_lookup(void *handle, const char *symbol) {
+    if (!symbol || !((symbol[0] == 'c' && symbol[1] == 'u') || !strncmp(symbol, "nvml", 4)))
+        return NULL;
+    if (loading) return NULL;
+    void *w = gs_wrapper_for(symbol);
+    if (!w || !driver_handle(handle)) return NULL;
+    gs_init();
+    return gs_cfg.disabled ? NULL : w;
+}
+
+/*
+ * The pass-through must stay a tail call: glibc's dlsym reads its caller's
+ * address to resolve RTLD_NEXT, and a jump keeps that caller the application.
+ * (loader.c is built without sanitizer instrumentation for the same reason.)
+ */
+GS_EXPORT void *dlsym(void *handle, const char *symbol) {
+    if (handle != RTLD_NEXT && handle != RTLD_DEFAULT) {
+        void *w = hooked_lookup(handle, symbol);
+        if (w) return w;
+    }
+    dlsym_fn real = real_dlsym();
+    if (GS_UNLIKELY(!real)) return NULL;
+    return real(handle, symbol);
+}
+
+/* ------------------------------------------------------------ cuGetProcAddress */
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
+    gs_init();
+    if (!gs_real.cuGetProcAddress) return CUDA_ERROR_NOT_FOUND;
+    CUresult rc = gs_real.cuGetProcAddress(symbol, pfn, cudaVersion, flags);
+    if (rc == CUDA_SUCCESS) resolve_wrapper(symbol, pfn, flags);
+    return rc;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                             CUdriverProcAddressQueryResult *symbolStatus) {
+    gs_init();
+    if (!gs_real.cuGetProcAddress_v2) {
+        if (symbolStatus) *symbolStatus = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    CUresult rc = gs_real.cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus);
+    if (rc == CUDA_SUCCESS) resolve_wrapper(symbol, pfn, flags);
+    return rc;
+}
+
+CUresult cuInit(unsigned int flags) {
+    gs_init();
+    CUresult rc = GS_CALL(cuInit, (flags));
+    if (rc == CUDA_SUCCESS && !gs_cfg.disabled) gs_attach();
+    return rc;
+}

@@ -1,0 +1,388 @@
+/*
+ * The shared region: usage of every process of the container, per device.
+ *
+ * Fast path (allocate, free): lock-free. A reservation raises the device's `used`
+ * with compare-and-swap, refusing to pass the limit, before the driver is called;
+ * then the process's own counter. A failed driver call rolls both back. So any
+ * number of processes racing can never exceed the limit together.
+ *
+ * Slow path (a process joins, or a reservation would be refused): under an OFD
+ * lock on the file, which the kernel drops when its holder dies, slots of dead
+ * processes (gone, or their PID reused: start time differs) are freed and their
+ * usage subtracted. A process killed at any point therefore blocks no one, and
+ * its usage is reclaimed as soon as anyone needs it (or within a second by a
+ * reader of memory info).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gs.h"
+
+_Static_assert(sizeof(gs_device_t) == 256, "gs_device_t layout");
+_Static_assert(sizeof(gs_proc_t) == 192, "gs_proc_t layout");
+_Static_assert(sizeof(gs_region_t) == 128 + 256 * GS_MAX_DEVICES + 192 * GS_MAX_PROCS,
+               "gs_region_t layout");
+
+gs_region_t *gs_region;
+gs_proc_t *gs_self;
+static int region_fd = -1;
+static gs_region_t *private_region;
+static _Atomic uint64_t last_reclaim_ns;
+
+#define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+
+static void sat_sub(uint64_t *p, uint64_t v) {
+    uint64_t cur = LOAD(p);
+    uint64_t next;
+    do {
+        next = cur > v ? cur - v : 0;
+    } while (!__atomic_compare_exchange_n(p, &cur, next, true, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+}
+
+static void raise_max(uint64_t *p, uint64_t v) {
+    uint64_t cur = LOAD(p);
+    while (cur < v &&
+           !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    }
+}
+
+/* ------------------------------------------------------------ locking */
+/* Whole-file OFD write lock: per open file, dropped by the kernel when the holder
+ * dies. Waits at most `GS_LOCK_WAIT_NS`; a holder that is alive but stopped must
+ * not stall everyone, and everything done under the lock is also safe without it
+ * apart from PID-reuse races, which the start-time check covers. */
+#define GS_LOCK_WAIT_NS 1000000000ULL
+
+static bool lock_region(void) {
+    if (region_fd < 0) return false;
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
+    uint64_t deadline = gs_now_ns() + GS_LOCK_WAIT_NS;
+    for (;;) {
+        if (fcntl(region_fd, F_OFD_SETLK, &fl) == 0) return true;
+        if (errno != EAGAIN && errno != EACCES && errno != EINTR) return false;
+        if (gs_now_ns() >= deadline) {
+            GS_LOG(GS_LOG_WARN, "region lock busy for 1s; going on without it");
+            return false;
+        }
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void unlock_region(bool held) {
+    if (!held) return;
+    struct flock fl = {.l_type = F_UNLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
+    fcntl(region_fd, F_OFD_SETLK, &fl);
+}
+
+/* ------------------------------------------------------------ liveness */
+/* Field 22 of /proc/<pid>/stat: start time in clock ticks after boot; 0 if unknown. */
+static uint64_t start_time_of(int pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+    if (!p) return 0;
+    int field = 2;
+    for (; *p && field < 22; p++)
+        if (*p == ' ') field++;
+    unsigned long long t = 0;
+    if (sscanf(p, "%llu", &t) != 1) return 0;
+    return t;
+}
+
+static bool alive(int pid, uint64_t start_time) {
+    if (pid <= 0) return false;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+    if (start_time) {
+        uint64_t now = start_time_of(pid);
+        if (now && now != start_time) return false; /* the PID was reused */
+    }
+    return true;
+}
+
+static int reclaim_locked(void) {
+    int freed = 0;
+    uint32_t high = LOAD(&gs_region->proc_high);
+    if (high > GS_MAX_PROCS) high = GS_MAX_PROCS;
+    for (uint32_t i = 0; i < high; i++) {
+        gs_proc_t *p = &gs_region->procs[i];
+        int32_t pid = LOAD(&p->pid);
+        if (pid == 0 || p == gs_self) continue;
+        if (alive(pid, LOAD(&p->start_time))) continue;
+        for (int d = 0; d < GS_MAX_DEVICES; d++) {
+            uint64_t v = __atomic_exchange_n(&p->used[d], 0, __ATOMIC_ACQ_REL);
+            if (v) sat_sub(&gs_region->devices[d].used, v);
+        }
+        GS_LOG(GS_LOG_INFO, "reclaimed the usage of exited process %d", pid);
+        STORE(&p->pid, 0);
+        freed++;
+    }
+    return freed;
+}
+
+int gs_reclaim_dead(void) {
+    if (!gs_region || region_fd < 0) return 0;
+    bool held = lock_region();
+    int n = reclaim_locked();
+    unlock_region(held);
+    STORE(&last_reclaim_ns, gs_now_ns());
+    return n;
+}
+
+void gs_reclaim_maybe(void) {
+    uint64_t now = gs_now_ns();
+    if (now - LOAD(&last_reclaim_ns) >= 1000000000ULL) gs_reclaim_dead();
+}
+
+/* ------------------------------------------------------------ mapping */
+static void init_header(gs_region_t *r) {
+    r->version = GS_REGION_VERSION;
+    r->size = (uint32_t)sizeof(gs_region_t);
+    STORE(&r->magic, (uint32_t)GS_REGION_MAGIC);
+}
+
+static bool map_private(void) {
+    void *m = mmap(NULL, sizeof(gs_region_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (m == MAP_FAILED) {
+        gs_log(GS_LOG_ERROR, "cannot allocate the usage region: %s", strerror(errno));
+        return false;
+    }
+    private_region = m;
+    init_header(private_region);
+    gs_region = private_region;
+    return true;
+}
+
+static bool map_file_locked(const char *path) {
+    struct stat st;
+    if (fstat(region_fd, &st) != 0) return false;
+    if (st.st_size == 0) {
+        if (ftruncate(region_fd, (off_t)sizeof(gs_region_t)) != 0) {
+            gs_log(GS_LOG_ERROR, "cannot size the shared region %s: %s", path, strerror(errno));
+            return false;
+        }
+        fchmod(region_fd, 0660); /* shared by the container's processes, never by the world */
+    } else if ((size_t)st.st_size < sizeof(gs_region_t)) {
+        uint32_t head[2] = {0, 0};
+        ssize_t n = pread(region_fd, head, sizeof head, 0);
+        gs_log(GS_LOG_ERROR,
+               "shared region %s is %lld bytes (magic %#x, version %u); this gpuslice needs a "
+               "version %u region of %zu bytes: refusing to share it",
+               path, (long long)st.st_size, n == sizeof head ? head[0] : 0,
+               n == sizeof head ? head[1] : 0, GS_REGION_VERSION, sizeof(gs_region_t));
+        return false;
+    }
+    void *m = mmap(NULL, sizeof(gs_region_t), PROT_READ | PROT_WRITE, MAP_SHARED, region_fd, 0);
+    if (m == MAP_FAILED) {
+        gs_log(GS_LOG_ERROR, "cannot map the shared region %s: %s", path, strerror(errno));
+        return false;
+    }
+    gs_region_t *r = m;
+    uint32_t magic = LOAD(&r->magic);
+    if (magic == 0 && r->version == 0) init_header(r);
+    else if (magic != GS_REGION_MAGIC || r->version != GS_REGION_VERSION ||
+             r->size != sizeof(gs_region_t)) {
+        gs_log(GS_LOG_ERROR,
+               "shared region %s has magic %#x, layout version %u, size %u; this gpuslice "
+               "writes version %u of %zu bytes: refusing to share it",
+               path, magic, r->version, r->size, GS_REGION_VERSION, sizeof(gs_region_t));
+        munmap(m, sizeof(gs_region_t));
+        return false;
+    }
+    gs_region = r;
+    return true;
+}
+
+static pthread_mutex_t map_mutex = PTHREAD_MUTEX_INITIALIZER;
+static int map_state; /* 0 not tried, 1 mapped, -1 refused */
+
+bool gs_region_map(void) {
+    pthread_mutex_lock(&map_mutex);
+    if (map_state == 0) {
+        const char *path = gs_cfg.region_path;
+        if (!path[0]) {
+            map_state = map_private() ? 1 : -1;
+        } else {
+            region_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0660);
+            if (region_fd < 0) {
+                gs_log(GS_LOG_ERROR, "cannot open the shared region %s: %s", path, strerror(errno));
+                map_state = -1;
+            } else {
+                bool held = lock_region();
+                bool ok = map_file_locked(path);
+                unlock_region(held);
+                if (!ok) {
+                    close(region_fd);
+                    region_fd = -1;
+                }
+                map_state = ok ? 1 : -1;
+            }
+        }
+    }
+    bool ok = map_state == 1;
+    pthread_mutex_unlock(&map_mutex);
+    return ok;
+}
+
+bool gs_region_attach(void) {
+    if (!gs_region_map()) return false;
+    if (gs_self) return true;
+    bool held = lock_region();
+    reclaim_locked();
+    int32_t me = (int32_t)getpid();
+    bool others = false;
+    uint32_t high = LOAD(&gs_region->proc_high);
+    for (uint32_t i = 0; i < high && i < GS_MAX_PROCS; i++)
+        if (LOAD(&gs_region->procs[i].pid) != 0) others = true;
+    gs_proc_t *slot = NULL;
+    for (uint32_t i = 0; i < GS_MAX_PROCS && !slot; i++) {
+        int32_t expected = 0;
+        if (__atomic_compare_exchange_n(&gs_region->procs[i].pid, &expected, me, false,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            slot = &gs_region->procs[i];
+            high = LOAD(&gs_region->proc_high);
+            while (high < i + 1 &&
+                   !__atomic_compare_exchange_n(&gs_region->proc_high, &high, i + 1, true,
+                                                __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            }
+        }
+    }
+    if (!slot) {
+        unlock_region(held);
+        gs_log(GS_LOG_ERROR, "shared region is full (%d processes); this process is not counted",
+               GS_MAX_PROCS);
+        return false;
+    }
+    for (int d = 0; d < GS_MAX_DEVICES; d++) STORE(&slot->used[d], 0);
+    STORE(&slot->start_time, start_time_of(me));
+    STORE(&slot->priority, gs_cfg.priority);
+    /* Alone (under the lock, every other slot dead or free): nothing can be in
+     * flight, so the counters restart from zero, healing any drift. */
+    if (!others && held)
+        for (int d = 0; d < GS_MAX_DEVICES; d++) STORE(&gs_region->devices[d].used, 0);
+    for (int d = 0; d < GS_MAX_DEVICES; d++) {
+        gs_device_t *dev = &gs_region->devices[d];
+        uint64_t limit = gs_cfg.mem_limit[d];
+        uint64_t old = LOAD(&dev->limit);
+        if (old && limit && old != limit)
+            GS_LOG(GS_LOG_WARN, "device %d: region limit %llu bytes, this process %llu", d,
+                   (unsigned long long)old, (unsigned long long)limit);
+        STORE(&dev->limit, limit);
+        STORE(&dev->sm_limit, gs_cfg.sm_limit[d]);
+    }
+    gs_self = slot;
+    unlock_region(held);
+    STORE(&last_reclaim_ns, gs_now_ns());
+    return true;
+}
+
+void gs_region_detach(void) {
+    gs_proc_t *p = gs_self;
+    if (!p || !gs_region) return;
+    gs_self = NULL;
+    for (int d = 0; d < GS_MAX_DEVICES; d++) {
+        uint64_t v = __atomic_exchange_n(&p->used[d], 0, __ATOMIC_ACQ_REL);
+        if (v) sat_sub(&gs_region->devices[d].used, v);
+    }
+    STORE(&p->pid, 0);
+}
+
+void gs_region_set_uuid(int dev, const char *uuid) {
+    if (dev < 0 || dev >= GS_MAX_DEVICES || !gs_region) return;
+    gs_device_t *d = &gs_region->devices[dev];
+    if (strncmp(d->uuid, uuid, GS_UUID_LEN) != 0) {
+        char buf[GS_UUID_LEN] = {0};
+        strncpy(buf, uuid, GS_UUID_LEN - 1);
+        memcpy(d->uuid, buf, GS_UUID_LEN);
+    }
+    uint32_t count = LOAD(&gs_region->device_count);
+    while (count < (uint32_t)dev + 1 &&
+           !__atomic_compare_exchange_n(&gs_region->device_count, &count, (uint32_t)dev + 1, true,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    }
+}
+
+int gs_region_find_uuid(const char *uuid) {
+    if (!gs_region || !uuid || !uuid[0]) return -1;
+    uint32_t n = LOAD(&gs_region->device_count);
+    for (uint32_t i = 0; i < n && i < GS_MAX_DEVICES; i++)
+        if (!strncmp(gs_region->devices[i].uuid, uuid, GS_UUID_LEN)) return (int)i;
+    return -1;
+}
+
+/* ------------------------------------------------------------ reservations */
+bool gs_reserve(int dev, uint64_t bytes) {
+    if (dev < 0 || dev >= GS_MAX_DEVICES || !gs_self) return true;
+    gs_device_t *d = &gs_region->devices[dev];
+    uint64_t limit = gs_cfg.mem_limit[dev];
+    for (int attempt = 0; attempt < 2; attempt++) {
+        uint64_t cur = LOAD(&d->used);
+        for (;;) {
+            if (limit && (bytes > limit || cur > limit - bytes)) break;
+            if (__atomic_compare_exchange_n(&d->used, &cur, cur + bytes, true, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE)) {
+                __atomic_add_fetch(&gs_self->used[dev], bytes, __ATOMIC_ACQ_REL);
+                raise_max(&d->peak, cur + bytes);
+                return true;
+            }
+        }
+        /* Over the limit: a dead process's usage may be what stands in the way. */
+        if (attempt == 0 && gs_reclaim_dead() == 0) break;
+    }
+    __atomic_add_fetch(&d->denied, 1, __ATOMIC_RELAXED);
+    GS_LOG(GS_LOG_WARN, "device %d: allocation of %llu bytes refused: %llu of %llu bytes in use", dev,
+           (unsigned long long)bytes, (unsigned long long)LOAD(&d->used), (unsigned long long)limit);
+    if (gs_cfg.oom_killer) {
+        gs_log(GS_LOG_ERROR, "device %d: over the memory limit of %llu bytes; ACTIVE_OOM_KILLER ends this process",
+               dev, (unsigned long long)limit);
+        kill(getpid(), SIGKILL);
+    }
+    return false;
+}
+
+void gs_unreserve(int dev, uint64_t bytes) {
+    if (dev < 0 || dev >= GS_MAX_DEVICES || !gs_self || !bytes) return;
+    sat_sub(&gs_self->used[dev], bytes);
+    sat_sub(&gs_region->devices[dev].used, bytes);
+}
+
+uint64_t gs_used(int dev) {
+    if (dev < 0 || dev >= GS_MAX_DEVICES || !gs_region) return 0;
+    return LOAD(&gs_region->devices[dev].used);
+}
+
+uint64_t gs_limit(int dev) {
+    if (dev < 0 || dev >= GS_MAX_DEVICES) return 0;
+    return gs_cfg.mem_limit[dev];
+}
+
+void gs_region_after_fork(void) {
+    /* The child shares the parent's mapping but not its slot, its allocations or
+     * (for OFD locks) its open file: it joins afresh on its next CUDA call. */
+    gs_self = NULL;
+    if (region_fd >= 0) {
+        close(region_fd);
+        region_fd = -1;
+    }
+    if (gs_region && gs_region != private_region) munmap(gs_region, sizeof(gs_region_t));
+    gs_region = NULL;
+    private_region = NULL;
+    pthread_mutex_init(&map_mutex, NULL);
+    map_state = 0;
+}

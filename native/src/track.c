@@ -1,0 +1,143 @@
+/* What this process allocated through the hooks: key -> (device, bytes, context),
+ * so a free gives back exactly what its allocation reserved. Sharded by key hash,
+ * one mutex per shard; entries come from a free list, refilled in blocks. */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "gs.h"
+
+#define SHARDS 64
+#define BUCKETS 1024 /* per shard */
+
+typedef struct entry {
+    struct entry *next;
+    uint64_t key;
+    uint64_t bytes;
+    CUcontext ctx;
+    int dev;
+    int kind;
+} entry_t;
+
+typedef struct {
+    pthread_mutex_t mu;
+    entry_t *buckets[BUCKETS];
+    entry_t *free;
+} shard_t;
+
+static shard_t shards[SHARDS];
+static pthread_once_t shards_once = PTHREAD_ONCE_INIT;
+
+static void shards_init(void) {
+    for (int i = 0; i < SHARDS; i++) pthread_mutex_init(&shards[i].mu, NULL);
+}
+
+static inline uint64_t mix(uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ULL;
+    k ^= k >> 33;
+    return k;
+}
+
+static inline shard_t *shard_of(uint64_t h) { return &shards[h % SHARDS]; }
+static inline size_t bucket_of(uint64_t h) { return (size_t)((h / SHARDS) % BUCKETS); }
+
+static entry_t *new_entry(shard_t *s) {
+    if (!s->free) {
+        entry_t *block = calloc(64, sizeof(entry_t));
+        if (!block) return NULL;
+        for (int i = 0; i < 64; i++) {
+            block[i].next = s->free;
+            s->free = &block[i];
+        }
+    }
+    entry_t *e = s->free;
+    s->free = e->next;
+    return e;
+}
+
+void gs_track_add(enum gs_kind kind, uint64_t key, int dev, uint64_t bytes, CUcontext ctx) {
+    pthread_once(&shards_once, shards_init);
+    uint64_t h = mix(key ^ ((uint64_t)kind << 58));
+    shard_t *s = shard_of(h);
+    pthread_mutex_lock(&s->mu);
+    entry_t *e = new_entry(s);
+    if (e) {
+        *e = (entry_t){.next = s->buckets[bucket_of(h)], .key = key, .bytes = bytes, .ctx = ctx,
+                       .dev = dev, .kind = (int)kind};
+        s->buckets[bucket_of(h)] = e;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!e) {
+        /* Without an entry the free could not give the bytes back: give them now. */
+        gs_unreserve(dev, bytes);
+        gs_log(GS_LOG_ERROR, "out of host memory tracking an allocation; it is not counted");
+    }
+}
+
+bool gs_track_take(enum gs_kind kind, uint64_t key, int *dev, uint64_t *bytes) {
+    pthread_once(&shards_once, shards_init);
+    uint64_t h = mix(key ^ ((uint64_t)kind << 58));
+    shard_t *s = shard_of(h);
+    bool found = false;
+    pthread_mutex_lock(&s->mu);
+    for (entry_t **pp = &s->buckets[bucket_of(h)]; *pp; pp = &(*pp)->next) {
+        entry_t *e = *pp;
+        if (e->key == key && e->kind == (int)kind) {
+            *dev = e->dev;
+            *bytes = e->bytes;
+            *pp = e->next;
+            e->next = s->free;
+            s->free = e;
+            found = true;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return found;
+}
+
+uint64_t gs_track_drop_ctx(CUcontext ctx) {
+    pthread_once(&shards_once, shards_init);
+    uint64_t total = 0;
+    for (int i = 0; i < SHARDS; i++) {
+        shard_t *s = &shards[i];
+        pthread_mutex_lock(&s->mu);
+        for (size_t b = 0; b < BUCKETS; b++) {
+            entry_t **pp = &s->buckets[b];
+            while (*pp) {
+                entry_t *e = *pp;
+                if (e->ctx == ctx && e->kind != GS_K_CTX) {
+                    gs_unreserve(e->dev, e->bytes);
+                    total += e->bytes;
+                    *pp = e->next;
+                    e->next = s->free;
+                    s->free = e;
+                } else {
+                    pp = &e->next;
+                }
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    return total;
+}
+
+void gs_track_forget_all(void) {
+    pthread_once(&shards_once, shards_init);
+    for (int i = 0; i < SHARDS; i++) {
+        shard_t *s = &shards[i];
+        pthread_mutex_init(&s->mu, NULL); /* a fork child: the lock may have been held */
+        for (size_t b = 0; b < BUCKETS; b++) {
+            entry_t *e = s->buckets[b];
+            while (e) {
+                entry_t *next = e->next;
+                e->next = s->free;
+                s->free = e;
+                e = next;
+            }
+            s->buckets[b] = NULL;
+        }
+    }
+}
