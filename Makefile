@@ -10,13 +10,14 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 	&& { echo $$p; break; }; done)
 
-.PHONY: help deps servers lint test demo bench bench-packing clean
+.PHONY: help deps servers native lint test demo bench bench-packing gpu-check clean
 
 help:
 	@echo "make demo   - install, start NATS + Redis, run the ledger smoke scenario"
 	@echo "make test   - install, lint, type-check, check import contracts, run the tests"
-	@echo "make bench  - run the ledger and extender benchmarks (a few minutes)"
+	@echo "make bench  - run the ledger, extender and interposer benchmarks (a few minutes)"
 	@echo "make bench-packing - replay the openb traces with every policy (about 30 minutes)"
+	@echo "make gpu-check - the interposer's GPU kit (needs an NVIDIA GPU and driver)"
 	@echo "make clean  - remove the virtualenv and caches"
 
 $(STAMP): pyproject.toml
@@ -49,7 +50,11 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: deps lint
+# The interposer, its sanitizer build, the fake CUDA driver and NVML, the test programs.
+native:
+	$(MAKE) -C native check
+
+test: deps lint native
 	$(BIN)/python -m pytest
 
 demo: deps
@@ -60,9 +65,15 @@ TRACES ?= ../shared/traces/openb
 bench: deps
 	$(BIN)/python bench/ledger_bench.py
 	$(BIN)/python bench/extender_bench.py --traces $(TRACES)
+	$(MAKE) -C native all fakes build/launch_bench
+	$(BIN)/python bench/interposer_bench.py
+
+gpu-check:
+	$(MAKE) -C native gpu-check
 
 bench-packing: deps
 	$(BIN)/python bench/packing_bench.py --traces $(TRACES)
 
 clean:
+	$(MAKE) -C native clean
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .import_linter_cache

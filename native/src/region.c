@@ -233,6 +233,11 @@ bool gs_region_map(void) {
                 }
                 map_state = ok ? 1 : -1;
             }
+            /* Limits must still hold: for this process alone. */
+            if (map_state == -1 && map_private()) {
+                gs_log(GS_LOG_ERROR, "enforcing the limits for this process alone");
+                map_state = 1;
+            }
         }
     }
     bool ok = map_state == 1;

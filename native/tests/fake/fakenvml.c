@@ -1,0 +1,516 @@
+/*
+ * fakenvml.c: a fake libnvidia-ml.so.1 (NVML) that agrees with fakecuda.c.
+ * Built as build/fake/libnvidia-ml.so.1; with LD_LIBRARY_PATH pointing at
+ * build/fake, pynvml (nvidia-ml-py) loads it like the real library.
+ *
+ * ENVIRONMENT (read by the nvmlInit* call that moves the library from
+ * uninitialised to initialised, so a test may change it between an
+ * nvmlShutdown and the next nvmlInit; sizes as in fakecuda.c: bytes, or a
+ * suffix k/m/g/t = KiB/MiB/GiB/TiB):
+ *   FAKECUDA_DEVICES  number of devices, default 1, at most 16
+ *   FAKECUDA_MEMORY   total memory of each device, default 80g
+ *   FAKENVML_USED     memory shown as used on every device, default 0
+ *                     (capped at the total; free = total - used, reserved = 0)
+ *   FAKENVML_PROCS    "pid:bytes,pid:bytes,..." the processes every device
+ *                     lists in nvmlDeviceGetComputeRunningProcesses*; default
+ *                     none; malformed entries are skipped, at most 64 kept
+ *
+ * Devices are named "Fake GPU"; device i has UUID
+ * "GPU-facefeed-0000-4000-8000-0000000000ii" (ii: i as two lower-case hex
+ * digits), the same bytes fakecuda.c's cuDeviceGetUuid gives. Minor number
+ * and index are i, NUMA node 0, MIG disabled, utilisation 0 %, and
+ * nvmlDeviceGetProcessUtilization has no samples (NVML_ERROR_NOT_FOUND).
+ * nvmlInit* calls are counted and nvmlShutdown undoes one; every device
+ * call made while uninitialised returns NVML_ERROR_UNINITIALIZED.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gs_cuda.h"
+
+#define API __attribute__((visibility("default")))
+
+#define FAKE_MAX_DEVICES 16
+#define FAKE_MAX_PROCS 64
+
+/* ---------------------------------------------------------------- local ABI
+ * What gs_cuda.h leaves out, laid out as nvml.h (and pynvml's ctypes) have it. */
+enum {
+    FAKE_NVML_ERROR_NO_PERMISSION = 4,
+    FAKE_NVML_ERROR_ALREADY_INITIALIZED = 5,
+    FAKE_NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    FAKE_NVML_ERROR_TIMEOUT = 10,
+    FAKE_NVML_ERROR_GPU_IS_LOST = 15,
+    FAKE_NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+};
+typedef struct { /* nvmlProcessInfo_v1_t: what the unversioned query fills */
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} FakeProcessInfoV1;
+typedef struct {
+    unsigned int gpu;
+    unsigned int memory;
+} FakeUtilization;
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} FakeProcessUtilizationSample;
+
+#define FAKE_INVALID_INSTANCE 0xFFFFFFFFu /* gpu/compute instance id without MIG */
+#define FAKE_UUID_LEN 40                  /* "GPU-" + 36 */
+
+/* ------------------------------------------------------- exported prototypes */
+API nvmlReturn_t nvmlInit(void);
+API nvmlReturn_t nvmlInit_v2(void);
+API nvmlReturn_t nvmlInitWithFlags(unsigned int flags);
+API nvmlReturn_t nvmlShutdown(void);
+API const char *nvmlErrorString(nvmlReturn_t result);
+API nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length);
+API nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion);
+API nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion);
+API nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount);
+API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount);
+API nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device);
+API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device);
+API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device);
+API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length);
+API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length);
+API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index);
+API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber);
+API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory);
+API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory);
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                      FakeProcessInfoV1 *infos);
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                         nvmlProcessInfo_t *infos);
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                         nvmlProcessInfo_t *infos);
+API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, FakeUtilization *utilization);
+API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
+                                      unsigned int *pendingMode);
+API nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node);
+API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                                 FakeProcessUtilizationSample *utilization,
+                                                 unsigned int *processSamplesCount,
+                                                 unsigned long long lastSeenTimeStamp);
+
+/* ------------------------------------------------------------------ state */
+struct fdev {
+    unsigned int index;
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_refs; /* nvmlInit* calls not yet shut down */
+static struct {
+    unsigned int devices;
+    uint64_t memory, used;
+    unsigned int nprocs;
+    struct {
+        unsigned int pid;
+        uint64_t bytes;
+    } procs[FAKE_MAX_PROCS];
+} g_cfg;
+static struct fdev g_devs[FAKE_MAX_DEVICES];
+
+/* Same grammar as fakecuda.c: "4096", "512k", "80g", "80GiB". */
+static bool parse_size(const char *s, const char **rest, uint64_t *out) {
+    if (!s || *s < '0' || *s > '9') return false;
+    errno = 0;
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno) return false;
+    unsigned shift = 0;
+    switch (*end) {
+    case 'k': case 'K': shift = 10; end++; break;
+    case 'm': case 'M': shift = 20; end++; break;
+    case 'g': case 'G': shift = 30; end++; break;
+    case 't': case 'T': shift = 40; end++; break;
+    default: break;
+    }
+    if (shift && (*end == 'i' || *end == 'I')) end++;
+    if (*end == 'b' || *end == 'B') end++;
+    if (shift && v > (UINT64_MAX >> shift)) return false;
+    if (rest)
+        *rest = end;
+    else if (*end)
+        return false;
+    *out = (uint64_t)v << shift;
+    return true;
+}
+
+static uint64_t env_size(const char *name, uint64_t dflt) {
+    uint64_t v;
+    return parse_size(getenv(name), NULL, &v) ? v : dflt;
+}
+
+/* "pid:bytes,pid:bytes": keeps the well-formed entries. */
+static void parse_procs(const char *s) {
+    g_cfg.nprocs = 0;
+    while (s && *s && g_cfg.nprocs < FAKE_MAX_PROCS) {
+        const char *comma = strchr(s, ',');
+        size_t len = comma ? (size_t)(comma - s) : strlen(s);
+        char item[96];
+        if (len < sizeof item) {
+            memcpy(item, s, len);
+            item[len] = '\0';
+            char *colon = strchr(item, ':');
+            uint64_t bytes;
+            if (colon && colon > item) {
+                *colon = '\0';
+                char *end;
+                errno = 0;
+                unsigned long pid = strtoul(item, &end, 10);
+                if (!errno && !*end && pid <= 0xFFFFFFFFul && parse_size(colon + 1, NULL, &bytes)) {
+                    g_cfg.procs[g_cfg.nprocs].pid = (unsigned int)pid;
+                    g_cfg.procs[g_cfg.nprocs].bytes = bytes;
+                    g_cfg.nprocs++;
+                }
+            }
+        }
+        s = comma ? comma + 1 : NULL;
+    }
+}
+
+static void load_config(void) {
+    uint64_t n = env_size("FAKECUDA_DEVICES", 1);
+    g_cfg.devices = n > FAKE_MAX_DEVICES ? FAKE_MAX_DEVICES : (unsigned int)n;
+    g_cfg.memory = env_size("FAKECUDA_MEMORY", (uint64_t)80 << 30);
+    g_cfg.used = env_size("FAKENVML_USED", 0);
+    if (g_cfg.used > g_cfg.memory) g_cfg.used = g_cfg.memory;
+    parse_procs(getenv("FAKENVML_PROCS"));
+    for (unsigned int i = 0; i < FAKE_MAX_DEVICES; i++) g_devs[i].index = i;
+}
+
+/* The device a handle names, or NULL; takes g_mu and keeps it when a device
+ * is returned (the caller unlocks). *rc says why when NULL. */
+static struct fdev *enter(nvmlDevice_t device, nvmlReturn_t *rc) {
+    pthread_mutex_lock(&g_mu);
+    if (g_refs == 0) {
+        *rc = NVML_ERROR_UNINITIALIZED;
+    } else {
+        uintptr_t p = (uintptr_t)device, base = (uintptr_t)g_devs;
+        if (p >= base && p < base + g_cfg.devices * sizeof g_devs[0] &&
+            (p - base) % sizeof g_devs[0] == 0)
+            return (struct fdev *)device;
+        *rc = NVML_ERROR_INVALID_ARGUMENT;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return NULL;
+}
+
+static bool initialised(void) {
+    pthread_mutex_lock(&g_mu);
+    bool ok = g_refs > 0;
+    pthread_mutex_unlock(&g_mu);
+    return ok;
+}
+
+static void uuid_of(unsigned int i, char out[FAKE_UUID_LEN + 1]) {
+    snprintf(out, FAKE_UUID_LEN + 1, "GPU-facefeed-0000-4000-8000-0000000000%02x", i & 0xffu);
+}
+
+/* Copies s into buf of `length` bytes, or NVML_ERROR_INSUFFICIENT_SIZE. */
+static nvmlReturn_t put_string(const char *s, char *buf, unsigned int length) {
+    if (!buf) return NVML_ERROR_INVALID_ARGUMENT;
+    size_t n = strlen(s);
+    if (length <= n) return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(buf, s, n + 1);
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------------- init */
+API nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    pthread_mutex_lock(&g_mu);
+    if (g_refs == 0) load_config();
+    g_refs++;
+    pthread_mutex_unlock(&g_mu);
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+API nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+API nvmlReturn_t nvmlShutdown(void) {
+    pthread_mutex_lock(&g_mu);
+    nvmlReturn_t rc = NVML_SUCCESS;
+    if (g_refs == 0)
+        rc = NVML_ERROR_UNINITIALIZED;
+    else
+        g_refs--;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API const char *nvmlErrorString(nvmlReturn_t result) {
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case FAKE_NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+    case FAKE_NVML_ERROR_ALREADY_INITIALIZED: return "Already Initialized";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case FAKE_NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case FAKE_NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_LIBRARY_NOT_FOUND: return "NVML Shared Library Not Found";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case FAKE_NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case FAKE_NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+    default: return "Unknown Error";
+    }
+}
+
+/* ----------------------------------------------------------------- system */
+API nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    if (!initialised()) return NVML_ERROR_UNINITIALIZED;
+    return put_string("580.65.06", version, length);
+}
+
+API nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion) {
+    if (!initialised()) return NVML_ERROR_UNINITIALIZED;
+    if (!cudaDriverVersion) return NVML_ERROR_INVALID_ARGUMENT;
+    *cudaDriverVersion = 13000;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion) {
+    return nvmlSystemGetCudaDriverVersion(cudaDriverVersion);
+}
+
+/* ---------------------------------------------------------------- devices */
+API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount) {
+    pthread_mutex_lock(&g_mu);
+    nvmlReturn_t rc = NVML_SUCCESS;
+    if (g_refs == 0)
+        rc = NVML_ERROR_UNINITIALIZED;
+    else if (!deviceCount)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    else
+        *deviceCount = g_cfg.devices;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount) { return nvmlDeviceGetCount_v2(deviceCount); }
+
+API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    pthread_mutex_lock(&g_mu);
+    nvmlReturn_t rc = NVML_SUCCESS;
+    if (g_refs == 0)
+        rc = NVML_ERROR_UNINITIALIZED;
+    else if (!device || index >= g_cfg.devices)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    else
+        *device = (nvmlDevice_t)&g_devs[index];
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device) {
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    pthread_mutex_lock(&g_mu);
+    nvmlReturn_t rc = NVML_ERROR_NOT_FOUND;
+    if (g_refs == 0) {
+        rc = NVML_ERROR_UNINITIALIZED;
+    } else if (!uuid || !device) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        char want[FAKE_UUID_LEN + 1];
+        for (unsigned int i = 0; i < g_cfg.devices; i++) {
+            uuid_of(i, want);
+            if (strcmp(uuid, want) == 0) {
+                *device = (nvmlDevice_t)&g_devs[i];
+                rc = NVML_SUCCESS;
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    char s[FAKE_UUID_LEN + 1];
+    uuid_of(d->index, s);
+    rc = put_string(s, uuid, length);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    rc = put_string("Fake GPU", name, length);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* For the one-unsigned-int queries: index, minor number, NUMA node. */
+static nvmlReturn_t device_uint(nvmlDevice_t device, unsigned int *out, bool index) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    rc = NVML_SUCCESS;
+    if (!out)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    else
+        *out = index ? d->index : 0;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+    return device_uint(device, index, true);
+}
+
+API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber) {
+    return device_uint(device, minorNumber, true);
+}
+
+API nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
+    return device_uint(device, node, false);
+}
+
+API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    rc = NVML_SUCCESS;
+    if (!memory) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        memory->total = g_cfg.memory;
+        memory->used = g_cfg.used;
+        memory->free = g_cfg.memory - g_cfg.used;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    rc = NVML_SUCCESS;
+    if (!memory) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (memory->version != nvmlMemory_v2) {
+        rc = FAKE_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    } else {
+        memory->total = g_cfg.memory;
+        memory->reserved = 0;
+        memory->used = g_cfg.used;
+        memory->free = g_cfg.memory - g_cfg.used;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* The NVML size protocol: *infoCount in = room, out = entries (or entries
+ * needed, with NVML_ERROR_INSUFFICIENT_SIZE). v1 rows are {pid, bytes}. */
+static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos,
+                                      bool v1) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    unsigned int n = g_cfg.nprocs;
+    rc = NVML_SUCCESS;
+    if (!infoCount) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (*infoCount < n) {
+        *infoCount = n;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else if (n > 0 && !infos) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        for (unsigned int i = 0; i < n; i++) {
+            if (v1) {
+                FakeProcessInfoV1 *row = (FakeProcessInfoV1 *)infos + i;
+                row->pid = g_cfg.procs[i].pid;
+                row->usedGpuMemory = g_cfg.procs[i].bytes;
+            } else {
+                nvmlProcessInfo_t *row = (nvmlProcessInfo_t *)infos + i;
+                row->pid = g_cfg.procs[i].pid;
+                row->usedGpuMemory = g_cfg.procs[i].bytes;
+                row->gpuInstanceId = FAKE_INVALID_INSTANCE;
+                row->computeInstanceId = FAKE_INVALID_INSTANCE;
+            }
+        }
+        *infoCount = n;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                      FakeProcessInfoV1 *infos) {
+    return running_processes(device, infoCount, infos, true);
+}
+
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                         nvmlProcessInfo_t *infos) {
+    return running_processes(device, infoCount, infos, false);
+}
+
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                         nvmlProcessInfo_t *infos) {
+    return running_processes(device, infoCount, infos, false);
+}
+
+API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, FakeUtilization *utilization) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    rc = NVML_SUCCESS;
+    if (!utilization) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        utilization->gpu = 0;
+        utilization->memory = 0;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
+                                      unsigned int *pendingMode) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    rc = NVML_SUCCESS;
+    if (!currentMode || !pendingMode) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        *currentMode = 0; /* NVML_DEVICE_MIG_DISABLE */
+        *pendingMode = 0;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                                 FakeProcessUtilizationSample *utilization,
+                                                 unsigned int *processSamplesCount,
+                                                 unsigned long long lastSeenTimeStamp) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    rc = processSamplesCount ? NVML_ERROR_NOT_FOUND : NVML_ERROR_INVALID_ARGUMENT;
+    if (processSamplesCount) *processSamplesCount = 0;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}

@@ -1,0 +1,106 @@
+"""The compute limiter on the fake GPU: the share a process gets, per policy, for
+every launch path, and the node agent's flags."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuslice_common.region import Region
+from tests.native.probe import ProbeRunner, ProbeSpawner
+
+
+def sm(region: Path, limit: int, policy: str = "force", **extra: str | int) -> dict[str, str | int]:
+    return {
+        "CUDA_DEVICE_SM_LIMIT": limit,
+        "GPU_CORE_UTILIZATION_POLICY": policy,
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region),
+        **extra,
+    }
+
+
+def share(
+    run_probe: ProbeRunner, env: dict[str, str | int], kind: str = "kernel", seconds: float = 2
+) -> float:
+    line = run_probe("init", "ctx", "run", seconds, 2000, kind, env=env, timeout=60).one("run")
+    assert line["rc"] == 0, line
+    return float(line["share"])
+
+
+def test_without_a_limit_the_gpu_is_all_yours(run_probe: ProbeRunner, region_path: Path) -> None:
+    assert share(run_probe, {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region_path)}, seconds=1) > 0.9
+
+
+@pytest.mark.parametrize("limit", [20, 50, 80])
+def test_force_holds_the_share_within_five_points(
+    run_probe: ProbeRunner, region_path: Path, limit: int
+) -> None:
+    got = share(run_probe, sm(region_path, limit))
+    assert abs(got - limit / 100) <= 0.05, got
+
+
+@pytest.mark.parametrize("kind", ["ex", "coop", "graph"])
+def test_every_launch_path_is_limited(run_probe: ProbeRunner, region_path: Path, kind: str) -> None:
+    got = share(run_probe, sm(region_path, 40), kind=kind, seconds=1.5)
+    assert abs(got - 0.40) <= 0.07, got
+
+
+def test_per_thread_stream_launches_are_limited(run_probe: ProbeRunner, region_path: Path) -> None:
+    line = run_probe(
+        "init", "ctx", "run", 1.5, 2000, "kernel", env=sm(region_path, 40), options=("--proc", "--ptds"),
+        timeout=60,
+    ).one("run")  # fmt: skip
+    assert abs(line["share"] - 0.40) <= 0.07, line
+
+
+def test_disable_never_limits(run_probe: ProbeRunner, region_path: Path) -> None:
+    assert share(run_probe, sm(region_path, 30, "disable"), seconds=1) > 0.9
+
+
+def agent(region_path: Path, *, shared: bool, yield_: bool = False) -> None:
+    with Region.open(region_path, writable=True) as region:
+        region.set_flags(0, shared=shared, yield_=yield_)
+        region.heartbeat()
+
+
+def test_default_limits_while_the_agent_says_the_gpu_is_shared(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    run_probe("init", "ctx", env=sm(region_path, 30, "default"))  # creates the region
+    agent(region_path, shared=False)
+    assert share(run_probe, sm(region_path, 30, "default"), seconds=1) > 0.9
+    agent(region_path, shared=True)
+    assert abs(share(run_probe, sm(region_path, 30, "default"), seconds=1.5) - 0.30) <= 0.07
+
+
+def test_default_without_a_live_agent_limits(run_probe: ProbeRunner, region_path: Path) -> None:
+    assert abs(share(run_probe, sm(region_path, 30, "default"), seconds=1.5) - 0.30) <= 0.07
+
+
+def test_the_region_records_busy_and_throttled_time(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    share(run_probe, sm(region_path, 25), seconds=1)
+    with Region.open(region_path) as region:
+        device = region.devices()[0]
+        assert device.sm_limit_percent == 25
+        assert 0.15e9 < device.busy_ns < 0.4e9
+        assert device.throttled_ns > 0.5e9
+
+
+def test_a_low_priority_process_yields_while_the_agent_asks(
+    spawn_probe: ProbeSpawner, run_probe: ProbeRunner, region_path: Path
+) -> None:
+    env = sm(region_path, 0, "default", CUDA_TASK_PRIORITY=1)
+    run_probe("init", "ctx", env=env)
+    agent(region_path, shared=True, yield_=True)
+    proc = spawn_probe("init", "ctx", "launch", 1, 1000, "sync", env=env)
+    time.sleep(1.0)
+    assert proc.poll() is None  # still waiting to launch
+    agent(region_path, shared=True, yield_=False)
+    result = proc.result(timeout=10)
+    assert result.one("launch")["rc"] == 0
+    with Region.open(region_path) as region:
+        assert region.devices()[0].throttled_ns >= 0.9e9
