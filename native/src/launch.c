@@ -173,45 +173,40 @@ static void after_launch(int d, CUstream stream, CUresult rc, uint32_t limit) {
     pthread_mutex_unlock(&w->mu);
 }
 
-#define GS_LAUNCH(fn, args, stream)                                                           \
-    do {                                                                                      \
+/*
+ * Each entry point is a fast path that only reads two flags and jumps to the
+ * driver (a sibling call: no frame of its own), and a slow path, out of line,
+ * that initialises and limits.
+ */
+#define GS_LAUNCH_ENTRY(fn, params, args, stream)                                             \
+    static __attribute__((noinline)) CUresult fn##_limited params {                           \
         gs_init();                                                                            \
-        if (GS_LIKELY(!atomic_load_explicit(&limiter_on, memory_order_relaxed)))              \
-            return GS_CALL(fn, args);                                                         \
+        if (!atomic_load_explicit(&limiter_on, memory_order_relaxed)) return GS_CALL(fn, args); \
         uint32_t limit_ = 0;                                                                  \
         int d_ = before_launch((stream), &limit_);                                            \
         CUresult rc_ = GS_CALL(fn, args);                                                     \
         if (d_ >= 0) after_launch(d_, (stream), rc_, limit_);                                 \
         return rc_;                                                                           \
-    } while (0)
+    }                                                                                         \
+    CUresult fn params {                                                                      \
+        if (GS_LIKELY(atomic_load_explicit(&gs_ready, memory_order_acquire) &&                \
+                      !atomic_load_explicit(&limiter_on, memory_order_relaxed) &&             \
+                      gs_real.fn != NULL))                                                    \
+            return gs_real.fn args;                                                           \
+        return fn##_limited args;                                                             \
+    }
 
-CUresult cuLaunchKernel GS_LAUNCH_PARAMS { GS_LAUNCH(cuLaunchKernel, GS_LAUNCH_ARGS, hStream); }
-
-CUresult cuLaunchKernel_ptsz GS_LAUNCH_PARAMS {
-    GS_LAUNCH(cuLaunchKernel_ptsz, GS_LAUNCH_ARGS, hStream);
-}
-
-CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
-    GS_LAUNCH(cuLaunchKernelEx, (config, f, kernelParams, extra), config ? config->hStream : NULL);
-}
-
-CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                               void **extra) {
-    GS_LAUNCH(cuLaunchKernelEx_ptsz, (config, f, kernelParams, extra), config ? config->hStream : NULL);
-}
-
-CUresult cuLaunchCooperativeKernel GS_COOP_PARAMS {
-    GS_LAUNCH(cuLaunchCooperativeKernel, GS_COOP_ARGS, hStream);
-}
-
-CUresult cuLaunchCooperativeKernel_ptsz GS_COOP_PARAMS {
-    GS_LAUNCH(cuLaunchCooperativeKernel_ptsz, GS_COOP_ARGS, hStream);
-}
-
-CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
-    GS_LAUNCH(cuGraphLaunch, (hGraphExec, hStream), hStream);
-}
-
-CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
-    GS_LAUNCH(cuGraphLaunch_ptsz, (hGraphExec, hStream), hStream);
-}
+GS_LAUNCH_ENTRY(cuLaunchKernel, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream)
+GS_LAUNCH_ENTRY(cuLaunchKernel_ptsz, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream)
+GS_LAUNCH_ENTRY(cuLaunchKernelEx,
+                (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
+                (config, f, kernelParams, extra), config ? config->hStream : NULL)
+GS_LAUNCH_ENTRY(cuLaunchKernelEx_ptsz,
+                (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
+                (config, f, kernelParams, extra), config ? config->hStream : NULL)
+GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel, GS_COOP_PARAMS, GS_COOP_ARGS, hStream)
+GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel_ptsz, GS_COOP_PARAMS, GS_COOP_ARGS, hStream)
+GS_LAUNCH_ENTRY(cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), (hGraphExec, hStream),
+                hStream)
+GS_LAUNCH_ENTRY(cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream),
+                (hGraphExec, hStream), hStream)
