@@ -161,3 +161,28 @@ def test_a_process_that_never_uses_cuda_is_left_alone(native: Native, tmp_path: 
     )  # fmt: skip
     assert done.stderr == ""
     assert not region.exists()  # no region until a process calls cuInit
+
+
+def test_valgrind_finds_no_memory_errors(native: Native, tmp_path: Path) -> None:
+    """The release build, as deployed, under memcheck: a run through every kind of hook."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "LD_LIBRARY_PATH": str(native.fake_dir),
+        "LD_PRELOAD": str(native.lib),
+        "CUDA_DEVICE_MEMORY_LIMIT": "1g",
+        "CUDA_DEVICE_SM_LIMIT": "50",
+        "GPU_CORE_UTILIZATION_POLICY": "force",
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp_path / "region.cache"),
+        "GPUSLICE_CONTEXT_OVERHEAD": "0",
+    }
+    commands = [
+        "init", "ctx", "alloc", "100m", "vmm", "64m", "async", "10m", "array", "64", "64", "0x20", "1",
+        "free", "0", "free", "1", "free", "2", "free", "3", "alloc", "2g", "info",
+        "launch", "20", "100", "sync", "nvml", "nvmlmem", "0", "proc", "cuMemAlloc", "12000", "0",
+    ]  # fmt: skip
+    done = subprocess.run(
+        ["valgrind", "--error-exitcode=99", "--leak-check=no", str(native.probe), *commands],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in done.stderr

@@ -1,0 +1,1302 @@
+/*
+ * probe: runs the CUDA driver / NVML calls named on its command line, in order,
+ * and prints one JSON object per command on stdout (flushed after each line):
+ *
+ *     probe [--proc] [--ptds] init ctx alloc 1g info free 0
+ *     {"cmd":"init","rc":0}
+ *     {"cmd":"ctx","rc":0,"dev":0}
+ *     {"cmd":"alloc","rc":0,"id":0,"ptr":140241,"bytes":1073741824}
+ *     ...
+ *
+ * "rc" is the CUresult / nvmlReturn_t of the call (-2: the function could not be
+ * resolved, -1: a probe-side problem such as an unknown handle id). A failed call
+ * never stops the run. Every handle the probe creates goes into one table; its
+ * index is the "id" that `free` and `destroyctx` take. The whole command line is
+ * checked before anything runs: a malformed one prints {"error":...} and exits 2.
+ *
+ * --proc  call every driver function through pointers from cuGetProcAddress_v2
+ *         (cudaVersion 13000), itself found with dlsym(dlopen("libcuda.so.1")),
+ *         which is how the CUDA runtime reaches the driver;
+ * --ptds  as --proc, asking for the per-thread default stream variants.
+ *
+ * Sizes take k/m/g/t suffixes (KiB/MiB/GiB/TiB); numbers may be written 0x...
+ * Used by tests/native against the fake driver (native/tests/fake).
+ *
+ * Commands ([X]: optional; DEV defaults to 0; an optional word is taken only when
+ * it parses as one, so `dlsym NAME nvml` looks in NVML rather than running `nvml`):
+ *   init | ctx [DEV] | newctx [DEV] | newctx3 [DEV] | newctx4 [DEV] | destroyctx ID
+ *   release [DEV] | reset [DEV]
+ *   alloc SIZE | pitch WIDTH HEIGHT ELEM | managed SIZE | array W H FORMAT CH
+ *   array3d W H D FORMAT CH | mipmap W H D FORMAT CH LEVELS | vmm SIZE [DEV]
+ *   async SIZE | poolalloc SIZE | free ID | freeraw PTR | trim BYTES | poolattr
+ *   info | totalmem [DEV] | fakeused [DEV] | uuid [DEV]
+ *   fill SIZE | race SIZE COUNT START_NS (CLOCK_REALTIME)
+ *   launch N US [kernel|ex|coop|graph] | sync | run SECONDS US [kernel|ex|coop|graph]
+ *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
+ *   nvml | nvmlmem IDX | nvmlprocs IDX
+ *   sleep MS | hold | lock PATH | getppid
+ * Creating commands print "id" (null on failure), "ptr" (the pointer or handle),
+ * "bytes" (what was asked for; arrays leave it out) and "ns" (time in the call).
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gs_cuda.h"
+
+/* ------------------------------------------------------------------ driver prototypes */
+/* Every symbol the interposer knows, with the signatures it wraps. */
+#define CUDA_HOOK(name, params, args) CUresult name params;
+#define CUDA_REAL(name, params, args) CUresult name params;
+#define NVML_HOOK(name, params, args) nvmlReturn_t name params;
+#define NVML_REAL(name, params, args) nvmlReturn_t name params;
+#include "../src/hooks.def"
+
+/* ...and the rest of what the probe calls. */
+CUresult cuCtxSetCurrent(CUcontext ctx);
+CUresult cuCtxSynchronize(void);
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev);
+CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value);
+nvmlReturn_t nvmlInit_v2(void);
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device);
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
+                                                     nvmlProcessInfo_t *infos);
+
+typedef CUresult (*get_proc_v2_t)(const char *, void **, int, cuuint64_t,
+                                  CUdriverProcAddressQueryResult *);
+typedef CUresult (*get_proc_v1_t)(const char *, void **, int, cuuint64_t);
+typedef unsigned long long (*fake_counter_t)(int);
+
+#define PROBE_UNRESOLVED (-2)
+#define PROBE_ERROR (-1)
+#define PROC_VERSION 13000
+
+/*
+ * The driver functions the probe calls: field, name cuGetProcAddress knows it by,
+ * and the cudaVersion that selects this very variant (cuCtxCreate has three).
+ */
+#define API_LIST(X)                                                                          \
+    X(cuInit, "cuInit", PROC_VERSION)                                                       \
+    X(cuDeviceGet, "cuDeviceGet", PROC_VERSION)                                             \
+    X(cuDeviceGetUuid, "cuDeviceGetUuid", PROC_VERSION)                                     \
+    X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", PROC_VERSION)                   \
+    X(cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", PROC_VERSION)              \
+    X(cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", PROC_VERSION)                  \
+    X(cuCtxSetCurrent, "cuCtxSetCurrent", PROC_VERSION)                                     \
+    X(cuCtxGetDevice, "cuCtxGetDevice", PROC_VERSION)                                       \
+    X(cuCtxCreate_v2, "cuCtxCreate", 3020)                                                  \
+    X(cuCtxCreate_v3, "cuCtxCreate", 11040)                                                 \
+    X(cuCtxCreate_v4, "cuCtxCreate", PROC_VERSION)                                          \
+    X(cuCtxDestroy_v2, "cuCtxDestroy", PROC_VERSION)                                        \
+    X(cuCtxSynchronize, "cuCtxSynchronize", PROC_VERSION)                                   \
+    X(cuMemAlloc_v2, "cuMemAlloc", PROC_VERSION)                                            \
+    X(cuMemAllocPitch_v2, "cuMemAllocPitch", PROC_VERSION)                                  \
+    X(cuMemAllocManaged, "cuMemAllocManaged", PROC_VERSION)                                 \
+    X(cuMemFree_v2, "cuMemFree", PROC_VERSION)                                              \
+    X(cuArrayCreate_v2, "cuArrayCreate", PROC_VERSION)                                      \
+    X(cuArray3DCreate_v2, "cuArray3DCreate", PROC_VERSION)                                  \
+    X(cuArrayDestroy, "cuArrayDestroy", PROC_VERSION)                                       \
+    X(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", PROC_VERSION)                       \
+    X(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", PROC_VERSION)                     \
+    X(cuMemCreate, "cuMemCreate", PROC_VERSION)                                             \
+    X(cuMemRelease, "cuMemRelease", PROC_VERSION)                                           \
+    X(cuMemAllocAsync, "cuMemAllocAsync", PROC_VERSION)                                     \
+    X(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", PROC_VERSION)                     \
+    X(cuMemFreeAsync, "cuMemFreeAsync", PROC_VERSION)                                       \
+    X(cuDeviceGetDefaultMemPool, "cuDeviceGetDefaultMemPool", PROC_VERSION)                 \
+    X(cuMemPoolTrimTo, "cuMemPoolTrimTo", PROC_VERSION)                                     \
+    X(cuMemPoolGetAttribute, "cuMemPoolGetAttribute", PROC_VERSION)                         \
+    X(cuMemGetInfo_v2, "cuMemGetInfo", PROC_VERSION)                                        \
+    X(cuDeviceTotalMem_v2, "cuDeviceTotalMem", PROC_VERSION)                                \
+    X(cuLaunchKernel, "cuLaunchKernel", PROC_VERSION)                                       \
+    X(cuLaunchKernelEx, "cuLaunchKernelEx", PROC_VERSION)                                   \
+    X(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", PROC_VERSION)                 \
+    X(cuGraphLaunch, "cuGraphLaunch", PROC_VERSION)
+
+static struct {
+#define X(field, name, version) __typeof__(field) *field;
+    API_LIST(X)
+#undef X
+} api;
+
+/* Calls through the table; PROBE_UNRESOLVED when --proc could not resolve it. */
+#define CALL(field, ...) (api.field ? api.field(__VA_ARGS__) : PROBE_UNRESOLVED)
+
+static bool opt_proc, opt_ptds;
+
+/* ------------------------------------------------------------------ JSON output */
+static char *jbuf;
+static size_t jlen, jcap;
+
+static void j_raw(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void j_raw(const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(jbuf ? jbuf + jlen : NULL, jbuf ? jcap - jlen : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) return;
+        if (jbuf && jlen + (size_t)n < jcap) {
+            jlen += (size_t)n;
+            return;
+        }
+        size_t cap = jcap ? jcap : 4096;
+        while (cap <= jlen + (size_t)n) cap *= 2;
+        char *grown = realloc(jbuf, cap);
+        if (!grown) {
+            fputs("probe: out of memory\n", stderr);
+            _exit(70);
+        }
+        jbuf = grown;
+        jcap = cap;
+    }
+}
+
+static void j_string(const char *s) {
+    j_raw("\"");
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            j_raw("\\%c", *p);
+        else if (*p < 0x20 || *p >= 0x7f)
+            j_raw("\\u%04x", *p);
+        else
+            j_raw("%c", *p);
+    }
+    j_raw("\"");
+}
+
+static void j_begin(const char *cmd) {
+    jlen = 0;
+    j_raw("{\"cmd\":");
+    j_string(cmd);
+}
+
+static void j_key(const char *key) {
+    j_raw(",");
+    j_string(key);
+    j_raw(":");
+}
+
+static void j_int(const char *key, long long v) {
+    j_key(key);
+    j_raw("%lld", v);
+}
+
+static void j_u64(const char *key, unsigned long long v) {
+    j_key(key);
+    j_raw("%llu", v);
+}
+
+static void j_dbl(const char *key, double v) {
+    j_key(key);
+    if (isfinite(v))
+        j_raw("%.6g", v);
+    else
+        j_raw("null");
+}
+
+static void j_str(const char *key, const char *v) {
+    j_key(key);
+    if (v)
+        j_string(v);
+    else
+        j_raw("null");
+}
+
+static void j_bool(const char *key, bool v) {
+    j_key(key);
+    j_raw(v ? "true" : "false");
+}
+
+static void j_null(const char *key) {
+    j_key(key);
+    j_raw("null");
+}
+
+static void j_end(void) {
+    j_raw("}\n");
+    fwrite(jbuf, 1, jlen, stdout);
+    fflush(stdout);
+}
+
+/* A line with just the command and rc. */
+static void j_rc(const char *cmd, long long rc) {
+    j_begin(cmd);
+    j_int("rc", rc);
+    j_end();
+}
+
+static void j_fail_args(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void j_fail_args(const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    jlen = 0;
+    j_raw("{\"error\":");
+    j_string(msg);
+    j_raw("}\n");
+    fwrite(jbuf, 1, jlen, stdout);
+    fflush(stdout);
+    exit(2);
+}
+
+/* ------------------------------------------------------------------ handle table */
+enum kind { K_NONE = 0, K_MEM, K_ARRAY, K_MIPMAP, K_VMM, K_ASYNC, K_CTX };
+static const char *const kind_names[] = {"none", "mem", "array", "mipmap", "vmm", "async", "ctx"};
+
+typedef struct {
+    enum kind kind;
+    bool freed;
+    unsigned long long handle;
+    size_t bytes;
+} entry_t;
+
+static entry_t *table;
+static size_t table_len, table_cap;
+
+static long long table_add(enum kind kind, unsigned long long handle, size_t bytes) {
+    if (table_len == table_cap) {
+        size_t cap = table_cap ? table_cap * 2 : 64;
+        entry_t *grown = realloc(table, cap * sizeof *grown);
+        if (!grown) {
+            fputs("probe: out of memory\n", stderr);
+            _exit(70);
+        }
+        table = grown;
+        table_cap = cap;
+    }
+    table[table_len] = (entry_t){.kind = kind, .handle = handle, .bytes = bytes};
+    return (long long)table_len++;
+}
+
+/* ------------------------------------------------------------------ argument parsing */
+static bool parse_u64(const char *s, unsigned long long *out) {
+    if (!s || !*s || *s == '-' || *s == '+') return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, (s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) ? 16 : 10);
+    if (errno || end == s || *end) return false;
+    *out = v;
+    return true;
+}
+
+static bool parse_size(const char *s, unsigned long long *out) {
+    if (!s || !*s || *s == '-' || *s == '+') return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, (s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) ? 16 : 10);
+    if (errno || end == s) return false;
+    unsigned shift = 0;
+    switch (*end) {
+    case '\0': break;
+    case 'k': case 'K': shift = 10; break;
+    case 'm': case 'M': shift = 20; break;
+    case 'g': case 'G': shift = 30; break;
+    case 't': case 'T': shift = 40; break;
+    default: return false;
+    }
+    if (*end && end[1]) return false;
+    if (shift && v > (~0ULL >> shift)) return false;
+    *out = v << shift;
+    return true;
+}
+
+static bool parse_int(const char *s, int *out) {
+    unsigned long long v;
+    if (!parse_u64(s, &v) || v > 0x7fffffff) return false;
+    *out = (int)v;
+    return true;
+}
+
+static bool parse_float(const char *s, double *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v) || v < 0) return false;
+    *out = v;
+    return true;
+}
+
+static unsigned long long arg_u64(const char *s) {
+    unsigned long long v = 0;
+    (void)parse_u64(s, &v);
+    return v;
+}
+
+static size_t arg_size(const char *s) {
+    unsigned long long v = 0;
+    (void)parse_size(s, &v);
+    return (size_t)v;
+}
+
+/* An optional device argument (absent: 0). */
+static int arg_dev(int argc, char **argv, int i) {
+    int v = 0;
+    if (i < argc) (void)parse_int(argv[i], &v);
+    return v;
+}
+
+/* ------------------------------------------------------------------ helpers */
+static uint64_t now_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_ns(uint64_t ns) {
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ULL), .tv_nsec = (long)(ns % 1000000000ULL)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+static CUresult get_device(int ordinal, CUdevice *dev) {
+    *dev = ordinal;
+    return CALL(cuDeviceGet, dev, ordinal);
+}
+
+/* Device of the current context, 0 when there is none. */
+static int current_device(void) {
+    CUdevice dev = 0;
+    if (CALL(cuCtxGetDevice, &dev) != CUDA_SUCCESS) return 0;
+    return dev;
+}
+
+static fake_counter_t fake_counter(const char *name) {
+    void *sym = dlsym(RTLD_DEFAULT, name);
+    fake_counter_t fn;
+    memcpy(&fn, &sym, sizeof fn);
+    return fn;
+}
+
+/* dladdr's library basename and symbol name for a pointer. */
+static void j_where(const void *p) {
+    Dl_info info;
+    if (p && dladdr(p, &info) && info.dli_fname) {
+        const char *slash = strrchr(info.dli_fname, '/');
+        j_str("lib", slash ? slash + 1 : info.dli_fname);
+        j_str("sym", info.dli_sname);
+    } else {
+        j_null("lib");
+        j_null("sym");
+    }
+}
+
+static void *libcuda_handle(void) {
+    static void *handle;
+    if (!handle) handle = dlopen("libcuda.so.1", RTLD_NOW);
+    return handle;
+}
+
+static void *libnvml_handle(void) {
+    static void *handle;
+    if (!handle) handle = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    return handle;
+}
+
+static get_proc_v2_t get_proc_v2(void) {
+    void *h = libcuda_handle();
+    void *sym = h ? dlsym(h, "cuGetProcAddress_v2") : NULL;
+    get_proc_v2_t fn;
+    memcpy(&fn, &sym, sizeof fn);
+    return fn;
+}
+
+/* Fill the call table: the linked symbols, or cuGetProcAddress_v2 like cudart. */
+static void api_setup(void) {
+    if (!opt_proc) {
+#define X(field, name, version) api.field = field;
+        API_LIST(X)
+#undef X
+        return;
+    }
+    get_proc_v2_t gpa = get_proc_v2();
+    if (!gpa) {
+        fprintf(stderr, "probe: no cuGetProcAddress_v2 in libcuda.so.1: %s\n", dlerror());
+        return;
+    }
+    cuuint64_t flags = opt_ptds ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+                                : CU_GET_PROC_ADDRESS_DEFAULT;
+#define X(field, name, version)                                                              \
+    do {                                                                                     \
+        void *fn = NULL;                                                                     \
+        CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;            \
+        CUresult r = gpa(name, &fn, version, flags, &st);                                    \
+        if (r != CUDA_SUCCESS || st != CU_GET_PROC_ADDRESS_SUCCESS || !fn) {                 \
+            fprintf(stderr, "probe: cuGetProcAddress_v2(%s, %d) = %d, status %d\n", name,    \
+                    version, r, (int)st);                                                    \
+            fn = NULL;                                                                       \
+        }                                                                                    \
+        memcpy(&api.field, &fn, sizeof api.field);                                           \
+    } while (0);
+    API_LIST(X)
+#undef X
+}
+
+/* ------------------------------------------------------------------ commands */
+static void cmd_init(int argc, char **argv) {
+    j_rc("init", CALL(cuInit, 0));
+}
+
+static void cmd_ctx(int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    CUdevice dev;
+    CUcontext ctx = NULL;
+    CUresult rc = get_device(ordinal, &dev);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuDevicePrimaryCtxRetain, &ctx, dev);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuCtxSetCurrent, ctx);
+    j_begin("ctx");
+    j_int("rc", rc);
+    j_int("dev", ordinal);
+    j_end();
+}
+
+static void newctx_common(const char *cmd, int version, int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    CUdevice dev;
+    CUcontext ctx = NULL;
+    CUresult rc = get_device(ordinal, &dev);
+    if (rc == CUDA_SUCCESS) {
+        if (version == 2)
+            rc = CALL(cuCtxCreate_v2, &ctx, 0, dev);
+        else if (version == 3)
+            rc = CALL(cuCtxCreate_v3, &ctx, NULL, 0, 0, dev);
+        else
+            rc = CALL(cuCtxCreate_v4, &ctx, NULL, 0, dev);
+    }
+    j_begin(cmd);
+    j_int("rc", rc);
+    j_int("dev", ordinal);
+    if (rc == CUDA_SUCCESS)
+        j_int("id", table_add(K_CTX, (unsigned long long)(uintptr_t)ctx, 0));
+    else
+        j_null("id");
+    j_end();
+}
+
+static void cmd_newctx(int argc, char **argv) { newctx_common("newctx", 2, argc, argv); }
+static void cmd_newctx3(int argc, char **argv) { newctx_common("newctx3", 3, argc, argv); }
+static void cmd_newctx4(int argc, char **argv) { newctx_common("newctx4", 4, argc, argv); }
+
+static void cmd_release(int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    CUdevice dev;
+    CUresult rc = get_device(ordinal, &dev);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuDevicePrimaryCtxRelease_v2, dev);
+    j_begin("release");
+    j_int("rc", rc);
+    j_int("dev", ordinal);
+    j_end();
+}
+
+static void cmd_reset(int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    CUdevice dev;
+    CUresult rc = get_device(ordinal, &dev);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuDevicePrimaryCtxReset_v2, dev);
+    j_begin("reset");
+    j_int("rc", rc);
+    j_int("dev", ordinal);
+    j_end();
+}
+
+/* "bytes" of a handle whose size the driver decides (arrays): left out. */
+#define BYTES_UNKNOWN ((size_t)-1)
+
+/* When the current command's driver call began (for its "ns"). */
+static uint64_t call_t0;
+
+/* The line of a call that creates a handle: rc, id (null on failure), the handle and how
+ * long the call took since call_t0. */
+static void j_created(const char *cmd, CUresult rc, enum kind kind, unsigned long long handle,
+                      size_t bytes) {
+    uint64_t took = now_ns(CLOCK_MONOTONIC) - call_t0;
+    j_begin(cmd);
+    j_int("rc", rc);
+    if (rc == CUDA_SUCCESS) {
+        j_int("id", table_add(kind, handle, bytes));
+        j_u64("ptr", handle);
+    } else {
+        j_null("id");
+    }
+    if (bytes != BYTES_UNKNOWN) j_u64("bytes", bytes);
+    j_u64("ns", took);
+}
+
+static void cmd_alloc(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    CUdeviceptr p = 0;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuMemAlloc_v2, &p, size);
+    j_created("alloc", rc, K_MEM, p, size);
+    j_end();
+}
+
+static void cmd_pitch(int argc, char **argv) {
+    size_t width = arg_size(argv[0]), height = (size_t)arg_u64(argv[1]);
+    unsigned elem = (unsigned)arg_u64(argv[2]);
+    CUdeviceptr p = 0;
+    size_t pitch = 0;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuMemAllocPitch_v2, &p, &pitch, width, height, elem);
+    j_created("pitch", rc, K_MEM, p, pitch * height);
+    j_u64("pitch", pitch);
+    j_end();
+}
+
+static void cmd_managed(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    CUdeviceptr p = 0;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuMemAllocManaged, &p, size, 1 /* CU_MEM_ATTACH_GLOBAL */);
+    j_created("managed", rc, K_MEM, p, size);
+    j_end();
+}
+
+static void cmd_array(int argc, char **argv) {
+    CUDA_ARRAY_DESCRIPTOR d = {
+        .Width = (size_t)arg_u64(argv[0]),
+        .Height = (size_t)arg_u64(argv[1]),
+        .Format = (CUarray_format)arg_u64(argv[2]),
+        .NumChannels = (unsigned)arg_u64(argv[3]),
+    };
+    CUarray a = NULL;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuArrayCreate_v2, &a, &d);
+    j_created("array", rc, K_ARRAY, (unsigned long long)(uintptr_t)a, BYTES_UNKNOWN);
+    j_end();
+}
+
+static void cmd_array3d(int argc, char **argv) {
+    CUDA_ARRAY3D_DESCRIPTOR d = {
+        .Width = (size_t)arg_u64(argv[0]),
+        .Height = (size_t)arg_u64(argv[1]),
+        .Depth = (size_t)arg_u64(argv[2]),
+        .Format = (CUarray_format)arg_u64(argv[3]),
+        .NumChannels = (unsigned)arg_u64(argv[4]),
+        .Flags = 0,
+    };
+    CUarray a = NULL;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuArray3DCreate_v2, &a, &d);
+    j_created("array3d", rc, K_ARRAY, (unsigned long long)(uintptr_t)a, BYTES_UNKNOWN);
+    j_end();
+}
+
+static void cmd_mipmap(int argc, char **argv) {
+    CUDA_ARRAY3D_DESCRIPTOR d = {
+        .Width = (size_t)arg_u64(argv[0]),
+        .Height = (size_t)arg_u64(argv[1]),
+        .Depth = (size_t)arg_u64(argv[2]),
+        .Format = (CUarray_format)arg_u64(argv[3]),
+        .NumChannels = (unsigned)arg_u64(argv[4]),
+        .Flags = 0,
+    };
+    unsigned levels = (unsigned)arg_u64(argv[5]);
+    CUmipmappedArray m = NULL;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuMipmappedArrayCreate, &m, &d, levels);
+    j_created("mipmap", rc, K_MIPMAP, (unsigned long long)(uintptr_t)m, BYTES_UNKNOWN);
+    j_end();
+}
+
+static void cmd_vmm(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    int ordinal = arg_dev(argc, argv, 1);
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal;
+    CUmemGenericAllocationHandle h = 0;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuMemCreate, &h, size, &prop, 0);
+    j_created("vmm", rc, K_VMM, h, size);
+    j_int("dev", ordinal);
+    j_end();
+}
+
+static void cmd_async(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    CUdeviceptr p = 0;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuMemAllocAsync, &p, size, NULL);
+    j_created("async", rc, K_ASYNC, p, size);
+    j_end();
+}
+
+static CUresult default_pool(CUmemoryPool *pool) {
+    *pool = NULL;
+    return CALL(cuDeviceGetDefaultMemPool, pool, current_device());
+}
+
+static void cmd_poolalloc(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    CUmemoryPool pool;
+    CUdeviceptr p = 0;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = default_pool(&pool);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuMemAllocFromPoolAsync, &p, size, pool, NULL);
+    j_created("poolalloc", rc, K_ASYNC, p, size);
+    j_end();
+}
+
+static void cmd_free(int argc, char **argv) {
+    unsigned long long id = arg_u64(argv[0]);
+    j_begin("free");
+    if (id >= table_len) {
+        j_int("rc", PROBE_ERROR);
+        j_u64("id", id);
+        j_str("error", "no such id");
+        j_end();
+        return;
+    }
+    entry_t *e = &table[id];
+    CUresult rc = PROBE_ERROR;
+    switch (e->kind) {
+    case K_MEM: rc = CALL(cuMemFree_v2, (CUdeviceptr)e->handle); break;
+    case K_ARRAY: rc = CALL(cuArrayDestroy, (CUarray)(uintptr_t)e->handle); break;
+    case K_MIPMAP: rc = CALL(cuMipmappedArrayDestroy, (CUmipmappedArray)(uintptr_t)e->handle); break;
+    case K_VMM: rc = CALL(cuMemRelease, (CUmemGenericAllocationHandle)e->handle); break;
+    case K_ASYNC: rc = CALL(cuMemFreeAsync, (CUdeviceptr)e->handle, NULL); break;
+    case K_CTX: rc = CALL(cuCtxDestroy_v2, (CUcontext)(uintptr_t)e->handle); break;
+    case K_NONE: break;
+    }
+    j_int("rc", rc);
+    j_u64("id", id);
+    j_str("kind", kind_names[e->kind]);
+    /* Freeing twice calls the driver again (a test of double frees); says so. */
+    j_bool("again", e->freed);
+    if (rc == CUDA_SUCCESS) e->freed = true;
+    j_end();
+}
+
+/* cuMemFree_v2 of an address the probe never allocated. */
+static void cmd_freeraw(int argc, char **argv) {
+    unsigned long long address = arg_u64(argv[0]);
+    CUresult rc = CALL(cuMemFree_v2, (CUdeviceptr)address);
+    j_begin("freeraw");
+    j_int("rc", rc);
+    j_u64("address", address);
+    j_end();
+}
+
+static void cmd_destroyctx(int argc, char **argv) {
+    unsigned long long id = arg_u64(argv[0]);
+    j_begin("destroyctx");
+    if (id >= table_len || table[id].kind != K_CTX) {
+        j_int("rc", PROBE_ERROR);
+        j_u64("id", id);
+        j_str("error", "no such context id");
+        j_end();
+        return;
+    }
+    entry_t *e = &table[id];
+    CUresult rc = CALL(cuCtxDestroy_v2, (CUcontext)(uintptr_t)e->handle);
+    j_int("rc", rc);
+    j_u64("id", id);
+    j_bool("again", e->freed);
+    if (rc == CUDA_SUCCESS) e->freed = true;
+    j_end();
+}
+
+static void cmd_trim(int argc, char **argv) {
+    size_t keep = arg_size(argv[0]);
+    CUmemoryPool pool;
+    CUresult rc = default_pool(&pool);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuMemPoolTrimTo, pool, keep);
+    j_begin("trim");
+    j_int("rc", rc);
+    j_u64("keep", keep);
+    j_end();
+}
+
+static void cmd_poolattr(int argc, char **argv) {
+    CUmemoryPool pool;
+    cuuint64_t reserved = 0, used = 0;
+    CUresult rc = default_pool(&pool);
+    if (rc == CUDA_SUCCESS)
+        rc = CALL(cuMemPoolGetAttribute, pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved);
+    if (rc == CUDA_SUCCESS)
+        rc = CALL(cuMemPoolGetAttribute, pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &used);
+    j_begin("poolattr");
+    j_int("rc", rc);
+    j_u64("reserved", reserved);
+    j_u64("used", used);
+    j_end();
+}
+
+static void cmd_info(int argc, char **argv) {
+    size_t free_b = 0, total = 0;
+    CUresult rc = CALL(cuMemGetInfo_v2, &free_b, &total);
+    j_begin("info");
+    j_int("rc", rc);
+    j_u64("free", free_b);
+    j_u64("total", total);
+    j_end();
+}
+
+static void cmd_totalmem(int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    CUdevice dev;
+    size_t bytes = 0;
+    CUresult rc = get_device(ordinal, &dev);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuDeviceTotalMem_v2, &bytes, dev);
+    j_begin("totalmem");
+    j_int("rc", rc);
+    j_int("dev", ordinal);
+    j_u64("bytes", bytes);
+    j_end();
+}
+
+static void format_uuid(const CUuuid *u, char out[64]) {
+    const unsigned char *b = (const unsigned char *)u->bytes;
+    snprintf(out, 64,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+             b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+             b[14], b[15]);
+}
+
+/* The device's UUID from the driver and, when NVML is initialised, from NVML. */
+static void cmd_uuid(int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    CUdevice dev;
+    CUuuid u;
+    memset(&u, 0, sizeof u);
+    char text[64] = "";
+    CUresult rc = get_device(ordinal, &dev);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuDeviceGetUuid, &u, dev);
+    if (rc == CUDA_SUCCESS) format_uuid(&u, text);
+    nvmlDevice_t d = NULL;
+    char nvml_text[NVML_DEVICE_UUID_V2_BUFFER_SIZE] = "";
+    nvmlReturn_t nrc = nvmlDeviceGetHandleByIndex_v2((unsigned)ordinal, &d);
+    if (nrc == NVML_SUCCESS) nrc = nvmlDeviceGetUUID(d, nvml_text, sizeof nvml_text);
+    j_begin("uuid");
+    j_int("rc", rc);
+    j_int("dev", ordinal);
+    j_str("uuid", rc == CUDA_SUCCESS ? text : NULL);
+    j_int("nvml_rc", nrc);
+    j_str("nvml_uuid", nrc == NVML_SUCCESS ? nvml_text : NULL);
+    j_end();
+}
+
+static void cmd_fakeused(int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    fake_counter_t fn = fake_counter("fakecuda_used_bytes");
+    j_begin("fakeused");
+    j_int("rc", fn ? 0 : PROBE_UNRESOLVED);
+    j_int("dev", ordinal);
+    if (fn)
+        j_u64("bytes", fn(ordinal));
+    else
+        j_null("bytes");
+    j_end();
+}
+
+#define FILL_MAX 1000000
+
+static void cmd_fill(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    long long first = -1, count = 0;
+    CUresult rc = CUDA_SUCCESS;
+    while (count < FILL_MAX) {
+        CUdeviceptr p = 0;
+        rc = CALL(cuMemAlloc_v2, &p, size);
+        if (rc != CUDA_SUCCESS) break;
+        long long id = table_add(K_MEM, p, size);
+        if (first < 0) first = id;
+        count++;
+    }
+    j_begin("fill");
+    j_int("rc", rc);
+    j_int("count", count);
+    j_u64("bytes", (unsigned long long)count * size);
+    if (first >= 0)
+        j_int("first", first);
+    else
+        j_null("first");
+    j_bool("capped", count >= FILL_MAX);
+    j_end();
+}
+
+static void cmd_race(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    unsigned long long n = arg_u64(argv[1]), start = arg_u64(argv[2]);
+    uint64_t now = now_ns(CLOCK_REALTIME);
+    if (now < start) {
+        /* Sleep to just short of the start, then spin so every racer leaves together. */
+        if (start - now > 2000000ULL) {
+            struct timespec ts = {.tv_sec = (time_t)((start - 1000000ULL) / 1000000000ULL),
+                                  .tv_nsec = (long)((start - 1000000ULL) % 1000000000ULL)};
+            while (clock_nanosleep(CLOCK_REALTIME, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+            }
+        }
+        while (now_ns(CLOCK_REALTIME) < start) {
+        }
+    }
+    uint64_t began = now_ns(CLOCK_REALTIME);
+    long long ok = 0, first = -1;
+    CUresult last_fail = CUDA_SUCCESS;
+    for (unsigned long long i = 0; i < n; i++) {
+        CUdeviceptr p = 0;
+        CUresult rc = CALL(cuMemAlloc_v2, &p, size);
+        if (rc == CUDA_SUCCESS) {
+            long long id = table_add(K_MEM, p, size);
+            if (first < 0) first = id;
+            ok++;
+        } else {
+            last_fail = rc;
+        }
+    }
+    j_begin("race");
+    j_int("rc", last_fail);
+    j_int("ok", ok);
+    j_int("failed", (long long)n - ok);
+    if (first >= 0)
+        j_int("first", first);
+    else
+        j_null("first");
+    j_u64("late_ns", start && began > start ? began - start : 0);
+    j_end();
+}
+
+/* "fake_launches": kernels the fake driver counted on `dev` since `before` (null
+ * without the fake). */
+static void j_fake_launches(fake_counter_t counted, int dev, unsigned long long before) {
+    if (counted)
+        j_u64("fake_launches", counted(dev) - before);
+    else
+        j_null("fake_launches");
+}
+
+enum launch_kind { L_KERNEL, L_EX, L_COOP, L_GRAPH };
+
+static enum launch_kind parse_launch_kind(int argc, char **argv, int i) {
+    if (i >= argc || !strcmp(argv[i], "kernel")) return L_KERNEL;
+    if (!strcmp(argv[i], "ex")) return L_EX;
+    if (!strcmp(argv[i], "coop")) return L_COOP;
+    return L_GRAPH;
+}
+
+static const char *const launch_names[] = {"kernel", "ex", "coop", "graph"};
+
+/* One kernel of `us` microseconds on stream 0: the fake runs a CUfunction for as
+ * many microseconds as its handle's value. */
+static CUresult launch_one(enum launch_kind kind, unsigned long long us) {
+    CUfunction f = (CUfunction)(uintptr_t)us;
+    switch (kind) {
+    case L_KERNEL: return CALL(cuLaunchKernel, f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    case L_EX: {
+        CUlaunchConfig cfg = {.gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 1,
+                              .blockDimY = 1, .blockDimZ = 1, .sharedMemBytes = 0,
+                              .hStream = NULL, .attrs = NULL, .numAttrs = 0};
+        return CALL(cuLaunchKernelEx, &cfg, f, NULL, NULL);
+    }
+    case L_COOP: return CALL(cuLaunchCooperativeKernel, f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL);
+    case L_GRAPH: return CALL(cuGraphLaunch, (CUgraphExec)(uintptr_t)us, NULL);
+    }
+    return PROBE_ERROR;
+}
+
+static void cmd_launch(int argc, char **argv) {
+    unsigned long long n = arg_u64(argv[0]), us = arg_u64(argv[1]);
+    enum launch_kind kind = parse_launch_kind(argc, argv, 2);
+    int dev = current_device();
+    fake_counter_t counted = fake_counter("fakecuda_launches");
+    unsigned long long counted0 = counted ? counted(dev) : 0;
+    CUresult first_fail = CUDA_SUCCESS;
+    long long ok = 0;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    for (unsigned long long i = 0; i < n; i++) {
+        CUresult rc = launch_one(kind, us);
+        if (rc == CUDA_SUCCESS)
+            ok++;
+        else if (first_fail == CUDA_SUCCESS)
+            first_fail = rc;
+    }
+    j_begin("launch");
+    j_int("rc", first_fail);
+    j_int("launched", ok);
+    j_str("via", launch_names[kind]);
+    j_u64("ns", now_ns(CLOCK_MONOTONIC) - t0);
+    j_fake_launches(counted, dev, counted0);
+    j_end();
+}
+
+static void cmd_sync(int argc, char **argv) {
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuCtxSynchronize);
+    j_begin("sync");
+    j_int("rc", rc);
+    j_u64("ns", now_ns(CLOCK_MONOTONIC) - t0);
+    j_end();
+}
+
+/*
+ * Back-to-back kernels for a wall-clock time. Launches are asynchronous, so the
+ * probe keeps only a few kernels' worth of work queued (as a training loop does by
+ * syncing now and then): the device never starves, and the final sync is short.
+ */
+static void cmd_run(int argc, char **argv) {
+    double seconds = 0;
+    (void)parse_float(argv[0], &seconds);
+    unsigned long long us = arg_u64(argv[1]);
+    enum launch_kind kind = parse_launch_kind(argc, argv, 2);
+    int dev = current_device();
+    fake_counter_t busy = fake_counter("fakecuda_busy_ns");
+    fake_counter_t counted = fake_counter("fakecuda_launches");
+    unsigned long long counted0 = counted ? counted(dev) : 0;
+    uint64_t duration = (uint64_t)(seconds * 1e9);
+    uint64_t kernel_ns = us * 1000ULL;
+    uint64_t lookahead = kernel_ns * 4 > 2000000ULL ? kernel_ns * 4 : 2000000ULL;
+    uint64_t nap = lookahead / 8 < 250000ULL ? lookahead / 8 : 250000ULL;
+    unsigned long long busy0 = busy ? busy(dev) : 0;
+    uint64_t submitted = 0;
+    long long launches = 0;
+    CUresult rc = CUDA_SUCCESS;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    for (;;) {
+        uint64_t elapsed = now_ns(CLOCK_MONOTONIC) - t0;
+        if (elapsed >= duration) break;
+        uint64_t done = busy ? (uint64_t)(busy(dev) - busy0) : elapsed;
+        if (submitted > done + lookahead) {
+            sleep_ns(nap);
+            continue;
+        }
+        rc = launch_one(kind, us);
+        if (rc != CUDA_SUCCESS) break;
+        launches++;
+        submitted += kernel_ns;
+    }
+    CUresult src = CALL(cuCtxSynchronize);
+    if (rc == CUDA_SUCCESS) rc = src;
+    uint64_t wall = now_ns(CLOCK_MONOTONIC) - t0;
+    j_begin("run");
+    j_int("rc", rc);
+    j_int("launches", launches);
+    j_str("via", launch_names[kind]);
+    j_u64("wall_ns", wall);
+    if (busy) {
+        unsigned long long b = busy(dev) - busy0;
+        j_u64("busy_ns", b);
+        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
+    } else {
+        j_null("busy_ns");
+        j_null("share");
+    }
+    j_fake_launches(counted, dev, counted0);
+    j_end();
+}
+
+static void cmd_proc(int argc, char **argv) {
+    const char *name = argv[0];
+    int version = (int)arg_u64(argv[1]);
+    cuuint64_t flags = arg_u64(argv[2]);
+    bool v1 = argc > 3;
+    void *h = libcuda_handle();
+    void *fn = NULL;
+    CUresult rc;
+    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    j_begin("proc");
+    if (v1) {
+        void *sym = h ? dlsym(h, "cuGetProcAddress") : NULL;
+        get_proc_v1_t gpa;
+        memcpy(&gpa, &sym, sizeof gpa);
+        rc = gpa ? gpa(name, &fn, version, flags) : PROBE_UNRESOLVED;
+        j_int("rc", rc);
+        j_null("status");
+    } else {
+        get_proc_v2_t gpa = get_proc_v2();
+        rc = gpa ? gpa(name, &fn, version, flags, &st) : PROBE_UNRESOLVED;
+        j_int("rc", rc);
+        if (rc == PROBE_UNRESOLVED)
+            j_null("status");
+        else
+            j_int("status", st);
+    }
+    j_str("name", name);
+    j_int("version", version);
+    j_u64("flags", flags);
+    j_bool("found", fn != NULL);
+    j_where(rc == CUDA_SUCCESS ? fn : NULL);
+    j_end();
+}
+
+static void cmd_dlsym(int argc, char **argv) {
+    const char *name = argv[0];
+    bool nvml = argc > 1 && !strcmp(argv[1], "nvml");
+    void *h = nvml ? libnvml_handle() : libcuda_handle();
+    void *fn = h ? dlsym(h, name) : NULL;
+    j_begin("dlsym");
+    j_int("rc", h ? 0 : PROBE_ERROR);
+    j_str("name", name);
+    j_bool("found", fn != NULL);
+    j_where(fn);
+    j_end();
+}
+
+static void cmd_nvml(int argc, char **argv) {
+    j_rc("nvml", nvmlInit_v2());
+}
+
+static void cmd_nvmlmem(int argc, char **argv) {
+    unsigned idx = (unsigned)arg_u64(argv[0]);
+    nvmlDevice_t d = NULL;
+    nvmlReturn_t rc = nvmlDeviceGetHandleByIndex_v2(idx, &d);
+    nvmlMemory_t m = {0, 0, 0};
+    nvmlMemory_v2_t m2;
+    memset(&m2, 0, sizeof m2);
+    m2.version = nvmlMemory_v2;
+    nvmlReturn_t rc1 = rc, rc2 = rc;
+    if (rc == NVML_SUCCESS) {
+        rc1 = nvmlDeviceGetMemoryInfo(d, &m);
+        rc2 = nvmlDeviceGetMemoryInfo_v2(d, &m2);
+    }
+    j_begin("nvmlmem");
+    j_int("rc", rc1 != NVML_SUCCESS ? rc1 : rc2);
+    j_int("handle_rc", rc);
+    j_int("v1_rc", rc1);
+    j_int("v2_rc", rc2);
+    j_u64("total", m.total);
+    j_u64("free", m.free);
+    j_u64("used", m.used);
+    j_u64("v2_total", m2.total);
+    j_u64("v2_reserved", m2.reserved);
+    j_u64("v2_free", m2.free);
+    j_u64("v2_used", m2.used);
+    j_end();
+}
+
+static void cmd_nvmlprocs(int argc, char **argv) {
+    unsigned idx = (unsigned)arg_u64(argv[0]);
+    nvmlDevice_t d = NULL;
+    nvmlReturn_t rc = nvmlDeviceGetHandleByIndex_v2(idx, &d);
+    unsigned count = 0;
+    nvmlProcessInfo_t *infos = NULL;
+    nvmlReturn_t size_rc = rc;
+    if (rc == NVML_SUCCESS) {
+        /* Ask for the count first, as nvidia-smi does, then read them. */
+        size_rc = nvmlDeviceGetComputeRunningProcesses_v3(d, &count, NULL);
+        unsigned cap = count + 8;
+        infos = calloc(cap, sizeof *infos);
+        count = cap;
+        rc = infos ? nvmlDeviceGetComputeRunningProcesses_v3(d, &count, infos) : NVML_ERROR_UNKNOWN;
+        if (rc != NVML_SUCCESS || count > cap) count = rc == NVML_SUCCESS ? cap : 0;
+    }
+    j_begin("nvmlprocs");
+    j_int("rc", rc);
+    j_int("size_rc", size_rc);
+    j_key("procs");
+    j_raw("[");
+    for (unsigned i = 0; i < count; i++)
+        j_raw("%s{\"pid\":%u,\"used\":%llu}", i ? "," : "", infos[i].pid, infos[i].usedGpuMemory);
+    j_raw("]");
+    j_end();
+    free(infos);
+}
+
+static void cmd_sleep(int argc, char **argv) {
+    unsigned long long ms = arg_u64(argv[0]);
+    sleep_ns(ms * 1000000ULL);
+    j_begin("sleep");
+    j_int("rc", 0);
+    j_u64("ms", ms);
+    j_end();
+}
+
+static void cmd_hold(int argc, char **argv) {
+    j_begin("hold");
+    j_int("rc", 0);
+    j_int("pid", getpid());
+    j_end();
+    for (;;) pause();
+}
+
+static void cmd_lock(int argc, char **argv) {
+    const char *path = argv[0];
+    int rc = 0;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) {
+        rc = errno;
+    } else {
+        struct flock fl;
+        memset(&fl, 0, sizeof fl);
+        fl.l_type = F_WRLCK;
+        fl.l_whence = SEEK_SET;
+        fl.l_start = 0;
+        fl.l_len = 0;
+        while (fcntl(fd, F_OFD_SETLKW, &fl) != 0) {
+            if (errno != EINTR) {
+                rc = errno;
+                close(fd);
+                break;
+            }
+        }
+    }
+    /* The descriptor stays open: the lock lives until the process dies. */
+    j_begin("lock");
+    j_int("rc", rc);
+    j_str("path", path);
+    j_end();
+}
+
+static void cmd_getppid(int argc, char **argv) {
+    pid_t v = getppid();
+    void *sym = dlsym(RTLD_DEFAULT, "other_interposer_calls");
+    unsigned long (*calls)(void);
+    memcpy(&calls, &sym, sizeof calls);
+    j_begin("getppid");
+    j_int("rc", 0);
+    j_int("value", v);
+    if (calls)
+        j_u64("calls", calls());
+    else
+        j_null("calls");
+    j_end();
+}
+
+/* ------------------------------------------------------------------ command table */
+/*
+ * spec: one letter per argument. S size, N number, I device ordinal, F seconds,
+ * W word; lower case = optional, taken only when the next word parses as one
+ * (an optional word must be one of `choices`, "a|b|c").
+ */
+typedef struct {
+    const char *name;
+    const char *spec;
+    const char *choices;
+    void (*fn)(int argc, char **argv);
+} command_t;
+
+static const command_t commands[] = {
+    {"init", "", NULL, cmd_init},
+    {"ctx", "i", NULL, cmd_ctx},
+    {"newctx", "i", NULL, cmd_newctx},
+    {"newctx3", "i", NULL, cmd_newctx3},
+    {"newctx4", "i", NULL, cmd_newctx4},
+    {"destroyctx", "N", NULL, cmd_destroyctx},
+    {"release", "i", NULL, cmd_release},
+    {"reset", "i", NULL, cmd_reset},
+    {"alloc", "S", NULL, cmd_alloc},
+    {"pitch", "SNN", NULL, cmd_pitch},
+    {"managed", "S", NULL, cmd_managed},
+    {"array", "NNNN", NULL, cmd_array},
+    {"array3d", "NNNNN", NULL, cmd_array3d},
+    {"mipmap", "NNNNNN", NULL, cmd_mipmap},
+    {"vmm", "Si", NULL, cmd_vmm},
+    {"async", "S", NULL, cmd_async},
+    {"poolalloc", "S", NULL, cmd_poolalloc},
+    {"free", "N", NULL, cmd_free},
+    {"freeraw", "N", NULL, cmd_freeraw},
+    {"trim", "S", NULL, cmd_trim},
+    {"poolattr", "", NULL, cmd_poolattr},
+    {"info", "", NULL, cmd_info},
+    {"totalmem", "i", NULL, cmd_totalmem},
+    {"fakeused", "i", NULL, cmd_fakeused},
+    {"uuid", "i", NULL, cmd_uuid},
+    {"fill", "S", NULL, cmd_fill},
+    {"race", "SNN", NULL, cmd_race},
+    {"launch", "NNw", "kernel|ex|coop|graph", cmd_launch},
+    {"sync", "", NULL, cmd_sync},
+    {"run", "FNw", "kernel|ex|coop|graph", cmd_run},
+    {"proc", "WNNw", "v1", cmd_proc},
+    {"dlsym", "Ww", "cuda|nvml", cmd_dlsym},
+    {"nvml", "", NULL, cmd_nvml},
+    {"nvmlmem", "N", NULL, cmd_nvmlmem},
+    {"nvmlprocs", "N", NULL, cmd_nvmlprocs},
+    {"sleep", "N", NULL, cmd_sleep},
+    {"hold", "", NULL, cmd_hold},
+    {"lock", "W", NULL, cmd_lock},
+    {"getppid", "", NULL, cmd_getppid},
+};
+
+static bool in_choices(const char *word, const char *choices) {
+    size_t n = strlen(word);
+    for (const char *p = choices; p && *p;) {
+        const char *bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == n && !strncmp(p, word, n)) return true;
+        p = bar ? bar + 1 : NULL;
+    }
+    return false;
+}
+
+static bool arg_fits(char type, const char *word, const char *choices) {
+    unsigned long long u;
+    int i;
+    double f;
+    switch (type) {
+    case 'S': case 's': return parse_size(word, &u);
+    case 'N': case 'n': return parse_u64(word, &u);
+    case 'I': case 'i': return parse_int(word, &i);
+    case 'F': case 'f': return parse_float(word, &f);
+    case 'W': return *word != '\0';
+    case 'w': return choices && in_choices(word, choices);
+    }
+    return false;
+}
+
+static const command_t *find_command(const char *name) {
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        if (!strcmp(commands[i].name, name)) return &commands[i];
+    return NULL;
+}
+
+/* How many words after argv[at] belong to the command there; exits 2 when malformed. */
+static int take_args(const command_t *c, int argc, char **argv, int at) {
+    int n = 0;
+    for (const char *t = c->spec; *t; t++) {
+        int i = at + 1 + n;
+        bool optional = *t >= 'a' && *t <= 'z';
+        if (i >= argc || !arg_fits(*t, argv[i], c->choices)) {
+            if (optional) break;
+            if (i >= argc)
+                j_fail_args("%s: missing argument %d (spec %s)", c->name, n + 1, c->spec);
+            j_fail_args("%s: bad argument %d: '%s' (spec %s)", c->name, n + 1, argv[i], c->spec);
+        }
+        n++;
+    }
+    return n;
+}
+
+int main(int argc, char **argv) {
+    signal(SIGPIPE, SIG_IGN);
+    int first = 1;
+    for (; first < argc && !strncmp(argv[first], "--", 2); first++) {
+        if (!strcmp(argv[first], "--proc")) {
+            opt_proc = true;
+        } else if (!strcmp(argv[first], "--ptds")) {
+            opt_proc = opt_ptds = true;
+        } else {
+            j_fail_args("unknown option '%s'", argv[first]);
+        }
+    }
+    /* Check the whole line before running anything. */
+    for (int i = first; i < argc;) {
+        const command_t *c = find_command(argv[i]);
+        if (!c) j_fail_args("unknown command '%s'", argv[i]);
+        i += 1 + take_args(c, argc, argv, i);
+    }
+    api_setup();
+    for (int i = first; i < argc;) {
+        const command_t *c = find_command(argv[i]);
+        int n = take_args(c, argc, argv, i);
+        c->fn(n, argv + i + 1);
+        i += 1 + n;
+    }
+    return 0;
+}
