@@ -49,9 +49,16 @@ def test_every_launch_path_is_limited(run_probe: ProbeRunner, region_path: Path,
 
 def test_per_thread_stream_launches_are_limited(run_probe: ProbeRunner, region_path: Path) -> None:
     line = run_probe(
-        "init", "ctx", "run", 1.5, 2000, "kernel", env=sm(region_path, 40), options=("--proc", "--ptds"),
+        "init",
+        "ctx",
+        "run",
+        1.5,
+        2000,
+        "kernel",
+        env=sm(region_path, 40),
+        options=("--proc", "--ptds"),
         timeout=60,
-    ).one("run")  # fmt: skip
+    ).one("run")
     assert abs(line["share"] - 0.40) <= 0.07, line
 
 

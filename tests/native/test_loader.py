@@ -146,7 +146,7 @@ def test_only_driver_symbols_and_dlsym_are_exported(native: Native) -> None:
         ["nm", "-D", "--defined-only", str(native.lib)], capture_output=True, text=True, check=True
     ).stdout
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
-    assert "dlsym" in names and "cuMemAlloc_v2" in names and "nvmlDeviceGetMemoryInfo" in names
+    assert {"dlsym", "cuMemAlloc_v2", "nvmlDeviceGetMemoryInfo"} <= names
     stray = {n for n in names if not (n.startswith(("cu", "nvml")) or n == "dlsym")}
     assert not stray
 
@@ -155,10 +155,16 @@ def test_a_process_that_never_uses_cuda_is_left_alone(native: Native, tmp_path: 
     region = tmp_path / "region.cache"
     done = subprocess.run(
         ["sh", "-c", "umask"],
-        env={"LD_PRELOAD": str(native.lib), "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region),
-             "CUDA_DEVICE_MEMORY_LIMIT": "1g", "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        env={
+            "LD_PRELOAD": str(native.lib),
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region),
+            "CUDA_DEVICE_MEMORY_LIMIT": "1g",
+            "PATH": "/usr/bin:/bin",
+        },
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert done.stderr == ""
     assert not region.exists()  # no region until a process calls cuInit
 
@@ -176,13 +182,49 @@ def test_valgrind_finds_no_memory_errors(native: Native, tmp_path: Path) -> None
         "GPUSLICE_CONTEXT_OVERHEAD": "0",
     }
     commands = [
-        "init", "ctx", "alloc", "100m", "vmm", "64m", "async", "10m", "array", "64", "64", "0x20", "1",
-        "free", "0", "free", "1", "free", "2", "free", "3", "alloc", "2g", "info",
-        "launch", "20", "100", "sync", "nvml", "nvmlmem", "0", "proc", "cuMemAlloc", "12000", "0",
-    ]  # fmt: skip
+        "init",
+        "ctx",
+        "alloc",
+        "100m",
+        "vmm",
+        "64m",
+        "async",
+        "10m",
+        "array",
+        "64",
+        "64",
+        "0x20",
+        "1",
+        "free",
+        "0",
+        "free",
+        "1",
+        "free",
+        "2",
+        "free",
+        "3",
+        "alloc",
+        "2g",
+        "info",
+        "launch",
+        "20",
+        "100",
+        "sync",
+        "nvml",
+        "nvmlmem",
+        "0",
+        "proc",
+        "cuMemAlloc",
+        "12000",
+        "0",
+    ]
     done = subprocess.run(
         ["valgrind", "--error-exitcode=99", "--leak-check=no", str(native.probe), *commands],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in done.stderr

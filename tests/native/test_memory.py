@@ -53,9 +53,18 @@ def test_every_allocation_path_stops_exactly_at_the_limit(
 def test_a_mipmapped_array_counts_every_level(run_probe: ProbeRunner, region_path: Path) -> None:
     # 4096 x 4096 floats = 64 MiB, its second level 16 MiB, third 4 MiB: 84 MiB.
     result = run_probe(
-        "init", "ctx", "mipmap", "4096", "4096", "0", "0x20", "1", "3", "info",
+        "init",
+        "ctx",
+        "mipmap",
+        "4096",
+        "4096",
+        "0",
+        "0x20",
+        "1",
+        "3",
+        "info",
         env=limited(region_path),
-    )  # fmt: skip
+    )
     assert result.one("mipmap")["rc"] == 0
     assert result.one("info")["free"] == GiB - 84 * MiB
 
@@ -132,9 +141,21 @@ def test_without_a_limit_the_driver_view_is_unchanged(
 def test_limits_per_device(run_probe: ProbeRunner, region_path: Path) -> None:
     env = limited(region_path, "1g", CUDA_DEVICE_MEMORY_LIMIT_1="256m", FAKECUDA_DEVICES=2)
     result = run_probe(
-        "init", "ctx", "1", "alloc", "200m", "alloc", "200m", "info",
-        "ctx", "0", "alloc", "600m", "info", env=env,
-    )  # fmt: skip
+        "init",
+        "ctx",
+        "1",
+        "alloc",
+        "200m",
+        "alloc",
+        "200m",
+        "info",
+        "ctx",
+        "0",
+        "alloc",
+        "600m",
+        "info",
+        env=env,
+    )
     assert [line["rc"] for line in result.by_cmd("alloc")] == [0, 2, 0]
     first, second = result.by_cmd("info")
     assert (first["total"], first["free"]) == (256 * MiB, 56 * MiB)
@@ -166,9 +187,19 @@ def test_trimming_a_pool_keeps_the_count_of_live_allocations(
     run_probe: ProbeRunner, region_path: Path
 ) -> None:
     result = run_probe(
-        "init", "ctx", "async", "100m", "async", "100m", "free", "0", "trim", "0", "info",
+        "init",
+        "ctx",
+        "async",
+        "100m",
+        "async",
+        "100m",
+        "free",
+        "0",
+        "trim",
+        "0",
+        "info",
         env=limited(region_path),
-    )  # fmt: skip
+    )
     assert result.one("trim")["rc"] == 0
     assert result.one("info")["free"] == GiB - 100 * MiB
 
@@ -178,9 +209,17 @@ def test_functions_found_through_get_proc_address_are_counted(
     run_probe: ProbeRunner, region_path: Path, options: tuple[str, ...]
 ) -> None:
     result = run_probe(
-        "init", "ctx", *(("alloc", "400m") * 3), "async", "224m", "async", "1m", "info",
-        env=limited(region_path), options=options,
-    )  # fmt: skip
+        "init",
+        "ctx",
+        *(("alloc", "400m") * 3),
+        "async",
+        "224m",
+        "async",
+        "1m",
+        "info",
+        env=limited(region_path),
+        options=options,
+    )
     assert [line["rc"] for line in result.by_cmd("alloc")] == [0, 0, 2]
     assert [line["rc"] for line in result.by_cmd("async")] == [0, 2]
     assert result.one("info")["free"] == 0
@@ -228,9 +267,18 @@ class TestContexts:
     ) -> None:
         env = limited(region_path, GPUSLICE_CONTEXT_OVERHEAD="100m")
         result = run_probe(
-            "init", "ctx", "ctx", "alloc", "100m", "release", "info", "release", "newctx", "info",
+            "init",
+            "ctx",
+            "ctx",
+            "alloc",
+            "100m",
+            "release",
+            "info",
+            "release",
+            "newctx",
+            "info",
             env=env,
-        )  # fmt: skip
+        )
         first, second = result.by_cmd("info")
         assert first["free"] == GiB - 200 * MiB
         assert second["free"] == GiB - 100 * MiB  # the new context alone

@@ -25,7 +25,7 @@ def test_memory_info_shows_the_limit_and_the_usage(
         "init", "ctx", "alloc", "300m", "nvml", "nvmlmem", 0, env=limited(region_path), build=build
     )
     mem = result.one("nvmlmem")
-    assert mem["rc"] == 0 and mem["v2_rc"] == 0, mem
+    assert (mem["rc"], mem["v2_rc"]) == (0, 0), mem
     assert (mem["total"], mem["used"], mem["free"]) == (2 * GiB, 300 * MiB, 2 * GiB - 300 * MiB)
     assert (mem["v2_total"], mem["v2_used"], mem["v2_free"]) == (
         mem["total"],

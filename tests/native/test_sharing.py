@@ -40,7 +40,7 @@ def test_racing_processes_never_exceed_the_limit_together(
             "hold",
             env=limited(region_path, "1000m"),
             build=build,
-        )  # fmt: skip
+        )
         for _ in range(10)
     ]
     won = [proc.wait_for("race", timeout=30)["ok"] for proc in procs]
@@ -56,9 +56,14 @@ def test_a_process_killed_mid_allocation_frees_its_share(
 ) -> None:
     # The fake sleeps inside the allocation: the victim dies holding a reservation.
     victim = spawn_probe(
-        "init", "ctx", "alloc", "600m", "alloc", "300m",
+        "init",
+        "ctx",
+        "alloc",
+        "600m",
+        "alloc",
+        "300m",
         env=limited(region_path, FAKECUDA_ALLOC_DELAY_MS=5000),
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if region_path.exists():
