@@ -107,7 +107,7 @@ def main() -> None:
         f"machine: {platform.node()} {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs; {date.today()}"
     )
-    header = f"{'call':<24}{'mode':<18}{'ns/call':>10}{'added ns':>10}"
+    header = f"{'call':<28}{'mode':<18}{'ns/call':>10}{'added ns':>10}"
     header += f"{'instr/call':>12}{'added instr':>13}" if use_callgrind else ""
     print(header)
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +119,7 @@ def main() -> None:
                 if op == "launch" and mode == "limited":
                     continue  # a memory limit does not touch the launch path
                 ns = base_ns if mode == "none" else wall_ns(build, op, mode, region, args.repeat)
-                line = f"{name:<24}{mode:<18}{ns:>10.1f}{ns - base_ns:>10.1f}"
+                line = f"{name:<28}{mode:<18}{ns:>10.1f}{ns - base_ns:>10.1f}"
                 if use_callgrind:
                     instr = base_instr if mode == "none" else per_call(build, op, mode, region)
                     line += f"{instr:>12.1f}{instr - base_instr:>13.1f}"

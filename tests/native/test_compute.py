@@ -111,3 +111,17 @@ def test_a_low_priority_process_yields_while_the_agent_asks(
     assert result.one("launch")["rc"] == 0
     with Region.open(region_path) as region:
         assert region.devices()[0].throttled_ns >= 0.9e9
+
+
+def test_processes_of_one_container_share_its_limit(
+    spawn_probe: ProbeSpawner, region_path: Path
+) -> None:
+    # Each fake process has a GPU engine of its own, so the two do not contend:
+    # only the container's shared clock holds them to 50 % together.
+    procs = [
+        spawn_probe("init", "ctx", "run", 2, 2000, "kernel", env=sm(region_path, 50))
+        for _ in range(2)
+    ]
+    shares = [proc.result(timeout=60).one("run")["share"] for proc in procs]
+    assert abs(sum(shares) - 0.50) <= 0.05, shares
+    assert abs(shares[0] - shares[1]) <= 0.05, shares
