@@ -516,3 +516,12 @@ class ProbeRunner:
 def race_start(delay_s: float = 1.0) -> int:
     """A CLOCK_REALTIME instant `delay_s` from now, in ns: the START_NS of `race`."""
     return time.time_ns() + int(delay_s * 1e9)
+
+
+def limited(region: Path, limit: str = "1g", **extra: str | int) -> dict[str, str | int]:
+    """The environment of a container with a memory limit and a shared region."""
+    return {
+        "CUDA_DEVICE_MEMORY_LIMIT": limit,
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region),
+        **extra,
+    }

@@ -8,18 +8,10 @@ from pathlib import Path
 import pytest
 
 from gpuslice_common.region import Region
-from tests.native.probe import Build, ProbeRunner
+from tests.native.probe import Build, ProbeRunner, limited
 
 GiB = 1 << 30
 MiB = 1 << 20
-
-
-def limited(region: Path, limit: str = "1g", **extra: str | int) -> dict[str, str | int]:
-    return {
-        "CUDA_DEVICE_MEMORY_LIMIT": limit,
-        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region),
-        **extra,
-    }
 
 
 # Each path: the probe command that allocates one 128 MiB chunk (arrays: 8192 x 4096

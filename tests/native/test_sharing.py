@@ -10,17 +10,9 @@ import time
 from pathlib import Path
 
 from gpuslice_common.region import Region
-from tests.native.probe import Build, ProbeRunner, ProbeSpawner
+from tests.native.probe import Build, ProbeRunner, ProbeSpawner, limited
 
 MiB = 1 << 20
-
-
-def limited(region: Path, limit: str = "1g", **extra: str | int) -> dict[str, str | int]:
-    return {
-        "CUDA_DEVICE_MEMORY_LIMIT": limit,
-        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region),
-        **extra,
-    }
 
 
 def test_racing_processes_never_exceed_the_limit_together(
