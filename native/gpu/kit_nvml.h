@@ -1,0 +1,44 @@
+/*
+ * The few NVML types and entry points the GPU kit uses. nvml.h is not part of
+ * every CUDA install, and the kit reaches NVML through dlopen/dlsym anyway (so
+ * that the interposer's dlsym is on the path), so they are declared here.
+ * Layouts follow the published nvml.h ABI.
+ */
+#ifndef KIT_NVML_H
+#define KIT_NVML_H
+
+typedef int kit_nvmlReturn_t;
+typedef struct kit_nvmlDevice_st *kit_nvmlDevice_t;
+
+#define KIT_NVML_SUCCESS 0
+
+typedef struct {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} kit_nvmlMemory_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} kit_nvmlMemory_v2_t;
+
+/* NVML_STRUCT_VERSION(Memory, 2) */
+#define KIT_NVML_MEMORY_V2_VERSION ((unsigned int)sizeof(kit_nvmlMemory_v2_t) | (2U << 24U))
+
+typedef kit_nvmlReturn_t (*kit_nvmlInit_v2_fn)(void);
+typedef kit_nvmlReturn_t (*kit_nvmlShutdown_fn)(void);
+typedef const char *(*kit_nvmlErrorString_fn)(kit_nvmlReturn_t);
+typedef kit_nvmlReturn_t (*kit_nvmlDeviceGetHandleByIndex_v2_fn)(unsigned int, kit_nvmlDevice_t *);
+typedef kit_nvmlReturn_t (*kit_nvmlDeviceGetHandleByUUID_fn)(const char *, kit_nvmlDevice_t *);
+typedef kit_nvmlReturn_t (*kit_nvmlDeviceGetMemoryInfo_fn)(kit_nvmlDevice_t, kit_nvmlMemory_t *);
+typedef kit_nvmlReturn_t (*kit_nvmlDeviceGetMemoryInfo_v2_fn)(kit_nvmlDevice_t,
+                                                              kit_nvmlMemory_v2_t *);
+typedef kit_nvmlReturn_t (*kit_nvmlSystemGetDriverVersion_fn)(char *, unsigned int);
+typedef kit_nvmlReturn_t (*kit_nvmlSystemGetCudaDriverVersion_v2_fn)(int *);
+typedef kit_nvmlReturn_t (*kit_nvmlDeviceGetName_fn)(kit_nvmlDevice_t, char *, unsigned int);
+
+#endif
