@@ -188,9 +188,9 @@ bool gs_config_load(void) {
     }
     c->telemetry_ring = 64;
     if ((v = getenv("GPUSLICE_TELEMETRY_RING")) && *v) {
-        if (parse_uint(v, 65536, &n) && n > 0) c->telemetry_ring = (uint32_t)n;
+        if (parse_uint(v, 4096, &n) && n > 0) c->telemetry_ring = (uint32_t)n;
         else {
-            gs_log(GS_LOG_ERROR, "GPUSLICE_TELEMETRY_RING=%s is not a count from 1 to 65536; using 64", v);
+            gs_log(GS_LOG_ERROR, "GPUSLICE_TELEMETRY_RING=%s is not a count from 1 to 4096; using 64", v);
             ok = false;
         }
     }

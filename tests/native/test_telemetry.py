@@ -82,6 +82,7 @@ class Feed:
     client: Client
     sub: Subscription
     seen: list[Received] = field(default_factory=list)
+    probe: ProbeProcess | None = None  # whose stderr a failure shows
 
     async def next(self, timeout: float = 5.0) -> Received:
         msg = await self.sub.next_msg(timeout=timeout)
@@ -103,7 +104,10 @@ class Feed:
             if check(got.sample):
                 return got.sample
         last = [r.sample.model_dump_json() for r in self.seen[-3:]]
-        pytest.fail(f"no sample {what} within {timeout}s; {len(self.seen)} seen, last: {last}")
+        stderr = f"\n--- probe stderr\n{self.probe.stderr_text()}" if self.probe else ""
+        pytest.fail(
+            f"no sample {what} within {timeout}s; {len(self.seen)} seen, last: {last}{stderr}"
+        )
 
     async def quiet(self, seconds: float) -> list[Received]:
         """Everything that arrives within `seconds`."""
@@ -119,12 +123,14 @@ class Feed:
 
 
 @asynccontextmanager
-async def feed(url: str, subj: str, **options: Any) -> AsyncIterator[Feed]:
+async def feed(
+    url: str, subj: str, probe: ProbeProcess | None = None, **options: Any
+) -> AsyncIterator[Feed]:
     client = await nats.connect(url, allow_reconnect=False, connect_timeout=5, **options)
     try:
         sub = await client.subscribe(subj)
         await client.flush()
-        yield Feed(client, sub)
+        yield Feed(client, sub, probe=probe)
     finally:
         await client.close()
 
@@ -167,6 +173,7 @@ async def test_samples_report_usage_limit_and_denials(
             "init", "ctx", "alloc 100m", "alloc 2g", "sleep 3000",
             env=telemetry_env(nats_server.url, region_path, uid), build=build,
         )  # fmt: skip
+        f.probe = proc
         assert (await line(proc, "alloc"))["rc"] == 0
         denied = await line(proc, "alloc")
         assert denied["rc"] == 2, denied  # over the 1 GiB limit
@@ -211,6 +218,7 @@ async def test_usage_follows_allocations_and_frees(
         proc = spawn_probe(
             "init", "ctx", "sleep 500", "alloc 300m", "sleep 500", "free 0", "sleep 500", env=env
         )
+        f.probe = proc
         await f.until(lambda s: s.devices[0].used_bytes == 300 * MiB, what="holding 300 MiB")
         await f.until(lambda s: s.devices[0].used_bytes == 0, what="after the free")
         await ended(proc)
@@ -229,6 +237,7 @@ async def test_sm_use_and_throttling_under_a_compute_limit(
     )  # fmt: skip
     async with feed(nats_server.url, subject(uid)) as f:
         proc = spawn_probe("init", "ctx", "run 2.5 2000 kernel", "sleep 300", env=env)
+        f.probe = proc
         await line(proc, "ctx")
         await asyncio.sleep(1.0)  # let the limiter settle
         settled = datetime.now(UTC)
@@ -297,6 +306,7 @@ async def test_the_publisher_thread_keeps_out_of_the_applications_way(
         proc = spawn_probe(
             "init", "ctx", "sleep 1500", env=telemetry_env(nats_server.url, region_path, uid)
         )
+        f.probe = proc
         await f.next()  # connected and publishing
         threads = threads_of(proc.pid)
         await ended(proc)
@@ -357,7 +367,7 @@ async def test_samples_wait_in_the_ring_until_nats_starts_and_drops_are_counted(
     assert (await line(proc, "alloc"))["rc"] == 0
     await asyncio.sleep(1.0)  # ~20 samples taken, the ring keeps 2
     own_nats.start()
-    async with feed(own_nats.url, subject(uid)) as f:
+    async with feed(own_nats.url, subject(uid), proc) as f:
         sample = await f.until(lambda s: s.dropped_samples > 0, what="counting drops")
         assert sample.devices[0].used_bytes == 64 * MiB
         assert sample.pid == proc.pid
@@ -377,13 +387,14 @@ async def test_publishing_resumes_after_nats_is_killed_and_restarted(
         "init", "ctx", "alloc 32m", "sleep 8000",
         env=telemetry_env(own_nats.url, region_path, uid),
     )  # fmt: skip
-    async with feed(own_nats.url, subject(uid)) as f:
+    assert (await line(proc, "alloc"))["rc"] == 0
+    async with feed(own_nats.url, subject(uid), proc) as f:
         before = (await f.next()).sample
     own_nats.kill()
     await asyncio.sleep(0.7)
     own_nats.start()
     restarted = datetime.now(UTC)
-    async with feed(own_nats.url, subject(uid)) as f:
+    async with feed(own_nats.url, subject(uid), proc) as f:
         after = await f.until(lambda s: s.time >= restarted, what="after the restart")
     assert after.pid == before.pid == proc.pid
     assert after.devices[0].used_bytes == 32 * MiB
@@ -433,11 +444,12 @@ async def test_credentials(
             "url-user": f"nats://{USER}:p%40ss%3Aw0rd@{host}",
             "url-token": f"nats://{TOKEN}@{host}",
         }.get(how, f"nats://{host}")
-        login: dict[str, str] = {"token": TOKEN} if token else {"user": USER, "password": PASSWORD}
+        login: dict[str, Any] = {"token": TOKEN} if token else {"user": USER, "password": PASSWORD}
         async with feed(f"nats://{host}", subject(uid), **login) as f:
             proc = spawn_probe(
                 "init", "ctx", "sleep 1500", env=telemetry_env(url, region_path, uid, **creds)
             )
+            f.probe = proc
             sample = await f.until(lambda s: bool(s.devices), timeout=5)
             assert sample.pid == proc.pid
             await ended(proc)
@@ -478,19 +490,19 @@ async def test_samples_above_max_payload_are_dropped_not_sent(
     tight = NatsServer(tmp_path / "tight")
     env = telemetry_env(f"{own_nats.url},{tight.url}", region_path, uid)
     proc = spawn_probe("init", "ctx", "alloc 1m", "sleep 10000", env=env)
-    async with feed(own_nats.url, subject(uid)) as f:
-        await f.until(lambda s: bool(s.devices))
+    async with feed(own_nats.url, subject(uid), proc) as f:
+        await f.until(lambda s: s.devices[0].used_bytes == MiB)  # no size changes after this
         size = f.seen[-1].size
-    tight.config = f"max_payload: {size + 4}\n"
+    tight.config = f"max_payload: {size + 6}\n"
     with tight:
         own_nats.stop()
-        async with feed(tight.url, subject(uid)) as f:
+        async with feed(tight.url, subject(uid), proc) as f:
             first = await f.until(lambda s: True, what="on the tight server")
             small = first.dropped_samples
             poke(region_path, "throttled_ns", 10**15)  # 15 more digits: above max_payload
             await asyncio.sleep(0.3)
             grown = await f.quiet(0.7)
-            # the largest that can pass is 4 bytes above the first one
+            # the largest that can pass is 6 bytes above the first one
             assert all(r.sample.devices[0].throttled_ns != 10**15 for r in grown)
             poke(region_path, "throttled_ns", 0)
             back = await f.until(lambda s: s.dropped_samples > small, what="after the drops")
