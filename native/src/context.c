@@ -19,7 +19,8 @@ static void after_fork_child(void) {
     gs_telemetry_after_fork();
 }
 
-static void name_devices(void) {
+/* Records each device's UUID in the region; needs an initialised driver. */
+void gs_name_devices(void) {
     int count = 0;
     if (!gs_real.cuDeviceGetCount || gs_real.cuDeviceGetCount(&count) != CUDA_SUCCESS) return;
     for (int i = 0; i < count && i < GS_MAX_DEVICES; i++) {
@@ -44,7 +45,7 @@ void gs_attach(void) {
             atfork_done = true;
         }
         if (gs_region_attach()) {
-            name_devices();
+            gs_name_devices();
             gs_limiter_setup();
             atomic_store_explicit(&gs_attached, 1, memory_order_release);
             gs_telemetry_start();

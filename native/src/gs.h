@@ -84,6 +84,7 @@ void *gs_wrapper_for(const char *name);
  * telemetry: done after the real cuInit succeeds, and lazily by any hook. */
 void gs_attach(void);
 extern atomic_int gs_attached;
+void gs_name_devices(void);
 /* True when the hook should account: settings loaded, control on, region joined. */
 static inline bool gs_enter(void) {
     gs_init();

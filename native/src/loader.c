@@ -210,6 +210,9 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
 CUresult cuInit(unsigned int flags) {
     gs_init();
     CUresult rc = GS_CALL(cuInit, (flags));
-    if (rc == CUDA_SUCCESS && !gs_cfg.disabled) gs_attach();
+    if (rc == CUDA_SUCCESS && !gs_cfg.disabled) {
+        gs_attach(); /* a hook called before cuInit may have joined already */
+        if (atomic_load(&gs_attached) == 1) gs_name_devices();
+    }
     return rc;
 }

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice_common.region import Region
-from tests.native.probe import Build, ProbeRunner, limited
+from tests.native.probe import Build, ProbeRunner, ProbeSpawner, limited
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -89,11 +89,8 @@ def test_a_driver_failure_rolls_the_reservation_back(
 
 
 def test_usage_is_visible_in_the_region_while_the_process_runs(
-    spawn_probe: object, region_path: Path
+    spawn_probe: ProbeSpawner, region_path: Path
 ) -> None:
-    from tests.native.probe import ProbeSpawner
-
-    assert isinstance(spawn_probe, ProbeSpawner)
     proc = spawn_probe(
         "init", "ctx", "alloc", "300m", "vmm", "100m", "hold", env=limited(region_path)
     )
@@ -282,3 +279,17 @@ def test_active_oom_killer_ends_the_process(run_probe: ProbeRunner, region_path:
     assert result.returncode == -9
     assert "ACTIVE_OOM_KILLER" in result.stderr
     assert not result.by_cmd("info")
+
+
+def test_a_hook_called_before_cu_init_still_names_the_devices(
+    spawn_probe: ProbeSpawner, region_path: Path
+) -> None:
+    proc = spawn_probe(
+        "alloc", "1m", "init", "ctx", "alloc", "1m", "hold", env=limited(region_path)
+    )
+    proc.wait_for("hold")
+    with Region.open(region_path) as region:
+        (device,) = region.devices()
+        assert device.uuid == "GPU-facefeed-0000-4000-8000-000000000000"
+        assert device.used_bytes == MiB
+    proc.stop()
