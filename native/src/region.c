@@ -288,8 +288,10 @@ bool gs_region_attach(void) {
         if (old && limit && old != limit)
             GS_LOG(GS_LOG_WARN, "device %d: region limit %llu bytes, this process %llu", d,
                    (unsigned long long)old, (unsigned long long)limit);
-        STORE(&dev->limit, limit);
-        STORE(&dev->sm_limit, gs_cfg.sm_limit[d]);
+        /* The region shows the limits the container runs with; a process started
+         * without them (a debugging shell) does not erase them. */
+        if (limit) STORE(&dev->limit, limit);
+        if (gs_cfg.sm_limit[d]) STORE(&dev->sm_limit, gs_cfg.sm_limit[d]);
     }
     gs_self = slot;
     unlock_region(held);
