@@ -24,6 +24,9 @@
 #define GS_WINDOW_LAUNCHES 64
 #define GS_GAP_NS 1000000ULL
 #define GS_TAU_NS 2000000ULL
+/* No window charges more than this: a clock further ahead is stale (a region
+ * file kept across a reboot, where CLOCK_MONOTONIC restarted) and is reset. */
+#define GS_MAX_AHEAD_NS 120000000000ULL
 
 static atomic_bool limiter_on;
 
@@ -92,6 +95,35 @@ static void close_window(window_t *w, int d, uint32_t limit) {
     w->open = false;
 }
 
+static CUresult record(CUevent event, CUstream stream, bool ptds) {
+    if (ptds && gs_real.cuEventRecord_ptsz) return gs_real.cuEventRecord_ptsz(event, stream);
+    return gs_real.cuEventRecord(event, stream);
+}
+
+/* Work launched into a stream being captured only joins a graph: it is
+ * measured when the graph is launched, and events must not touch the capture. */
+static bool capturing(CUstream stream, bool ptds) {
+    int status = 0;
+    CUresult (*query)(CUstream, int *) =
+        ptds && gs_real.cuStreamIsCapturing_ptsz ? gs_real.cuStreamIsCapturing_ptsz
+                                                 : gs_real.cuStreamIsCapturing;
+    return query && query(stream, &status) == CUDA_SUCCESS && status != 0;
+}
+
+/* A context is gone, and its events with it: windows on it start afresh. */
+void gs_limiter_forget_ctx(CUcontext ctx) {
+    for (int d = 0; d < GS_MAX_DEVICES; d++) {
+        window_t *w = &windows[d];
+        pthread_mutex_lock(&w->mu);
+        if (w->start && w->ctx == ctx) {
+            w->start = w->end = NULL; /* destroyed with the context */
+            w->ctx = NULL;
+            w->open = false;
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
+}
+
 static bool window_events(window_t *w) {
     CUcontext ctx = NULL;
     gs_real.cuCtxGetCurrent(&ctx);
@@ -118,8 +150,8 @@ static bool limiter_usable(void) {
 
 /* Waits as the share and the agent require; returns the device whose window the
  * launch joins, or -1 when no limit applies. */
-static int before_launch(CUstream stream, uint32_t *limit_out) {
-    if (!gs_enter() || !limiter_usable()) return -1;
+static int before_launch(CUstream stream, bool ptds, uint32_t *limit_out) {
+    if (!gs_enter() || !limiter_usable() || capturing(stream, ptds)) return -1;
     int d = gs_current_device();
     if (d < 0) return -1;
     gs_device_t *dev = &gs_region->devices[d];
@@ -135,6 +167,13 @@ static int before_launch(CUstream stream, uint32_t *limit_out) {
     uint32_t limit = active_limit(d, now);
     if (limit) {
         uint64_t tat = __atomic_load_n(&dev->tat_ns, __ATOMIC_ACQUIRE);
+        if (tat > now + GS_MAX_AHEAD_NS &&
+            __atomic_compare_exchange_n(&dev->tat_ns, &tat, now, false, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            GS_LOG(GS_LOG_WARN, "device %d: limiter clock was %llu s ahead; reset", d,
+                   (unsigned long long)((tat - now) / 1000000000ULL));
+            tat = now;
+        }
         if (tat > now + GS_TAU_NS) {
             sleep_ns(tat - GS_TAU_NS - now);
             uint64_t later = gs_now_ns();
@@ -146,11 +185,20 @@ static int before_launch(CUstream stream, uint32_t *limit_out) {
     if (!limit) return -1;
     window_t *w = &windows[d];
     pthread_mutex_lock(&w->mu);
-    if (w->open && now - w->last_launch > GS_GAP_NS) close_window(w, d, limit);
-    if (!w->open && window_events(w) && gs_real.cuEventRecord(w->start, stream) == CUDA_SUCCESS) {
-        w->open = true;
-        w->launches = 0;
-        w->cpu_start = gs_now_ns();
+    now = gs_now_ns(); /* another thread may have launched while this one waited */
+    if (w->open && now > w->last_launch && now - w->last_launch > GS_GAP_NS)
+        close_window(w, d, limit);
+    if (!w->open && window_events(w)) {
+        CUresult rc = record(w->start, stream, ptds);
+        if (rc != CUDA_SUCCESS) { /* events from a context since destroyed: once more */
+            w->start = w->end = NULL;
+            if (window_events(w)) rc = record(w->start, stream, ptds);
+        }
+        if (rc == CUDA_SUCCESS) {
+            w->open = true;
+            w->launches = 0;
+            w->cpu_start = gs_now_ns();
+        }
     }
     if (!w->open) {
         pthread_mutex_unlock(&w->mu);
@@ -160,9 +208,9 @@ static int before_launch(CUstream stream, uint32_t *limit_out) {
     return d; /* the window's mutex stays held until after_launch */
 }
 
-static void after_launch(int d, CUstream stream, CUresult rc, uint32_t limit) {
+static void after_launch(int d, CUstream stream, bool ptds, CUresult rc, uint32_t limit) {
     window_t *w = &windows[d];
-    if (rc == CUDA_SUCCESS && gs_real.cuEventRecord(w->end, stream) == CUDA_SUCCESS) {
+    if (rc == CUDA_SUCCESS && record(w->end, stream, ptds) == CUDA_SUCCESS) {
         uint64_t now = gs_now_ns();
         w->last_launch = now;
         if (++w->launches >= GS_WINDOW_LAUNCHES || now - w->cpu_start >= GS_WINDOW_NS)
@@ -178,14 +226,14 @@ static void after_launch(int d, CUstream stream, CUresult rc, uint32_t limit) {
  * driver (a sibling call: no frame of its own), and a slow path, out of line,
  * that initialises and limits.
  */
-#define GS_LAUNCH_ENTRY(fn, params, args, stream)                                             \
+#define GS_LAUNCH_ENTRY(fn, params, args, stream, ptds)                                       \
     static __attribute__((noinline)) CUresult fn##_limited params {                           \
         gs_init();                                                                            \
         if (!atomic_load_explicit(&limiter_on, memory_order_relaxed)) return GS_CALL(fn, args); \
         uint32_t limit_ = 0;                                                                  \
-        int d_ = before_launch((stream), &limit_);                                            \
+        int d_ = before_launch((stream), (ptds), &limit_);                                    \
         CUresult rc_ = GS_CALL(fn, args);                                                     \
-        if (d_ >= 0) after_launch(d_, (stream), rc_, limit_);                                 \
+        if (d_ >= 0) after_launch(d_, (stream), (ptds), rc_, limit_);                         \
         return rc_;                                                                           \
     }                                                                                         \
     CUresult fn params {                                                                      \
@@ -196,17 +244,17 @@ static void after_launch(int d, CUstream stream, CUresult rc, uint32_t limit) {
         return fn##_limited args;                                                             \
     }
 
-GS_LAUNCH_ENTRY(cuLaunchKernel, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream)
-GS_LAUNCH_ENTRY(cuLaunchKernel_ptsz, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream)
+GS_LAUNCH_ENTRY(cuLaunchKernel, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream, false)
+GS_LAUNCH_ENTRY(cuLaunchKernel_ptsz, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream, true)
 GS_LAUNCH_ENTRY(cuLaunchKernelEx,
                 (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
-                (config, f, kernelParams, extra), config ? config->hStream : NULL)
+                (config, f, kernelParams, extra), config ? config->hStream : NULL, false)
 GS_LAUNCH_ENTRY(cuLaunchKernelEx_ptsz,
                 (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
-                (config, f, kernelParams, extra), config ? config->hStream : NULL)
-GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel, GS_COOP_PARAMS, GS_COOP_ARGS, hStream)
-GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel_ptsz, GS_COOP_PARAMS, GS_COOP_ARGS, hStream)
+                (config, f, kernelParams, extra), config ? config->hStream : NULL, true)
+GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel, GS_COOP_PARAMS, GS_COOP_ARGS, hStream, false)
+GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel_ptsz, GS_COOP_PARAMS, GS_COOP_ARGS, hStream, true)
 GS_LAUNCH_ENTRY(cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), (hGraphExec, hStream),
-                hStream)
+                hStream, false)
 GS_LAUNCH_ENTRY(cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream),
-                (hGraphExec, hStream), hStream)
+                (hGraphExec, hStream), hStream, true)

@@ -27,8 +27,11 @@ static __thread bool loading;
 static dlsym_fn real_dlsym(void) {
     dlsym_fn f = atomic_load_explicit(&real_dlsym_ptr, memory_order_acquire);
     if (GS_LIKELY(f != NULL)) return f;
-    f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (!f) f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    /* glibc >= 2.34 moved dlsym into libc; before, its base version was 2.2.5
+     * on x86-64 and 2.17 on aarch64. */
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17"};
+    for (size_t i = 0; !f && i < sizeof versions / sizeof versions[0]; i++)
+        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
     atomic_store_explicit(&real_dlsym_ptr, f, memory_order_release);
     return f;
 }
@@ -61,44 +64,11 @@ static void *wrapper_of_real(void *fn) {
     return NULL;
 }
 
-/* Length of a symbol's base name: without _v2.._v9, _ptsz or _ptds. */
-static size_t base_len(const char *s) {
-    size_t n = strlen(s);
-    if (n > 5 && (!strcmp(s + n - 5, "_ptsz") || !strcmp(s + n - 5, "_ptds"))) n -= 5;
-    if (n > 3 && s[n - 3] == '_' && s[n - 2] == 'v' && s[n - 1] >= '2' && s[n - 1] <= '9') n -= 3;
-    return n;
-}
-
-/*
- * The driver returned a pointer that is none of the exported functions we hooked.
- * When the base name has exactly one hooked signature (ignoring the per-thread
- * twin) the wrapper is still unambiguous; otherwise passing the real function
- * through is the only safe answer.
- */
-static void *wrapper_by_base(const char *symbol, cuuint64_t flags) {
-    size_t n = base_len(symbol);
-    void *found = NULL;
-    int count = 0;
-    bool ptds = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
-    for (size_t i = 0; i < sizeof wrappers / sizeof wrappers[0]; i++) {
-        const char *w = wrappers[i].name;
-        if (base_len(w) != n || strncmp(w, symbol, n)) continue;
-        size_t wl = strlen(w);
-        bool twin = wl > 5 && !strcmp(w + wl - 5, "_ptsz");
-        if (twin != ptds) continue;
-        found = wrappers[i].wrapper;
-        count++;
-    }
-    return count == 1 ? found : NULL;
-}
-
-static void resolve_wrapper(const char *symbol, void **pfn, cuuint64_t flags) {
+/* A function the driver chose that we do not wrap (another version, another
+ * ABI) passes through as it is. */
+static void resolve_wrapper(void **pfn) {
     if (!pfn || !*pfn || gs_cfg.disabled) return;
     void *w = wrapper_of_real(*pfn);
-    if (!w) {
-        w = wrapper_by_base(symbol, flags);
-        if (w) GS_LOG(GS_LOG_DEBUG, "cuGetProcAddress(%s): unknown driver entry, hooked by name", symbol);
-    }
     if (w) *pfn = w;
 }
 
@@ -110,6 +80,8 @@ static void load_cuda(void) {
     cuda_handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!cuda_handle) {
         gs_log(GS_LOG_ERROR, "cannot load the CUDA driver %s: %s", path, dlerror());
+    } else if (!real_dlsym()) {
+        gs_log(GS_LOG_ERROR, "cannot find glibc's dlsym; the CUDA driver is unreachable");
     } else {
         dlsym_fn sym = real_dlsym();
 #define CUDA_HOOK(name, params, args) gs_real.name = (__typeof__(gs_real.name))sym(cuda_handle, #name);
@@ -133,6 +105,7 @@ static void load_nvml(void) {
         return;
     }
     dlsym_fn sym = real_dlsym();
+    if (!sym) return;
 #define NVML_HOOK(name, params, args) gs_real.name = (__typeof__(gs_real.name))sym(nvml_handle, #name);
 #define NVML_REAL(name, params, args) gs_real.name = (__typeof__(gs_real.name))sym(nvml_handle, #name);
 #include "hooks.def"
@@ -168,7 +141,10 @@ static __attribute__((noinline)) void *hooked_lookup(void *handle, const char *s
     void *w = gs_wrapper_for(symbol);
     if (!w || !driver_handle(handle)) return NULL;
     gs_init();
-    return gs_cfg.disabled ? NULL : w;
+    if (gs_cfg.disabled) return NULL;
+    /* A function this driver lacks stays missing: callers probe for new APIs. */
+    dlsym_fn real = real_dlsym();
+    return real && real(handle, symbol) ? w : NULL;
 }
 
 /*
@@ -191,7 +167,7 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuin
     gs_init();
     if (!gs_real.cuGetProcAddress) return CUDA_ERROR_NOT_FOUND;
     CUresult rc = gs_real.cuGetProcAddress(symbol, pfn, cudaVersion, flags);
-    if (rc == CUDA_SUCCESS) resolve_wrapper(symbol, pfn, flags);
+    if (rc == CUDA_SUCCESS) resolve_wrapper(pfn);
     return rc;
 }
 
@@ -203,7 +179,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
         return CUDA_ERROR_NOT_FOUND;
     }
     CUresult rc = gs_real.cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus);
-    if (rc == CUDA_SUCCESS) resolve_wrapper(symbol, pfn, flags);
+    if (rc == CUDA_SUCCESS) resolve_wrapper(pfn);
     return rc;
 }
 

@@ -177,9 +177,36 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
     GS_ALLOCATE(GS_K_VMM, dev, size, GS_CALL(cuMemCreate, (handle, size, prop, flags)), *handle);
 }
 
+/* The driver frees the memory of a handle once it is released and unmapped
+ * everywhere (applications commonly release right after mapping). */
+static CUresult vmm_step(CUresult rc, uint64_t handle, enum gs_vmm_op op) {
+    int dev;
+    uint64_t bytes;
+    if (rc == CUDA_SUCCESS && gs_track_vmm(handle, op, &dev, &bytes)) gs_unreserve(dev, bytes);
+    return rc;
+}
+
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     if (!gs_enter()) return GS_CALL(cuMemRelease, (handle));
-    return released(GS_CALL(cuMemRelease, (handle)), GS_K_VMM, handle);
+    return vmm_step(GS_CALL(cuMemRelease, (handle)), handle, GS_VMM_RELEASE);
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags) {
+    if (!gs_enter()) return GS_CALL(cuMemMap, (ptr, size, offset, handle, flags));
+    CUresult rc = GS_CALL(cuMemMap, (ptr, size, offset, handle, flags));
+    if (rc == CUDA_SUCCESS) gs_track_add(GS_K_MAP, ptr, -1, handle, NULL);
+    return vmm_step(rc, handle, GS_VMM_MAP);
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    if (!gs_enter()) return GS_CALL(cuMemUnmap, (ptr, size));
+    CUresult rc = GS_CALL(cuMemUnmap, (ptr, size));
+    int unused;
+    uint64_t handle;
+    if (rc == CUDA_SUCCESS && gs_track_take(GS_K_MAP, ptr, &unused, &handle))
+        vmm_step(rc, handle, GS_VMM_UNMAP);
+    return rc;
 }
 
 /* ------------------------------------------------------------ stream-ordered pools

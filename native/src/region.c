@@ -40,12 +40,14 @@ static _Atomic uint64_t last_reclaim_ns;
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
 
-static void sat_sub(uint64_t *p, uint64_t v) {
+/* Subtracts at most what is there; returns what was subtracted. */
+static uint64_t sat_sub(uint64_t *p, uint64_t v) {
     uint64_t cur = LOAD(p);
     uint64_t next;
     do {
         next = cur > v ? cur - v : 0;
     } while (!__atomic_compare_exchange_n(p, &cur, next, true, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    return cur - next;
 }
 
 static void raise_max(uint64_t *p, uint64_t v) {
@@ -115,21 +117,30 @@ static bool alive(int pid, uint64_t start_time) {
     return true;
 }
 
+/* Frees a slot: its usage leaves the devices, then the slot itself. */
+static void free_slot(gs_proc_t *p) {
+    for (int d = 0; d < GS_MAX_DEVICES; d++) {
+        uint64_t v = __atomic_exchange_n(&p->used[d], 0, __ATOMIC_ACQ_REL);
+        if (v) sat_sub(&gs_region->devices[d].used, v);
+    }
+    STORE(&p->start_time, 0);
+    STORE(&p->pid, 0);
+}
+
+/* Slots of processes that are gone, or of this very PID before an exec (the
+ * old image's memory went with it; this image has not joined yet). */
 static int reclaim_locked(void) {
     int freed = 0;
+    int32_t me = (int32_t)getpid();
     uint32_t high = LOAD(&gs_region->proc_high);
     if (high > GS_MAX_PROCS) high = GS_MAX_PROCS;
     for (uint32_t i = 0; i < high; i++) {
         gs_proc_t *p = &gs_region->procs[i];
         int32_t pid = LOAD(&p->pid);
         if (pid == 0 || p == gs_self) continue;
-        if (alive(pid, LOAD(&p->start_time))) continue;
-        for (int d = 0; d < GS_MAX_DEVICES; d++) {
-            uint64_t v = __atomic_exchange_n(&p->used[d], 0, __ATOMIC_ACQ_REL);
-            if (v) sat_sub(&gs_region->devices[d].used, v);
-        }
+        if (!(pid == me && !gs_self) && alive(pid, LOAD(&p->start_time))) continue;
+        free_slot(p);
         GS_LOG(GS_LOG_INFO, "reclaimed the usage of exited process %d", pid);
-        STORE(&p->pid, 0);
         freed++;
     }
     return freed;
@@ -280,7 +291,10 @@ bool gs_region_attach(void) {
     /* Alone (under the lock, every other slot dead or free): nothing can be in
      * flight, so the counters restart from zero, healing any drift. */
     if (!others && held)
-        for (int d = 0; d < GS_MAX_DEVICES; d++) STORE(&gs_region->devices[d].used, 0);
+        for (int d = 0; d < GS_MAX_DEVICES; d++) {
+            STORE(&gs_region->devices[d].used, 0);
+            STORE(&gs_region->devices[d].tat_ns, 0); /* the limiter's clock, maybe from another boot */
+        }
     for (int d = 0; d < GS_MAX_DEVICES; d++) {
         gs_device_t *dev = &gs_region->devices[d];
         uint64_t limit = gs_cfg.mem_limit[d];
@@ -303,11 +317,7 @@ void gs_region_detach(void) {
     gs_proc_t *p = gs_self;
     if (!p || !gs_region) return;
     gs_self = NULL;
-    for (int d = 0; d < GS_MAX_DEVICES; d++) {
-        uint64_t v = __atomic_exchange_n(&p->used[d], 0, __ATOMIC_ACQ_REL);
-        if (v) sat_sub(&gs_region->devices[d].used, v);
-    }
-    STORE(&p->pid, 0);
+    free_slot(p);
 }
 
 void gs_region_set_uuid(int dev, const char *uuid) {
@@ -335,7 +345,8 @@ int gs_region_find_uuid(const char *uuid) {
 
 /* ------------------------------------------------------------ reservations */
 bool gs_reserve(int dev, uint64_t bytes) {
-    if (dev < 0 || dev >= GS_MAX_DEVICES || !gs_self) return true;
+    gs_proc_t *self = gs_self; /* once: exit may clear it under another thread */
+    if (dev < 0 || dev >= GS_MAX_DEVICES || !self) return true;
     gs_device_t *d = &gs_region->devices[dev];
     uint64_t limit = gs_cfg.mem_limit[dev];
     for (int attempt = 0; attempt < 2; attempt++) {
@@ -344,7 +355,7 @@ bool gs_reserve(int dev, uint64_t bytes) {
             if (limit && (bytes > limit || cur > limit - bytes)) break;
             if (__atomic_compare_exchange_n(&d->used, &cur, cur + bytes, true, __ATOMIC_ACQ_REL,
                                             __ATOMIC_ACQUIRE)) {
-                __atomic_add_fetch(&gs_self->used[dev], bytes, __ATOMIC_ACQ_REL);
+                __atomic_add_fetch(&self->used[dev], bytes, __ATOMIC_ACQ_REL);
                 raise_max(&d->peak, cur + bytes);
                 return true;
             }
@@ -364,9 +375,11 @@ bool gs_reserve(int dev, uint64_t bytes) {
 }
 
 void gs_unreserve(int dev, uint64_t bytes) {
-    if (dev < 0 || dev >= GS_MAX_DEVICES || !gs_self || !bytes) return;
-    sat_sub(&gs_self->used[dev], bytes);
-    sat_sub(&gs_region->devices[dev].used, bytes);
+    gs_proc_t *self = gs_self;
+    if (dev < 0 || dev >= GS_MAX_DEVICES || !self || !bytes) return;
+    /* Only what this process held leaves the device: never others' usage. */
+    uint64_t held = sat_sub(&self->used[dev], bytes);
+    if (held) sat_sub(&gs_region->devices[dev].used, held);
 }
 
 uint64_t gs_used(int dev) {

@@ -16,6 +16,8 @@ typedef struct entry {
     CUcontext ctx;
     int dev;
     int kind;
+    int maps;      /* GS_K_VMM: mappings alive */
+    bool released; /* GS_K_VMM: cuMemRelease was called */
 } entry_t;
 
 typedef struct {
@@ -42,6 +44,12 @@ static inline uint64_t mix(uint64_t k) {
 
 static inline shard_t *shard_of(uint64_t h) { return &shards[h % SHARDS]; }
 static inline size_t bucket_of(uint64_t h) { return (size_t)((h / SHARDS) % BUCKETS); }
+
+static entry_t **find_locked(shard_t *s, uint64_t h, enum gs_kind kind, uint64_t key) {
+    for (entry_t **pp = &s->buckets[bucket_of(h)]; *pp; pp = &(*pp)->next)
+        if ((*pp)->key == key && (*pp)->kind == (int)kind) return pp;
+    return NULL;
+}
 
 static entry_t *new_entry(shard_t *s) {
     if (!s->free) {
@@ -80,22 +88,43 @@ bool gs_track_take(enum gs_kind kind, uint64_t key, int *dev, uint64_t *bytes) {
     pthread_once(&shards_once, shards_init);
     uint64_t h = mix(key ^ ((uint64_t)kind << 58));
     shard_t *s = shard_of(h);
-    bool found = false;
     pthread_mutex_lock(&s->mu);
-    for (entry_t **pp = &s->buckets[bucket_of(h)]; *pp; pp = &(*pp)->next) {
+    entry_t **pp = find_locked(s, h, kind, key);
+    if (pp) {
         entry_t *e = *pp;
-        if (e->key == key && e->kind == (int)kind) {
+        *dev = e->dev;
+        *bytes = e->bytes;
+        *pp = e->next;
+        e->next = s->free;
+        s->free = e;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return pp != NULL;
+}
+
+bool gs_track_vmm(uint64_t handle, enum gs_vmm_op op, int *dev, uint64_t *bytes) {
+    pthread_once(&shards_once, shards_init);
+    uint64_t h = mix(handle ^ ((uint64_t)GS_K_VMM << 58));
+    shard_t *s = shard_of(h);
+    bool gone = false;
+    pthread_mutex_lock(&s->mu);
+    entry_t **pp = find_locked(s, h, GS_K_VMM, handle);
+    if (pp) {
+        entry_t *e = *pp;
+        if (op == GS_VMM_MAP) e->maps++;
+        else if (op == GS_VMM_UNMAP && e->maps > 0) e->maps--;
+        else if (op == GS_VMM_RELEASE) e->released = true;
+        if (e->released && e->maps == 0) {
             *dev = e->dev;
             *bytes = e->bytes;
             *pp = e->next;
             e->next = s->free;
             s->free = e;
-            found = true;
-            break;
+            gone = true;
         }
     }
     pthread_mutex_unlock(&s->mu);
-    return found;
+    return gone;
 }
 
 uint64_t gs_track_drop_ctx(CUcontext ctx) {

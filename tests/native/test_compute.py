@@ -125,3 +125,49 @@ def test_processes_of_one_container_share_its_limit(
     shares = [proc.result(timeout=60).one("run")["share"] for proc in procs]
     assert abs(sum(shares) - 0.50) <= 0.05, shares
     assert abs(shares[0] - shares[1]) <= 0.05, shares
+
+
+def set_clock(region_path: Path, ahead_ns: int) -> None:
+    """Puts device 0's limiter clock `ahead_ns` into the future, as a region file kept
+    across a reboot (CLOCK_MONOTONIC restarts) would."""
+    from gpuslice_common.region import ffi
+
+    offset = ffi.offsetof("gs_region_t", "devices") + ffi.offsetof("gs_device_t", "tat_ns")
+    with region_path.open("r+b") as f:
+        f.seek(offset)
+        f.write((time.monotonic_ns() + ahead_ns).to_bytes(8, "little"))
+
+
+def test_a_stale_clock_far_ahead_does_not_stall_launches(
+    spawn_probe: ProbeSpawner, run_probe: ProbeRunner, region_path: Path
+) -> None:
+    holder = spawn_probe("init", "ctx", "hold", env=sm(region_path, 50))
+    holder.wait_for("hold")  # another process lives: the clock is not reset on joining
+    set_clock(region_path, 3600 * 10**9)
+    started = time.monotonic()
+    result = run_probe(
+        "init", "ctx", "launch", 4, 1000, "sync", env=sm(region_path, 50), timeout=20
+    )
+    assert result.one("launch")["rc"] == 0
+    assert time.monotonic() - started < 5
+    assert "limiter clock was" in result.stderr
+    holder.stop()
+
+
+def test_joining_alone_restarts_the_clock(run_probe: ProbeRunner, region_path: Path) -> None:
+    run_probe("init", "ctx", env=sm(region_path, 50))
+    set_clock(region_path, 30 * 10**9)  # within what a window may legitimately charge
+    started = time.monotonic()
+    run_probe("init", "ctx", "launch", 4, 1000, "sync", env=sm(region_path, 50), timeout=20)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("teardown", [("reset", "0"), ("release", "0")])
+def test_the_limit_holds_after_the_context_is_torn_down(
+    run_probe: ProbeRunner, region_path: Path, teardown: tuple[str, str]
+) -> None:
+    commands = ("init", "ctx", "0", "run", 1, 1000, *teardown, "ctx", "0", "run", 1, 1000)
+    result = run_probe(*commands, env=sm(region_path, 25), timeout=60)
+    first, second = (line["share"] for line in result.by_cmd("run"))
+    assert abs(first - 0.25) <= 0.06, result.describe()
+    assert abs(second - 0.25) <= 0.06, result.describe()
