@@ -164,6 +164,20 @@ bool gs_config_load(void) {
     ok &= load_size("GPUSLICE_CONTEXT_OVERHEAD", &c->context_overhead);
 
     ok &= copy_env("CUDA_DEVICE_MEMORY_SHARED_CACHE", c->region_path, sizeof c->region_path);
+    c->visible_count = 0;
+    if ((v = getenv("NVIDIA_VISIBLE_DEVICES")) && (!strncmp(v, "GPU-", 4) || !strncmp(v, "MIG-", 4))) {
+        const char *p = v;
+        while (*p && c->visible_count < GS_MAX_DEVICES) {
+            size_t len = strcspn(p, ",");
+            if (len > 0 && len < GS_UUID_LEN) {
+                memcpy(c->visible_uuid[c->visible_count], p, len);
+                c->visible_uuid[c->visible_count][len] = 0;
+                c->visible_count++;
+            }
+            p += len;
+            if (*p == ',') p++;
+        }
+    }
     ok &= copy_env("GPUSLICE_LIBCUDA", c->libcuda_path, sizeof c->libcuda_path);
     ok &= copy_env("GPUSLICE_LIBNVML", c->libnvml_path, sizeof c->libnvml_path);
 

@@ -10,16 +10,28 @@
 
 atomic_int gs_attached; /* 0 not yet, 1 joined, -1 refused (incompatible region) */
 static pthread_mutex_t attach_mu = PTHREAD_MUTEX_INITIALIZER;
+static void primary_after_fork(void);
 
 static void after_fork_child(void) {
     pthread_mutex_init(&attach_mu, NULL);
     atomic_store(&gs_attached, 0);
     gs_track_forget_all();
+    primary_after_fork();
     gs_region_after_fork();
     gs_telemetry_after_fork();
 }
 
-/* Records each device's UUID in the region; needs an initialised driver. */
+static int record_of[GS_MAX_DEVICES] = {-1, -1, -1, -1, -1, -1, -1, -1,
+                                         -1, -1, -1, -1, -1, -1, -1, -1};
+
+int gs_record_of(int ordinal) {
+    if (ordinal < 0 || ordinal >= GS_MAX_DEVICES) return -1;
+    int rec = __atomic_load_n(&record_of[ordinal], __ATOMIC_ACQUIRE);
+    return rec >= 0 ? rec : ordinal; /* not named yet: the ordinal */
+}
+
+/* Places each device of this process in the region by UUID; needs an
+ * initialised driver. */
 void gs_name_devices(void) {
     int count = 0;
     if (!gs_real.cuDeviceGetCount || gs_real.cuDeviceGetCount(&count) != CUDA_SUCCESS) return;
@@ -30,7 +42,10 @@ void gs_name_devices(void) {
         if (!gs_real.cuDeviceGet || gs_real.cuDeviceGet(&dev, i) != CUDA_SUCCESS) continue;
         if (!gs_real.cuDeviceGetUuid || gs_real.cuDeviceGetUuid(&uuid, dev) != CUDA_SUCCESS) continue;
         gs_format_uuid(&uuid, text);
-        gs_region_set_uuid(i, text);
+        int listed = -1;
+        for (int v = 0; v < gs_cfg.visible_count; v++)
+            if (!strcmp(gs_cfg.visible_uuid[v], text)) listed = v;
+        __atomic_store_n(&record_of[i], gs_region_place_uuid(text, listed, i), __ATOMIC_RELEASE);
     }
 }
 
@@ -66,13 +81,23 @@ static int primary_refs[GS_MAX_DEVICES];
 static CUcontext primary_ctx[GS_MAX_DEVICES];
 static bool primary_live[GS_MAX_DEVICES]; /* its overhead is reserved */
 
+/* In a fork child: the parent's primary contexts are the parent's, as its
+ * allocations are; the child's first retain pays the overhead again. */
+static void primary_after_fork(void) {
+    pthread_mutex_init(&primary_mu, NULL); /* the lock may have been held */
+    memset(primary_refs, 0, sizeof primary_refs);
+    memset(primary_ctx, 0, sizeof primary_ctx);
+    memset(primary_live, 0, sizeof primary_live);
+}
+
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     if (!gs_enter() || dev < 0 || dev >= GS_MAX_DEVICES)
         return GS_CALL(cuDevicePrimaryCtxRetain, (pctx, dev));
     pthread_mutex_lock(&primary_mu);
     uint64_t cost = primary_live[dev] ? 0 : gs_cfg.context_overhead;
     CUresult rc;
-    if (cost && !gs_reserve(dev, cost)) {
+    int rec = gs_record_of(dev);
+    if (cost && !gs_reserve(rec, cost)) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
         rc = GS_CALL(cuDevicePrimaryCtxRetain, (pctx, dev));
@@ -81,7 +106,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
             primary_live[dev] = true;
             if (pctx) primary_ctx[dev] = *pctx;
         } else {
-            gs_unreserve(dev, cost);
+            gs_unreserve(rec, cost);
         }
     }
     pthread_mutex_unlock(&primary_mu);
@@ -90,10 +115,13 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
 
 /* The primary context of `dev` is gone: its overhead and its allocations too. */
 static void primary_gone_locked(CUdevice dev) {
-    if (primary_live[dev]) gs_unreserve(dev, gs_cfg.context_overhead);
+    if (primary_live[dev]) gs_unreserve(gs_record_of(dev), gs_cfg.context_overhead);
     primary_live[dev] = false;
     primary_refs[dev] = 0;
-    if (primary_ctx[dev]) gs_track_drop_ctx(primary_ctx[dev]);
+    if (primary_ctx[dev]) {
+        gs_track_drop_ctx(primary_ctx[dev]);
+        gs_limiter_forget_ctx(primary_ctx[dev]);
+    }
     primary_ctx[dev] = NULL;
 }
 
@@ -113,7 +141,12 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
         return GS_CALL(cuDevicePrimaryCtxReset_v2, (dev));
     pthread_mutex_lock(&primary_mu);
     CUresult rc = GS_CALL(cuDevicePrimaryCtxReset_v2, (dev));
-    if (rc == CUDA_SUCCESS) primary_gone_locked(dev);
+    /* Its allocations and events are gone; the retains stand, and the context
+     * (with its overhead) comes back on next use. */
+    if (rc == CUDA_SUCCESS && primary_ctx[dev]) {
+        gs_track_drop_ctx(primary_ctx[dev]);
+        gs_limiter_forget_ctx(primary_ctx[dev]);
+    }
     pthread_mutex_unlock(&primary_mu);
     return rc;
 }
@@ -123,10 +156,11 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     do {                                                                                      \
         if (!gs_enter() || !pctx || dev < 0 || dev >= GS_MAX_DEVICES) return (call);          \
         uint64_t cost_ = gs_cfg.context_overhead;                                             \
-        if (cost_ && !gs_reserve(dev, cost_)) return CUDA_ERROR_OUT_OF_MEMORY;                \
+        int rec_ = gs_record_of(dev);                                                         \
+        if (cost_ && !gs_reserve(rec_, cost_)) return CUDA_ERROR_OUT_OF_MEMORY;               \
         CUresult rc_ = (call);                                                                \
-        if (rc_ != CUDA_SUCCESS) gs_unreserve(dev, cost_);                                    \
-        else gs_track_add(GS_K_CTX, (uint64_t)(uintptr_t)*pctx, dev, cost_, *pctx);           \
+        if (rc_ != CUDA_SUCCESS) gs_unreserve(rec_, cost_);                                   \
+        else gs_track_add(GS_K_CTX, (uint64_t)(uintptr_t)*pctx, rec_, cost_, *pctx);          \
         return rc_;                                                                           \
     } while (0)
 
@@ -151,6 +185,7 @@ CUresult cuCtxDestroy_v2(CUcontext ctx) {
         uint64_t bytes;
         if (gs_track_take(GS_K_CTX, (uint64_t)(uintptr_t)ctx, &dev, &bytes)) gs_unreserve(dev, bytes);
         gs_track_drop_ctx(ctx);
+        gs_limiter_forget_ctx(ctx);
     }
     return rc;
 }

@@ -14,6 +14,8 @@
 #define GS_LIKELY(x) __builtin_expect(!!(x), 1)
 #define GS_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
+static inline uint64_t gs_min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+
 /* ------------------------------------------------------------ settings (config.c) */
 enum gs_policy { GS_POLICY_DEFAULT = 0, GS_POLICY_FORCE = 1, GS_POLICY_DISABLE = 2 };
 
@@ -27,6 +29,10 @@ typedef struct {
     bool oom_killer;                         /* ACTIVE_OOM_KILLER */
     uint64_t context_overhead;               /* GPUSLICE_CONTEXT_OVERHEAD bytes per context */
     char region_path[512];                   /* CUDA_DEVICE_MEMORY_SHARED_CACHE ("" = private) */
+    /* NVIDIA_VISIBLE_DEVICES when it lists UUIDs: the container's devices in the
+     * order its limits (CUDA_DEVICE_MEMORY_LIMIT_<i>) and the region use */
+    char visible_uuid[GS_MAX_DEVICES][GS_UUID_LEN];
+    int visible_count;
     char libcuda_path[512];                  /* GPUSLICE_LIBCUDA ("" = libcuda.so.1) */
     char libnvml_path[512];                  /* GPUSLICE_LIBNVML ("" = libnvidia-ml.so.1) */
     /* telemetry */
@@ -55,6 +61,20 @@ void gs_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)
     do {                                                                                      \
         if (GS_UNLIKELY((level) <= gs_cfg.log_level)) gs_log((level), __VA_ARGS__);           \
     } while (0)
+/* An errno's name for a log line: no strerror (its text may be translated, which can
+ * load message catalogs and allocate). */
+const char *gs_errname(int e);
+
+/* ------------------------------------------------------------ text (text.c) */
+/* Each appends to buf[*pos..cap) and advances *pos; false, with *pos unchanged, when
+ * the text does not fit. */
+bool gs_append(char *buf, size_t cap, size_t *pos, const char *s, size_t n);
+#define GS_APPEND_LIT(buf, cap, pos, lit) gs_append((buf), (cap), (pos), "" lit, sizeof(lit) - 1)
+bool gs_appendf(char *buf, size_t cap, size_t *pos, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* `s` as the body of a JSON string (no quotes). Control characters become \u00XX and
+ * bytes that are not valid UTF-8 become U+FFFD, so the result is always valid JSON. */
+bool gs_json_escape(char *buf, size_t cap, size_t *pos, const char *s);
 
 /* ------------------------------------------------------------ loader (loader.c) */
 typedef struct {
@@ -124,15 +144,24 @@ void gs_reclaim_maybe(void);
 int gs_region_find_uuid(const char *uuid);
 void gs_region_detach(void);
 void gs_region_set_uuid(int dev, const char *uuid);
+/* The record for a device's UUID: `preferred` when it names one, else the
+ * record holding that UUID, else the ordinal's own if free, else the first free. */
+int gs_region_place_uuid(const char *uuid, int preferred, int ordinal);
 void gs_region_after_fork(void);
 
 /* ------------------------------------------------------------ allocations (track.c) */
-enum gs_kind { GS_K_MEM = 1, GS_K_ARRAY, GS_K_MIPMAP, GS_K_VMM, GS_K_CTX };
+/* GS_K_MAP: a VMM mapping, address -> handle (kept in `bytes`, device -1). */
+enum gs_kind { GS_K_MEM = 1, GS_K_ARRAY, GS_K_MIPMAP, GS_K_VMM, GS_K_CTX, GS_K_MAP };
 /* GS_K_MEM covers every pointer allocation (plain, pitch, managed, stream-ordered):
  * cuMemFree may free any of them. `ctx` is the context the memory dies with. */
 void gs_track_add(enum gs_kind kind, uint64_t key, int dev, uint64_t bytes, CUcontext ctx);
 /* Removes and returns the entry; false when unknown. */
 bool gs_track_take(enum gs_kind kind, uint64_t key, int *dev, uint64_t *bytes);
+/* VMM memory lives until it is released and unmapped everywhere. Counts a map,
+ * an unmap or the release of `handle`; true (with the entry's device and bytes,
+ * entry removed) when the memory is now gone. */
+enum gs_vmm_op { GS_VMM_MAP, GS_VMM_UNMAP, GS_VMM_RELEASE };
+bool gs_track_vmm(uint64_t handle, enum gs_vmm_op op, int *dev, uint64_t *bytes);
 /* Forgets every entry of a destroyed context (its memory went with it) and gives the
  * bytes back; returns the bytes released. */
 uint64_t gs_track_drop_ctx(CUcontext ctx);
@@ -140,14 +169,20 @@ uint64_t gs_track_drop_ctx(CUcontext ctx);
 void gs_track_forget_all(void);
 
 /* ------------------------------------------------------------ helpers (memory.c) */
-/* Device ordinal of the current context; -1 when none. */
+/* Region record (the container's device index) of the current context's
+ * device; -1 when none. */
 int gs_current_device(void);
+/* Region record of a CUDA ordinal of this process: the same GPU has the same
+ * record in every process, whatever CUDA_VISIBLE_DEVICES each one has. */
+int gs_record_of(int ordinal);
 /* Turns a CUuuid into "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx". */
 void gs_format_uuid(const CUuuid *uuid, char out[GS_UUID_LEN]);
 
 /* ------------------------------------------------------------ compute limiter (launch.c) */
 /* Re-evaluated when settings or the agent's flags change. */
 void gs_limiter_setup(void);
+/* The context is destroyed: the limiter's events on it went with it. */
+void gs_limiter_forget_ctx(CUcontext ctx);
 
 /* ------------------------------------------------------------ telemetry (telemetry.c) */
 /* Starts the publisher thread once when GPUSLICE_NATS_URL is set; never blocks. */

@@ -1,5 +1,6 @@
 /* Log lines go straight to stderr with write(2): no stdio buffers, no locks shared
- * with the application. */
+ * with the application; errno names come from a table of our own, not strerror. */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <time.h>
@@ -27,4 +28,28 @@ void gs_log(int level, const char *fmt, ...) {
     line[len++] = '\n';
     ssize_t w = write(STDERR_FILENO, line, len);
     (void)w;
+}
+
+const char *gs_errname(int e) {
+    static __thread char other[24];
+    switch (e) {
+    case ECONNREFUSED: return "connection refused";
+    case ECONNRESET: return "connection reset";
+    case ECONNABORTED: return "connection aborted";
+    case ETIMEDOUT: return "timed out";
+    case EHOSTUNREACH: return "host unreachable";
+    case ENETUNREACH: return "network unreachable";
+    case ENETDOWN: return "network down";
+    case EPIPE: return "broken pipe";
+    case EADDRNOTAVAIL: return "address not available";
+    case EAFNOSUPPORT: return "address family not supported";
+    case EMFILE: return "too many open files";
+    case ENFILE: return "too many open files in the system";
+    case ENOBUFS: return "no buffer space";
+    case ENOMEM: return "out of memory";
+    case EACCES: return "permission denied";
+    case EPERM: return "operation not permitted";
+    case ENOTCONN: return "not connected";
+    default: snprintf(other, sizeof other, "errno %d", e); return other;
+    }
 }

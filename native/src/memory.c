@@ -10,7 +10,7 @@
 int gs_current_device(void) {
     CUdevice dev;
     if (!gs_real.cuCtxGetDevice || gs_real.cuCtxGetDevice(&dev) != CUDA_SUCCESS) return -1;
-    return dev >= 0 && dev < GS_MAX_DEVICES ? dev : -1;
+    return gs_record_of(dev);
 }
 
 static CUcontext current_ctx(void) {
@@ -173,7 +173,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
     if (!gs_enter() || !handle || !prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
         prop->location.id < 0 || prop->location.id >= GS_MAX_DEVICES || size == 0)
         return GS_CALL(cuMemCreate, (handle, size, prop, flags));
-    int dev = prop->location.id;
+    int dev = gs_record_of(prop->location.id);
     GS_ALLOCATE(GS_K_VMM, dev, size, GS_CALL(cuMemCreate, (handle, size, prop, flags)), *handle);
 }
 
@@ -273,7 +273,7 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     CUresult rc = GS_CALL(cuDeviceTotalMem_v2, (bytes, dev));
     if (rc != CUDA_SUCCESS || !bytes || dev < 0 || dev >= GS_MAX_DEVICES) return rc;
     gs_init();
-    uint64_t limit = gs_cfg.disabled ? 0 : gs_limit(dev);
+    uint64_t limit = gs_cfg.disabled ? 0 : gs_limit(gs_record_of(dev));
     if (limit && limit < *bytes) *bytes = (size_t)limit;
     return rc;
 }

@@ -64,15 +64,23 @@ static void raise_max(uint64_t *p, uint64_t v) {
  * apart from PID-reuse races, which the start-time check covers. */
 #define GS_LOCK_WAIT_NS 1000000000ULL
 
+static _Atomic uint64_t lock_gave_up_ns; /* after one wait in vain, try without waiting for a while */
+
 static bool lock_region(void) {
     if (region_fd < 0) return false;
     struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
-    uint64_t deadline = gs_now_ns() + GS_LOCK_WAIT_NS;
+    uint64_t now = gs_now_ns();
+    uint64_t gave_up = LOAD(&lock_gave_up_ns);
+    uint64_t deadline = gave_up && now - gave_up < 5 * GS_LOCK_WAIT_NS ? now : now + GS_LOCK_WAIT_NS;
     for (;;) {
-        if (fcntl(region_fd, F_OFD_SETLK, &fl) == 0) return true;
+        if (fcntl(region_fd, F_OFD_SETLK, &fl) == 0) {
+            STORE(&lock_gave_up_ns, 0);
+            return true;
+        }
         if (errno != EAGAIN && errno != EACCES && errno != EINTR) return false;
         if (gs_now_ns() >= deadline) {
-            GS_LOG(GS_LOG_WARN, "region lock busy for 1s; going on without it");
+            if (deadline != now) GS_LOG(GS_LOG_WARN, "region lock busy for 1s; going on without it");
+            STORE(&lock_gave_up_ns, gs_now_ns());
             return false;
         }
         struct timespec ts = {0, 1000000};
@@ -333,6 +341,20 @@ void gs_region_set_uuid(int dev, const char *uuid) {
            !__atomic_compare_exchange_n(&gs_region->device_count, &count, (uint32_t)dev + 1, true,
                                         __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
     }
+}
+
+int gs_region_place_uuid(const char *uuid, int preferred, int ordinal) {
+    if (!gs_region || !uuid[0]) return ordinal;
+    bool held = lock_region();
+    int rec = preferred;
+    if (rec < 0) rec = gs_region_find_uuid(uuid);
+    if (rec < 0 && ordinal >= 0 && ordinal < GS_MAX_DEVICES && !gs_region->devices[ordinal].uuid[0])
+        rec = ordinal;
+    for (int i = 0; rec < 0 && i < GS_MAX_DEVICES; i++)
+        if (!gs_region->devices[i].uuid[0]) rec = i;
+    if (rec >= 0) gs_region_set_uuid(rec, uuid);
+    unlock_region(held);
+    return rec >= 0 ? rec : ordinal;
 }
 
 int gs_region_find_uuid(const char *uuid) {
