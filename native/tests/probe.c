@@ -35,8 +35,20 @@
  *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
  *   nvml | nvmlmem IDX | nvmlprocs IDX
  *   sleep MS | hold | lock PATH | getppid
+ *   fork | forkwait
  * Creating commands print "id" (null on failure), "ptr" (the pointer or handle),
  * "bytes" (what was asked for; arrays leave it out) and "ns" (time in the call).
+ *
+ * fork ... forkwait: the process forks. The child runs the commands between `fork`
+ * and its `forkwait` (or the end of the line), every line of its own carrying
+ * "child":true, and exits with status 0 there (exit(3): the libraries' destructors
+ * run). The parent prints {"cmd":"fork","rc":0,"pid":CHILD}, waits for the child,
+ * prints {"cmd":"forkwait","rc":0,"status":S} (the child's exit status, 128 +
+ * the signal when one killed it) and goes on after `forkwait`: e.g.
+ *     probe init ctx alloc 600m fork init ctx alloc 300m forkwait hold
+ * Forks nest: a `forkwait` closes the innermost open `fork`. When fork() fails, the
+ * fork line's rc is its errno and the parent goes on after `forkwait` at once.
+ * Both write to the same stdout, one whole line at a time, in no fixed order.
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -51,6 +63,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -135,6 +148,8 @@ static struct {
 #define CALL(field, ...) (api.field ? api.field(__VA_ARGS__) : PROBE_UNRESOLVED)
 
 static bool opt_proc, opt_ptds;
+/* How many `fork`s this process is the child of: its lines say "child":true. */
+static int fork_depth;
 
 /* ------------------------------------------------------------------ JSON output */
 static char *jbuf;
@@ -181,6 +196,7 @@ static void j_begin(const char *cmd) {
     jlen = 0;
     j_raw("{\"cmd\":");
     j_string(cmd);
+    if (fork_depth > 0) j_raw(",\"child\":true");
 }
 
 static void j_key(const char *key) {
@@ -1222,6 +1238,9 @@ static const command_t commands[] = {
     {"hold", "", NULL, cmd_hold},
     {"lock", "W", NULL, cmd_lock},
     {"getppid", "", NULL, cmd_getppid},
+    /* run by main: they decide which commands run next */
+    {"fork", "", NULL, NULL},
+    {"forkwait", "", NULL, NULL},
 };
 
 static bool in_choices(const char *word, const char *choices) {
@@ -1273,6 +1292,52 @@ static int take_args(const command_t *c, int argc, char **argv, int at) {
     return n;
 }
 
+/* ------------------------------------------------------------------ fork */
+/* Where the command after the `forkwait` that closes the `fork` at argv[at] begins
+ * (argc when none does). */
+static int after_forkwait(int argc, char **argv, int at) {
+    int depth = 0;
+    for (int i = at + 1; i < argc;) {
+        const command_t *c = find_command(argv[i]);
+        int n = take_args(c, argc, argv, i);
+        if (!strcmp(c->name, "fork")) depth++;
+        else if (!strcmp(c->name, "forkwait") && depth-- == 0) return i + 1;
+        i += 1 + n;
+    }
+    return argc;
+}
+
+/* The `fork` at argv[at]; returns where this process goes on. */
+static int run_fork(int argc, char **argv, int at) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        fork_depth++;
+        return at + 1;
+    }
+    int err = pid < 0 ? errno : 0;
+    j_begin("fork");
+    j_int("rc", err);
+    if (pid > 0)
+        j_int("pid", pid);
+    else
+        j_null("pid");
+    j_end();
+    if (pid > 0) {
+        int status = 0;
+        pid_t got;
+        while ((got = waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
+        }
+        j_begin("forkwait");
+        j_int("rc", got < 0 ? errno : 0);
+        if (got < 0)
+            j_null("status");
+        else
+            j_int("status", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+        j_end();
+    }
+    return after_forkwait(argc, argv, at);
+}
+
 int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     int first = 1;
@@ -1286,15 +1351,24 @@ int main(int argc, char **argv) {
         }
     }
     /* Check the whole line before running anything. */
+    int open_forks = 0;
     for (int i = first; i < argc;) {
         const command_t *c = find_command(argv[i]);
         if (!c) j_fail_args("unknown command '%s'", argv[i]);
+        if (!strcmp(c->name, "fork")) open_forks++;
+        if (!strcmp(c->name, "forkwait") && open_forks-- == 0)
+            j_fail_args("forkwait without a fork before it");
         i += 1 + take_args(c, argc, argv, i);
     }
     api_setup();
     for (int i = first; i < argc;) {
         const command_t *c = find_command(argv[i]);
         int n = take_args(c, argc, argv, i);
+        if (!strcmp(c->name, "fork")) {
+            i = run_fork(argc, argv, i);
+            continue;
+        }
+        if (!strcmp(c->name, "forkwait")) exit(0); /* a child at the end of its part */
         c->fn(n, argv + i + 1);
         i += 1 + n;
     }

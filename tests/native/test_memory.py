@@ -293,3 +293,44 @@ def test_a_hook_called_before_cu_init_still_names_the_devices(
         assert device.uuid == "GPU-facefeed-0000-4000-8000-000000000000"
         assert device.used_bytes == MiB
     proc.stop()
+
+
+def test_devices_are_the_containers_by_uuid_not_the_process_ordinal(
+    spawn_probe: ProbeSpawner, region_path: Path
+) -> None:
+    # The container's device order (NVIDIA_VISIBLE_DEVICES, set by the device plugin)
+    # is the reverse of CUDA's: CUDA ordinal 0 is container device 1 and gets its limit.
+    uuid = "GPU-facefeed-0000-4000-8000-0000000000{:02x}"
+    env = limited(
+        region_path,
+        "1g",
+        CUDA_DEVICE_MEMORY_LIMIT_1="256m",
+        FAKECUDA_DEVICES=2,
+        NVIDIA_VISIBLE_DEVICES=f"{uuid.format(1)},{uuid.format(0)}",
+    )
+    proc = spawn_probe(
+        "init",
+        "ctx",
+        "0",
+        "alloc",
+        "300m",
+        "alloc",
+        "200m",
+        "ctx",
+        "1",
+        "alloc",
+        "700m",
+        "hold",
+        env=env,
+    )
+    proc.wait_for("hold")
+    assert [line["rc"] for line in proc.lines if line.get("cmd") == "alloc"] == [2, 0, 0]
+    with Region.open(region_path) as region:
+        first, second = region.devices()
+        assert (first.uuid, first.limit_bytes, first.used_bytes) == (uuid.format(1), GiB, 700 * MiB)
+        assert (second.uuid, second.limit_bytes, second.used_bytes) == (
+            uuid.format(0),
+            256 * MiB,
+            200 * MiB,
+        )
+    proc.stop()
