@@ -28,6 +28,7 @@
  *   release [DEV] | reset [DEV]
  *   alloc SIZE | pitch WIDTH HEIGHT ELEM | managed SIZE | array W H FORMAT CH
  *   array3d W H D FORMAT CH | mipmap W H D FORMAT CH LEVELS | vmm SIZE [DEV]
+ *   vmmmap ID (maps vmm ID at a new address; `free` of the map's id unmaps it)
  *   async SIZE | poolalloc SIZE | free ID | freeraw PTR | trim BYTES | poolattr
  *   info | totalmem [DEV] | fakeused [DEV] | uuid [DEV]
  *   fill SIZE | race SIZE COUNT START_NS (CLOCK_REALTIME)
@@ -35,7 +36,7 @@
  *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
  *   nvml | nvmlmem IDX | nvmlprocs IDX
  *   sleep MS | hold | lock PATH | getppid
- *   fork | forkwait
+ *   fork | forkwait | exec (the rest of the line runs in a new image of this PID)
  * Creating commands print "id" (null on failure), "ptr" (the pointer or handle),
  * "bytes" (what was asked for; arrays leave it out) and "ns" (time in the call).
  *
@@ -79,6 +80,8 @@
 
 /* ...and the rest of what the probe calls. */
 CUresult cuCtxSetCurrent(CUcontext ctx);
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags);
 CUresult cuCtxSynchronize(void);
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev);
 CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value);
@@ -125,6 +128,9 @@ typedef unsigned long long (*fake_counter_t)(int);
     X(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", PROC_VERSION)                     \
     X(cuMemCreate, "cuMemCreate", PROC_VERSION)                                             \
     X(cuMemRelease, "cuMemRelease", PROC_VERSION)                                           \
+    X(cuMemAddressReserve, "cuMemAddressReserve", PROC_VERSION)                             \
+    X(cuMemMap, "cuMemMap", PROC_VERSION)                                                   \
+    X(cuMemUnmap, "cuMemUnmap", PROC_VERSION)                                               \
     X(cuMemAllocAsync, "cuMemAllocAsync", PROC_VERSION)                                     \
     X(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", PROC_VERSION)                     \
     X(cuMemFreeAsync, "cuMemFreeAsync", PROC_VERSION)                                       \
@@ -271,8 +277,9 @@ static void j_fail_args(const char *fmt, ...) {
 }
 
 /* ------------------------------------------------------------------ handle table */
-enum kind { K_NONE = 0, K_MEM, K_ARRAY, K_MIPMAP, K_VMM, K_ASYNC, K_CTX };
-static const char *const kind_names[] = {"none", "mem", "array", "mipmap", "vmm", "async", "ctx"};
+enum kind { K_NONE = 0, K_MEM, K_ARRAY, K_MIPMAP, K_VMM, K_ASYNC, K_CTX, K_MAP };
+static const char *const kind_names[] = {"none",  "mem", "array", "mipmap",
+                                         "vmm",   "async", "ctx", "map"};
 
 typedef struct {
     enum kind kind;
@@ -646,6 +653,26 @@ static void cmd_vmm(int argc, char **argv) {
     j_end();
 }
 
+/* Maps the VMM allocation `ID` at a fresh address range; `free` of the new id unmaps it. */
+static void cmd_vmmmap(int argc, char **argv) {
+    unsigned long long id = arg_u64(argv[0]);
+    if (id >= table_len || table[id].kind != K_VMM) {
+        j_begin("vmmmap");
+        j_int("rc", PROBE_ERROR);
+        j_str("error", "no such vmm id");
+        j_end();
+        return;
+    }
+    size_t size = table[id].bytes;
+    CUdeviceptr va = 0;
+    call_t0 = now_ns(CLOCK_MONOTONIC);
+    CUresult rc = CALL(cuMemAddressReserve, &va, size, 0, 0, 0);
+    if (rc == CUDA_SUCCESS)
+        rc = CALL(cuMemMap, va, size, 0, (CUmemGenericAllocationHandle)table[id].handle, 0);
+    j_created("vmmmap", rc, K_MAP, va, size);
+    j_end();
+}
+
 static void cmd_async(int argc, char **argv) {
     size_t size = arg_size(argv[0]);
     CUdeviceptr p = 0;
@@ -688,6 +715,7 @@ static void cmd_free(int argc, char **argv) {
     case K_ARRAY: rc = CALL(cuArrayDestroy, (CUarray)(uintptr_t)e->handle); break;
     case K_MIPMAP: rc = CALL(cuMipmappedArrayDestroy, (CUmipmappedArray)(uintptr_t)e->handle); break;
     case K_VMM: rc = CALL(cuMemRelease, (CUmemGenericAllocationHandle)e->handle); break;
+    case K_MAP: rc = CALL(cuMemUnmap, (CUdeviceptr)e->handle, e->bytes); break;
     case K_ASYNC: rc = CALL(cuMemFreeAsync, (CUdeviceptr)e->handle, NULL); break;
     case K_CTX: rc = CALL(cuCtxDestroy_v2, (CUcontext)(uintptr_t)e->handle); break;
     case K_NONE: break;
@@ -1214,6 +1242,7 @@ static const command_t commands[] = {
     {"array3d", "NNNNN", NULL, cmd_array3d},
     {"mipmap", "NNNNNN", NULL, cmd_mipmap},
     {"vmm", "Si", NULL, cmd_vmm},
+    {"vmmmap", "N", NULL, cmd_vmmmap},
     {"async", "S", NULL, cmd_async},
     {"poolalloc", "S", NULL, cmd_poolalloc},
     {"free", "N", NULL, cmd_free},
@@ -1241,6 +1270,7 @@ static const command_t commands[] = {
     /* run by main: they decide which commands run next */
     {"fork", "", NULL, NULL},
     {"forkwait", "", NULL, NULL},
+    {"exec", "", NULL, NULL},
 };
 
 static bool in_choices(const char *word, const char *choices) {
@@ -1338,6 +1368,26 @@ static int run_fork(int argc, char **argv, int at) {
     return after_forkwait(argc, argv, at);
 }
 
+/* exec: the same program, same options, with the commands after `exec`; the
+ * process (its PID) goes on as a new image. */
+static void run_exec(int argc, char **argv, int first, int rest) {
+    char **args = calloc((size_t)argc + 1, sizeof *args);
+    int n = 0;
+    args[n++] = argv[0];
+    for (int i = 1; i < first; i++) args[n++] = argv[i];
+    for (int i = rest; i < argc; i++) args[n++] = argv[i];
+    args[n] = NULL;
+    j_begin("exec");
+    j_int("rc", 0);
+    j_int("pid", (int)getpid());
+    j_end();
+    execv("/proc/self/exe", args);
+    j_begin("exec");
+    j_int("rc", errno);
+    j_end();
+    exit(1);
+}
+
 int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     int first = 1;
@@ -1369,6 +1419,7 @@ int main(int argc, char **argv) {
             continue;
         }
         if (!strcmp(c->name, "forkwait")) exit(0); /* a child at the end of its part */
+        if (!strcmp(c->name, "exec")) run_exec(argc, argv, first, i + 1);
         c->fn(n, argv + i + 1);
         i += 1 + n;
     }

@@ -334,3 +334,34 @@ def test_devices_are_the_containers_by_uuid_not_the_process_ordinal(
             200 * MiB,
         )
     proc.stop()
+
+
+def test_vmm_memory_counts_until_released_and_unmapped(
+    run_probe: ProbeRunner, region_path: Path, build: Build
+) -> None:
+    # Released right after mapping, as applications commonly do: the memory lives on
+    # until the last mapping goes.
+    result = run_probe(
+        "init",
+        "ctx",
+        "vmm",
+        "128m",
+        "vmmmap",
+        0,
+        "vmmmap",
+        0,
+        "free",
+        0,
+        "info",
+        "free",
+        1,
+        "info",
+        "free",
+        2,
+        "info",
+        env=limited(region_path),
+        build=build,
+    )
+    assert result.one("vmm")["rc"] == 0
+    assert [line["rc"] for line in result.by_cmd("vmmmap")] == [0, 0]
+    assert [line["free"] for line in result.by_cmd("info")] == [GiB - 128 * MiB] * 2 + [GiB]

@@ -135,3 +135,25 @@ def test_an_incompatible_region_is_refused_loudly(
     assert "enforcing the limits for this process alone" in result.stderr
     assert [line["rc"] for line in result.by_cmd("alloc")] == [0, 2]  # the limit still holds
     assert region_path.read_bytes() == bytes(data)  # left as it was
+
+
+def test_an_exec_leaves_no_usage_of_the_old_image(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # Same PID, same start time, a new image: the old one's memory went with it.
+    result = run_probe(
+        "init",
+        "ctx",
+        "alloc",
+        "600m",
+        "exec",
+        "init",
+        "ctx",
+        "alloc",
+        "900m",
+        "info",
+        env=limited(region_path),
+    )
+    assert result.one("exec")["rc"] == 0
+    assert [line["rc"] for line in result.by_cmd("alloc")] == [0, 0]
+    assert result.one("info")["free"] == 124 * MiB
