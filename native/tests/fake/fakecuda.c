@@ -118,6 +118,7 @@
 #include <unistd.h>
 
 #include "gs_cuda.h"
+#include "fake_size.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -372,32 +373,10 @@ static struct {
     int sm_count;
 } g_cfg;
 
-/* "4096", "512k", "80g", "1T" (also "80GB", "80GiB"); false when malformed. */
-static bool parse_size(const char *s, uint64_t *out) {
-    if (!s || *s < '0' || *s > '9') return false;
-    errno = 0;
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno) return false;
-    unsigned shift = 0;
-    switch (*end) {
-    case 'k': case 'K': shift = 10; end++; break;
-    case 'm': case 'M': shift = 20; end++; break;
-    case 'g': case 'G': shift = 30; end++; break;
-    case 't': case 'T': shift = 40; end++; break;
-    default: break;
-    }
-    if (shift && (*end == 'i' || *end == 'I')) end++;
-    if (*end == 'b' || *end == 'B') end++;
-    if (*end) return false;
-    if (shift && v > (UINT64_MAX >> shift)) return false;
-    *out = (uint64_t)v << shift;
-    return true;
-}
 
 static uint64_t env_size(const char *name, uint64_t dflt) {
     uint64_t v;
-    return parse_size(getenv(name), &v) ? v : dflt;
+    return parse_size(getenv(name), NULL, &v) ? v : dflt;
 }
 
 /* ------------------------------------------------------------------ state */

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "gs_cuda.h"
+#include "fake_size.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -117,32 +118,6 @@ static struct {
     } procs[FAKE_MAX_PROCS];
 } g_cfg;
 static struct fdev g_devs[FAKE_MAX_DEVICES];
-
-/* Same grammar as fakecuda.c: "4096", "512k", "80g", "80GiB". */
-static bool parse_size(const char *s, const char **rest, uint64_t *out) {
-    if (!s || *s < '0' || *s > '9') return false;
-    errno = 0;
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno) return false;
-    unsigned shift = 0;
-    switch (*end) {
-    case 'k': case 'K': shift = 10; end++; break;
-    case 'm': case 'M': shift = 20; end++; break;
-    case 'g': case 'G': shift = 30; end++; break;
-    case 't': case 'T': shift = 40; end++; break;
-    default: break;
-    }
-    if (shift && (*end == 'i' || *end == 'I')) end++;
-    if (*end == 'b' || *end == 'B') end++;
-    if (shift && v > (UINT64_MAX >> shift)) return false;
-    if (rest)
-        *rest = end;
-    else if (*end)
-        return false;
-    *out = (uint64_t)v << shift;
-    return true;
-}
 
 static uint64_t env_size(const char *name, uint64_t dflt) {
     uint64_t v;
