@@ -417,6 +417,7 @@ static CUmodule load_kernels(void) {
 
 /* ------------------------------------------------------------------ env */
 static void nvml_env(jw_t *w);
+static void context_cost(jw_t *w);
 
 static int cmd_env(void) {
     int drv = 0, count = 0;
@@ -462,6 +463,7 @@ static int cmd_env(void) {
             jstr(&R, "pci_bus_id", bus);
     }
     nvml_env(&R);
+    context_cost(&R);
     return 0;
 }
 
@@ -540,6 +542,28 @@ static void nvml_env(jw_t *w) {
     if (d && n.mem && n.mem(d, &m) == KIT_NVML_SUCCESS) {
         ju64(w, "nvml_total", m.total);
         ju64(w, "nvml_used", m.used);
+    }
+    if (n.shutdown) n.shutdown();
+}
+
+/* Device memory one primary context takes (what GPUSLICE_CONTEXT_OVERHEAD should
+ * say): NVML's used memory before the context and after its first allocation
+ * (freed again), on an otherwise idle GPU. */
+static void context_cost(jw_t *w) {
+    nvml_t n;
+    if (!nvml_open(&n, w)) return;
+    kit_nvmlDevice_t d = nvml_device(&n, w);
+    kit_nvmlMemory_t before, after;
+    CUcontext ctx;
+    CUdeviceptr p;
+    if (d && n.mem && n.mem(d, &before) == KIT_NVML_SUCCESS &&
+        cuDevicePrimaryCtxRetain(&ctx, g_dev) == CUDA_SUCCESS) {
+        if (cuCtxSetCurrent(ctx) == CUDA_SUCCESS && cuMemAlloc_v2(&p, 1 << 20) == CUDA_SUCCESS) {
+            cuMemFree_v2(p);
+            if (n.mem(d, &after) == KIT_NVML_SUCCESS && after.used >= before.used)
+                ju64(w, "context_bytes", after.used - before.used);
+        }
+        cuDevicePrimaryCtxRelease_v2(g_dev);
     }
     if (n.shutdown) n.shutdown();
 }

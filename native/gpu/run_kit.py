@@ -315,6 +315,7 @@ class Kit:
                 "pci_bus_id",
                 "device_count",
                 "l2_bytes",
+                "context_bytes",
             ):
                 sec[k] = r.get(k)
             self.env_info = sec

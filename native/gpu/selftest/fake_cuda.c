@@ -177,6 +177,10 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice dev) {
     *c = (CUcontext)&ctx_dummy;
     return CUDA_SUCCESS;
 }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    (void)dev;
+    return CUDA_SUCCESS;
+}
 static __thread CUcontext current;
 CUresult cuCtxSetCurrent(CUcontext c) {
     current = c;
