@@ -63,6 +63,7 @@ static bool parse_duration(const char *text, uint64_t *out) {
     else if (!strcasecmp(end, "s") || !*end) scale = 1e9;
     else if (!strcasecmp(end, "m")) scale = 60e9;
     else return false;
+    if (v * scale >= 1.8e19) return false; /* beyond uint64_t */
     *out = (uint64_t)(v * scale);
     return true;
 }

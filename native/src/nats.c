@@ -530,7 +530,9 @@ void gs_nats_step(gs_nats_t *nc, uint64_t now) {
             nc->next_ping = now + NATS_PING_EVERY_NS;
             (void)queue(nc, "PING\r\n", 6);
         }
-        if (nc->out_off < nc->out_len && now - nc->out_since >= NATS_STALL_NS) {
+        /* out_since may be later than `now` (queue() stamps it afresh): no stall then. */
+        if (nc->out_off < nc->out_len && now > nc->out_since &&
+            now - nc->out_since >= NATS_STALL_NS) {
             conn_fail(nc, now, "the server takes no data", true);
             break;
         }
@@ -602,7 +604,8 @@ void gs_nats_handle(gs_nats_t *nc, short revents, uint64_t now) {
 }
 
 void gs_nats_close(gs_nats_t *nc) {
-    if (nc->fd >= 0) close(nc->fd);
-    nc->fd = -1;
+    int fd = nc->fd;
+    nc->fd = -1; /* first: a fork child must never close a number reused meanwhile */
+    if (fd >= 0) close(fd);
     nc->state = GS_NATS_DOWN;
 }

@@ -29,6 +29,8 @@
 #define TL_MS 1000000ull
 #define TL_MIN_INTERVAL_NS (10 * TL_MS)
 #define TL_DEFAULT_INTERVAL_NS (1000 * TL_MS)
+/* next_sample = now + interval must not wrap around into the past (a busy loop) */
+#define TL_MAX_INTERVAL_NS (24 * 3600 * 1000 * TL_MS)
 #define TL_MAX_RING 4096
 #define TL_DEFAULT_RING 64
 
@@ -340,6 +342,7 @@ static void *telemetry_main(void *arg) {
     tl_interval = gs_cfg.telemetry_interval_ns ? gs_cfg.telemetry_interval_ns
                                                : TL_DEFAULT_INTERVAL_NS;
     if (tl_interval < TL_MIN_INTERVAL_NS) tl_interval = TL_MIN_INTERVAL_NS;
+    if (tl_interval > TL_MAX_INTERVAL_NS) tl_interval = TL_MAX_INTERVAL_NS;
     GS_LOG(GS_LOG_DEBUG, "telemetry: every %llu ms to %s, ring of %u samples",
            (unsigned long long)(tl_interval / TL_MS), tl_subject, tl_ring_cap);
 

@@ -9,8 +9,10 @@ message with TelemetrySample, the model the Python side uses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -414,6 +416,86 @@ async def test_a_second_url_takes_over(
         await asyncio.to_thread(run_probe, "init", "ctx", "sleep 1000", env=env)
         sample = await f.until(lambda s: bool(s.devices), timeout=5)
     assert sample.devices[0].uuid == FAKE_UUID
+
+
+class PingCountingServer:
+    """Just enough of a NATS server on a thread: INFO, a PONG for every PING (the
+    handshake's and the keep-alives), and a count of connections and PINGs."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.connections = 0
+        self.pings = 0  # from the client, after each connection's first (the handshake's)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                self.connections += 1
+                threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _talk(self, conn: socket.socket) -> None:
+        with closing(conn), contextlib.suppress(OSError):
+            conn.sendall(b'INFO {"server_id":"fake","max_payload":1048576}\r\n')
+            buf, first = b"", True
+            while data := conn.recv(65536):
+                buf += data
+                *lines, buf = buf.split(b"\r\n")
+                for row in lines:
+                    if row == b"PING":
+                        self.pings += 0 if first else 1
+                        first = False
+                        conn.sendall(b"PONG\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.slow
+def test_a_healthy_link_survives_its_keepalive_pings(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    """The link PINGs every 15 s; queueing that PING must not look like a server that
+    takes no data (which dropped and reconnected a healthy link every 15 s)."""
+    server = PingCountingServer()
+    try:
+        env = telemetry_env(server.url, region_path, pod_uid())
+        result = run_probe("init", "ctx", "sleep 17000", env=env, timeout=40)
+    finally:
+        server.close()
+    assert "lost the connection" not in result.stderr, result.stderr
+    assert result.stderr.count("connected to NATS") == 1, result.stderr
+    assert server.connections == 1
+    assert server.pings >= 1  # the keep-alive went out, and its PONG kept the link
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def test_an_enormous_interval_does_not_spin(
+    spawn_probe: ProbeSpawner, region_path: Path
+) -> None:
+    """An interval near 2**64 ns once made next_sample wrap into the past: a sample
+    per loop and poll() with no timeout, a core burnt."""
+    env = telemetry_env(closed_port_url(), region_path, pod_uid(), interval="18446744073")
+    proc = spawn_probe("init", "ctx", "sleep 3000", env=env)
+    await line(proc, "ctx")
+    await asyncio.sleep(0.3)
+    before = cpu_seconds(proc.pid)
+    await asyncio.sleep(1.5)
+    burnt = cpu_seconds(proc.pid) - before
+    await ended(proc)
+    assert burnt < 0.3, f"{burnt:.2f}s of CPU in 1.5s\n{proc.stderr_text()}"
 
 
 # ----------------------------------------------------------------------------- credentials
