@@ -11,7 +11,8 @@
 
 gs_config_t gs_cfg = {.log_level = GS_LOG_WARN};
 
-bool gs_parse_size(const char *text, uint64_t *out) {
+/* "10g", "512m", "4096", "1.5g": bytes. False when not a size. */
+static bool gs_parse_size(const char *text, uint64_t *out) {
     const char *p = text;
     while (isspace((unsigned char)*p)) p++;
     if (!isdigit((unsigned char)*p)) return false;

@@ -8,7 +8,7 @@
 
 #include "gs.h"
 
-atomic_int gs_attached; /* 0 not yet, 1 joined, -1 refused (incompatible region) */
+atomic_int gs_attached; /* 0 not yet, 1 joined, -1 could not join (region full) */
 static pthread_mutex_t attach_mu = PTHREAD_MUTEX_INITIALIZER;
 static void primary_after_fork(void);
 
@@ -19,6 +19,21 @@ static void after_fork_child(void) {
     primary_after_fork();
     gs_region_after_fork();
     gs_telemetry_after_fork();
+}
+
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as NVML prints it. */
+static void format_uuid(const CUuuid *uuid, char out[GS_UUID_LEN]) {
+    const unsigned char *b = (const unsigned char *)uuid->bytes;
+    static const char hex[] = "0123456789abcdef";
+    char *p = out;
+    memcpy(p, "GPU-", 4);
+    p += 4;
+    for (int i = 0; i < 16; i++) {
+        if (i == 4 || i == 6 || i == 8 || i == 10) *p++ = '-';
+        *p++ = hex[b[i] >> 4];
+        *p++ = hex[b[i] & 15];
+    }
+    *p = 0;
 }
 
 static int record_of[GS_MAX_DEVICES] = {-1, -1, -1, -1, -1, -1, -1, -1,
@@ -41,7 +56,7 @@ void gs_name_devices(void) {
         char text[GS_UUID_LEN];
         if (!gs_real.cuDeviceGet || gs_real.cuDeviceGet(&dev, i) != CUDA_SUCCESS) continue;
         if (!gs_real.cuDeviceGetUuid || gs_real.cuDeviceGetUuid(&uuid, dev) != CUDA_SUCCESS) continue;
-        gs_format_uuid(&uuid, text);
+        format_uuid(&uuid, text);
         int listed = -1;
         for (int v = 0; v < gs_cfg.visible_count; v++)
             if (!strcmp(gs_cfg.visible_uuid[v], text)) listed = v;

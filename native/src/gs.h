@@ -51,8 +51,6 @@ extern gs_config_t gs_cfg;
 /* Reads the environment once; every problem is logged with the variable's name.
  * Returns false when a value is malformed (the offending setting is ignored). */
 bool gs_config_load(void);
-/* "10g", "512m", "4096", "1.5g": bytes. Returns false when not a size. */
-bool gs_parse_size(const char *text, uint64_t *out);
 
 /* ------------------------------------------------------------ logging (log.c) */
 enum { GS_LOG_ERROR = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3, GS_LOG_TRACE = 4 };
@@ -98,8 +96,6 @@ extern atomic_int gs_ready;
 static inline void gs_init(void) {
     if (GS_UNLIKELY(!atomic_load_explicit(&gs_ready, memory_order_acquire))) gs_init_slow();
 }
-/* Our wrapper for a hooked symbol name, or NULL. */
-void *gs_wrapper_for(const char *name);
 /* Joins the region (a process slot, the limits, the device UUIDs) and starts
  * telemetry: done after the real cuInit succeeds, and lazily by any hook. */
 void gs_attach(void);
@@ -131,8 +127,6 @@ void gs_unreserve(int dev, uint64_t bytes);
 /* Container-wide usage on a device. */
 uint64_t gs_used(int dev);
 uint64_t gs_limit(int dev);
-/* Frees the slots of dead processes and their usage; returns slots reclaimed. */
-int gs_reclaim_dead(void);
 /* Maps the region (file or private) without joining: enough to read it (NVML in
  * a process that never uses CUDA). False when the file is incompatible. */
 bool gs_region_map(void);
@@ -143,7 +137,6 @@ void gs_reclaim_maybe(void);
 /* Device index in the region with this UUID, or -1. */
 int gs_region_find_uuid(const char *uuid);
 void gs_region_detach(void);
-void gs_region_set_uuid(int dev, const char *uuid);
 /* The record for a device's UUID: `preferred` when it names one, else the
  * record holding that UUID, else the ordinal's own if free, else the first free. */
 int gs_region_place_uuid(const char *uuid, int preferred, int ordinal);
@@ -175,8 +168,6 @@ int gs_current_device(void);
 /* Region record of a CUDA ordinal of this process: the same GPU has the same
  * record in every process, whatever CUDA_VISIBLE_DEVICES each one has. */
 int gs_record_of(int ordinal);
-/* Turns a CUuuid into "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx". */
-void gs_format_uuid(const CUuuid *uuid, char out[GS_UUID_LEN]);
 
 /* ------------------------------------------------------------ compute limiter (launch.c) */
 /* Re-evaluated when settings or the agent's flags change. */

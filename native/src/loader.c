@@ -48,7 +48,7 @@ static const gs_entry_t wrappers[] = {
 #include "hooks.def"
 };
 
-void *gs_wrapper_for(const char *name) {
+static void *gs_wrapper_for(const char *name) {
     if (!name || (name[0] != 'c' && name[0] != 'n')) return NULL;
     for (size_t i = 0; i < sizeof wrappers / sizeof wrappers[0]; i++)
         if (!strcmp(wrappers[i].name, name)) return wrappers[i].wrapper;

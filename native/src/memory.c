@@ -3,8 +3,6 @@
  * the driver is called and gives back on failure or free; what the container is
  * shown (cuMemGetInfo, cuDeviceTotalMem) is its limit and its usage.
  */
-#include <string.h>
-
 #include "gs.h"
 
 int gs_current_device(void) {
@@ -17,20 +15,6 @@ static CUcontext current_ctx(void) {
     CUcontext ctx = NULL;
     if (gs_real.cuCtxGetCurrent) gs_real.cuCtxGetCurrent(&ctx);
     return ctx;
-}
-
-void gs_format_uuid(const CUuuid *uuid, char out[GS_UUID_LEN]) {
-    const unsigned char *b = (const unsigned char *)uuid->bytes;
-    static const char hex[] = "0123456789abcdef";
-    char *p = out;
-    memcpy(p, "GPU-", 4);
-    p += 4;
-    for (int i = 0; i < 16; i++) {
-        if (i == 4 || i == 6 || i == 8 || i == 10) *p++ = '-';
-        *p++ = hex[b[i] >> 4];
-        *p++ = hex[b[i] & 15];
-    }
-    *p = 0;
 }
 
 /*
@@ -211,7 +195,8 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 
 /* ------------------------------------------------------------ stream-ordered pools
  * Counted as the bytes handed out: a pool's cached remainder is reusable only by
- * that pool and never exceeds its peak, which the limit bounds. */
+ * that pool and never exceeds its peak, which the limit bounds (so trimming it,
+ * cuMemPoolTrimTo, changes no count and is not hooked). */
 #define GS_ASYNC_ALLOC(fn, args)                                                              \
     do {                                                                                      \
         int dev_;                                                                             \
@@ -246,11 +231,6 @@ CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
     if (!gs_enter()) return GS_CALL(cuMemFreeAsync_ptsz, (dptr, hStream));
     return released(GS_CALL(cuMemFreeAsync_ptsz, (dptr, hStream)), GS_K_MEM, dptr);
-}
-
-CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
-    /* Trimming returns cached bytes no allocation holds: the count is unchanged. */
-    return GS_CALL(cuMemPoolTrimTo, (pool, minBytesToKeep));
 }
 
 /* ------------------------------------------------------------ what the container sees */

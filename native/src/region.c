@@ -154,7 +154,8 @@ static int reclaim_locked(void) {
     return freed;
 }
 
-int gs_reclaim_dead(void) {
+/* Frees the slots of dead processes and their usage; returns slots reclaimed. */
+static int gs_reclaim_dead(void) {
     if (!gs_region || region_fd < 0) return 0;
     bool held = lock_region();
     int n = reclaim_locked();
@@ -328,7 +329,7 @@ void gs_region_detach(void) {
     free_slot(p);
 }
 
-void gs_region_set_uuid(int dev, const char *uuid) {
+static void gs_region_set_uuid(int dev, const char *uuid) {
     if (dev < 0 || dev >= GS_MAX_DEVICES || !gs_region) return;
     gs_device_t *d = &gs_region->devices[dev];
     if (strncmp(d->uuid, uuid, GS_UUID_LEN) != 0) {

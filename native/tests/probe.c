@@ -85,6 +85,7 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
 CUresult cuCtxSynchronize(void);
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev);
 CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value);
+CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep);
 nvmlReturn_t nvmlInit_v2(void);
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device);
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
