@@ -170,7 +170,8 @@ int gs_current_device(void);
 int gs_record_of(int ordinal);
 
 /* ------------------------------------------------------------ compute limiter (launch.c) */
-/* Re-evaluated when settings or the agent's flags change. */
+/* Decides once, when the process joins, whether launches take the limiter path
+ * (a limit or a low priority is set); the agent's flags are read per launch. */
 void gs_limiter_setup(void);
 /* The context is destroyed: the limiter's events on it went with it. */
 void gs_limiter_forget_ctx(CUcontext ctx);
