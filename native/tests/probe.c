@@ -605,8 +605,9 @@ static void cmd_array(int argc, char **argv) {
     j_end();
 }
 
-static void cmd_array3d(int argc, char **argv) {
-    CUDA_ARRAY3D_DESCRIPTOR d = {
+/* W H D FORMAT CH */
+static CUDA_ARRAY3D_DESCRIPTOR desc3d(char **argv) {
+    return (CUDA_ARRAY3D_DESCRIPTOR){
         .Width = (size_t)arg_u64(argv[0]),
         .Height = (size_t)arg_u64(argv[1]),
         .Depth = (size_t)arg_u64(argv[2]),
@@ -614,6 +615,10 @@ static void cmd_array3d(int argc, char **argv) {
         .NumChannels = (unsigned)arg_u64(argv[4]),
         .Flags = 0,
     };
+}
+
+static void cmd_array3d(int argc, char **argv) {
+    CUDA_ARRAY3D_DESCRIPTOR d = desc3d(argv);
     CUarray a = NULL;
     call_t0 = now_ns(CLOCK_MONOTONIC);
     CUresult rc = CALL(cuArray3DCreate_v2, &a, &d);
@@ -622,14 +627,7 @@ static void cmd_array3d(int argc, char **argv) {
 }
 
 static void cmd_mipmap(int argc, char **argv) {
-    CUDA_ARRAY3D_DESCRIPTOR d = {
-        .Width = (size_t)arg_u64(argv[0]),
-        .Height = (size_t)arg_u64(argv[1]),
-        .Depth = (size_t)arg_u64(argv[2]),
-        .Format = (CUarray_format)arg_u64(argv[3]),
-        .NumChannels = (unsigned)arg_u64(argv[4]),
-        .Flags = 0,
-    };
+    CUDA_ARRAY3D_DESCRIPTOR d = desc3d(argv);
     unsigned levels = (unsigned)arg_u64(argv[5]);
     CUmipmappedArray m = NULL;
     call_t0 = now_ns(CLOCK_MONOTONIC);
