@@ -3,6 +3,16 @@
 Session-wide servers serve most tests (each test gets a clean Redis database and
 its own subject prefix); fault tests take the per-test ``own_*`` servers, which
 they may stop, kill and restart at will.
+
+The interposer under the fake driver (tests/native/probe.py):
+
+* ``native``: builds everything (`make -C native check`) once and gives the paths;
+* ``native_tools``: only the fake driver, NVML and test programs (`fakes progs`),
+  for tests of the fake itself;
+* ``run_probe(*commands, env=None, build="release", options=(), timeout=30,
+  check=True, preload_after=())``: runs build/probe to completion, a ProbeResult;
+* ``spawn_probe(...)``: the same in the background, a ProbeProcess (a
+  subprocess.Popen) for tests that kill or race processes; killed at the test's end.
 """
 
 from __future__ import annotations
@@ -17,6 +27,13 @@ from redis.asyncio import Redis
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import GpuDevice, NodeInventory
 from gpuslice_common.servers import NatsServer, RedisServer
+from tests.native.probe import (
+    Native,
+    ProbeRunner,
+    ProbeSpawner,
+    asan_runtime,
+    ensure_built,
+)
 
 
 @pytest.fixture(scope="session")
@@ -91,3 +108,35 @@ def make_inventory(
         for i in range(gpus)
     )
     return NodeInventory(node=node, devices=devices, split_count=split_count, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def native() -> Native:
+    """Everything `make -C native check` builds; the session fails if make fails."""
+    paths = Native.at()
+    ensure_built(paths, "check")
+    for path in (paths.lib, paths.asan_lib, paths.probe, paths.other_interposer):
+        assert path.exists(), f"make check did not build {path}"
+    asan_runtime(paths.asan_lib)  # fail early when the sanitizer runtime is missing
+    return paths
+
+
+@pytest.fixture(scope="session")
+def native_tools() -> Native:
+    """The fake driver and NVML, the probe and other_interposer.so; not the interposer."""
+    paths = Native.at()
+    ensure_built(paths, "fakes", "progs")
+    return paths
+
+
+@pytest.fixture
+def run_probe(native_tools: Native) -> ProbeRunner:
+    """Runs the probe; a build other than "none" builds the interposer first."""
+    return ProbeRunner(native_tools)
+
+
+@pytest.fixture
+def spawn_probe(native_tools: Native, tmp_path: Path) -> Iterator[ProbeSpawner]:
+    spawner = ProbeSpawner(native_tools, tmp_path)
+    yield spawner
+    spawner.close()
