@@ -10,7 +10,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 	&& { echo $$p; break; }; done)
 
-.PHONY: help deps servers native lint test demo bench bench-packing gpu-check clean
+.PHONY: help deps servers native proto lint test demo bench bench-packing gpu-check clean
 
 help:
 	@echo "make demo   - install, start NATS + Redis, run the ledger smoke scenario"
@@ -53,6 +53,12 @@ lint: $(STAMP)
 # The interposer, its sanitizer build, the fake CUDA driver and NVML, the test programs.
 native:
 	$(MAKE) -C native check
+
+# The kubelet device plugin API's Python modules, from its .proto (committed).
+PROTO := gpuslice_deviceplugin/api/deviceplugin.proto
+proto: $(STAMP)
+	cd services/deviceplugin && PATH="$(abspath $(BIN)):$$PATH" "$(abspath $(BIN))/python" -m grpc_tools.protoc \
+		-I . --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTO)
 
 test: deps lint native
 	$(BIN)/python -m pytest
