@@ -223,6 +223,28 @@ async def test_allocate_serves_oldest_bound_pod_and_is_idempotent_per_request(
         await ledger.allocate("node-a", 1)  # 'unbound' is reserved but not bound
 
 
+async def test_next_allocation_looks_without_handing_out(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"))
+    await ledger.reserve(placement("two", "node-a", [[(0, 100, 1), (1, 100, 1)]]))
+    await ledger.reserve(placement("one", "node-a", [[(0, 100, 1)]]))
+    assert await ledger.next_allocation("node-a", 1) is None  # nothing bound yet
+    await ledger.mark_bound("two")
+    await ledger.mark_bound("one")
+    seen = await ledger.next_allocation("node-a", 1)
+    assert seen is not None
+    assert (seen.placement.pod.uid, seen.container_index) == ("one", 0)
+    again = await ledger.next_allocation("node-a", 1)
+    assert again is not None
+    assert again.placement.pod.uid == "one"  # looking changed nothing
+    pair = await ledger.next_allocation("node-a", 2)
+    assert pair is not None
+    assert [d.uuid for d in pair.devices] == ["GPU-node-a-0", "GPU-node-a-1"]
+    taken = await ledger.allocate("node-a", 1)
+    assert taken.placement.pod.uid == "one"
+    assert await ledger.next_allocation("node-a", 1) is None
+    assert (await ledger.placement("two")).state == PlacementState.BOUND  # type: ignore[union-attr]
+
+
 async def test_bind_requires_a_live_reservation(ledger: Ledger) -> None:
     with pytest.raises(NotReserved):
         await ledger.mark_bound("ghost")

@@ -57,9 +57,13 @@ class PodDenied(Frozen):
 
 
 class AllocationEvent(Frozen):
-    """Payload of every alloc.* event; which fields are set depends on the step."""
+    """Payload of every alloc.* event; which fields are set depends on the step.
 
-    pod: PodRef
+    ``pod`` is absent only from an ``alloc.failed`` of a kubelet Allocate that
+    found no pending pod: Allocate carries no pod identity.
+    """
+
+    pod: PodRef | None
     node: str
     containers: tuple[ContainerAssignment, ...] = ()
     container: str | None = None

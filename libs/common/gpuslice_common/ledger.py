@@ -508,17 +508,33 @@ class Ledger:
         Pass the same ``request_id`` when retrying one kubelet call: the answer is
         remembered, so a retry never hands out a second container.
         """
-        request_id = request_id or uuid.uuid4().hex
+        allocation = await self._allocate(node, count, request_id or uuid.uuid4().hex, peek=False)
+        if isinstance(allocation, int):
+            raise NotReserved(
+                f"no bound pod on node {node} waits for a container with {count} GPU(s) "
+                f"({allocation} pod(s) pending)"
+            )
+        return allocation
+
+    @_gated
+    async def next_allocation(self, node: str, count: int) -> Allocation | None:
+        """The container ``allocate`` would hand out now, without handing it out."""
+        allocation = await self._allocate(node, count, "peek", peek=True)
+        return None if isinstance(allocation, int) else allocation
+
+    async def _allocate(
+        self, node: str, count: int, request_id: str, *, peek: bool
+    ) -> Allocation | int:
+        """The allocation, or the number of pods pending when none matches."""
         keys = self.node_keys(node)
         answer_key = f"{keys.gpus.removesuffix(':gpus')}:alloc:{request_id}"
         reply = await self._run(
-            "allocate", [*keys.all(), answer_key], [count, self.answer_retention_s]
+            "allocate",
+            [*keys.all(), answer_key],
+            [count, self.answer_retention_s, "1" if peek else "0"],
         )
         if reply[0] != "ok":
-            raise NotReserved(
-                f"no bound pod on node {node} waits for a container with {count} GPU(s) "
-                f"({reply[1]} pod(s) pending)"
-            )
+            return int(reply[1])
         answer = json.loads(reply[1])
         placement = _placement_from_record(json.dumps(answer["record"]))
         return Allocation(placement=placement, container_index=int(answer["index"]))

@@ -359,11 +359,10 @@ class Extender:
         await self._send(event_type, payload)
 
     async def _send(self, event_type: EventType, payload: AllocationEvent) -> None:
-        if self.bus is None:
+        if self.bus is None or payload.pod is None:
             return
+        uid = payload.pod.uid
         try:
-            await self.bus.publish(
-                make_event(event_type, payload, source=SOURCE, subject=payload.pod.uid)
-            )
+            await self.bus.publish(make_event(event_type, payload, source=SOURCE, subject=uid))
         except BusError as exc:  # the bind stands; the bus buffers across reconnects
-            log.warning("event %s for pod %s not published: %s", event_type, payload.pod.uid, exc)
+            log.warning("event %s for pod %s not published: %s", event_type, uid, exc)

@@ -1,9 +1,12 @@
 -- Hand the next unallocated container of the oldest bound pod whose next container
 -- asks for ARGV[1] devices to kubelet. Idempotent by request id (KEYS[6]).
 -- KEYS[6] <p>:{node}:alloc:<request id>  the answer given to that request
--- ARGV[1] device count, ARGV[2] seconds to remember the answer
+-- ARGV[1] device count, ARGV[2] seconds to remember the answer, ARGV[3] '1' to
+-- only look: the container that would be handed out, nothing changed (kubelet's
+-- GetPreferredAllocation comes before its Allocate)
 -- Returns {'ok', answer JSON {uid, index, record}} | {'none', pending count}
-local prior = redis.call('GET', KEYS[6])
+local peek = ARGV[3] == '1'
+local prior = (not peek) and redis.call('GET', KEYS[6])
 if prior then
   return {'ok', prior}
 end
@@ -12,11 +15,15 @@ local uids = redis.call('ZRANGE', PENDING, 0, -1)
 for _, uid in ipairs(uids) do
   local rec = load_pod(uid)
   if not rec or rec.state ~= 'bound' then
-    redis.call('ZREM', PENDING, uid)
+    if not peek then
+      redis.call('ZREM', PENDING, uid)
+    end
   else
     local index = rec.allocated_containers + 1
     local container = rec.containers[index]
-    if container and #container.devices == want then
+    if container and #container.devices == want and peek then
+      return {'ok', cjson.encode({uid = uid, index = index - 1, record = rec})}
+    elseif container and #container.devices == want then
       rec.allocated_containers = index
       if index >= #rec.containers then
         rec.state = 'allocated'
