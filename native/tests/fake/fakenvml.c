@@ -14,16 +14,34 @@
  *   FAKENVML_PROCS    "pid:bytes,pid:bytes,..." the processes every device
  *                     lists in nvmlDeviceGetComputeRunningProcesses*; default
  *                     none; malformed entries are skipped, at most 64 kept
+ *   FAKENVML_NAME     every device's name, default "Fake GPU" (at most 95
+ *                     bytes kept)
+ *   FAKENVML_NUMA     "n,n,...": device i's NUMA node is entry i; where there
+ *                     is none (variable unset, entry missing, empty or
+ *                     malformed) nvmlDeviceGetNumaNodeId returns
+ *                     NVML_ERROR_NOT_SUPPORTED
+ *   FAKENVML_MIG      "m,m,...": device i's current and pending MIG mode
+ *                     (0 disabled, 1 enabled), entries as for FAKENVML_NUMA;
+ *                     otherwise nvmlDeviceGetMigMode is NOT_SUPPORTED
+ *   FAKENVML_LOST_FILE  a file naming lost devices: while it exists and lists
+ *                     index i (decimal, separated by whitespace or commas),
+ *                     every call on device i's handle returns
+ *                     NVML_ERROR_GPU_IS_LOST. Only the path is read at init;
+ *                     the file is read again on every such call, so a test may
+ *                     create, change or remove it while the process runs.
  *
- * Devices are named "Fake GPU"; device i has UUID
- * "GPU-facefeed-0000-4000-8000-0000000000ii" (ii: i as two lower-case hex
- * digits), the same bytes fakecuda.c's cuDeviceGetUuid gives. Minor number
- * and index are i, NUMA node 0, MIG disabled, utilisation 0 %, and
+ * Device i has UUID "GPU-facefeed-0000-4000-8000-0000000000ii" (ii: i as two
+ * lower-case hex digits), the same bytes fakecuda.c's cuDeviceGetUuid gives.
+ * Minor number and index are i, utilisation 0 %, and
  * nvmlDeviceGetProcessUtilization has no samples (NVML_ERROR_NOT_FOUND).
+ * There is no event API (nvmlEventSet*, nvmlDeviceRegisterEvents) and no
+ * nvmlDeviceGetPciInfo*: callers find the symbols missing.
  * nvmlInit* calls are counted and nvmlShutdown undoes one; every device
  * call made while uninitialised returns NVML_ERROR_UNINITIALIZED.
  */
+#include <ctype.h>
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -38,6 +56,8 @@
 
 #define FAKE_MAX_DEVICES 16
 #define FAKE_MAX_PROCS 64
+#define FAKE_NAME_LEN 95 /* NVML_DEVICE_NAME_V2_BUFFER_SIZE - 1 */
+#define FAKE_UNSET -1     /* a per-device value the variable does not give */
 
 /* ---------------------------------------------------------------- local ABI
  * What gs_cuda.h leaves out, laid out as nvml.h (and pynvml's ctypes) have it. */
@@ -116,6 +136,9 @@ static struct {
         unsigned int pid;
         uint64_t bytes;
     } procs[FAKE_MAX_PROCS];
+    char name[FAKE_NAME_LEN + 1];
+    int numa[FAKE_MAX_DEVICES], mig[FAKE_MAX_DEVICES]; /* FAKE_UNSET: not supported */
+    char lost_file[PATH_MAX];                         /* "" when unset */
 } g_cfg;
 static struct fdev g_devs[FAKE_MAX_DEVICES];
 
@@ -152,6 +175,42 @@ static void parse_procs(const char *s) {
     }
 }
 
+/* "v,v,...": out[i] = entry i, FAKE_UNSET where missing, empty or malformed. */
+static void parse_per_device(const char *s, int out[FAKE_MAX_DEVICES]) {
+    for (unsigned int i = 0; i < FAKE_MAX_DEVICES; i++) out[i] = FAKE_UNSET;
+    for (unsigned int i = 0; s && *s && i < FAKE_MAX_DEVICES; i++) {
+        while (*s == ' ') s++;
+        char *end;
+        errno = 0;
+        long v = isdigit((unsigned char)*s) ? strtol(s, &end, 10) : -1;
+        if (v >= 0 && !errno && v <= INT_MAX && (*end == ',' || *end == '\0')) out[i] = (int)v;
+        const char *comma = strchr(s, ',');
+        s = comma ? comma + 1 : NULL;
+    }
+}
+
+/* Whether the FAKENVML_LOST_FILE lists device `index` now (called with g_mu held). */
+static bool is_lost(unsigned int index) {
+    if (!g_cfg.lost_file[0]) return false;
+    FILE *f = fopen(g_cfg.lost_file, "r");
+    if (!f) return false;
+    char buf[4096];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    for (char *p = buf; *p;) {
+        if (!isdigit((unsigned char)*p)) {
+            p++;
+            continue;
+        }
+        char *end;
+        unsigned long v = strtoul(p, &end, 10);
+        if (v == index) return true;
+        p = end;
+    }
+    return false;
+}
+
 static void load_config(void) {
     uint64_t n = env_size("FAKECUDA_DEVICES", 1);
     g_cfg.devices = n > FAKE_MAX_DEVICES ? FAKE_MAX_DEVICES : (unsigned int)n;
@@ -159,11 +218,19 @@ static void load_config(void) {
     g_cfg.used = env_size("FAKENVML_USED", 0);
     if (g_cfg.used > g_cfg.memory) g_cfg.used = g_cfg.memory;
     parse_procs(getenv("FAKENVML_PROCS"));
+    const char *name = getenv("FAKENVML_NAME");
+    snprintf(g_cfg.name, sizeof g_cfg.name, "%s", name && *name ? name : "Fake GPU");
+    parse_per_device(getenv("FAKENVML_NUMA"), g_cfg.numa);
+    parse_per_device(getenv("FAKENVML_MIG"), g_cfg.mig);
+    const char *lost = getenv("FAKENVML_LOST_FILE");
+    if (!lost || snprintf(g_cfg.lost_file, sizeof g_cfg.lost_file, "%s", lost) >= PATH_MAX)
+        g_cfg.lost_file[0] = '\0';
     for (unsigned int i = 0; i < FAKE_MAX_DEVICES; i++) g_devs[i].index = i;
 }
 
 /* The device a handle names, or NULL; takes g_mu and keeps it when a device
- * is returned (the caller unlocks). *rc says why when NULL. */
+ * is returned (the caller unlocks). *rc says why when NULL: a device listed in
+ * FAKENVML_LOST_FILE gives NVML_ERROR_GPU_IS_LOST. */
 static struct fdev *enter(nvmlDevice_t device, nvmlReturn_t *rc) {
     pthread_mutex_lock(&g_mu);
     if (g_refs == 0) {
@@ -171,9 +238,13 @@ static struct fdev *enter(nvmlDevice_t device, nvmlReturn_t *rc) {
     } else {
         uintptr_t p = (uintptr_t)device, base = (uintptr_t)g_devs;
         if (p >= base && p < base + g_cfg.devices * sizeof g_devs[0] &&
-            (p - base) % sizeof g_devs[0] == 0)
-            return (struct fdev *)device;
-        *rc = NVML_ERROR_INVALID_ARGUMENT;
+            (p - base) % sizeof g_devs[0] == 0) {
+            struct fdev *d = (struct fdev *)device;
+            if (!is_lost(d->index)) return d;
+            *rc = FAKE_NVML_ERROR_GPU_IS_LOST;
+        } else {
+            *rc = NVML_ERROR_INVALID_ARGUMENT;
+        }
     }
     pthread_mutex_unlock(&g_mu);
     return NULL;
@@ -329,35 +400,40 @@ API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int
     nvmlReturn_t rc;
     struct fdev *d = enter(device, &rc);
     if (!d) return rc;
-    rc = put_string("Fake GPU", name, length);
+    rc = put_string(g_cfg.name, name, length);
     pthread_mutex_unlock(&g_mu);
     return rc;
 }
 
-/* For the one-unsigned-int queries: index, minor number, NUMA node. */
-static nvmlReturn_t device_uint(nvmlDevice_t device, unsigned int *out, bool index) {
+/* For the one-unsigned-int queries: index, minor number, NUMA node (from
+ * `per_device`, NOT_SUPPORTED where FAKE_UNSET; NULL for the index). */
+static nvmlReturn_t device_uint(nvmlDevice_t device, unsigned int *out, const int *per_device) {
     nvmlReturn_t rc;
     struct fdev *d = enter(device, &rc);
     if (!d) return rc;
     rc = NVML_SUCCESS;
     if (!out)
         rc = NVML_ERROR_INVALID_ARGUMENT;
+    else if (!per_device)
+        *out = d->index;
+    else if (per_device[d->index] == FAKE_UNSET)
+        rc = NVML_ERROR_NOT_SUPPORTED;
     else
-        *out = index ? d->index : 0;
+        *out = (unsigned int)per_device[d->index];
     pthread_mutex_unlock(&g_mu);
     return rc;
 }
 
 API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
-    return device_uint(device, index, true);
+    return device_uint(device, index, NULL);
 }
 
 API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber) {
-    return device_uint(device, minorNumber, true);
+    return device_uint(device, minorNumber, NULL);
 }
 
 API nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
-    return device_uint(device, node, false);
+    return device_uint(device, node, g_cfg.numa);
 }
 
 API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
@@ -469,9 +545,11 @@ API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current
     rc = NVML_SUCCESS;
     if (!currentMode || !pendingMode) {
         rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (g_cfg.mig[d->index] == FAKE_UNSET) {
+        rc = NVML_ERROR_NOT_SUPPORTED;
     } else {
-        *currentMode = 0; /* NVML_DEVICE_MIG_DISABLE */
-        *pendingMode = 0;
+        *currentMode = (unsigned int)g_cfg.mig[d->index]; /* 1: NVML_DEVICE_MIG_ENABLE */
+        *pendingMode = *currentMode;
     }
     pthread_mutex_unlock(&g_mu);
     return rc;
