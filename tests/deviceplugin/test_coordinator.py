@@ -1,0 +1,432 @@
+"""Compute coordination on regions the real interposer writes under the fake driver:
+which containers are active on a GPU, the flags they get, how the limiter reacts,
+and the metrics exported from it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuslice_common.region import Region
+from gpuslice_deviceplugin.containers import REGION_FILE, ContainerOwner, HostDir
+from gpuslice_deviceplugin.coordinator import (
+    ContainerState,
+    Coordinator,
+    CoordinatorSnapshot,
+    DeviceState,
+)
+from gpuslice_deviceplugin.metrics import RegionCollector, registry_with
+from tests.native.probe import ProbeProcess, ProbeSpawner
+
+MiB = 1 << 20
+
+
+def gpu(index: int) -> str:
+    """The UUID the fake driver gives device ``index``."""
+    return f"GPU-facefeed-0000-4000-8000-0000000000{index:02x}"
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> HostDir:
+    return HostDir(tmp_path / "host")
+
+
+@pytest.fixture
+def coordinator(host: HostDir) -> Iterator[Coordinator]:
+    c = Coordinator(host)
+    yield c
+    c.close()
+
+
+def prepare(host: HostDir, pod: str, devices: tuple[str, ...] = (gpu(0),)) -> Path:
+    """A prepared container directory; the path of its region file."""
+    o = ContainerOwner(
+        pod_uid=pod,
+        namespace="team",
+        pod_name=f"pod-{pod}",
+        container="main",
+        devices=devices,
+        allocated_at=time.time(),
+    )
+    return host.prepare_container(o) / REGION_FILE
+
+
+def env(
+    region: Path, devices: tuple[str, ...] = (gpu(0),), **extra: str | int
+) -> dict[str, str | int]:
+    """A GPU container's environment, as the device plugin gives it."""
+    return {
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region),
+        "NVIDIA_VISIBLE_DEVICES": ",".join(devices),
+        **extra,
+    }
+
+
+def holding(
+    spawn_probe: ProbeSpawner, region: Path, *, device: int = 0, **extra: str | int
+) -> ProbeProcess:
+    """A process of the container holding 64 MiB on ``device`` until killed."""
+    proc = spawn_probe(
+        "init", "ctx", device, "alloc", "64m", "hold", env=env(region, (gpu(device),), **extra)
+    )
+    proc.wait_for("hold")
+    return proc
+
+
+def container(snapshot: CoordinatorSnapshot, pod: str) -> ContainerState:
+    found = snapshot.container(pod, "main")
+    assert found is not None, snapshot
+    return found
+
+
+def state(snapshot: CoordinatorSnapshot, pod: str, uuid: str = gpu(0)) -> DeviceState:
+    found = container(snapshot, pod)
+    for device in found.devices:
+        if device.uuid == uuid:
+            return device
+    raise AssertionError(f"pod {pod} has no record of {uuid}: {found}")
+
+
+def active_on(snapshot: CoordinatorSnapshot, uuid: str) -> int:
+    found = snapshot.gpu(uuid)
+    assert found is not None, snapshot
+    return found.active_containers
+
+
+def flags(region: Path, uuid: str = gpu(0)) -> tuple[bool, bool]:
+    """(shared, yield) as the interposer reads them from the file."""
+    with Region.open(region) as r:
+        (device,) = (d for d in r.devices() if d.uuid == uuid)
+        return device.shared, device.yield_
+
+
+def mapped(path: Path) -> bool:
+    """Whether this process maps ``path`` (or the file it was, since deleted)."""
+    maps = Path("/proc/self/maps").read_text()
+    return any(line.split(maxsplit=5)[-1].startswith(str(path)) for line in maps.splitlines())
+
+
+class Ticker:
+    """Ticks a coordinator in a background thread, as the service does."""
+
+    def __init__(self, coordinator: Coordinator, interval: float) -> None:
+        self._coordinator = coordinator
+        self._interval = interval
+        self._stop = threading.Event()
+        self.snapshot: CoordinatorSnapshot | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ticker", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.snapshot = self._coordinator.tick()
+                self._stop.wait(self._interval)
+        except BaseException as e:
+            self.error = e
+
+    def __enter__(self) -> Ticker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        assert self.error is None, self.error
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def test_a_container_alone_has_the_gpu_to_itself(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    region = prepare(host, "a")
+    holding(spawn_probe, region)
+    snap = coordinator.tick()
+    a = state(snap, "a")
+    assert (a.active, a.shared, a.yield_) == (True, False, False)
+    assert (a.used_bytes, a.processes) == (64 * MiB, 1)
+    assert flags(region) == (False, False)
+    assert active_on(snap, gpu(0)) == 1
+
+
+def test_flags_follow_a_second_container_within_one_tick(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    a_region, b_region = prepare(host, "a"), prepare(host, "b")
+    holding(spawn_probe, a_region)
+    assert state(coordinator.tick(), "a").shared is False
+
+    b = spawn_probe("init", "ctx", "alloc", "64m", "sleep", 300, env=env(b_region))
+    b.wait_for("alloc")
+    snap = coordinator.tick()
+    assert state(snap, "a").shared
+    assert state(snap, "b").shared
+    assert flags(a_region) == flags(b_region) == (True, False)  # equal priority: no one yields
+    assert active_on(snap, gpu(0)) == 2
+
+    b.result(timeout=10)  # exits: its memory is freed
+    snap = coordinator.tick()
+    assert not state(snap, "a").shared
+    assert not state(snap, "b").active
+    assert flags(a_region) == (False, False)
+
+
+def test_containers_on_different_gpus_do_not_share(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    a_region = prepare(host, "a", (gpu(0),))
+    b_region = prepare(host, "b", (gpu(1),))
+    holding(spawn_probe, a_region, device=0, FAKECUDA_DEVICES=2)
+    holding(spawn_probe, b_region, device=1, FAKECUDA_DEVICES=2)
+    snap = coordinator.tick()
+    assert state(snap, "a", gpu(0)).active
+    assert state(snap, "b", gpu(1)).active
+    assert not state(snap, "a", gpu(0)).shared
+    assert not state(snap, "b", gpu(1)).shared
+    assert flags(a_region, gpu(0)) == flags(b_region, gpu(1)) == (False, False)
+    assert [(g.uuid, g.active_containers) for g in snap.gpus] == [(gpu(0), 1), (gpu(1), 1)]
+
+
+def test_kernels_under_a_limit_make_a_container_active(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    # No memory held (contexts cost nothing here): only its busy time shows it works.
+    a_region, b_region = prepare(host, "a"), prepare(host, "b")
+    limited = env(a_region, CUDA_DEVICE_SM_LIMIT=50, GPU_CORE_UTILIZATION_POLICY="force")
+    runner = spawn_probe("init", "ctx", "run", 5, 1000, env=limited)
+    holding(spawn_probe, b_region)
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        snap = coordinator.tick()
+        if container(snap, "a").devices and state(snap, "a").active:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the running container never became active")
+    a = state(snap, "a")
+    assert a.used_bytes == 0
+    assert a.busy_ns > 0
+    assert state(snap, "b").shared
+    runner.stop()
+
+
+def test_a_high_priority_container_makes_low_ones_yield_while_it_is_active(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    high_region, low_region = prepare(host, "high"), prepare(host, "low")
+    holding(spawn_probe, low_region, CUDA_TASK_PRIORITY=1)
+    high = spawn_probe(
+        "init", "ctx", "alloc", "64m", "sleep", 500, env=env(high_region, CUDA_TASK_PRIORITY=0)
+    )
+    high.wait_for("alloc")
+    snap = coordinator.tick()
+    assert container(snap, "high").high_priority
+    assert not container(snap, "low").high_priority
+    assert (state(snap, "low").shared, state(snap, "low").yield_) == (True, True)
+    assert (state(snap, "high").shared, state(snap, "high").yield_) == (True, False)
+    assert flags(low_region) == (True, True)
+    assert flags(high_region) == (True, False)
+
+    high.result(timeout=10)  # exits: its slot is freed
+    snap = coordinator.tick()
+    assert (state(snap, "low").shared, state(snap, "low").yield_) == (False, False)
+    assert flags(low_region) == (False, False)
+
+
+def test_every_tick_stamps_a_heartbeat(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    region = prepare(host, "a")
+    holding(spawn_probe, region)
+    with Region.open(region) as r:
+        assert r.agent_heartbeat_ns == 0
+        coordinator.tick()
+        first = r.agent_heartbeat_ns
+        assert 0 < time.monotonic_ns() - first < 1_000_000_000
+        time.sleep(0.01)
+        coordinator.tick()
+        assert r.agent_heartbeat_ns > first
+
+
+# ----------------------------------------------------------------------------- regions
+
+
+def test_foreign_and_unfinished_regions_are_skipped(
+    host: HostDir,
+    coordinator: Coordinator,
+    spawn_probe: ProbeSpawner,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    good = prepare(host, "good")
+    holding(spawn_probe, good)
+    foreign = prepare(host, "foreign")
+    foreign.write_bytes(b"\x01" * 8192)
+    unfinished = prepare(host, "unfinished")
+    unfinished.write_bytes(bytes(8192))  # created, header not yet written
+    prepare(host, "empty")  # no region yet
+    link = prepare(host, "link")
+    link.symlink_to(good)  # would count the good container twice
+    fifo = prepare(host, "fifo")
+    os.mkfifo(fifo)  # opening it to read would wait forever
+    with caplog.at_level(logging.WARNING, logger="gpuslice_deviceplugin.coordinator"):
+        snapshots = [coordinator.tick() for _ in range(3)]
+    warned = sorted(r.getMessage() for r in caplog.records)
+    assert len(warned) == 3, warned  # once per file, not per tick
+    assert str(fifo) in warned[0]
+    assert "not a regular file" in warned[0]
+    assert str(foreign) in warned[1]
+    assert "not a gpuslice region" in warned[1]
+    assert str(link) in warned[2]
+    assert "not a regular file" in warned[2]
+    for snap in snapshots:
+        assert len(snap.containers) == 6
+        assert [c.owner.pod_uid for c in snap.containers if c.devices] == ["good"]
+    assert state(snapshots[-1], "good").active
+    assert not state(snapshots[-1], "good").shared
+    assert foreign.read_bytes() == b"\x01" * 8192
+    assert unfinished.read_bytes() == bytes(8192)
+
+
+def test_a_removed_container_is_unmapped(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    region = prepare(host, "a")
+    holding(spawn_probe, region).stop()
+    coordinator.tick()
+    assert mapped(region)
+    host.remove_pod("a")
+    assert mapped(region)  # "(deleted)": still held until the next tick
+    snap = coordinator.tick()
+    assert snap.containers == ()
+    assert not mapped(region)
+
+
+def test_a_region_truncated_under_the_mapping_is_let_go(
+    host: HostDir,
+    coordinator: Coordinator,
+    spawn_probe: ProbeSpawner,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    region = prepare(host, "a")
+    holding(spawn_probe, region).stop()
+    assert container(coordinator.tick(), "a").devices
+    os.truncate(region, 0)  # reading the old mapping now would raise SIGBUS
+    with caplog.at_level(logging.WARNING, logger="gpuslice_deviceplugin.coordinator"):
+        snaps = [coordinator.tick() for _ in range(2)]
+    assert all(container(snap, "a").devices == () for snap in snaps)
+    assert not mapped(region)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"skipping region {region}: truncated to 0 bytes while mapped"
+    ]
+
+
+def test_a_replaced_region_is_mapped_afresh(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    region = prepare(host, "a")
+    holding(spawn_probe, region).stop()  # killed: its 64 MiB stay in the old file
+    assert state(coordinator.tick(), "a").used_bytes == 64 * MiB
+    region.unlink()  # the container restarts with a new region
+    spawn_probe("init", "ctx", "alloc", "128m", "hold", env=env(region)).wait_for("hold")
+    assert state(coordinator.tick(), "a").used_bytes == 128 * MiB
+    maps = Path("/proc/self/maps").read_text()
+    assert f"{region} (deleted)" not in maps
+
+
+# ----------------------------------------------------------------------------- the limiter
+
+
+def test_the_default_policy_limits_only_while_another_container_is_active(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    a_region, b_region = prepare(host, "a"), prepare(host, "b")
+    with Ticker(coordinator, 0.1) as ticker:
+        a = spawn_probe(
+            "init", "ctx", "alloc", "64m", "sleep", 300,
+            "run", 1.5, 2000, "run", 1, 2000, "run", 1, 2000,
+            env=env(a_region, GPU_CORE_UTILIZATION_POLICY="default", CUDA_DEVICE_SM_LIMIT=30),
+        )  # fmt: skip
+        alone = a.wait_for("run", timeout=20)
+        holding(
+            spawn_probe, b_region, GPU_CORE_UTILIZATION_POLICY="default", CUDA_DEVICE_SM_LIMIT=30
+        )
+        a.wait_for("run", timeout=20)  # the second in which the coordinator notices
+        beside = a.wait_for("run", timeout=20)
+        snap = ticker.snapshot
+    assert alone["share"] > 0.6, alone
+    assert abs(beside["share"] - 0.30) <= 0.08, beside
+    assert snap is not None
+    assert state(snap, "a").shared
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition: (name, sorted labels) -> value."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return found
+
+
+def test_metrics_show_the_region(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    region = prepare(host, "a")
+    proc = spawn_probe(
+        "init", "ctx", "alloc", "64m", "alloc", "2g", "run", 0.3, 1000, "hold",
+        env=env(region, CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_SM_LIMIT=25,
+                GPU_CORE_UTILIZATION_POLICY="force"),
+    )  # fmt: skip
+    proc.wait_for("hold")
+    latest: list[CoordinatorSnapshot | None] = [None]
+    registry = registry_with(RegionCollector(lambda: latest[0]))
+    assert samples(generate_latest(registry).decode()) == {}  # no snapshot yet
+
+    snap = latest[0] = coordinator.tick()
+    device = state(snap, "a")
+    got = samples(generate_latest(registry).decode())
+    labels = (
+        ("container", "main"),
+        ("namespace", "team"),
+        ("pod", "pod-a"),
+        ("pod_uid", "a"),
+        ("uuid", gpu(0)),
+    )
+
+    def value(name: str) -> float:
+        return got[(name, labels)]
+
+    assert value("gpuslice_container_memory_used_bytes") == 64 * MiB
+    assert value("gpuslice_container_memory_limit_bytes") == 1024 * MiB
+    assert value("gpuslice_container_memory_peak_bytes") == 64 * MiB
+    assert value("gpuslice_container_denied_allocations_total") == 1
+    assert value("gpuslice_container_sm_limit_percent") == 25
+    assert value("gpuslice_container_processes") == 1
+    assert value("gpuslice_container_gpu_shared") == 0
+    assert value("gpuslice_container_gpu_yield") == 0
+    assert device.busy_ns > 0
+    assert device.throttled_ns > 0
+    assert value("gpuslice_container_gpu_busy_seconds_total") == pytest.approx(device.busy_ns / 1e9)
+    assert value("gpuslice_container_throttled_seconds_total") == pytest.approx(
+        device.throttled_ns / 1e9
+    )
+    assert got[("gpuslice_gpu_active_containers", (("uuid", gpu(0)),))] == 1
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    assert families["gpuslice_container_denied_allocations"].type == "counter"
+    assert families["gpuslice_container_memory_used_bytes"].type == "gauge"
+    assert "memory limit" in families["gpuslice_container_denied_allocations"].documentation
