@@ -177,9 +177,38 @@ class InventorySettings(CommonSettings):
 
 
 class DevicePluginSettings(CommonSettings):
+    """The node agent: kubelet's device plugin, inventory and compute coordination."""
+
     node_name: Annotated[str, Field(min_length=1)]
+    # kubelet's device-plugin directory (kubelet.sock) and our socket's file name in it
     kubelet_dir: str = "/var/lib/kubelet/device-plugins"
+    socket_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+\.sock$")] = "gpuslice.sock"
+    listen_host: str = "0.0.0.0"
     metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9400
+    # where GPUs come from: NVML when it loads ("auto"), or configured simulated GPUs
+    backend: Literal["auto", "nvml", "simulated"] = "auto"
+    # per-node settings (YAML or JSON): defaults, then overrides by node name
+    node_config_file: str | None = None
+    # host directory the DaemonSet mounts: the interposer, ld.so.preload and one
+    # directory per GPU container for its shared region
+    host_dir: str = "/usr/local/gpuslice"
+    # where the library appears inside GPU containers, and the region directory
+    container_lib_dir: str = "/usr/local/gpuslice"
+    container_region_dir: str = "/run/gpuslice"
+    # the interposer as built into the device plugin's image, installed into host_dir
+    interposer_library: str = "/opt/gpuslice/libgpuslice.so"
+    inventory_interval: Duration = timedelta(seconds=10)  # inventory heartbeat
+    health_interval: Duration = timedelta(seconds=5)  # device health polling
+    coordinate_interval: Duration = timedelta(milliseconds=250)  # region flags
+    # how long a container directory of a pod the ledger no longer holds is kept
+    cleanup_grace: Duration = timedelta(minutes=10)
+    # NATS as containers reach it, and the telemetry-only credential they get
+    telemetry_nats_url: str | None = None
+    telemetry_nats_user: str | None = None
+    telemetry_nats_password: str | None = None
+    telemetry_nats_token: str | None = None
+    # where pod specs are read (CUDA_DISABLE_CONTROL): "cluster", "local", or "none"
+    kube_api: Literal["cluster", "local", "none"] = "cluster"
 
 
 S = TypeVar("S", bound=BaseSettings)

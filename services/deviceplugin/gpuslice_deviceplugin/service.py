@@ -1,0 +1,239 @@
+"""Running the node agent: every part started, supervised and stopped together.
+
+Parts: the kubelet link (plugin socket and registration), the node agent
+(discovery, configuration reload, inventory heartbeat), the coordinator (region
+flags and heartbeat), the clean-up of container directories, and an HTTP
+server for ``/healthz``, ``/readyz`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.models import PlacementState
+from gpuslice_deviceplugin.agent import NodeAgent
+from gpuslice_deviceplugin.containers import HostDir
+from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
+from gpuslice_deviceplugin.discovery import open_backend
+from gpuslice_deviceplugin.kubelet import KubeletLink, LinkTiming
+from gpuslice_deviceplugin.metrics import PluginMetrics, RegionCollector
+from gpuslice_deviceplugin.nodeconfig import NodeConfig, load_node_config
+from gpuslice_deviceplugin.plugin import DevicePlugin
+
+log = logging.getLogger(__name__)
+
+CLEANUP_INTERVAL_S = 60.0
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without signal handling of its own: SIGTERM stops the agent as a whole."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def kube_api(settings: DevicePluginSettings) -> KubeApi | None:
+    if settings.kube_api == "none":
+        return None
+    if settings.kube_api == "local":
+        return LocalKubeApi()
+    return KubernetesApi.from_environment()
+
+
+@dataclass
+class Running:
+    """The parts of a running agent, for the process and for tests."""
+
+    settings: DevicePluginSettings
+    agent: NodeAgent
+    plugin: DevicePlugin
+    link: KubeletLink
+    coordinator: Coordinator
+    host: HostDir
+    ledger: Ledger
+    registry: CollectorRegistry
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    snapshot: CoordinatorSnapshot | None = None
+
+    async def coordinate(self) -> None:
+        """One coordination pass (also run every ``coordinate_interval``)."""
+        self.snapshot = await asyncio.to_thread(self.coordinator.tick)
+
+    async def clean_up(self) -> list[str]:
+        """Remove directories of pods this node's ledger no longer holds."""
+        placements = await self.ledger.node_placements(self.settings.node_name)
+        live = {p.pod.uid for p in placements if p.state != PlacementState.RELEASED}
+        grace = self.settings.cleanup_grace.total_seconds()
+        removed = await asyncio.to_thread(self.host.cleanup, live, grace)
+        for uid in removed:
+            log.info("removed the container directories of pod %s", uid)
+        return removed
+
+    async def ready(self) -> bool:
+        return self.link.registered.is_set() and await self.ledger.ping()
+
+
+async def _every(seconds: float, step: Callable[[], Awaitable[object]], what: str) -> None:
+    while True:
+        try:
+            await step()
+        except LedgerError as exc:
+            log.warning("%s skipped: %s", what, exc)
+        except Exception:  # a loop of the agent must outlive any one bad pass
+            log.exception("%s failed", what)
+        await asyncio.sleep(seconds)
+
+
+def create_app(running: Running) -> FastAPI:
+    app = FastAPI(title="gpuslice device plugin", docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(response: Response) -> dict[str, str]:
+        if await running.ready():
+            return {"status": "ready"}
+        response.status_code = 503
+        return {"status": "not ready"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(running.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+@contextlib.asynccontextmanager
+async def running(
+    settings: DevicePluginSettings,
+    *,
+    bus: Bus | None = None,
+    kube: KubeApi | None = None,
+    serve_http: bool = True,
+    timing: LinkTiming | None = None,
+    config: NodeConfig | None = None,
+) -> AsyncIterator[Running]:
+    """The agent running until the block ends. Raises on bad configuration."""
+    if config is None:
+        config = load_node_config(settings.node_config_file, settings.node_name)
+    host = HostDir(Path(settings.host_dir))
+    await asyncio.to_thread(
+        host.install, Path(settings.interposer_library), settings.container_lib_dir
+    )
+    backend = await asyncio.to_thread(open_backend, settings.backend, settings.node_name, config)
+    ledger = Ledger.from_settings(settings)
+    registry = CollectorRegistry()
+    metrics = PluginMetrics(registry)
+    agent = NodeAgent(settings, backend, config, metrics, bus=bus)
+    plugin = DevicePlugin(
+        settings,
+        agent.device_list,
+        lambda: agent.config,
+        ledger,
+        host,
+        metrics,
+        bus=bus,
+        kube=kube,
+    )
+    link = KubeletLink(
+        plugin,
+        Path(settings.kubelet_dir),
+        settings.socket_name,
+        settings.requests.resources.gpu,
+        metrics,
+        timing,
+    )
+    state = Running(settings, agent, plugin, link, Coordinator(host), host, ledger, registry)
+    registry.register(RegionCollector(lambda: state.snapshot))
+    server: uvicorn.Server | None = None
+    try:
+        await agent.refresh()
+        log.info(
+            "node %s: %d GPU(s) from the %s backend, %d replicas each",
+            settings.node_name,
+            len(agent.device_list.replicas.devices),
+            backend.name,
+            agent.config.split_count,
+        )
+        coordinate = settings.coordinate_interval.total_seconds()
+        state.tasks = [
+            asyncio.create_task(link.run(), name="kubelet-link"),
+            asyncio.create_task(agent.run(), name="node-agent"),
+            asyncio.create_task(_every(coordinate, state.coordinate, "coordination")),
+            asyncio.create_task(_every(CLEANUP_INTERVAL_S, state.clean_up, "clean-up")),
+        ]
+        if serve_http:
+            server = _HttpServer(
+                uvicorn.Config(
+                    create_app(state),
+                    host=settings.listen_host,
+                    port=settings.metrics_port,
+                    log_level=settings.log_level.lower(),
+                    access_log=False,
+                    lifespan="off",
+                )
+            )
+            serving = asyncio.create_task(server.serve(), name="agent-http")
+            state.tasks.append(serving)
+            while not server.started:
+                if serving.done():
+                    serving.result()  # raises the start-up error (e.g. port in use)
+                    raise OSError("the HTTP server stopped during start-up")
+                await asyncio.sleep(0.01)
+        yield state
+    finally:
+        if server is not None:  # let it close its sockets before the rest is cancelled
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(state.tasks[-1]), 5.0)
+        for task in state.tasks:
+            task.cancel()
+        for task in state.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        state.coordinator.close()
+        await asyncio.to_thread(backend.close)
+        await ledger.close()
+
+
+async def main(settings: DevicePluginSettings) -> None:
+    """Run until SIGTERM/SIGINT or until a part fails for good (then raise)."""
+    config = load_node_config(settings.node_config_file, settings.node_name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    bus = await Bus.connect(settings, "gpuslice/deviceplugin")
+    kube = kube_api(settings)
+    try:
+        async with running(settings, bus=bus, kube=kube, config=config) as state:
+            log.info("device plugin for node %s started", settings.node_name)
+            stopping = asyncio.create_task(stop.wait(), name="signals")
+            done, _ = await asyncio.wait(
+                [*state.tasks, stopping], return_when=asyncio.FIRST_COMPLETED
+            )
+            stopping.cancel()
+            for task in done - {stopping}:
+                task.result()  # a part that failed for good ends the agent with its error
+            log.info("stopping")
+    finally:
+        if kube is not None:
+            await kube.close()
+        await bus.close()

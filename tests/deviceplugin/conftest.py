@@ -1,0 +1,163 @@
+"""Fixtures of the device plugin's tests: a test kubelet and the agent beside it.
+
+Unix socket paths are limited to 107 bytes, so sockets live in a short
+directory under /tmp rather than in pytest's tmp_path.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
+from gpuslice_common.servers import NatsServer
+from gpuslice_deviceplugin.kubelet import LinkTiming
+from gpuslice_deviceplugin.service import Running, running
+from tests.deviceplugin.kubelet import TestKubelet
+from tests.native.probe import Native
+
+NODE = "node-a"
+FAST = LinkTiming(poll_s=0.05, backoff_s=0.05, backoff_max_s=0.2, max_failures=4)
+
+SIMULATED = """
+defaults:
+  deviceSplitCount: 4
+  simulate: {count: 2, model: NVIDIA A100-SXM4-40GB, memoryMiB: 40960, numaNodes: 2}
+"""
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="gs", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def kubelet(short_dir: Path) -> AsyncIterator[TestKubelet]:
+    k = TestKubelet(short_dir / "kubelet")
+    await k.start()
+    yield k
+    await k.stop()
+
+
+@pytest.fixture
+def node_config(tmp_path: Path) -> Path:
+    path = tmp_path / "nodes.yaml"
+    path.write_text(SIMULATED)
+    return path
+
+
+@pytest.fixture
+def make_settings(
+    short_dir: Path,
+    tmp_path: Path,
+    node_config: Path,
+    redis_url: str,
+    nats_server: NatsServer,
+    prefix: str,
+    native: Native,
+) -> Callable[..., DevicePluginSettings]:
+    def make(**overrides: Any) -> DevicePluginSettings:
+        values: dict[str, Any] = {
+            "node_name": NODE,
+            "kubelet_dir": str(short_dir / "kubelet"),
+            "host_dir": str(tmp_path / "host"),
+            "interposer_library": str(native.lib),
+            "node_config_file": str(node_config),
+            "backend": "simulated",
+            "redis_url": redis_url,
+            "nats_url": nats_server.url,
+            "subject_prefix": prefix,
+            "ledger_prefix": prefix,
+            "kube_api": "none",
+            "health_interval": "100ms",
+            "inventory_interval": "10s",
+            "coordinate_interval": "100ms",
+        }
+        values.update(overrides)
+        return DevicePluginSettings(**values)
+
+    return make
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., DevicePluginSettings]) -> DevicePluginSettings:
+    return make_settings()
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer, prefix: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(
+        DevicePluginSettings(node_name=NODE, nats_url=nats_server.url, subject_prefix=prefix),
+        "test/deviceplugin",
+    )
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def agent(
+    settings: DevicePluginSettings, kubelet: TestKubelet, bus: Bus
+) -> AsyncIterator[Running]:
+    """The agent registered with the test kubelet, its node registered in the ledger."""
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        await state.ledger.register_node(state.agent.inventory())
+        yield state
+
+
+@pytest.fixture
+async def plugin_ledger(settings: DevicePluginSettings) -> AsyncIterator[Ledger]:
+    led = Ledger.from_settings(settings)
+    yield led
+    await led.close()
+
+
+Grant = tuple[str, int, int]  # (uuid, memory MiB, cores)
+
+
+def placement(
+    uid: str,
+    containers: list[list[Grant]],
+    *,
+    init: list[list[Grant]] | None = None,
+    node: str = NODE,
+    priority: Literal[0, 1] = 1,
+) -> Placement:
+    """A pod's placement: each container's (uuid, memory MiB, cores) per GPU."""
+
+    def assignment(name: str, grants: list[Grant], is_init: bool) -> ContainerAssignment:
+        return ContainerAssignment(
+            name=name,
+            init=is_init,
+            priority=priority,
+            devices=tuple(DeviceGrant(uuid=u, memory_mib=m, cores=c) for u, m, c in grants),
+        )
+
+    out = [assignment(f"init{i}", g, True) for i, g in enumerate(init or [])]
+    out += [assignment(f"c{i}", g, False) for i, g in enumerate(containers)]
+    return Placement(
+        pod=PodRef(uid=uid, namespace="team", name=f"pod-{uid}"),
+        node=node,
+        containers=tuple(out),
+        policy="binpack",
+    )
+
+
+async def bind(ledger: Ledger, *placements: Placement) -> None:
+    """Reserve and bind, as the scheduler does before kubelet sees the pod."""
+    for p in placements:
+        await ledger.reserve(p)
+        await ledger.mark_bound(p.pod.uid)
+
+
+def uuids(state: Running) -> list[str]:
+    return [d.uuid for d in state.agent.device_list.replicas.devices]

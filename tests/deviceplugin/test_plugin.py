@@ -1,0 +1,467 @@
+"""The device plugin against the test kubelet, with real Redis, NATS and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.events import AllocationEvent, CloudEvent, EventType, parse_event
+from gpuslice_common.kube import LocalKubeApi
+from gpuslice_common.models import NodeInventory, PlacementState
+from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
+from gpuslice_deviceplugin.containers import ContainerOwner
+from gpuslice_deviceplugin.kubelet import KubeletLinkError
+from gpuslice_deviceplugin.service import Running, running
+from tests.deviceplugin.conftest import FAST, NODE, SIMULATED, bind, placement, uuids
+from tests.deviceplugin.kubelet import Plugin, TestKubelet
+
+
+def write(path: Path, text: str) -> None:
+    path.write_text(text)
+
+
+def read(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def is_socket(path: Path) -> bool:
+    return path.is_socket()
+
+
+async def registered(kubelet: TestKubelet, number: int = 1) -> Plugin:
+    plugin = await kubelet.registration(number)
+    await plugin.list_after(0)
+    return plugin
+
+
+class Events:
+    """alloc.* events as they arrive on the bus."""
+
+    def __init__(self) -> None:
+        self.seen: asyncio.Queue[CloudEvent] = asyncio.Queue()
+
+    async def start(self, bus: Bus) -> None:
+        async def on_msg(msg: object) -> None:
+            await self.seen.put(parse_event(msg.data))  # type: ignore[attr-defined]
+
+        await bus.nc.subscribe(f"{bus.subjects.prefix}.events.alloc.*", cb=on_msg)
+        await bus.nc.flush()
+
+    async def next(self, timeout: float = 5.0) -> CloudEvent:
+        return await asyncio.wait_for(self.seen.get(), timeout)
+
+
+@pytest.fixture
+async def events(bus: Bus) -> Events:
+    e = Events()
+    await e.start(bus)
+    return e
+
+
+# ----------------------------------------------------------------- handshake
+
+
+async def test_handshake_registers_and_lists_every_replica(
+    agent: Running, kubelet: TestKubelet
+) -> None:
+    plugin = await registered(kubelet)
+    req = plugin.request
+    assert (req.version, req.endpoint, req.resource_name) == (
+        "v1beta1",
+        "gpuslice.sock",
+        "nvidia.com/gpu",
+    )
+    assert req.options.get_preferred_allocation_available
+    assert plugin.options is not None
+    assert plugin.options.get_preferred_allocation_available
+    devices = plugin.devices
+    gpus = uuids(agent)
+    assert len(gpus) == 2
+    assert len(devices) == 2 * 4  # deviceSplitCount 4
+    assert {d.ID for d in devices} == {f"{u}::{n}" for u in gpus for n in range(4)}
+    assert all(len(d.ID) <= 63 and d.health == "Healthy" for d in devices)
+    numa = {d.ID.split("::")[0]: [n.ID for n in d.topology.nodes] for d in devices}
+    assert numa == {gpus[0]: [0], gpus[1]: [1]}
+    assert kubelet.refusals == []
+
+
+async def test_health_change_resends_the_full_list_and_inventory(
+    agent: Running, kubelet: TestKubelet, node_config: Path, bus: Bus
+) -> None:
+    plugin = await registered(kubelet)
+    inventories: asyncio.Queue[NodeInventory] = asyncio.Queue()
+
+    async def on_inventory(_subject: str, inv: NodeInventory) -> None:
+        await inventories.put(inv)
+
+    await bus.subscribe(bus.subjects.inventory(NODE), NodeInventory, on_inventory)
+    await bus.nc.flush()
+    seen = len(plugin.lists)
+    write(node_config, SIMULATED.replace("numaNodes: 2}", "numaNodes: 2, unhealthy: [1]}"))
+    devices = await plugin.list_after(seen, timeout=5)
+    sick = uuids(agent)[1]
+    assert len(devices) == 8  # the full list, not a delta
+    assert {d.ID for d in devices if d.health == "Unhealthy"} == {f"{sick}::{n}" for n in range(4)}
+    inv = await asyncio.wait_for(inventories.get(), 5)
+    assert [(d.uuid, d.healthy) for d in inv.devices] == [(uuids(agent)[0], True), (sick, False)]
+    assert inv.split_count == 4
+
+
+async def test_a_bad_config_edit_keeps_the_last_good_one(
+    agent: Running, kubelet: TestKubelet, node_config: Path
+) -> None:
+    plugin = await registered(kubelet)
+    write(node_config, "defaults: {deviceSplitCount: zero}\n")
+    await asyncio.sleep(0.5)
+    assert agent.agent.config.split_count == 4
+    assert len(plugin.lists) == 1
+    assert len(plugin.devices) == 8
+    write(node_config, "defaults: {deviceSplitCount: 2, simulate: {count: 2}}\n")
+    devices = await plugin.list_after(1, timeout=5)
+    assert len(devices) == 4
+
+
+async def test_kubelet_restart_means_registering_again(
+    agent: Running, kubelet: TestKubelet
+) -> None:
+    await registered(kubelet)
+    await kubelet.restart()  # deletes every socket, ours included
+    again = await registered(kubelet, 2)
+    assert len(again.devices) == 8
+    assert is_socket(Path(agent.settings.kubelet_dir) / "gpuslice.sock")
+    await bind(agent.ledger, placement("after-restart", [[(uuids(agent)[0], 1000, 10)]]))
+    response = await again.admit_container(1)
+    assert response.envs["GPUSLICE_POD_UID"] == "after-restart"
+
+
+async def test_our_socket_deleted_alone_means_registering_again(
+    agent: Running, kubelet: TestKubelet
+) -> None:
+    await registered(kubelet)
+    os.unlink(Path(agent.settings.kubelet_dir) / "gpuslice.sock")
+    again = await registered(kubelet, 2)
+    assert len(again.devices) == 8
+
+
+async def test_agent_waits_for_kubelet_then_registers(
+    settings: DevicePluginSettings, short_dir: Path, bus: Bus
+) -> None:
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        await asyncio.sleep(0.3)  # no kubelet.sock yet
+        assert not state.link.registered.is_set()
+        kubelet = TestKubelet(short_dir / "kubelet")
+        await kubelet.start()
+        try:
+            await registered(kubelet)
+            await asyncio.wait_for(state.link.registered.wait(), 5)
+        finally:
+            await kubelet.stop()
+
+
+async def test_registration_refused_gives_up_after_bounded_retries(
+    make_settings: Callable[..., DevicePluginSettings], kubelet: TestKubelet, bus: Bus
+) -> None:
+    settings = make_settings(requests={"resources": {"gpu": "gpu"}})  # not domain-qualified
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        link = state.tasks[0]
+        with pytest.raises(KubeletLinkError, match=r"4 times in a row.*not domain-qualified"):
+            await asyncio.wait_for(link, 10)
+    assert len(kubelet.refusals) == 4
+
+
+# ------------------------------------------------------------------ Allocate
+
+
+async def test_allocate_one_gpu_answers_env_and_mounts(
+    agent: Running, kubelet: TestKubelet, events: Events
+) -> None:
+    plugin = await registered(kubelet)
+    gpu = uuids(agent)[1]
+    await bind(agent.ledger, placement("p1", [[(gpu, 4096, 30)]]))
+    response = await plugin.admit_container(1)
+    env = dict(response.envs)
+    host = agent.host
+    assert env["NVIDIA_VISIBLE_DEVICES"] == gpu
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "4096m"
+    assert env["CUDA_DEVICE_SM_LIMIT"] == "30"
+    assert env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] == "/run/gpuslice/region"
+    assert env["CUDA_TASK_PRIORITY"] == "1"
+    assert env["GPU_CORE_UTILIZATION_POLICY"] == "default"
+    assert (env["GPUSLICE_NODE_NAME"], env["GPUSLICE_POD_UID"]) == (NODE, "p1")
+    assert (env["GPUSLICE_POD_NAMESPACE"], env["GPUSLICE_POD_NAME"]) == ("team", "pod-p1")
+    assert env["GPUSLICE_CONTAINER_NAME"] == "c0"
+    assert env["GPUSLICE_NATS_URL"] == agent.settings.nats_url
+    assert env["GPUSLICE_SUBJECT_PREFIX"] == agent.settings.subject_prefix
+    assert not any(k.startswith("GPUSLICE_NATS_") and k != "GPUSLICE_NATS_URL" for k in env)
+    mounts = {m.container_path: (m.host_path, m.read_only) for m in response.mounts}
+    region_dir = host.container_dir("p1", "c0")
+    assert mounts == {
+        "/usr/local/gpuslice/libgpuslice.so": (str(host.lib_path), True),
+        "/etc/ld.so.preload": (str(host.preload_path), True),
+        "/run/gpuslice": (str(region_dir), False),
+    }
+    assert read(host.lib_path) == read(Path(agent.settings.interposer_library))
+    assert read(host.preload_path) == b"/usr/local/gpuslice/libgpuslice.so\n"
+    owner = ContainerOwner.from_json(read(region_dir / "owner.json"))
+    assert (owner.pod_uid, owner.container, owner.devices) == ("p1", "c0", (gpu,))
+    event = await events.next()
+    assert event.type == EventType.ALLOC_ALLOCATED
+    payload = event.payload()
+    assert isinstance(payload, AllocationEvent)
+    assert payload.pod is not None
+    assert payload.pod.uid == "p1"
+    assert (payload.node, payload.container, payload.policy) == (NODE, "c0", "binpack")
+    assert [d.uuid for d in payload.containers[0].devices] == [gpu]
+    record = await agent.ledger.placement("p1")
+    assert record is not None
+    assert record.state == PlacementState.ALLOCATED
+
+
+async def test_allocate_two_gpus_prefers_the_scheduler_s_cards(
+    agent: Running, kubelet: TestKubelet
+) -> None:
+    plugin = await registered(kubelet)
+    a, b = uuids(agent)
+    await bind(agent.ledger, placement("p2", [[(b, 1000, 20), (a, 2000, 50)]]))
+    response = await plugin.admit_container(2)
+    env = dict(response.envs)
+    assert env["NVIDIA_VISIBLE_DEVICES"] == f"{b},{a}"
+    assert (env["CUDA_DEVICE_MEMORY_LIMIT_0"], env["CUDA_DEVICE_MEMORY_LIMIT_1"]) == (
+        "1000m",
+        "2000m",
+    )
+    assert (env["CUDA_DEVICE_SM_LIMIT_0"], env["CUDA_DEVICE_SM_LIMIT_1"]) == ("20", "50")
+    assert "CUDA_DEVICE_SM_LIMIT" not in env
+    chosen = {i.split("::")[0] for i in plugin.allocated}
+    assert chosen == {a, b}  # kubelet's replicas stand for the scheduler's two cards
+
+
+async def test_multi_container_pods_are_served_in_bind_order(
+    agent: Running, kubelet: TestKubelet
+) -> None:
+    plugin = await registered(kubelet)
+    a, b = uuids(agent)
+    await bind(
+        agent.ledger,
+        placement("first", [[(a, 100, 10)], [(a, 200, 10), (b, 300, 10)]], init=[[(b, 50, 5)]]),
+        placement("second", [[(b, 400, 10)]]),
+    )
+    answers = [await plugin.admit_container(n) for n in (1, 1, 2, 1)]
+    got = [
+        (
+            r.envs["GPUSLICE_POD_UID"],
+            r.envs["GPUSLICE_CONTAINER_NAME"],
+            r.envs["NVIDIA_VISIBLE_DEVICES"],
+        )
+        for r in answers
+    ]
+    assert got == [
+        ("first", "init0", b),
+        ("first", "c0", a),
+        ("first", "c1", f"{a},{b}"),
+        ("second", "c0", b),
+    ]
+    assert (await agent.ledger.placement("first")).state == PlacementState.ALLOCATED  # type: ignore[union-attr]
+
+
+async def test_allocate_without_a_pending_pod_is_a_clear_error(
+    agent: Running, kubelet: TestKubelet, events: Events
+) -> None:
+    plugin = await registered(kubelet)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await plugin.admit_container(1)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"no bound pod on node {NODE} waits for a container with 1 GPU(s)" in str(
+        err.value.details()
+    )
+    event = await events.next()
+    assert event.type == EventType.ALLOC_FAILED
+    payload = event.payload()
+    assert isinstance(payload, AllocationEvent)
+    assert payload.pod is None
+    assert payload.node == NODE
+    assert "no pending pod" in payload.reason
+
+
+async def test_a_count_mismatch_is_refused_and_the_pod_keeps_waiting(
+    agent: Running, kubelet: TestKubelet
+) -> None:
+    plugin = await registered(kubelet)
+    a, b = uuids(agent)
+    await bind(agent.ledger, placement("two", [[(a, 100, 10), (b, 100, 10)]]))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await plugin.admit_container(1)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    plugin.allocated.clear()
+    response = await plugin.admit_container(2)
+    assert response.envs["GPUSLICE_POD_UID"] == "two"
+
+
+async def test_concurrent_allocates_hand_out_each_container_once(
+    agent: Running, kubelet: TestKubelet
+) -> None:
+    plugin = await registered(kubelet)
+    a, b = uuids(agent)
+    pods = [placement(f"pod{i}", [[(a if i % 2 else b, 100, 5)]]) for i in range(8)]
+    await bind(agent.ledger, *pods)
+    ids = plugin.free()
+    calls = [
+        plugin.stub.Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[i])])
+        )
+        for i in ids[:8]
+    ]
+    responses = await asyncio.gather(*calls)
+    served = sorted(r.container_responses[0].envs["GPUSLICE_POD_UID"] for r in responses)
+    assert served == sorted(p.pod.uid for p in pods)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (pb.AllocateRequest(), "one container per call, got 0"),
+        (
+            pb.AllocateRequest(
+                container_requests=[pb.ContainerAllocateRequest(), pb.ContainerAllocateRequest()]
+            ),
+            "one container per call, got 2",
+        ),
+        (
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest()]),
+            "names no device IDs",
+        ),
+        (
+            pb.AllocateRequest(
+                container_requests=[pb.ContainerAllocateRequest(devices_ids=["GPU-nope::0"])]
+            ),
+            "unknown device IDs: GPU-nope::0",
+        ),
+    ],
+)
+async def test_malformed_allocates_are_refused_and_nothing_is_handed_out(
+    agent: Running, kubelet: TestKubelet, request_: pb.AllocateRequest, message: str
+) -> None:
+    plugin = await registered(kubelet)
+    await bind(agent.ledger, placement("waiting", [[(uuids(agent)[0], 100, 5)]]))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await plugin.stub.Allocate(request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in str(err.value.details())
+    record = await agent.ledger.placement("waiting")
+    assert record is not None
+    assert record.state == PlacementState.BOUND
+    assert (await plugin.admit_container(1)).envs["GPUSLICE_POD_UID"] == "waiting"
+
+
+async def test_repeated_ids_and_garbage_bytes_leave_the_plugin_serving(
+    agent: Running, kubelet: TestKubelet
+) -> None:
+    plugin = await registered(kubelet)
+    one = plugin.free()[0]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await plugin.stub.Allocate(
+            pb.AllocateRequest(
+                container_requests=[pb.ContainerAllocateRequest(devices_ids=[one, one])]
+            )
+        )
+    assert "device IDs repeat" in str(err.value.details())
+    raw = plugin.channel.unary_unary(
+        "/v1beta1.DevicePlugin/Allocate",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    with pytest.raises(grpc.aio.AioRpcError):
+        await raw(b"\xff\xff\xff\xff not protobuf")
+    options = await plugin.stub.GetDevicePluginOptions(pb.Empty())
+    assert options.get_preferred_allocation_available
+
+
+async def test_preferred_allocation_honours_must_include(
+    agent: Running, kubelet: TestKubelet
+) -> None:
+    plugin = await registered(kubelet)
+    a, b = uuids(agent)
+    await bind(agent.ledger, placement("pref", [[(a, 100, 5), (b, 100, 5)]]))
+    free = plugin.free()
+    forced = f"{b}::3"
+    reply = await plugin.stub.GetPreferredAllocation(
+        pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=free, must_include_deviceIDs=[forced], allocation_size=2
+                )
+            ]
+        )
+    )
+    ids = list(reply.container_responses[0].deviceIDs)
+    assert ids[0] == forced
+    assert {i.split("::")[0] for i in ids} == {a, b}
+
+
+async def test_disable_control_leaves_the_preload_out(
+    settings: DevicePluginSettings, kubelet: TestKubelet, bus: Bus
+) -> None:
+    kube = LocalKubeApi()
+    pod = {
+        "metadata": {"name": "pod-dbg", "namespace": "team", "uid": "dbg"},
+        "spec": {
+            "containers": [
+                {"name": "c0", "env": [{"name": "CUDA_DISABLE_CONTROL", "value": "true"}]},
+            ]
+        },
+    }
+    kube.add_pod(pod)
+    async with running(settings, bus=bus, kube=kube, serve_http=False, timing=FAST) as state:
+        await state.ledger.register_node(state.agent.inventory())
+        plugin = await registered(kubelet)
+        await bind(
+            state.ledger,
+            placement("dbg", [[(uuids(state)[0], 100, 5)]]),
+            placement("ctl", [[(uuids(state)[0], 100, 5)]]),
+        )
+        debug = await plugin.admit_container(1)
+        normal = await plugin.admit_container(1)  # pod 'ctl' is not known to the API: enforced
+    assert "/etc/ld.so.preload" not in {m.container_path for m in debug.mounts}
+    assert "/etc/ld.so.preload" in {m.container_path for m in normal.mounts}
+
+
+async def test_telemetry_credential_and_context_overhead_reach_the_container(
+    make_settings: Callable[..., DevicePluginSettings],
+    kubelet: TestKubelet,
+    bus: Bus,
+    node_config: Path,
+) -> None:
+    write(node_config, SIMULATED_WITH_OVERHEAD)
+    settings = make_settings(
+        telemetry_nats_url="nats://nats.gpuslice:4222",
+        telemetry_nats_user="telemetry",
+        telemetry_nats_password="s3cret",
+    )
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        await state.ledger.register_node(state.agent.inventory())
+        plugin = await registered(kubelet)
+        await bind(state.ledger, placement("cred", [[(uuids(state)[0], 100, 5)]], priority=0))
+        env = dict((await plugin.admit_container(1)).envs)
+    assert env["GPUSLICE_NATS_URL"] == "nats://nats.gpuslice:4222"
+    assert (env["GPUSLICE_NATS_USER"], env["GPUSLICE_NATS_PASSWORD"]) == ("telemetry", "s3cret")
+    assert env["GPUSLICE_CONTEXT_OVERHEAD"] == "300m"
+    assert env["GPU_CORE_UTILIZATION_POLICY"] == "force"
+    assert env["LIBCUDA_LOG_LEVEL"] == "3"
+    assert env["CUDA_TASK_PRIORITY"] == "0"
+
+
+SIMULATED_WITH_OVERHEAD = """
+defaults:
+  deviceSplitCount: 4
+  contextOverhead: 300
+  gpuCorePolicy: force
+  libCudaLogLevel: 3
+  simulate: {count: 1}
+"""

@@ -1,0 +1,289 @@
+"""The agent as a whole: its HTTP side, heartbeat, clean-up, and the process end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import NodeInventory, TelemetrySample
+from gpuslice_common.servers import NatsServer, free_port
+from gpuslice_deviceplugin.containers import ContainerOwner
+from gpuslice_deviceplugin.service import running
+from tests.deviceplugin.conftest import FAST, NODE, bind, placement, uuids
+from tests.deviceplugin.kubelet import TestKubelet
+from tests.native.probe import Native, ProbeSpawner
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def read_owner(directory: Path) -> bytes:
+    return (directory / "owner.json").read_bytes()
+
+
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+async def test_heartbeat_publishes_the_inventory_every_interval(
+    make_settings: Callable[..., DevicePluginSettings], kubelet: TestKubelet, bus: Bus
+) -> None:
+    got: list[NodeInventory] = []
+
+    async def on_inventory(_subject: str, inv: NodeInventory) -> None:
+        got.append(inv)
+
+    await bus.subscribe(bus.subjects.inventory(NODE), NodeInventory, on_inventory)
+    await bus.nc.flush()
+    settings = make_settings(inventory_interval="200ms")
+    async with running(settings, bus=bus, serve_http=False, timing=FAST):
+        await asyncio.sleep(1.1)
+    assert 4 <= len(got) <= 8  # one at start, then one every 200 ms
+    assert all(len(inv.devices) == 2 and inv.split_count == 4 for inv in got)
+    assert got[-1].sent_at > got[0].sent_at
+
+
+async def test_http_health_readiness_and_metrics(
+    make_settings: Callable[..., DevicePluginSettings], short_dir: Path, bus: Bus
+) -> None:
+    port = free_port()
+    settings = make_settings(metrics_port=port, listen_host="127.0.0.1")
+    async with (
+        running(settings, bus=bus, timing=FAST) as state,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http,
+    ):
+        assert (await http.get("/healthz")).status_code == 200
+        assert (await http.get("/readyz")).status_code == 503  # no kubelet yet
+        kubelet = TestKubelet(short_dir / "kubelet")
+        await kubelet.start()
+        try:
+            plugin = await kubelet.registration()
+            await asyncio.wait_for(state.link.registered.wait(), 5)
+            assert (await http.get("/readyz")).status_code == 200
+            await state.ledger.register_node(state.agent.inventory())
+            await bind(state.ledger, placement("m1", [[(uuids(state)[0], 512, 10)]]))
+            await plugin.list_after(0)
+            await plugin.admit_container(1)
+            text = (await http.get("/metrics")).text
+        finally:
+            await kubelet.stop()
+    assert samples(text, "gpuslice_deviceplugin_allocations_total") == {(("outcome", "ok"),): 1.0}
+    assert samples(text, "gpuslice_deviceplugin_registrations_total")[(("outcome", "ok"),)] == 1.0
+    assert samples(text, "gpuslice_deviceplugin_devices") == {
+        (("health", "healthy"),): 2.0,
+        (("health", "unhealthy"),): 0.0,
+    }
+
+
+async def test_clean_up_removes_directories_of_pods_gone_from_the_ledger(
+    make_settings: Callable[..., DevicePluginSettings], kubelet: TestKubelet, bus: Bus
+) -> None:
+    settings = make_settings(cleanup_grace="1ms")
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        await state.ledger.register_node(state.agent.inventory())
+        plugin = await kubelet.registration()
+        await plugin.list_after(0)
+        gpu = uuids(state)[0]
+        await bind(state.ledger, placement("done", [[(gpu, 100, 5)]]))
+        await bind(state.ledger, placement("live", [[(gpu, 100, 5)]]))
+        await plugin.admit_container(1)
+        await plugin.admit_container(1)
+        await state.ledger.release("done", reason="pod deleted")
+        await asyncio.sleep(0.01)
+        assert await state.clean_up() == ["done"]
+        assert not state.host.container_dir("done", "c0").exists()
+        assert state.host.container_dir("live", "c0").is_dir()
+
+
+def test_bad_settings_and_config_end_the_process_with_a_message(tmp_path: Path) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
+    missing = subprocess.run(
+        [sys.executable, "-m", "gpuslice_deviceplugin"],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2
+    assert "GPUSLICE_NODE_NAME" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    config = tmp_path / "nodes.yaml"
+    config.write_text("defaults: {deviceSplitCnt: 3}\n")
+    bad = subprocess.run(
+        [sys.executable, "-m", "gpuslice_deviceplugin"],
+        env={
+            **base,
+            "GPUSLICE_NODE_NAME": "n1",
+            "GPUSLICE_NODE_CONFIG_FILE": str(config),
+            "GPUSLICE_CONNECT_WAIT": "1s",
+            "GPUSLICE_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert "devicesplitcnt" in bad.stderr.lower()
+    assert "Traceback" not in bad.stderr
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.fixture
+def agent_process(
+    short_dir: Path,
+    tmp_path: Path,
+    native: Native,
+    redis_url: str,
+    nats_server: NatsServer,
+    prefix: str,
+) -> Iterator[Callable[[], subprocess.Popen[str]]]:
+    """``python -m gpuslice_deviceplugin`` on NVML (the fake), as a DaemonSet runs it."""
+    procs: list[subprocess.Popen[str]] = []
+    config = tmp_path / "e2e-nodes.yaml"
+    config.write_text("defaults: {deviceSplitCount: 5, contextOverhead: 64}\n")
+
+    def start() -> subprocess.Popen[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSLICE_", "FAKE"))}
+        env.update(
+            {
+                "LD_LIBRARY_PATH": str(native.fake_dir),
+                "FAKECUDA_DEVICES": "2",
+                "FAKECUDA_MEMORY": "16g",
+                "GPUSLICE_NODE_NAME": "node-e2e",
+                "GPUSLICE_BACKEND": "nvml",
+                "GPUSLICE_KUBELET_DIR": str(short_dir / "kubelet"),
+                "GPUSLICE_HOST_DIR": str(tmp_path / "host"),
+                "GPUSLICE_INTERPOSER_LIBRARY": str(native.lib),
+                "GPUSLICE_NODE_CONFIG_FILE": str(config),
+                "GPUSLICE_REDIS_URL": redis_url,
+                "GPUSLICE_NATS_URL": nats_server.url,
+                "GPUSLICE_SUBJECT_PREFIX": prefix,
+                "GPUSLICE_LEDGER_PREFIX": prefix,
+                "GPUSLICE_KUBE_API": "none",
+                "GPUSLICE_LISTEN_HOST": "127.0.0.1",
+                "GPUSLICE_METRICS_PORT": str(free_port()),
+                "GPUSLICE_COORDINATE_INTERVAL": "100ms",
+            }
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuslice_deviceplugin"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        proc.port = int(env["GPUSLICE_METRICS_PORT"])  # type: ignore[attr-defined]
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def container_env(response_env: dict[str, str], mounts: dict[str, str]) -> dict[str, str]:
+    """What the container's processes see, with its mounts read as host paths."""
+    env = dict(response_env)
+    region = env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]
+    for container_path, host_path in mounts.items():
+        if region.startswith(container_path + "/"):
+            env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = host_path + region[len(container_path) :]
+    env["LD_PRELOAD"] = mounts["/usr/local/gpuslice/libgpuslice.so"]
+    return env
+
+
+async def test_end_to_end_an_allocate_answer_drives_the_interposer(
+    agent_process: Callable[[], subprocess.Popen[str]],
+    kubelet: TestKubelet,
+    plugin_ledger: Ledger,
+    bus: Bus,
+    spawn_probe: ProbeSpawner,
+) -> None:
+    inventories: asyncio.Queue[NodeInventory] = asyncio.Queue()
+    telemetry: asyncio.Queue[TelemetrySample] = asyncio.Queue()
+
+    async def on_inventory(_subject: str, inv: NodeInventory) -> None:
+        await inventories.put(inv)
+
+    async def on_sample(_subject: str, sample: TelemetrySample) -> None:
+        await telemetry.put(sample)
+
+    await bus.subscribe(bus.subjects.inventory("node-e2e"), NodeInventory, on_inventory)
+    await bus.subscribe(bus.subjects.telemetry_node("node-e2e"), TelemetrySample, on_sample)
+    await bus.nc.flush()
+    proc = agent_process()
+    plugin = await kubelet.registration(timeout=30)
+    devices = await plugin.list_after(0)
+    fake = [f"GPU-facefeed-0000-4000-8000-0000000000{i:02x}" for i in range(2)]
+    assert {d.ID.split("::")[0] for d in devices} == set(fake)
+    assert len(devices) == 10
+    # the inventory service's part: the published inventory becomes ledger state
+    inventory = await asyncio.wait_for(inventories.get(), 10)
+    assert [(d.uuid, d.memory_mib, d.model) for d in inventory.devices] == [
+        (u, 16384, inventory.devices[0].model) for u in fake
+    ]
+    await plugin_ledger.register_node(inventory)
+    pod = placement("e2e", [[(fake[1], 1024, 40)]], node="node-e2e")
+    await bind(plugin_ledger, pod)
+    response = await plugin.admit_container(1)
+    mounts = {m.container_path: m.host_path for m in response.mounts}
+    env = container_env(dict(response.envs), mounts)
+    assert env["NVIDIA_VISIBLE_DEVICES"] == fake[1]
+    assert env["GPUSLICE_CONTEXT_OVERHEAD"] == "64m"
+    env.update(GPUSLICE_TELEMETRY_INTERVAL="100ms", FAKECUDA_DEVICES="2", FAKECUDA_MEMORY="16g")
+    # the fake shows every GPU, as a runtime would not: the probe picks fake[1] (ordinal 1)
+    probe = spawn_probe(
+        "init", "ctx", "1", "alloc", "900m", "alloc", "100m", "info", "hold", build="none", env=env
+    )
+    lines = [probe.next_line(20) for _ in range(6)]
+    allocs = [line for line in lines if line["cmd"] == "alloc"]
+    assert [a["rc"] for a in allocs] == [0, 2]  # 64 + 900 fit in 1024 MiB; 100 more do not
+    info = next(line for line in lines if line["cmd"] == "info")
+    assert info["total"] == 1024 << 20
+    sample = await asyncio.wait_for(telemetry.get(), 10)
+    while not sample.devices[0].denied_allocations:  # samples from before the refusal
+        sample = await asyncio.wait_for(telemetry.get(), 10)
+    assert (sample.node, sample.pod_uid, sample.container) == ("node-e2e", "e2e", "c0")
+    dev = sample.devices[0]  # the container's device 0 (the fake also shows fake[0])
+    assert (dev.uuid, dev.limit_bytes, dev.used_bytes) == (fake[1], 1024 << 20, 964 << 20)
+    assert dev.denied_allocations == 1
+    # the agent reads the region and shows the usage before any telemetry is needed
+    port = proc.port  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    used: dict[tuple[tuple[str, str], ...], float] = {}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        while time.monotonic() < deadline and not used:
+            used = samples(
+                (await http.get("/metrics")).text, "gpuslice_container_memory_used_bytes"
+            )
+            await asyncio.sleep(0.1)
+    mine = {dict(k)["uuid"]: v for k, v in used.items() if dict(k)["pod_uid"] == "e2e"}
+    assert mine[fake[1]] == float(964 << 20)
+    owner = ContainerOwner.from_json(read_owner(Path(mounts["/run/gpuslice"])))
+    assert owner.devices == (fake[1],)
+    probe.stop()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
