@@ -181,6 +181,22 @@ def test_flags_follow_a_second_container_within_one_tick(
     assert flags(a_region) == (False, False)
 
 
+def test_a_killed_container_of_a_pod_gone_from_the_ledger_shares_nothing(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    a_region, b_region = prepare(host, "a"), prepare(host, "b")
+    holding(spawn_probe, a_region)
+    killed = spawn_probe("init", "ctx", "alloc", "64m", "hold", env=env(b_region))
+    killed.wait_for("hold")
+    killed.kill()  # SIGKILL: its usage stays in b's region
+    killed.wait(10)
+    assert state(coordinator.tick(), "a").shared  # b still looks active
+    snap = coordinator.tick(live={"a"})  # the ledger no longer holds pod b
+    assert not state(snap, "b").active
+    assert not state(snap, "a").shared
+    assert flags(a_region) == (False, False)
+
+
 def test_containers_on_different_gpus_do_not_share(
     host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
 ) -> None:

@@ -31,6 +31,7 @@ import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
@@ -174,7 +175,11 @@ class HostDir:
         _make_dir(self.containers_root, DIR_MODE)
         _make_dir(directory.parent, DIR_MODE)
         _make_dir(directory, CONTAINER_DIR_MODE)
-        _write_atomic(directory / OWNER_FILE, owner.to_json().encode() + b"\n", FILE_MODE)
+        # not synced: Allocate waits for this, and a record lost in a crash only
+        # costs metric labels (its containers are gone with the node anyway)
+        _write_atomic(
+            directory / OWNER_FILE, owner.to_json().encode() + b"\n", FILE_MODE, durable=False
+        )
         return directory
 
     def containers(self) -> list[tuple[ContainerOwner, Path]]:
@@ -205,7 +210,7 @@ class HostDir:
             shutil.rmtree(pod_dir)
 
     def cleanup(
-        self, live_pod_uids: set[str], grace_s: float, now: float | None = None
+        self, live_pod_uids: Collection[str], grace_s: float, now: float | None = None
     ) -> list[str]:
         """Remove the directories of pods not in ``live_pod_uids`` prepared more than
         ``grace_s`` seconds before ``now`` (default: the current time); the pod UIDs removed.
@@ -345,20 +350,24 @@ def _install_file(path: Path, content: bytes, mode: int) -> None:
         path.chmod(mode)
 
 
-def _write_atomic(path: Path, content: bytes, mode: int) -> None:
-    """Replace ``path`` by a file holding ``content``, made in full beside it first."""
+def _write_atomic(path: Path, content: bytes, mode: int, *, durable: bool = True) -> None:
+    """Replace ``path`` by a file holding ``content``, made in full beside it first;
+    ``durable`` also syncs the file and its directory to disk."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(content)
             f.flush()
             os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    if not durable:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)

@@ -42,7 +42,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,10 +147,19 @@ class Coordinator:
         self._refused: dict[Path, tuple[int, int]] = {}  # warned about this inode
         self._lock = threading.Lock()
 
-    def tick(self) -> CoordinatorSnapshot:
-        """Read every region, write the flags that changed and the heartbeats."""
+    def tick(self, live: Collection[str] | None = None) -> CoordinatorSnapshot:
+        """Read every region, write the flags that changed and the heartbeats.
+
+        ``live``, when known, holds the pods the ledger still holds: a container
+        of any other pod is never active, whatever its region still shows (a
+        killed process's usage stays there until its container's next process
+        reclaims it, which never comes when the pod is gone).
+        """
         with self._lock:
-            readings = [self._read(owner, d) for owner, d in self._host.containers()]
+            readings = [
+                self._read(owner, d, live is None or owner.pod_uid in live)
+                for owner, d in self._host.containers()
+            ]
             present = {r.directory for r in readings}
             self._forget(set(self._tracked) - present)
             for path in [p for p in self._refused if p.parent not in present]:
@@ -170,7 +179,7 @@ class Coordinator:
 
     # ------------------------------------------------------------ reading
 
-    def _read(self, owner: ContainerOwner, directory: Path) -> _Reading:
+    def _read(self, owner: ContainerOwner, directory: Path, alive: bool) -> _Reading:
         tracked = self._region(directory)
         devices: tuple[DeviceUsage, ...] = ()
         processes: tuple[ProcessUsage, ...] = ()
@@ -180,7 +189,7 @@ class Coordinator:
             processes = tracked.region.processes()
             for dev in devices:
                 before = tracked.busy.get(dev.index, dev.busy_ns)
-                if dev.used_bytes > 0 or dev.busy_ns > before:
+                if alive and (dev.used_bytes > 0 or dev.busy_ns > before):
                     active.add(dev.index)
                 tracked.busy[dev.index] = dev.busy_ns
         return _Reading(owner, directory, tracked, devices, processes, frozenset(active))

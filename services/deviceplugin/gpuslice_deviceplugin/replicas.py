@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from gpuslice_common.models import GpuDevice
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
@@ -44,15 +45,16 @@ class Replicas:
         stem = _stem(device.uuid, self.split_count)
         return [f"{stem}{SEPARATOR}{n}" for n in range(self.split_count)]
 
+    @cached_property
+    def _uuid_by_stem(self) -> dict[str, str]:
+        return {_stem(d.uuid, self.split_count): d.uuid for d in self.devices}
+
     def uuid_of(self, device_id: str) -> str | None:
         """The GPU behind a replica ID, or None for an ID this list never had."""
         stem, sep, number = device_id.rpartition(SEPARATOR)
         if not sep or not number.isdigit() or int(number) >= self.split_count:
             return None
-        for device in self.devices:
-            if _stem(device.uuid, self.split_count) == stem:
-                return device.uuid
-        return None
+        return self._uuid_by_stem.get(stem)
 
     def advertised(self) -> list[pb.Device]:
         """Every replica with its GPU's health and NUMA node."""

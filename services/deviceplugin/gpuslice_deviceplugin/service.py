@@ -37,6 +37,7 @@ from gpuslice_deviceplugin.plugin import DevicePlugin
 log = logging.getLogger(__name__)
 
 CLEANUP_INTERVAL_S = 60.0
+LIVE_PODS_INTERVAL_S = 2.0
 
 
 class _HttpServer(uvicorn.Server):
@@ -69,15 +70,22 @@ class Running:
     registry: CollectorRegistry
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     snapshot: CoordinatorSnapshot | None = None
+    live_pods: frozenset[str] | None = None  # None until the ledger has answered
 
     async def coordinate(self) -> None:
         """One coordination pass (also run every ``coordinate_interval``)."""
-        self.snapshot = await asyncio.to_thread(self.coordinator.tick)
+        self.snapshot = await asyncio.to_thread(self.coordinator.tick, self.live_pods)
+
+    async def refresh_live_pods(self) -> frozenset[str]:
+        """The pods this node's ledger still holds (kept for the coordinator)."""
+        placements = await self.ledger.node_placements(self.settings.node_name)
+        live = frozenset(p.pod.uid for p in placements if p.state != PlacementState.RELEASED)
+        self.live_pods = live
+        return live
 
     async def clean_up(self) -> list[str]:
         """Remove directories of pods this node's ledger no longer holds."""
-        placements = await self.ledger.node_placements(self.settings.node_name)
-        live = {p.pod.uid for p in placements if p.state != PlacementState.RELEASED}
+        live = await self.refresh_live_pods()
         grace = self.settings.cleanup_grace.total_seconds()
         removed = await asyncio.to_thread(self.host.cleanup, live, grace)
         for uid in removed:
@@ -178,6 +186,7 @@ async def running(
             asyncio.create_task(agent.run(), name="node-agent"),
             asyncio.create_task(_every(coordinate, state.coordinate, "coordination")),
             asyncio.create_task(_every(CLEANUP_INTERVAL_S, state.clean_up, "clean-up")),
+            asyncio.create_task(_every(LIVE_PODS_INTERVAL_S, state.refresh_live_pods, "pod list")),
         ]
         if serve_http:
             server = _HttpServer(

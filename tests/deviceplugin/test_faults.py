@@ -1,0 +1,134 @@
+"""The agent rides out Redis and NATS restarts; its generated API stays in step with the .proto."""
+
+from __future__ import annotations
+
+import asyncio
+import filecmp
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import NodeInventory
+from gpuslice_common.servers import NatsServer, RedisServer
+from gpuslice_deviceplugin.service import running
+from tests.deviceplugin.conftest import FAST, NODE, bind, placement, uuids
+from tests.deviceplugin.kubelet import TestKubelet
+
+ROOT = Path(__file__).resolve().parents[2]
+API = ROOT / "services" / "deviceplugin" / "gpuslice_deviceplugin" / "api"
+
+
+async def test_an_allocate_during_a_redis_restart_is_answered_when_redis_is_back(
+    make_settings: Callable[..., DevicePluginSettings],
+    own_redis: RedisServer,
+    kubelet: TestKubelet,
+    bus: Bus,
+) -> None:
+    settings = make_settings(redis_url=own_redis.url)
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        await state.ledger.register_node(state.agent.inventory())
+        await bind(state.ledger, placement("through", [[(uuids(state)[0], 100, 5)]]))
+        plugin = await kubelet.registration()
+        await plugin.list_after(0)
+        own_redis.kill()
+        admitting = asyncio.create_task(plugin.admit_container(1))
+        await asyncio.sleep(0.5)
+        assert not admitting.done()
+        await asyncio.to_thread(own_redis.start)
+        response = await asyncio.wait_for(admitting, 15)
+    assert response.envs["GPUSLICE_POD_UID"] == "through"
+
+
+async def test_the_heartbeat_comes_back_after_a_nats_restart(
+    make_settings: Callable[..., DevicePluginSettings],
+    own_nats: NatsServer,
+    kubelet: TestKubelet,
+    prefix: str,
+) -> None:
+    settings = make_settings(nats_url=own_nats.url, inventory_interval="200ms")
+    agent_bus = await Bus.connect(settings, "gpuslice/deviceplugin")
+    try:
+        async with running(settings, bus=agent_bus, serve_http=False, timing=FAST):
+            await asyncio.sleep(0.3)
+            own_nats.kill()
+            await asyncio.sleep(0.5)  # heartbeats while NATS is down are buffered or dropped
+            await asyncio.to_thread(own_nats.start)
+            listener = await Bus.connect(settings, "test")
+            got: asyncio.Queue[NodeInventory] = asyncio.Queue()
+
+            async def on_inventory(_subject: str, inv: NodeInventory) -> None:
+                await got.put(inv)
+
+            try:
+                await listener.subscribe(
+                    listener.subjects.inventory(NODE), NodeInventory, on_inventory
+                )
+                await listener.nc.flush()
+                inv = await asyncio.wait_for(got.get(), 10)
+            finally:
+                await listener.close()
+    finally:
+        await agent_bus.close()
+    assert inv.node == NODE
+    assert len(inv.devices) == 2
+
+
+async def test_a_redis_outage_at_start_does_not_stop_the_agent(
+    make_settings: Callable[..., DevicePluginSettings],
+    own_redis: RedisServer,
+    kubelet: TestKubelet,
+    bus: Bus,
+) -> None:
+    own_redis.kill()
+    settings = make_settings(redis_url=own_redis.url)
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        plugin = await kubelet.registration()
+        assert len(await plugin.list_after(0)) == 8  # devices come from the node, not Redis
+        await asyncio.to_thread(own_redis.start)
+        ledger = Ledger.from_settings(settings)
+        try:
+            await ledger.register_node(state.agent.inventory())
+            await bind(ledger, placement("late", [[(uuids(state)[1], 100, 5)]]))
+        finally:
+            await ledger.close()
+        response = await plugin.admit_container(1)
+    assert response.envs["GPUSLICE_POD_UID"] == "late"
+
+
+def test_generated_api_matches_the_proto(tmp_path: Path) -> None:
+    work = tmp_path / "gen"
+    shutil.copytree(API.parent.parent, work, ignore=shutil.ignore_patterns("__pycache__"))
+    for generated in (work / "gpuslice_deviceplugin" / "api").glob("*_pb2*"):
+        generated.unlink()
+    bin_dir = Path(sys.executable).parent
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            ".",
+            "--python_out=.",
+            "--grpc_python_out=.",
+            "--mypy_out=.",
+            "--mypy_grpc_out=.",
+            "gpuslice_deviceplugin/api/deviceplugin.proto",
+        ],
+        cwd=work,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"},
+        check=True,
+        capture_output=True,
+    )
+    names = sorted(p.name for p in API.glob("*_pb2*"))
+    assert len(names) == 4
+    match, mismatch, errors = filecmp.cmpfiles(
+        API, work / "gpuslice_deviceplugin" / "api", names, shallow=False
+    )
+    assert (mismatch, errors) == ([], []), "run `make proto` and commit the result"
+    assert match == names
