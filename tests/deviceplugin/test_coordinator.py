@@ -181,7 +181,7 @@ def test_flags_follow_a_second_container_within_one_tick(
     assert flags(a_region) == (False, False)
 
 
-def test_a_killed_container_of_a_pod_gone_from_the_ledger_shares_nothing(
+def test_a_killed_container_of_a_pod_that_ended_shares_nothing(
     host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
 ) -> None:
     a_region, b_region = prepare(host, "a"), prepare(host, "b")
@@ -191,7 +191,7 @@ def test_a_killed_container_of_a_pod_gone_from_the_ledger_shares_nothing(
     killed.kill()  # SIGKILL: its usage stays in b's region
     killed.wait(10)
     assert state(coordinator.tick(), "a").shared  # b still looks active
-    snap = coordinator.tick(live={"a"})  # the ledger no longer holds pod b
+    snap = coordinator.tick(gone={"b"})  # pod b has ended
     assert not state(snap, "b").active
     assert not state(snap, "a").shared
     assert flags(a_region) == (False, False)

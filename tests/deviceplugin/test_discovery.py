@@ -275,7 +275,9 @@ def test_auto_falls_back_when_nvml_sees_no_gpu(discover: Discover) -> None:
     logs = proc.finish()
     assert report["backend"] == "simulated"
     assert [d["uuid"] for d in report["devices"]] == [simulated_uuid("node-a", i) for i in (0, 1)]
-    assert "INFO gpuslice_deviceplugin.discovery: NVML reports no GPUs: using 2 simulated" in logs
+    assert (
+        "WARNING gpuslice_deviceplugin.discovery: NVML reports no GPUs: using 2 simulated" in logs
+    )
 
 
 @pytest.mark.usefixtures("no_system_nvml")
@@ -287,7 +289,7 @@ def test_auto_falls_back_when_nvml_cannot_load(discover: Discover) -> None:
     assert report["backend"] == "simulated"
     assert len(report["devices"]) == 4
     assert (
-        "INFO gpuslice_deviceplugin.discovery: NVML did not initialise: "
+        "WARNING gpuslice_deviceplugin.discovery: NVML did not initialise: "
         "NVML Shared Library Not Found: using 4 simulated GPUs"
     ) in logs
 

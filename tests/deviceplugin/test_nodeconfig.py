@@ -362,3 +362,27 @@ def test_errors_in_a_file_start_with_its_path(tmp_path: Path) -> None:
     assert str(info.value) == (
         f"{path}: defaults: deviceSplitCount: Input should be greater than or equal to 1"
     )
+
+
+def test_hami_keys_without_meaning_here_are_ignored_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hami = json.dumps(
+        {
+            "nodeconfig": [
+                {
+                    "name": "n1",
+                    "operatingmode": "hami-core",
+                    "devicememoryscaling": 1.8,
+                    "devicesplitcount": 10,
+                    "migstrategy": "none",
+                    "enablegetpreferredallocation": True,
+                    "filterdevices": {"uuid": [], "index": []},
+                }
+            ]
+        }
+    )
+    config = parse_node_config(hami, "n1")
+    assert (config.memory_scaling, config.split_count) == (1.8, 10)
+    assert "'migstrategy' ignored" in caplog.text
+    assert "'enablegetpreferredallocation' ignored" in caplog.text

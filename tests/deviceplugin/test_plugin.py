@@ -15,6 +15,7 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.events import AllocationEvent, CloudEvent, EventType, parse_event
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.models import NodeInventory, PlacementState
+from gpuslice_deviceplugin.allocation import without_credentials
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.kubelet import KubeletLinkError
@@ -403,6 +404,13 @@ async def test_preferred_allocation_honours_must_include(
     ids = list(reply.container_responses[0].deviceIDs)
     assert ids[0] == forced
     assert {i.split("::")[0] for i in ids} == {a, b}
+
+
+def test_the_agent_s_own_nats_credentials_never_reach_a_container() -> None:
+    urls = "nats://agent:pw@10.0.0.1:4222, tls://a:b@nats.example:4443,nats://plain:4222"
+    assert without_credentials(urls) == (
+        "nats://10.0.0.1:4222,tls://nats.example:4443,nats://plain:4222"
+    )
 
 
 async def test_disable_control_leaves_the_preload_out(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import NodeInventory, TelemetrySample
 from gpuslice_common.servers import NatsServer, free_port
@@ -27,6 +29,10 @@ from tests.deviceplugin.kubelet import TestKubelet
 from tests.native.probe import Native, ProbeSpawner
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def exists(path: Path) -> bool:
+    return path.exists()
 
 
 def read_owner(directory: Path) -> bytes:
@@ -76,12 +82,14 @@ async def test_http_health_readiness_and_metrics(
         try:
             plugin = await kubelet.registration()
             await asyncio.wait_for(state.link.registered.wait(), 5)
+            await plugin.list_after(0)
             assert (await http.get("/readyz")).status_code == 200
             await state.ledger.register_node(state.agent.inventory())
             await bind(state.ledger, placement("m1", [[(uuids(state)[0], 512, 10)]]))
-            await plugin.list_after(0)
             await plugin.admit_container(1)
             text = (await http.get("/metrics")).text
+            await plugin.close()  # kubelet stops watching: not ready
+            assert (await http.get("/readyz")).status_code == 503
         finally:
             await kubelet.stop()
     assert samples(text, "gpuslice_deviceplugin_allocations_total") == {(("outcome", "ok"),): 1.0}
@@ -108,8 +116,47 @@ async def test_clean_up_removes_directories_of_pods_gone_from_the_ledger(
         await state.ledger.release("done", reason="pod deleted")
         await asyncio.sleep(0.01)
         assert await state.clean_up() == ["done"]
-        assert not state.host.container_dir("done", "c0").exists()
-        assert state.host.container_dir("live", "c0").is_dir()
+        assert not exists(state.host.container_dir("done", "c0"))
+        assert exists(state.host.container_dir("live", "c0"))
+        await state.ledger.redis.flushdb()  # Redis lost its data: nothing proves 'live' ended
+        await asyncio.sleep(0.01)
+        assert await state.clean_up() == []
+        assert state.gone == frozenset()
+        assert exists(state.host.container_dir("live", "c0"))
+
+
+async def test_with_the_api_a_pod_unknown_to_both_is_gone(
+    make_settings: Callable[..., DevicePluginSettings], kubelet: TestKubelet, bus: Bus
+) -> None:
+    kube = LocalKubeApi()
+    kube.add_pod({"metadata": {"name": "pod-kept", "namespace": "team", "uid": "kept"}})
+    settings = make_settings(cleanup_grace="1ms")
+    async with running(settings, bus=bus, kube=kube, serve_http=False, timing=FAST) as state:
+        await state.ledger.register_node(state.agent.inventory())
+        plugin = await kubelet.registration()
+        await plugin.list_after(0)
+        gpu = uuids(state)[0]
+        await bind(state.ledger, placement("kept", [[(gpu, 100, 5)]]))
+        await bind(state.ledger, placement("lost", [[(gpu, 100, 5)]]))
+        await plugin.admit_container(1)
+        await plugin.admit_container(1)
+        await state.ledger.redis.flushdb()
+        await asyncio.sleep(0.01)
+        assert await state.clean_up() == ["lost"]
+        assert exists(state.host.container_dir("kept", "c0"))
+
+
+async def test_a_busy_metrics_port_is_a_clear_error(
+    make_settings: Callable[..., DevicePluginSettings], bus: Bus
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = make_settings(metrics_port=port, listen_host="127.0.0.1")
+        with pytest.raises(OSError, match=f"cannot serve HTTP on 127.0.0.1:{port}"):
+            async with running(settings, bus=bus, timing=FAST):
+                pass
 
 
 def test_bad_settings_and_config_end_the_process_with_a_message(tmp_path: Path) -> None:

@@ -185,8 +185,9 @@ class DevicePluginSettings(CommonSettings):
     socket_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+\.sock$")] = "gpuslice.sock"
     listen_host: str = "0.0.0.0"
     metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9400
-    # where GPUs come from: NVML when it loads ("auto"), or configured simulated GPUs
-    backend: Literal["auto", "nvml", "simulated"] = "auto"
+    # where GPUs come from: NVML; configured simulated GPUs; or "auto", NVML when it
+    # loads and sees a GPU, else the simulated ones (machines that may have no GPU)
+    backend: Literal["auto", "nvml", "simulated"] = "nvml"
     # per-node settings (YAML or JSON): defaults, then overrides by node name
     node_config_file: str | None = None
     # host directory the DaemonSet mounts: the interposer, ld.so.preload and one

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.ledger import Allocation
@@ -64,7 +65,8 @@ def environment(
             "GPUSLICE_POD_NAMESPACE": placement.pod.namespace,
             "GPUSLICE_POD_NAME": placement.pod.name,
             "GPUSLICE_CONTAINER_NAME": container.name,
-            "GPUSLICE_NATS_URL": settings.telemetry_nats_url or settings.nats_url,
+            "GPUSLICE_NATS_URL": settings.telemetry_nats_url
+            or without_credentials(settings.nats_url),
             "GPUSLICE_SUBJECT_PREFIX": settings.subject_prefix,
         }
     )
@@ -77,6 +79,17 @@ def environment(
     }
     env.update({k: v for k, v in credentials.items() if v})
     return env
+
+
+def without_credentials(urls: str) -> str:
+    """The agent's NATS URLs with any user and password taken out: those are the
+    agent's own, and containers get only the telemetry credential."""
+    out = []
+    for url in urls.split(","):
+        parts = urlsplit(url.strip())
+        host = parts.netloc.rpartition("@")[2]
+        out.append(urlunsplit(parts._replace(netloc=host)))
+    return ",".join(out)
 
 
 def answer(

@@ -30,6 +30,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
@@ -150,6 +151,7 @@ class HostDir:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self._warned: dict[Path, str] = {}  # owner file -> the last warning about it
+        self._warned_lock = threading.Lock()  # the coordinator and clean-up run in threads
 
     @property
     def lib_path(self) -> Path:
@@ -201,8 +203,9 @@ class HostDir:
     def remove_pod(self, pod_uid: str) -> None:
         """Delete every container directory of a pod; nothing if there is none."""
         pod_dir = self.containers_root / check_pod_uid(pod_uid)
-        for path in [p for p in self._warned if p.parent.parent == pod_dir]:
-            self._warned.pop(path, None)
+        with self._warned_lock:
+            for path in [p for p in self._warned if p.parent.parent == pod_dir]:
+                del self._warned[path]
         if pod_dir.is_symlink():
             pod_dir.unlink()
             return
@@ -251,14 +254,17 @@ class HostDir:
                 path, f"skipping {path}: it names pod {owner.pod_uid} container {owner.container}"
             )
             return None
-        self._warned.pop(path, None)
+        with self._warned_lock:
+            self._warned.pop(path, None)
         return owner
 
     def _warn_once(self, path: Path, message: str) -> None:
         """Log ``message`` unless it was the last one logged about ``path``."""
-        if self._warned.get(path) != message:
+        with self._warned_lock:
+            if self._warned.get(path) == message:
+                return
             self._warned[path] = message
-            log.warning("%s", message)
+        log.warning("%s", message)
 
     def _pod_stamp(self, pod_dir: Path) -> float:
         stamps: list[float] = []

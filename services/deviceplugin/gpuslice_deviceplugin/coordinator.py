@@ -147,17 +147,17 @@ class Coordinator:
         self._refused: dict[Path, tuple[int, int]] = {}  # warned about this inode
         self._lock = threading.Lock()
 
-    def tick(self, live: Collection[str] | None = None) -> CoordinatorSnapshot:
+    def tick(self, gone: Collection[str] = ()) -> CoordinatorSnapshot:
         """Read every region, write the flags that changed and the heartbeats.
 
-        ``live``, when known, holds the pods the ledger still holds: a container
-        of any other pod is never active, whatever its region still shows (a
-        killed process's usage stays there until its container's next process
-        reclaims it, which never comes when the pod is gone).
+        A container of a pod in ``gone`` (known to have ended) is never active,
+        whatever its region still shows: a killed process's usage stays there
+        until its container's next process reclaims it, which never comes once
+        the pod is gone.
         """
         with self._lock:
             readings = [
-                self._read(owner, d, live is None or owner.pod_uid in live)
+                self._read(owner, d, owner.pod_uid not in gone)
                 for owner, d in self._host.containers()
             ]
             present = {r.directory for r in readings}

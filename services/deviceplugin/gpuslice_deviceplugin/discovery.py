@@ -309,5 +309,6 @@ def open_backend(
         except DiscoveryError as exc:
             reason = str(exc)
         nvml.close()
-    log.info("%s: using %d simulated GPUs", reason, config.simulate.count)
+    # "auto" is for machines that may have no GPU (development); a GPU node runs "nvml"
+    log.warning("%s: using %d simulated GPUs", reason, config.simulate.count)
     return SimulatedBackend(node, config.simulate)

@@ -25,6 +25,7 @@ given for a node replaces the defaults' whole object, it is not merged.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -107,6 +108,9 @@ class NodeConfig(Frozen):
         )
 
 
+log = logging.getLogger(__name__)
+
+
 def _norm(key: object) -> str:
     return str(key).lower().replace("-", "").replace("_", "")
 
@@ -129,6 +133,9 @@ _NODE_KEYS = {
     "contextoverheadmib": "context_overhead_mib",
     "simulate": "simulate",
 }
+# HAMi keys with no meaning here: read and ignored, with a warning, so HAMi's own
+# files load unchanged (MIG is not shared; GetPreferredAllocation is always offered)
+_IGNORED_KEYS = {"migstrategy": "MIG is not shared", "enablegetpreferredallocation": "always on"}
 _NESTED_KEYS = {
     "filter_devices": {"uuid": "uuids", "uuids": "uuids", "index": "indices", "indices": "indices"},
     "simulate": {
@@ -153,6 +160,9 @@ class _Section:
     def read(self, raw: Mapping[Any, Any], skip: frozenset[str] = frozenset()) -> None:
         for key, value in raw.items():
             if _norm(key) in skip:
+                continue
+            if _norm(key) in _IGNORED_KEYS:
+                log.warning("%s: key %r ignored (%s)", self.where, key, _IGNORED_KEYS[_norm(key)])
                 continue
             field = self._field(key, _NODE_KEYS, "", self.spelled)
             if field is None:

@@ -91,6 +91,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         self.metrics = metrics
         self.bus = bus
         self.kube = kube
+        self.watching = 0  # open ListAndWatch streams: kubelet is listening
 
     @property
     def node(self) -> str:
@@ -109,6 +110,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         context: grpc.aio.ServicerContext[pb.Empty, pb.ListAndWatchResponse],
     ) -> AsyncIterator[pb.ListAndWatchResponse]:
         self.metrics.watchers.inc()
+        self.watching += 1
         try:
             async for replicas in self.devices.watch():
                 devices = replicas.advertised()
@@ -120,6 +122,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
                 )
                 yield pb.ListAndWatchResponse(devices=devices)
         finally:
+            self.watching -= 1
             self.metrics.watchers.dec()
 
     async def GetPreferredAllocation(
@@ -157,9 +160,14 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
     ) -> pb.AllocateResponse:
         started = time.perf_counter()
         try:
-            return await self._allocate(request, context)
+            response = await self._allocate(request, context)
+        except BaseException:  # refusals (aborts) included
+            self.metrics.allocations.labels("error").inc()
+            raise
         finally:
             self.metrics.allocate_seconds.observe(time.perf_counter() - started)
+        self.metrics.allocations.labels("ok").inc()
+        return response
 
     async def _allocate(
         self,
@@ -187,12 +195,12 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"ledger unavailable: {exc}")
         try:
             response = await self._answer(allocation, ids)
-        except OSError as exc:
-            message = f"cannot prepare the container's region directory: {exc}"
+        except Exception as exc:  # the container is taken in the ledger; say why it fails
+            log.exception("Allocate answer for pod %s failed", allocation.placement.pod.uid)
+            message = f"cannot prepare the container ({type(exc).__name__}): {exc}"
             await self._failed(allocation, message)
             await self._refuse(context, grpc.StatusCode.INTERNAL, message)
         await self._publish(EventType.ALLOC_ALLOCATED, allocation, "")
-        self.metrics.allocations.labels("ok").inc()
         return pb.AllocateResponse(container_responses=[response])
 
     def _check_ids(self, ids: list[str]) -> str:
@@ -254,7 +262,6 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         return control_wanted(spec, container)
 
     async def _failed(self, allocation: Allocation | None, reason: str) -> None:
-        self.metrics.allocations.labels("error").inc()
         log.warning("Allocate on %s failed: %s", self.node, reason)
         await self._publish(EventType.ALLOC_FAILED, allocation, reason)
 

@@ -22,11 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
-from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
+from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
 from gpuslice_deviceplugin.agent import NodeAgent
-from gpuslice_deviceplugin.containers import HostDir
+from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
 from gpuslice_deviceplugin.discovery import open_backend
 from gpuslice_deviceplugin.kubelet import KubeletLink, LinkTiming
@@ -37,7 +37,7 @@ from gpuslice_deviceplugin.plugin import DevicePlugin
 log = logging.getLogger(__name__)
 
 CLEANUP_INTERVAL_S = 60.0
-LIVE_PODS_INTERVAL_S = 2.0
+GONE_PODS_INTERVAL_S = 2.0
 
 
 class _HttpServer(uvicorn.Server):
@@ -68,32 +68,62 @@ class Running:
     host: HostDir
     ledger: Ledger
     registry: CollectorRegistry
+    kube: KubeApi | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     snapshot: CoordinatorSnapshot | None = None
-    live_pods: frozenset[str] | None = None  # None until the ledger has answered
+    gone: frozenset[str] = frozenset()  # pods with a directory here known to have ended
 
     async def coordinate(self) -> None:
         """One coordination pass (also run every ``coordinate_interval``)."""
-        self.snapshot = await asyncio.to_thread(self.coordinator.tick, self.live_pods)
+        self.snapshot = await asyncio.to_thread(self.coordinator.tick, self.gone)
 
-    async def refresh_live_pods(self) -> frozenset[str]:
-        """The pods this node's ledger still holds (kept for the coordinator)."""
+    async def refresh_gone(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(pods with a directory here, those known to have ended).
+
+        A pod has ended when the ledger released it, or, with the Kubernetes API
+        at hand, when the ledger lacks it and the API has no such pod. The
+        ledger's silence alone proves nothing: a Redis that lost its data must
+        neither lift limits nor delete the directories of running containers.
+        """
         placements = await self.ledger.node_placements(self.settings.node_name)
-        live = frozenset(p.pod.uid for p in placements if p.state != PlacementState.RELEASED)
-        self.live_pods = live
-        return live
+        states = {p.pod.uid: p.state for p in placements}
+        owners = {o.pod_uid: o for o, _ in await asyncio.to_thread(self.host.containers)}
+        gone = set()
+        for uid, owner in owners.items():
+            state = states.get(uid)
+            if state == PlacementState.RELEASED or (
+                state is None and await self._absent_from_api(owner)
+            ):
+                gone.add(uid)
+        self.gone = frozenset(gone)
+        return frozenset(owners), self.gone
+
+    async def _absent_from_api(self, owner: ContainerOwner) -> bool:
+        if self.kube is None:
+            return False
+        try:
+            pod = await self.kube.get_pod(owner.namespace, owner.pod_name)
+        except PodNotFound:
+            return True
+        except KubeError as exc:
+            log.warning("pod %s/%s not checked: %s", owner.namespace, owner.pod_name, exc)
+            return False
+        return bool((pod.get("metadata") or {}).get("uid", owner.pod_uid) != owner.pod_uid)
 
     async def clean_up(self) -> list[str]:
-        """Remove directories of pods this node's ledger no longer holds."""
-        live = await self.refresh_live_pods()
+        """Remove directories of pods that have ended (after ``cleanup_grace``)."""
+        present, gone = await self.refresh_gone()
         grace = self.settings.cleanup_grace.total_seconds()
-        removed = await asyncio.to_thread(self.host.cleanup, live, grace)
+        removed = await asyncio.to_thread(self.host.cleanup, present - gone, grace)
         for uid in removed:
             log.info("removed the container directories of pod %s", uid)
         return removed
 
     async def ready(self) -> bool:
-        return self.link.registered.is_set() and await self.ledger.ping()
+        """Registered, kubelet watching the devices (a plugin that took our resource
+        name over would end that stream), and the ledger reachable."""
+        registered = self.link.registered.is_set() and self.plugin.watching > 0
+        return registered and await self.ledger.ping()
 
 
 async def _every(seconds: float, step: Callable[[], Awaitable[object]], what: str) -> None:
@@ -105,6 +135,14 @@ async def _every(seconds: float, step: Callable[[], Awaitable[object]], what: st
         except Exception:  # a loop of the agent must outlive any one bad pass
             log.exception("%s failed", what)
         await asyncio.sleep(seconds)
+
+
+async def _serve(server: uvicorn.Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit:  # uvicorn exits when it cannot listen
+        config = server.config
+        raise OSError(f"cannot serve HTTP on {config.host}:{config.port}") from None
 
 
 def create_app(running: Running) -> FastAPI:
@@ -168,7 +206,9 @@ async def running(
         metrics,
         timing,
     )
-    state = Running(settings, agent, plugin, link, Coordinator(host), host, ledger, registry)
+    state = Running(
+        settings, agent, plugin, link, Coordinator(host), host, ledger, registry, kube=kube
+    )
     registry.register(RegionCollector(lambda: state.snapshot))
     server: uvicorn.Server | None = None
     try:
@@ -186,7 +226,7 @@ async def running(
             asyncio.create_task(agent.run(), name="node-agent"),
             asyncio.create_task(_every(coordinate, state.coordinate, "coordination")),
             asyncio.create_task(_every(CLEANUP_INTERVAL_S, state.clean_up, "clean-up")),
-            asyncio.create_task(_every(LIVE_PODS_INTERVAL_S, state.refresh_live_pods, "pod list")),
+            asyncio.create_task(_every(GONE_PODS_INTERVAL_S, state.refresh_gone, "pod check")),
         ]
         if serve_http:
             server = _HttpServer(
@@ -199,7 +239,7 @@ async def running(
                     lifespan="off",
                 )
             )
-            serving = asyncio.create_task(server.serve(), name="agent-http")
+            serving = asyncio.create_task(_serve(server), name="agent-http")
             state.tasks.append(serving)
             while not server.started:
                 if serving.done():
