@@ -239,10 +239,24 @@ async def test_next_allocation_looks_without_handing_out(ledger: Ledger) -> None
     pair = await ledger.next_allocation("node-a", 2)
     assert pair is not None
     assert [d.uuid for d in pair.devices] == ["GPU-node-a-0", "GPU-node-a-1"]
+    assert (seen.rivals, pair.rivals) == (0, 0)
     taken = await ledger.allocate("node-a", 1)
     assert taken.placement.pod.uid == "one"
     assert await ledger.next_allocation("node-a", 1) is None
     assert (await ledger.placement("two")).state == PlacementState.BOUND  # type: ignore[union-attr]
+
+
+async def test_allocate_counts_the_pods_it_could_have_meant(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"))
+    for uid in ("a", "b", "c"):
+        await ledger.reserve(placement(uid, "node-a", [[(0, 100, 1)]]))
+        await ledger.mark_bound(uid)
+    first = await ledger.allocate("node-a", 1)
+    assert (first.placement.pod.uid, first.rivals) == ("a", 2)
+    second = await ledger.allocate("node-a", 1)
+    assert (second.placement.pod.uid, second.rivals) == ("b", 1)
+    last = await ledger.allocate("node-a", 1)
+    assert (last.placement.pod.uid, last.rivals) == ("c", 0)
 
 
 async def test_bind_requires_a_live_reservation(ledger: Ledger) -> None:

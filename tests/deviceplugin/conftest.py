@@ -6,7 +6,10 @@ directory under /tmp rather than in pytest's tmp_path.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,7 +21,7 @@ from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
-from gpuslice_common.servers import NatsServer
+from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_deviceplugin.kubelet import LinkTiming
 from gpuslice_deviceplugin.service import Running, running
 from tests.deviceplugin.kubelet import TestKubelet
@@ -161,3 +164,59 @@ async def bind(ledger: Ledger, *placements: Placement) -> None:
 
 def uuids(state: Running) -> list[str]:
     return [d.uuid for d in state.agent.device_list.replicas.devices]
+
+
+@pytest.fixture
+def agent_process(
+    short_dir: Path,
+    tmp_path: Path,
+    native: Native,
+    redis_url: str,
+    nats_server: NatsServer,
+    prefix: str,
+) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """``python -m gpuslice_deviceplugin`` on NVML (the fake), as a DaemonSet runs it."""
+    procs: list[subprocess.Popen[str]] = []
+    config = tmp_path / "e2e-nodes.yaml"
+    config.write_text("defaults: {deviceSplitCount: 5, contextOverhead: 64}\n")
+
+    def start(**overrides: str) -> subprocess.Popen[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSLICE_", "FAKE"))}
+        env.update(
+            {
+                "LD_LIBRARY_PATH": str(native.fake_dir),
+                "FAKECUDA_DEVICES": "2",
+                "FAKECUDA_MEMORY": "16g",
+                "GPUSLICE_NODE_NAME": "node-e2e",
+                "GPUSLICE_BACKEND": "nvml",
+                "GPUSLICE_KUBELET_DIR": str(short_dir / "kubelet"),
+                "GPUSLICE_HOST_DIR": str(tmp_path / "host"),
+                "GPUSLICE_INTERPOSER_LIBRARY": str(native.lib),
+                "GPUSLICE_NODE_CONFIG_FILE": str(config),
+                "GPUSLICE_REDIS_URL": redis_url,
+                "GPUSLICE_NATS_URL": nats_server.url,
+                "GPUSLICE_SUBJECT_PREFIX": prefix,
+                "GPUSLICE_LEDGER_PREFIX": prefix,
+                "GPUSLICE_KUBE_API": "none",
+                "GPUSLICE_LISTEN_HOST": "127.0.0.1",
+                "GPUSLICE_METRICS_PORT": str(free_port()),
+                "GPUSLICE_COORDINATE_INTERVAL": "100ms",
+                **overrides,
+            }
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuslice_deviceplugin"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        proc.port = int(env["GPUSLICE_METRICS_PORT"])  # type: ignore[attr-defined]
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)  # reaps it and closes its pipe

@@ -101,6 +101,40 @@ async def test_a_redis_outage_at_start_does_not_stop_the_agent(
     assert response.envs["GPUSLICE_POD_UID"] == "late"
 
 
+async def test_the_agent_serves_kubelet_while_nats_is_down_and_connects_later(
+    agent_process: Callable[..., subprocess.Popen[str]],
+    own_nats: NatsServer,
+    kubelet: TestKubelet,
+    prefix: str,
+) -> None:
+    own_nats.kill()
+    proc = agent_process(
+        GPUSLICE_NATS_URL=own_nats.url, GPUSLICE_CONNECT_WAIT="1s", GPUSLICE_NODE_NAME="late-bus"
+    )
+    plugin = await kubelet.registration(timeout=30)
+    assert len(await plugin.list_after(0)) == 10  # kubelet is served without the bus
+    await asyncio.to_thread(own_nats.start)
+    listener = await Bus.connect(
+        DevicePluginSettings(node_name="late-bus", nats_url=own_nats.url, subject_prefix=prefix),
+        "test",
+    )
+    got: asyncio.Queue[NodeInventory] = asyncio.Queue()
+
+    async def on_inventory(_subject: str, inv: NodeInventory) -> None:
+        await got.put(inv)
+
+    try:
+        await listener.subscribe(
+            listener.subjects.inventory("late-bus"), NodeInventory, on_inventory
+        )
+        await listener.nc.flush()
+        inv = await asyncio.wait_for(got.get(), 20)  # the agent retries every 5 s
+    finally:
+        await listener.close()
+    assert inv.node == "late-bus"
+    assert proc.poll() is None
+
+
 def test_generated_api_matches_the_proto(tmp_path: Path) -> None:
     work = tmp_path / "gen"
     shutil.copytree(API.parent.parent, work, ignore=shutil.ignore_patterns("__pycache__"))

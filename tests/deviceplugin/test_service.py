@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -21,12 +21,12 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import NodeInventory, TelemetrySample
-from gpuslice_common.servers import NatsServer, free_port
+from gpuslice_common.servers import free_port
 from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.service import running
 from tests.deviceplugin.conftest import FAST, NODE, bind, placement, uuids
 from tests.deviceplugin.kubelet import TestKubelet
-from tests.native.probe import Native, ProbeSpawner
+from tests.native.probe import ProbeSpawner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,14 +85,20 @@ async def test_http_health_readiness_and_metrics(
             await plugin.list_after(0)
             assert (await http.get("/readyz")).status_code == 200
             await state.ledger.register_node(state.agent.inventory())
-            await bind(state.ledger, placement("m1", [[(uuids(state)[0], 512, 10)]]))
+            gpu = uuids(state)[0]
+            await bind(state.ledger, placement("m1", [[(gpu, 512, 10)]]))
+            await bind(state.ledger, placement("m2", [[(gpu, 512, 10)]]))  # the same shape
             await plugin.admit_container(1)
             text = (await http.get("/metrics")).text
-            await plugin.close()  # kubelet stops watching: not ready
-            assert (await http.get("/readyz")).status_code == 503
+            await plugin.close()  # kubelet stops watching: not ready, once the stream ends
+            deadline = time.monotonic() + 5
+            while (await http.get("/readyz")).status_code != 503:
+                assert time.monotonic() < deadline, "still ready with no ListAndWatch"
+                await asyncio.sleep(0.05)
         finally:
             await kubelet.stop()
     assert samples(text, "gpuslice_deviceplugin_allocations_total") == {(("outcome", "ok"),): 1.0}
+    assert samples(text, "gpuslice_deviceplugin_ambiguous_allocations_total") == {(): 1.0}
     assert samples(text, "gpuslice_deviceplugin_registrations_total")[(("outcome", "ok"),)] == 1.0
     assert samples(text, "gpuslice_deviceplugin_devices") == {
         (("health", "healthy"),): 2.0,
@@ -192,61 +198,6 @@ def test_bad_settings_and_config_end_the_process_with_a_message(tmp_path: Path) 
 
 
 # ---------------------------------------------------------------- end to end
-
-
-@pytest.fixture
-def agent_process(
-    short_dir: Path,
-    tmp_path: Path,
-    native: Native,
-    redis_url: str,
-    nats_server: NatsServer,
-    prefix: str,
-) -> Iterator[Callable[[], subprocess.Popen[str]]]:
-    """``python -m gpuslice_deviceplugin`` on NVML (the fake), as a DaemonSet runs it."""
-    procs: list[subprocess.Popen[str]] = []
-    config = tmp_path / "e2e-nodes.yaml"
-    config.write_text("defaults: {deviceSplitCount: 5, contextOverhead: 64}\n")
-
-    def start() -> subprocess.Popen[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSLICE_", "FAKE"))}
-        env.update(
-            {
-                "LD_LIBRARY_PATH": str(native.fake_dir),
-                "FAKECUDA_DEVICES": "2",
-                "FAKECUDA_MEMORY": "16g",
-                "GPUSLICE_NODE_NAME": "node-e2e",
-                "GPUSLICE_BACKEND": "nvml",
-                "GPUSLICE_KUBELET_DIR": str(short_dir / "kubelet"),
-                "GPUSLICE_HOST_DIR": str(tmp_path / "host"),
-                "GPUSLICE_INTERPOSER_LIBRARY": str(native.lib),
-                "GPUSLICE_NODE_CONFIG_FILE": str(config),
-                "GPUSLICE_REDIS_URL": redis_url,
-                "GPUSLICE_NATS_URL": nats_server.url,
-                "GPUSLICE_SUBJECT_PREFIX": prefix,
-                "GPUSLICE_LEDGER_PREFIX": prefix,
-                "GPUSLICE_KUBE_API": "none",
-                "GPUSLICE_LISTEN_HOST": "127.0.0.1",
-                "GPUSLICE_METRICS_PORT": str(free_port()),
-                "GPUSLICE_COORDINATE_INTERVAL": "100ms",
-            }
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuslice_deviceplugin"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        proc.port = int(env["GPUSLICE_METRICS_PORT"])  # type: ignore[attr-defined]
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 def container_env(response_env: dict[str, str], mounts: dict[str, str]) -> dict[str, str]:

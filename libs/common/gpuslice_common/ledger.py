@@ -105,6 +105,7 @@ class Allocation:
 
     placement: Placement
     container_index: int
+    rivals: int = 0  # other bound pods whose next container asked for as many GPUs
 
     @property
     def devices(self) -> tuple[DeviceGrant, ...]:
@@ -537,7 +538,11 @@ class Ledger:
             return int(reply[1])
         answer = json.loads(reply[1])
         placement = _placement_from_record(json.dumps(answer["record"]))
-        return Allocation(placement=placement, container_index=int(answer["index"]))
+        return Allocation(
+            placement=placement,
+            container_index=int(answer["index"]),
+            rivals=int(answer.get("rivals", 0)),
+        )
 
     @_gated
     async def release(self, pod_uid: str, reason: str = "") -> Release | None:

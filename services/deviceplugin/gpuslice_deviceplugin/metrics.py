@@ -67,6 +67,12 @@ class PluginMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.ambiguous = Counter(
+            "gpuslice_deviceplugin_ambiguous_allocations",
+            "Allocate calls answered while other pods waited for as many GPUs: kubelet "
+            "names no pod, so the pod bound first was chosen.",
+            registry=registry,
+        )
 
 
 @dataclass(frozen=True)

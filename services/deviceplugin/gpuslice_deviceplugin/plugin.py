@@ -228,6 +228,15 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             allocated_at=time.time(),
         )
         await asyncio.to_thread(self.host.prepare_container, owner)
+        if allocation.rivals:
+            self.metrics.ambiguous.inc()
+            log.warning(
+                "Allocate for %d GPU(s) had %d other pod(s) waiting for as many; pod %s, "
+                "bound first, was chosen (kubelet names no pod)",
+                len(ids),
+                allocation.rivals,
+                placement.pod.uid,
+            )
         kubelet_chose = {self.devices.replicas.uuid_of(i) for i in ids}
         if kubelet_chose != set(uuids):
             log.info(

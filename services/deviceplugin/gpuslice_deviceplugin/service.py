@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from gpuslice_common.bus import Bus
+from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
 from gpuslice_common.ledger import Ledger, LedgerError
@@ -262,27 +262,64 @@ async def running(
         await ledger.close()
 
 
+SOURCE = "gpuslice/deviceplugin"
+BUS_RETRY_S = 5.0
+
+
+async def _connect_later(state: Running, buses: list[Bus]) -> None:
+    """Keep trying NATS; once connected, the agent and the plugin publish through it."""
+    while True:
+        await asyncio.sleep(BUS_RETRY_S)
+        try:
+            bus = await Bus.connect(state.settings, SOURCE)
+        except BusError as exc:
+            log.warning("NATS still unreachable: %s", exc)
+            continue
+        buses.append(bus)
+        state.agent.bus = state.plugin.bus = bus
+        log.info("connected to NATS; publishing inventory and events")
+        await state.agent.publish_inventory()
+        return
+
+
 async def main(settings: DevicePluginSettings) -> None:
-    """Run until SIGTERM/SIGINT or until a part fails for good (then raise)."""
+    """Run until SIGTERM/SIGINT or until a part fails for good (then raise).
+
+    NATS being down at start does not keep kubelet waiting: the agent serves
+    without the bus and connects when it can (Allocate never needs it).
+    """
     config = load_node_config(settings.node_config_file, settings.node_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    bus = await Bus.connect(settings, "gpuslice/deviceplugin")
+    buses: list[Bus] = []
+    try:
+        buses.append(await Bus.connect(settings, SOURCE))
+    except BusError as exc:
+        log.warning("starting without NATS (%s); connecting in the background", exc)
     kube = kube_api(settings)
     try:
+        bus = buses[0] if buses else None
         async with running(settings, bus=bus, kube=kube, config=config) as state:
             log.info("device plugin for node %s started", settings.node_name)
+            if bus is None:
+                state.tasks.append(
+                    asyncio.create_task(_connect_later(state, buses), name="nats-connect")
+                )
             stopping = asyncio.create_task(stop.wait(), name="signals")
-            done, _ = await asyncio.wait(
-                [*state.tasks, stopping], return_when=asyncio.FIRST_COMPLETED
-            )
+            waiting = {*state.tasks, stopping}
+            while True:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                ended = [t for t in done if t is not stopping and t.get_name() != "nats-connect"]
+                for task in ended:
+                    task.result()  # a part that failed for good ends the agent with its error
+                if stopping in done or ended:
+                    break
             stopping.cancel()
-            for task in done - {stopping}:
-                task.result()  # a part that failed for good ends the agent with its error
             log.info("stopping")
     finally:
         if kube is not None:
             await kube.close()
-        await bus.close()
+        for b in buses:
+            await b.close()

@@ -4,15 +4,18 @@
 -- ARGV[1] device count, ARGV[2] seconds to remember the answer, ARGV[3] '1' to
 -- only look: the container that would be handed out, nothing changed (kubelet's
 -- GetPreferredAllocation comes before its Allocate)
--- Returns {'ok', answer JSON {uid, index, record}} | {'none', pending count}
+-- Returns {'ok', answer JSON {uid, index, record, rivals}} | {'none', pending count}
 local peek = ARGV[3] == '1'
 local prior = (not peek) and redis.call('GET', KEYS[6])
 if prior then
   return {'ok', prior}
 end
 local want = tonumber(ARGV[1])
-local uids = redis.call('ZRANGE', PENDING, 0, -1)
-for _, uid in ipairs(uids) do
+-- the oldest match is handed out; the others that match too ('rivals') are
+-- counted, since kubelet, whose call names no pod, may be admitting one of them
+local found, found_rec, found_index
+local rivals = 0
+for _, uid in ipairs(redis.call('ZRANGE', PENDING, 0, -1)) do
   local rec = load_pod(uid)
   if not rec or rec.state ~= 'bound' then
     if not peek then
@@ -21,20 +24,30 @@ for _, uid in ipairs(uids) do
   else
     local index = rec.allocated_containers + 1
     local container = rec.containers[index]
-    if container and #container.devices == want and peek then
-      return {'ok', cjson.encode({uid = uid, index = index - 1, record = rec})}
-    elseif container and #container.devices == want then
-      rec.allocated_containers = index
-      if index >= #rec.containers then
-        rec.state = 'allocated'
-        rec.times.allocated = now_ms()
-        redis.call('ZREM', PENDING, uid)
+    if container and #container.devices == want then
+      if found then
+        rivals = rivals + 1
+      else
+        found, found_rec, found_index = uid, rec, index
       end
-      save_pod(uid, rec)
-      local answer = cjson.encode({uid = uid, index = index - 1, record = rec})
-      redis.call('SET', KEYS[6], answer, 'EX', tonumber(ARGV[2]))
-      return {'ok', answer}
     end
   end
 end
-return {'none', tostring(redis.call('ZCARD', PENDING))}
+if not found then
+  return {'none', tostring(redis.call('ZCARD', PENDING))}
+end
+local rec, index = found_rec, found_index
+if not peek then
+  rec.allocated_containers = index
+  if index >= #rec.containers then
+    rec.state = 'allocated'
+    rec.times.allocated = now_ms()
+    redis.call('ZREM', PENDING, found)
+  end
+  save_pod(found, rec)
+end
+local answer = cjson.encode({uid = found, index = index - 1, record = rec, rivals = rivals})
+if not peek then
+  redis.call('SET', KEYS[6], answer, 'EX', tonumber(ARGV[2]))
+end
+return {'ok', answer}
