@@ -90,7 +90,7 @@ def container(snapshot: CoordinatorSnapshot, pod: str) -> ContainerState:
 def state(snapshot: CoordinatorSnapshot, pod: str, uuid: str = gpu(0)) -> DeviceState:
     found = container(snapshot, pod)
     for device in found.devices:
-        if device.uuid == uuid:
+        if device.usage.uuid == uuid:
             return device
     raise AssertionError(f"pod {pod} has no record of {uuid}: {found}")
 
@@ -154,7 +154,7 @@ def test_a_container_alone_has_the_gpu_to_itself(
     snap = coordinator.tick()
     a = state(snap, "a")
     assert (a.active, a.shared, a.yield_) == (True, False, False)
-    assert (a.used_bytes, a.processes) == (64 * MiB, 1)
+    assert (a.usage.used_bytes, a.processes) == (64 * MiB, 1)
     assert flags(region) == (False, False)
     assert active_on(snap, gpu(0)) == 1
 
@@ -230,8 +230,8 @@ def test_kernels_under_a_limit_make_a_container_active(
     else:
         raise AssertionError("the running container never became active")
     a = state(snap, "a")
-    assert a.used_bytes == 0
-    assert a.busy_ns > 0
+    assert a.usage.used_bytes == 0
+    assert a.usage.busy_ns > 0
     assert state(snap, "b").shared
     runner.stop()
 
@@ -351,10 +351,10 @@ def test_a_replaced_region_is_mapped_afresh(
 ) -> None:
     region = prepare(host, "a")
     holding(spawn_probe, region).stop()  # killed: its 64 MiB stay in the old file
-    assert state(coordinator.tick(), "a").used_bytes == 64 * MiB
+    assert state(coordinator.tick(), "a").usage.used_bytes == 64 * MiB
     region.unlink()  # the container restarts with a new region
     spawn_probe("init", "ctx", "alloc", "128m", "hold", env=env(region)).wait_for("hold")
-    assert state(coordinator.tick(), "a").used_bytes == 128 * MiB
+    assert state(coordinator.tick(), "a").usage.used_bytes == 128 * MiB
     maps = Path("/proc/self/maps").read_text()
     assert f"{region} (deleted)" not in maps
 
@@ -433,11 +433,13 @@ def test_metrics_show_the_region(
     assert value("gpuslice_container_processes") == 1
     assert value("gpuslice_container_gpu_shared") == 0
     assert value("gpuslice_container_gpu_yield") == 0
-    assert device.busy_ns > 0
-    assert device.throttled_ns > 0
-    assert value("gpuslice_container_gpu_busy_seconds_total") == pytest.approx(device.busy_ns / 1e9)
+    assert device.usage.busy_ns > 0
+    assert device.usage.throttled_ns > 0
+    assert value("gpuslice_container_gpu_busy_seconds_total") == pytest.approx(
+        device.usage.busy_ns / 1e9
+    )
     assert value("gpuslice_container_throttled_seconds_total") == pytest.approx(
-        device.throttled_ns / 1e9
+        device.usage.throttled_ns / 1e9
     )
     assert got[("gpuslice_gpu_active_containers", (("uuid", gpu(0)),))] == 1
     families = {

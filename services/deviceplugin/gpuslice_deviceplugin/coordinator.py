@@ -67,15 +67,7 @@ _HEADER_BYTES = 8
 class DeviceState:
     """One device record of a container's region, and what the coordinator made of it."""
 
-    index: int
-    uuid: str
-    limit_bytes: int
-    used_bytes: int
-    peak_bytes: int
-    denied_allocations: int
-    throttled_ns: int
-    busy_ns: int
-    sm_limit_percent: int
+    usage: DeviceUsage  # as read this tick (its flags: as the previous tick left them)
     shared: bool  # the flags as this tick left them
     yield_: bool
     active: bool
@@ -276,15 +268,7 @@ class Coordinator:
             )
             states.append(
                 DeviceState(
-                    index=dev.index,
-                    uuid=dev.uuid,
-                    limit_bytes=dev.limit_bytes,
-                    used_bytes=dev.used_bytes,
-                    peak_bytes=dev.peak_bytes,
-                    denied_allocations=dev.denied_allocations,
-                    throttled_ns=dev.throttled_ns,
-                    busy_ns=dev.busy_ns,
-                    sm_limit_percent=dev.sm_limit_percent,
+                    usage=dev,
                     shared=shared,
                     yield_=yield_,
                     active=dev.index in reading.active,

@@ -88,45 +88,45 @@ _CONTAINER_METRICS: Final = (
         "gpuslice_container_memory_used_bytes",
         "Device memory the container's processes hold on the GPU, context overhead included.",
         False,
-        lambda d: d.used_bytes,
+        lambda d: d.usage.used_bytes,
     ),
     _Spec(
         "gpuslice_container_memory_limit_bytes",
         "Device memory the container may hold on the GPU (0: no limit).",
         False,
-        lambda d: d.limit_bytes,
+        lambda d: d.usage.limit_bytes,
     ),
     _Spec(
         "gpuslice_container_memory_peak_bytes",
         "Highest device memory the container has held on the GPU since its region was created.",
         False,
-        lambda d: d.peak_bytes,
+        lambda d: d.usage.peak_bytes,
     ),
     _Spec(
         "gpuslice_container_denied_allocations_total",
         "Allocations on the GPU refused because they would pass the container's memory limit.",
         True,
-        lambda d: d.denied_allocations,
+        lambda d: d.usage.denied_allocations,
     ),
     _Spec(
         "gpuslice_container_throttled_seconds_total",
         "Time the container's kernel launches on the GPU waited: for its compute share, "
         "or yielding to a high-priority container.",
         True,
-        lambda d: d.throttled_ns / 1e9,
+        lambda d: d.usage.throttled_ns / 1e9,
     ),
     _Spec(
         "gpuslice_container_gpu_busy_seconds_total",
         "GPU time the container's kernels took, as measured while a compute limit applied "
         "(it does not grow while the container runs unlimited).",
         True,
-        lambda d: d.busy_ns / 1e9,
+        lambda d: d.usage.busy_ns / 1e9,
     ),
     _Spec(
         "gpuslice_container_sm_limit_percent",
         "The container's compute share of the GPU in percent (0: no limit).",
         False,
-        lambda d: d.sm_limit_percent,
+        lambda d: d.usage.sm_limit_percent,
     ),
     _Spec(
         "gpuslice_container_processes",
@@ -174,7 +174,7 @@ def _families() -> tuple[list[Family], Family]:
 
 def _labels(state: ContainerState, device: DeviceState) -> list[str]:
     o = state.owner
-    return [o.namespace, o.pod_name, o.pod_uid, o.container, device.uuid]
+    return [o.namespace, o.pod_name, o.pod_uid, o.container, device.usage.uuid]
 
 
 class RegionCollector(Collector):
