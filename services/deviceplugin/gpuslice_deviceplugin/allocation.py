@@ -12,7 +12,6 @@ region.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -26,14 +25,6 @@ from gpuslice_deviceplugin.nodeconfig import NodeConfig
 LIBRARY = "libgpuslice.so"
 PRELOAD_PATH = "/etc/ld.so.preload"
 DISABLE_CONTROL = "CUDA_DISABLE_CONTROL"
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One container's answer, and the host directory holding its region."""
-
-    response: pb.ContainerAllocateResponse
-    region_dir: str
 
 
 def environment(
@@ -99,7 +90,7 @@ def answer(
     host: HostDir,
     *,
     control: bool = True,
-) -> Answer:
+) -> pb.ContainerAllocateResponse:
     """The response for one container; ``control=False`` leaves the preload out."""
     placement = allocation.placement
     container = placement.containers[allocation.container_index]
@@ -121,10 +112,9 @@ def answer(
             read_only=False,
         )
     )
-    response = pb.ContainerAllocateResponse(
+    return pb.ContainerAllocateResponse(
         envs=environment(allocation, settings, config), mounts=mounts
     )
-    return Answer(response=response, region_dir=str(region_dir))
 
 
 def control_wanted(pod: Mapping[str, Any], container: str) -> bool:

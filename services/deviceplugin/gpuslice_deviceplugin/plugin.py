@@ -217,7 +217,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         placement = allocation.placement
         container = placement.containers[allocation.container_index]
         control = await self._control_wanted(allocation)
-        ans = answer(allocation, self.settings, self.config(), self.host, control=control)
+        response = answer(allocation, self.settings, self.config(), self.host, control=control)
         uuids = tuple(g.uuid for g in container.devices)
         owner = ContainerOwner(
             pod_uid=placement.pod.uid,
@@ -253,7 +253,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             container.name,
             ",".join(uuids),
         )
-        return ans.response
+        return response
 
     async def _control_wanted(self, allocation: Allocation) -> bool:
         """Whether the preload goes in; the pod may opt out, a pod we cannot read may not."""

@@ -211,6 +211,7 @@ async def running(
     )
     registry.register(RegionCollector(lambda: state.snapshot))
     server: uvicorn.Server | None = None
+    serving: asyncio.Task[None] | None = None
     try:
         await agent.refresh()
         log.info(
@@ -248,10 +249,10 @@ async def running(
                 await asyncio.sleep(0.01)
         yield state
     finally:
-        if server is not None:  # let it close its sockets before the rest is cancelled
+        if server is not None and serving is not None:  # let it close its sockets first
             server.should_exit = True
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(state.tasks[-1]), 5.0)
+                await asyncio.wait_for(asyncio.shield(serving), 5.0)
         for task in state.tasks:
             task.cancel()
         for task in state.tasks:
