@@ -361,6 +361,44 @@ def test_webhook_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.subject_prefix == "hooks"  # the common fields come along
 
 
+def test_webhook_policy_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = load(WebhookSettings)
+    assert defaults.keep_other_schedulers and defaults.hide_gpus_from_other_containers
+    assert defaults.core_policy is None and not defaults.allow_limit_opt_out
+    set_env(
+        monkeypatch,
+        {
+            "GPUSLICE_KEEP_OTHER_SCHEDULERS": "false",
+            "GPUSLICE_CORE_POLICY": "force",
+            "GPUSLICE_KUBE_CACHE_TTL": "30s",
+            "GPUSLICE_KUBE_API": "none",
+        },
+    )
+    s = load(WebhookSettings)
+    assert not s.keep_other_schedulers
+    assert s.core_policy == "force"
+    assert s.kube_cache_ttl.total_seconds() == 30
+    assert s.kube_api == "none"
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"GPUSLICE_TLS_CERT_FILE": "/tls/tls.crt"}, "GPUSLICE_TLS_KEY_FILE"),
+        ({"GPUSLICE_SCHEDULER_NAME": "Not A Name"}, "GPUSLICE_SCHEDULER_NAME"),
+        ({"GPUSLICE_CORE_POLICY": "sometimes"}, "GPUSLICE_CORE_POLICY"),
+        ({"GPUSLICE_EVENT_QUEUE_SIZE": "0"}, "GPUSLICE_EVENT_QUEUE_SIZE"),
+    ],
+)
+def test_webhook_settings_errors_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], named: str
+) -> None:
+    set_env(monkeypatch, env)
+    with pytest.raises(ConfigError, match=named) as caught:
+        load(WebhookSettings)
+    assert "GPUSLICE_:" not in str(caught.value)
+
+
 def test_scheduler_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load(SchedulerSettings).listen_port == 8888
     monkeypatch.setenv("GPUSLICE_LISTEN_PORT", "18888")

@@ -11,7 +11,14 @@ import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from gpuslice_common.models import GpuPolicy
@@ -149,12 +156,49 @@ class CommonSettings(BaseSettings):
         return level
 
 
+_SCHEDULER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
 class WebhookSettings(CommonSettings):
+    """The mutating admission webhook."""
+
     listen_host: str = "0.0.0.0"
     listen_port: Annotated[int, Field(ge=1, le=65535)] = 8443
+    # HTTPS from mounted files, re-read when they change; neither set: plain HTTP
+    # (the local stack only: the API server calls webhooks over HTTPS)
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    tls_reload_interval: Duration = timedelta(seconds=2)
+    # the scheduler GPU pods are routed to; a pod naming another scheduler keeps
+    # it unless keep_other_schedulers is false
     scheduler_name: str = "gpuslice-scheduler"
+    keep_other_schedulers: bool = True
+    # NVIDIA_VISIBLE_DEVICES=none for the containers of a GPU pod that ask for no GPU
+    hide_gpus_from_other_containers: bool = True
+    # GPU_CORE_UTILIZATION_POLICY given to GPU containers that do not set it;
+    # unset: the node's own setting applies
+    core_policy: Literal["default", "force", "disable"] | None = None
+    # let containers that share a card lift their limits with CUDA_DISABLE_CONTROL=true
+    # or GPU_CORE_UTILIZATION_POLICY=disable (HAMi allows both)
+    allow_limit_opt_out: bool = False
+    # namespace labels and GPU quotas: "cluster" (in-cluster or kubeconfig),
+    # "local" (the dev stack's in-memory API) or "none" (neither is checked)
+    kube_api: Literal["cluster", "local", "none"] = "cluster"
+    kube_cache_ttl: Duration = timedelta(seconds=10)  # namespaces and quotas
+    event_queue_size: Annotated[int, Field(ge=1)] = 10_000  # events waiting for NATS
+
+    @field_validator("scheduler_name")
+    @classmethod
+    def _scheduler_name(cls, value: str) -> str:
+        if len(value) > 253 or not _SCHEDULER_NAME.fullmatch(value):
+            raise ValueError(f"not a scheduler name (a DNS-1123 subdomain): {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> WebhookSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("GPUSLICE_TLS_CERT_FILE and GPUSLICE_TLS_KEY_FILE go together")
+        return self
 
 
 class SchedulerSettings(CommonSettings):
@@ -231,7 +275,7 @@ def load(cls: type[S], **overrides: Any) -> S:
             message = str(err["msg"]).removeprefix("Value error, ")
             if err["type"] == "missing":
                 message = "is required but not set"
-            problems.append(f"{env_name(loc)}: {message}")
+            problems.append(f"{env_name(loc)}: {message}" if loc else message)
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
     except SettingsError as exc:
         # Raised before validation when a group variable (GPUSLICE_REQUESTS) is not JSON.

@@ -78,6 +78,7 @@ __all__ = [
     "parse_container",
     "parse_pod",
     "parse_quantity",
+    "pod_ref",
 ]
 
 DEFAULT_SETTINGS: Final = RequestSettings()
@@ -506,7 +507,8 @@ def _placeholder_uid(namespace: str, name: str) -> str:
     return f"{text[: _MAX_UID_LENGTH - _UID_HASH_LENGTH - 1]}~{digest}"
 
 
-def _pod_ref(metadata: Mapping[Any, Any]) -> PodRef:
+def pod_ref(metadata: Mapping[Any, Any]) -> PodRef:
+    """Who a pod is, from its metadata (see :func:`parse_pod` for a pod without a UID)."""
     namespace = _optional_str(metadata.get("namespace"), "metadata.namespace") or "default"
     name = _optional_str(metadata.get("name"), "metadata.name")
     generate_name = _optional_str(metadata.get("generateName"), "metadata.generateName")
@@ -566,7 +568,7 @@ def parse_pod(
     )
     try:
         return PodGpuRequest(
-            pod=_pod_ref(metadata),
+            pod=pod_ref(metadata),
             containers=tuple(containers),
             selector=selector,
             gpu_policy=gpu_policy,
