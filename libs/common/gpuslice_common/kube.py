@@ -1,24 +1,26 @@
 """The one small door through which gpuslice services talk to the Kubernetes API server.
 
 :class:`KubeApi` is the interface: read a Pod, merge-patch its annotations, bind it
-to a node. Two implementations stand behind it:
+to a node; read a Namespace, list a namespace's ResourceQuotas and its pods that
+have not terminated (what admission checks). Two implementations stand behind it:
 
 * :class:`KubernetesApi` speaks to a real API server through the official
   ``kubernetes`` client. The client is blocking, so every call runs in a worker
-  thread, under a request timeout. Pods come back as the server's own JSON
-  (camelCase keys), never as client model objects.
-* :class:`LocalKubeApi` keeps Pods in memory, for the dev stack and for tests of
-  the services that use this interface.
+  thread, under a request timeout. Objects come back as the server's own JSON
+  (camelCase keys), never as client model objects; lists are read page by page.
+* :class:`LocalKubeApi` keeps Pods, namespace labels and ResourceQuotas in
+  memory, for the dev stack and for tests of the services that use this interface.
 
 Every failure surfaces as a :class:`KubeError` whose message reads well for an
-operator; :class:`PodNotFound` (404) and :class:`Conflict` (409) are the two that
-callers usually handle on their own.
+operator; :class:`NotFound` (404; :class:`PodNotFound` for a pod) and
+:class:`Conflict` (409) are the ones callers usually handle on their own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -36,10 +38,15 @@ __all__ = [
     "KubeError",
     "KubernetesApi",
     "LocalKubeApi",
+    "NotFound",
     "PodNotFound",
 ]
 
 DEFAULT_TIMEOUT = 5.0
+PAGE_SIZE = 500
+# pods that still hold what they asked for
+RUNNING_PODS = "status.phase!=Succeeded,status.phase!=Failed"
+TERMINATED_PHASES = ("Succeeded", "Failed")
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "gpuslice"
 
@@ -55,7 +62,11 @@ class KubeError(Exception):
         self.status = status
 
 
-class PodNotFound(KubeError):
+class NotFound(KubeError):
+    """The object (or its namespace) does not exist (HTTP 404)."""
+
+
+class PodNotFound(NotFound):
     """The pod (or its namespace) does not exist."""
 
 
@@ -81,6 +92,18 @@ class KubeApi(Protocol):
     async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
         """Bind the pod to ``node``. ``uid`` guards against binding a newer pod
         that took the same name. Raises :class:`Conflict` if it is already bound."""
+        ...
+
+    async def get_namespace(self, name: str) -> dict[str, Any]:
+        """The Namespace as the server sends it (camelCase JSON). Raises :class:`NotFound`."""
+        ...
+
+    async def list_resource_quotas(self, namespace: str) -> list[dict[str, Any]]:
+        """Every ResourceQuota of the namespace (the ``items`` of the list, JSON)."""
+        ...
+
+    async def list_pods(self, namespace: str) -> list[dict[str, Any]]:
+        """The namespace's pods that have not terminated: phase neither Succeeded nor Failed."""
         ...
 
     async def close(self) -> None:
@@ -197,14 +220,9 @@ class KubernetesApi:
                 _request_timeout=self._timeout,
             ),
             not_found=f"pod {_pod_ref(namespace, name)} not found",
+            missing=PodNotFound,
         )
-        try:
-            pod = json.loads(body)
-        except ValueError:
-            raise KubeError(f"{what}: the API server at {self.host} sent no JSON") from None
-        if not isinstance(pod, dict):
-            raise KubeError(f"{what}: the API server at {self.host} sent no object")
-        return pod
+        return self._object(body, what)
 
     async def patch_pod_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None]
@@ -221,6 +239,7 @@ class KubernetesApi:
                 _request_timeout=self._timeout,
             ),
             not_found=f"pod {_pod_ref(namespace, name)} not found",
+            missing=PodNotFound,
         )
 
     async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
@@ -244,13 +263,85 @@ class KubernetesApi:
                 _request_timeout=self._timeout,
             ),
             not_found=f"pod {_pod_ref(namespace, name)} not found",
+            missing=PodNotFound,
         )
+
+    async def get_namespace(self, name: str) -> dict[str, Any]:
+        what = f"reading namespace {name}"
+        body = await self._call(
+            what,
+            lambda: self._core.read_namespace(
+                name=name, _preload_content=False, _request_timeout=self._timeout
+            ),
+            not_found=f"namespace {name} not found",
+        )
+        return self._object(body, what)
+
+    async def list_resource_quotas(self, namespace: str) -> list[dict[str, Any]]:
+        def page(token: str | None) -> Any:
+            return self._core.list_namespaced_resource_quota(
+                namespace=namespace,
+                limit=PAGE_SIZE,
+                _continue=token,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+
+        return await self._list(f"listing ResourceQuotas of namespace {namespace}", page)
+
+    async def list_pods(self, namespace: str) -> list[dict[str, Any]]:
+        def page(token: str | None) -> Any:
+            return self._core.list_namespaced_pod(
+                namespace=namespace,
+                field_selector=RUNNING_PODS,
+                limit=PAGE_SIZE,
+                _continue=token,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+
+        return await self._list(f"listing pods of namespace {namespace}", page)
+
+    async def _list(self, what: str, page: Callable[[str | None], Any]) -> list[dict[str, Any]]:
+        """Every item of a paged list, following ``metadata.continue``."""
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            # A 404 here is no missing namespace (that lists as empty) but a
+            # missing API: NotFound, worded like any failed call.
+            raw = await self._call(what, functools.partial(page, token), not_found=f"{what} failed")
+            body = self._object(raw, what)
+            found = body.get("items")
+            if not isinstance(found, list):
+                raise KubeError(f"{what}: the API server at {self.host} sent a list without items")
+            items.extend(item for item in found if isinstance(item, dict))
+            metadata = body.get("metadata")
+            token = metadata.get("continue") if isinstance(metadata, dict) else None
+            if not isinstance(token, str) or not token:
+                return items
+
+    def _object(self, body: bytes, what: str) -> dict[str, Any]:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            raise KubeError(f"{what}: the API server at {self.host} sent no JSON") from None
+        if not isinstance(parsed, dict):
+            raise KubeError(f"{what}: the API server at {self.host} sent no object")
+        return parsed
 
     async def close(self) -> None:
         await asyncio.to_thread(self._api_client.close)
 
-    async def _call(self, what: str, request: Callable[[], Any], *, not_found: str) -> bytes:
-        """Run one blocking request in a thread; return the raw body, or raise a KubeError."""
+    async def _call(
+        self,
+        what: str,
+        request: Callable[[], Any],
+        *,
+        not_found: str,
+        missing: type[NotFound] = NotFound,
+    ) -> bytes:
+        """Run one blocking request in a thread; return the raw body, or raise a KubeError
+        (a 404 as ``missing``, its message starting with ``not_found``)."""
 
         def run() -> bytes:
             return _read_body(request())
@@ -258,13 +349,15 @@ class KubernetesApi:
         try:
             return await asyncio.to_thread(run)
         except ApiException as error:
-            raise self._api_error(what, error, not_found) from None
+            raise self._api_error(what, error, not_found, missing) from None
         except (urllib3.exceptions.HTTPError, OSError) as error:
             raise KubeError(
                 f"cannot reach the Kubernetes API at {self.host} ({what}): {_describe(error)}"
             ) from None
 
-    def _api_error(self, what: str, error: ApiException, not_found: str) -> KubeError:
+    def _api_error(
+        self, what: str, error: ApiException, not_found: str, missing: type[NotFound]
+    ) -> KubeError:
         status = error.status if isinstance(error.status, int) else None
         if not status:
             # Status 0: the client failed before any answer (TLS, unusable request).
@@ -274,7 +367,7 @@ class KubernetesApi:
         reason = str(error.reason or "").strip()
         head = f"HTTP {status} {reason}".rstrip()
         if status == 404:
-            return PodNotFound(f"{not_found}: {message or head}", status)
+            return missing(f"{not_found}: {message or head}", status)
         text = f"{what} failed: {head}" + (f": {message}" if message else "")
         if status == 409:
             return Conflict(text, status)
@@ -294,11 +387,15 @@ def _describe(error: BaseException) -> str:
 
 
 class LocalKubeApi:
-    """:class:`KubeApi` in memory: Pods held as JSON-shaped dicts, for the dev
-    stack and tests. ``bindings`` and ``patches`` record what was asked, in order."""
+    """:class:`KubeApi` in memory: Pods and ResourceQuotas held as JSON-shaped
+    dicts, for the dev stack and tests. Every namespace exists, with the labels
+    :meth:`add_namespace` gave it. Callers get copies, never what is held.
+    ``bindings`` and ``patches`` record what was asked, in order."""
 
     def __init__(self) -> None:
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self._namespaces: dict[str, dict[str, str]] = {}
+        self._quotas: dict[tuple[str, str], dict[str, Any]] = {}
         self.bindings: list[tuple[str, str, str]] = []
         self.patches: list[tuple[str, str, dict[str, str | None]]] = []
         self.closed = False
@@ -331,6 +428,20 @@ class LocalKubeApi:
         except ValueError:
             return False
         return True
+
+    def add_namespace(self, name: str, labels: Mapping[str, str] | None = None) -> None:
+        """Give a namespace labels (every namespace exists here, unlabelled by default)."""
+        self._namespaces[name] = dict(labels or {})
+
+    def add_resource_quota(self, namespace: str, quota: Mapping[str, Any]) -> None:
+        """Store (a copy of) a ResourceQuota, replacing one of the same name."""
+        stored = copy.deepcopy(dict(quota))
+        metadata = stored.setdefault("metadata", {})
+        name = metadata.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError("a ResourceQuota needs metadata.name")
+        metadata["namespace"] = namespace
+        self._quotas[(namespace, name)] = stored
 
     def delete_pod(self, namespace: str, name: str) -> None:
         if self._pods.pop((namespace, name), None) is None:
@@ -384,6 +495,23 @@ class LocalKubeApi:
             )
         spec["nodeName"] = node
         self.bindings.append((namespace, name, node))
+
+    async def get_namespace(self, name: str) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"name": name}
+        labels = self._namespaces.get(name)
+        if labels:
+            metadata["labels"] = dict(labels)
+        return {"apiVersion": "v1", "kind": "Namespace", "metadata": metadata}
+
+    async def list_resource_quotas(self, namespace: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(q) for (ns, _), q in self._quotas.items() if ns == namespace]
+
+    async def list_pods(self, namespace: str) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(pod)
+            for (ns, _), pod in self._pods.items()
+            if ns == namespace and (pod.get("status") or {}).get("phase") not in TERMINATED_PHASES
+        ]
 
     async def close(self) -> None:
         self.closed = True
