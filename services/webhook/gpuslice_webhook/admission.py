@@ -1,0 +1,175 @@
+"""One admission review from body to answer.
+
+Order of decisions for a pod being created:
+
+1. no container mentions a GPU resource -> allowed unchanged;
+2. the pod, then its namespace, is labelled ``gpuslice.io/webhook: ignore`` or
+   ``hami.io/webhook: ignore`` -> allowed unchanged;
+3. :class:`~gpuslice_webhook.mutation.Mutator` checks the request and builds the patch;
+4. the namespace's GPU quotas are checked;
+5. ``pod.admitted`` or ``pod.denied`` is handed to the outbox (never awaited) and
+   the answer goes back.
+
+Other operations and other kinds are allowed unchanged. A failure to read the
+namespace or its quotas denies the pod with 503 (the API server retries per its
+own policy); an unexpected error denies it with 500 and is logged, never shown
+as a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+import orjson
+
+from gpuslice_common.config import WebhookSettings
+from gpuslice_common.events import EventError, EventType, PodAdmitted, PodDenied, make_event
+from gpuslice_common.kube import KubeError, NotFound
+from gpuslice_common.models import PodRef
+from gpuslice_common.requests import RequestError, has_gpu_request, pod_ref
+from gpuslice_webhook.metrics import Metrics
+from gpuslice_webhook.mutation import Denied, Mutation, Mutator, ignored
+from gpuslice_webhook.namespaces import NamespaceCache
+from gpuslice_webhook.quota import check, gpu_limits, namespace_usage, request_demand
+from gpuslice_webhook.review import Review, ReviewError, answer, parse_review
+
+if TYPE_CHECKING:
+    from gpuslice_common.outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+SOURCE: Final = "gpuslice/webhook"
+
+
+class Admission:
+    """Answers AdmissionReview bodies; shared by every request the app serves."""
+
+    def __init__(
+        self,
+        settings: WebhookSettings,
+        metrics: Metrics,
+        *,
+        namespaces: NamespaceCache | None = None,
+        outbox: Outbox | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.namespaces = namespaces
+        self.outbox = outbox
+        self.mutator = Mutator(settings)
+
+    async def handle(self, body: bytes) -> tuple[int, bytes]:
+        """(HTTP status, body) for one request body."""
+        started = time.perf_counter()
+        try:
+            review = parse_review(body)
+        except ReviewError as exc:
+            self._count("invalid", started)
+            return 400, orjson.dumps({"error": str(exc)})
+        try:
+            outcome, reply = await self._review(review)
+        except Exception as exc:  # a bug must not become a 500 with a traceback
+            log.exception("admission review %s failed unexpectedly", review.uid)
+            message = f"gpuslice webhook internal error ({type(exc).__name__}); see its log"
+            outcome, reply = "error", answer(review, denial=(500, "InternalError", message))
+        self._count(outcome, started)
+        return 200, reply
+
+    def _count(self, outcome: str, started: float) -> None:
+        self.metrics.admissions.labels(outcome).inc()
+        self.metrics.latency.observe(time.perf_counter() - started)
+
+    async def _review(self, review: Review) -> tuple[str, bytes]:
+        if review.operation != "CREATE" or not review.is_pod:
+            return "skipped", answer(review)
+        pod = review.pod
+        if pod is None:
+            reply = answer(review, denial=(400, "BadRequest", "request.object must be the Pod"))
+            return "denied", reply
+        if not has_gpu_request(pod, self.settings.requests):
+            return "skipped", answer(review)
+        metadata = pod.get("metadata")
+        metadata = metadata if isinstance(metadata, Mapping) else {}
+        namespace = review.namespace or str(metadata.get("namespace") or "default")
+        try:
+            if ignored(metadata.get("labels")) or await self._namespace_ignored(namespace):
+                return "ignored", answer(review)
+            mutation = self.mutator.mutate(pod, namespace)
+            if mutation is None:
+                return "skipped", answer(review)
+            await self._check_quota(namespace, metadata, mutation)
+        except Denied as denied:
+            if not review.dry_run:
+                self._publish_denied(_ref(metadata, namespace, review.uid), denied.message)
+            return "denied", answer(review, denial=(denied.code, denied.reason, denied.message))
+        if not review.dry_run:
+            self._publish_admitted(mutation)
+        return "admitted", answer(review, patch=mutation.patch, warnings=mutation.warnings)
+
+    # ------------------------------------------------------------ the API server
+
+    async def _namespace_ignored(self, namespace: str) -> bool:
+        if self.namespaces is None:
+            return False
+        try:
+            return ignored(await self.namespaces.labels(namespace))
+        except NotFound:
+            return False  # the API server refuses the pod itself
+        except KubeError as exc:
+            raise _unavailable(f"cannot read namespace {namespace!r}: {exc}") from None
+
+    async def _check_quota(
+        self, namespace: str, metadata: Mapping[str, Any], mutation: Mutation
+    ) -> None:
+        if self.namespaces is None:
+            return
+        requests = self.settings.requests
+        try:
+            limits = gpu_limits(await self.namespaces.quotas(namespace), requests)
+            if not limits:
+                return
+            pods = await self.namespaces.pods(namespace)
+        except KubeError as exc:
+            raise _unavailable(
+                f"cannot check the GPU quota of namespace {namespace!r}: {exc}"
+            ) from None
+        name = metadata.get("name")
+        used = namespace_usage(pods, requests, skip=name if isinstance(name, str) else "")
+        check(limits, request_demand(mutation.request.containers), used, namespace, requests)
+
+    # ------------------------------------------------------------ events
+
+    def _publish_admitted(self, mutation: Mutation) -> None:
+        request = mutation.request
+        payload = PodAdmitted(
+            pod=request.pod, containers=request.containers, warnings=mutation.warnings
+        )
+        self._submit(EventType.POD_ADMITTED, payload, request.pod)
+
+    def _publish_denied(self, pod: PodRef, reason: str) -> None:
+        self._submit(EventType.POD_DENIED, PodDenied(pod=pod, reason=reason), pod)
+
+    def _submit(self, kind: EventType, payload: PodAdmitted | PodDenied, pod: PodRef) -> None:
+        if self.outbox is None:
+            return
+        try:
+            event = make_event(kind, payload, source=SOURCE, subject=f"{pod.namespace}/{pod.name}")
+        except EventError as exc:
+            log.error("cannot record %s: %s", kind.value, exc)
+            return
+        self.outbox.submit(event)
+
+
+def _unavailable(message: str) -> Denied:
+    return Denied(message, 503, "ServiceUnavailable")
+
+
+def _ref(metadata: Mapping[str, Any], namespace: str, review_uid: str) -> PodRef:
+    """Who a refused pod was; a pod whose metadata cannot be read is named by its review."""
+    try:
+        return pod_ref({**metadata, "namespace": namespace})
+    except (RequestError, ValueError):
+        return PodRef(uid=review_uid[:128], namespace=namespace)

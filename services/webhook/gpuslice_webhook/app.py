@@ -1,0 +1,86 @@
+"""HTTP face of the webhook (FastAPI): ``POST /mutate``, health, readiness, metrics.
+
+``/mutate`` answers 200 with an AdmissionReview for every body that is one, and
+400 with ``{"error": ...}`` for one that is not; the OpenAPI document
+(``/openapi.json``) describes both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gpuslice_webhook.admission import Admission
+from gpuslice_webhook.review import AdmissionReviewRequest, AdmissionReviewResponse, Problem
+
+JSON = "application/json"
+
+
+def _body_schema() -> dict[str, Any]:
+    """The request body's OpenAPI description; the body itself is read by hand."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {JSON: {"schema": {"$ref": "#/components/schemas/AdmissionReviewRequest"}}},
+        }
+    }
+
+
+def create_app(admission: Admission) -> FastAPI:
+    app = FastAPI(
+        title="gpuslice admission webhook",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        separate_input_output_schemas=False,
+    )
+    metrics = admission.metrics
+
+    @app.post(
+        "/mutate",
+        response_model=AdmissionReviewResponse,
+        responses={400: {"model": Problem, "description": "not an AdmissionReview request"}},
+        openapi_extra=_body_schema(),
+        summary="Admit a pod: validate its GPU request, fill defaults, route it",
+    )
+    async def mutate(request: Request) -> Response:
+        status, body = await admission.handle(await request.body())
+        return Response(body, status_code=status, media_type=JSON)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> dict[str, Any]:
+        """Ready while serving: admission needs neither NATS nor Redis to answer."""
+        outbox = admission.outbox
+        events = {} if outbox is None else {"nats": outbox.connected, "pending": outbox.pending}
+        return {"status": "ready", "events": events}
+
+    @app.get("/metrics")
+    async def metrics_() -> Response:
+        outbox = admission.outbox
+        if outbox is not None:
+            metrics.events_pending.set(outbox.pending)
+            metrics.events_dropped.set(outbox.stats.dropped)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    original_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = original_openapi()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            request_schema = AdmissionReviewRequest.model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
+            components.update(request_schema.pop("$defs", {}))
+            components["AdmissionReviewRequest"] = request_schema
+        assert app.openapi_schema is not None  # set by FastAPI's own openapi()
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
