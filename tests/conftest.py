@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import GpuDevice, NodeInventory
 from gpuslice_common.servers import NatsServer, RedisServer
+from tests.kubeapi import FakeApiServer, fake_api_server
 from tests.native.probe import (
     Native,
     ProbeRunner,
@@ -47,6 +48,13 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     server = NatsServer(tmp_path_factory.mktemp("nats"))
     with server:
+        yield server
+
+
+@pytest.fixture
+def kube_api_server() -> Iterator[FakeApiServer]:
+    """A local Kubernetes API server answering canned JSON (tests/kubeapi.py)."""
+    with fake_api_server() as server:
         yield server
 
 

@@ -363,8 +363,10 @@ def test_webhook_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_webhook_policy_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = load(WebhookSettings)
-    assert defaults.keep_other_schedulers and defaults.hide_gpus_from_other_containers
-    assert defaults.core_policy is None and not defaults.allow_limit_opt_out
+    assert defaults.keep_other_schedulers
+    assert defaults.hide_gpus_from_other_containers
+    assert defaults.core_policy is None
+    assert not defaults.allow_limit_opt_out
     set_env(
         monkeypatch,
         {

@@ -1,15 +1,13 @@
 """The Kubernetes API door: KubernetesApi against a real local HTTP server that
-records every request and answers with canned JSON, and LocalKubeApi's rules."""
+records every request and answers with canned JSON (tests/kubeapi.py), and
+LocalKubeApi's rules."""
 
 from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +19,15 @@ from gpuslice_common.kube import (
     KubeError,
     KubernetesApi,
     LocalKubeApi,
+    NotFound,
     PodNotFound,
 )
+from tests.kubeapi import FakeApiServer, fake_api_server, status_body
 
 POD_PATH = "/api/v1/namespaces/ns/pods/name"
+NAMESPACE_PATH = "/api/v1/namespaces/team-a"
+QUOTAS_PATH = "/api/v1/namespaces/team-a/resourcequotas"
+PODS_PATH = "/api/v1/namespaces/team-a/pods"
 
 POD = {
     "apiVersion": "v1",
@@ -46,85 +49,10 @@ POD = {
 }
 
 
-def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure" if code >= 400 else "Success",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
-
-
-@dataclass
-class Recorded:
-    method: str
-    path: str
-    headers: dict[str, str]
-    body: Any
-
-
-@dataclass
-class FakeApiServer:
-    """Answers (method, path) from ``routes`` with (status, JSON body[, delay]);
-    anything else gets a 404 Status."""
-
-    host: str = ""
-    requests: list[Recorded] = field(default_factory=list)
-    routes: dict[tuple[str, str], tuple[int, Any, float]] = field(default_factory=dict)
-
-    def answer(self, method: str, path: str, status: int, body: Any, delay: float = 0.0) -> None:
-        self.routes[(method, path)] = (status, body, delay)
-
-
-def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def _serve(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            body = json.loads(raw) if raw else None
-            headers = {key.lower(): value for key, value in self.headers.items()}
-            state.requests.append(Recorded(self.command, self.path, headers, body))
-            status, answer, delay = state.routes.get(
-                (self.command, self.path.split("?")[0]),
-                (404, status_body(404, "NotFound", "the server could not find it"), 0.0),
-            )
-            if delay:
-                time.sleep(delay)
-            data = json.dumps(answer).encode()
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-            except OSError:
-                pass  # the client gave up (timeout test)
-
-        do_GET = do_POST = do_PATCH = _serve
-
-    return Handler
-
-
 @pytest.fixture
 def server() -> Iterator[FakeApiServer]:
-    state = FakeApiServer()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
-    httpd.daemon_threads = False  # server_close() waits for every handler
-    state.host = f"http://127.0.0.1:{httpd.server_address[1]}"
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
+    with fake_api_server() as state:
         yield state
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=5)
 
 
 @pytest.fixture
@@ -254,6 +182,142 @@ async def test_bind_conflict_raises_conflict(server: FakeApiServer, api: Kuberne
     assert caught.value.status == 409
     assert "Operation cannot be fulfilled" in str(caught.value)
     assert "node-a" in str(caught.value)
+
+
+# --- KubernetesApi: namespaces, quotas, pod lists -----------------------------------
+
+NAMESPACE = {
+    "apiVersion": "v1",
+    "kind": "Namespace",
+    "metadata": {
+        "name": "team-a",
+        "labels": {"gpuslice.io/enabled": "true"},
+        "creationTimestamp": "2024-05-01T10:00:00Z",
+    },
+    "spec": {"finalizers": ["kubernetes"]},
+    "status": {"phase": "Active"},
+}
+
+
+def quota(name: str, hard: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": name, "namespace": "team-a"},
+        "spec": {"hard": hard},
+        "status": {"hard": hard, "used": {}},
+    }
+
+
+def a_list(kind: str, items: list[Any], token: str = "") -> dict[str, Any]:
+    metadata = {"resourceVersion": "42"} | ({"continue": token} if token else {})
+    return {"apiVersion": "v1", "kind": kind, "metadata": metadata, "items": items}
+
+
+def pod_named(name: str, phase: str = "Running", namespace: str = "team-a") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": namespace}, "status": {"phase": phase}}
+
+
+async def test_get_namespace_returns_server_json(server: FakeApiServer, api: KubernetesApi) -> None:
+    server.answer("GET", NAMESPACE_PATH, 200, NAMESPACE)
+    assert await api.get_namespace("team-a") == NAMESPACE
+    assert [(r.method, r.path.split("?")[0]) for r in server.requests] == [("GET", NAMESPACE_PATH)]
+
+
+async def test_get_missing_namespace_raises_not_found_naming_it(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    server.answer(
+        "GET", NAMESPACE_PATH, 404, status_body(404, "NotFound", 'namespaces "team-a" not found')
+    )
+    with pytest.raises(NotFound) as caught:
+        await api.get_namespace("team-a")
+    assert isinstance(caught.value, KubeError)
+    assert not isinstance(caught.value, PodNotFound)
+    assert caught.value.status == 404
+    assert str(caught.value) == 'namespace team-a not found: namespaces "team-a" not found'
+
+
+async def test_namespace_forbidden_is_kube_error_with_server_message(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    denied = 'namespaces "team-a" is forbidden: User "system:serviceaccount:x:y" cannot get'
+    server.answer("GET", NAMESPACE_PATH, 403, status_body(403, "Forbidden", denied))
+    with pytest.raises(KubeError) as caught:
+        await api.get_namespace("team-a")
+    assert type(caught.value) is KubeError
+    assert caught.value.status == 403
+    assert str(caught.value) == f"reading namespace team-a failed: HTTP 403 Forbidden: {denied}"
+
+
+async def test_list_resource_quotas_returns_the_items(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    quotas = [quota("gpu", {"requests.nvidia.com/gpu": "4"}), quota("cpu", {"cpu": "8"})]
+    # an item that is not an object is skipped
+    server.answer("GET", QUOTAS_PATH, 200, a_list("ResourceQuotaList", [quotas[0], 7, quotas[1]]))
+    assert await api.list_resource_quotas("team-a") == quotas
+    [request] = server.requests
+    assert request.method == "GET"
+    assert request.path.split("?")[0] == QUOTAS_PATH
+    assert request.query.get("limit") == "500"
+    assert "continue" not in request.query
+
+
+async def test_list_pods_asks_for_running_pods_and_follows_continue(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    def pages(query: dict[str, str]) -> dict[str, Any]:
+        if query.get("continue") == "page-2":
+            return a_list("PodList", [pod_named("c")])
+        return a_list("PodList", [pod_named("a"), pod_named("b")], token="page-2")
+
+    server.answer("GET", PODS_PATH, 200, pages)
+    pods = await api.list_pods("team-a")
+    assert [pod["metadata"]["name"] for pod in pods] == ["a", "b", "c"]
+    assert [r.query.get("continue") for r in server.requests] == [None, "page-2"]
+    for request in server.requests:
+        assert request.path.split("?")[0] == PODS_PATH
+        assert request.query["fieldSelector"] == "status.phase!=Succeeded,status.phase!=Failed"
+        assert request.query["limit"] == "500"
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ([pod_named("a")], "sent no object"),
+        ({"kind": "PodList", "metadata": {}}, "sent a list without items"),
+        ({"kind": "PodList", "items": {"a": 1}}, "sent a list without items"),
+    ],
+)
+async def test_list_body_that_is_no_list_object_is_a_kube_error(
+    server: FakeApiServer, api: KubernetesApi, body: Any, says: str
+) -> None:
+    server.answer("GET", PODS_PATH, 200, body)
+    with pytest.raises(KubeError) as caught:
+        await api.list_pods("team-a")
+    assert str(caught.value) == (
+        f"listing pods of namespace team-a: the API server at {server.host} {says}"
+    )
+
+
+async def test_list_forbidden_is_kube_error_with_server_message(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    denied = 'resourcequotas is forbidden: User "x" cannot list resource "resourcequotas"'
+    server.answer("GET", QUOTAS_PATH, 403, status_body(403, "Forbidden", denied))
+    with pytest.raises(KubeError) as caught:
+        await api.list_resource_quotas("team-a")
+    assert type(caught.value) is KubeError
+    assert caught.value.status == 403
+    assert str(caught.value) == (
+        f"listing ResourceQuotas of namespace team-a failed: HTTP 403 Forbidden: {denied}"
+    )
+
+
+def test_pod_not_found_is_a_not_found() -> None:
+    assert issubclass(PodNotFound, NotFound)
+    assert issubclass(NotFound, KubeError)
 
 
 # --- KubernetesApi: connection, credentials ----------------------------------------
@@ -437,9 +501,84 @@ async def test_local_delete_removes_the_pod() -> None:
         api.delete_pod("ns", "name")
 
 
+async def test_local_namespace_exists_by_default_and_has_the_labels_given() -> None:
+    api = LocalKubeApi()
+    assert await api.get_namespace("anything") == {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": "anything"},
+    }
+    labels = {"gpuslice.io/enabled": "true"}
+    api.add_namespace("team-a", labels)
+    labels["gpuslice.io/enabled"] = "changed-by-caller"
+    got = await api.get_namespace("team-a")
+    assert got["metadata"] == {"name": "team-a", "labels": {"gpuslice.io/enabled": "true"}}
+    got["metadata"]["labels"]["extra"] = "changed-by-caller"
+    again = await api.get_namespace("team-a")
+    assert again["metadata"]["labels"] == {"gpuslice.io/enabled": "true"}
+    api.add_namespace("team-a")  # no labels now
+    assert "labels" not in (await api.get_namespace("team-a"))["metadata"]
+
+
+async def test_local_resource_quotas_add_replace_and_list_per_namespace() -> None:
+    api = LocalKubeApi()
+    assert await api.list_resource_quotas("team-a") == []
+    api.add_resource_quota("team-a", quota("gpu", {"requests.nvidia.com/gpu": "4"}))
+    api.add_resource_quota("team-a", quota("cpu", {"cpu": "8"}))
+    api.add_resource_quota("team-b", quota("gpu", {"requests.nvidia.com/gpu": "1"}))
+    api.add_resource_quota("team-a", quota("gpu", {"requests.nvidia.com/gpu": "2"}))
+    got = await api.list_resource_quotas("team-a")
+    assert sorted((q["metadata"]["name"], q["spec"]["hard"]) for q in got) == [
+        ("cpu", {"cpu": "8"}),
+        ("gpu", {"requests.nvidia.com/gpu": "2"}),
+    ]
+    [other] = await api.list_resource_quotas("team-b")
+    assert other["metadata"]["namespace"] == "team-b"
+    assert other["spec"]["hard"] == {"requests.nvidia.com/gpu": "1"}
+
+
+async def test_local_resource_quotas_are_copies() -> None:
+    api = LocalKubeApi()
+    given = quota("gpu", {"requests.nvidia.com/gpu": "4"})
+    api.add_resource_quota("team-a", given)
+    given["spec"]["hard"]["requests.nvidia.com/gpu"] = "changed-by-caller"
+    [got] = await api.list_resource_quotas("team-a")
+    assert got["spec"]["hard"] == {"requests.nvidia.com/gpu": "4"}
+    got["spec"]["hard"]["requests.nvidia.com/gpu"] = "changed-by-caller"
+    [again] = await api.list_resource_quotas("team-a")
+    assert again["spec"]["hard"] == {"requests.nvidia.com/gpu": "4"}
+
+
+def test_local_add_resource_quota_needs_a_name() -> None:
+    with pytest.raises(ValueError, match=r"metadata\.name"):
+        LocalKubeApi().add_resource_quota("team-a", {"spec": {"hard": {"cpu": "1"}}})
+
+
+async def test_local_list_pods_leaves_out_terminated_pods_and_other_namespaces() -> None:
+    api = LocalKubeApi()
+    for pod in [
+        pod_named("running"),
+        pod_named("pending", "Pending"),
+        pod_named("done", "Succeeded"),
+        pod_named("crashed", "Failed"),
+        pod_named("elsewhere", namespace="team-b"),
+        {"metadata": {"name": "no-status", "namespace": "team-a"}},
+    ]:
+        api.add_pod(pod)
+    got = await api.list_pods("team-a")
+    assert sorted(pod["metadata"]["name"] for pod in got) == ["no-status", "pending", "running"]
+    got[0]["metadata"]["name"] = "changed-by-caller"
+    again = await api.list_pods("team-a")
+    assert sorted(pod["metadata"]["name"] for pod in again) == ["no-status", "pending", "running"]
+    assert await api.list_pods("nowhere") == []
+
+
 async def test_local_satisfies_the_interface() -> None:
     api: KubeApi = local_with_pod()
     await api.bind_pod("ns", "name", "uid-1", "node-a")
+    assert (await api.get_namespace("ns"))["metadata"]["name"] == "ns"
+    assert await api.list_resource_quotas("ns") == []
+    assert [pod["metadata"]["name"] for pod in await api.list_pods("ns")] == ["name"]
     await api.close()
     assert isinstance(api, LocalKubeApi)
     assert api.closed

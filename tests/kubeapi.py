@@ -1,0 +1,106 @@
+"""A local Kubernetes API server for tests: it records every request and answers
+(method, path) from canned JSON, so the real ``kubernetes`` client can be driven
+over HTTP. The ``kube_api_server`` fixture (tests/conftest.py) starts one."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+
+def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure" if code >= 400 else "Success",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+    @property
+    def query(self) -> dict[str, str]:
+        """The query string's parameters, URL-decoded."""
+        return dict(parse_qsl(urlsplit(self.path).query))
+
+
+@dataclass
+class FakeApiServer:
+    """Answers (method, path) from ``routes`` with (status, JSON body[, delay]);
+    anything else gets a 404 Status. A body that is callable is called with the
+    request's query parameters (e.g. to answer each page of a list)."""
+
+    host: str = ""
+    requests: list[Recorded] = field(default_factory=list)
+    routes: dict[tuple[str, str], tuple[int, Any, float]] = field(default_factory=dict)
+
+    def answer(self, method: str, path: str, status: int, body: Any, delay: float = 0.0) -> None:
+        self.routes[(method, path)] = (status, body, delay)
+
+
+def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def _serve(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            body = json.loads(raw) if raw else None
+            headers = {key.lower(): value for key, value in self.headers.items()}
+            recorded = Recorded(self.command, self.path, headers, body)
+            state.requests.append(recorded)
+            status, answer, delay = state.routes.get(
+                (self.command, self.path.split("?")[0]),
+                (404, status_body(404, "NotFound", "the server could not find it"), 0.0),
+            )
+            if callable(answer):
+                answer = answer(recorded.query)
+            if delay:
+                time.sleep(delay)
+            data = json.dumps(answer).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:
+                pass  # the client gave up (timeout test)
+
+        do_GET = do_POST = do_PATCH = _serve
+
+    return Handler
+
+
+@contextmanager
+def fake_api_server() -> Iterator[FakeApiServer]:
+    """A FakeApiServer listening on a free loopback port until the block ends."""
+    state = FakeApiServer()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
+    httpd.daemon_threads = False  # server_close() waits for every handler
+    state.host = f"http://127.0.0.1:{httpd.server_address[1]}"
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
