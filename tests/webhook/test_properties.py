@@ -147,7 +147,9 @@ def test_admission_denies_or_patches_consistently(pod: dict[str, Any], options: 
         assert CORES in limits
         assert MEM in limits or MEM_PCT in limits
         names = [var["name"] for var in spec["env"]]
-        assert names.count("CUDA_TASK_PRIORITY") == 1
+        priorities = [v.get("value") for v in spec["env"] if v["name"] == "CUDA_TASK_PRIORITY"]
+        assert priorities
+        assert set(priorities) == {str(request.priority)}
         assert "GPUSLICE_POD_UID" in names
 
 

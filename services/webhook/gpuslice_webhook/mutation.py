@@ -299,8 +299,6 @@ class Mutator:
     def _hide_gpus(
         self, container: _Container, env: Sequence[Mapping[str, Any]], patch: Patch
     ) -> None:
-        if not self.settings.hide_gpus_from_other_containers:
-            return
         for var in env:
             if var["name"] != VISIBLE_DEVICES:
                 continue
@@ -312,6 +310,8 @@ class Mutator:
                     "which would show it this node's GPUs outside any limit. Ask for a GPU "
                     f"with {self.names.gpu} or remove the variable"
                 )
+            return
+        if not self.settings.hide_gpus_from_other_containers:
             return
         patch.append(
             (*container.path, "env"),
