@@ -3,7 +3,7 @@
 Starts nats-server and the webhook (``python -m gpuslice_webhook``, TLS with a
 test certificate, events published to NATS, no Kubernetes API) as child
 processes, then posts AdmissionReviews over keep-alive HTTPS connections the way
-the API server does. Prints p50/p99 per kind of pod at 1 and at 8 concurrent
+the API server does. Prints p50/p99 per kind of pod at 1, 4 and 8 concurrent
 connections, and admissions/s. Baselines in the same run: ``GET /healthz`` (the
 HTTPS and HTTP floor, no admission work) and a pod without GPUs (the review is
 read and answered, nothing is changed).
@@ -215,7 +215,7 @@ def main() -> None:
                     if time.monotonic() > deadline or server.poll() is not None:
                         raise SystemExit("the webhook did not start") from None
                     time.sleep(0.1)
-            for connections in (1, 8):
+            for connections in (1, 4, 8):
                 for name, request in cases:
                     row = asyncio.run(
                         measure(port, client_context, request, args.requests, connections)

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuslice_webhook.admission import Admission
 from gpuslice_webhook.review import AdmissionReviewRequest, AdmissionReviewResponse, Problem
+from gpuslice_webhook.tls import ReloadingTls
 
 JSON = "application/json"
 
@@ -28,7 +29,7 @@ def _body_schema() -> dict[str, Any]:
     }
 
 
-def create_app(admission: Admission) -> FastAPI:
+def create_app(admission: Admission, tls: ReloadingTls | None = None) -> FastAPI:
     app = FastAPI(
         title="gpuslice admission webhook",
         version="1",
@@ -66,6 +67,9 @@ def create_app(admission: Admission) -> FastAPI:
         if outbox is not None:
             metrics.events_pending.set(outbox.pending)
             metrics.events_dropped.set(outbox.stats.dropped)
+        if tls is not None:
+            metrics.tls_reloads.set(tls.stats.reloads)
+            metrics.tls_failures.set(tls.stats.failures)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     original_openapi = app.openapi

@@ -55,8 +55,8 @@ class Patch:
         if not isinstance(current, list):
             self.set(parent, list(items), exists=current is not None)
             return
-        for item in items:
-            self.operations.append({"op": "add", "path": pointer(*parent, "-"), "value": item})
+        end = pointer(*parent, "-")
+        self.operations.extend({"op": "add", "path": end, "value": item} for item in items)
 
     def encoded(self) -> str:
         """The patch as the AdmissionReview response carries it: base64 of its JSON."""

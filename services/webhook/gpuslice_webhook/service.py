@@ -71,7 +71,7 @@ async def running(
         namespaces = NamespaceCache(kube, settings.kube_cache_ttl.total_seconds())
     admission = Admission(settings, metrics, namespaces=namespaces, outbox=outbox)
     config = uvicorn.Config(
-        create_app(admission),
+        create_app(admission, tls),
         host=settings.listen_host,
         port=settings.listen_port,
         log_level=settings.log_level.lower(),
