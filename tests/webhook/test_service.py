@@ -108,7 +108,9 @@ async def test_certificate_rotation_without_restart(
     assert https_webhook.tls is not None
     assert https_webhook.tls.stats.reloads == 1
     # the open keep-alive client goes on working across the swap
-    assert (await client.get("/healthz")).status_code == 200
+    metrics = (await client.get("/metrics")).text
+    assert "gpuslice_webhook_tls_reloads 1.0" in metrics
+    assert "gpuslice_webhook_tls_reload_failures 0.0" in metrics
 
 
 async def test_a_broken_certificate_keeps_the_old_one(
