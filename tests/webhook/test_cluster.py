@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -195,7 +196,7 @@ async def test_memory_quota_needs_memory_in_mib() -> None:
 
 async def test_cores_quota_counts_the_pods_peak() -> None:
     kube = LocalKubeApi()
-    kube.add_resource_quota(NS, quota("cores", **{"requests.nvidia.com/gpucores": "150"}))
+    kube.add_resource_quota(NS, quota("cores", **{"limits.nvidia.com/gpucores": "150"}))
     # the peak of init (one at a time) and apps (together): max(80, 30 + 40) = 80
     kube.add_pod(
         pod(
@@ -209,7 +210,7 @@ async def test_cores_quota_counts_the_pods_peak() -> None:
     assert (await admit_with(review(pod(container("m", {CORES: "70"}))), kube))["allowed"]
     refused = await admit_with(review(pod(container("m", {GPU: 1}))), kube)  # a whole card: 100
     assert refused["allowed"] is False
-    assert "requested: requests.nvidia.com/gpucores=100" in refused["status"]["message"]
+    assert "requested: limits.nvidia.com/gpucores=100" in refused["status"]["message"]
 
 
 async def test_a_namespace_without_gpu_quotas_lists_no_pods() -> None:
@@ -271,6 +272,40 @@ async def test_quota_and_labels_read_from_an_api_server(
     assert "fieldSelector=status.phase" in pod_lists[0]
 
 
+async def test_a_hung_api_server_is_a_503_within_the_deadline(
+    nats_server: NatsServer, prefix: str, events: list[CloudEvent]
+) -> None:
+    silent = socket.socket()  # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    api = KubernetesApi.connect(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=5.0)
+    config = settings(nats_url=nats_server.url, subject_prefix=prefix)
+    outbox = Outbox(config, SOURCE)
+    await outbox.start()
+    metrics = Metrics()
+    admission = Admission(
+        settings(kube_timeout=0.5), metrics, namespaces=NamespaceCache(api, 30), outbox=outbox
+    )
+    body = review(pod(container("m", {MEM: "100"})))
+    try:
+        started = time.monotonic()
+        status, raw = await admission.handle(json.dumps(body).encode())
+        elapsed = time.monotonic() - started
+        await asyncio.sleep(0.3)  # no event would have arrived by now either
+    finally:
+        await outbox.close()
+        silent.close()
+        await api.close()
+    response = check_response(body, json.loads(raw))
+    assert status == 200
+    assert elapsed < 1.5
+    assert response["status"]["code"] == 503
+    assert "did not answer within 0.5s" in response["status"]["message"]
+    assert metrics.admissions.labels("unavailable")._value.get() == 1
+    assert metrics.admissions.labels("denied")._value.get() == 0
+    assert events == []  # an outage says nothing about the pod
+
+
 async def test_an_unreachable_api_server_denies_gpu_pods_with_503() -> None:
     api = KubernetesApi.connect(f"http://127.0.0.1:{free_port()}", timeout=1.0)
     try:
@@ -310,6 +345,24 @@ async def test_namespace_cache_shares_reads_and_expires() -> None:
     now[0] = 10.1
     assert await cache.labels(NS) == {"a": "2"}
     assert reads == [NS, NS]
+
+
+async def test_a_caller_giving_up_cancels_nobody_else() -> None:
+    class Slow(LocalKubeApi):
+        async def get_namespace(self, name: str) -> dict[str, Any]:
+            await asyncio.sleep(0.2)
+            return await super().get_namespace(name)
+
+    kube = Slow()
+    kube.add_namespace(NS, {"a": "1"})
+    cache = NamespaceCache(kube, ttl=10)
+    impatient = asyncio.create_task(cache.labels(NS))
+    await asyncio.sleep(0.05)
+    patient = asyncio.create_task(cache.labels(NS))
+    await asyncio.sleep(0.05)
+    impatient.cancel()
+    assert await patient == {"a": "1"}
+    assert impatient.cancelled()
 
 
 async def test_namespace_cache_does_not_keep_failures() -> None:

@@ -71,16 +71,18 @@ def quota(name: str, hard: dict[str, Any]) -> dict[str, Any]:
     return {"metadata": {"name": name}, "spec": {"hard": hard}}
 
 
-def test_gpu_limits_are_read_from_limits_and_requests_keys() -> None:
+def test_gpu_limits_are_the_limits_keys() -> None:
     quotas = [
         quota("a", {"limits.nvidia.com/gpumem": "4000", "limits.cpu": "8", "pods": "10"}),
-        quota("b", {"requests.nvidia.com/gpucores": 300, "limits.nvidia.com/gpu": "4"}),
+        quota("b", {"limits.nvidia.com/gpucores": 300, "limits.nvidia.com/gpu": "4"}),
+        # Kubernetes counts requests.<extended resource> itself, per container
+        quota("k8s", {"requests.nvidia.com/gpumem": "100"}),
         quota("c", {"limits.nvidia.com/gpumem": "lots"}),  # unreadable: ignored
         {"metadata": {"name": "d"}},  # no spec
     ]
     assert gpu_limits(quotas, SETTINGS) == [
         QuotaLimit("a", "limits.nvidia.com/gpumem", "memory", 4000),
-        QuotaLimit("b", "requests.nvidia.com/gpucores", "cores", 300),
+        QuotaLimit("b", "limits.nvidia.com/gpucores", "cores", 300),
     ]
 
 

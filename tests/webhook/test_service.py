@@ -132,6 +132,35 @@ async def test_a_broken_certificate_keeps_the_old_one(
     await wait_for(lambda: served_certificate(port, ca_file) == der_of(other))
 
 
+async def test_rotation_to_another_key_type_serves_the_new_certificate(
+    https_webhook: Running, ca: trustme.CA, ca_file: Path, tls_files: tuple[Path, Path]
+) -> None:
+    # OpenSSL keeps one certificate per key type in a context: a reload into the
+    # same context would go on serving the old ECDSA one next to the new RSA one.
+    cert_file, key_file = tls_files
+    rsa = ca.issue_cert(*CERT_NAMES, key_type=trustme.KeyType.RSA)
+    write_cert(rsa, cert_file, key_file)
+    port = https_webhook.port
+    await wait_for(lambda: served_certificate(port, ca_file) == der_of(rsa))
+
+
+async def test_a_missing_file_is_one_failure_and_its_return_is_served(
+    https_webhook: Running, ca: trustme.CA, ca_file: Path, tls_files: tuple[Path, Path]
+) -> None:
+    cert_file, key_file = tls_files
+    tls = https_webhook.tls
+    assert tls is not None
+    key_file.unlink()
+    await wait_for(lambda: tls.stats.failures == 1)
+    await asyncio.sleep(0.3)  # several more polls
+    assert tls.stats.failures == 1
+    assert "cannot read" in tls.stats.last_error
+    renewed = ca.issue_cert(*CERT_NAMES)
+    write_cert(renewed, cert_file, key_file)
+    port = https_webhook.port
+    await wait_for(lambda: served_certificate(port, ca_file) == der_of(renewed))
+
+
 # ---------------------------------------------------------------- health, metrics, OpenAPI
 
 
@@ -157,6 +186,15 @@ async def test_metrics_count_outcomes_and_latency(client: httpx.AsyncClient) -> 
         assert f'gpuslice_webhook_admissions_total{{outcome="{outcome}"}} 1.0' in text
     assert 'gpuslice_webhook_admissions_total{outcome="error"} 0.0' in text
     assert "gpuslice_webhook_admission_seconds_count 5.0" in text
+
+
+async def test_a_body_over_the_limit_is_refused_unread(client: httpx.AsyncClient) -> None:
+    huge = b'{"apiVersion": "admission.k8s.io/v1", "pad": "' + b"x" * (9 * 1024 * 1024) + b'"}'
+    reply = await client.post("/mutate", content=huge)
+    assert reply.status_code == 413
+    assert "larger than" in reply.json()["error"]
+    metrics = (await client.get("/metrics")).text
+    assert 'gpuslice_webhook_admissions_total{outcome="too_large"} 1.0' in metrics
 
 
 async def test_openapi_describes_the_admission_review(client: httpx.AsyncClient) -> None:

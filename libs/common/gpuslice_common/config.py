@@ -185,6 +185,9 @@ class WebhookSettings(CommonSettings):
     # "local" (the dev stack's in-memory API) or "none" (neither is checked)
     kube_api: Literal["cluster", "local", "none"] = "cluster"
     kube_cache_ttl: Duration = timedelta(seconds=10)  # namespaces and quotas
+    # what one admission may spend on the Kubernetes API, well under the API
+    # server's webhook timeout (10 s by default)
+    kube_timeout: Duration = timedelta(seconds=3)
     event_queue_size: Annotated[int, Field(ge=1)] = 10_000  # events waiting for NATS
 
     @field_validator("scheduler_name")

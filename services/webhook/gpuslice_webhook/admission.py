@@ -10,18 +10,20 @@ Order of decisions for a pod being created:
 5. ``pod.admitted`` or ``pod.denied`` is handed to the outbox (never awaited) and
    the answer goes back.
 
-Other operations and other kinds are allowed unchanged. A failure to read the
-namespace or its quotas denies the pod with 503 (the API server retries per its
-own policy); an unexpected error denies it with 500 and is logged, never shown
-as a traceback.
+Ephemeral containers added to a GPU pod (``kubectl debug``) get its GPUs hidden
+too. Other operations and other kinds are allowed unchanged. A failure to read
+the namespace or its quotas within ``kube_timeout`` denies the pod with 503 and
+publishes nothing (it says nothing about the pod); an unexpected error denies
+it with 500 and is logged, never shown as a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import orjson
 
@@ -42,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE: Final = "gpuslice/webhook"
+EPHEMERAL: Final = "ephemeralcontainers"
+UNAVAILABLE: Final = 503
+T = TypeVar("T")
 
 
 class Admission:
@@ -83,7 +88,9 @@ class Admission:
         self.metrics.latency.observe(time.perf_counter() - started)
 
     async def _review(self, review: Review) -> tuple[str, bytes]:
-        if review.operation != "CREATE" or not review.is_pod:
+        if review.is_pod and review.operation == "UPDATE" and review.sub_resource == EPHEMERAL:
+            return self._ephemeral(review)
+        if review.operation != "CREATE" or not review.is_pod or review.sub_resource:
             return "skipped", answer(review)
         pod = review.pod
         if pod is None:
@@ -102,24 +109,58 @@ class Admission:
                 return "skipped", answer(review)
             await self._check_quota(namespace, metadata, mutation)
         except Denied as denied:
+            reply = answer(review, denial=(denied.code, denied.reason, denied.message))
+            if denied.code == UNAVAILABLE:  # not a decision about the pod: no event
+                return "unavailable", reply
             if not review.dry_run:
                 self._publish_denied(_ref(metadata, namespace, review.uid), denied.message)
-            return "denied", answer(review, denial=(denied.code, denied.reason, denied.message))
+            return "denied", reply
         if not review.dry_run:
             self._publish_admitted(mutation)
         return "admitted", answer(review, patch=mutation.patch, warnings=mutation.warnings)
 
+    def _ephemeral(self, review: Review) -> tuple[str, bytes]:
+        """Debug containers added to a GPU pod get its GPUs hidden too."""
+        if review.pod is None:
+            return "skipped", answer(review)
+        spec = (review.old_pod or {}).get("spec")
+        old = spec.get("ephemeralContainers") if isinstance(spec, Mapping) else None
+        existing = {
+            c["name"]
+            for c in old or ()
+            if isinstance(c, Mapping) and isinstance(c.get("name"), str)
+        }
+        try:
+            patch = self.mutator.hide_from_ephemeral(review.pod, {str(n) for n in existing})
+        except Denied as denied:
+            return "denied", answer(review, denial=(denied.code, denied.reason, denied.message))
+        return ("admitted" if patch else "skipped"), answer(review, patch=patch)
+
     # ------------------------------------------------------------ the API server
+
+    async def _within_deadline(self, read: Awaitable[T], what: str) -> T:
+        """``read`` within the Kubernetes deadline; a failure or a timeout is Denied 503."""
+        seconds = self.settings.kube_timeout.total_seconds()
+        try:
+            return await asyncio.wait_for(read, seconds)
+        except NotFound:
+            raise
+        except KubeError as exc:
+            raise _unavailable(f"cannot {what}: {exc}") from None
+        except TimeoutError:
+            message = f"cannot {what}: the Kubernetes API did not answer within {seconds:g}s"
+            raise _unavailable(message) from None
 
     async def _namespace_ignored(self, namespace: str) -> bool:
         if self.namespaces is None:
             return False
         try:
-            return ignored(await self.namespaces.labels(namespace))
+            labels = await self._within_deadline(
+                self.namespaces.labels(namespace), f"read namespace {namespace!r}"
+            )
         except NotFound:
             return False  # the API server refuses the pod itself
-        except KubeError as exc:
-            raise _unavailable(f"cannot read namespace {namespace!r}: {exc}") from None
+        return ignored(labels)
 
     async def _check_quota(
         self, namespace: str, metadata: Mapping[str, Any], mutation: Mutation
@@ -127,15 +168,12 @@ class Admission:
         if self.namespaces is None:
             return
         requests = self.settings.requests
-        try:
-            limits = gpu_limits(await self.namespaces.quotas(namespace), requests)
-            if not limits:
-                return
-            pods = await self.namespaces.pods(namespace)
-        except KubeError as exc:
-            raise _unavailable(
-                f"cannot check the GPU quota of namespace {namespace!r}: {exc}"
-            ) from None
+        what = f"check the GPU quota of namespace {namespace!r}"
+        quotas = await self._within_deadline(self.namespaces.quotas(namespace), what)
+        limits = gpu_limits(quotas, requests)
+        if not limits:
+            return
+        pods = await self._within_deadline(self.namespaces.pods(namespace), what)
         name = metadata.get("name")
         used = namespace_usage(pods, requests, skip=name if isinstance(name, str) else "")
         check(limits, request_demand(mutation.request.containers), used, namespace, requests)
@@ -164,7 +202,7 @@ class Admission:
 
 
 def _unavailable(message: str) -> Denied:
-    return Denied(message, 503, "ServiceUnavailable")
+    return Denied(message, UNAVAILABLE, "ServiceUnavailable")
 
 
 def _ref(metadata: Mapping[str, Any], namespace: str, review_uid: str) -> PodRef:

@@ -24,13 +24,13 @@ plugin gives it and would lift its limits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from gpuslice_common.config import WebhookSettings
 from gpuslice_common.models import ContainerGpuRequest, PodGpuRequest
-from gpuslice_common.requests import RequestError, parse_pod, parse_quantity
+from gpuslice_common.requests import RequestError, has_gpu_request, parse_pod, parse_quantity
 from gpuslice_webhook.patch import Patch
 
 __all__ = ["IGNORE_LABELS", "Denied", "Mutation", "Mutator", "ignored"]
@@ -299,25 +299,45 @@ class Mutator:
     def _hide_gpus(
         self, container: _Container, env: Sequence[Mapping[str, Any]], patch: Patch
     ) -> None:
-        for var in env:
-            if var["name"] != VISIBLE_DEVICES:
-                continue
+        shown = [var for var in env if var["name"] == VISIBLE_DEVICES]
+        for var in shown:  # every one: with a name repeated, kubelet takes the last
             value = var.get("value", "")
             if "valueFrom" in var or not isinstance(value, str) or value not in NO_GPU_VALUES:
-                shown = "from valueFrom" if "valueFrom" in var else f"={value}"
+                setting = " from valueFrom" if "valueFrom" in var else f"={value}"
                 raise Denied(
-                    f"{container.label} asks for no GPU but sets {VISIBLE_DEVICES}{shown}, "
+                    f"{container.label} asks for no GPU but sets {VISIBLE_DEVICES}{setting}, "
                     "which would show it this node's GPUs outside any limit. Ask for a GPU "
                     f"with {self.names.gpu} or remove the variable"
                 )
-            return
-        if not self.settings.hide_gpus_from_other_containers:
+        if shown or not self.settings.hide_gpus_from_other_containers:
             return
         patch.append(
             (*container.path, "env"),
             container.spec.get("env"),
             [{"name": VISIBLE_DEVICES, "value": "none"}],
         )
+
+    def hide_from_ephemeral(self, pod: Mapping[str, Any], existing: Collection[str]) -> Patch:
+        """The patch for a pod gaining ephemeral containers (``kubectl debug``): a pod
+        that asks for GPUs gets them hidden from its new debug containers too (those
+        named in ``existing`` cannot change any more). Raises Denied like :meth:`mutate`."""
+        patch = Patch()
+        spec = pod.get("spec")
+        ephemeral = spec.get("ephemeralContainers") if isinstance(spec, Mapping) else None
+        if not isinstance(ephemeral, list) or not has_gpu_request(pod, self.settings.requests):
+            return patch
+        for index, entry in enumerate(ephemeral):
+            if not isinstance(entry, Mapping):
+                raise bad_request(f"spec.ephemeralContainers[{index}] must be an object")
+            name = entry.get("name")
+            if name in existing:
+                continue
+            label = name if isinstance(name, str) and name else f"#{index}"
+            container = _Container(
+                ("spec", "ephemeralContainers", index), entry, label, request=None
+            )
+            self._hide_gpus(container, self._env(container), patch)
+        return patch
 
     def _route(self, spec: Mapping[str, Any], patch: Patch) -> list[str]:
         """Point the pod at gpuslice's scheduler; the warnings to give."""

@@ -9,8 +9,9 @@ one namespace share a single read. Failed reads are not kept.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
 from gpuslice_common.kube import KubeApi
@@ -20,34 +21,32 @@ MAX_ENTRIES = 10_000
 
 
 class _Cache(Generic[T]):
+    """Values by key for ``ttl`` seconds. Each read runs in its own task, so a
+    caller that gives up (a deadline, a cancelled request) cancels nobody else's
+    wait; a failed read is forgotten, unless a newer one has replaced it."""
+
     def __init__(self, ttl: float, clock: Callable[[], float]) -> None:
         self._ttl = ttl
         self._clock = clock
-        self._entries: dict[str, tuple[float, asyncio.Future[T]]] = {}
+        self._entries: dict[str, tuple[float, asyncio.Task[T]]] = {}
 
-    async def get(self, key: str, read: Callable[[], Awaitable[T]]) -> T:
+    async def get(self, key: str, read: Callable[[], Coroutine[Any, Any, T]]) -> T:
         now = self._clock()
         entry = self._entries.get(key)
-        if entry is not None and entry[0] > now:
-            return await asyncio.shield(entry[1])
-        if len(self._entries) >= MAX_ENTRIES:
-            self._entries = {k: e for k, e in self._entries.items() if e[0] > now}
+        if entry is None or entry[0] <= now:
             if len(self._entries) >= MAX_ENTRIES:
-                self._entries.clear()
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._entries[key] = (now + self._ttl, future)
-        try:
-            value = await read()
-        except BaseException as exc:
-            self._entries.pop(key, None)
-            if isinstance(exc, Exception):
-                future.set_exception(exc)
-                future.exception()  # waiters get it; no "never retrieved" warning
-            else:
-                future.cancel()
-            raise
-        future.set_result(value)
-        return value
+                self._entries = {k: e for k, e in self._entries.items() if e[0] > now}
+                if len(self._entries) >= MAX_ENTRIES:
+                    self._entries.clear()
+            entry = (now + self._ttl, asyncio.create_task(read()))
+            self._entries[key] = entry
+            entry[1].add_done_callback(functools.partial(self._done, key, entry))
+        return await asyncio.shield(entry[1])
+
+    def _done(self, key: str, entry: tuple[float, asyncio.Task[T]], task: asyncio.Task[T]) -> None:
+        failed = task.cancelled() or task.exception() is not None  # retrieved: no warning
+        if failed and self._entries.get(key) is entry:
+            del self._entries[key]
 
 
 class NamespaceCache:

@@ -1,9 +1,10 @@
 """Namespace GPU quotas: ResourceQuota limits on GPU memory and cores, kept at admission.
 
 Kubernetes' own quota controller does not count ``limits.nvidia.com/gpumem`` or
-``limits.nvidia.com/gpucores`` (they are not plain resources of a pod), so
-gpuslice counts them. Keys are ``limits.<resource>`` or ``requests.<resource>``
-for the configured memory and cores resources. A pod's use is its peak:
+``limits.nvidia.com/gpucores`` (it counts extended resources only under
+``requests.``, per container), so gpuslice counts the ``limits.<resource>`` keys
+of the configured memory and cores resources; ``requests.`` keys stay
+Kubernetes' own. A pod's use is its peak:
 
 * memory: MiB per card times the card count, cores: percent per card times the
   count, summed over the containers that run together (init containers one at a
@@ -32,7 +33,7 @@ from gpuslice_webhook.mutation import Denied
 log = logging.getLogger(__name__)
 
 Resource = Literal["memory", "cores"]
-PREFIXES: Final = ("limits.", "requests.")
+PREFIX: Final = "limits."
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,9 @@ def gpu_limits(quotas: Sequence[Mapping[str, Any]], settings: RequestSettings) -
             continue
         name = str(metadata.get("name", "")) if isinstance(metadata, Mapping) else ""
         for key, value in hard.items():
-            prefix = next((p for p in PREFIXES if str(key).startswith(p)), None)
-            resource = resources.get(str(key)[len(prefix) :]) if prefix else None
+            if not str(key).startswith(PREFIX):
+                continue
+            resource = resources.get(str(key)[len(PREFIX) :])
             if resource is None:
                 continue
             try:

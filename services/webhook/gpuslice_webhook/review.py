@@ -41,20 +41,20 @@ class Review:
     operation: str
     namespace: str
     dry_run: bool
-    is_pod: bool  # kind Pod (core/v1), not a subresource
+    is_pod: bool  # kind Pod (core/v1)
+    sub_resource: str  # "" for the pod itself, e.g. "ephemeralcontainers"
     pod: Mapping[str, Any] | None  # request.object when it is an object
+    old_pod: Mapping[str, Any] | None  # request.oldObject when it is an object
 
 
 def _is_pod_kind(request: Mapping[str, Any]) -> bool:
     kind = request.get("kind")
     resource = request.get("resource")
     if isinstance(kind, Mapping) and "kind" in kind:
-        matches = kind.get("group", "") == "" and kind.get("kind") == "Pod"
-    elif isinstance(resource, Mapping):
-        matches = resource.get("group", "") == "" and resource.get("resource") == "pods"
-    else:
-        matches = False
-    return matches and not request.get("subResource")
+        return kind.get("group", "") == "" and kind.get("kind") == "Pod"
+    if isinstance(resource, Mapping):
+        return resource.get("group", "") == "" and resource.get("resource") == "pods"
+    return False
 
 
 def parse_review(body: bytes) -> Review:
@@ -78,7 +78,9 @@ def parse_review(body: bytes) -> Review:
         raise ReviewError("request.uid must be a non-empty string")
     operation = request.get("operation")
     namespace = request.get("namespace")
+    sub_resource = request.get("subResource")
     pod = request.get("object")
+    old_pod = request.get("oldObject")
     return Review(
         api_version=version,
         uid=uid,
@@ -86,7 +88,9 @@ def parse_review(body: bytes) -> Review:
         namespace=namespace if isinstance(namespace, str) else "",
         dry_run=request.get("dryRun") is True,
         is_pod=_is_pod_kind(request),
+        sub_resource=sub_resource if isinstance(sub_resource, str) else "",
         pod=pod if isinstance(pod, dict) else None,
+        old_pod=old_pod if isinstance(old_pod, dict) else None,
     )
 
 

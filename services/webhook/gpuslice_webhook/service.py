@@ -29,7 +29,7 @@ def kube_api(settings: WebhookSettings) -> KubeApi | None:
         return None
     if settings.kube_api == "local":
         return LocalKubeApi()
-    return KubernetesApi.from_environment()
+    return KubernetesApi.from_environment(timeout=settings.kube_timeout.total_seconds())
 
 
 @dataclass
