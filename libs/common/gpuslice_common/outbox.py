@@ -1,12 +1,19 @@
 """Events handed over without waiting, published to NATS in order by one background task.
 
 A component that must answer quickly (the admission webhook) calls
-:meth:`Outbox.submit`, which only puts the event in a bounded queue. The
-outbox's task connects to NATS (retrying for as long as it takes), publishes
-the events in submission order, and on a failed publish keeps the same event
-and tries again: an event leaves the queue only once NATS has taken it. What
-does not fit in the queue is dropped, counted and logged; what is still queued
-when the outbox closes is counted and logged the same way.
+:meth:`Outbox.submit`, which only appends the event to a bounded in-memory queue:
+it never waits and never fails because of NATS. The outbox's task connects
+(retrying for as long as it takes), then publishes the events in submission
+order, one at a time. A publish that fails while NATS is away keeps the event at
+the head of the queue and is retried: nothing is lost or reordered by a failed
+publish, and nothing is published twice.
+
+Events are dropped (counted in :attr:`Outbox.stats` and logged) when the queue is
+full (submit returns False), when NATS refuses the event itself while connected
+(invalid, too large), or when they are still queued after :meth:`Outbox.close`
+has waited its timeout. An event leaves the queue once the NATS client has taken
+it; from then on delivery is core NATS's: kept across a reconnect, lost if the
+server dies with it in flight or if the outbox closes while NATS is down.
 """
 
 from __future__ import annotations
@@ -24,20 +31,24 @@ from gpuslice_common.events import CloudEvent
 
 log = logging.getLogger("gpuslice.outbox")
 
-WARN_EVERY_S = 60.0  # at most one warning a minute for drops and for a bus still down
+WARN_EVERY_S = 60.0  # at most one warning a minute per kind of trouble
 
 
 @dataclass
 class OutboxStats:
-    submitted: int = 0
-    published: int = 0
-    dropped: int = 0
-    publish_errors: int = 0
+    submitted: int = 0  # submit() calls
+    published: int = 0  # events the NATS client took
+    dropped: int = 0  # events given up: queue full, refused by NATS, left at close
+    publish_errors: int = 0  # failed publish attempts (most are retried)
     connect_attempts: int = 0
 
 
 class Outbox:
-    """A queue of events in front of a :class:`Bus` (given, or connected by the outbox)."""
+    """Events handed over without waiting, published in order by one background task.
+
+    With ``bus=None`` the outbox connects (and at close, closes) its own
+    :class:`Bus`; a given bus is used as it is and left open.
+    """
 
     def __init__(
         self,
@@ -58,9 +69,10 @@ class Outbox:
         self.stats = OutboxStats()
         self._owns_bus = bus is None
         self._queue: collections.deque[CloudEvent] = collections.deque()
-        self._wakeup = asyncio.Event()
-        self._drained = asyncio.Event()
+        self._wakeup = asyncio.Event()  # set by submit: the queue may have events
+        self._drained = asyncio.Event()  # set by the task: the queue is empty
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
         self._last_warning: dict[str, float] = {}
 
     @property
@@ -72,11 +84,16 @@ class Outbox:
         return len(self._queue)
 
     def submit(self, event: CloudEvent) -> bool:
-        """Queue an event; never waits. False (and counted as dropped) when the queue is full."""
+        """Queue an event; never blocks, never raises for NATS trouble.
+
+        False (and counted as dropped, logged at most once a minute) when the
+        queue is full or the outbox is closed.
+        """
         self.stats.submitted += 1
-        if len(self._queue) >= self.capacity:
+        if len(self._queue) >= self.capacity or self._closed:
             self.stats.dropped += 1
-            self._warn("full", f"event queue full ({self.capacity}); dropped {event.type.value}")
+            why = "closed" if self._closed else f"full ({self.capacity} events)"
+            self._warn("full", f"event queue {why}: dropped {event.type.value} {event.id}")
             return False
         self._queue.append(event)
         self._drained.clear()
@@ -85,61 +102,87 @@ class Outbox:
 
     async def start(self) -> None:
         """Start the background task; returns at once."""
-        if self._task is None:
+        if self._task is None and not self._closed:
             self._task = asyncio.create_task(self._run(), name=f"outbox-{self.name}")
+            self._task.add_done_callback(self._task_done)
 
     async def close(self, timeout: float = 2.0) -> None:
-        """Publish what is queued for up to ``timeout`` seconds, then stop."""
-        if self._task is not None:
-            if self._queue and self.connected:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._drained.wait(), timeout)
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Publish what is queued for up to ``timeout`` seconds, then stop.
+
+        Closes the bus only if the outbox opened it. Events still queued are
+        counted as dropped and logged.
+        """
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            try:
+                if self._queue and not task.done():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._drained.wait(), timeout)
+            finally:
+                task.cancel()
+                await asyncio.wait([task])
         if self._queue:
             self.stats.dropped += len(self._queue)
             log.warning("closing with %d events unpublished; they are lost", len(self._queue))
             self._queue.clear()
         if self._owns_bus and self.bus is not None:
-            await self.bus.close()
-            self.bus = None
+            bus, self.bus = self.bus, None
+            await bus.close()
 
     # ------------------------------------------------------------ the task
 
     async def _run(self) -> None:
         bus = self.bus or await self._connect()
         while True:
-            while not self._queue:
+            if not self._queue:
+                self._drained.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                continue
+            if not bus.connected:
+                # The client would take it into its reconnect buffer: the event
+                # would count as published while NATS is away, and be lost if the
+                # process stopped before the reconnect. It waits here instead.
+                self._warn("publish", "NATS is away; events wait in the queue")
+                await asyncio.sleep(self.retry_interval)
+                continue
             event = self._queue[0]
             try:
                 await bus.publish(event)
             except BusError as exc:
                 self.stats.publish_errors += 1
+                if bus.connected:
+                    # NATS is there and the client refuses this very event (an
+                    # invalid payload, too large): retrying cannot help.
+                    self._queue.popleft()
+                    self.stats.dropped += 1
+                    log.error("dropped an event NATS cannot take: %s", exc)
+                    continue
                 self._warn("publish", f"cannot publish yet, will retry: {exc}")
                 await asyncio.sleep(self.retry_interval)
                 continue
             self._queue.popleft()
             self.stats.published += 1
-            if not self._queue:
-                self._drained.set()
 
     async def _connect(self) -> Bus:
         while True:
             self.stats.connect_attempts += 1
             try:
-                self.bus = await Bus.connect(
+                bus = await Bus.connect(
                     self.settings, self.name, first_connect_wait=self.retry_interval
                 )
             except BusError as exc:
-                self._warn("connect", f"{exc}; events wait in the queue")
+                self._warn("connect", f"{exc}; events wait in the queue, retrying")
                 await asyncio.sleep(self.retry_interval)
                 continue
             log.info("connected to NATS; %d events waiting", len(self._queue))
-            return self.bus
+            self.bus = bus
+            return bus
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("the outbox task failed; events are no longer published", exc_info=exc)
 
     def _warn(self, topic: str, message: str) -> None:
         now = time.monotonic()
