@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import trustme
 
-from gpuslice_common.servers import free_port
+from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_webhook.service import Running
 from tests.webhook.conftest import (
     CERT_NAMES,
@@ -261,6 +262,55 @@ def test_unusable_certificate_exits_2(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def post_until_up(port: int, body: dict[str, object], ca_file: Path, process: Any) -> Any:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            url = f"https://127.0.0.1:{port}/mutate"
+            return httpx.post(url, json=body, verify=trusting(ca_file), timeout=2)
+        except httpx.TransportError:
+            assert process.poll() is None, process.stdout and process.stdout.read()
+            assert time.monotonic() < deadline, "the webhook did not start"
+            time.sleep(0.1)
+
+
+def test_nats_lost_after_connecting_still_stops_cleanly(
+    tls_files: tuple[Path, Path], ca_file: Path, own_nats: NatsServer
+) -> None:
+    cert_file, key_file = tls_files
+    port = free_port()
+    env = webhook_env(
+        GPUSLICE_LISTEN_PORT=str(port),
+        GPUSLICE_TLS_CERT_FILE=str(cert_file),
+        GPUSLICE_TLS_KEY_FILE=str(key_file),
+        GPUSLICE_NATS_URL=own_nats.url,
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpuslice_webhook"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        body = review(pod(container("main", {MEM: "1000"})))
+        assert post_until_up(port, body, ca_file, process).status_code == 200
+        own_nats.stop()
+        for _ in range(5):  # admitted while NATS is away
+            reply = httpx.post(
+                f"https://127.0.0.1:{port}/mutate", json=body, verify=trusting(ca_file)
+            )
+            assert check_response(body, reply.json())["allowed"] is True
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=20)
+        assert process.returncode == 0, output
+        assert "Traceback" not in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
 def test_process_serves_https_without_nats_and_stops_on_sigterm(
     tls_files: tuple[Path, Path], ca_file: Path
 ) -> None:
@@ -281,16 +331,7 @@ def test_process_serves_https_without_nats_and_stops_on_sigterm(
     )
     try:
         body = review(pod(container("main", {MEM: "1000"})))
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                url = f"https://127.0.0.1:{port}/mutate"
-                reply = httpx.post(url, json=body, verify=trusting(ca_file), timeout=2)
-                break
-            except httpx.TransportError:
-                assert process.poll() is None, process.stdout and process.stdout.read()
-                assert time.monotonic() < deadline, "the webhook did not start"
-                time.sleep(0.1)
+        reply = post_until_up(port, body, ca_file, process)
         assert check_response(body, reply.json())["allowed"] is True
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=15)

@@ -135,13 +135,19 @@ class Bus:
         return bool(self.nc.is_connected)
 
     async def close(self) -> None:
+        """Drain and close; never raises, whatever state the connection is in
+        (closing while NATS is away must not turn a clean shutdown into a crash)."""
         if self.nc.is_closed:
             return
         self.stats.closing = True
         try:
             await self.nc.drain()
-        except (TimeoutError, NatsError, OSError):
-            await self.nc.close()
+        except Exception as exc:  # reconnecting, timed out, or the socket is gone
+            log.debug("nats: drain at close failed (%r); closing", exc)
+            try:
+                await self.nc.close()
+            except Exception as again:
+                log.warning("nats: close failed: %r", again)
 
     # ------------------------------------------------------------ publishing
 
@@ -344,19 +350,23 @@ class Bus:
         except (NatsError, TimeoutError) as exc:
             raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
         try:
-            pending = (await sub.consumer_info()).num_pending
-            while pending or sub.pending_msgs:
+            # Everything pushed to this client so far plus what the server still
+            # holds: the messages on their way count too, so none is missed.
+            info_now = await sub.consumer_info()
+            delivered = info_now.delivered.consumer_seq if info_now.delivered else 0
+            remaining = (info_now.num_pending or 0) + (delivered or 0)
+            while remaining > 0:
                 try:
                     msg = await sub.next_msg(timeout)
                 except NatsTimeoutError:
                     raise BusError(
                         f"audit stream {name} stopped delivering after {len(events)} events"
                     ) from None
+                remaining -= 1
                 try:
                     events.append(parse_event(msg.data))
                 except EventError as exc:
                     self._malformed(msg.subject, str(exc))
-                pending = msg.metadata.num_pending
         except (NatsError, TimeoutError) as exc:
             raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
         finally:

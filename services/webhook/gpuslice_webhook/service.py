@@ -122,6 +122,8 @@ async def main(settings: WebhookSettings) -> None:
             await state.serving  # uvicorn returns on SIGINT/SIGTERM
             log.info("stopping")
     finally:
-        await outbox.close()
-        if kube is not None:
-            await kube.close()
+        try:
+            await outbox.close()
+        finally:
+            if kube is not None:
+                await kube.close()
