@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuslice_webhook.admission import Admission
@@ -88,7 +89,7 @@ def create_app(admission: Admission, tls: ReloadingTls | None = None) -> FastAPI
         events = {} if outbox is None else {"nats": outbox.connected, "pending": outbox.pending}
         return {"status": "ready", "events": events}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_() -> Response:
         outbox = admission.outbox
         if outbox is not None:
