@@ -5,6 +5,7 @@ command line."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +252,17 @@ def test_bad_settings_exit_2_with_a_message(env: dict[str, str], message: str) -
     assert "Traceback" not in result.stderr
 
 
+def test_a_busy_port_exits_2_with_a_message() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_webhook(webhook_env(GPUSLICE_LISTEN_PORT=str(port)))
+    assert result.returncode == 2
+    assert f"gpuslice-webhook: cannot serve HTTP on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_unusable_certificate_exits_2(tmp_path: Path) -> None:
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_text("not a certificate\n")
@@ -262,28 +275,22 @@ def test_unusable_certificate_exits_2(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def post_until_up(port: int, body: dict[str, object], ca_file: Path, process: Any) -> Any:
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            url = f"https://127.0.0.1:{port}/mutate"
-            return httpx.post(url, json=body, verify=trusting(ca_file), timeout=2)
-        except httpx.TransportError:
-            assert process.poll() is None, process.stdout and process.stdout.read()
-            assert time.monotonic() < deadline, "the webhook did not start"
-            time.sleep(0.1)
+@contextlib.contextmanager
+def webhook_process(
+    tls_files: tuple[Path, Path], ca_file: Path, nats_url: str
+) -> Iterator[tuple[Callable[[dict[str, Any]], httpx.Response], subprocess.Popen[str]]]:
+    """``python -m gpuslice_webhook`` over HTTPS: (post a review, the process).
 
-
-def test_nats_lost_after_connecting_still_stops_cleanly(
-    tls_files: tuple[Path, Path], ca_file: Path, own_nats: NatsServer
-) -> None:
+    The first post waits for the webhook to listen. At the end the process gets
+    SIGTERM and must exit 0 without a traceback.
+    """
     cert_file, key_file = tls_files
     port = free_port()
     env = webhook_env(
         GPUSLICE_LISTEN_PORT=str(port),
         GPUSLICE_TLS_CERT_FILE=str(cert_file),
         GPUSLICE_TLS_KEY_FILE=str(key_file),
-        GPUSLICE_NATS_URL=own_nats.url,
+        GPUSLICE_NATS_URL=nats_url,
     )
     process = subprocess.Popen(
         [sys.executable, "-m", "gpuslice_webhook"],
@@ -292,15 +299,20 @@ def test_nats_lost_after_connecting_still_stops_cleanly(
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+    def post(body: dict[str, Any]) -> httpx.Response:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                url = f"https://127.0.0.1:{port}/mutate"
+                return httpx.post(url, json=body, verify=trusting(ca_file), timeout=5)
+            except httpx.TransportError:
+                assert process.poll() is None, process.stdout and process.stdout.read()
+                assert time.monotonic() < deadline, "the webhook did not start"
+                time.sleep(0.1)
+
     try:
-        body = review(pod(container("main", {MEM: "1000"})))
-        assert post_until_up(port, body, ca_file, process).status_code == 200
-        own_nats.stop()
-        for _ in range(5):  # admitted while NATS is away
-            reply = httpx.post(
-                f"https://127.0.0.1:{port}/mutate", json=body, verify=trusting(ca_file)
-            )
-            assert check_response(body, reply.json())["allowed"] is True
+        yield post, process
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=20)
         assert process.returncode == 0, output
@@ -311,33 +323,21 @@ def test_nats_lost_after_connecting_still_stops_cleanly(
             process.communicate()
 
 
+def test_nats_lost_after_connecting_still_stops_cleanly(
+    tls_files: tuple[Path, Path], ca_file: Path, own_nats: NatsServer
+) -> None:
+    body = review(pod(container("main", {MEM: "1000"})))
+    with webhook_process(tls_files, ca_file, own_nats.url) as (post, _):
+        assert post(body).status_code == 200
+        own_nats.stop()
+        for _ in range(5):  # admitted while NATS is away
+            assert check_response(body, post(body).json())["allowed"] is True
+
+
 def test_process_serves_https_without_nats_and_stops_on_sigterm(
     tls_files: tuple[Path, Path], ca_file: Path
 ) -> None:
-    cert_file, key_file = tls_files
-    port = free_port()
-    env = webhook_env(
-        GPUSLICE_LISTEN_PORT=str(port),
-        GPUSLICE_TLS_CERT_FILE=str(cert_file),
-        GPUSLICE_TLS_KEY_FILE=str(key_file),
-        GPUSLICE_NATS_URL=f"nats://127.0.0.1:{free_port()}",  # nobody listens
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gpuslice_webhook"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        body = review(pod(container("main", {MEM: "1000"})))
-        reply = post_until_up(port, body, ca_file, process)
-        assert check_response(body, reply.json())["allowed"] is True
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=15)
-        assert process.returncode == 0, output
-        assert "Traceback" not in output
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+    body = review(pod(container("main", {MEM: "1000"})))
+    nobody = f"nats://127.0.0.1:{free_port()}"
+    with webhook_process(tls_files, ca_file, nobody) as (post, _):
+        assert check_response(body, post(body).json())["allowed"] is True

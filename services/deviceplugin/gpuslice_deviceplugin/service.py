@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
+from gpuslice_common.service import http_server
 from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
@@ -38,14 +39,6 @@ log = logging.getLogger(__name__)
 
 CLEANUP_INTERVAL_S = 60.0
 GONE_PODS_INTERVAL_S = 2.0
-
-
-class _HttpServer(uvicorn.Server):
-    """uvicorn without signal handling of its own: SIGTERM stops the agent as a whole."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def kube_api(settings: DevicePluginSettings) -> KubeApi | None:
@@ -137,14 +130,6 @@ async def _every(seconds: float, step: Callable[[], Awaitable[object]], what: st
         await asyncio.sleep(seconds)
 
 
-async def _serve(server: uvicorn.Server) -> None:
-    try:
-        await server.serve()
-    except SystemExit:  # uvicorn exits when it cannot listen
-        config = server.config
-        raise OSError(f"cannot serve HTTP on {config.host}:{config.port}") from None
-
-
 def create_app(running: Running) -> FastAPI:
     app = FastAPI(title="gpuslice device plugin", docs_url=None, redoc_url=None)
 
@@ -210,8 +195,7 @@ async def running(
         settings, agent, plugin, link, Coordinator(host), host, ledger, registry, kube=kube
     )
     registry.register(RegionCollector(lambda: state.snapshot))
-    server: uvicorn.Server | None = None
-    serving: asyncio.Task[None] | None = None
+    http = contextlib.AsyncExitStack()
     try:
         await agent.refresh()
         log.info(
@@ -230,29 +214,22 @@ async def running(
             asyncio.create_task(_every(GONE_PODS_INTERVAL_S, state.refresh_gone, "pod check")),
         ]
         if serve_http:
-            server = _HttpServer(
-                uvicorn.Config(
-                    create_app(state),
-                    host=settings.listen_host,
-                    port=settings.metrics_port,
-                    log_level=settings.log_level.lower(),
-                    access_log=False,
-                    lifespan="off",
-                )
+            http_config = uvicorn.Config(
+                create_app(state),
+                host=settings.listen_host,
+                port=settings.metrics_port,
+                log_level=settings.log_level.lower(),
+                access_log=False,
+                lifespan="off",
             )
-            serving = asyncio.create_task(_serve(server), name="agent-http")
+            # SIGTERM stops the agent as a whole, not uvicorn alone
+            _, serving = await http.enter_async_context(
+                http_server(http_config, "agent-http", handle_signals=False)
+            )
             state.tasks.append(serving)
-            while not server.started:
-                if serving.done():
-                    serving.result()  # raises the start-up error (e.g. port in use)
-                    raise OSError("the HTTP server stopped during start-up")
-                await asyncio.sleep(0.01)
         yield state
     finally:
-        if server is not None and serving is not None:  # let it close its sockets first
-            server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(serving), 5.0)
+        await http.aclose()  # the HTTP server closes its sockets first
         for task in state.tasks:
             task.cancel()
         for task in state.tasks:

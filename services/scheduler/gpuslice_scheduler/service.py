@@ -14,6 +14,7 @@ from gpuslice_common.bus import Bus
 from gpuslice_common.config import SchedulerSettings
 from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.service import http_server
 from gpuslice_scheduler.app import create_app
 from gpuslice_scheduler.extender import SOURCE, Extender
 from gpuslice_scheduler.view import ClusterView
@@ -51,19 +52,10 @@ async def running(
         access_log=False,
         lifespan="off",
     )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve(), name="extender-http")
     try:
-        while not server.started:
-            if serving.done():
-                serving.result()  # raises the startup error (e.g. port in use)
-                raise RuntimeError("the HTTP server stopped during start-up")
-            await asyncio.sleep(0.01)
-        yield extender, serving
+        async with http_server(config, "extender-http") as (_, serving):
+            yield extender, serving
     finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await serving
         syncing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await syncing

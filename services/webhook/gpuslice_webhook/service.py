@@ -15,6 +15,7 @@ import uvicorn
 from gpuslice_common.config import WebhookSettings
 from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_common.outbox import Outbox
+from gpuslice_common.service import http_server
 from gpuslice_webhook.admission import SOURCE, Admission
 from gpuslice_webhook.app import create_app
 from gpuslice_webhook.metrics import Metrics
@@ -79,29 +80,22 @@ async def running(
         lifespan="off",
         ssl_context_factory=(lambda _config, _default: tls.context) if tls else None,
     )
-    server = uvicorn.Server(config)
     gc.freeze()  # what exists now lives as long as the process
-    serving = asyncio.create_task(server.serve(), name="webhook-http")
-    state = Running(settings, admission, tls, server, serving)
-    if tls is not None:
-        interval = settings.tls_reload_interval.total_seconds()
-        state.tasks.append(asyncio.create_task(tls.watch(interval), name="tls-watch"))
-    try:
-        while not server.started:
-            if serving.done():
-                serving.result()  # raises the start-up error (e.g. port in use)
-                raise OSError("the HTTP server stopped during start-up")
-            await asyncio.sleep(0.01)
+    async with contextlib.AsyncExitStack() as stack:
+        server, serving = await stack.enter_async_context(http_server(config, "webhook-http"))
+        state = Running(settings, admission, tls, server, serving)
+        if tls is not None:
+            interval = settings.tls_reload_interval.total_seconds()
+            watching = asyncio.create_task(tls.watch(interval), name="tls-watch")
+            state.tasks.append(watching)
+            stack.push_async_callback(_stop, watching)
         yield state
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(serving), 5.0)
-        for task in state.tasks:
-            task.cancel()
-        for task in state.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def main(settings: WebhookSettings) -> None:

@@ -1,0 +1,122 @@
+"""What every gpuslice service process shares: its command line and its HTTP server.
+
+:func:`run_service` is the body of each ``python -m gpuslice_<service>``: read
+the settings (exit 2 naming the bad variable), set up logging, run the service's
+``main`` on uvloop where it is installed, and turn the errors the service
+declares into a one-line message and an exit code, never a traceback.
+
+:func:`http_server` runs uvicorn for the block of a ``with``: it returns once the
+server listens, raises OSError when it cannot (uvicorn itself would exit the
+process), and stops the server when the block ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import uvicorn
+from pydantic_settings import BaseSettings
+
+from gpuslice_common.config import ConfigError, load
+
+S = TypeVar("S", bound=BaseSettings)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+STOP_TIMEOUT_S = 5.0
+
+
+def run_service(
+    name: str,
+    settings_class: type[S],
+    main: Callable[[S], Coroutine[Any, Any, None]],
+    *,
+    fatal: tuple[type[Exception], ...] = (),
+    failed: tuple[type[Exception], ...] = (OSError,),
+    uvloop: bool = True,
+) -> int:
+    """Run a service to its end; the process's exit code.
+
+    ``fatal`` errors are ones of setup (configuration, files): exit 2. ``failed``
+    errors are ones of running (a server unreachable for good): exit 1. Both are
+    printed as ``name: message``. ``uvloop=False`` keeps asyncio's own loop (for
+    libraries that need it, such as grpc.aio).
+    """
+    try:
+        settings = load(settings_class)
+    except ConfigError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    level = getattr(settings, "log_level", "INFO")
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    try:
+        if uvloop:
+            _run_loop(main(settings))
+        else:
+            asyncio.run(main(settings))
+    except fatal as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    except failed as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def _run_loop(coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop where it is installed (it is a dependency off Windows)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coroutine)
+    else:
+        uvloop.run(coroutine)
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without signal handling of its own: the service handles SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _serve(server: uvicorn.Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit:  # uvicorn exits when it cannot listen
+        config = server.config
+        raise OSError(f"cannot serve HTTP on {config.host}:{config.port}") from None
+
+
+@contextlib.asynccontextmanager
+async def http_server(
+    config: uvicorn.Config, name: str, *, handle_signals: bool = True
+) -> AsyncIterator[tuple[uvicorn.Server, asyncio.Task[None]]]:
+    """uvicorn serving ``config`` until the block ends: (server, its task).
+
+    With ``handle_signals`` uvicorn stops on SIGINT/SIGTERM and the task ends;
+    without, the service handles them. Raises OSError if it cannot listen.
+    """
+    server = uvicorn.Server(config) if handle_signals else _QuietServer(config)
+    serving = asyncio.create_task(_serve(server), name=name)
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()  # raises the start-up error
+                raise OSError(f"{name}: the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+        yield server, serving
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(serving), STOP_TIMEOUT_S)
+        if not serving.done():
+            serving.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await serving
