@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -524,3 +524,38 @@ async def test_a_cordoned_card_takes_no_new_reservation_and_keeps_its_pods(
     assert await ledger.check_node("n1") == []
     with pytest.raises(LedgerError, match="has no card GPU-n1-9"):
         await ledger.cordon("n1", "GPU-n1-9")
+
+
+# ---------------------------------------------------------------- node liveness
+
+
+async def test_a_node_is_marked_unavailable_only_when_its_heartbeat_is_old(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("n1", gpus=2))
+    await ledger.reserve(placement("p1", "n1", [[(0, 1000, 10)]]))
+    revision = (await ledger.revisions(["n1"]))["n1"]
+    beat = (await ledger.node_liveness(["n1"]))["n1"].heartbeat
+    assert beat is not None
+    assert not await ledger.mark_unavailable("n1", beat)  # not older than the cutoff
+    assert await ledger.mark_unavailable("n1", beat + timedelta(milliseconds=1))
+    assert not await ledger.mark_unavailable("n1", beat + timedelta(hours=1))  # once
+    cards = await ledger.node_gpus("n1")
+    assert [c.device.healthy for c in cards] == [False, False]
+    assert cards[0].used.memory_mib == 1000
+    assert (await ledger.revisions(["n1"]))["n1"] > revision  # the scheduler sees it
+    liveness = (await ledger.node_liveness(["n1"]))["n1"]
+    assert liveness.unavailable_since is not None
+    # the next registration brings the node back with its own health
+    inventory = make_inventory("n1", gpus=2)
+    sick = inventory.devices[1].model_copy(update={"healthy": False})
+    await ledger.register_node(
+        inventory.model_copy(update={"devices": (inventory.devices[0], sick)})
+    )
+    assert [c.device.healthy for c in await ledger.node_gpus("n1")] == [True, False]
+    assert (await ledger.node_liveness(["n1"]))["n1"].unavailable_since is None
+
+
+async def test_unknown_nodes_have_no_liveness(ledger: Ledger) -> None:
+    assert not await ledger.mark_unavailable("ghost", datetime.now(UTC))
+    liveness = (await ledger.node_liveness(["ghost"]))["ghost"]
+    assert liveness.heartbeat is None
+    assert liveness.unavailable_since is None

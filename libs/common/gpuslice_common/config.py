@@ -217,10 +217,22 @@ class SchedulerSettings(CommonSettings):
 
 
 class InventorySettings(CommonSettings):
+    """The inventory: node registration, liveness, telemetry, releases, metrics."""
+
     listen_host: str = "0.0.0.0"
     listen_port: Annotated[int, Field(ge=1, le=65535)] = 9090
+    # the node agents' heartbeat; a node silent for three of them is unavailable
     heartbeat_interval: Duration = timedelta(seconds=10)
+    # a reservation never allocated within this is released as expired
     reservation_ttl: Duration = timedelta(minutes=5)
+    # how often the replica holding the lease checks liveness and expiry
+    sweep_interval: Duration = timedelta(seconds=5)
+    # how long a replica's lease on the periodic jobs lasts without renewal
+    lease_ttl: Duration = timedelta(seconds=15)
+    # a container's telemetry counts for this long after its last sample
+    telemetry_ttl: Duration = timedelta(seconds=30)
+    # how often the per-GPU metrics are read from the ledger
+    metrics_interval: Duration = timedelta(seconds=5)
 
 
 class DevicePluginSettings(CommonSettings):

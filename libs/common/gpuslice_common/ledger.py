@@ -113,6 +113,14 @@ class Allocation:
 
 
 @dataclass(frozen=True)
+class NodeLiveness:
+    """When a node's agent last registered, and since when it counts as gone."""
+
+    heartbeat: datetime | None
+    unavailable_since: datetime | None
+
+
+@dataclass(frozen=True)
 class Release:
     placement: Placement
     first: bool  # False when the pod had already been released
@@ -204,7 +212,16 @@ class Ledger:
         self._gate = asyncio.Semaphore(max_in_flight)
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(_script_source(name))
-            for name in ("reserve", "bind", "allocate", "release", "register", "index", "cordon")
+            for name in (
+                "reserve",
+                "bind",
+                "allocate",
+                "release",
+                "register",
+                "index",
+                "cordon",
+                "unavailable",
+            )
         }
 
     @classmethod
@@ -370,6 +387,27 @@ class Ledger:
         reply = await self._run("cordon", self.node_keys(node).all(), [card, int(cordoned)])
         if reply[0] != "ok":
             raise LedgerError(f"node {node} has no card {card}")
+
+    @_gated
+    async def mark_unavailable(self, node: str, heartbeat_before: datetime) -> bool:
+        """Mark a node whose last heartbeat is older than ``heartbeat_before``: its
+        cards become unhealthy (nothing new is placed there) while its reservations
+        stay. True when this call marked it; its next registration undoes it."""
+        cutoff = int(heartbeat_before.timestamp() * 1000)
+        [outcome] = await self._run("unavailable", self.node_keys(node).all(), [cutoff])
+        return outcome == "marked"
+
+    @_gated
+    async def node_liveness(self, nodes: Sequence[str]) -> dict[str, NodeLiveness]:
+        """Each node's last heartbeat and, if marked, since when it is unavailable."""
+        pipe = self.redis.pipeline(transaction=False)
+        for node in nodes:
+            pipe.hmget(self.node_keys(node).meta, ["heartbeat", "unavailable"])
+        replies = await pipe.execute()
+        return {
+            node: NodeLiveness(_ms_to_datetime(beat), _ms_to_datetime(gone))
+            for node, (beat, gone) in zip(nodes, replies, strict=True)
+        }
 
     @_gated
     async def nodes(self) -> list[str]:
@@ -691,6 +729,7 @@ __all__ = [
     "LedgerError",
     "LedgerUnavailable",
     "NodeKeys",
+    "NodeLiveness",
     "NotReserved",
     "Release",
     "ReservationConflict",

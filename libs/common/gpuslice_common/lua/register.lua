@@ -41,5 +41,6 @@ if #order > 0 then
 end
 redis.call('HSET', META, 'devices', devices, 'heartbeat', now, 'config', cjson.encode(inv.config))
 redis.call('HSETNX', META, 'registered', now)
+redis.call('HDEL', META, 'unavailable')
 bump()
 return #order
