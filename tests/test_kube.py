@@ -282,6 +282,20 @@ async def test_list_pods_asks_for_running_pods_and_follows_continue(
         assert request.query["limit"] == "500"
 
 
+async def test_list_all_pods_reads_every_namespace_in_pages(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    def pages(query: dict[str, str]) -> dict[str, Any]:
+        if query.get("continue") == "next":
+            return a_list("PodList", [pod_named("done")])
+        return a_list("PodList", [pod_named("a")], token="next")
+
+    server.answer("GET", "/api/v1/pods", 200, pages)
+    pods = await api.list_all_pods()
+    assert [pod["metadata"]["name"] for pod in pods] == ["a", "done"]
+    assert all("fieldSelector" not in r.query for r in server.requests)  # every phase
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [
@@ -579,6 +593,7 @@ async def test_local_satisfies_the_interface() -> None:
     assert (await api.get_namespace("ns"))["metadata"]["name"] == "ns"
     assert await api.list_resource_quotas("ns") == []
     assert [pod["metadata"]["name"] for pod in await api.list_pods("ns")] == ["name"]
+    assert [pod["metadata"]["name"] for pod in await api.list_all_pods()] == ["name"]
     await api.close()
     assert isinstance(api, LocalKubeApi)
     assert api.closed

@@ -106,6 +106,10 @@ class KubeApi(Protocol):
         """The namespace's pods that have not terminated: phase neither Succeeded nor Failed."""
         ...
 
+    async def list_all_pods(self) -> list[dict[str, Any]]:
+        """Every pod of every namespace, whatever its phase (reconciliation)."""
+        ...
+
     async def close(self) -> None:
         """Release connections; the object is not used afterwards."""
         ...
@@ -301,6 +305,17 @@ class KubernetesApi:
             )
 
         return await self._list(f"listing pods of namespace {namespace}", page)
+
+    async def list_all_pods(self) -> list[dict[str, Any]]:
+        def page(token: str | None) -> Any:
+            return self._core.list_pod_for_all_namespaces(
+                limit=PAGE_SIZE,
+                _continue=token,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+
+        return await self._list("listing the pods of every namespace", page)
 
     async def _list(self, what: str, page: Callable[[str | None], Any]) -> list[dict[str, Any]]:
         """Every item of a paged list, following ``metadata.continue``."""
@@ -512,6 +527,9 @@ class LocalKubeApi:
             for (ns, _), pod in self._pods.items()
             if ns == namespace and (pod.get("status") or {}).get("phase") not in TERMINATED_PHASES
         ]
+
+    async def list_all_pods(self) -> list[dict[str, Any]]:
+        return [copy.deepcopy(pod) for pod in self._pods.values()]
 
     async def close(self) -> None:
         self.closed = True

@@ -468,10 +468,25 @@ class Ledger:
         """
         return (await self.reserve_new(placement))[0]
 
+    async def restore(self, placement: Placement, running: bool) -> tuple[Placement, bool]:
+        """Put back a pod's reservation from its own durable record (after Redis lost
+        it): as allocated when its containers run, else reserved then bound, as a
+        bound pod is. The devices are counted whether or not they fit now (the pod
+        holds them); only the cards must be known. Returns the placement and
+        whether this call restored it."""
+        state = "allocated" if running else "bound"
+        restored, new = await self.reserve_new(placement, restoring=state)
+        if new and not running:
+            restored = await self.mark_bound(placement.pod.uid, placement.node)
+        return restored, new
+
     @_gated
-    async def reserve_new(self, placement: Placement) -> tuple[Placement, bool]:
+    async def reserve_new(
+        self, placement: Placement, *, restoring: str = ""
+    ) -> tuple[Placement, bool]:
         """:meth:`reserve`, also saying whether this call made the reservation (True)
-        or found the pod's live one on the node (False)."""
+        or found the pod's live one on the node (False). ``restoring`` is for
+        :meth:`restore` only: no fit checks, the pod holds the devices already."""
         uid, node = placement.pod.uid, placement.node
         mine, shared = await self._claim(uid, node)
         footprint = [
@@ -480,7 +495,8 @@ class Ledger:
         ]
         record = placement.model_dump(mode="json", include={"pod", "node", "containers", "policy"})
         keys = self.node_keys(node).all()
-        reply = await self._run("reserve", keys, [uid, json.dumps(record), json.dumps(footprint)])
+        args = [uid, json.dumps(record), json.dumps(footprint), restoring]
+        reply = await self._run("reserve", keys, args)
         if reply[0] == "fail":
             if not shared:
                 await self._index("abandon", uid, mine)

@@ -2,6 +2,8 @@
 -- ARGV[1] pod uid
 -- ARGV[2] placement record (JSON object, without state or times)
 -- ARGV[3] footprint: JSON list of [uuid, memory_mib, cores, slots, exclusive(0|1)]
+-- ARGV[4] optional, restoring a pod's own record: 'allocated' (its containers
+--         run) or 'bound'; no fit checks, only that the cards exist
 -- Returns {'ok', record} | {'exists', record} | {'fail', uuid, reason}
 local uid = ARGV[1]
 local existing = load_pod(uid)
@@ -9,6 +11,7 @@ if existing and existing.state ~= 'released' then
   return {'exists', redis.call('HGET', PODS, uid)}
 end
 
+local restoring = (ARGV[4] or '') ~= ''
 local fp = cjson.decode(ARGV[3])
 for _, f in ipairs(fp) do
   local u, mem, cores, slots, excl = f[1], f[2], f[3], f[4], f[5]
@@ -18,32 +21,35 @@ for _, f in ipairs(fp) do
   if gget(u, 'present') ~= '1' then
     return {'fail', u, 'CardNotFound'}
   end
-  if gget(u, 'healthy') ~= '1' then
-    return {'fail', u, 'CardNotHealth'}
-  end
-  if gget(u, 'cordoned') == '1' then
-    return {'fail', u, 'CardCordoned'}
-  end
-  local owner = gget(u, 'owner') or ''
-  if owner ~= '' then
-    return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
-  end
-  local used_slots, used_cores = gnum(u, 'slots'), gnum(u, 'cores')
-  local cap_cores = gnum(u, 'cap_cores')
-  if used_slots + slots > gnum(u, 'cap_slots') then
-    return {'fail', u, 'CardTimeSlicingExhausted'}
-  end
-  if gnum(u, 'mem') + mem > gnum(u, 'cap_mem') then
-    return {'fail', u, 'CardInsufficientMemory'}
-  end
-  if used_cores + cores > cap_cores then
-    return {'fail', u, 'CardInsufficientCore'}
-  end
-  if excl == 1 and used_slots > 0 then
-    return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
-  end
-  if cores == 0 and used_cores >= cap_cores then
-    return {'fail', u, 'CardComputeUnitsExhausted'}
+  -- A restored pod holds these devices already: they are counted, fit or not.
+  if not restoring then
+    if gget(u, 'healthy') ~= '1' then
+      return {'fail', u, 'CardNotHealth'}
+    end
+    if gget(u, 'cordoned') == '1' then
+      return {'fail', u, 'CardCordoned'}
+    end
+    local owner = gget(u, 'owner') or ''
+    if owner ~= '' then
+      return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
+    end
+    local used_slots, used_cores = gnum(u, 'slots'), gnum(u, 'cores')
+    local cap_cores = gnum(u, 'cap_cores')
+    if used_slots + slots > gnum(u, 'cap_slots') then
+      return {'fail', u, 'CardTimeSlicingExhausted'}
+    end
+    if gnum(u, 'mem') + mem > gnum(u, 'cap_mem') then
+      return {'fail', u, 'CardInsufficientMemory'}
+    end
+    if used_cores + cores > cap_cores then
+      return {'fail', u, 'CardInsufficientCore'}
+    end
+    if excl == 1 and used_slots > 0 then
+      return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
+    end
+    if cores == 0 and used_cores >= cap_cores then
+      return {'fail', u, 'CardComputeUnitsExhausted'}
+    end
   end
 end
 
@@ -62,6 +68,12 @@ rec.state = 'reserved'
 rec.footprint = fp
 rec.allocated_containers = 0
 rec.times = {reserved = now_ms()}
+if ARGV[4] == 'allocated' then
+  -- restored from the pod's own record: its containers already run
+  rec.state = 'allocated'
+  rec.allocated_containers = #rec.containers
+  rec.times.allocated = rec.times.reserved
+end
 redis.call('ZREM', RELEASED, uid)
 bump()
 return {'ok', save_pod(uid, rec)}
