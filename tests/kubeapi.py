@@ -41,14 +41,25 @@ class Recorded:
 
 
 @dataclass
+class Stream:
+    """A watch's answer: each event a JSON line in its own HTTP chunk, then the
+    response held open ``hold`` seconds (or until the server stops) and ended."""
+
+    events: list[Any]
+    hold: float = 0.0
+
+
+@dataclass
 class FakeApiServer:
     """Answers (method, path) from ``routes`` with (status, JSON body[, delay]);
     anything else gets a 404 Status. A body that is callable is called with the
-    request's query parameters (e.g. to answer each page of a list)."""
+    request's query parameters (e.g. to answer each page of a list, or each
+    watch with a :class:`Stream`)."""
 
     host: str = ""
     requests: list[Recorded] = field(default_factory=list)
     routes: dict[tuple[str, str], tuple[int, Any, float]] = field(default_factory=dict)
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     def answer(self, method: str, path: str, status: int, body: Any, delay: float = 0.0) -> None:
         self.routes[(method, path)] = (status, body, delay)
@@ -74,6 +85,9 @@ def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 answer = answer(recorded.query)
             if delay:
                 time.sleep(delay)
+            if isinstance(answer, Stream):
+                self._stream(status, answer)
+                return
             data = json.dumps(answer).encode()
             try:
                 self.send_response(status)
@@ -83,6 +97,21 @@ def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(data)
             except OSError:
                 pass  # the client gave up (timeout test)
+
+        def _stream(self, status: int, stream: Stream) -> None:
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for event in stream.events:
+                    line = event if isinstance(event, bytes) else json.dumps(event).encode() + b"\n"
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    self.wfile.flush()
+                state.stopping.wait(stream.hold)
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                pass  # the client went away
 
         do_GET = do_POST = do_PATCH = _serve
 
@@ -101,6 +130,7 @@ def fake_api_server() -> Iterator[FakeApiServer]:
     try:
         yield state
     finally:
+        state.stopping.set()
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=5)

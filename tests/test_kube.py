@@ -4,10 +4,12 @@ LocalKubeApi's rules."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,10 @@ from gpuslice_common.kube import (
     LocalKubeApi,
     NotFound,
     PodNotFound,
+    WatchEvent,
+    WatchExpired,
 )
-from tests.kubeapi import FakeApiServer, fake_api_server, status_body
+from tests.kubeapi import FakeApiServer, Stream, fake_api_server, status_body
 
 POD_PATH = "/api/v1/namespaces/ns/pods/name"
 NAMESPACE_PATH = "/api/v1/namespaces/team-a"
@@ -329,6 +333,112 @@ async def test_list_forbidden_is_kube_error_with_server_message(
     )
 
 
+# --- KubernetesApi: watching pods ------------------------------------------------
+
+
+async def first_events(api: KubeApi, count: int, resource_version: str = "") -> list[WatchEvent]:
+    got: list[WatchEvent] = []
+    async for event in api.watch_pods(resource_version):
+        got.append(event)
+        if len(got) == count:
+            break
+    return got
+
+
+async def test_watch_streams_events_and_asks_for_bookmarks(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    running = {**pod_named("a"), "status": {"phase": "Running"}}
+    events = [
+        {"type": "ADDED", "object": pod_named("a")},
+        {"type": "MODIFIED", "object": running},
+        {"type": "BOOKMARK", "object": {"kind": "Pod", "metadata": {"resourceVersion": "77"}}},
+        {"type": "DELETED", "object": running},
+    ]
+    server.answer("GET", "/api/v1/pods", 200, Stream(events))
+    got = [event async for event in api.watch_pods("41")]
+    assert got == [(e["type"], e["object"]) for e in events]
+    (request,) = server.requests
+    assert request.query["watch"] == "true"
+    assert request.query["allowWatchBookmarks"] == "true"
+    assert request.query["resourceVersion"] == "41"
+    assert request.query["timeoutSeconds"] == "300"
+
+
+async def test_watch_from_now_sends_no_resource_version(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    server.answer("GET", "/api/v1/pods", 200, Stream([{"type": "ADDED", "object": POD}]))
+    assert await first_events(api, 1) == [("ADDED", POD)]
+    assert "resourceVersion" not in server.requests[0].query
+
+
+async def test_watch_event_split_across_chunks_is_joined(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    line = json.dumps({"type": "ADDED", "object": POD}).encode() + b"\n"
+    server.answer("GET", "/api/v1/pods", 200, Stream([line[:10], line[10:25], line[25:]]))
+    assert [event async for event in api.watch_pods()] == [("ADDED", POD)]
+
+
+async def test_watch_of_a_gone_version_raises_watch_expired(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    gone = status_body(410, "Expired", "too old resource version: 41 (900)")
+    server.answer("GET", "/api/v1/pods", 200, Stream([{"type": "ERROR", "object": gone}]))
+    with pytest.raises(WatchExpired, match="too old resource version: 41"):
+        await first_events(api, 1, "41")
+    server.answer("GET", "/api/v1/pods", 410, gone)
+    with pytest.raises(WatchExpired, match="too old resource version: 41"):
+        await first_events(api, 1, "41")
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        (b"not json\n", "sent no JSON"),
+        (b'{"object": {}}\n', "sent an event without a type"),
+        (json.dumps({"type": "ERROR", "object": status_body(500, "x", "boom")}) + "\n", "boom"),
+    ],
+)
+async def test_watch_garbage_is_a_kube_error(
+    server: FakeApiServer, api: KubernetesApi, line: bytes | str, says: str
+) -> None:
+    raw = line.encode() if isinstance(line, str) else line
+    server.answer("GET", "/api/v1/pods", 200, Stream([raw]))
+    with pytest.raises(KubeError, match=says) as caught:
+        await first_events(api, 1)
+    assert "watching the pods of every namespace" in str(caught.value)
+
+
+async def test_watch_forbidden_is_a_kube_error_with_server_message(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    denied = 'pods is forbidden: User "x" cannot watch resource "pods"'
+    server.answer("GET", "/api/v1/pods", 403, status_body(403, "Forbidden", denied))
+    with pytest.raises(KubeError, match="HTTP 403 Forbidden: " + denied):
+        await first_events(api, 1)
+
+
+async def test_leaving_a_quiet_watch_is_quick_and_leaves_no_thread_reading(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    server.answer("GET", "/api/v1/pods", 200, Stream([{"type": "ADDED", "object": POD}], hold=60))
+    # One worker thread: while it is still blocked reading, nothing else runs.
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+    events = api.watch_pods()
+    assert await anext(events) == ("ADDED", POD)
+    reading = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0.2)  # the worker thread is now blocked on the quiet stream
+    started = time.monotonic()
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    await events.aclose()
+    await asyncio.wait_for(asyncio.to_thread(lambda: None), 5)
+    assert time.monotonic() - started < 3
+
+
 def test_pod_not_found_is_a_not_found() -> None:
     assert issubclass(PodNotFound, NotFound)
     assert issubclass(NotFound, KubeError)
@@ -585,6 +695,42 @@ async def test_local_list_pods_leaves_out_terminated_pods_and_other_namespaces()
     again = await api.list_pods("team-a")
     assert sorted(pod["metadata"]["name"] for pod in again) == ["no-status", "pending", "running"]
     assert await api.list_pods("nowhere") == []
+
+
+async def test_local_watch_from_now_lists_then_follows_every_change() -> None:
+    api = local_with_pod()
+    events = api.watch_pods()
+    assert (await anext(events))[0] == "ADDED"
+    api.add_pod(pod_named("b"))
+    await api.bind_pod("ns", "name", "uid-1", "node-a")
+    api.set_phase("ns", "name", "Succeeded")
+    api.delete_pod("ns", "name")
+    got = [await anext(events) for _ in range(4)]
+    await events.aclose()
+    assert [(kind, pod["metadata"]["name"]) for kind, pod in got] == [
+        ("ADDED", "b"),
+        ("MODIFIED", "name"),
+        ("MODIFIED", "name"),
+        ("DELETED", "name"),
+    ]
+    assert got[1][1]["spec"]["nodeName"] == "node-a"
+    assert got[2][1]["status"]["phase"] == "Succeeded"
+    versions = [int(pod["metadata"]["resourceVersion"]) for _, pod in got]
+    assert versions == sorted(set(versions))
+
+
+async def test_local_watch_resumes_from_a_version_and_refuses_a_gone_one() -> None:
+    api = LocalKubeApi()
+    api.add_pod(pod_named("a"))
+    since = (await api.list_all_pods())[0]["metadata"]["resourceVersion"]
+    api.delete_pod("team-a", "a")
+    assert [kind for kind, _ in await first_events(api, 1, since)] == ["DELETED"]
+    for i in range(1100):  # more than the history holds
+        api.add_pod(pod_named(f"p{i}"))
+    with pytest.raises(WatchExpired):
+        await first_events(api, 1, since)
+    with pytest.raises(WatchExpired):
+        await first_events(api, 1, "not-a-version")
 
 
 async def test_local_satisfies_the_interface() -> None:

@@ -2,12 +2,14 @@
 
 :class:`KubeApi` is the interface: read a Pod, merge-patch its annotations, bind it
 to a node; read a Namespace, list a namespace's ResourceQuotas and its pods that
-have not terminated (what admission checks). Two implementations stand behind it:
+have not terminated (what admission checks); list every pod, or watch them
+change. Two implementations stand behind it:
 
 * :class:`KubernetesApi` speaks to a real API server through the official
   ``kubernetes`` client. The client is blocking, so every call runs in a worker
   thread, under a request timeout. Objects come back as the server's own JSON
-  (camelCase keys), never as client model objects; lists are read page by page.
+  (camelCase keys), never as client model objects; lists are read page by page;
+  a watch is one streamed request, read chunk by chunk in a worker thread.
 * :class:`LocalKubeApi` keeps Pods, namespace labels and ResourceQuotas in
   memory, for the dev stack and for tests of the services that use this interface.
 
@@ -19,12 +21,14 @@ operator; :class:`NotFound` (404; :class:`PodNotFound` for a pod) and
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import copy
 import functools
 import json
 import os
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import urllib3
 from kubernetes import client as k8s
@@ -40,6 +44,8 @@ __all__ = [
     "LocalKubeApi",
     "NotFound",
     "PodNotFound",
+    "WatchEvent",
+    "WatchExpired",
 ]
 
 DEFAULT_TIMEOUT = 5.0
@@ -49,6 +55,14 @@ RUNNING_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 TERMINATED_PHASES = ("Succeeded", "Failed")
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "gpuslice"
+# How long one watch request lasts before the server ends it and it is renewed.
+WATCH_SECONDS = 300
+WATCH_HISTORY = 1000  # LocalKubeApi: changes a resumed watch can catch up on
+T = TypeVar("T")
+
+# One change of a watched object: the type (ADDED, MODIFIED, DELETED, BOOKMARK)
+# and the object as the server sent it.
+WatchEvent = tuple[str, dict[str, Any]]
 
 
 class KubeError(Exception):
@@ -68,6 +82,10 @@ class NotFound(KubeError):
 
 class PodNotFound(NotFound):
     """The pod (or its namespace) does not exist."""
+
+
+class WatchExpired(KubeError):
+    """The resource version a watch started from is gone (HTTP 410): start again from now."""
 
 
 class Conflict(KubeError):
@@ -108,6 +126,13 @@ class KubeApi(Protocol):
 
     async def list_all_pods(self) -> list[dict[str, Any]]:
         """Every pod of every namespace, whatever its phase (reconciliation)."""
+        ...
+
+    def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
+        """The changes of every pod after ``resource_version`` (when empty: an
+        ADDED for each pod that exists, then the changes), until the server ends
+        the watch. BOOKMARK events only carry the resource version reached.
+        Raises :class:`WatchExpired` when ``resource_version`` is too old."""
         ...
 
     async def close(self) -> None:
@@ -317,6 +342,56 @@ class KubernetesApi:
 
         return await self._list("listing the pods of every namespace", page)
 
+    async def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
+        what = "watching the pods of every namespace"
+
+        def start() -> Any:
+            return self._core.list_pod_for_all_namespaces(
+                watch=True,
+                allow_watch_bookmarks=True,
+                resource_version=resource_version or None,
+                timeout_seconds=WATCH_SECONDS,
+                _preload_content=False,
+                # (connect, read): a read waits out a quiet watch, not a dead server
+                _request_timeout=(self._timeout, WATCH_SECONDS + 30),
+            )
+
+        not_found = f"{what} failed"
+        response = await self._guarded(what, start, not_found=not_found)
+        chunks = response.stream(64 * 1024)
+        pending = b""
+        try:
+            while True:
+                chunk: bytes = await self._guarded(
+                    what, functools.partial(next, chunks, b""), not_found=not_found
+                )
+                if not chunk:
+                    return
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    if line.strip():
+                        yield self._watch_event(line, what)
+        finally:
+            # Wakes the worker thread still blocked reading, so nothing lingers.
+            with contextlib.suppress(Exception):
+                response.shutdown()
+            with contextlib.suppress(Exception):
+                response.close()
+
+    def _watch_event(self, line: bytes, what: str) -> WatchEvent:
+        event = self._object(line, what)
+        kind, obj = event.get("type"), event.get("object")
+        if not isinstance(kind, str) or not isinstance(obj, dict):
+            raise KubeError(f"{what}: the API server at {self.host} sent an event without a type")
+        if kind == "ERROR":
+            code = obj.get("code")
+            message = str(obj.get("message") or "no message")
+            if code == 410:
+                raise WatchExpired(f"{what}: {message}", 410)
+            raise KubeError(f"{what} failed: HTTP {code}: {message}", code)
+        return kind, obj
+
     async def _list(self, what: str, page: Callable[[str | None], Any]) -> list[dict[str, Any]]:
         """Every item of a paged list, following ``metadata.continue``."""
         items: list[dict[str, Any]] = []
@@ -357,13 +432,25 @@ class KubernetesApi:
     ) -> bytes:
         """Run one blocking request in a thread; return the raw body, or raise a KubeError
         (a 404 as ``missing``, its message starting with ``not_found``)."""
+        return await self._guarded(
+            what, lambda: _read_body(request()), not_found=not_found, missing=missing
+        )
 
-        def run() -> bytes:
-            return _read_body(request())
-
+    async def _guarded(
+        self,
+        what: str,
+        work: Callable[[], T],
+        *,
+        not_found: str,
+        missing: type[NotFound] = NotFound,
+    ) -> T:
+        """Run blocking client work in a thread, its failures as :class:`KubeError`s."""
         try:
-            return await asyncio.to_thread(run)
+            return await asyncio.to_thread(work)
         except ApiException as error:
+            if error.status == 410:
+                message = _server_message(error.body) or "expired"
+                raise WatchExpired(f"{what}: {message}", 410) from None
             raise self._api_error(what, error, not_found, missing) from None
         except (urllib3.exceptions.HTTPError, OSError) as error:
             raise KubeError(
@@ -414,6 +501,21 @@ class LocalKubeApi:
         self.bindings: list[tuple[str, str, str]] = []
         self.patches: list[tuple[str, str, dict[str, str | None]]] = []
         self.closed = False
+        self._version = 0
+        # The last WATCH_HISTORY pod changes, for watches that resume from a version.
+        self._history: collections.deque[tuple[int, WatchEvent]] = collections.deque(
+            maxlen=WATCH_HISTORY
+        )
+        self._watchers: set[asyncio.Queue[tuple[int, WatchEvent]]] = set()
+
+    def _changed(self, kind: str, pod: dict[str, Any]) -> None:
+        """Give the pod a new resource version and tell the watchers."""
+        self._version += 1
+        pod["metadata"]["resourceVersion"] = str(self._version)
+        change = (self._version, (kind, copy.deepcopy(pod)))
+        self._history.append(change)
+        for queue in self._watchers:
+            queue.put_nowait(change)
 
     def add_pod(self, pod: Mapping[str, Any]) -> None:
         """Store (a copy of) ``pod``, replacing any pod of the same namespace and name."""
@@ -423,7 +525,9 @@ class LocalKubeApi:
         if not isinstance(name, str) or not name:
             raise ValueError("a pod needs metadata.name")
         namespace = metadata.setdefault("namespace", "default")
+        replaced = self._pods.get((namespace, name))
         self._pods[(namespace, name)] = stored
+        self._changed("ADDED" if replaced is None else "MODIFIED", stored)
 
     def learn(self, pod: Mapping[str, Any]) -> bool:
         """Store ``pod`` unless a pod of that name and UID is already held; True if stored.
@@ -459,8 +563,16 @@ class LocalKubeApi:
         self._quotas[(namespace, name)] = stored
 
     def delete_pod(self, namespace: str, name: str) -> None:
-        if self._pods.pop((namespace, name), None) is None:
+        pod = self._pods.pop((namespace, name), None)
+        if pod is None:
             raise PodNotFound(f"pod {_pod_ref(namespace, name)} not found", 404)
+        self._changed("DELETED", pod)
+
+    def set_phase(self, namespace: str, name: str, phase: str) -> None:
+        """Set the pod's ``status.phase``, as its kubelet would report it."""
+        pod = self._pod(namespace, name)
+        pod.setdefault("status", {})["phase"] = phase
+        self._changed("MODIFIED", pod)
 
     def pods(self) -> list[dict[str, Any]]:
         """Copies of every stored pod."""
@@ -491,6 +603,7 @@ class LocalKubeApi:
             metadata["annotations"] = current
         else:
             metadata.pop("annotations", None)
+        self._changed("MODIFIED", pod)
 
     async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
         pod = self._pod(namespace, name)
@@ -510,6 +623,7 @@ class LocalKubeApi:
             )
         spec["nodeName"] = node
         self.bindings.append((namespace, name, node))
+        self._changed("MODIFIED", pod)
 
     async def get_namespace(self, name: str) -> dict[str, Any]:
         metadata: dict[str, Any] = {"name": name}
@@ -530,6 +644,27 @@ class LocalKubeApi:
 
     async def list_all_pods(self) -> list[dict[str, Any]]:
         return [copy.deepcopy(pod) for pod in self._pods.values()]
+
+    async def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
+        queue: asyncio.Queue[tuple[int, WatchEvent]] = asyncio.Queue()
+        if not resource_version:
+            for pod in self._pods.values():
+                queue.put_nowait((self._version, ("ADDED", copy.deepcopy(pod))))
+        else:
+            since = int(resource_version) if resource_version.isdigit() else -1
+            oldest = self._history[0][0] if self._history else self._version + 1
+            if since < 0 or since > self._version or since + 1 < oldest:
+                raise WatchExpired(f"watching pods: too old resource version: {resource_version}")
+            for change in self._history:
+                if change[0] > since:
+                    queue.put_nowait(change)
+        self._watchers.add(queue)
+        try:
+            while True:
+                _, event = await queue.get()
+                yield event
+        finally:
+            self._watchers.discard(queue)
 
     async def close(self) -> None:
         self.closed = True
