@@ -83,6 +83,7 @@ def test_a_custom_prefix_replaces_the_first_token() -> None:
     assert subjects.inventory_all == "my-co.inventory.*"
     assert subjects.telemetry_all == "my-co.telemetry.*.*"
     assert subjects.events_all == "my-co.events.>"
+    assert subjects.pod_ended == "my-co.pods.ended"
 
 
 # ---------------------------------------------------------------- node and uid tokens
@@ -226,6 +227,8 @@ def test_wildcards_match_exactly_their_subjects() -> None:
     assert matches(s.events_all, ev)
     assert not matches(s.events_all, inv)
     assert not matches(Subjects("other").events_all, ev)
+    for wildcard in (s.inventory_all, s.telemetry_all, s.events_all):
+        assert not matches(wildcard, s.pod_ended)
 
 
 # ---------------------------------------------------------------- properties

@@ -233,6 +233,13 @@ class InventorySettings(CommonSettings):
     telemetry_ttl: Duration = timedelta(seconds=30)
     # how often the per-GPU metrics are read from the ledger
     metrics_interval: Duration = timedelta(seconds=5)
+    # "cluster": watch and reconcile pods through the Kubernetes API; "none":
+    # no API server (the dev stack), pod ends come as reports on the bus
+    kube_api: Literal["cluster", "none"] = "cluster"
+    # how often the ledger is rebuilt from pod annotations and pods gone released
+    reconcile_interval: Duration = timedelta(seconds=60)
+    # a reservation this young is never released for a pod missing from the list
+    reconcile_grace: Duration = timedelta(seconds=30)
 
 
 class DevicePluginSettings(CommonSettings):

@@ -374,6 +374,15 @@ def _add(
     return phase
 
 
+class PodEnded(Frozen):
+    """A pod that no longer holds its devices: it terminated (``Succeeded``,
+    ``Failed``) or was deleted. Where no API server can be watched (the dev
+    stack), whatever stands in for it says so on the bus."""
+
+    pod: PodRef
+    phase: Literal["Succeeded", "Failed", "Deleted"]
+
+
 # ---------------------------------------------------------------- telemetry
 
 

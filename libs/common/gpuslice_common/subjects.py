@@ -62,6 +62,11 @@ class Subjects:
     def telemetry_all(self) -> str:
         return f"{self.prefix}.telemetry.*.*"
 
+    # stand-in for the API server (dev stack) -> inventory
+    @property
+    def pod_ended(self) -> str:
+        return f"{self.prefix}.pods.ended"
+
     # audited events
     def event(self, event_type: EventType) -> str:
         return f"{self.prefix}.events.{event_type.suffix}"
