@@ -1,0 +1,206 @@
+"""Prometheus metrics of the inventory (names and labels listed in docs/architecture.md).
+
+Cluster state (per GPU, per container, pods by state) is read from the ledger
+and the telemetry store every ``metrics_interval`` by :meth:`ClusterMetrics.refresh`
+and served from that snapshot, so a scrape never waits on Redis. Counters of the
+inventory's own work are read from its parts' stats at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import PlacementState, utcnow
+from gpuslice_inventory.telemetry import TelemetryStore
+
+MIB = 1024 * 1024
+GPU_LABELS = ("node", "gpu", "index", "model")
+CONTAINER_LABELS = ("node", "gpu", "pod_uid", "container")
+
+
+@dataclass
+class WorkStats:
+    """What the inventory itself did since start."""
+
+    registrations: int = 0
+    registration_errors: int = 0
+
+
+def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+class ClusterMetrics(Collector):
+    """The cluster's GPUs as the ledger and telemetry see them, refreshed on a timer."""
+
+    def __init__(self, ledger: Ledger, telemetry: TelemetryStore | None) -> None:
+        self.ledger = ledger
+        self.telemetry = telemetry
+        self._snapshot: list[Metric] = []
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._snapshot)
+
+    async def refresh(self) -> None:
+        """Read the ledger and telemetry and replace the snapshot."""
+        gpu = {
+            "memory_capacity": _gauge(
+                "gpuslice_gpu_memory_capacity_mib",
+                "Schedulable device memory of a GPU (after memory scaling), MiB.",
+                GPU_LABELS,
+            ),
+            "memory_allocated": _gauge(
+                "gpuslice_gpu_memory_allocated_mib",
+                "Device memory of a GPU reserved for pods, MiB.",
+                GPU_LABELS,
+            ),
+            "memory_used": _gauge(
+                "gpuslice_gpu_memory_used_bytes",
+                "Device memory of a GPU in use by gpuslice containers (telemetry), bytes.",
+                GPU_LABELS,
+            ),
+            "cores_capacity": _gauge(
+                "gpuslice_gpu_cores_capacity_percent",
+                "Schedulable compute of a GPU (after core scaling), percent of the card.",
+                GPU_LABELS,
+            ),
+            "cores_allocated": _gauge(
+                "gpuslice_gpu_cores_allocated_percent",
+                "Compute of a GPU reserved for pods, percent of the card.",
+                GPU_LABELS,
+            ),
+            "sm_used": _gauge(
+                "gpuslice_gpu_sm_used_percent",
+                "Compute of a GPU in use by gpuslice containers (telemetry), percent.",
+                GPU_LABELS,
+            ),
+            "slots_capacity": _gauge(
+                "gpuslice_gpu_slots", "Containers a GPU can hold (deviceSplitCount).", GPU_LABELS
+            ),
+            "slots_used": _gauge(
+                "gpuslice_gpu_slots_used", "Containers holding a share of a GPU.", GPU_LABELS
+            ),
+            "healthy": _gauge(
+                "gpuslice_gpu_healthy",
+                "1 when a GPU is healthy and its node available, else 0.",
+                GPU_LABELS,
+            ),
+            "cordoned": _gauge(
+                "gpuslice_gpu_cordoned",
+                "1 when an operator took a GPU out of scheduling.",
+                GPU_LABELS,
+            ),
+        }
+        node_up = _gauge(
+            "gpuslice_node_available",
+            "1 while a node's agent sends heartbeats, 0 once it is marked unavailable.",
+            ["node"],
+        )
+        heartbeat_age = _gauge(
+            "gpuslice_node_heartbeat_age_seconds",
+            "Seconds since a node's agent last registered it.",
+            ["node"],
+        )
+        pods = _gauge("gpuslice_pods", "Pods in the ledger by placement state.", ["state"])
+        used = _gauge(
+            "gpuslice_container_memory_used_bytes",
+            "Device memory a container uses on a GPU (telemetry), bytes.",
+            CONTAINER_LABELS,
+        )
+        limit = _gauge(
+            "gpuslice_container_memory_limit_bytes",
+            "Device memory limit of a container on a GPU (telemetry), bytes.",
+            CONTAINER_LABELS,
+        )
+        sm = _gauge(
+            "gpuslice_container_sm_percent",
+            "Compute a container uses on a GPU (telemetry), percent.",
+            CONTAINER_LABELS,
+        )
+        states: Counter[str] = Counter({state.value: 0 for state in PlacementState})
+        nodes = await self.ledger.nodes()
+        cards = await self.ledger.nodes_gpus(nodes)
+        liveness = await self.ledger.node_liveness(nodes)
+        now = utcnow()
+        for node in nodes:
+            usage = await self.telemetry.gpu_usage(node) if self.telemetry else {}
+            for card in cards[node]:
+                labels = [node, card.device.uuid, str(card.device.index), card.device.model]
+                real = usage.get(card.device.uuid)
+                values = {
+                    "memory_capacity": card.capacity.memory_mib,
+                    "memory_allocated": card.used.memory_mib,
+                    "memory_used": real.used_bytes if real else 0,
+                    "cores_capacity": card.capacity.cores,
+                    "cores_allocated": card.used.cores,
+                    "sm_used": real.sm_percent if real else 0.0,
+                    "slots_capacity": card.capacity.slots,
+                    "slots_used": card.used.slots,
+                    "healthy": int(card.device.healthy),
+                    "cordoned": int(card.cordoned),
+                }
+                for key, value in values.items():
+                    gpu[key].add_metric(labels, value)
+            alive = liveness[node]
+            node_up.add_metric([node], 0 if alive.unavailable_since else 1)
+            if alive.heartbeat is not None:
+                heartbeat_age.add_metric([node], (now - alive.heartbeat).total_seconds())
+            for placement in await self.ledger.node_placements(node):
+                states[placement.state.value] += 1
+            if self.telemetry is not None:
+                for c in await self.telemetry.container_usage(node):
+                    labels = [node, c.uuid, c.pod_uid, c.container]
+                    used.add_metric(labels, c.used_bytes)
+                    limit.add_metric(labels, c.limit_bytes)
+                    sm.add_metric(labels, c.sm_percent)
+        for state, count in sorted(states.items()):
+            pods.add_metric([state], count)
+        self._snapshot = [*gpu.values(), node_up, heartbeat_age, pods, used, limit, sm]
+
+
+class WorkMetrics(Collector):
+    """Counters of the inventory's own work, read from its parts at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, float | Counter[str]]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        values = self.read()
+        for name, value in values.items():
+            doc = WORK_METRICS[name]
+            if isinstance(value, Counter):
+                family = CounterMetricFamily(f"gpuslice_inventory_{name}", doc, labels=["reason"])
+                for reason, count in sorted(value.items()):
+                    family.add_metric([reason], count)
+            else:
+                family = CounterMetricFamily(f"gpuslice_inventory_{name}", doc, value=value)
+            yield family
+
+
+WORK_METRICS = {
+    "registrations": "Node inventories written to the ledger.",
+    "registration_errors": "Node inventories that could not be written (ledger unreachable).",
+    "releases": "Pods released by the inventory, by reason.",
+    "pod_watch_events": "Pod changes received from the Kubernetes watch.",
+    "pod_watch_restarts": "Pod watches begun again after a failure or an expired version.",
+    "nodes_marked_unavailable": "Nodes marked unavailable after missed heartbeats.",
+    "sweeps": "Liveness and expiry passes run by this replica.",
+    "telemetry_samples": "Telemetry samples received.",
+    "telemetry_stored": "Telemetry samples written to Redis.",
+    "telemetry_malformed": "Telemetry samples dropped as malformed.",
+    "telemetry_dropped": "Telemetry samples dropped because too many waited to be written.",
+}
+
+
+def registry_for(cluster: ClusterMetrics, work: WorkMetrics) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(cluster)
+    registry.register(work)
+    return registry

@@ -1,0 +1,133 @@
+"""Reconciliation: the ledger made to agree with the pods that exist.
+
+Every pod the scheduler placed carries its placement as an annotation
+(``gpuslice.io/placement``), written before its Binding: the durable record.
+One pass lists every pod of the cluster and:
+
+* **restores** the reservation of a pod that is bound to a node, has not
+  terminated and whose placement the ledger does not hold (Redis lost its data,
+  or a release raced ahead): as allocated when the pod runs, else as bound;
+* **releases** what the ledger holds for a pod that has terminated (reason
+  ``pod succeeded`` / ``pod failed``) or no longer exists (``pod deleted``).
+  A reservation younger than ``grace`` is left alone: the scheduler may have
+  made it after the list was read.
+
+So after Redis loses everything, the ledger is whole again within one pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from gpuslice_common.kube import KubeApi
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState, utcnow
+from gpuslice_inventory.lifecycle import DELETED, TERMINATED, pod_phase, pod_uid
+from gpuslice_inventory.upkeep import Upkeep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    pods: int  # pods listed
+    held: int  # live reservations in the ledger before the pass
+    restored: int
+    released: int
+    failed: int  # restores the ledger refused (e.g. the node is not registered yet)
+    seconds: float
+    released_by: Counter[str] = field(default_factory=Counter)  # by reason
+
+
+def _record(pod: Mapping[str, Any]) -> Placement | None:
+    """The pod's placement annotation, when it has a readable one for itself."""
+    metadata = pod.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
+    raw = annotations.get(PLACEMENT_ANNOTATION) if isinstance(annotations, Mapping) else None
+    if not isinstance(raw, str):
+        return None
+    try:
+        placement = Placement.from_annotation(raw)
+    except ValueError:
+        log.warning("pod %s: unreadable %s annotation", pod_uid(pod), PLACEMENT_ANNOTATION)
+        return None
+    return placement if placement.pod.uid == pod_uid(pod) else None
+
+
+def _node(pod: Mapping[str, Any]) -> str:
+    spec = pod.get("spec")
+    node = spec.get("nodeName") if isinstance(spec, Mapping) else None
+    return node if isinstance(node, str) else ""
+
+
+class Reconciler:
+    def __init__(
+        self,
+        ledger: Ledger,
+        kube: KubeApi,
+        upkeep: Upkeep,
+        grace: timedelta = timedelta(seconds=30),
+    ) -> None:
+        self.ledger = ledger
+        self.kube = kube
+        self.upkeep = upkeep
+        self.grace = grace
+        self.last: ReconcileResult | None = None
+
+    async def run_once(self) -> ReconcileResult:
+        started = time.perf_counter()
+        listed_at = utcnow()
+        pods = {uid: pod for pod in await self.kube.list_all_pods() if (uid := pod_uid(pod))}
+        held: dict[str, Placement] = {}
+        for node in await self.ledger.nodes():
+            for placement in await self.ledger.node_placements(node):
+                if placement.state is not PlacementState.RELEASED:
+                    held[placement.pod.uid] = placement
+        restored = failed = 0
+        released: Counter[str] = Counter()
+        for uid, pod in pods.items():
+            phase = pod_phase(pod)
+            if uid in held or phase in TERMINATED or not _node(pod):
+                continue
+            record = _record(pod)
+            if record is None or record.node != _node(pod):
+                continue
+            try:
+                _, new = await self.ledger.restore(record, running=phase == "Running")
+            except LedgerError as exc:
+                failed += 1
+                log.warning("cannot restore the reservation of pod %s: %s", uid, exc)
+                continue
+            if new:
+                restored += 1
+                log.info("restored the reservation of pod %s on %s", uid, record.node)
+        for uid, placement in held.items():
+            found = pods.get(uid)
+            if found is None:
+                since = placement.reserved_at or listed_at
+                if listed_at - since < self.grace:
+                    continue
+                reason = DELETED
+            elif pod_phase(found) in TERMINATED:
+                reason = TERMINATED[pod_phase(found)]
+            else:
+                continue
+            if await self.upkeep.release(uid, reason):
+                released[reason] += 1
+        result = ReconcileResult(
+            pods=len(pods),
+            held=len(held),
+            restored=restored,
+            released=sum(released.values()),
+            failed=failed,
+            seconds=time.perf_counter() - started,
+            released_by=released,
+        )
+        self.last = result
+        return result

@@ -1,0 +1,106 @@
+"""What keeps the ledger true over time, run by whichever replica holds the lease.
+
+* **Node liveness.** The node agent re-registers its node on every heartbeat
+  (``inventory_interval``). A node silent for three ``heartbeat_interval``s is
+  marked unavailable: its cards turn unhealthy, so the scheduler places nothing
+  there, and its reservations stay until their pods go. Its next registration
+  brings it back.
+* **Expiry.** A reservation never allocated within ``reservation_ttl`` (kubelet
+  never called Allocate: the bind failed, the pod was deleted before it
+  started, the node died) is released with reason ``expired`` and an
+  ``alloc.released`` event: no phantom reservations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from gpuslice_common.events import AllocationEvent, EventType, make_event
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import Placement, PlacementState, utcnow
+from gpuslice_common.outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+SOURCE = "gpuslice/inventory"
+MISSED_HEARTBEATS = 3
+EXPIRED = "expired"
+
+
+@dataclass
+class UpkeepStats:
+    sweeps: int = 0
+    nodes_marked: int = 0
+    released: Counter[str] = field(default_factory=Counter)  # by reason
+
+
+class Upkeep:
+    """One pass over the cluster: :meth:`sweep`."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        heartbeat_interval: timedelta,
+        reservation_ttl: timedelta,
+        outbox: Outbox | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.ledger = ledger
+        self.silence = heartbeat_interval * MISSED_HEARTBEATS
+        self.reservation_ttl = reservation_ttl
+        self.outbox = outbox
+        self.clock = clock
+        self.stats = UpkeepStats()
+
+    async def sweep(self) -> None:
+        """Mark silent nodes, release expired reservations."""
+        now = self.clock()
+        nodes = await self.ledger.nodes()
+        for node in nodes:
+            if await self.ledger.mark_unavailable(node, now - self.silence):
+                self.stats.nodes_marked += 1
+                log.warning(
+                    "node %s sent no heartbeat for %s: marked unavailable",
+                    node,
+                    self.silence,
+                )
+            for placement in await self.ledger.node_placements(node):
+                if self._expired(placement, now):
+                    await self.release(placement.pod.uid, EXPIRED)
+        self.stats.sweeps += 1
+
+    def _expired(self, placement: Placement, now: datetime) -> bool:
+        if placement.state not in (PlacementState.RESERVED, PlacementState.BOUND):
+            return False
+        since = placement.reserved_at or placement.bound_at
+        return since is not None and now - since > self.reservation_ttl
+
+    async def release(self, pod_uid: str, reason: str) -> bool:
+        """Release a pod's devices and say so on the bus; False if the ledger
+        held none for it or someone else released them first."""
+        released = await self.ledger.release(pod_uid, reason)
+        if released is None or not released.first:
+            return False
+        record = released.placement
+        self.stats.released[reason] += 1
+        log.info("released pod %s on %s: %s", pod_uid, record.node, reason)
+        if self.outbox is not None:
+            payload = AllocationEvent(
+                pod=record.pod,
+                node=record.node,
+                containers=record.containers,
+                policy=record.policy,
+                reason=reason,
+            )
+            event = make_event(
+                EventType.ALLOC_RELEASED,
+                payload,
+                source=SOURCE,
+                subject=f"{record.pod.namespace}/{record.pod.name}",
+            )
+            self.outbox.submit(event)
+        return True

@@ -1,0 +1,174 @@
+"""Releases as pods end: the Kubernetes pod watch (over real HTTP against the local
+API server, and through LocalKubeApi inside the running service) and the dev
+stack's pod-ended reports on a real NATS, each released once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.events import AllocationEvent, CloudEvent, EventType
+from gpuslice_common.kube import KubernetesApi, LocalKubeApi
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import PlacementState, PodEnded, PodRef
+from gpuslice_common.servers import NatsServer
+from gpuslice_inventory.lifecycle import PodWatcher, end_reason
+from gpuslice_inventory.service import running
+from gpuslice_inventory.upkeep import Upkeep
+from tests.conftest import make_inventory
+from tests.inventory.conftest import announce, settings_for, until
+from tests.inventory.test_reconcile import pod_for
+from tests.kubeapi import FakeApiServer, Stream, status_body
+from tests.test_ledger import placement
+
+NODE = "gpu-1"
+
+
+def test_end_reasons() -> None:
+    running = {"status": {"phase": "Running"}}
+    done = {"status": {"phase": "Succeeded"}}
+    failed = {"status": {"phase": "Failed"}}
+    assert end_reason("DELETED", running) == "pod deleted"
+    assert end_reason("MODIFIED", done) == "pod succeeded"
+    assert end_reason("ADDED", failed) == "pod failed"  # a watch from now lists it
+    assert end_reason("MODIFIED", running) is None
+    assert end_reason("BOOKMARK", done) is None
+    assert end_reason("MODIFIED", {"status": "odd"}) is None
+
+
+async def released_reason(ledger: Ledger, uid: str) -> str | None:
+    found = await ledger.placement(uid)
+    if found is None or found.state is not PlacementState.RELEASED:
+        return None
+    return found.release_reason
+
+
+async def test_the_watch_resumes_from_its_version_and_starts_over_when_it_is_gone(
+    kube_api_server: FakeApiServer, ledger: Ledger
+) -> None:
+    await ledger.register_node(make_inventory(NODE, gpus=1))
+    done = placement("done", NODE, [[(0, 100, 1)]])
+    gone = placement("gone", NODE, [[(0, 100, 1)]])
+    await ledger.reserve(done)
+    await ledger.reserve(gone)
+    finished = pod_for(done, "Succeeded")
+    finished["metadata"]["resourceVersion"] = "7"
+    deleted = pod_for(gone, "Running")
+    deleted["metadata"]["resourceVersion"] = "9"
+    answers = iter(
+        [
+            Stream([{"type": "MODIFIED", "object": finished}]),  # then the server ends it
+            Stream([{"type": "ERROR", "object": status_body(410, "Expired", "too old")}]),
+            Stream([{"type": "DELETED", "object": deleted}], hold=30),
+        ]
+    )
+    kube_api_server.answer("GET", "/api/v1/pods", 200, lambda query: next(answers))
+    kube = KubernetesApi.connect(kube_api_server.host, timeout=2)
+    watcher = PodWatcher(kube, upkeep(ledger), lambda: True)
+    task = asyncio.create_task(watcher.run(idle_s=0.05))
+    try:
+        await until(lambda: watcher.stats.events == 2)
+        await until(lambda: released_reason(ledger, "gone"))
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await kube.close()
+    versions = [r.query.get("resourceVersion", "") for r in kube_api_server.requests]
+    assert versions == ["", "7", ""]
+    assert watcher.stats.restarts == 1
+    assert await released_reason(ledger, "done") == "pod succeeded"
+    assert await released_reason(ledger, "gone") == "pod deleted"
+    assert watcher.upkeep.stats.released == {"pod succeeded": 1, "pod deleted": 1}
+
+
+async def test_a_failing_api_server_is_retried_and_an_inactive_replica_does_not_watch(
+    kube_api_server: FakeApiServer, ledger: Ledger
+) -> None:
+    kube_api_server.answer("GET", "/api/v1/pods", 500, status_body(500, "x", "etcd down"))
+    kube = KubernetesApi.connect(kube_api_server.host, timeout=2)
+    leader = False
+    watcher = PodWatcher(kube, upkeep(ledger), lambda: leader)
+    task = asyncio.create_task(watcher.run(idle_s=0.05))
+    try:
+        await asyncio.sleep(0.3)
+        assert kube_api_server.requests == []  # not the leader: no watch
+        leader = True
+        await until(lambda: len(kube_api_server.requests) >= 2, timeout=5)  # backs off, retries
+        assert not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await kube.close()
+
+
+def upkeep(ledger: Ledger) -> Upkeep:
+    return Upkeep(ledger, timedelta(seconds=10), timedelta(minutes=5))
+
+
+def bound_pod(uid: str) -> dict[str, Any]:
+    return pod_for(placement(uid, NODE, [[(0, 1000, 10)]]), "Running")
+
+
+async def test_the_leader_releases_pods_as_the_watch_reports_them_ending(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, events: list[CloudEvent]
+) -> None:
+    kube = LocalKubeApi()
+    # reconciliation far off: only the watch can release here
+    config = settings_for(nats_server, redis_url, prefix, reconcile_interval=3600)
+    async with running(config, bus, kube=kube, serve_http=False) as state:
+        led = state.ledger
+        await announce(bus, make_inventory(NODE, gpus=1))
+        await until(lambda: state.work.registrations == 1)
+        for uid in ("deleted", "failed", "running"):
+            await led.reserve(placement(uid, NODE, [[(0, 1000, 10)]]))
+            kube.add_pod(bound_pod(uid))
+        await until(lambda: state.watcher is not None and state.watcher.stats.events >= 3)
+        kube.delete_pod("ns", "deleted")
+        kube.set_phase("ns", "failed", "Failed")
+        await until(lambda: released_reason(led, "failed"))
+        await until(lambda: released_reason(led, "deleted"))
+        assert await released_reason(led, "running") is None
+        assert (await led.node_gpus(NODE))[0].used.memory_mib == 1000
+        await until(lambda: sum(e.type is EventType.ALLOC_RELEASED for e in events) == 2)
+    reasons = sorted(
+        (p.pod.uid, p.reason)
+        for e in events
+        if e.type is EventType.ALLOC_RELEASED
+        and isinstance(p := e.payload(), AllocationEvent)
+        and p.pod is not None
+    )
+    assert reasons == [("deleted", "pod deleted"), ("failed", "pod failed")]
+
+
+async def test_pods_reported_ended_on_the_bus_are_released_once(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, events: list[CloudEvent]
+) -> None:
+    config = settings_for(nats_server, redis_url, prefix)
+    async with running(config, bus, serve_http=False) as state:
+        led = state.ledger
+        await announce(bus, make_inventory(NODE, gpus=1))
+        await until(lambda: state.work.registrations == 1)
+        for uid in ("a", "b"):
+            await led.reserve(placement(uid, NODE, [[(0, 1000, 10)]]))
+        malformed_before = bus.stats.malformed
+        await bus.nc.publish(bus.subjects.pod_ended, b'{"pod": {"uid": "a"}, "phase": "Gone"}')
+        for _ in range(3):  # said three times, released once
+            ended = PodEnded(pod=PodRef(uid="a", name="a"), phase="Deleted")
+            await bus.publish_model(bus.subjects.pod_ended, ended)
+        ended = PodEnded(pod=PodRef(uid="b", name="b"), phase="Succeeded")
+        await bus.publish_model(bus.subjects.pod_ended, ended)
+        await bus.flush()
+        await until(lambda: released_reason(led, "a"))
+        await until(lambda: released_reason(led, "b"))
+        assert await released_reason(led, "a") == "pod deleted"
+        assert await released_reason(led, "b") == "pod succeeded"
+        await until(lambda: bus.stats.malformed == malformed_before + 1)
+        await until(lambda: sum(e.type is EventType.ALLOC_RELEASED for e in events) == 2)
+        await asyncio.sleep(0.2)
+    assert sum(e.type is EventType.ALLOC_RELEASED for e in events) == 2
+    assert state.upkeep.stats.released == {"pod deleted": 1, "pod succeeded": 1}

@@ -1,0 +1,120 @@
+"""Reconciliation against a real Redis: the ledger rebuilt from pod annotations after
+Redis lost everything, and reservations of pods that are gone released."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from redis.asyncio import Redis
+
+from gpuslice_common.kube import LocalKubeApi
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
+from gpuslice_inventory.reconcile import Reconciler
+from gpuslice_inventory.upkeep import Upkeep
+from tests.conftest import make_inventory
+from tests.test_ledger import placement
+
+NODE = "gpu-1"
+
+
+def pod_for(record: Placement, phase: str, node: str | None = NODE) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "metadata": {
+            "name": record.pod.name,
+            "namespace": record.pod.namespace,
+            "uid": record.pod.uid,
+            "annotations": {PLACEMENT_ANNOTATION: record.to_annotation()},
+        },
+        "spec": {"containers": [{"name": c.name} for c in record.containers]},
+        "status": {"phase": phase},
+    }
+    if node is not None:
+        pod["spec"]["nodeName"] = node
+    return pod
+
+
+def reconciler(ledger: Ledger, kube: LocalKubeApi, grace: float = 30) -> Reconciler:
+    upkeep = Upkeep(ledger, timedelta(seconds=10), timedelta(minutes=5))
+    return Reconciler(ledger, kube, upkeep, grace=timedelta(seconds=grace))
+
+
+async def usage(ledger: Ledger) -> list[tuple[int, int, int]]:
+    return [(g.used.memory_mib, g.used.cores, g.used.slots) for g in await ledger.node_gpus(NODE)]
+
+
+async def test_the_ledger_is_whole_again_after_redis_lost_everything(
+    ledger: Ledger, redis_url: str
+) -> None:
+    await ledger.register_node(make_inventory(NODE, gpus=2))
+    running = placement("running", NODE, [[(0, 4000, 30)], [(1, 2000, 10)]])
+    starting = placement("starting", NODE, [[(1, 1000, 5)]])
+    unbound = placement("unbound", NODE, [[(0, 500, 5)]])
+    for record in (running, starting, unbound):
+        await ledger.reserve(record)
+    before = await usage(ledger)
+    kube = LocalKubeApi()
+    kube.add_pod(pod_for(running, "Running"))
+    kube.add_pod(pod_for(starting, "Pending"))
+    kube.add_pod(pod_for(unbound, "Pending", node=None))  # bind not done: the scheduler's
+    kube.add_pod(pod_for(placement("ended", NODE, [[(0, 9000, 90)]]), "Succeeded"))
+    client: Redis = Redis.from_url(redis_url)
+    await client.flushall()  # Redis lost its data
+    await client.aclose()
+    await ledger.register_node(make_inventory(NODE, gpus=2))  # the next heartbeat
+    result = await reconciler(ledger, kube).run_once()
+    assert (result.pods, result.held, result.restored, result.released) == (4, 0, 2, 0)
+    after = await usage(ledger)
+    assert after == [(4000, 30, 1), (3000, 15, 2)]  # running and starting, not the others
+    assert before == [(4500, 35, 2), (3000, 15, 2)]
+    restored = await ledger.placement("running")
+    assert restored is not None
+    assert restored.state is PlacementState.ALLOCATED
+    bound = await ledger.placement("starting")
+    assert bound is not None
+    assert bound.state is PlacementState.BOUND  # kubelet may still ask to allocate it
+    assert await ledger.check_node(NODE) == []
+    # a second pass changes nothing
+    again = await reconciler(ledger, kube).run_once()
+    assert (again.held, again.restored, again.released) == (2, 0, 0)
+
+
+async def test_restore_counts_devices_on_a_card_that_is_now_unhealthy(ledger: Ledger) -> None:
+    inventory = make_inventory(NODE, gpus=1)
+    sick = inventory.devices[0].model_copy(update={"healthy": False})
+    await ledger.register_node(inventory.model_copy(update={"devices": (sick,)}))
+    record = placement("p", NODE, [[(0, 1000, 10)]])
+    kube = LocalKubeApi()
+    kube.add_pod(pod_for(record, "Running"))
+    result = await reconciler(ledger, kube).run_once()
+    assert result.restored == 1
+    assert await usage(ledger) == [(1000, 10, 1)]
+
+
+async def test_pods_that_ended_or_went_are_released(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory(NODE, gpus=1))
+    records = {
+        uid: placement(uid, NODE, [[(0, 100, 1)]]) for uid in ("done", "failed", "gone", "alive")
+    }
+    for record in records.values():
+        await ledger.reserve(record)
+    kube = LocalKubeApi()
+    kube.add_pod(pod_for(records["done"], "Succeeded"))
+    kube.add_pod(pod_for(records["failed"], "Failed"))
+    kube.add_pod(pod_for(records["alive"], "Running"))
+    # "gone" has no pod, but its reservation is younger than the grace: the
+    # scheduler may have made it after the list was read
+    first = await reconciler(ledger, kube, grace=3600).run_once()
+    assert first.released == 2
+    second = await reconciler(ledger, kube, grace=0).run_once()
+    assert second.released == 1
+    found = {uid: await ledger.placement(uid) for uid in records}
+    reasons = {uid: (p.state, p.release_reason) for uid, p in found.items() if p is not None}
+    assert reasons == {
+        "done": (PlacementState.RELEASED, "pod succeeded"),
+        "failed": (PlacementState.RELEASED, "pod failed"),
+        "gone": (PlacementState.RELEASED, "pod deleted"),
+        "alive": (PlacementState.RESERVED, ""),
+    }
+    assert await usage(ledger) == [(100, 1, 1)]

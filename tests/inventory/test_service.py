@@ -1,0 +1,272 @@
+"""The inventory against real nats-server and redis-server: node registration and
+liveness, expiry of reservations never allocated, the lease between replicas,
+metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+from prometheus_client import generate_latest
+from redis.asyncio import Redis
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.events import AllocationEvent, CloudEvent, EventType
+from gpuslice_common.kube import LocalKubeApi
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import PLACEMENT_ANNOTATION, PlacementState
+from gpuslice_common.servers import NatsServer
+from gpuslice_inventory.lease import Lease
+from gpuslice_inventory.service import Running, running
+from gpuslice_webhook.metrics import Metrics as WebhookMetrics
+from tests.conftest import make_inventory
+from tests.inventory.conftest import announce, settings_for, until
+from tests.test_ledger import placement
+
+# ---------------------------------------------------------------- nodes
+
+
+async def test_inventories_register_nodes(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, ledger: Ledger
+) -> None:
+    config = settings_for(nats_server, redis_url, prefix)
+    async with running(config, bus, serve_http=False) as state:
+        await announce(bus, make_inventory("gpu-1", gpus=2, memory_mib=40960))
+        await announce(bus, make_inventory("gpu-2.zone-a", gpus=1, memory_scaling=1.5))
+        # the node named in the payload must be the one in the subject
+        await bus.publish_model(bus.subjects.inventory("gpu-3"), make_inventory("gpu-4"))
+        await until(lambda: state.work.registrations == 2)
+        await asyncio.sleep(0.1)
+    led = Ledger.from_url(redis_url, prefix)
+    try:
+        assert await led.nodes() == ["gpu-1", "gpu-2.zone-a"]
+        cards = await led.node_gpus("gpu-2.zone-a")
+        assert cards[0].capacity.memory_mib == int(16384 * 1.5)
+    finally:
+        await led.close()
+
+
+async def test_a_silent_node_is_unavailable_until_it_returns(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> None:
+    config = settings_for(nats_server, redis_url, prefix)
+    async with running(config, bus, serve_http=False) as state:
+        led = state.ledger
+        await announce(bus, make_inventory("gpu-1", gpus=2))
+        await until(lambda: state.work.registrations == 1)
+        held = await led.reserve(placement("p1", "gpu-1", [[(0, 1000, 10)]]))
+        # three missed heartbeats (0.2 s each) later
+        await until(lambda: state.upkeep.stats.nodes_marked == 1, timeout=3)
+        cards = await led.node_gpus("gpu-1")
+        assert [c.device.healthy for c in cards] == [False, False]
+        assert cards[0].used.memory_mib == 1000  # its reservation stays
+        assert (await led.placement("p1")) == held
+        liveness = (await led.node_liveness(["gpu-1"]))["gpu-1"]
+        assert liveness.unavailable_since is not None
+        await announce(bus, make_inventory("gpu-1", gpus=2))  # back
+        await until(lambda: state.work.registrations == 2)
+        cards = await led.node_gpus("gpu-1")
+        assert [c.device.healthy for c in cards] == [True, True]
+        assert (await led.node_liveness(["gpu-1"]))["gpu-1"].unavailable_since is None
+
+
+async def test_a_heartbeat_in_time_keeps_the_node(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> None:
+    config = settings_for(nats_server, redis_url, prefix)
+    async with running(config, bus, serve_http=False) as state:
+        for _ in range(10):  # every 0.1 s, well inside three 0.2 s intervals
+            await announce(bus, make_inventory("gpu-1"))
+            await asyncio.sleep(0.1)
+        assert state.upkeep.stats.sweeps > 5
+        assert state.upkeep.stats.nodes_marked == 0
+
+
+# ---------------------------------------------------------------- expiry
+
+
+async def test_reservations_never_allocated_expire(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, events: list[CloudEvent]
+) -> None:
+    config = settings_for(nats_server, redis_url, prefix, reservation_ttl=0.4)
+    async with running(config, bus, serve_http=False) as state:
+        led = state.ledger
+        await announce(bus, make_inventory("gpu-1", gpus=1))
+        await until(lambda: state.work.registrations == 1)
+        await led.reserve(placement("stuck", "gpu-1", [[(0, 1000, 10)]]))
+        await led.reserve(placement("running", "gpu-1", [[(0, 2000, 20)]]))
+        await led.mark_bound("running")
+        await led.allocate("gpu-1", 1)
+        for _ in range(5):
+            await announce(bus, make_inventory("gpu-1", gpus=1))
+            await asyncio.sleep(0.1)
+        await until(lambda: state.upkeep.stats.released["expired"] == 1, timeout=3)
+        assert (await led.placement("stuck")) is not None
+        stuck = await led.placement("stuck")
+        assert stuck is not None
+        assert stuck.state is PlacementState.RELEASED
+        kept = await led.placement("running")
+        assert kept is not None
+        assert kept.state is PlacementState.ALLOCATED
+        assert (await led.node_gpus("gpu-1"))[0].used.memory_mib == 2000
+        await until(lambda: any(e.type is EventType.ALLOC_RELEASED for e in events))
+    released = [e for e in events if e.type is EventType.ALLOC_RELEASED]
+    assert len(released) == 1
+    payload = released[0].payload()
+    assert isinstance(payload, AllocationEvent)
+    assert payload.pod is not None
+    assert payload.pod.uid == "stuck"
+    assert payload.reason == "expired"
+
+
+async def test_two_replicas_share_the_work_and_release_once(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, events: list[CloudEvent]
+) -> None:
+    states: list[Running] = []
+    async with AsyncExitStack() as stack:
+        for name in ("a", "b"):
+            config = settings_for(nats_server, redis_url, prefix, reservation_ttl=0.3)
+            states.append(
+                await stack.enter_async_context(running(config, bus, serve_http=False, name=name))
+            )
+        for round_ in range(20):
+            for node in ("gpu-1", "gpu-2"):
+                await announce(bus, make_inventory(node, gpus=1))
+            if round_ == 0:
+                await until(lambda: sum(s.work.registrations for s in states) == 2)
+                for i in range(6):
+                    node = f"gpu-{i % 2 + 1}"
+                    await states[0].ledger.reserve(placement(f"p{i}", node, [[(0, 100, 1)]]))
+            await asyncio.sleep(0.05)
+        await until(lambda: sum(s.upkeep.stats.released["expired"] for s in states) == 6, timeout=5)
+        leaders = [s for s in states if s.lease.held]
+        assert len(leaders) == 1
+        # each inventory handled by one replica only (a NATS queue group)
+        assert sum(s.work.registrations for s in states) == 40
+        assert all(s.work.registrations > 0 for s in states)
+        await until(lambda: sum(e.type is EventType.ALLOC_RELEASED for e in events) == 6)
+        await asyncio.sleep(0.3)
+    released = [e.payload() for e in events if e.type is EventType.ALLOC_RELEASED]
+    uids = sorted(p.pod.uid for p in released if isinstance(p, AllocationEvent) and p.pod)
+    assert uids == [f"p{i}" for i in range(6)]  # once each
+
+
+# ---------------------------------------------------------------- the lease
+
+
+async def test_lease_is_held_by_one_and_passes_on_when_it_lapses(redis_url: str) -> None:
+    led = Ledger.from_url(redis_url, "lease-test")
+    try:
+        first = Lease(led.redis, "lease-test:lease", 300, holder="a")
+        second = Lease(led.redis, "lease-test:lease", 300, holder="b")
+        assert await first.acquire()
+        assert not await second.acquire()
+        await asyncio.sleep(0.2)
+        assert await first.acquire()  # renewed before it lapsed
+        await asyncio.sleep(0.2)
+        assert not await second.acquire()
+        await asyncio.sleep(0.4)  # first stops renewing: it lapses
+        assert await second.acquire()
+        assert not await first.acquire()
+        await second.release()
+        assert await first.acquire()  # no need to wait for the lapse
+    finally:
+        await led.close()
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+async def test_metrics_and_readiness_over_http(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> None:
+    config = settings_for(nats_server, redis_url, prefix)
+    async with running(config, bus) as state:
+        await announce(bus, make_inventory("gpu-1", gpus=2, memory_mib=40960))
+        await until(lambda: state.work.registrations == 1)
+        await state.ledger.reserve(placement("p1", "gpu-1", [[(1, 3000, 25)]]))
+        base = f"http://127.0.0.1:{config.listen_port}"
+        async with httpx.AsyncClient(base_url=base, timeout=5) as client:
+            ready = await client.get("/readyz")
+            assert ready.status_code == 200
+            assert ready.json()["status"] == "ready"
+
+            async def allocated_shows() -> bool:
+                text = (await client.get("/metrics")).text
+                return 'gpu="GPU-gpu-1-1",index="1"' in text and "3000.0" in text
+
+            await until(allocated_shows)
+            text = (await client.get("/metrics")).text
+    labels = 'gpu="GPU-gpu-1-1",index="1",model="NVIDIA A100-SXM4-80GB",node="gpu-1"'
+    assert f"gpuslice_gpu_memory_allocated_mib{{{labels}}} 3000.0" in text
+    assert f"gpuslice_gpu_cores_allocated_percent{{{labels}}} 25.0" in text
+    assert f"gpuslice_gpu_memory_capacity_mib{{{labels}}} 40960.0" in text
+    assert 'gpuslice_node_available{node="gpu-1"} 1.0' in text
+    assert 'gpuslice_pods{state="reserved"} 1.0' in text
+    assert "gpuslice_inventory_registrations_total 1.0" in text
+
+
+# ---------------------------------------------------------------- reconciliation
+
+
+async def test_the_leader_reconciles_at_start_and_after_redis_loses_its_data(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> None:
+    kube = LocalKubeApi()
+    record = placement("p1", "gpu-1", [[(0, 5000, 50)]])
+    pod = {
+        "metadata": {
+            "name": "p1",
+            "namespace": "ns",
+            "uid": "p1",
+            "annotations": {PLACEMENT_ANNOTATION: record.to_annotation()},
+        },
+        "spec": {"nodeName": "gpu-1", "containers": [{"name": "c0"}]},
+        "status": {"phase": "Running"},
+    }
+    kube.add_pod(pod)
+    config = settings_for(nats_server, redis_url, prefix, reconcile_interval=0.3)
+    async with running(config, bus, kube=kube, serve_http=False) as state:
+        led = state.ledger
+
+        async def restored() -> bool:
+            await announce(bus, make_inventory("gpu-1", gpus=1))  # heartbeats go on
+            found = await led.placement("p1")
+            return found is not None and found.state is PlacementState.ALLOCATED
+
+        await until(restored)
+        client: Redis = Redis.from_url(redis_url)
+        await client.flushall()
+        await client.aclose()
+        await until(restored)  # within one reconcile period
+        assert (await led.node_gpus("gpu-1"))[0].used.memory_mib == 5000
+        pod["status"]["phase"] = "Succeeded"
+        kube.add_pod(pod)
+
+        async def released() -> bool:
+            found = await led.placement("p1")
+            return found is not None and found.state is PlacementState.RELEASED
+
+        await until(released)
+        assert state.upkeep.stats.released["pod succeeded"] == 1
+
+
+async def test_the_grafana_dashboard_names_only_metrics_that_exist(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> None:
+    dashboard = json.loads((Path(__file__).parents[2] / "k8s/grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    wanted = {name for expr in exprs for name in re.findall(r"gpuslice_[a-z_]+", expr)}
+    config = settings_for(nats_server, redis_url, prefix)
+    async with running(config, bus, serve_http=False) as state:
+        await state.cluster.refresh()
+        exposed = generate_latest(state.registry).decode()
+    exposed += generate_latest(WebhookMetrics().registry).decode()
+    names = set(re.findall(r"^# TYPE (\S+) ", exposed, re.MULTILINE))
+    names |= {f"{name}_total" for name in names}  # counters are sampled as <name>_total
+    assert wanted
+    assert wanted <= names, sorted(wanted - names)

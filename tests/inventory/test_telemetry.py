@@ -1,0 +1,540 @@
+"""TelemetryStore against a real redis-server (and once a real nats-server).
+
+Samples are written byte for byte as ``native/src/telemetry.c`` writes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import nats
+import orjson
+import pytest
+from nats.aio.msg import Msg
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gpuslice_common.models import DeviceTelemetry, TelemetrySample
+from gpuslice_common.servers import NatsServer, RedisServer
+from gpuslice_common.subjects import Subjects
+from gpuslice_inventory.telemetry import (
+    ContainerUsage,
+    GpuUsage,
+    TelemetryStore,
+)
+
+NODE = "gpu-7.pool-a.example"
+POD = "0b6f1d2e-5c51-4f0b-9d43-2c1f8a7e9b10"
+POD2 = "7c1e0a55-0d4e-4f43-8b0e-0a9c2f6d1e22"
+GPU_A = "GPU-1a2b3c4d-0000-1111-2222-333344445555"
+GPU_B = "GPU-1a2b3c4d-0000-1111-2222-666677778888"
+MIB = 1 << 20
+
+
+class Clock:
+    """An epoch clock the test moves by hand."""
+
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def device(uuid: str = GPU_A, used: int = 100 * MIB, sm: str = "12.5", **kw: Any) -> str:
+    """A device as the interposer writes it (sm_percent as "%u.%u")."""
+    fields = {
+        "used_bytes": used,
+        "limit_bytes": kw.pop("limit", 1024 * MIB),
+        "throttled_ns": kw.pop("throttled", 0),
+        "denied_allocations": kw.pop("denied", 0),
+    }
+    assert not kw
+    numbers = ",".join(f'"{k}":{v}' for k, v in fields.items())
+    return f'{{"uuid":"{uuid}",{numbers},"sm_percent":{sm}}}'
+
+
+def sample(
+    node: str = NODE,
+    pod: str = POD,
+    container: str = "main",
+    devices: tuple[str, ...] | None = None,
+    pid: int = 4242,
+    when: str = "2026-11-21T10:11:12.345Z",
+) -> bytes:
+    devs = ",".join(devices if devices is not None else (device(),))
+    return (
+        f'{{"node":"{node}","pod_uid":"{pod}","container":"{container}","pid":{pid},'
+        f'"time":"{when}","devices":[{devs}],"dropped_samples":0}}'
+    ).encode()
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client: Redis = Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(redis: Redis, prefix: str, clock: Clock) -> TelemetryStore:
+    return TelemetryStore(redis, prefix, ttl=30.0, clock=clock)
+
+
+def subject(prefix: str, node: str = NODE, pod: str = POD) -> str:
+    return Subjects(prefix).telemetry(node, pod)
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+# ------------------------------------------------------------ latest sample wins
+
+
+async def test_the_latest_sample_in_a_batch_wins(
+    store: TelemetryStore, prefix: str, clock: Clock
+) -> None:
+    for used in (1, 2, 3):
+        assert store.ingest(subject(prefix), sample(devices=(device(used=used * MIB),)))
+    assert store.pending == 1  # coalesced in memory
+    assert await store.flush() == 1
+    assert store.stats.stored == 1
+    assert store.stats.flushes == 1
+    assert await store.container_usage(NODE) == [
+        ContainerUsage(
+            node=NODE,
+            uuid=GPU_A,
+            pod_uid=POD,
+            container="main",
+            used_bytes=3 * MIB,
+            limit_bytes=1024 * MIB,
+            sm_percent=12.5,
+            throttled_ns=0,
+            denied_allocations=0,
+            at_ms=int(clock.now * 1000),
+        )
+    ]
+
+
+async def test_a_later_sample_replaces_the_whole_earlier_one_in_a_batch(
+    store: TelemetryStore, redis: Redis, prefix: str
+) -> None:
+    store.ingest(subject(prefix), sample(devices=(device(GPU_A), device(GPU_B))))
+    store.ingest(subject(prefix), sample(devices=(device(GPU_B, used=7),)))
+    await store.flush()
+    assert await redis.hkeys(store.usage_key(NODE)) == [f"{GPU_B}|{POD}|main"]
+
+
+async def test_the_latest_sample_wins_across_flushes(
+    store: TelemetryStore, prefix: str, clock: Clock
+) -> None:
+    store.ingest(subject(prefix), sample(devices=(device(used=5 * MIB, sm="90.0"),)))
+    await store.flush()
+    clock.now += 1
+    store.ingest(
+        subject(prefix), sample(devices=(device(used=6 * MIB, sm="0.0", throttled=9, denied=2),))
+    )
+    await store.flush()
+    [usage] = await store.container_usage(NODE)
+    assert (usage.used_bytes, usage.sm_percent, usage.throttled_ns, usage.denied_allocations) == (
+        6 * MIB,
+        0.0,
+        9,
+        2,
+    )
+    assert usage.at_ms == int(clock.now * 1000)
+    assert store.stats.stored == 2
+
+
+async def test_flush_with_nothing_pending_writes_nothing(
+    store: TelemetryStore, redis: Redis
+) -> None:
+    assert await store.flush() == 0
+    assert store.stats.flushes == 0
+    assert await redis.dbsize() == 0
+
+
+# ------------------------------------------------------------ aggregation
+
+
+async def test_gpu_usage_sums_the_containers_of_each_gpu(
+    store: TelemetryStore, prefix: str
+) -> None:
+    ingest = store.ingest
+    # pod 1: two containers on GPU A; pod 2: one container on A and B (multi-GPU)
+    ingest(subject(prefix), sample(container="main", devices=(device(GPU_A, 100, "10.0"),)))
+    ingest(subject(prefix), sample(container="side", devices=(device(GPU_A, 20, "2.5"),)))
+    two = (device(GPU_A, 300, "30.0"), device(GPU_B, 4000, "40.0"))
+    ingest(subject(prefix, pod=POD2), sample(pod=POD2, container="main", devices=two))
+    # another node's GPU is not this node's
+    other = "gpu-8.pool-a.example"
+    ingest(subject(prefix, node=other), sample(node=other, devices=(device(GPU_B, 1),)))
+    assert await store.flush() == 4
+
+    assert await store.gpu_usage(NODE) == {
+        GPU_A: GpuUsage(uuid=GPU_A, used_bytes=420, sm_percent=42.5, containers=3),
+        GPU_B: GpuUsage(uuid=GPU_B, used_bytes=4000, sm_percent=40.0, containers=1),
+    }
+    assert await store.gpu_usage(other) == {
+        GPU_B: GpuUsage(uuid=GPU_B, used_bytes=1, sm_percent=12.5, containers=1)
+    }
+    usage = await store.container_usage(NODE)
+    assert [(u.uuid, u.pod_uid, u.container) for u in usage] == [
+        (GPU_A, POD, "main"),
+        (GPU_A, POD, "side"),
+        (GPU_A, POD2, "main"),
+        (GPU_B, POD2, "main"),
+    ]
+    assert await store.gpu_usage("gpu-9.pool-a.example") == {}
+
+
+# ------------------------------------------------------------ freshness
+
+
+async def test_entries_older_than_ttl_are_ignored_and_removed(
+    store: TelemetryStore, redis: Redis, prefix: str, clock: Clock
+) -> None:
+    store.ingest(subject(prefix), sample(container="old"))
+    await store.flush()
+    clock.now += 20
+    store.ingest(subject(prefix), sample(container="new"))
+    await store.flush()
+
+    clock.now += 10  # "old" is 30 s old: still fresh
+    assert [u.container for u in await store.container_usage(NODE)] == ["new", "old"]
+    clock.now += 0.002  # now older than ttl
+    assert [u.container for u in await store.container_usage(NODE)] == ["new"]
+    assert await redis.hkeys(store.usage_key(NODE)) == [f"{GPU_A}|{POD}|new"]
+
+    clock.now += 30
+    assert await store.gpu_usage(NODE) == {}
+    assert await redis.exists(store.usage_key(NODE)) == 0
+
+
+async def test_an_entry_refreshed_while_being_read_is_not_removed(
+    store: TelemetryStore,
+    redis: Redis,
+    prefix: str,
+    clock: Clock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store.ingest(subject(prefix), sample(devices=(device(used=1),)))
+    await store.flush()
+    clock.now += 31
+    read = redis.hgetall
+
+    async def racing_read(key: str) -> Any:
+        seen = await read(key)
+        store.ingest(subject(prefix), sample(devices=(device(used=2),)))  # a fresh sample
+        await store.flush()
+        return seen
+
+    monkeypatch.setattr(redis, "hgetall", racing_read)
+    assert await store.container_usage(NODE) == []  # what it read was stale
+    monkeypatch.undo()
+    [usage] = await store.container_usage(NODE)
+    assert usage.used_bytes == 2
+
+
+async def test_each_flush_sets_the_node_key_to_expire_after_ttl(redis: Redis, prefix: str) -> None:
+    store = TelemetryStore(redis, prefix, ttl=5.0)
+    store.ingest(subject(prefix), sample())
+    await store.flush()
+    key = store.usage_key(NODE)
+    assert key == f"{prefix}:usage:{NODE}"
+    assert 4000 < await redis.pttl(key) <= 5000
+    await redis.pexpire(key, 100)
+    store.ingest(subject(prefix), sample())
+    await store.flush()
+    assert 4000 < await redis.pttl(key) <= 5000
+
+
+async def test_a_node_that_stops_sending_disappears(redis: Redis, prefix: str) -> None:
+    store = TelemetryStore(redis, prefix, ttl=0.2)
+    store.ingest(subject(prefix), sample())
+    await store.flush()
+    assert await store.gpu_usage(NODE) != {}
+    await asyncio.sleep(0.3)
+    assert await redis.exists(store.usage_key(NODE)) == 0
+    assert await store.gpu_usage(NODE) == {}
+
+
+# ------------------------------------------------------------ malformed samples
+
+GOOD = sample()
+MALFORMED: dict[str, bytes] = {
+    "not JSON": b'{"node": ',
+    "not UTF-8": b"\xff\xfe",
+    "a JSON list": b"[1, 2]",
+    "missing devices": GOOD.replace(b',"devices":[', b',"devicez":['),
+    "missing pid": GOOD.replace(b'"pid":4242,', b""),
+    "an unknown field": GOOD.replace(b'"pid":4242,', b'"pid":4242,"extra":1,'),
+    "pid as a string": GOOD.replace(b'"pid":4242', b'"pid":"4242"'),
+    "pid a boolean": GOOD.replace(b'"pid":4242', b'"pid":true'),
+    "negative pid": GOOD.replace(b'"pid":4242', b'"pid":-1'),
+    "container not a string": GOOD.replace(b'"container":"main"', b'"container":7'),
+    "time not a time": GOOD.replace(b"2026-11-21T10:11:12.345Z", b"yesterday"),
+    "time a number": GOOD.replace(b'"2026-11-21T10:11:12.345Z"', b"1700000000"),
+    "dropped_samples negative": GOOD.replace(b'"dropped_samples":0', b'"dropped_samples":-3'),
+    "devices not a list": sample()
+    .replace(b'"devices":[', b'"devices":{"x":[')
+    .replace(b"],", b"]},"),
+    "a device not an object": sample(devices=('"GPU-x"',)),
+    "a device without used_bytes": sample(devices=(f'{{"uuid":"{GPU_A}","limit_bytes":1}}',)),
+    "a device with an unknown field": sample(devices=(device().replace("{", '{"temp":70,'),)),
+    "used_bytes a string": sample(
+        devices=(device().replace('"used_bytes":', '"used_bytes":"1"+'),)
+    ),
+    "used_bytes a float": sample(devices=(device(used=5).replace(":5,", ":5.5,"),)),
+    "negative used_bytes": sample(devices=(device(used=-1),)),
+    "negative limit_bytes": sample(devices=(device(limit=-1),)),
+    "negative throttled_ns": sample(devices=(device(throttled=-1),)),
+    "negative denied_allocations": sample(devices=(device(denied=-5),)),
+    "sm_percent over 100": sample(devices=(device(sm="100.1"),)),
+    "sm_percent negative": sample(devices=(device(sm="-0.5"),)),
+    "sm_percent a string": sample(devices=(device(sm='"5"'),)),
+    "sm_percent null": sample(devices=(device(sm="null"),)),
+    "uuid not a string": sample(devices=(device().replace(f'"{GPU_A}"', "17"),)),
+    "uuid with a bar": sample(devices=(device(uuid="GPU-a|b"),)),
+    "uuid empty": sample(devices=(device(uuid=""),)),
+    "the same device twice": sample(devices=(device(), device())),
+    "an integer beyond 64 bits": sample(devices=(device(used=1 << 70),)),
+}
+
+
+@pytest.mark.parametrize("kind", list(MALFORMED))
+def test_each_kind_of_malformed_sample_is_counted_and_dropped(
+    store: TelemetryStore, prefix: str, kind: str
+) -> None:
+    assert not store.ingest(subject(prefix), MALFORMED[kind])
+    assert store.stats.malformed == 1
+    assert store.stats.received == 1
+    assert store.pending == 0
+
+
+async def test_bad_samples_never_stop_the_good_ones_in_a_batch(
+    store: TelemetryStore, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = 0
+    for i, bad in enumerate(MALFORMED.values()):
+        assert not store.ingest(subject(prefix), bad)
+        assert store.ingest(subject(prefix), sample(container=f"c{i}"))
+        good += 1
+    assert store.stats.malformed == len(MALFORMED)
+    assert await store.flush() == good
+    assert len(await store.container_usage(NODE)) == good
+    # logged rarely: one line for all of them
+    assert sum("malformed telemetry" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_valid_sample_written_by_the_model_is_accepted(
+    store: TelemetryStore, prefix: str
+) -> None:
+    model = TelemetrySample(
+        node=NODE,
+        pod_uid=POD,
+        container="main",
+        pid=1,
+        time=datetime.now(UTC),
+        devices=(
+            DeviceTelemetry(uuid=GPU_A, used_bytes=1, limit_bytes=2),
+            DeviceTelemetry(uuid=GPU_B, used_bytes=3, limit_bytes=4, sm_percent=100),
+        ),
+    )
+    assert store.ingest(subject(prefix), model.model_dump_json().encode())
+    # optional fields may be left out, as the model allows
+    assert store.ingest(
+        subject(prefix, pod=POD2),
+        orjson.dumps(
+            {
+                "node": NODE,
+                "pod_uid": POD2,
+                "container": "",
+                "pid": 0,
+                "time": "2026-11-21T10:11:12",
+                "devices": [{"uuid": GPU_A, "used_bytes": 0, "limit_bytes": 0}],
+            }
+        ),
+    )
+    assert store.stats.malformed == 0
+
+
+# ------------------------------------------------------------ subject and payload
+
+
+@pytest.mark.parametrize(
+    ("name", "subj", "payload"),
+    [
+        ("another node in the payload", None, sample(node="gpu-8.pool-a.example")),
+        ("another pod in the payload", None, sample(pod=POD2)),
+        ("the node spelt as its token", None, sample(node="gpu-7_pool-a_example")),
+        ("another prefix", "other.telemetry.gpu-7_pool-a_example." + POD, sample()),
+        ("not telemetry", "{prefix}.inventory.gpu-7_pool-a_example." + POD, sample()),
+        ("a token too many", "{prefix}.telemetry.gpu-7_pool-a_example." + POD + ".x", sample()),
+        ("no pod token", "{prefix}.telemetry.gpu-7_pool-a_example", sample()),
+        (
+            "a node token that is no node name",
+            "{prefix}.telemetry.GPU-7." + POD,
+            sample(node="GPU-7"),
+        ),
+        ("an empty node token", "{prefix}.telemetry.." + POD, sample(node="")),
+    ],
+)
+def test_a_sample_on_a_subject_that_is_not_its_own_is_rejected(
+    store: TelemetryStore, prefix: str, name: str, subj: str | None, payload: bytes
+) -> None:
+    topic = subject(prefix) if subj is None else subj.format(prefix=prefix)
+    assert not store.ingest(topic, payload), name
+    assert store.stats.malformed == 1
+    assert store.pending == 0
+    # the right subject still works afterwards (the subject cache holds only valid ones)
+    assert store.ingest(subject(prefix), sample())
+
+
+# ------------------------------------------------------------ back pressure
+
+
+async def test_max_pending_drops_new_containers_but_takes_updates(
+    redis: Redis, prefix: str
+) -> None:
+    store = TelemetryStore(redis, prefix, max_pending=2)
+    assert store.ingest(subject(prefix), sample(container="a"))
+    assert store.ingest(subject(prefix), sample(container="b"))
+    assert not store.ingest(subject(prefix), sample(container="c"))
+    assert not store.ingest(subject(prefix), sample(container="d"))
+    assert (store.stats.dropped, store.stats.malformed) == (2, 0)
+    # a newer sample of a waiting container takes no more room
+    assert store.ingest(subject(prefix), sample(container="a", devices=(device(used=9),)))
+    assert store.stats.dropped == 2
+    assert await store.flush() == 2
+    assert store.ingest(subject(prefix), sample(container="c"))
+    await store.flush()
+    usage = {u.container: u.used_bytes for u in await store.container_usage(NODE)}
+    assert usage == {"a": 9, "b": 100 * MIB, "c": 100 * MIB}
+    assert store.stats.received == 6
+
+
+# ------------------------------------------------------------ run()
+
+
+async def test_run_flushes_every_interval(redis: Redis, prefix: str) -> None:
+    store = TelemetryStore(redis, prefix, flush_interval=0.05)
+    task = asyncio.create_task(store.run())
+    try:
+        for i in range(3):
+            store.ingest(subject(prefix), sample(devices=(device(used=i),)))
+            flushes = i + 1
+            await wait_for(lambda: store.pending == 0 and store.stats.flushes == flushes)  # noqa: B023
+            [usage] = await store.container_usage(NODE)
+            assert usage.used_bytes == i
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_run_flushes_once_more_when_cancelled(redis: Redis, prefix: str) -> None:
+    store = TelemetryStore(redis, prefix, flush_interval=3600)
+    task = asyncio.create_task(store.run())
+    await asyncio.sleep(0.01)  # run() now sleeps for an hour
+    store.ingest(subject(prefix), sample())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert store.stats.flushes == 1
+    assert store.pending == 0
+    assert len(await store.container_usage(NODE)) == 1
+
+
+async def test_a_failed_flush_keeps_its_samples_for_the_next(
+    own_redis: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    redis: Redis = Redis.from_url(own_redis.url, decode_responses=True, socket_timeout=2)
+    try:
+        store = TelemetryStore(redis, prefix, flush_interval=0.02)
+        store.ingest(subject(prefix), sample(container="a", devices=(device(used=1),)))
+        store.ingest(subject(prefix), sample(container="b", devices=(device(used=1),)))
+        own_redis.stop()
+        with pytest.raises(RedisError):
+            await store.flush()
+        assert store.pending == 2
+        # run() survives a Redis that is down, counting and logging (once)
+        task = asyncio.create_task(store.run())
+        await wait_for(lambda: store.stats.flush_errors >= 2)
+        assert not task.done()
+        # newer samples win over the ones put back
+        store.ingest(subject(prefix), sample(container="a", devices=(device(used=2),)))
+        own_redis.start()
+        await wait_for(lambda: store.pending == 0, timeout=15)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        usage = {u.container: u.used_bytes for u in await store.container_usage(NODE)}
+        assert usage == {"a": 2, "b": 1}
+        assert store.stats.dropped == 0
+        assert sum("cannot write telemetry" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        await redis.aclose()
+
+
+async def test_readers_work_without_decoded_responses(redis_url: str, prefix: str) -> None:
+    raw: Redis = Redis.from_url(redis_url)
+    try:
+        store = TelemetryStore(raw, prefix, ttl=30.0)
+        store.ingest(subject(prefix), sample())
+        await store.flush()
+        assert (await store.gpu_usage(NODE))[GPU_A].used_bytes == 100 * MIB
+    finally:
+        await raw.aclose()
+
+
+# ------------------------------------------------------------ through NATS
+
+
+async def test_samples_published_on_nats_reach_gpu_usage(
+    nats_server: NatsServer, redis: Redis, prefix: str
+) -> None:
+    store = TelemetryStore(redis, prefix, flush_interval=0.02)
+    flusher = asyncio.create_task(store.run())
+    sub_conn = await nats.connect(nats_server.url)
+    pub_conn = await nats.connect(nats_server.url)
+    try:
+
+        async def on_message(msg: Msg) -> None:
+            store.ingest(msg.subject, msg.data)
+
+        await sub_conn.subscribe(Subjects(prefix).telemetry_all, cb=on_message)
+        await sub_conn.flush()
+        containers = [(POD, "main", GPU_A), (POD, "side", GPU_A), (POD2, "main", GPU_B)]
+        for round_ in range(1, 4):
+            for pod, name, gpu in containers:
+                payload = sample(pod=pod, container=name, devices=(device(gpu, used=round_),))
+                await pub_conn.publish(subject(prefix, pod=pod), payload)
+        # one from another node's credential, claiming to be this node, and garbage
+        await pub_conn.publish(subject(prefix, node="gpu-8.pool-a.example"), sample())
+        await pub_conn.publish(subject(prefix), b"\x00garbage")
+        await pub_conn.flush()
+
+        await wait_for(lambda: store.stats.received == 11 and store.pending == 0)
+        assert await store.gpu_usage(NODE) == {
+            GPU_A: GpuUsage(uuid=GPU_A, used_bytes=6, sm_percent=25.0, containers=2),
+            GPU_B: GpuUsage(uuid=GPU_B, used_bytes=3, sm_percent=12.5, containers=1),
+        }
+        assert store.stats.malformed == 2
+        assert await store.gpu_usage("gpu-8.pool-a.example") == {}
+    finally:
+        await pub_conn.close()
+        await sub_conn.close()
+        flusher.cancel()
+        await asyncio.gather(flusher, return_exceptions=True)
