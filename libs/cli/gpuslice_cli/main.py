@@ -10,8 +10,10 @@ import typer
 from rich.console import Console
 
 import gpuslice_common
+from gpuslice_cli.audit import audit
 from gpuslice_cli.simulate import sim
 from gpuslice_cli.smoke import run_scenario
+from gpuslice_cli.status import status
 from gpuslice_common.bus import BusError
 from gpuslice_common.config import CommonSettings, ConfigError, load
 from gpuslice_common.ledger import LedgerError
@@ -21,6 +23,8 @@ app = typer.Typer(help="GPU sharing for Kubernetes.", no_args_is_help=True, add_
 dev = typer.Typer(help="Run gpuslice on this machine, without a cluster.", no_args_is_help=True)
 app.add_typer(dev, name="dev")
 app.command("sim")(sim)
+app.command("status")(status)
+app.add_typer(audit, name="audit")
 console = Console()
 errors = Console(stderr=True)
 

@@ -1,0 +1,499 @@
+"""``gpuslice audit``: read the allocation and admission events of the audit stream.
+
+``tail`` shows them as a table (and with ``--follow`` keeps showing new ones);
+``export`` writes them as JSON Lines, one CloudEvent per line, for an auditor's
+own tools. Both read the JetStream stream ``<prefix>_audit`` through one
+ordered consumer that starts at ``--since``: the backlog and the live events
+come from that one consumer, in stream order, so nothing between them is lost
+or shown twice (events are also de-duplicated by id).
+
+``--since`` selects by the time the stream stored an event, which is what
+JetStream can seek to; the ``time`` an event carries (when its publisher says it
+happened) is what the table shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import typer
+from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Column, Table
+
+from gpuslice_cli.status import cli_settings, fail
+from gpuslice_common.bus import Bus, BusError
+from gpuslice_common.config import CommonSettings, parse_duration
+from gpuslice_common.events import (
+    AllocationEvent,
+    CloudEvent,
+    EventError,
+    EventType,
+    PodAdmitted,
+    PodDenied,
+    parse_event,
+)
+from gpuslice_common.models import PodRef, utcnow
+
+audit = typer.Typer(help="Read the audit stream of allocation events.", no_args_is_help=True)
+
+SINCE_HELP = (
+    "how far back: a duration (30s, 15m, 1h, 7d) or an RFC 3339 time "
+    "(2024-05-01T12:00:00Z); selects by when the stream stored the event"
+)
+TYPE_HELP = "only this event type (alloc.released or io.gpuslice.alloc.released); repeatable"
+
+
+SEEN_IDS = 100_000  # event ids remembered to skip duplicates (bounded for --follow)
+
+
+class AuditStreamMissing(BusError):
+    """The audit stream does not exist (yet) on this NATS."""
+
+    def __init__(self, stream: str, prefix: str, where: str = "this NATS") -> None:
+        super().__init__(
+            f"audit stream {stream} does not exist on {where} "
+            f"(subject prefix {prefix!r}; gpuslice's services create it)"
+        )
+        self.stream = stream
+        self.prefix = prefix
+
+
+# ---------------------------------------------------------------- options
+
+
+def parse_since(value: str, now: datetime | None = None) -> datetime:
+    """A duration back from ``now``, or an absolute time with an offset; ValueError if neither."""
+    try:
+        return (now or utcnow()) - parse_duration(value)
+    except ValueError as duration_error:
+        try:
+            when = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise duration_error from None
+        if when.tzinfo is None:
+            raise ValueError(f"time {value!r} has no UTC offset (add Z or +00:00)") from None
+        return when.astimezone(UTC)
+
+
+def parse_types(values: Sequence[str]) -> frozenset[EventType]:
+    """Event types named by suffix (``alloc.bound``) or in full, comma-separated or repeated."""
+    by_name = {t.suffix: t for t in EventType} | {t.value: t for t in EventType}
+    wanted: set[EventType] = set()
+    for value in values:
+        for name in filter(None, (part.strip() for part in value.split(","))):
+            if name not in by_name:
+                known = ", ".join(t.suffix for t in EventType)
+                raise ValueError(f"unknown event type {name!r} (one of: {known})")
+            wanted.add(by_name[name])
+    return frozenset(wanted)
+
+
+# ---------------------------------------------------------------- events
+
+
+def event_pod(event: CloudEvent) -> PodRef | None:
+    payload = event.payload()
+    pod = getattr(payload, "pod", None)
+    return pod if isinstance(pod, PodRef) else None
+
+
+def event_node(event: CloudEvent) -> str | None:
+    payload = event.payload()
+    return payload.node if isinstance(payload, AllocationEvent) else None
+
+
+@dataclass(frozen=True)
+class EventFilter:
+    """Which events to show; an empty filter shows all."""
+
+    pod: str | None = None  # pod name, namespace/name, or uid
+    node: str | None = None
+    types: frozenset[EventType] = field(default_factory=frozenset)
+
+    def matches(self, event: CloudEvent) -> bool:
+        if self.types and event.type not in self.types:
+            return False
+        if self.node is not None and event_node(event) != self.node:
+            return False
+        if self.pod is not None:
+            pod = event_pod(event)
+            if pod is None or self.pod not in {pod.name, pod.uid, f"{pod.namespace}/{pod.name}"}:
+                return False
+        return True
+
+    def subject(self, bus: Bus) -> str:
+        """The narrowest subject that holds every matching event."""
+        if len(self.types) == 1:
+            [only] = self.types
+            return bus.subjects.event(only)
+        return bus.subjects.events_all
+
+
+async def audit_events(
+    bus: Bus,
+    since: datetime,
+    *,
+    subject: str | None = None,
+    follow: bool = False,
+    timeout: float = 5.0,
+    on_malformed: Callable[[str], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> AsyncIterator[CloudEvent]:
+    """Events the audit stream stored from ``since`` on, in stream order, each once.
+
+    The stream drops a re-published event within its duplicate window; one
+    re-published later (same source and id) is skipped here, among the last
+    SEEN_IDS events.
+
+    Without ``follow`` it ends after the last event stored when it started, and
+    raises BusError if the stream stops delivering before that. With ``follow``
+    it goes on with new events until the caller stops iterating. Raises
+    AuditStreamMissing when there is no audit stream. ``on_ready`` is called
+    once the stream is found and being read.
+    """
+    name = bus.subjects.audit_stream
+    try:
+        info = await bus.js.stream_info(name)
+    except NotFoundError:
+        raise AuditStreamMissing(name, bus.subjects.prefix) from None
+    except (NatsError, TimeoutError) as exc:
+        raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+    if not follow and info.state.messages == 0:
+        return
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)
+    try:
+        sub = await bus.js.subscribe(
+            subject or bus.subjects.events_all, stream=name, ordered_consumer=True, config=config
+        )
+    except NotFoundError:
+        raise AuditStreamMissing(name, bus.subjects.prefix) from None
+    except (NatsError, TimeoutError) as exc:
+        raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+    seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # the latest ids shown
+    try:
+        if on_ready is not None:
+            on_ready()
+        remaining: int | None = None
+        if not follow:
+            # what was pushed to this client already plus what the server still holds
+            consumer = await sub.consumer_info()
+            delivered = consumer.delivered.consumer_seq if consumer.delivered else 0
+            remaining = (consumer.num_pending or 0) + (delivered or 0)
+        while remaining is None or remaining > 0:
+            try:
+                msg = await sub.next_msg(timeout)
+            except NatsTimeoutError:
+                if follow:
+                    continue
+                raise BusError(
+                    f"audit stream {name} stopped delivering with {remaining} events to go"
+                ) from None
+            if remaining is not None:
+                remaining -= 1
+            try:
+                event = parse_event(msg.data)
+            except EventError as exc:
+                if on_malformed is not None:
+                    on_malformed(f"stream sequence {msg.metadata.sequence.stream}: {exc}")
+                continue
+            key = (event.source, event.id)  # what identifies a CloudEvent
+            if key in seen:
+                continue
+            seen[key] = None
+            if len(seen) > SEEN_IDS:
+                seen.popitem(last=False)
+            yield event
+    except (NatsError, TimeoutError) as exc:
+        raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+    finally:
+        with contextlib.suppress(NatsError, TimeoutError):
+            await sub.unsubscribe()
+
+
+# ---------------------------------------------------------------- rendering
+
+COLUMNS = ("time", "type", "pod", "node", "detail")
+
+
+def format_time(when: datetime) -> str:
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+def format_pod(pod: PodRef | None) -> str:
+    if pod is None:
+        return "-"
+    return f"{pod.namespace}/{pod.name}" if pod.name else f"{pod.namespace}/uid:{pod.uid}"
+
+
+def event_detail(event: CloudEvent) -> str:
+    """What happened, in one line: a reason, devices, or what a pod asked for."""
+    payload = event.payload()
+    parts: list[str] = []
+    if isinstance(payload, PodDenied):
+        parts.append(payload.reason)
+    elif isinstance(payload, PodAdmitted):
+        for asked in payload.containers:
+            memory = asked.memory
+            amount = f"{memory.mib} MiB" if memory.mib is not None else f"{memory.percent}%"
+            parts.append(f"{asked.name}: {asked.count} GPU x {amount}, {asked.cores}% cores")
+        parts.extend(f"warning: {w}" for w in payload.warnings)
+    elif isinstance(payload, AllocationEvent):
+        names = {c.name for c in payload.containers}
+        if payload.container and payload.container not in names:
+            parts.append(f"container {payload.container}")
+        for assigned in payload.containers:
+            devices = ", ".join(f"{d.uuid} {d.memory_mib} MiB {d.cores}%" for d in assigned.devices)
+            parts.append(f"{assigned.name}: {devices}")
+        if payload.policy:
+            parts.append(f"policy {payload.policy}")
+        if payload.reason:
+            parts.append(f"reason: {payload.reason}")
+    return "; ".join(parts)
+
+
+def event_row(event: CloudEvent) -> list[str]:
+    node = event_node(event)
+    return [
+        format_time(event.time),
+        event.type.suffix,
+        format_pod(event_pod(event)),
+        node or "-",
+        event_detail(event),
+    ]
+
+
+def events_table(events: Sequence[CloudEvent], title: str | None = None) -> Table:
+    table = Table(
+        Column("time"),
+        Column("type", no_wrap=True),
+        Column("pod", overflow="fold", min_width=14),
+        Column("node", overflow="fold"),
+        Column("detail", overflow="fold"),
+        title=title,
+    )
+    for event in events:
+        table.add_row(*(escape(cell) for cell in event_row(event)))
+    return table
+
+
+FOLLOW_WIDTHS = (24, 14, 24, 12)  # time, type, pod, node: padded to, never cut
+
+
+def follow_line(cells: Sequence[str]) -> str:
+    """One event (or the header) on one line, for --follow: each new event is
+    printed as it comes and a line per event suits grep. The first columns are
+    padded so that lines of ordinary widths line up; nothing is cut."""
+    padded = [cell.ljust(width) for cell, width in zip(cells, FOLLOW_WIDTHS, strict=False)]
+    return "  ".join([*padded, *cells[len(FOLLOW_WIDTHS) :]]).rstrip()
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _options(
+    since: str, pod: str | None, node: str | None, types: Sequence[str]
+) -> tuple[datetime, EventFilter]:
+    try:
+        start = parse_since(since)
+    except ValueError as exc:
+        fail(f"--since: {exc}", 2)
+    try:
+        wanted = parse_types(types)
+    except ValueError as exc:
+        fail(f"--type: {exc}", 2)
+    return start, EventFilter(pod=pod, node=node, types=wanted)
+
+
+def _warn(message: str) -> None:
+    Console(stderr=True, highlight=False).print(
+        f"[yellow]warning:[/] skipped a malformed event: {escape(message)}", soft_wrap=True
+    )
+
+
+async def _connect(settings: CommonSettings) -> Bus:
+    """Connect; the client's complaints about each failed try are left out (the
+    BusError that ends the tries says it once). Later ones (a lost connection
+    while following) are printed as warnings."""
+    bus_log = logging.getLogger("gpuslice.bus")
+    level = bus_log.level
+    bus_log.setLevel(logging.CRITICAL)
+    try:
+        return await Bus.connect(settings, "cli-audit")
+    finally:
+        bus_log.setLevel(level)
+
+
+async def _read(settings: CommonSettings, start: datetime, wanted: EventFilter) -> list[CloudEvent]:
+    bus = await _connect(settings)
+    try:
+        return [
+            e
+            async for e in audit_events(bus, start, subject=wanted.subject(bus), on_malformed=_warn)
+            if wanted.matches(e)
+        ]
+    finally:
+        await bus.close()
+
+
+async def _follow(
+    settings: CommonSettings, start: datetime, wanted: EventFilter, console: Console
+) -> None:
+    """Print matching events as they come until SIGINT (Ctrl-C) or SIGTERM."""
+    bus = await _connect(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (RuntimeError, ValueError):  # not the main thread: Ctrl-C stays KeyboardInterrupt
+            continue
+        handled.append(sig)
+
+    def print_line(line: str) -> None:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    async def show() -> None:
+        async for event in audit_events(
+            bus,
+            start,
+            subject=wanted.subject(bus),
+            follow=True,
+            on_malformed=_warn,
+            on_ready=lambda: print_line(follow_line(COLUMNS)),
+        ):
+            if wanted.matches(event):
+                print_line(follow_line(event_row(event)))
+
+    try:
+        reader = asyncio.create_task(show())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({reader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader  # re-raises what ended the reader, if not the stop
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        await bus.close()
+
+
+def _run_or_fail(settings: CommonSettings, what: Callable[[], None]) -> None:
+    try:
+        what()
+    except AuditStreamMissing as exc:
+        where = f"NATS at {settings.nats_url}"
+        fail(str(AuditStreamMissing(exc.stream, exc.prefix, where)), 1)
+    except BusError as exc:
+        fail(str(exc), 1)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+@audit.command()
+def tail(
+    since: str = typer.Option("1h", "--since", help=SINCE_HELP),
+    pod: str | None = typer.Option(
+        None, "--pod", help="only this pod (name, namespace/name or uid)"
+    ),
+    node: str | None = typer.Option(None, "--node", help="only events on this node"),
+    types: list[str] = typer.Option([], "--type", help=TYPE_HELP),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", help="keep showing new events until Ctrl-C"
+    ),
+    nats_url: str | None = typer.Option(
+        None, "--nats-url", help="the NATS to read (default: GPUSLICE_NATS_URL)"
+    ),
+) -> None:
+    """Show audited events as a table: time, type, pod, node and detail.
+
+    Events appear in the order the stream stored them. --pod, --node and --type
+    narrow them down (an event without a pod or node does not match those).
+    Exit 1 when NATS or the audit stream is missing, 2 on a bad option or setting.
+    """
+    start, wanted = _options(since, pod, node, types)
+    settings = cli_settings(nats_url=nats_url)
+    console = Console()
+
+    def run() -> None:
+        if follow:
+            asyncio.run(_follow(settings, start, wanted, console))
+            return
+        events = asyncio.run(_read(settings, start, wanted))
+        if not events:
+            console.print(f"no events since {format_time(start)}")
+            return
+        title = f"{len(events)} event{'s' if len(events) != 1 else ''} since {format_time(start)}"
+        console.print(events_table(events, title=title))
+
+    _run_or_fail(settings, run)
+
+
+@audit.command()
+def export(
+    since: str = typer.Option(..., "--since", help=SINCE_HELP),
+    pod: str | None = typer.Option(
+        None, "--pod", help="only this pod (name, namespace/name or uid)"
+    ),
+    node: str | None = typer.Option(None, "--node", help="only events on this node"),
+    types: list[str] = typer.Option([], "--type", help=TYPE_HELP),
+    nats_url: str | None = typer.Option(
+        None, "--nats-url", help="the NATS to read (default: GPUSLICE_NATS_URL)"
+    ),
+) -> None:
+    """Write audited events as JSON Lines on stdout: one CloudEvent per line.
+
+    Each line is the event's structured-mode JSON, in the order the stream
+    stored them; nothing else goes to stdout (the count and any error go to
+    stderr). Exit 1 when NATS or the audit stream is missing, 2 on a bad option.
+    """
+    start, wanted = _options(since, pod, node, types)
+    settings = cli_settings(nats_url=nats_url)
+    out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+
+    async def write() -> int:
+        count = 0
+        bus = await _connect(settings)
+        try:
+            async for event in audit_events(
+                bus, start, subject=wanted.subject(bus), on_malformed=_warn
+            ):
+                if not wanted.matches(event):
+                    continue
+                if out is not None:
+                    out.write(event.to_json() + b"\n")
+                else:
+                    sys.stdout.write(event.to_json().decode() + "\n")
+                count += 1
+        finally:
+            await bus.close()
+        return count
+
+    def run() -> None:
+        try:
+            count = asyncio.run(write())
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader (head, a closed pipe) went away: stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(1) from None
+        Console(stderr=True, highlight=False).print(
+            f"exported {count} event{'s' if count != 1 else ''} since {format_time(start)}",
+            soft_wrap=True,
+        )
+
+    _run_or_fail(settings, run)

@@ -1,0 +1,379 @@
+"""``gpuslice status``: what the ledger holds, node by node and card by card.
+
+Gathering (:func:`gather_status`, async, plain dataclasses) is kept apart from
+rendering (:func:`table_rows`, :func:`status_table`, :func:`status_document`), so
+each is tested on its own. What the cards actually use comes from the
+inventory's telemetry store (:func:`gather_usage`), as a ``usage`` mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import typer
+from redis.exceptions import RedisError
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from gpuslice_common.config import CommonSettings, ConfigError, load
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.models import GpuState, Placement, PlacementState
+from gpuslice_inventory.telemetry import TelemetryStore
+
+# uuid -> (device memory in use, bytes; SM utilisation, percent), from telemetry
+Usage = Mapping[str, tuple[int, float]]
+
+JSON_VERSION = 1
+MIB = 1024 * 1024
+
+
+# ---------------------------------------------------------------- command-line plumbing
+# (shared with the audit command)
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """Print ``error: message`` as one line on stderr and exit with ``code``."""
+    Console(stderr=True, highlight=False).print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def cli_settings(nats_url: str | None = None, redis_url: str | None = None) -> CommonSettings:
+    """GPUSLICE_* settings, with the URLs given on the command line taking precedence."""
+    overrides = {"nats_url": nats_url, "redis_url": redis_url}
+    try:
+        return load(CommonSettings, **{k: v for k, v in overrides.items() if v is not None})
+    except ConfigError as exc:
+        fail(str(exc), 2)
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class PodOnCard:
+    uid: str
+    namespace: str
+    name: str
+    state: str
+
+
+@dataclass(frozen=True)
+class CardStatus:
+    """One card: what the ledger has allocated on it, against its schedulable capacity."""
+
+    node: str
+    index: int
+    uuid: str
+    model: str
+    memory_physical_mib: int  # the card's own memory, before memory scaling
+    memory_total_mib: int  # schedulable memory: capacity after scaling
+    memory_allocated_mib: int
+    cores_capacity: int
+    cores_allocated: int
+    slots_total: int  # the node's split count
+    slots_used: int
+    pods: tuple[PodOnCard, ...]  # live placements using the card, by uid
+    healthy: bool
+    cordoned: bool
+    present: bool  # False: gone from the node's inventory but still holding pods
+    exclusive_owner: str | None
+
+    @property
+    def health(self) -> str:
+        if not self.present:
+            return "missing"
+        if not self.healthy:
+            return "unhealthy"
+        if self.cordoned:
+            return "cordoned"
+        return "healthy"
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    node: str
+    gpus: tuple[CardStatus, ...]
+
+    @property
+    def pod_uids(self) -> tuple[str, ...]:
+        """Distinct live pods on the node."""
+        return tuple(sorted({p.uid for g in self.gpus for p in g.pods}))
+
+
+class UnknownNode(LookupError):
+    def __init__(self, node: str, known: Sequence[str]) -> None:
+        listed = ", ".join(known) if known else "none"
+        super().__init__(f"node {node!r} is not in the ledger (known nodes: {listed})")
+
+
+def card_status(gpu: GpuState, placements: Sequence[Placement]) -> CardStatus:
+    """A card with the live placements among ``placements`` that use it."""
+    pods = sorted(
+        (
+            PodOnCard(p.pod.uid, p.pod.namespace, p.pod.name, p.state.value)
+            for p in placements
+            if p.state is not PlacementState.RELEASED
+            and any(d.uuid == gpu.device.uuid for c in p.containers for d in c.devices)
+        ),
+        key=lambda pod: pod.uid,
+    )
+    return CardStatus(
+        node=gpu.node,
+        index=gpu.device.index,
+        uuid=gpu.device.uuid,
+        model=gpu.device.model,
+        memory_physical_mib=gpu.device.memory_mib,
+        memory_total_mib=gpu.capacity.memory_mib,
+        memory_allocated_mib=gpu.used.memory_mib,
+        cores_capacity=gpu.capacity.cores,
+        cores_allocated=gpu.used.cores,
+        slots_total=gpu.capacity.slots,
+        slots_used=gpu.used.slots,
+        pods=tuple(pods),
+        healthy=gpu.device.healthy,
+        cordoned=gpu.cordoned,
+        present=gpu.present,
+        exclusive_owner=gpu.used.exclusive_owner,
+    )
+
+
+async def gather_status(ledger: Ledger, node: str | None = None) -> list[NodeStatus]:
+    """Every node (or just ``node``) with its cards, sorted by name and card index.
+
+    Raises UnknownNode when ``node`` is not registered, LedgerError when Redis fails.
+    """
+    known = await ledger.nodes()
+    if node is not None and node not in known:
+        raise UnknownNode(node, known)
+    names = [node] if node is not None else known
+    if not names:
+        return []
+    gpus = await ledger.nodes_gpus(names)
+    placements = await asyncio.gather(*(ledger.node_placements(n) for n in names))
+    return [
+        NodeStatus(
+            node=name,
+            gpus=tuple(
+                card_status(g, pods)
+                for g in sorted(gpus.get(name, []), key=lambda g: g.device.index)
+            ),
+        )
+        for name, pods in zip(names, placements, strict=True)
+    ]
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def table_columns(usage: Usage | None = None) -> list[str]:
+    columns = ["node", "gpu", "model", "memory MiB", "cores", "slots", "pods", "health"]
+    if usage is not None:
+        columns.insert(4, "used")
+    return columns
+
+
+def _used_cell(cards: Sequence[CardStatus], usage: Usage) -> str:
+    seen = [usage[c.uuid] for c in cards if c.uuid in usage]
+    if not seen:
+        return "-"
+    used_mib = sum(b for b, _ in seen) // MIB
+    sm = sum(s for _, s in seen) / len(seen)
+    return f"{used_mib} MiB {sm:.0f}%"
+
+
+def _health_summary(cards: Sequence[CardStatus]) -> str:
+    counts: dict[str, int] = {}
+    for card in cards:
+        counts[card.health] = counts.get(card.health, 0) + 1
+    order = ("healthy", "cordoned", "unhealthy", "missing")
+    return ", ".join(f"{counts[h]} {h}" for h in order if h in counts)
+
+
+def table_rows(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> list[list[str]]:
+    """The table's cells: per node its cards, then one ``total`` row.
+
+    With ``usage`` (uuid -> (used bytes, SM percent)) a ``used`` column follows
+    ``memory MiB``: "-" for a card without telemetry; the total row sums the
+    memory and averages the SM percentage of the cards that have it.
+    """
+    rows: list[list[str]] = []
+    for node in nodes:
+        for card in node.gpus:
+            row = [
+                node.node,
+                str(card.index),
+                card.model,
+                f"{card.memory_allocated_mib} / {card.memory_total_mib}",
+                f"{card.cores_allocated} / {card.cores_capacity}",
+                f"{card.slots_used} / {card.slots_total}",
+                str(len(card.pods)),
+                card.health,
+            ]
+            if usage is not None:
+                row.insert(4, _used_cell([card], usage))
+            rows.append(row)
+        cards = node.gpus
+        total = [
+            node.node,
+            "total",
+            f"{len(cards)} GPU" + ("" if len(cards) == 1 else "s"),
+            f"{sum(c.memory_allocated_mib for c in cards)} / "
+            f"{sum(c.memory_total_mib for c in cards)}",
+            f"{sum(c.cores_allocated for c in cards)} / {sum(c.cores_capacity for c in cards)}",
+            f"{sum(c.slots_used for c in cards)} / {sum(c.slots_total for c in cards)}",
+            str(len(node.pod_uids)),
+            _health_summary(cards),
+        ]
+        if usage is not None:
+            total.insert(4, _used_cell(cards, usage))
+        rows.append(total)
+    return rows
+
+
+def status_table(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> Table:
+    table = Table(title="gpuslice ledger")
+    right = {"gpu", "memory MiB", "used", "cores", "slots", "pods"}
+    for name in table_columns(usage):
+        table.add_column(name, justify="right" if name in right else "left")
+    health_style = {"healthy": "green", "cordoned": "yellow", "unhealthy": "red", "missing": "red"}
+    for row in table_rows(nodes, usage):
+        is_total = row[1] == "total"
+        cells = [escape(c) for c in row]
+        if not is_total and (style := health_style.get(row[-1])):
+            cells[-1] = f"[{style}]{cells[-1]}[/]"
+        table.add_row(*cells, style="bold" if is_total else None, end_section=is_total)
+    return table
+
+
+def _card_document(card: CardStatus, usage: Usage | None) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "index": card.index,
+        "uuid": card.uuid,
+        "model": card.model,
+        "memory_physical_mib": card.memory_physical_mib,
+        "memory_total_mib": card.memory_total_mib,
+        "memory_allocated_mib": card.memory_allocated_mib,
+        "cores_capacity": card.cores_capacity,
+        "cores_allocated": card.cores_allocated,
+        "slots_total": card.slots_total,
+        "slots_used": card.slots_used,
+        "health": card.health,
+        "healthy": card.healthy,
+        "cordoned": card.cordoned,
+        "present": card.present,
+        "exclusive_owner": card.exclusive_owner,
+        "pod_count": len(card.pods),
+        "pods": [
+            {"uid": p.uid, "namespace": p.namespace, "name": p.name, "state": p.state}
+            for p in card.pods
+        ],
+    }
+    if usage is not None:
+        used = usage.get(card.uuid)
+        doc["used_bytes"] = None if used is None else used[0]
+        doc["sm_percent"] = None if used is None else used[1]
+    return doc
+
+
+def status_document(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> dict[str, Any]:
+    """The ``--json`` document (see the command's help for its keys)."""
+    return {
+        "version": JSON_VERSION,
+        "nodes": [
+            {
+                "node": node.node,
+                "gpus": [_card_document(card, usage) for card in node.gpus],
+                "totals": {
+                    "gpus": len(node.gpus),
+                    "memory_total_mib": sum(c.memory_total_mib for c in node.gpus),
+                    "memory_allocated_mib": sum(c.memory_allocated_mib for c in node.gpus),
+                    "cores_capacity": sum(c.cores_capacity for c in node.gpus),
+                    "cores_allocated": sum(c.cores_allocated for c in node.gpus),
+                    "slots_total": sum(c.slots_total for c in node.gpus),
+                    "slots_used": sum(c.slots_used for c in node.gpus),
+                    "pod_count": len(node.pod_uids),
+                },
+            }
+            for node in nodes
+        ],
+    }
+
+
+# ---------------------------------------------------------------- the command
+
+
+async def gather_usage(
+    ledger: Ledger, prefix: str, nodes: Sequence[NodeStatus]
+) -> dict[str, tuple[int, float]]:
+    """What the containers on each card use now, from the inventory's telemetry
+    store: uuid -> (used bytes, SM percent); cards without fresh samples are absent."""
+    store = TelemetryStore(ledger.redis, prefix)
+    usage: dict[str, tuple[int, float]] = {}
+    for node in nodes:
+        for uuid, used in (await store.gpu_usage(node.node)).items():
+            usage[uuid] = (used.used_bytes, used.sm_percent)
+    return usage
+
+
+async def _read_status(
+    settings: CommonSettings, node: str | None
+) -> tuple[list[NodeStatus], Usage]:
+    # few retries: an operator waiting at a prompt wants the error, not a 10 s wait
+    ledger = Ledger.from_settings(settings, retries=2)
+    try:
+        nodes = await gather_status(ledger, node)
+        return nodes, await gather_usage(ledger, settings.ledger_prefix, nodes)
+    finally:
+        await ledger.close()
+
+
+def status(
+    as_json: bool = typer.Option(False, "--json", help="print a JSON document instead"),
+    node: str | None = typer.Option(None, "--node", help="only this node"),
+    redis_url: str | None = typer.Option(
+        None, "--redis-url", help="the ledger's Redis (default: GPUSLICE_REDIS_URL)"
+    ),
+) -> None:
+    """Show nodes and GPUs as the ledger holds them.
+
+    Per card: memory allocated / schedulable total in MiB (after memory scaling),
+    what its containers use now by their interposers' telemetry (memory and SM
+    percent; "-" without fresh samples), compute cores allocated / capacity
+    (percent of a card, after core scaling), slots used / split count, the
+    number of live pods on the card (a pod counts once on every card it uses)
+    and its health (healthy, cordoned, unhealthy, or
+    missing from the node's inventory). A bold row per node gives its totals.
+
+    --json prints {"version": 1, "nodes": [...]} instead; each node is
+    {"node", "gpus", "totals"}, each gpu is {"index", "uuid", "model",
+    "memory_physical_mib", "memory_total_mib", "memory_allocated_mib",
+    "cores_capacity", "cores_allocated", "slots_total", "slots_used", "health",
+    "healthy", "cordoned", "present", "exclusive_owner", "pod_count", "pods",
+    "used_bytes", "sm_percent"} (the last two null without telemetry), each
+    pod {"uid", "namespace", "name", "state"} sorted by uid, and totals
+    {"gpus", "memory_total_mib", "memory_allocated_mib", "cores_capacity",
+    "cores_allocated", "slots_total", "slots_used", "pod_count"} (pods counted once
+    per node). Nodes are sorted by name, cards by index.
+
+    Exit 1 when Redis cannot be read or --node is unknown, 2 on bad settings.
+    """
+    settings = cli_settings(redis_url=redis_url)
+    try:
+        nodes, usage = asyncio.run(_read_status(settings, node))
+    except UnknownNode as exc:
+        fail(str(exc), 1)
+    except (LedgerError, RedisError, OSError) as exc:
+        fail(f"cannot read the ledger at {settings.redis_url}: {exc}", 1)
+    if as_json:
+        typer.echo(json.dumps(status_document(nodes, usage), indent=2))
+        return
+    console = Console()
+    if not nodes:
+        console.print("no GPU nodes in the ledger")
+        return
+    console.print(status_table(nodes, usage))

@@ -1,0 +1,298 @@
+"""``gpuslice status`` against a real redis-server, with reservations made through the Ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import Result
+from typer.testing import CliRunner
+
+from gpuslice_cli.main import app
+from gpuslice_cli.status import CardStatus, NodeStatus, gather_status, table_columns, table_rows
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
+from gpuslice_common.servers import free_port
+from gpuslice_common.subjects import Subjects
+from gpuslice_inventory.telemetry import TelemetryStore
+from tests.conftest import make_inventory
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "NVIDIA A100-SXM4-80GB"
+MIB = 1024 * 1024
+
+
+def placement(uid: str, node: str, grants: list[list[tuple[int, int, int]]]) -> Placement:
+    """grants[c] = [(gpu index, memory MiB, cores), ...] for app container c."""
+    return Placement(
+        pod=PodRef(uid=uid, namespace="ns", name=f"name-{uid}"),
+        node=node,
+        containers=tuple(
+            ContainerAssignment(
+                name=f"c{c}",
+                devices=tuple(
+                    DeviceGrant(uuid=f"GPU-{node}-{i}", memory_mib=m, cores=k) for i, m, k in devs
+                ),
+            )
+            for c, devs in enumerate(grants)
+        ),
+    )
+
+
+async def cli(redis_url: str, *args: str) -> Result:
+    """Run ``gpuslice`` in-process (in a thread: the command runs its own event loop)."""
+    env = {"GPUSLICE_REDIS_URL": redis_url, "GPUSLICE_LEDGER_PREFIX": "gpuslice", "COLUMNS": "200"}
+    return await asyncio.to_thread(CliRunner().invoke, app, list(args), env=env)
+
+
+def cells(output: str) -> list[list[str]]:
+    """The header and body rows of a rich table, as lists of stripped cells."""
+    rows = []
+    for line in output.splitlines():
+        for bar in ("┃", "│"):
+            if line.startswith(bar):
+                rows.append([c.strip() for c in line.strip(bar).split(bar)])
+    return rows
+
+
+@pytest.fixture
+async def cluster(ledger: Ledger) -> Ledger:
+    """node-a: two cards, memory scaled 1.5x, three pods (one released);
+    node-b: one card, cordoned, holding one pod; node-c: a healthy and an unhealthy card."""
+    await ledger.register_node(make_inventory("node-a", memory_mib=16000, memory_scaling=1.5))
+    await ledger.register_node(make_inventory("node-b", gpus=1, split_count=4))
+    inv_c = make_inventory("node-c", model="Tesla T4", memory_mib=15360)
+    sick = inv_c.devices[1].model_copy(update={"healthy": False})
+    await ledger.register_node(inv_c.model_copy(update={"devices": (inv_c.devices[0], sick)}))
+
+    # pod-1: two containers share card 0 (5000 MiB, 40 cores, 2 slots), one also on card 1
+    await ledger.reserve(
+        placement("pod-1", "node-a", [[(0, 4000, 30)], [(1, 2000, 0), (0, 1000, 10)]])
+    )
+    await ledger.reserve(placement("pod-2", "node-a", [[(0, 3000, 20)]]))
+    await ledger.mark_bound("pod-2")
+    await ledger.reserve(placement("pod-3", "node-a", [[(1, 5000, 50)]]))
+    await ledger.release("pod-3", reason="deleted")  # released: neither counted nor listed
+    await ledger.reserve(placement("pod-4", "node-b", [[(0, 8000, 100)]]))
+    await ledger.cordon("node-b", "GPU-node-b-0")
+    return ledger
+
+
+async def test_table_shows_allocations_pod_counts_and_health(
+    cluster: Ledger, redis_url: str
+) -> None:
+    result = await cli(redis_url, "status")
+    assert result.exit_code == 0, result.output
+    # no telemetry yet: "-" in the used column
+    assert cells(result.stdout) == [
+        ["node", "gpu", "model", "memory MiB", "used", "cores", "slots", "pods", "health"],
+        ["node-a", "0", MODEL, "8000 / 24000", "-", "60 / 100", "3 / 10", "2", "healthy"],
+        ["node-a", "1", MODEL, "2000 / 24000", "-", "0 / 100", "1 / 10", "1", "healthy"],
+        ["node-a", "total", "2 GPUs", "10000 / 48000", "-", "60 / 200", "4 / 20", "2", "2 healthy"],
+        ["node-b", "0", MODEL, "8000 / 16384", "-", "100 / 100", "1 / 4", "1", "cordoned"],
+        ["node-b", "total", "1 GPU", "8000 / 16384", "-", "100 / 100", "1 / 4", "1", "1 cordoned"],
+        ["node-c", "0", "Tesla T4", "0 / 15360", "-", "0 / 100", "0 / 10", "0", "healthy"],
+        ["node-c", "1", "Tesla T4", "0 / 15360", "-", "0 / 100", "0 / 10", "0", "unhealthy"],
+        [
+            "node-c",
+            "total",
+            "2 GPUs",
+            "0 / 30720",
+            "-",
+            "0 / 200",
+            "0 / 20",
+            "0",
+            "1 healthy, 1 unhealthy",
+        ],
+    ]
+    assert result.stderr == ""
+
+
+async def test_node_option_shows_only_that_node(cluster: Ledger, redis_url: str) -> None:
+    result = await cli(redis_url, "status", "--node", "node-b")
+    assert result.exit_code == 0, result.output
+    assert [row[0] for row in cells(result.stdout)[1:]] == ["node-b", "node-b"]
+
+
+async def test_json_document(cluster: Ledger, redis_url: str) -> None:
+    result = await cli(redis_url, "status", "--json", "--node", "node-a")
+    assert result.exit_code == 0, result.output
+
+    def pod(uid: str, state: str) -> dict[str, str]:
+        return {"uid": uid, "namespace": "ns", "name": f"name-{uid}", "state": state}
+
+    def card(index: int, **values: Any) -> dict[str, Any]:
+        return {
+            "index": index,
+            "uuid": f"GPU-node-a-{index}",
+            "model": MODEL,
+            "memory_physical_mib": 16000,
+            "memory_total_mib": 24000,
+            "cores_capacity": 100,
+            "slots_total": 10,
+            "health": "healthy",
+            "healthy": True,
+            "cordoned": False,
+            "present": True,
+            "exclusive_owner": None,
+            "used_bytes": None,  # no telemetry
+            "sm_percent": None,
+            **values,
+        }
+
+    assert json.loads(result.stdout) == {
+        "version": 1,
+        "nodes": [
+            {
+                "node": "node-a",
+                "gpus": [
+                    card(
+                        0,
+                        memory_allocated_mib=8000,
+                        cores_allocated=60,
+                        slots_used=3,
+                        pod_count=2,
+                        pods=[pod("pod-1", "reserved"), pod("pod-2", "bound")],
+                    ),
+                    card(
+                        1,
+                        memory_allocated_mib=2000,
+                        cores_allocated=0,
+                        slots_used=1,
+                        pod_count=1,
+                        pods=[pod("pod-1", "reserved")],
+                    ),
+                ],
+                "totals": {
+                    "gpus": 2,
+                    "memory_total_mib": 48000,
+                    "memory_allocated_mib": 10000,
+                    "cores_capacity": 200,
+                    "cores_allocated": 60,
+                    "slots_total": 20,
+                    "slots_used": 4,
+                    "pod_count": 2,
+                },
+            }
+        ],
+    }
+
+
+async def test_json_shows_cordon_and_exclusive_owner(cluster: Ledger, redis_url: str) -> None:
+    result = await cli(redis_url, "status", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [n["node"] for n in doc["nodes"]] == ["node-a", "node-b", "node-c"]
+    [b0] = doc["nodes"][1]["gpus"]
+    assert (b0["health"], b0["cordoned"], b0["exclusive_owner"]) == ("cordoned", True, "pod-4")
+    c1 = doc["nodes"][2]["gpus"][1]
+    assert (c1["health"], c1["healthy"], c1["pods"]) == ("unhealthy", False, [])
+
+
+async def test_released_pods_leave_the_table(cluster: Ledger, redis_url: str) -> None:
+    await cluster.release("pod-1")
+    result = await cli(redis_url, "status", "--node", "node-a")
+    assert result.exit_code == 0, result.output
+    assert [row[3:4] + row[5:8] for row in cells(result.stdout)[1:]] == [
+        ["3000 / 24000", "20 / 100", "1 / 10", "1"],
+        ["0 / 24000", "0 / 100", "0 / 10", "0"],
+        ["3000 / 48000", "20 / 200", "1 / 20", "1"],
+    ]
+
+
+async def test_usage_adds_a_used_column_only_when_given(cluster: Ledger) -> None:
+    nodes = await gather_status(cluster, "node-a")
+    assert "used" not in table_columns()
+    assert all(len(row) == 8 for row in table_rows(nodes))
+    usage = {"GPU-node-a-0": (3 * 1024 * 1024 * 1024, 42.0)}
+    assert table_columns(usage)[4] == "used"
+    rows = table_rows(nodes, usage)
+    assert [row[4] for row in rows] == ["3072 MiB 42%", "-", "3072 MiB 42%"]
+    assert [row[:4] + row[5:] for row in rows] == table_rows(nodes)
+
+
+async def test_table_and_json_show_what_telemetry_says_cards_use(
+    cluster: Ledger, redis_url: str
+) -> None:
+    store = TelemetryStore(cluster.redis, "gpuslice")
+    subjects = Subjects("gpuslice")
+    for container, used_mib, sm in (("c0", 3000, 30.0), ("c1", 1000, 12.0)):
+        devices = [
+            {"uuid": "GPU-node-a-0", "used_bytes": used_mib * MIB, "limit_bytes": 4 * MIB**2}
+            | {"sm_percent": sm}
+        ]
+        sample = {
+            "node": "node-a",
+            "pod_uid": "pod-1",
+            "container": container,
+            "pid": 7,
+            "time": "2026-11-21T10:00:00Z",
+            "devices": devices,
+        }
+        assert store.ingest(subjects.telemetry("node-a", "pod-1"), json.dumps(sample).encode())
+    assert await store.flush() == 2
+    table = await cli(redis_url, "status", "--node", "node-a")
+    assert table.exit_code == 0, table.output
+    assert [row[4] for row in cells(table.stdout)] == ["used", "4000 MiB 42%", "-", "4000 MiB 42%"]
+    document = await cli(redis_url, "status", "--json", "--node", "node-a")
+    gpus = json.loads(document.stdout)["nodes"][0]["gpus"]
+    assert [(g["used_bytes"], g["sm_percent"]) for g in gpus] == [(4000 * MIB, 42.0), (None, None)]
+
+
+def test_health_prefers_the_worst_state() -> None:
+    base = CardStatus("n", 0, "u", "m", 1, 1, 0, 100, 0, 10, 0, (), True, False, True, None)
+    assert base.health == "healthy"
+    assert CardStatus(**{**base.__dict__, "cordoned": True}).health == "cordoned"
+    assert CardStatus(**{**base.__dict__, "cordoned": True, "healthy": False}).health == "unhealthy"
+    assert CardStatus(**{**base.__dict__, "present": False}).health == "missing"
+    assert NodeStatus("n", (base,)).pod_uids == ()
+
+
+async def test_unknown_node_is_a_one_line_error(cluster: Ledger, redis_url: str) -> None:
+    result = await cli(redis_url, "status", "--node", "nope")
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr == (
+        "error: node 'nope' is not in the ledger (known nodes: node-a, node-b, node-c)\n"
+    )
+
+
+async def test_empty_ledger(redis_url: str) -> None:
+    result = await cli(redis_url, "status")
+    assert (result.exit_code, result.stdout) == (0, "no GPU nodes in the ledger\n")
+    result = await cli(redis_url, "status", "--json")
+    assert json.loads(result.stdout) == {"version": 1, "nodes": []}
+
+
+def test_redis_down_is_a_clean_error_exit() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuslice_cli.main", "status", "--redis-url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"error: cannot read the ledger at {url}: Redis is unreachable")
+    assert result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 20  # a quick answer, not the services' long retries
+
+
+def test_bad_redis_url_names_the_variable() -> None:
+    result = CliRunner().invoke(app, ["status"], env={"GPUSLICE_REDIS_URL": "http://x"})
+    assert result.exit_code == 2
+    assert "GPUSLICE_REDIS_URL" in result.stderr
+    assert result.stdout == ""
