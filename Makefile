@@ -15,7 +15,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 help:
 	@echo "make demo   - install, start NATS + Redis, run the ledger smoke scenario"
 	@echo "make test   - install, lint, type-check, check import contracts, run the tests"
-	@echo "make bench  - run the ledger, extender, interposer, device plugin and webhook benchmarks (a few minutes)"
+	@echo "make bench  - run the ledger, extender, interposer, device plugin, webhook and inventory benchmarks (a few minutes)"
 	@echo "make bench-packing - replay the openb traces with every policy (about 30 minutes)"
 	@echo "make gpu-check - the interposer's GPU kit (needs an NVIDIA GPU and driver)"
 	@echo "make clean  - remove the virtualenv and caches"
@@ -75,6 +75,8 @@ bench: deps
 	$(BIN)/python bench/interposer_bench.py
 	$(BIN)/python bench/deviceplugin_bench.py
 	$(BIN)/python bench/webhook_bench.py
+	$(BIN)/python bench/inventory_bench.py
+	$(BIN)/python bench/reconcile_bench.py
 
 gpu-check:
 	$(MAKE) -C native gpu-check

@@ -17,13 +17,14 @@ So after Redis loses everything, the ledger is whole again within one pass.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuslice_common.kube import KubeApi
 from gpuslice_common.ledger import Ledger, LedgerError
@@ -32,6 +33,11 @@ from gpuslice_inventory.lifecycle import DELETED, TERMINATED, pod_phase, pod_uid
 from gpuslice_inventory.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
+
+# ledger operations one pass keeps in flight (the ledger's own gate allows 64)
+CONCURRENCY = 32
+Item = TypeVar("Item")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -84,42 +90,27 @@ class Reconciler:
         started = time.perf_counter()
         listed_at = utcnow()
         pods = {uid: pod for pod in await self.kube.list_all_pods() if (uid := pod_uid(pod))}
-        held: dict[str, Placement] = {}
-        for node in await self.ledger.nodes():
-            for placement in await self.ledger.node_placements(node):
-                if placement.state is not PlacementState.RELEASED:
-                    held[placement.pod.uid] = placement
-        restored = failed = 0
-        released: Counter[str] = Counter()
-        for uid, pod in pods.items():
-            phase = pod_phase(pod)
-            if uid in held or phase in TERMINATED or not _node(pod):
-                continue
-            record = _record(pod)
-            if record is None or record.node != _node(pod):
-                continue
-            try:
-                _, new = await self.ledger.restore(record, running=phase == "Running")
-            except LedgerError as exc:
-                failed += 1
-                log.warning("cannot restore the reservation of pod %s: %s", uid, exc)
-                continue
-            if new:
-                restored += 1
-                log.info("restored the reservation of pod %s on %s", uid, record.node)
+        held = await self._held()
+        to_restore = [
+            (uid, pod)
+            for uid, pod in pods.items()
+            if uid not in held and pod_phase(pod) not in TERMINATED and _node(pod)
+        ]
+        outcomes = Counter(await _each(to_restore, self._restore))
+        to_release: list[tuple[str, str]] = []
         for uid, placement in held.items():
             found = pods.get(uid)
             if found is None:
                 since = placement.reserved_at or listed_at
                 if listed_at - since < self.grace:
                     continue
-                reason = DELETED
+                to_release.append((uid, DELETED))
             elif pod_phase(found) in TERMINATED:
-                reason = TERMINATED[pod_phase(found)]
-            else:
-                continue
-            if await self.upkeep.release(uid, reason):
-                released[reason] += 1
+                to_release.append((uid, TERMINATED[pod_phase(found)]))
+        released: Counter[str] = Counter(
+            reason for reason in await _each(to_release, self._release) if reason
+        )
+        restored, failed = outcomes["restored"], outcomes["failed"]
         result = ReconcileResult(
             pods=len(pods),
             held=len(held),
@@ -131,3 +122,44 @@ class Reconciler:
         )
         self.last = result
         return result
+
+    async def _held(self) -> dict[str, Placement]:
+        """The live placements of every node, by pod uid."""
+        nodes = await self.ledger.nodes()
+        held: dict[str, Placement] = {}
+        for placements in await _each(nodes, self.ledger.node_placements):
+            for placement in placements:
+                if placement.state is not PlacementState.RELEASED:
+                    held[placement.pod.uid] = placement
+        return held
+
+    async def _restore(self, item: tuple[str, Mapping[str, Any]]) -> str:
+        """Put back one pod's reservation from its annotation: restored, failed or ''."""
+        uid, pod = item
+        record = _record(pod)
+        if record is None or record.node != _node(pod):
+            return ""
+        try:
+            _, new = await self.ledger.restore(record, running=pod_phase(pod) == "Running")
+        except LedgerError as exc:
+            log.warning("cannot restore the reservation of pod %s: %s", uid, exc)
+            return "failed"
+        if not new:
+            return ""
+        log.debug("restored the reservation of pod %s on %s", uid, record.node)
+        return "restored"
+
+    async def _release(self, item: tuple[str, str]) -> str:
+        uid, reason = item
+        return reason if await self.upkeep.release(uid, reason) else ""
+
+
+async def _each(items: Sequence[Item], work: Callable[[Item], Awaitable[R]]) -> list[R]:
+    """``work`` on every item, at most CONCURRENCY at a time; results in order."""
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(item: Item) -> R:
+        async with gate:
+            return await work(item)
+
+    return await asyncio.gather(*(one(item) for item in items))
