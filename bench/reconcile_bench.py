@@ -42,7 +42,7 @@ from gpuslice_common.models import (
 )
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.servers import RedisServer
-from gpuslice_inventory.reconcile import ReconcileResult, Reconciler
+from gpuslice_inventory.reconcile import Reconciler, ReconcileResult
 from gpuslice_inventory.upkeep import Upkeep
 
 GPUS = 8
@@ -126,7 +126,7 @@ async def run(redis_url: str, count: int, nodes: int) -> list[tuple[str, float, 
     rows.append(("baseline: the ledger reads alone", seconds, f"{held:,} placements read"))
     steady, seconds = await timed(reconciler.run_once)
     rows.append(("steady (nothing to do)", seconds, describe(steady)))
-    for pod in (await kube.list_all_pods())[:: 10]:
+    for pod in (await kube.list_all_pods())[::10]:
         kube.set_phase("bench", pod["metadata"]["name"], "Succeeded")
     ended, seconds = await timed(reconciler.run_once)
     rows.append(("10 % of the pods ended", seconds, describe(ended)))
