@@ -8,6 +8,8 @@ declares into a one-line message and an exit code, never a traceback.
 :func:`http_server` runs uvicorn for the block of a ``with``: it returns once the
 server listens, raises OSError when it cannot (uvicorn itself would exit the
 process), and stops the server when the block ends.
+
+:func:`every` runs a service's periodic job for as long as its task lives.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import uvicorn
@@ -120,3 +122,28 @@ async def http_server(
             serving.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await serving
+
+
+async def every(
+    seconds: float,
+    job: Callable[[], Awaitable[object]],
+    what: str,
+    *,
+    expected: tuple[type[Exception], ...] = (),
+) -> None:
+    """Run ``job`` every ``seconds`` until cancelled. A failure never ends the
+    loop: an ``expected`` one (a server away) is a warning, any other is logged
+    with its traceback. A cancellation that a library swallowed inside ``job``
+    (the task stays "cancelling") still ends it."""
+    me = asyncio.current_task()
+    log = logging.getLogger(__name__)
+    while True:
+        try:
+            await job()
+        except expected as exc:
+            log.warning("%s skipped: %s", what, exc)
+        except Exception:
+            log.exception("%s failed", what)
+        if me is not None and me.cancelling():
+            raise asyncio.CancelledError
+        await asyncio.sleep(seconds)

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
-from gpuslice_common.service import http_server
+from gpuslice_common.service import every, http_server
 from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
@@ -119,17 +119,6 @@ class Running:
         return registered and await self.ledger.ping()
 
 
-async def _every(seconds: float, step: Callable[[], Awaitable[object]], what: str) -> None:
-    while True:
-        try:
-            await step()
-        except LedgerError as exc:
-            log.warning("%s skipped: %s", what, exc)
-        except Exception:  # a loop of the agent must outlive any one bad pass
-            log.exception("%s failed", what)
-        await asyncio.sleep(seconds)
-
-
 def create_app(running: Running) -> FastAPI:
     app = FastAPI(title="gpuslice device plugin", docs_url=None, redoc_url=None)
 
@@ -209,9 +198,17 @@ async def running(
         state.tasks = [
             asyncio.create_task(link.run(), name="kubelet-link"),
             asyncio.create_task(agent.run(), name="node-agent"),
-            asyncio.create_task(_every(coordinate, state.coordinate, "coordination")),
-            asyncio.create_task(_every(CLEANUP_INTERVAL_S, state.clean_up, "clean-up")),
-            asyncio.create_task(_every(GONE_PODS_INTERVAL_S, state.refresh_gone, "pod check")),
+            asyncio.create_task(
+                every(coordinate, state.coordinate, "coordination", expected=(LedgerError,))
+            ),
+            asyncio.create_task(
+                every(CLEANUP_INTERVAL_S, state.clean_up, "clean-up", expected=(LedgerError,))
+            ),
+            asyncio.create_task(
+                every(
+                    GONE_PODS_INTERVAL_S, state.refresh_gone, "pod check", expected=(LedgerError,)
+                )
+            ),
         ]
         if serve_http:
             http_config = uvicorn.Config(

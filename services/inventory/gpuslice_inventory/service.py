@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -29,7 +29,7 @@ from gpuslice_common.kube import KubeApi, KubernetesApi
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import NodeInventory, PodEnded
 from gpuslice_common.outbox import Outbox
-from gpuslice_common.service import http_server
+from gpuslice_common.service import every, http_server
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.lifecycle import PodWatcher, WatchStats, release_ended
 from gpuslice_inventory.metrics import ClusterMetrics, WorkMetrics, WorkStats, registry_for
@@ -116,27 +116,6 @@ class Running:
         }
 
 
-async def _every(seconds: float, job: Callable[[], Awaitable[None]], what: str) -> None:
-    """Run ``job`` every ``seconds``; a failure is logged and the next run comes anyway.
-
-    A cancellation that a library swallowed inside ``job`` (the task stays
-    "cancelling") still ends the loop.
-    """
-    me = asyncio.current_task()
-    while True:
-        try:
-            await job()
-        except asyncio.CancelledError:
-            raise
-        except LedgerError as exc:
-            log.warning("%s: %s", what, exc)
-        except Exception:
-            log.exception("%s failed", what)
-        if me is not None and me.cancelling():
-            raise asyncio.CancelledError
-        await asyncio.sleep(seconds)
-
-
 def create_app(state: Running) -> FastAPI:
     app = FastAPI(title="gpuslice inventory", docs_url=None, redoc_url=None)
 
@@ -211,9 +190,16 @@ async def running(
     sweep = settings.sweep_interval.total_seconds()
     state.tasks = [
         asyncio.create_task(telemetry.run(), name="telemetry-flush"),
-        asyncio.create_task(_every(sweep, state.sweep_if_leader, "upkeep"), name="upkeep"),
         asyncio.create_task(
-            _every(settings.metrics_interval.total_seconds(), cluster.refresh, "metrics"),
+            every(sweep, state.sweep_if_leader, "upkeep", expected=(LedgerError,)), name="upkeep"
+        ),
+        asyncio.create_task(
+            every(
+                settings.metrics_interval.total_seconds(),
+                cluster.refresh,
+                "metrics",
+                expected=(LedgerError,),
+            ),
             name="metrics",
         ),
     ]

@@ -1,0 +1,61 @@
+"""gpuslice_common.service.every: a periodic job outlives its failures and ends
+when its task is cancelled, even if the job swallowed the cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import pytest
+
+from gpuslice_common.service import every
+
+
+class Away(Exception):
+    pass
+
+
+async def test_failures_never_end_the_loop_and_are_logged_by_kind(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    runs = 0
+    fourth = asyncio.Event()
+
+    async def job() -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 4:
+            fourth.set()
+        if runs == 1:
+            raise Away("redis is away")
+        if runs == 2:
+            raise RuntimeError("a bug")
+
+    with caplog.at_level(logging.WARNING):
+        task = asyncio.create_task(every(0.01, job, "the job", expected=(Away,)))
+        await asyncio.wait_for(fourth.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    warnings = [(r.levelno, r.getMessage(), r.exc_info is not None) for r in caplog.records]
+    assert warnings == [
+        (logging.WARNING, "the job skipped: redis is away", False),
+        (logging.ERROR, "the job failed", True),
+    ]
+
+
+async def test_a_cancellation_the_job_swallowed_still_ends_the_loop() -> None:
+    started = asyncio.Event()
+
+    async def swallowing() -> None:
+        started.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+
+    task = asyncio.create_task(every(0.01, swallowing, "job"))
+    await started.wait()
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=2)
+    assert done == {task}
+    assert task.cancelled()
