@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import pytest
 
+from gpuslice_cli.dev.kubelet import DevKubelet
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.ledger import Ledger
@@ -24,7 +25,6 @@ from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, 
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_deviceplugin.kubelet import LinkTiming
 from gpuslice_deviceplugin.service import Running, running
-from tests.deviceplugin.kubelet import TestKubelet
 from tests.native.probe import Native
 
 NODE = "node-a"
@@ -45,8 +45,8 @@ def short_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-async def kubelet(short_dir: Path) -> AsyncIterator[TestKubelet]:
-    k = TestKubelet(short_dir / "kubelet")
+async def kubelet(short_dir: Path) -> AsyncIterator[DevKubelet]:
+    k = DevKubelet(short_dir / "kubelet")
     await k.start()
     yield k
     await k.stop()
@@ -109,7 +109,7 @@ async def bus(nats_server: NatsServer, prefix: str) -> AsyncIterator[Bus]:
 
 @pytest.fixture
 async def agent(
-    settings: DevicePluginSettings, kubelet: TestKubelet, bus: Bus
+    settings: DevicePluginSettings, kubelet: DevKubelet, bus: Bus
 ) -> AsyncIterator[Running]:
     """The agent registered with the test kubelet, its node registered in the ledger."""
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:

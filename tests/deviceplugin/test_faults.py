@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from gpuslice_cli.dev.kubelet import DevKubelet
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.ledger import Ledger
@@ -18,7 +19,6 @@ from gpuslice_common.models import NodeInventory
 from gpuslice_common.servers import NatsServer, RedisServer
 from gpuslice_deviceplugin.service import running
 from tests.deviceplugin.conftest import FAST, NODE, bind, placement, uuids
-from tests.deviceplugin.kubelet import TestKubelet
 
 ROOT = Path(__file__).resolve().parents[2]
 API = ROOT / "services" / "deviceplugin" / "gpuslice_deviceplugin" / "api"
@@ -27,7 +27,7 @@ API = ROOT / "services" / "deviceplugin" / "gpuslice_deviceplugin" / "api"
 async def test_an_allocate_during_a_redis_restart_is_answered_when_redis_is_back(
     make_settings: Callable[..., DevicePluginSettings],
     own_redis: RedisServer,
-    kubelet: TestKubelet,
+    kubelet: DevKubelet,
     bus: Bus,
 ) -> None:
     settings = make_settings(redis_url=own_redis.url)
@@ -48,7 +48,7 @@ async def test_an_allocate_during_a_redis_restart_is_answered_when_redis_is_back
 async def test_the_heartbeat_comes_back_after_a_nats_restart(
     make_settings: Callable[..., DevicePluginSettings],
     own_nats: NatsServer,
-    kubelet: TestKubelet,
+    kubelet: DevKubelet,
     prefix: str,
 ) -> None:
     settings = make_settings(nats_url=own_nats.url, inventory_interval="200ms")
@@ -82,7 +82,7 @@ async def test_the_heartbeat_comes_back_after_a_nats_restart(
 async def test_a_redis_outage_at_start_does_not_stop_the_agent(
     make_settings: Callable[..., DevicePluginSettings],
     own_redis: RedisServer,
-    kubelet: TestKubelet,
+    kubelet: DevKubelet,
     bus: Bus,
 ) -> None:
     own_redis.kill()
@@ -104,7 +104,7 @@ async def test_a_redis_outage_at_start_does_not_stop_the_agent(
 async def test_the_agent_serves_kubelet_while_nats_is_down_and_connects_later(
     agent_process: Callable[..., subprocess.Popen[str]],
     own_nats: NatsServer,
-    kubelet: TestKubelet,
+    kubelet: DevKubelet,
     prefix: str,
 ) -> None:
     own_nats.kill()

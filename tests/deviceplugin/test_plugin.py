@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.events import AllocationEvent, CloudEvent, EventType, parse_event
@@ -21,7 +22,6 @@ from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.kubelet import KubeletLinkError
 from gpuslice_deviceplugin.service import Running, running
 from tests.deviceplugin.conftest import FAST, NODE, SIMULATED, bind, placement, uuids
-from tests.deviceplugin.kubelet import Plugin, TestKubelet
 
 
 def write(path: Path, text: str) -> None:
@@ -36,7 +36,7 @@ def is_socket(path: Path) -> bool:
     return path.is_socket()
 
 
-async def registered(kubelet: TestKubelet, number: int = 1) -> Plugin:
+async def registered(kubelet: DevKubelet, number: int = 1) -> Plugin:
     plugin = await kubelet.registration(number)
     await plugin.list_after(0)
     return plugin
@@ -70,7 +70,7 @@ async def events(bus: Bus) -> Events:
 
 
 async def test_handshake_registers_and_lists_every_replica(
-    agent: Running, kubelet: TestKubelet
+    agent: Running, kubelet: DevKubelet
 ) -> None:
     plugin = await registered(kubelet)
     req = plugin.request
@@ -94,7 +94,7 @@ async def test_handshake_registers_and_lists_every_replica(
 
 
 async def test_health_change_resends_the_full_list_and_inventory(
-    agent: Running, kubelet: TestKubelet, node_config: Path, bus: Bus
+    agent: Running, kubelet: DevKubelet, node_config: Path, bus: Bus
 ) -> None:
     plugin = await registered(kubelet)
     inventories: asyncio.Queue[NodeInventory] = asyncio.Queue()
@@ -116,7 +116,7 @@ async def test_health_change_resends_the_full_list_and_inventory(
 
 
 async def test_a_bad_config_edit_keeps_the_last_good_one(
-    agent: Running, kubelet: TestKubelet, node_config: Path
+    agent: Running, kubelet: DevKubelet, node_config: Path
 ) -> None:
     plugin = await registered(kubelet)
     write(node_config, "defaults: {deviceSplitCount: zero}\n")
@@ -129,9 +129,7 @@ async def test_a_bad_config_edit_keeps_the_last_good_one(
     assert len(devices) == 4
 
 
-async def test_kubelet_restart_means_registering_again(
-    agent: Running, kubelet: TestKubelet
-) -> None:
+async def test_kubelet_restart_means_registering_again(agent: Running, kubelet: DevKubelet) -> None:
     await registered(kubelet)
     await kubelet.restart()  # deletes every socket, ours included
     again = await registered(kubelet, 2)
@@ -143,7 +141,7 @@ async def test_kubelet_restart_means_registering_again(
 
 
 async def test_our_socket_deleted_alone_means_registering_again(
-    agent: Running, kubelet: TestKubelet
+    agent: Running, kubelet: DevKubelet
 ) -> None:
     await registered(kubelet)
     os.unlink(Path(agent.settings.kubelet_dir) / "gpuslice.sock")
@@ -157,7 +155,7 @@ async def test_agent_waits_for_kubelet_then_registers(
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
         await asyncio.sleep(0.3)  # no kubelet.sock yet
         assert not state.link.registered.is_set()
-        kubelet = TestKubelet(short_dir / "kubelet")
+        kubelet = DevKubelet(short_dir / "kubelet")
         await kubelet.start()
         try:
             await registered(kubelet)
@@ -167,7 +165,7 @@ async def test_agent_waits_for_kubelet_then_registers(
 
 
 async def test_registration_refused_gives_up_after_bounded_retries(
-    make_settings: Callable[..., DevicePluginSettings], kubelet: TestKubelet, bus: Bus
+    make_settings: Callable[..., DevicePluginSettings], kubelet: DevKubelet, bus: Bus
 ) -> None:
     settings = make_settings(requests={"resources": {"gpu": "gpu"}})  # not domain-qualified
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
@@ -181,7 +179,7 @@ async def test_registration_refused_gives_up_after_bounded_retries(
 
 
 async def test_allocate_one_gpu_answers_env_and_mounts(
-    agent: Running, kubelet: TestKubelet, events: Events
+    agent: Running, kubelet: DevKubelet, events: Events
 ) -> None:
     plugin = await registered(kubelet)
     gpu = uuids(agent)[1]
@@ -226,7 +224,7 @@ async def test_allocate_one_gpu_answers_env_and_mounts(
 
 
 async def test_allocate_two_gpus_prefers_the_scheduler_s_cards(
-    agent: Running, kubelet: TestKubelet
+    agent: Running, kubelet: DevKubelet
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
@@ -245,7 +243,7 @@ async def test_allocate_two_gpus_prefers_the_scheduler_s_cards(
 
 
 async def test_multi_container_pods_are_served_in_bind_order(
-    agent: Running, kubelet: TestKubelet
+    agent: Running, kubelet: DevKubelet
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
@@ -273,7 +271,7 @@ async def test_multi_container_pods_are_served_in_bind_order(
 
 
 async def test_allocate_without_a_pending_pod_is_a_clear_error(
-    agent: Running, kubelet: TestKubelet, events: Events
+    agent: Running, kubelet: DevKubelet, events: Events
 ) -> None:
     plugin = await registered(kubelet)
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -292,7 +290,7 @@ async def test_allocate_without_a_pending_pod_is_a_clear_error(
 
 
 async def test_a_count_mismatch_is_refused_and_the_pod_keeps_waiting(
-    agent: Running, kubelet: TestKubelet
+    agent: Running, kubelet: DevKubelet
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
@@ -306,7 +304,7 @@ async def test_a_count_mismatch_is_refused_and_the_pod_keeps_waiting(
 
 
 async def test_concurrent_allocates_hand_out_each_container_once(
-    agent: Running, kubelet: TestKubelet
+    agent: Running, kubelet: DevKubelet
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
@@ -347,7 +345,7 @@ async def test_concurrent_allocates_hand_out_each_container_once(
     ],
 )
 async def test_malformed_allocates_are_refused_and_nothing_is_handed_out(
-    agent: Running, kubelet: TestKubelet, request_: pb.AllocateRequest, message: str
+    agent: Running, kubelet: DevKubelet, request_: pb.AllocateRequest, message: str
 ) -> None:
     plugin = await registered(kubelet)
     await bind(agent.ledger, placement("waiting", [[(uuids(agent)[0], 100, 5)]]))
@@ -362,7 +360,7 @@ async def test_malformed_allocates_are_refused_and_nothing_is_handed_out(
 
 
 async def test_repeated_ids_and_garbage_bytes_leave_the_plugin_serving(
-    agent: Running, kubelet: TestKubelet
+    agent: Running, kubelet: DevKubelet
 ) -> None:
     plugin = await registered(kubelet)
     one = plugin.free()[0]
@@ -385,7 +383,7 @@ async def test_repeated_ids_and_garbage_bytes_leave_the_plugin_serving(
 
 
 async def test_preferred_allocation_honours_must_include(
-    agent: Running, kubelet: TestKubelet
+    agent: Running, kubelet: DevKubelet
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
@@ -414,7 +412,7 @@ def test_the_agent_s_own_nats_credentials_never_reach_a_container() -> None:
 
 
 async def test_disable_control_leaves_the_preload_out(
-    settings: DevicePluginSettings, kubelet: TestKubelet, bus: Bus
+    settings: DevicePluginSettings, kubelet: DevKubelet, bus: Bus
 ) -> None:
     kube = LocalKubeApi()
     pod = {
@@ -442,7 +440,7 @@ async def test_disable_control_leaves_the_preload_out(
 
 async def test_telemetry_credential_and_context_overhead_reach_the_container(
     make_settings: Callable[..., DevicePluginSettings],
-    kubelet: TestKubelet,
+    kubelet: DevKubelet,
     bus: Bus,
     node_config: Path,
 ) -> None:

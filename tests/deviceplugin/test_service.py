@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuslice_cli.dev.kubelet import DevKubelet
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import LocalKubeApi
@@ -25,7 +26,6 @@ from gpuslice_common.servers import free_port
 from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.service import running
 from tests.deviceplugin.conftest import FAST, NODE, bind, placement, uuids
-from tests.deviceplugin.kubelet import TestKubelet
 from tests.native.probe import ProbeSpawner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
 
 
 async def test_heartbeat_publishes_the_inventory_every_interval(
-    make_settings: Callable[..., DevicePluginSettings], kubelet: TestKubelet, bus: Bus
+    make_settings: Callable[..., DevicePluginSettings], kubelet: DevKubelet, bus: Bus
 ) -> None:
     got: list[NodeInventory] = []
 
@@ -77,7 +77,7 @@ async def test_http_health_readiness_and_metrics(
     ):
         assert (await http.get("/healthz")).status_code == 200
         assert (await http.get("/readyz")).status_code == 503  # no kubelet yet
-        kubelet = TestKubelet(short_dir / "kubelet")
+        kubelet = DevKubelet(short_dir / "kubelet")
         await kubelet.start()
         try:
             plugin = await kubelet.registration()
@@ -107,7 +107,7 @@ async def test_http_health_readiness_and_metrics(
 
 
 async def test_clean_up_removes_directories_of_pods_gone_from_the_ledger(
-    make_settings: Callable[..., DevicePluginSettings], kubelet: TestKubelet, bus: Bus
+    make_settings: Callable[..., DevicePluginSettings], kubelet: DevKubelet, bus: Bus
 ) -> None:
     settings = make_settings(cleanup_grace="1ms")
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
@@ -132,7 +132,7 @@ async def test_clean_up_removes_directories_of_pods_gone_from_the_ledger(
 
 
 async def test_with_the_api_a_pod_unknown_to_both_is_gone(
-    make_settings: Callable[..., DevicePluginSettings], kubelet: TestKubelet, bus: Bus
+    make_settings: Callable[..., DevicePluginSettings], kubelet: DevKubelet, bus: Bus
 ) -> None:
     kube = LocalKubeApi()
     kube.add_pod({"metadata": {"name": "pod-kept", "namespace": "team", "uid": "kept"}})
@@ -213,7 +213,7 @@ def container_env(response_env: dict[str, str], mounts: dict[str, str]) -> dict[
 
 async def test_end_to_end_an_allocate_answer_drives_the_interposer(
     agent_process: Callable[[], subprocess.Popen[str]],
-    kubelet: TestKubelet,
+    kubelet: DevKubelet,
     plugin_ledger: Ledger,
     bus: Bus,
     spawn_probe: ProbeSpawner,

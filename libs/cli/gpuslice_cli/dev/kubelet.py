@@ -1,4 +1,5 @@
-"""A test kubelet: kubelet's side of the device plugin API over real gRPC.
+"""A stand-in kubelet: kubelet's side of the device plugin API over real gRPC,
+for the local stack and the tests.
 
 It serves ``v1beta1.Registration`` on ``<dir>/kubelet.sock`` and, inside
 Register, does what kubelet does (contract §2): checks the version and the
@@ -82,8 +83,10 @@ class Plugin:
                 )
             )
             ids = list(preferred.container_responses[0].deviceIDs)
-            assert len(ids) == count, f"preferred allocation gave {ids} for {count}"
-            assert set(ids) <= set(free), "preferred IDs must come from the available ones"
+            if len(ids) != count or not set(ids) <= set(free):
+                raise RuntimeError(
+                    f"kubelet: the plugin preferred {ids} for {count} of the free {free}"
+                )
         response = await self.stub.Allocate(
             pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
         )
@@ -98,9 +101,7 @@ class Plugin:
         await self.channel.close()
 
 
-class TestKubelet(pb_grpc.RegistrationServicer):
-    __test__ = False  # not a test class, whatever pytest thinks of the name
-
+class DevKubelet(pb_grpc.RegistrationServicer):
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.socket = directory / "kubelet.sock"
@@ -113,7 +114,8 @@ class TestKubelet(pb_grpc.RegistrationServicer):
         self.directory.mkdir(parents=True, exist_ok=True)
         server = grpc.aio.server()
         pb_grpc.add_RegistrationServicer_to_server(self, server)
-        assert server.add_insecure_port(f"unix://{self.socket}") != 0
+        if server.add_insecure_port(f"unix://{self.socket}") == 0:
+            raise OSError(f"kubelet: cannot listen on {self.socket}")
         await server.start()
         self._server = server
 
