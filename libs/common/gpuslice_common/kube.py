@@ -508,6 +508,11 @@ class LocalKubeApi:
         )
         self._watchers: set[asyncio.Queue[tuple[int, WatchEvent]]] = set()
 
+    @property
+    def resource_version(self) -> str:
+        """The version of the latest change, as a list reports it."""
+        return str(self._version)
+
     def _changed(self, kind: str, pod: dict[str, Any]) -> None:
         """Give the pod a new resource version and tell the watchers."""
         self._version += 1

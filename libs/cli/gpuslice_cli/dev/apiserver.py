@@ -1,0 +1,240 @@
+"""A small Kubernetes API server for the local stack.
+
+It serves, over HTTP, the part of the core/v1 API that gpuslice's services use,
+from a :class:`~gpuslice_common.kube.LocalKubeApi` held by the cluster driver:
+
+* ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``PATCH`` of the same path
+  (a JSON merge patch of ``metadata.annotations`` only),
+  ``POST .../pods/{name}/binding``;
+* ``GET /api/v1/namespaces/{name}``, ``GET /api/v1/namespaces/{ns}/resourcequotas``;
+* ``GET /api/v1/namespaces/{ns}/pods`` (``fieldSelector`` for pods that have not
+  terminated), ``GET /api/v1/pods`` and its ``watch=true`` stream.
+
+So every service runs exactly the code it runs on a cluster (``KubernetesApi``
+through a kubeconfig), and the driver sees what they do. Every request must
+carry the bearer token of the kubeconfig :meth:`DevApiServer.kubeconfig`
+writes; anything else is answered with a Kubernetes ``Status`` naming the
+problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gpuslice_common.kube import (
+    RUNNING_PODS,
+    Conflict,
+    KubeError,
+    LocalKubeApi,
+    NotFound,
+    WatchExpired,
+)
+from gpuslice_common.service import http_server
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def status(code: int, reason: str, message: str) -> JSONResponse:
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure" if code >= 400 else "Success",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+    return JSONResponse(body, status_code=code)
+
+
+def a_list(kind: str, items: list[dict[str, Any]], version: str) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "apiVersion": "v1",
+        "metadata": {"resourceVersion": version},
+        "items": items,
+    }
+
+
+def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
+    app = FastAPI(title="gpuslice dev API server", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def authenticate(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if request.headers.get("authorization") != f"Bearer {token}":
+            return status(401, "Unauthorized", "Unauthorized: no or a wrong bearer token")
+        try:
+            return await call_next(request)
+        except Conflict as exc:
+            return status(409, "Conflict", str(exc))
+        except NotFound as exc:
+            return status(404, "NotFound", str(exc))
+        except KubeError as exc:
+            return status(422, "Invalid", str(exc))
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise KubeError("the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise KubeError("the request body is not a JSON object")
+        return body
+
+    @app.get("/api/v1/namespaces/{namespace}/pods/{name}")
+    async def get_pod(namespace: str, name: str) -> dict[str, Any]:
+        return await kube.get_pod(namespace, name)
+
+    @app.patch("/api/v1/namespaces/{namespace}/pods/{name}")
+    async def patch_pod(namespace: str, name: str, request: Request) -> Response:
+        if request.headers.get("content-type") != MERGE_PATCH:
+            return status(415, "UnsupportedMediaType", f"only {MERGE_PATCH} is served here")
+        patch = await body_of(request)
+        metadata = patch.get("metadata")
+        annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+        if set(patch) != {"metadata"} or set(metadata or {}) != {"annotations"}:
+            raise KubeError("this API server patches metadata.annotations only")
+        if not isinstance(annotations, dict) or not all(
+            isinstance(v, str | None) for v in annotations.values()
+        ):
+            raise KubeError("metadata.annotations must map names to strings or null")
+        await kube.patch_pod_annotations(namespace, name, annotations)
+        return JSONResponse(await kube.get_pod(namespace, name))
+
+    @app.post("/api/v1/namespaces/{namespace}/pods/{name}/binding", status_code=201)
+    async def bind(namespace: str, name: str, request: Request) -> Response:
+        binding = await body_of(request)
+        target = binding.get("target")
+        node = target.get("name") if isinstance(target, dict) else None
+        metadata = binding.get("metadata")
+        uid = metadata.get("uid") if isinstance(metadata, dict) else None
+        if binding.get("kind") != "Binding" or not isinstance(node, str) or not node:
+            raise KubeError("a Binding with target.name is expected")
+        await kube.bind_pod(namespace, name, uid if isinstance(uid, str) else "", node)
+        return status(201, "", "")
+
+    @app.get("/api/v1/namespaces/{name}")
+    async def get_namespace(name: str) -> dict[str, Any]:
+        return await kube.get_namespace(name)
+
+    @app.get("/api/v1/namespaces/{namespace}/resourcequotas")
+    async def list_quotas(namespace: str) -> dict[str, Any]:
+        items = await kube.list_resource_quotas(namespace)
+        return a_list("ResourceQuotaList", items, kube.resource_version)
+
+    @app.get("/api/v1/namespaces/{namespace}/pods")
+    async def list_pods(namespace: str, fieldSelector: str = "") -> Response:
+        if fieldSelector not in ("", RUNNING_PODS):
+            return status(400, "BadRequest", f"field selector not served: {fieldSelector}")
+        if fieldSelector:
+            items = await kube.list_pods(namespace)
+        else:
+            items = [
+                p for p in await kube.list_all_pods() if p["metadata"]["namespace"] == namespace
+            ]
+        return JSONResponse(a_list("PodList", items, kube.resource_version))
+
+    @app.get("/api/v1/pods")
+    async def all_pods(
+        watch: bool = False,
+        resourceVersion: str = "",
+        timeoutSeconds: int = 300,
+    ) -> Response:
+        if not watch:
+            items = await kube.list_all_pods()
+            return JSONResponse(a_list("PodList", items, kube.resource_version))
+        events = kube.watch_pods(resourceVersion)
+        try:
+            first = await asyncio.wait_for(anext(events), 0.05)
+        except WatchExpired as exc:
+            return status(410, "Expired", str(exc))
+        except TimeoutError:
+            first = None
+        return StreamingResponse(
+            _stream(events, first, timeoutSeconds), media_type="application/json"
+        )
+
+    return app
+
+
+async def _stream(
+    events: AsyncIterator[tuple[str, dict[str, Any]]],
+    first: tuple[str, dict[str, Any]] | None,
+    seconds: int,
+) -> AsyncIterator[bytes]:
+    """A watch's lines until ``seconds`` pass (then the client watches again)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(1, seconds)
+    try:
+        if first is not None:
+            yield _line(first)
+        while (left := deadline - loop.time()) > 0:
+            try:
+                event = await asyncio.wait_for(anext(events), left)
+            except TimeoutError:
+                return
+            yield _line(event)
+    finally:
+        with contextlib.suppress(Exception):
+            await events.aclose()  # type: ignore[attr-defined]
+
+
+def _line(event: tuple[str, dict[str, Any]]) -> bytes:
+    kind, obj = event
+    return json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+
+
+class DevApiServer:
+    """The API server over ``kube``, on a loopback port, for the block of a ``with``."""
+
+    def __init__(self, kube: LocalKubeApi, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.kube = kube
+        self.host = host
+        self.port = port
+        self.token = secrets.token_urlsafe(24)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def kubeconfig(self, path: Path) -> Path:
+        """Write a kubeconfig (JSON is YAML) that reaches this server; return its path."""
+        name = "gpuslice-dev"
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": name, "cluster": {"server": self.url}}],
+            "users": [{"name": name, "user": {"token": self.token}}],
+            "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
+            "current-context": name,
+        }
+        path.write_text(json.dumps(config, indent=2))
+        path.chmod(0o600)
+        return path
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[DevApiServer]:
+        config = uvicorn.Config(
+            create_app(self.kube, self.token),
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
+        async with http_server(config, "dev-apiserver", handle_signals=False) as (server, _):
+            if not self.port:
+                self.port = server.servers[0].sockets[0].getsockname()[1]
+            yield self

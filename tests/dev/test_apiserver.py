@@ -1,0 +1,125 @@
+"""The local stack's API server, driven by the services' own KubernetesApi over
+real HTTP through the kubeconfig it writes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpuslice_cli.dev.apiserver import DevApiServer
+from gpuslice_common.kube import (
+    Conflict,
+    KubernetesApi,
+    LocalKubeApi,
+    PodNotFound,
+    WatchExpired,
+)
+
+
+def pod(name: str, uid: str, phase: str = "Pending") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "team", "uid": uid},
+        "spec": {"containers": [{"name": "main", "image": "cuda"}]},
+        "status": {"phase": phase},
+    }
+
+
+@pytest.fixture
+async def served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[LocalKubeApi, DevApiServer, KubernetesApi]]:
+    store = LocalKubeApi()
+    server = DevApiServer(store)
+    async with server.serving():
+        monkeypatch.setenv("KUBECONFIG", str(server.kubeconfig(tmp_path / "kubeconfig")))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        client = KubernetesApi.from_environment(timeout=3)
+        try:
+            yield store, server, client
+        finally:
+            await client.close()
+
+
+async def test_pods_are_read_annotated_and_bound_through_the_real_client(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    store, _, client = served
+    store.add_pod(pod("a", "uid-a"))
+    got = await client.get_pod("team", "a")
+    assert got["metadata"]["uid"] == "uid-a"
+    await client.patch_pod_annotations("team", "a", {"gpuslice.io/placement": "{}", "x": None})
+    await client.bind_pod("team", "a", "uid-a", "gpu-1")
+    held = await store.get_pod("team", "a")
+    assert held["metadata"]["annotations"] == {"gpuslice.io/placement": "{}"}
+    assert held["spec"]["nodeName"] == "gpu-1"
+    with pytest.raises(Conflict, match="already bound to node gpu-1"):
+        await client.bind_pod("team", "a", "uid-a", "gpu-2")
+    with pytest.raises(Conflict, match="uid"):
+        await client.bind_pod("team", "a", "uid-other", "gpu-1")
+    with pytest.raises(PodNotFound, match="team/nope"):
+        await client.get_pod("team", "nope")
+
+
+async def test_lists_namespaces_and_quotas(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    store, _, client = served
+    store.add_pod(pod("run", "u1", "Running"))
+    store.add_pod(pod("done", "u2", "Succeeded"))
+    store.add_namespace("team", {"hami.io/webhook": "ignore"})
+    quota = {"metadata": {"name": "gpu"}, "spec": {"hard": {"limits.nvidia.com/gpumem": "8000"}}}
+    store.add_resource_quota("team", quota)
+    assert [p["metadata"]["name"] for p in await client.list_pods("team")] == ["run"]
+    assert sorted(p["metadata"]["name"] for p in await client.list_all_pods()) == ["done", "run"]
+    namespace = await client.get_namespace("team")
+    assert namespace["metadata"]["labels"] == {"hami.io/webhook": "ignore"}
+    (got,) = await client.list_resource_quotas("team")
+    assert got["spec"]["hard"] == {"limits.nvidia.com/gpumem": "8000"}
+
+
+async def test_the_watch_streams_changes_and_refuses_a_forgotten_version(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    store, _, client = served
+    store.add_pod(pod("a", "uid-a"))
+    events = client.watch_pods()
+    assert (await anext(events))[0] == "ADDED"
+    store.set_phase("team", "a", "Running")
+    store.delete_pod("team", "a")
+    kinds = [(await asyncio.wait_for(anext(events), 5))[0] for _ in range(2)]
+    await events.aclose()
+    assert kinds == ["MODIFIED", "DELETED"]
+    with pytest.raises(WatchExpired):
+        await anext(client.watch_pods("999999"))
+
+
+async def test_requests_without_the_token_or_with_bad_bodies_get_a_status(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    store, server, _ = served
+    store.add_pod(pod("a", "uid-a"))
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        denied = await http.get("/api/v1/pods")
+        assert denied.status_code == 401
+        assert denied.json()["kind"] == "Status"
+        auth = {"Authorization": f"Bearer {server.token}"}
+        spec = await http.patch(
+            "/api/v1/namespaces/team/pods/a",
+            json={"spec": {"nodeName": "x"}},
+            headers={**auth, "Content-Type": "application/merge-patch+json"},
+        )
+        assert spec.status_code == 422
+        assert "metadata.annotations only" in spec.json()["message"]
+        garbage = await http.post(
+            "/api/v1/namespaces/team/pods/a/binding", content=b"{", headers=auth
+        )
+        assert garbage.status_code == 422
+        assert garbage.json()["message"] == "the request body is not JSON"
+    assert (await store.get_pod("team", "a"))["spec"].get("nodeName") is None
