@@ -3,6 +3,7 @@ Redis lost everything, and reservations of pods that are gone released."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
@@ -118,3 +119,45 @@ async def test_pods_that_ended_or_went_are_released(ledger: Ledger) -> None:
         "alive": (PlacementState.RESERVED, ""),
     }
     assert await usage(ledger) == [(100, 1, 1)]
+
+
+class EndsWhileListed(LocalKubeApi):
+    """The pod ends (and the watch releases it) while the list is being read: the
+    list still shows it running."""
+
+    def __init__(self, ledger: Ledger, uid: str) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.uid = uid
+
+    async def list_all_pods(self) -> list[dict[str, Any]]:
+        listed = await super().list_all_pods()
+        await self.ledger.release(self.uid, "pod deleted")
+        return listed
+
+
+async def test_a_pod_that_ends_during_the_list_is_not_brought_back(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory(NODE, gpus=1))
+    record = placement("p1", NODE, [[(0, 100, 1)]])
+    await ledger.reserve(record)
+    kube = EndsWhileListed(ledger, "p1")
+    kube.add_pod(pod_for(record, "Running"))
+    result = await reconciler(ledger, kube, grace=0).run_once()
+    assert (result.restored, result.released) == (0, 0)
+    found = await ledger.placement("p1")
+    assert found is not None
+    assert found.state is PlacementState.RELEASED
+    assert await usage(ledger) == [(0, 0, 0)]
+
+
+async def test_nodes_are_judged_only_after_sweeping_for_a_whole_silence(ledger: Ledger) -> None:
+    """Heartbeats sent while Redis (or every inventory) was away are lost: a node
+    is not marked before it had three intervals to send a new one."""
+    await ledger.register_node(make_inventory(NODE, gpus=1))
+    upkeep = Upkeep(ledger, timedelta(milliseconds=100), timedelta(minutes=5))
+    await asyncio.sleep(0.5)  # the heartbeat is older than the silence (0.3 s) ...
+    await upkeep.sweep()  # ... but this is the first sweep
+    assert upkeep.stats.nodes_marked == 0
+    await asyncio.sleep(0.35)
+    await upkeep.sweep()
+    assert upkeep.stats.nodes_marked == 1

@@ -105,7 +105,6 @@ async def test_reservations_never_allocated_expire(
             await announce(bus, make_inventory("gpu-1", gpus=1))
             await asyncio.sleep(0.1)
         await until(lambda: state.upkeep.stats.released["expired"] == 1, timeout=3)
-        assert (await led.placement("stuck")) is not None
         stuck = await led.placement("stuck")
         assert stuck is not None
         assert stuck.state is PlacementState.RELEASED
@@ -145,6 +144,11 @@ async def test_two_replicas_share_the_work_and_release_once(
         await until(lambda: sum(s.upkeep.stats.released["expired"] for s in states) == 6, timeout=5)
         leaders = [s for s in states if s.lease.held]
         assert len(leaders) == 1
+        # only the leader exports the cluster's gauges: scraped together, no GPU counts twice
+        for s in states:
+            await s.cluster.refresh()
+            exposed = generate_latest(s.registry).decode()
+            assert ("gpuslice_gpu_memory_capacity_mib{" in exposed) is s.lease.held
         # each inventory handled by one replica only (a NATS queue group)
         assert sum(s.work.registrations for s in states) == 40
         assert all(s.work.registrations > 0 for s in states)
@@ -161,15 +165,21 @@ async def test_two_replicas_share_the_work_and_release_once(
 async def test_lease_is_held_by_one_and_passes_on_when_it_lapses(redis_url: str) -> None:
     led = Ledger.from_url(redis_url, "lease-test")
     try:
-        first = Lease(led.redis, "lease-test:lease", 300, holder="a")
-        second = Lease(led.redis, "lease-test:lease", 300, holder="b")
+        first = Lease(led.redis, "lease-test:lease", 1000, holder="a")
+        second = Lease(led.redis, "lease-test:lease", 1000, holder="b")
         assert await first.acquire()
         assert not await second.acquire()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
         assert await first.acquire()  # renewed before it lapsed
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
+        assert first.held
         assert not await second.acquire()
-        await asyncio.sleep(0.4)  # first stops renewing: it lapses
+        # first stops renewing: it stops believing it holds the lease before
+        # Redis lets it lapse, and only then can another take it
+        await asyncio.sleep(0.35)
+        assert not first.held
+        assert not await second.acquire()
+        await asyncio.sleep(0.4)
         assert await second.acquire()
         assert not await first.acquire()
         await second.release()
@@ -194,6 +204,7 @@ async def test_metrics_and_readiness_over_http(
             ready = await client.get("/readyz")
             assert ready.status_code == 200
             assert ready.json()["status"] == "ready"
+            assert (await client.get("/healthz")).status_code == 200
 
             async def allocated_shows() -> bool:
                 text = (await client.get("/metrics")).text
@@ -201,6 +212,12 @@ async def test_metrics_and_readiness_over_http(
 
             await until(allocated_shows)
             text = (await client.get("/metrics")).text
+            metrics_task = next(t for t in state.tasks if t.get_name() == "metrics")
+            metrics_task.cancel()  # a background task that stopped fails the liveness probe
+            await asyncio.wait([metrics_task])
+            dead = await client.get("/healthz")
+            assert dead.status_code == 503
+            assert dead.json() == {"status": "failed", "stopped": ["metrics"]}
     labels = 'gpu="GPU-gpu-1-1",index="1",model="NVIDIA A100-SXM4-80GB",node="gpu-1"'
     assert f"gpuslice_gpu_memory_allocated_mib{{{labels}}} 3000.0" in text
     assert f"gpuslice_gpu_cores_allocated_percent{{{labels}}} 25.0" in text

@@ -315,7 +315,7 @@ async def gather_usage(
     store = TelemetryStore(ledger.redis, prefix)
     usage: dict[str, tuple[int, float]] = {}
     for node in nodes:
-        for uuid, used in (await store.gpu_usage(node.node)).items():
+        for uuid, used in (await store.gpu_usage(node.node, prune=False)).items():
             usage[uuid] = (used.used_bytes, used.sm_percent)
     return usage
 

@@ -398,6 +398,12 @@ class Ledger:
         return outcome == "marked"
 
     @_gated
+    async def now(self) -> datetime:
+        """Redis's clock: the one every timestamp in the ledger was taken with."""
+        seconds, micros = await self.redis.time()
+        return datetime.fromtimestamp(int(seconds) + int(micros) / 1e6, UTC)
+
+    @_gated
     async def node_liveness(self, nodes: Sequence[str]) -> dict[str, NodeLiveness]:
         """Each node's last heartbeat and, if marked, since when it is unavailable."""
         pipe = self.redis.pipeline(transaction=False)

@@ -94,8 +94,12 @@ class PodWatcher:
                 self.version = ""  # a later leader's state is not ours to resume
                 await asyncio.sleep(idle_s)
                 continue
+            started = asyncio.get_running_loop().time()
             try:
                 await self.watch_once()
+                # a watch the server ends at once, again and again, is not spun on
+                if asyncio.get_running_loop().time() - started < RETRY_FIRST_S:
+                    await asyncio.sleep(RETRY_FIRST_S)
                 delay = RETRY_FIRST_S
                 continue
             except WatchExpired:
@@ -104,6 +108,10 @@ class PodWatcher:
                 delay = RETRY_FIRST_S
             except (KubeError, LedgerError) as exc:
                 log.warning("pod watch failed (again in %.1fs): %s", delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+            except Exception:  # the watch must outlive any one bad event
+                log.exception("pod watch failed (again in %.1fs)", delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
             self.stats.restarts += 1

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import PlacementState, utcnow
+from gpuslice_common.models import PlacementState
 from gpuslice_inventory.telemetry import TelemetryStore
 
 MIB = 1024 * 1024
@@ -40,13 +40,21 @@ def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily
 class ClusterMetrics(Collector):
     """The cluster's GPUs as the ledger and telemetry see them, refreshed on a timer."""
 
-    def __init__(self, ledger: Ledger, telemetry: TelemetryStore | None) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        telemetry: TelemetryStore | None,
+        active: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Only while ``active()`` (the replica holding the lease) is anything
+        exported, so replicas scraped together never count a GPU twice."""
         self.ledger = ledger
         self.telemetry = telemetry
+        self.active = active
         self._snapshot: list[Metric] = []
 
     def collect(self) -> Iterator[Metric]:
-        return iter(self._snapshot)
+        return iter(self._snapshot if self.active() else [])
 
     async def refresh(self) -> None:
         """Read the ledger and telemetry and replace the snapshot."""
@@ -124,11 +132,12 @@ class ClusterMetrics(Collector):
             "Compute a container uses on a GPU (telemetry), percent.",
             CONTAINER_LABELS,
         )
-        states: Counter[str] = Counter({state.value: 0 for state in PlacementState})
+        live = [state for state in PlacementState if state is not PlacementState.RELEASED]
+        states: Counter[str] = Counter({state.value: 0 for state in live})
         nodes = await self.ledger.nodes()
         cards = await self.ledger.nodes_gpus(nodes)
         liveness = await self.ledger.node_liveness(nodes)
-        now = utcnow()
+        now = await self.ledger.now()  # heartbeats carry Redis's time
         for node in nodes:
             usage = await self.telemetry.gpu_usage(node) if self.telemetry else {}
             for card in cards[node]:
@@ -153,7 +162,8 @@ class ClusterMetrics(Collector):
             if alive.heartbeat is not None:
                 heartbeat_age.add_metric([node], (now - alive.heartbeat).total_seconds())
             for placement in await self.ledger.node_placements(node):
-                states[placement.state.value] += 1
+                if placement.state is not PlacementState.RELEASED:
+                    states[placement.state.value] += 1
             if self.telemetry is not None:
                 for c in await self.telemetry.container_usage(node):
                     labels = [node, c.uuid, c.pod_uid, c.container]

@@ -2,7 +2,7 @@
 
 Every pod the scheduler placed carries its placement as an annotation
 (``gpuslice.io/placement``), written before its Binding: the durable record.
-One pass lists every pod of the cluster and:
+One pass reads the ledger, then lists every pod of the cluster, and:
 
 * **restores** the reservation of a pod that is bound to a node, has not
   terminated and whose placement the ledger does not hold (Redis lost its data,
@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from gpuslice_common.kube import KubeApi
 from gpuslice_common.ledger import Ledger, LedgerError
-from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState, utcnow
+from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
 from gpuslice_inventory.lifecycle import DELETED, TERMINATED, pod_phase, pod_uid
 from gpuslice_inventory.upkeep import Upkeep
 
@@ -88,9 +88,12 @@ class Reconciler:
 
     async def run_once(self) -> ReconcileResult:
         started = time.perf_counter()
-        listed_at = utcnow()
-        pods = {uid: pod for pod in await self.kube.list_all_pods() if (uid := pod_uid(pod))}
+        # The ledger is read before the pods are listed: a pod that ends while the
+        # list is read is then held and found ended, or already released and
+        # found ended; never released and found running (which would revive it).
+        listed_at = await self.ledger.now()
         held = await self._held()
+        pods = {uid: pod for pod in await self.kube.list_all_pods() if (uid := pod_uid(pod))}
         to_restore = [
             (uid, pod)
             for uid, pod in pods.items()

@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gpuslice_common.bus import Bus
@@ -83,13 +84,17 @@ class Running:
     async def sweep_if_leader(self) -> None:
         """The periodic jobs, in the replica holding the lease: liveness and expiry
         every sweep; reconciliation at start and every ``reconcile_interval``."""
-        if not await self.lease.acquire():
+        if not self.lease.held:
             return
         await self.upkeep.sweep()
         now = asyncio.get_running_loop().time()
-        if self.reconciler is not None and now >= self.next_reconcile:
+        if self.reconciler is not None and now >= self.next_reconcile and self.lease.held:
             self.next_reconcile = now + self.settings.reconcile_interval.total_seconds()
             result = await self.reconciler.run_once()
+            if result.failed:
+                # restores refused (nodes not registered again yet): soon again
+                retry = 2 * self.settings.heartbeat_interval.total_seconds()
+                self.next_reconcile = min(self.next_reconcile, now + retry)
             log.info(
                 "reconciled %d pods in %.2fs: %d restored, %d released",
                 result.pods,
@@ -116,12 +121,21 @@ class Running:
         }
 
 
+def _report_stopped(task: asyncio.Task[None]) -> None:
+    """A background task that ended on its own is a bug: say so (and /healthz fails)."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("task %s stopped: %r", task.get_name(), error)
+
+
 def create_app(state: Running) -> FastAPI:
     app = FastAPI(title="gpuslice inventory", docs_url=None, redoc_url=None)
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> Response:
+        dead = [t.get_name() for t in state.tasks if t.done()]
+        if dead:
+            return JSONResponse({"status": "failed", "stopped": dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/readyz")
     async def readyz() -> Response:
@@ -174,21 +188,33 @@ async def running(
         int(settings.lease_ttl.total_seconds() * 1000),
         holder=name,
     )
-    cluster = ClusterMetrics(ledger, telemetry)
+    cluster = ClusterMetrics(ledger, telemetry, active=lambda: lease.held)
     state = Running(settings, bus, ledger, telemetry, upkeep, lease, cluster, CollectorRegistry())
     state.registry = registry_for(cluster, WorkMetrics(state.work_values))
     if kube is not None:
         state.reconciler = Reconciler(ledger, kube, upkeep, settings.reconcile_grace)
         state.watcher = PodWatcher(kube, upkeep, lambda: lease.held)
     queue = f"{settings.subject_prefix}-inventory"
-    subscriptions = [
-        await bus.subscribe(bus.subjects.inventory_all, NodeInventory, state.on_inventory, queue),
-        await bus.subscribe(bus.subjects.pod_ended, PodEnded, state.on_pod_ended, queue),
-        await bus.nc.subscribe(bus.subjects.telemetry_all, queue=queue, cb=state.on_telemetry),
-    ]
-    await outbox.start()
+    subscriptions: list[Subscription] = []
+    try:
+        subscriptions += [
+            await bus.subscribe(
+                bus.subjects.inventory_all, NodeInventory, state.on_inventory, queue
+            ),
+            await bus.subscribe(bus.subjects.pod_ended, PodEnded, state.on_pod_ended, queue),
+            await bus.nc.subscribe(bus.subjects.telemetry_all, queue=queue, cb=state.on_telemetry),
+        ]
+        await outbox.start()
+    except BaseException:
+        for sub in subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await outbox.close()
+        await ledger.close()
+        raise
     sweep = settings.sweep_interval.total_seconds()
     state.tasks = [
+        asyncio.create_task(lease.run(), name="lease"),
         asyncio.create_task(telemetry.run(), name="telemetry-flush"),
         asyncio.create_task(
             every(sweep, state.sweep_if_leader, "upkeep", expected=(LedgerError,)), name="upkeep"
@@ -205,6 +231,8 @@ async def running(
     ]
     if state.watcher is not None:
         state.tasks.append(asyncio.create_task(state.watcher.run(sweep), name="pod-watch"))
+    for task in state.tasks:
+        task.add_done_callback(_report_stopped)
     try:
         async with contextlib.AsyncExitStack() as stack:
             if serve_http:

@@ -370,10 +370,11 @@ class TelemetryStore:
 
     # ------------------------------------------------------------ reading
 
-    async def container_usage(self, node: str) -> list[ContainerUsage]:
+    async def container_usage(self, node: str, prune: bool = True) -> list[ContainerUsage]:
         """The latest usage of every container on the node's GPUs, fresh entries only.
 
-        Entries older than ``ttl`` are left out and deleted.
+        Entries older than ``ttl`` are left out and, with ``prune``, deleted
+        (readers without write access pass False).
         """
         key = self.usage_key(node)
         raw: dict[Any, Any] = await self.redis.hgetall(key)
@@ -389,15 +390,15 @@ class TelemetryStore:
                 stale += (field, value)
             else:
                 fresh.append(entry)
-        if stale:
+        if stale and prune:
             await self._forget(keys=[key], args=stale)
         fresh.sort(key=lambda u: (u.uuid, u.pod_uid, u.container))
         return fresh
 
-    async def gpu_usage(self, node: str) -> dict[str, GpuUsage]:
+    async def gpu_usage(self, node: str, prune: bool = True) -> dict[str, GpuUsage]:
         """Per GPU UUID of the node, the sums over its containers' fresh entries."""
         sums: dict[str, tuple[int, float, int]] = {}
-        for u in await self.container_usage(node):
+        for u in await self.container_usage(node, prune):
             used, sm, count = sums.get(u.uuid, (0, 0.0, 0))
             sums[u.uuid] = (used + u.used_bytes, sm + u.sm_percent, count + 1)
         return {

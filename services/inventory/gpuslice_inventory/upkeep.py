@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from gpuslice_common.events import AllocationEvent, EventType, make_event
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import Placement, PlacementState, utcnow
+from gpuslice_common.models import Placement, PlacementState
 from gpuslice_common.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -47,21 +46,37 @@ class Upkeep:
         heartbeat_interval: timedelta,
         reservation_ttl: timedelta,
         outbox: Outbox | None = None,
-        clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.ledger = ledger
         self.silence = heartbeat_interval * MISSED_HEARTBEATS
         self.reservation_ttl = reservation_ttl
         self.outbox = outbox
-        self.clock = clock
         self.stats = UpkeepStats()
+        # Redis time of the first sweep of the current unbroken run of sweeps
+        self.sweeping_since: datetime | None = None
 
     async def sweep(self) -> None:
-        """Mark silent nodes, release expired reservations."""
-        now = self.clock()
+        """Mark silent nodes, release expired reservations.
+
+        Times are Redis's (the ledger's timestamps are), never this machine's.
+        Nodes are marked only once sweeps have gone on without a failure for the
+        whole silence: heartbeats that came while Redis (or every inventory) was
+        away were lost, and the nodes must have had the time to send new ones.
+        """
+        try:
+            await self._sweep()
+        except Exception:
+            self.sweeping_since = None
+            raise
+
+    async def _sweep(self) -> None:
+        now = await self.ledger.now()
+        if self.sweeping_since is None:
+            self.sweeping_since = now
+        judge = now - self.sweeping_since >= self.silence
         nodes = await self.ledger.nodes()
         for node in nodes:
-            if await self.ledger.mark_unavailable(node, now - self.silence):
+            if judge and await self.ledger.mark_unavailable(node, now - self.silence):
                 self.stats.nodes_marked += 1
                 log.warning(
                     "node %s sent no heartbeat for %s: marked unavailable",
@@ -69,7 +84,11 @@ class Upkeep:
                     self.silence,
                 )
             for placement in await self.ledger.node_placements(node):
-                if self._expired(placement, now):
+                if not self._expired(placement, now):
+                    continue
+                # Read again just before: kubelet may have allocated it meanwhile.
+                current = await self.ledger.placement(placement.pod.uid)
+                if current is not None and self._expired(current, now):
                     await self.release(placement.pod.uid, EXPIRED)
         self.stats.sweeps += 1
 
