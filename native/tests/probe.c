@@ -34,9 +34,11 @@
  *   fill SIZE | race SIZE COUNT START_NS (CLOCK_REALTIME)
  *   launch N US [kernel|ex|coop|graph] | sync | run SECONDS US [kernel|ex|coop|graph]
  *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
- *   nvml | nvmlmem IDX | nvmlprocs IDX
+ *   nvml | nvmlmem IDX | nvmlprocs IDX | nvmlbyuuid UUID
  *   sleep MS | hold | lock PATH | getppid
  *   fork | forkwait | exec (the rest of the line runs in a new image of this PID)
+ * nvmlbyuuid looks the device up with nvmlDeviceGetHandleByUUID and prints its
+ * "index" and "nvml_uuid" (nvmlDeviceGetUUID), null when the lookup fails.
  * Creating commands print "id" (null on failure), "ptr" (the pointer or handle),
  * "bytes" (what was asked for; arrays leave it out) and "ns" (time in the call).
  *
@@ -88,6 +90,7 @@ CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value);
 CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep);
 nvmlReturn_t nvmlInit_v2(void);
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device);
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device);
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
                                                      nvmlProcessInfo_t *infos);
 
@@ -1152,6 +1155,27 @@ static void cmd_nvmlprocs(int argc, char **argv) {
     free(infos);
 }
 
+static void cmd_nvmlbyuuid(int argc, char **argv) {
+    nvmlDevice_t d = NULL;
+    nvmlReturn_t rc = nvmlDeviceGetHandleByUUID(argv[0], &d);
+    unsigned index = 0;
+    char text[NVML_DEVICE_UUID_V2_BUFFER_SIZE] = "";
+    nvmlReturn_t irc = rc, urc = rc;
+    if (rc == NVML_SUCCESS) {
+        irc = nvmlDeviceGetIndex(d, &index);
+        urc = nvmlDeviceGetUUID(d, text, sizeof text);
+    }
+    j_begin("nvmlbyuuid");
+    j_int("rc", rc);
+    j_str("uuid", argv[0]);
+    if (irc == NVML_SUCCESS)
+        j_u64("index", index);
+    else
+        j_null("index");
+    j_str("nvml_uuid", urc == NVML_SUCCESS ? text : NULL);
+    j_end();
+}
+
 static void cmd_sleep(int argc, char **argv) {
     unsigned long long ms = arg_u64(argv[0]);
     sleep_ns(ms * 1000000ULL);
@@ -1262,6 +1286,7 @@ static const command_t commands[] = {
     {"nvml", "", NULL, cmd_nvml},
     {"nvmlmem", "N", NULL, cmd_nvmlmem},
     {"nvmlprocs", "N", NULL, cmd_nvmlprocs},
+    {"nvmlbyuuid", "W", NULL, cmd_nvmlbyuuid},
     {"sleep", "N", NULL, cmd_sleep},
     {"hold", "", NULL, cmd_hold},
     {"lock", "W", NULL, cmd_lock},

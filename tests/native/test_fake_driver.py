@@ -1,6 +1,7 @@
 """The fake driver and NVML (native/tests/fake) on their own, driven by the probe with no
 interposer: what the interposer's tests take for granted about them. These tests also
-check the probe and the harness (tests/native/probe.py) themselves."""
+check the probe and the harness (tests/native/probe.py) themselves. One test runs the
+interposer too: that it finds devices by the UUIDs FAKECUDA_UUIDS / FAKENVML_UUIDS give."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice_common.region import Region
 from tests.native.probe import (
     Native,
     ProbeResult,
@@ -38,6 +40,7 @@ CUDA_ERROR_INVALID_HANDLE = 400
 CUDA_ERROR_NOT_FOUND = 500
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_INSUFFICIENT_SIZE = 7
 PROC_SUCCESS = 0
 PROC_SYMBOL_NOT_FOUND = 1
@@ -563,6 +566,152 @@ def test_nvml_processes(fake: FakeProbe) -> None:
 def test_nvml_without_processes(fake: FakeProbe) -> None:
     line = fake("nvml nvmlprocs 0").one("nvmlprocs")
     assert (line["rc"], line["size_rc"], line["procs"]) == (0, 0, [])
+
+
+# ----------------------------------------------------------------------------- chosen UUIDs
+
+# UUIDs of a simulated node's GPUs; the second is given in upper case.
+NODE_UUIDS = (
+    "GPU-3f0c2a9e-5b7d-5e1f-9a2b-1c2d3e4f5a6b",
+    "GPU-7A1E4C2B-9D3F-4E8A-B5C6-0F1E2D3C4B5A",
+)
+
+
+def default_uuid(dev: int) -> str:
+    return f"GPU-facefeed-0000-4000-8000-0000000000{dev:02x}"
+
+
+def lower_hex(uuid: str) -> str:
+    """A UUID as the fakes print it: "GPU-" and lower-case hex."""
+    return "GPU-" + uuid.removeprefix("GPU-").lower()
+
+
+def test_fakecuda_uuids_name_the_devices(fake: FakeProbe) -> None:
+    # Device i takes entry i (printed in lower case); a device past the list keeps the
+    # default. NVML does not read FAKECUDA_UUIDS: it keeps its defaults.
+    res = fake(
+        "init nvml uuid 0 uuid 1 uuid 2",
+        env={"FAKECUDA_DEVICES": "3", "FAKECUDA_UUIDS": ",".join(NODE_UUIDS)},
+    )
+    lines = res.by_cmd("uuid")
+    assert [(line["rc"], line["nvml_rc"]) for line in lines] == [(0, 0)] * 3, res.describe()
+    assert [line["uuid"] for line in lines] == [
+        NODE_UUIDS[0],
+        lower_hex(NODE_UUIDS[1]),
+        default_uuid(2),
+    ]
+    assert [line["nvml_uuid"] for line in lines] == [default_uuid(d) for d in range(3)]
+
+
+def test_fakenvml_uuids_name_the_devices(fake: FakeProbe) -> None:
+    env = {"FAKECUDA_DEVICES": "3", "FAKENVML_UUIDS": ",".join(NODE_UUIDS)}
+    res = fake(
+        "nvml uuid 0 uuid 1 uuid 2",
+        f"nvmlbyuuid {NODE_UUIDS[0]} nvmlbyuuid {NODE_UUIDS[1]}",
+        f"nvmlbyuuid {lower_hex(NODE_UUIDS[1])} nvmlbyuuid {default_uuid(2)}",
+        f"nvmlbyuuid {default_uuid(0)}",  # replaced: no device has it any more
+        env=env,
+    )
+    lines = res.by_cmd("uuid")
+    assert [line["nvml_rc"] for line in lines] == [0] * 3, res.describe()
+    assert [line["nvml_uuid"] for line in lines] == [
+        NODE_UUIDS[0],
+        lower_hex(NODE_UUIDS[1]),  # NVML prints lower-case hex
+        default_uuid(2),
+    ]
+    # the driver does not read FAKENVML_UUIDS (and is not initialised here)
+    assert [line["rc"] for line in lines] == [CUDA_ERROR_NOT_INITIALIZED] * 3
+    found = [(line["rc"], line["index"], line["nvml_uuid"]) for line in res.by_cmd("nvmlbyuuid")]
+    assert found == [
+        (0, 0, NODE_UUIDS[0]),
+        (0, 1, lower_hex(NODE_UUIDS[1])),  # either case finds the device
+        (0, 1, lower_hex(NODE_UUIDS[1])),
+        (0, 2, default_uuid(2)),
+        (NVML_ERROR_NOT_FOUND, None, None),
+    ]
+
+
+# (entry, whether it names its device); a device whose entry is malformed keeps the
+# default UUID and the entries after it still apply, each to its own device.
+UUID_ENTRIES = [
+    ("GPU-3f0c2a9e-5b7d-5e1f-9a2b-1c2d3e4f5a6b", True),
+    ("3f0c2a9e-5b7d-5e1f-9a2b-1c2d3e4f5a6b", False),  # no "GPU-" prefix
+    ("gpu-3f0c2a9e-5b7d-5e1f-9a2b-1c2d3e4f5a6b", False),  # prefix in lower case
+    ("GPU-3f0c2a9e-5b7d-5e1f-9a2b-1c2d3e4f5a6", False),  # one digit short
+    ("GPU-3f0c2a9e-5b7d-5e1f-9a2b-1c2d3e4f5a6bc", False),  # one digit long
+    ("GPU-3f0c2a9e-5b7d-5e1f-9a2b-1c2d3e4f5g6b", False),  # not hex
+    ("GPU-3f0c2a9e5-b7d-5e1f-9a2b-1c2d3e4f5a6b", False),  # a '-' out of place
+    ("", False),  # empty
+    ("GPU-" + "f" * 5000, False),  # very long
+    ("  GPU-00000000-1111-2222-3333-444444444444 ", True),  # blanks around it
+]
+
+
+@pytest.mark.parametrize("variable", ["FAKECUDA_UUIDS", "FAKENVML_UUIDS"])
+def test_malformed_uuid_entries_keep_the_default(fake: FakeProbe, variable: str) -> None:
+    n = len(UUID_ENTRIES) + 1  # the last device has no entry at all
+    words = " ".join(f"uuid {dev}" for dev in range(n))
+    env = {"FAKECUDA_DEVICES": str(n), variable: ",".join(entry for entry, _ in UUID_ENTRIES)}
+    res = fake(f"init nvml {words}", env=env)
+    assert res.returncode == 0
+    assert res.stderr == "", res.describe()  # nothing is printed
+    assert res.rcs() == [0] * len(res), res.describe()
+    expected = [
+        entry.strip() if ok else default_uuid(dev) for dev, (entry, ok) in enumerate(UUID_ENTRIES)
+    ]
+    expected.append(default_uuid(n - 1))
+    key = "uuid" if variable == "FAKECUDA_UUIDS" else "nvml_uuid"
+    assert [line[key] for line in res.by_cmd("uuid")] == expected
+
+
+@pytest.mark.parametrize("variable", ["FAKECUDA_UUIDS", "FAKENVML_UUIDS"])
+def test_uuid_entries_past_the_last_device_are_ignored(fake: FakeProbe, variable: str) -> None:
+    uuids = [f"GPU-00000000-0000-4000-8000-{n:012x}" for n in range(20)]
+    env = {"FAKECUDA_DEVICES": "16", variable: ",".join(uuids)}
+    res = fake("init nvml uuid 0 uuid 15 uuid 16", env=env)
+    key = "uuid" if variable == "FAKECUDA_UUIDS" else "nvml_uuid"
+    first, last, beyond = res.by_cmd("uuid")
+    assert (first[key], last[key]) == (uuids[0], uuids[15]), res.describe()
+    invalid = (CUDA_ERROR_INVALID_DEVICE, NVML_ERROR_INVALID_ARGUMENT)
+    assert (beyond["rc"], beyond["nvml_rc"]) == invalid  # 16 devices at most
+
+
+def test_interposer_limits_the_device_named_by_a_custom_uuid(
+    spawn_probe: ProbeSpawner, region_path: Path
+) -> None:
+    # A node whose GPUs have their own UUIDs: the container gets device 1 alone
+    # (NVIDIA_VISIBLE_DEVICES), so container device 0's limit applies to CUDA ordinal 1,
+    # found by its UUID in the driver and in NVML.
+    node = [NODE_UUIDS[0], lower_hex(NODE_UUIDS[1])]
+    env: dict[str, str | int] = {
+        "FAKECUDA_DEVICES": 2,
+        "FAKECUDA_UUIDS": ",".join(node),
+        "FAKENVML_UUIDS": ",".join(node),
+        "NVIDIA_VISIBLE_DEVICES": node[1],
+        "CUDA_DEVICE_MEMORY_LIMIT_0": "256m",
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region_path),
+    }
+    commands = ("init", "nvml", "ctx", 1, "alloc", "200m", "alloc", "100m", "info", "nvmlmem", 1)
+    proc = spawn_probe(*commands, "hold", env=env)
+    proc.wait_for("hold")
+    allocs = [line["rc"] for line in proc.lines if line.get("cmd") == "alloc"]
+    assert allocs == [CUDA_SUCCESS, CUDA_ERROR_OUT_OF_MEMORY], proc.describe()
+    info = next(line for line in proc.lines if line.get("cmd") == "info")
+    assert (info["total"], info["free"]) == (256 * MiB, 56 * MiB)
+    nvml = next(line for line in proc.lines if line.get("cmd") == "nvmlmem")
+    assert (nvml["rc"], nvml["total"], nvml["used"]) == (0, 256 * MiB, 200 * MiB)
+    with Region.open(region_path) as region:
+        named = [d for d in region.devices() if d.uuid == node[1]]
+        assert [(d.limit_bytes, d.used_bytes) for d in named] == [(256 * MiB, 200 * MiB)]
+    proc.stop()
+
+    # Without the custom UUIDs no device is the one named, and no limit applies.
+    env.pop("FAKECUDA_UUIDS")
+    env.pop("FAKENVML_UUIDS")
+    env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(region_path.with_name("control.cache"))
+    control = spawn_probe(*commands, env=env).result()
+    assert [line["rc"] for line in control.by_cmd("alloc")] == [CUDA_SUCCESS] * 2
+    assert control.one("nvmlmem")["total"] == 80 * GiB
 
 
 # ----------------------------------------------------------------------------- the probe itself

@@ -22,6 +22,17 @@
  *                           so a test can SIGKILL a process mid-allocation;
  *                           default 0
  *   FAKECUDA_SM_COUNT       CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, default 132
+ *   FAKECUDA_UUIDS          "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx,...": device
+ *                           i's UUID is entry i (hex digits in either case;
+ *                           blanks around an entry are ignored); a device with
+ *                           no entry keeps the default UUID (see DEVICES), and
+ *                           so does one whose entry is empty or malformed
+ *                           (wrong length, a non-hex digit, a misplaced '-', no
+ *                           "GPU-" prefix): the other entries still apply to
+ *                           their own devices. Entries past FAKE_MAX_DEVICES
+ *                           are ignored; duplicates are not checked.
+ * A value that does not parse (a size, a count) is taken as unset: the default
+ * applies and nothing is printed.
  *
  * MEMORY. Each device has FAKECUDA_MEMORY bytes for this process alone; an
  * allocation past it fails with CUDA_ERROR_OUT_OF_MEMORY. Device pointers
@@ -79,10 +90,13 @@
  * everything queued on that device so far. Grid and block sizes are not
  * checked. Streams are cheap records that only remember their device.
  *
- * DEVICES. Name "Fake GPU"; cuDeviceGetUuid(_v2) of device i is the 16 bytes
+ * DEVICES. Name "Fake GPU"; cuDeviceGetUuid(_v2) of device i is, unless
+ * FAKECUDA_UUIDS gives it one, the 16 bytes
  *     fa ce fe ed 00 00 40 00 80 00 00 00 00 00 00 i
  * which NVML (and fakenvml.c) print as "GPU-facefeed-0000-4000-8000-0000000000ii"
- * (ii: i as two lower-case hex digits). cuDeviceGetAttribute answers
+ * (ii: i as two lower-case hex digits); a FAKECUDA_UUIDS entry gives the 16
+ * bytes its 32 hex digits spell, in order (fakenvml.c's FAKENVML_UUIDS takes
+ * the same list, so both can name the devices alike). cuDeviceGetAttribute answers
  * MULTIPROCESSOR_COUNT = FAKECUDA_SM_COUNT, compute capability 9.0, 1 for
  * unified addressing, managed memory, VMM and memory-pool support, and 0 for
  * everything else. cuDriverGetVersion is 13000.
@@ -371,12 +385,54 @@ static struct {
     uint64_t context_bytes;
     uint64_t alloc_delay_ms;
     int sm_count;
+    unsigned char uuid[FAKE_MAX_DEVICES][16]; /* cuDeviceGetUuid of each device */
 } g_cfg;
 
 
 static uint64_t env_size(const char *name, uint64_t dflt) {
     uint64_t v;
     return parse_size(getenv(name), NULL, &v) ? v : dflt;
+}
+
+static int hex_digit(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* The `len` bytes at s as "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (hex in
+ * either case) into out; false, out untouched, when malformed. */
+static bool parse_uuid(const char *s, size_t len, unsigned char out[16]) {
+    static const char shape[] = "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx";
+    unsigned char bytes[16] = {0};
+    if (len != sizeof shape - 1) return false;
+    unsigned n = 0; /* hex digits so far */
+    for (size_t i = 0; i < len; i++) {
+        if (shape[i] != 'x') {
+            if (s[i] != shape[i]) return false;
+            continue;
+        }
+        int v = hex_digit(s[i]);
+        if (v < 0) return false;
+        bytes[n / 2] = (unsigned char)(bytes[n / 2] | (n % 2 ? v : v << 4));
+        n++;
+    }
+    memcpy(out, bytes, sizeof bytes);
+    return true;
+}
+
+/* FAKECUDA_UUIDS: entry i (blanks around it ignored) replaces out[i] when it
+ * parses; empty, malformed and missing entries leave out[i] alone. */
+static void parse_uuids(const char *s, unsigned char out[FAKE_MAX_DEVICES][16]) {
+    for (int i = 0; s && *s && i < FAKE_MAX_DEVICES; i++) {
+        const char *comma = strchr(s, ',');
+        const char *end = comma ? comma : s + strlen(s);
+        while (s < end && (*s == ' ' || *s == '\t')) s++;
+        while (end > s && (end[-1] == ' ' || end[-1] == '\t')) end--;
+        parse_uuid(s, (size_t)(end - s), out[i]);
+        s = comma ? comma + 1 : NULL;
+    }
 }
 
 /* ------------------------------------------------------------------ state */
@@ -447,6 +503,13 @@ static void load_config(void) {
     g_cfg.alloc_delay_ms = env_size("FAKECUDA_ALLOC_DELAY_MS", 0);
     uint64_t sm = env_size("FAKECUDA_SM_COUNT", 132);
     g_cfg.sm_count = sm > 1000000 ? 1000000 : (int)sm;
+    static const unsigned char base[16] = {0xfa, 0xce, 0xfe, 0xed, 0x00, 0x00, 0x40, 0x00,
+                                           0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00};
+    for (int i = 0; i < FAKE_MAX_DEVICES; i++) {
+        memcpy(g_cfg.uuid[i], base, sizeof base);
+        g_cfg.uuid[i][15] = (unsigned char)i;
+    }
+    parse_uuids(getenv("FAKECUDA_UUIDS"), g_cfg.uuid);
     for (int i = 0; i < FAKE_MAX_DEVICES; i++) {
         struct engine *e = &g_dev[i].eng;
         pthread_mutex_init(&e->mu, NULL);
@@ -901,10 +964,7 @@ API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) {
     NEED_INIT();
     if (!uuid) return CUDA_ERROR_INVALID_VALUE;
     if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
-    static const unsigned char base[16] = {0xfa, 0xce, 0xfe, 0xed, 0x00, 0x00, 0x40, 0x00,
-                                           0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00};
-    memcpy(uuid->bytes, base, sizeof base);
-    uuid->bytes[15] = (char)dev;
+    memcpy(uuid->bytes, g_cfg.uuid[dev], sizeof uuid->bytes);
     return CUDA_SUCCESS;
 }
 

@@ -29,9 +29,22 @@
  *                     NVML_ERROR_GPU_IS_LOST. Only the path is read at init;
  *                     the file is read again on every such call, so a test may
  *                     create, change or remove it while the process runs.
+ *   FAKENVML_UUIDS    "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx,...": device i's
+ *                     UUID is entry i, with the rules of fakecuda.c's
+ *                     FAKECUDA_UUIDS (hex in either case, blanks around an
+ *                     entry ignored; a device with no entry, or an empty or
+ *                     malformed one, keeps the default UUID below, the other
+ *                     entries still apply; duplicates are not checked). Set it
+ *                     to the same list as FAKECUDA_UUIDS for the two to agree:
+ *                     this variable is not derived from that one.
+ * A size that does not parse is taken as unset (the default applies); nothing
+ * is ever printed.
  *
  * Device i has UUID "GPU-facefeed-0000-4000-8000-0000000000ii" (ii: i as two
- * lower-case hex digits), the same bytes fakecuda.c's cuDeviceGetUuid gives.
+ * lower-case hex digits), the same bytes fakecuda.c's cuDeviceGetUuid gives,
+ * unless FAKENVML_UUIDS gives it one. nvmlDeviceGetUUID prints UUIDs with
+ * lower-case hex, as NVML does (an upper-case FAKENVML_UUIDS entry comes back
+ * lower-cased); nvmlDeviceGetHandleByUUID takes the hex in either case.
  * Minor number and index are i, utilisation 0 %, and
  * nvmlDeviceGetProcessUtilization has no samples (NVML_ERROR_NOT_FOUND).
  * There is no event API (nvmlEventSet*, nvmlDeviceRegisterEvents) and no
@@ -48,6 +61,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "gs_cuda.h"
 #include "fake_size.h"
@@ -139,6 +153,7 @@ static struct {
     char name[FAKE_NAME_LEN + 1];
     int numa[FAKE_MAX_DEVICES], mig[FAKE_MAX_DEVICES]; /* FAKE_UNSET: not supported */
     char lost_file[PATH_MAX];                         /* "" when unset */
+    char uuid[FAKE_MAX_DEVICES][FAKE_UUID_LEN + 1];   /* lower-case hex */
 } g_cfg;
 static struct fdev g_devs[FAKE_MAX_DEVICES];
 
@@ -189,6 +204,49 @@ static void parse_per_device(const char *s, int out[FAKE_MAX_DEVICES]) {
     }
 }
 
+static int hex_digit(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* The `len` bytes at s, when they are "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+ * (hex in either case), into out with the hex lower-cased; false, out
+ * untouched, when malformed. */
+static bool parse_uuid(const char *s, size_t len, char out[FAKE_UUID_LEN + 1]) {
+    static const char shape[] = "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx";
+    static const char hex[] = "0123456789abcdef";
+    char text[FAKE_UUID_LEN + 1];
+    if (len != sizeof shape - 1) return false;
+    for (size_t i = 0; i < len; i++) {
+        if (shape[i] != 'x') {
+            if (s[i] != shape[i]) return false;
+            text[i] = s[i];
+            continue;
+        }
+        int v = hex_digit(s[i]);
+        if (v < 0) return false;
+        text[i] = hex[v];
+    }
+    text[len] = '\0';
+    memcpy(out, text, sizeof text);
+    return true;
+}
+
+/* FAKENVML_UUIDS: entry i (blanks around it ignored) replaces out[i] when it
+ * parses; empty, malformed and missing entries leave out[i] alone. */
+static void parse_uuids(const char *s, char out[FAKE_MAX_DEVICES][FAKE_UUID_LEN + 1]) {
+    for (unsigned int i = 0; s && *s && i < FAKE_MAX_DEVICES; i++) {
+        const char *comma = strchr(s, ',');
+        const char *end = comma ? comma : s + strlen(s);
+        while (s < end && (*s == ' ' || *s == '\t')) s++;
+        while (end > s && (end[-1] == ' ' || end[-1] == '\t')) end--;
+        parse_uuid(s, (size_t)(end - s), out[i]);
+        s = comma ? comma + 1 : NULL;
+    }
+}
+
 /* Whether the FAKENVML_LOST_FILE lists device `index` now (called with g_mu held). */
 static bool is_lost(unsigned int index) {
     if (!g_cfg.lost_file[0]) return false;
@@ -225,7 +283,11 @@ static void load_config(void) {
     const char *lost = getenv("FAKENVML_LOST_FILE");
     if (!lost || snprintf(g_cfg.lost_file, sizeof g_cfg.lost_file, "%s", lost) >= PATH_MAX)
         g_cfg.lost_file[0] = '\0';
-    for (unsigned int i = 0; i < FAKE_MAX_DEVICES; i++) g_devs[i].index = i;
+    for (unsigned int i = 0; i < FAKE_MAX_DEVICES; i++) {
+        g_devs[i].index = i;
+        snprintf(g_cfg.uuid[i], sizeof g_cfg.uuid[i], "GPU-facefeed-0000-4000-8000-0000000000%02x", i);
+    }
+    parse_uuids(getenv("FAKENVML_UUIDS"), g_cfg.uuid);
 }
 
 /* The device a handle names, or NULL; takes g_mu and keeps it when a device
@@ -257,9 +319,6 @@ static bool initialised(void) {
     return ok;
 }
 
-static void uuid_of(unsigned int i, char out[FAKE_UUID_LEN + 1]) {
-    snprintf(out, FAKE_UUID_LEN + 1, "GPU-facefeed-0000-4000-8000-0000000000%02x", i & 0xffu);
-}
 
 /* Copies s into buf of `length` bytes, or NVML_ERROR_INSUFFICIENT_SIZE. */
 static nvmlReturn_t put_string(const char *s, char *buf, unsigned int length) {
@@ -371,10 +430,8 @@ API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *devic
     } else if (!uuid || !device) {
         rc = NVML_ERROR_INVALID_ARGUMENT;
     } else {
-        char want[FAKE_UUID_LEN + 1];
         for (unsigned int i = 0; i < g_cfg.devices; i++) {
-            uuid_of(i, want);
-            if (strcmp(uuid, want) == 0) {
+            if (strcasecmp(uuid, g_cfg.uuid[i]) == 0) {
                 *device = (nvmlDevice_t)&g_devs[i];
                 rc = NVML_SUCCESS;
                 break;
@@ -389,9 +446,7 @@ API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int
     nvmlReturn_t rc;
     struct fdev *d = enter(device, &rc);
     if (!d) return rc;
-    char s[FAKE_UUID_LEN + 1];
-    uuid_of(d->index, s);
-    rc = put_string(s, uuid, length);
+    rc = put_string(g_cfg.uuid[d->index], uuid, length);
     pthread_mutex_unlock(&g_mu);
     return rc;
 }
