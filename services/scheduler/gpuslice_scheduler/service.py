@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import signal
 from collections.abc import AsyncIterator
 
 import uvicorn
@@ -30,7 +31,11 @@ def kube_api(settings: SchedulerSettings) -> KubeApi:
 
 @contextlib.asynccontextmanager
 async def running(
-    settings: SchedulerSettings, kube: KubeApi, *, bus: Bus | None = None
+    settings: SchedulerSettings,
+    kube: KubeApi,
+    *,
+    bus: Bus | None = None,
+    handle_signals: bool = True,
 ) -> AsyncIterator[tuple[Extender, asyncio.Task[None]]]:
     """The extender serving on ``settings.listen_host:listen_port`` until the block ends."""
     ledger = Ledger.from_settings(settings)
@@ -53,7 +58,10 @@ async def running(
         lifespan="off",
     )
     try:
-        async with http_server(config, "extender-http") as (_, serving):
+        async with http_server(config, "extender-http", handle_signals=handle_signals) as (
+            _,
+            serving,
+        ):
             yield extender, serving
     finally:
         syncing.cancel()
@@ -64,12 +72,20 @@ async def running(
 
 
 async def main(settings: SchedulerSettings) -> None:
+    """Serve until SIGTERM or SIGINT, then stop cleanly and exit 0."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     bus = await Bus.connect(settings, SOURCE)
     kube = kube_api(settings)
     try:
-        async with running(settings, kube, bus=bus) as (_, serving):
+        async with running(settings, kube, bus=bus, handle_signals=False) as (_, serving):
             log.info("extender listening on %s:%d", settings.listen_host, settings.listen_port)
-            await serving  # uvicorn returns on SIGINT/SIGTERM
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait([serving, stopping], return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            log.info("stopping")
     finally:
         await kube.close()
         await bus.close()
