@@ -1,0 +1,385 @@
+"""The cluster driver: what the API server, kube-scheduler and kubelet do to a pod,
+done against the local stack over the real protocols.
+
+For each pod spec, :meth:`ClusterDriver.run_pod`:
+
+1. sends an AdmissionReview (``admission.k8s.io/v1``, CREATE) to the webhook and
+   applies the JSON patch it answers, or stops with the webhook's refusal;
+2. stores the pod in the API server (``Pending``);
+3. calls the extender's ``filter``, ``prioritize`` and ``bind`` as
+   kube-scheduler does (``nodeCacheCapable``: node names only), and takes the
+   best-scored node; the bind goes through the API server;
+4. as the node's kubelet, asks the device plugin over gRPC to Allocate the
+   replicas of every container that wants ``nvidia.com/gpu``;
+5. runs each container's ``command`` + ``args`` as a local process with the
+   environment kubelet would give it: the container's own variables (downward
+   API fields resolved), the Allocate response's, with every mount applied by
+   path (a value under a mount's container path points at its host path), the
+   interposer preloaded as ``/etc/ld.so.preload`` names it, and, without a GPU,
+   the fake CUDA driver and NVML showing the node's simulated GPUs;
+6. when every container has ended, sets the phase (``Succeeded`` or ``Failed``),
+   gives the replicas back to the kubelet, deletes the pod and says so on the bus
+   (:class:`~gpuslice_common.models.PodEnded`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gpuslice_cli.dev.stack import NATIVE_BUILD, NodeSpec, Stack
+from gpuslice_common.bus import Bus
+from gpuslice_common.kube import PodNotFound
+from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PodEnded, PodRef, utcnow
+from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+GPU_RESOURCE = "nvidia.com/gpu"
+PRELOAD = "/etc/ld.so.preload"
+CONTAINER_TIMEOUT_S = 120.0
+FIELD_REFS = {
+    "metadata.name": lambda pod: pod["metadata"]["name"],
+    "metadata.namespace": lambda pod: pod["metadata"]["namespace"],
+    "metadata.uid": lambda pod: pod["metadata"]["uid"],
+    "spec.nodeName": lambda pod: pod["spec"].get("nodeName", ""),
+}
+
+
+class DriverError(Exception):
+    """Something the driver cannot do with a pod spec; the message says what."""
+
+
+@dataclass
+class ContainerRun:
+    name: str
+    returncode: int | None = None
+    output: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # what Allocate gave
+    devices: tuple[str, ...] = ()  # kubelet's replica IDs
+
+
+@dataclass
+class PodOutcome:
+    """What became of one pod."""
+
+    name: str
+    namespace: str
+    uid: str
+    phase: str  # Denied, Unschedulable, Succeeded, Failed
+    reason: str = ""
+    node: str = ""
+    warnings: tuple[str, ...] = ()
+    containers: list[ContainerRun] = field(default_factory=list)
+    placement: Placement | None = None  # the scheduler's record on the pod
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def apply_patch(document: Any, operations: Sequence[Mapping[str, Any]]) -> Any:
+    """Apply the RFC 6902 ``add`` and ``replace`` operations the webhook writes."""
+    for op in operations:
+        kind, path, value = op.get("op"), op.get("path"), op.get("value")
+        if kind not in ("add", "replace") or not isinstance(path, str):
+            raise DriverError(f"the webhook sent a patch operation this driver cannot apply: {op}")
+        tokens = [t.replace("~1", "/").replace("~0", "~") for t in path.split("/")[1:]]
+        if not tokens:
+            document = value
+            continue
+        parent = document
+        for token in tokens[:-1]:
+            parent = parent[int(token)] if isinstance(parent, list) else parent[token]
+        last = tokens[-1]
+        if isinstance(parent, list):
+            if last == "-":
+                parent.append(value)
+            elif kind == "add":
+                parent.insert(int(last), value)
+            else:
+                parent[int(last)] = value
+        else:
+            parent[last] = value
+    return document
+
+
+def _gpus(container: Mapping[str, Any]) -> int:
+    limits = (container.get("resources") or {}).get("limits") or {}
+    try:
+        return int(str(limits.get(GPU_RESOURCE, 0)))
+    except ValueError:
+        return 0
+
+
+def _rewrite(value: str, mounts: Sequence[pb.Mount]) -> str:
+    """A container path in ``value`` made the host path its mount brings in."""
+    for mount in sorted(mounts, key=lambda m: -len(m.container_path)):
+        if value == mount.container_path or value.startswith(mount.container_path + "/"):
+            return mount.host_path + value[len(mount.container_path) :]
+    return value
+
+
+# (the admitted pod, "", warnings) or (None, the refusal, ())
+Admission = tuple[dict[str, Any] | None, str, tuple[str, ...]]
+
+
+class ClusterDriver:
+    """Drives pods through the stack; ``bus`` (optional) carries the pod-ended reports."""
+
+    def __init__(self, stack: Stack, bus: Bus | None = None, fake_gpu: bool = True) -> None:
+        self.stack = stack
+        self.bus = bus
+        self.fake_gpu = fake_gpu
+        self.http = httpx.AsyncClient(timeout=15)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    # ------------------------------------------------------------ the API server's part
+
+    async def admit(
+        self, pod: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, str, tuple[str, ...]]:
+        """(the admitted pod, "", warnings) or (None, the refusal, ())."""
+        review = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": str(uuid.uuid4()),
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "namespace": pod["metadata"]["namespace"],
+                "name": pod["metadata"]["name"],
+                "operation": "CREATE",
+                "userInfo": {"username": "gpuslice-dev"},
+                "object": pod,
+                "dryRun": False,
+            },
+        }
+        reply = await self.http.post(f"{self.stack.webhook_url}/mutate", json=review)
+        if reply.status_code != 200:
+            raise DriverError(f"the webhook answered HTTP {reply.status_code}: {reply.text}")
+        response = reply.json()["response"]
+        if not response.get("allowed"):
+            return None, str((response.get("status") or {}).get("message", "denied")), ()
+        patched = pod
+        if response.get("patch"):
+            operations = json.loads(base64.b64decode(response["patch"]))
+            patched = apply_patch(json.loads(json.dumps(pod)), operations)
+        return patched, "", tuple(response.get("warnings") or ())
+
+    # ------------------------------------------------------------ kube-scheduler's part
+
+    async def schedule(self, pod: dict[str, Any]) -> tuple[str, str]:
+        """(node, "") once bound, or ("", why not)."""
+        names = [node.name for node in self.stack.nodes]
+        if pod["spec"].get("schedulerName", "default-scheduler") != "gpuslice-scheduler":
+            node = names[0]
+            meta = pod["metadata"]
+            await self.stack.kube.bind_pod(meta["namespace"], meta["name"], meta["uid"], node)
+            return node, ""
+        url = self.stack.extender_url
+        filtered = await self.http.post(f"{url}/filter", json={"Pod": pod, "NodeNames": names})
+        result = filtered.json()
+        if result.get("Error"):
+            return "", f"filter: {result['Error']}"
+        passed = result.get("NodeNames") or []
+        if not passed:
+            failed = {
+                **(result.get("FailedNodes") or {}),
+                **(result.get("FailedAndUnresolvableNodes") or {}),
+            }
+            why = "; ".join(f"{node}: {reason}" for node, reason in sorted(failed.items()))
+            return "", f"0/{len(names)} nodes are available: {why}"
+        scored = await self.http.post(f"{url}/prioritize", json={"Pod": pod, "NodeNames": passed})
+        if scored.status_code != 200:
+            return "", f"prioritize: {scored.text}"
+        scores = {entry["Host"]: entry["Score"] for entry in scored.json()}
+        node = max(passed, key=lambda n: (scores.get(n, 0), -passed.index(n)))
+        meta = pod["metadata"]
+        binding = {
+            "PodName": meta["name"],
+            "PodNamespace": meta["namespace"],
+            "PodUID": meta["uid"],
+            "Node": node,
+        }
+        bound = (await self.http.post(f"{url}/bind", json=binding)).json()
+        if bound.get("Error"):
+            return "", f"bind: {bound['Error']}"
+        return node, ""
+
+    # ------------------------------------------------------------ kubelet's part
+
+    def container_env(
+        self,
+        pod: Mapping[str, Any],
+        container: Mapping[str, Any],
+        node: NodeSpec,
+        allocated: pb.ContainerAllocateResponse | None,
+    ) -> dict[str, str]:
+        env = {
+            "PATH": f"{NATIVE_BUILD}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "HOME": os.environ.get("HOME", "/"),
+            "LANG": "C.UTF-8",
+        }
+        for item in container.get("env") or []:
+            name = item.get("name")
+            if not isinstance(name, str):
+                continue
+            if "value" in item:
+                env[name] = str(item["value"])
+                continue
+            ref = ((item.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+            if ref in FIELD_REFS:
+                env[name] = str(FIELD_REFS[ref](pod))
+        if allocated is None:
+            return env
+        mounts = list(allocated.mounts)
+        env.update({k: _rewrite(v, mounts) for k, v in allocated.envs.items()})
+        preload = [m for m in mounts if m.container_path == PRELOAD]
+        if preload:
+            with open(preload[0].host_path) as listed:
+                libraries = [_rewrite(line.strip(), mounts) for line in listed if line.strip()]
+            env["LD_PRELOAD"] = ":".join(libraries)
+        if self.fake_gpu:
+            uuids = ",".join(node.uuids)
+            env.update(
+                {
+                    "LD_LIBRARY_PATH": str(NATIVE_BUILD / "fake"),
+                    "FAKECUDA_DEVICES": str(node.gpus),
+                    "FAKECUDA_MEMORY": f"{node.memory_mib}m",
+                    "FAKECUDA_UUIDS": uuids,
+                    "FAKENVML_UUIDS": uuids,
+                    "FAKENVML_NAME": node.model,
+                }
+            )
+        env.setdefault("GPUSLICE_TELEMETRY_INTERVAL", "200ms")
+        return env
+
+    async def run_container(
+        self, container: Mapping[str, Any], env: dict[str, str], run: ContainerRun
+    ) -> None:
+        argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+        if not argv:
+            raise DriverError(f"container {run.name} has no command to run")
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), CONTAINER_TIMEOUT_S)
+        except (TimeoutError, asyncio.CancelledError):
+            proc.kill()
+            out, _ = await proc.communicate()
+            run.returncode = proc.returncode
+            run.output = out.decode(errors="replace")
+            raise
+        run.returncode = proc.returncode
+        run.output = out.decode(errors="replace")
+
+    # ------------------------------------------------------------ a whole pod
+
+    async def run_pod(self, spec: Mapping[str, Any], namespace: str = "default") -> PodOutcome:
+        pod = json.loads(json.dumps(spec))
+        meta = pod.setdefault("metadata", {})
+        meta.setdefault("namespace", namespace)
+        meta.setdefault("name", f"pod-{uuid.uuid4().hex[:8]}")
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = utcnow().strftime("%Y-%m-%dT%H:%M:%SZ")
+        pod.setdefault("spec", {})
+        outcome = PodOutcome(meta["name"], meta["namespace"], meta["uid"], "Pending")
+        admitted, refusal, warnings = await self.admit(pod)
+        outcome.warnings = warnings
+        if admitted is None:
+            outcome.phase, outcome.reason = "Denied", refusal
+            return outcome
+        admitted["status"] = {"phase": "Pending"}
+        self.stack.kube.add_pod(admitted)
+        try:
+            node, why = await self.schedule(admitted)
+            if not node:
+                outcome.phase, outcome.reason = "Unschedulable", why
+                return outcome
+            outcome.node = node
+            held = await self.stack.kube.get_pod(meta["namespace"], meta["name"])
+            record = (held["metadata"].get("annotations") or {}).get(PLACEMENT_ANNOTATION)
+            if record is not None:
+                outcome.placement = Placement.from_annotation(record)
+            await self._run_on_node(admitted, node, outcome)
+            return outcome
+        finally:
+            await self._delete(admitted)
+
+    async def _run_on_node(self, pod: dict[str, Any], node: str, outcome: PodOutcome) -> None:
+        plugin = self.stack.plugin(node)
+        spec = self.stack.node(node)
+        containers = [("init", c) for c in pod["spec"].get("initContainers") or []]
+        containers += [("app", c) for c in pod["spec"].get("containers") or []]
+        envs: list[dict[str, str]] = []
+        held: list[str] = []
+        try:
+            for _, container in containers:
+                run = ContainerRun(str(container.get("name")))
+                allocated = None
+                count = _gpus(container)
+                if count:
+                    before = set(plugin.allocated)
+                    allocated = await plugin.admit_container(count)
+                    run.devices = tuple(sorted(set(plugin.allocated) - before))
+                    held.extend(run.devices)
+                    run.env = dict(allocated.envs)
+                envs.append(self.container_env(pod, container, spec, allocated))
+                outcome.containers.append(run)
+            meta = pod["metadata"]
+            self.stack.kube.set_phase(meta["namespace"], meta["name"], "Running")
+            pairs = list(zip(containers, envs, outcome.containers, strict=True))
+            for (kind, container), env, run in pairs:
+                if kind == "init":
+                    await self.run_container(container, env, run)
+                    if run.returncode != 0:
+                        break
+            else:
+                await asyncio.gather(
+                    *(
+                        self.run_container(container, env, run)
+                        for (kind, container), env, run in pairs
+                        if kind == "app"
+                    )
+                )
+            ok = all(run.returncode == 0 for run in outcome.containers)
+            outcome.phase = "Succeeded" if ok else "Failed"
+            if not ok:
+                failed = [r.name for r in outcome.containers if r.returncode != 0]
+                outcome.reason = f"containers failed: {', '.join(failed)}"
+            self.stack.kube.set_phase(meta["namespace"], meta["name"], outcome.phase)
+        finally:
+            plugin.allocated.difference_update(held)
+
+    async def _delete(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        with contextlib.suppress(PodNotFound):
+            self.stack.kube.delete_pod(meta["namespace"], meta["name"])
+        if self.bus is not None:
+            ended = PodEnded(
+                pod=PodRef(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"]),
+                phase="Deleted",
+            )
+            try:
+                await self.bus.publish_model(self.bus.subjects.pod_ended, ended)
+            except Exception as exc:  # the watch releases the pod anyway
+                log.warning("cannot report pod %s ended on the bus: %s", meta["uid"], exc)

@@ -1,0 +1,364 @@
+"""The whole system on one machine: servers, the four services, simulated nodes.
+
+:class:`Stack` starts, each as a child process with its own log file under the
+stack's directory:
+
+* nats-server (JetStream) and redis-server, unless URLs of running ones are given;
+* the webhook (plain HTTP), the scheduler extender and the inventory;
+* one device plugin per simulated node, on the simulated GPU backend, whose
+  kubelet is a :class:`~gpuslice_cli.dev.kubelet.DevKubelet` in this process.
+
+Every service reaches the Kubernetes API through a kubeconfig naming the
+:class:`~gpuslice_cli.dev.apiserver.DevApiServer` this process serves, so each
+runs the code it runs on a cluster. Children are started in their own session
+(Ctrl-C reaches only this process) and stopped with SIGTERM, then SIGKILL after
+a grace period, in the reverse order of their start: no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from gpuslice_cli.dev.apiserver import DevApiServer
+from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
+from gpuslice_common.kube import LocalKubeApi
+from gpuslice_common.servers import NatsServer, RedisServer, free_port
+from gpuslice_deviceplugin.discovery import simulated_uuid
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[4]
+NATIVE_BUILD = ROOT / "native" / "build"
+STOP_GRACE_S = 10.0
+READY_TIMEOUT_S = 60.0
+
+
+class StackError(Exception):
+    """The stack could not start; the message says which part and why."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A simulated GPU node."""
+
+    name: str
+    gpus: int = 2
+    model: str = "NVIDIA A100-SXM4-80GB"
+    memory_mib: int = 40960
+    split_count: int = 4
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(simulated_uuid(self.name, i) for i in range(self.gpus))
+
+
+DEFAULT_NODES = (
+    NodeSpec("gpu-node-1", gpus=2, model="NVIDIA A100-SXM4-80GB", memory_mib=40960),
+    NodeSpec("gpu-node-2", gpus=2, model="Tesla T4", memory_mib=15360),
+)
+
+
+@dataclass
+class Child:
+    """One child process of the stack."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    ready_url: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = STOP_GRACE_S, kill: bool = False) -> int | None:
+        """SIGTERM (SIGKILL with ``kill``), then SIGKILL after ``grace``; the exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs: killed", self.name, grace)
+                proc.kill()
+                proc.wait()
+        self.proc = None
+        return proc.returncode
+
+
+@dataclass
+class Stack:
+    """Everything gpuslice needs on this machine, for the block of :meth:`running`."""
+
+    workdir: Path
+    nodes: tuple[NodeSpec, ...] = DEFAULT_NODES
+    nats_url: str | None = None
+    redis_url: str | None = None
+    prefix: str = "gpuslice"
+    log_level: str = "INFO"
+    heartbeat_s: float = 2.0
+    kube: LocalKubeApi = field(default_factory=LocalKubeApi)
+    children: dict[str, Child] = field(default_factory=dict)
+    kubelets: dict[str, DevKubelet] = field(default_factory=dict)
+    plugins: dict[str, Plugin] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    apiserver: DevApiServer | None = None
+    exit_codes: dict[str, int | None] = field(default_factory=dict)  # at stop
+    _servers: list[NatsServer | RedisServer] = field(default_factory=list)
+    _sockets: Path | None = None
+
+    @property
+    def webhook_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['webhook']}"
+
+    @property
+    def extender_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['scheduler']}"
+
+    @property
+    def inventory_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['inventory']}"
+
+    def node(self, name: str) -> NodeSpec:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Stack]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_servers()
+            self.apiserver = DevApiServer(self.kube)
+            async with self.apiserver.serving():
+                kubeconfig = self.apiserver.kubeconfig(self.workdir / "kubeconfig")
+                try:
+                    await self._start_services(kubeconfig)
+                    yield self
+                finally:
+                    await self._stop_services()
+        finally:
+            for server in reversed(self._servers):
+                server.stop()
+            self._servers.clear()
+
+    def _start_servers(self) -> None:
+        if self.nats_url is None:
+            nats = NatsServer(self.workdir / "nats")
+            nats.start()
+            self._servers.append(nats)
+            self.nats_url = nats.url
+        if self.redis_url is None:
+            redis = RedisServer(self.workdir / "redis", persist=True)
+            redis.start()
+            self._servers.append(redis)
+            self.redis_url = redis.url
+
+    def base_env(self, kubeconfig: Path) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSLICE_", "FAKE"))}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        env.update(
+            {
+                "GPUSLICE_NATS_URL": self.nats_url or "",
+                "GPUSLICE_REDIS_URL": self.redis_url or "",
+                "GPUSLICE_SUBJECT_PREFIX": self.prefix,
+                "GPUSLICE_LEDGER_PREFIX": self.prefix,
+                "GPUSLICE_LOG_LEVEL": self.log_level,
+                "GPUSLICE_LISTEN_HOST": "127.0.0.1",
+                "GPUSLICE_KUBE_API": "cluster",
+                "KUBECONFIG": str(kubeconfig),
+            }
+        )
+        return env
+
+    def _service(self, name: str, module: str, env: dict[str, str], ready: str = "") -> Child:
+        child = Child(
+            name,
+            [sys.executable, "-m", module],
+            env,
+            self.workdir / f"{name}.log",
+            ready_url=ready,
+        )
+        self.children[name] = child
+        return child
+
+    async def _start_services(self, kubeconfig: Path) -> None:
+        env = self.base_env(kubeconfig)
+        for name in ("webhook", "scheduler", "inventory"):
+            self.ports[name] = free_port()
+        heartbeat = f"{self.heartbeat_s}s"
+        self._service(
+            "webhook",
+            "gpuslice_webhook",
+            {**env, "GPUSLICE_LISTEN_PORT": str(self.ports["webhook"])},
+            f"{self.webhook_url}/readyz",
+        )
+        self._service(
+            "scheduler",
+            "gpuslice_scheduler",
+            {**env, "GPUSLICE_LISTEN_PORT": str(self.ports["scheduler"])},
+            f"{self.extender_url}/readyz",
+        )
+        self._service(
+            "inventory",
+            "gpuslice_inventory",
+            {
+                **env,
+                "GPUSLICE_LISTEN_PORT": str(self.ports["inventory"]),
+                "GPUSLICE_HEARTBEAT_INTERVAL": heartbeat,
+                "GPUSLICE_SWEEP_INTERVAL": "1s",
+                "GPUSLICE_METRICS_INTERVAL": "1s",
+                "GPUSLICE_RECONCILE_INTERVAL": "30s",
+            },
+            f"{self.inventory_url}/readyz",
+        )
+        # Unix socket paths are short: the kubelet directories live under /tmp.
+        sockets = Path(tempfile.mkdtemp(prefix="gpuslice-kubelet-"))
+        self._sockets = sockets
+        for node in self.nodes:
+            kubelet = DevKubelet(sockets / node.name)
+            await kubelet.start()
+            self.kubelets[node.name] = kubelet
+            self._service(node.name, "gpuslice_deviceplugin", self._plugin_env(env, node, sockets))
+        for child in self.children.values():
+            child.start()
+        await self._wait_ready()
+
+    def _plugin_env(self, env: dict[str, str], node: NodeSpec, sockets: Path) -> dict[str, str]:
+        home = self.workdir / node.name
+        home.mkdir(parents=True, exist_ok=True)
+        config = home / "node-config.json"
+        simulate = {"count": node.gpus, "model": node.model, "memoryMiB": node.memory_mib}
+        config.write_text(
+            json.dumps({"defaults": {"deviceSplitCount": node.split_count, "simulate": simulate}})
+        )
+        self.ports[node.name] = free_port()
+        return {
+            **env,
+            "GPUSLICE_NODE_NAME": node.name,
+            "GPUSLICE_BACKEND": "simulated",
+            "GPUSLICE_NODE_CONFIG_FILE": str(config),
+            "GPUSLICE_KUBELET_DIR": str(sockets / node.name),
+            "GPUSLICE_HOST_DIR": str(home / "host"),
+            "GPUSLICE_INTERPOSER_LIBRARY": str(NATIVE_BUILD / "libgpuslice.so"),
+            "GPUSLICE_METRICS_PORT": str(self.ports[node.name]),
+            "GPUSLICE_INVENTORY_INTERVAL": f"{self.heartbeat_s}s",
+            "GPUSLICE_COORDINATE_INTERVAL": "100ms",
+        }
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        async with httpx.AsyncClient(timeout=2) as client:
+            for child in self.children.values():
+                while True:
+                    self.check_alive()
+                    if child.ready_url:
+                        with contextlib.suppress(httpx.HTTPError):
+                            if (await client.get(child.ready_url)).status_code == 200:
+                                break
+                    else:
+                        kubelet = self.kubelets[child.name]
+                        if kubelet.plugins:
+                            plugin = kubelet.plugins[-1]
+                            if plugin.devices:
+                                self.plugins[child.name] = plugin
+                                break
+                    if time.monotonic() > deadline:
+                        raise StackError(
+                            f"{child.name} was not ready within {READY_TIMEOUT_S:.0f}s; "
+                            f"its log ({child.log_path}) ends:\n{child.tail()}"
+                        )
+                    await asyncio.sleep(0.1)
+
+    def check_alive(self) -> None:
+        for child in self.children.values():
+            if child.proc is not None and not child.running:
+                raise StackError(
+                    f"{child.name} exited with {child.proc.returncode}; "
+                    f"its log ({child.log_path}) ends:\n{child.tail()}"
+                )
+
+    def plugin(self, node: str) -> Plugin:
+        """The node's device plugin as its kubelet holds it now (it re-registers
+        after a restart)."""
+        kubelet = self.kubelets[node]
+        if not kubelet.plugins:
+            raise StackError(f"no device plugin registered on {node}")
+        return kubelet.plugins[-1]
+
+    async def restart(self, name: str, kill: bool = False) -> None:
+        """Stop a service (SIGKILL with ``kill``) and start it again."""
+        child = self.children[name]
+        registered = len(self.kubelets[name].plugins) if name in self.kubelets else 0
+        await asyncio.to_thread(child.stop, STOP_GRACE_S, kill)
+        child.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if child.ready_url:
+                with contextlib.suppress(httpx.HTTPError):
+                    async with httpx.AsyncClient(timeout=2) as client:
+                        if (await client.get(child.ready_url)).status_code == 200:
+                            return
+            elif len(self.kubelets[name].plugins) > registered and self.plugin(name).devices:
+                return
+            if not child.running or time.monotonic() > deadline:
+                raise StackError(f"{name} did not come back; its log ends:\n{child.tail()}")
+            await asyncio.sleep(0.1)
+
+    def server(self, kind: str) -> NatsServer | RedisServer:
+        """The embedded nats-server or redis-server, to stop or kill in fault tests."""
+        wanted = NatsServer if kind == "nats" else RedisServer
+        for server in self._servers:
+            if isinstance(server, wanted):
+                return server
+        raise StackError(f"no embedded {kind} server")
+
+    async def _stop_services(self) -> None:
+        codes = await asyncio.gather(
+            *(asyncio.to_thread(c.stop) for c in reversed(self.children.values()))
+        )
+        for child, code in zip(reversed(self.children.values()), codes, strict=True):
+            self.exit_codes[child.name] = code
+            if code not in (0, None):
+                log.warning("%s exited with %s (log: %s)", child.name, code, child.log_path)
+        for kubelet in self.kubelets.values():
+            await kubelet.stop()
+        if self._sockets is not None:
+            shutil.rmtree(self._sockets, ignore_errors=True)
