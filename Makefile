@@ -13,7 +13,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 .PHONY: help deps servers native proto lint test demo bench bench-packing gpu-check clean
 
 help:
-	@echo "make demo   - install, start NATS + Redis, run the ledger smoke scenario"
+	@echo "make demo   - install, build the interposer, run the whole stack's demo scenario"
 	@echo "make test   - install, lint, type-check, check import contracts, run the tests"
 	@echo "make bench  - run the ledger, extender, interposer, device plugin, webhook and inventory benchmarks (a few minutes)"
 	@echo "make bench-packing - replay the openb traces with every policy (about 30 minutes)"
@@ -64,7 +64,8 @@ test: deps lint native
 	$(BIN)/python -m pytest
 
 demo: deps
-	$(BIN)/gpuslice dev smoke
+	$(MAKE) -C native all fakes progs
+	$(BIN)/gpuslice dev up --demo
 
 TRACES ?= ../shared/traces/openb
 

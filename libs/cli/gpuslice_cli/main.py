@@ -11,6 +11,7 @@ from rich.console import Console
 
 import gpuslice_common
 from gpuslice_cli.audit import audit
+from gpuslice_cli.dev.up import up
 from gpuslice_cli.simulate import sim
 from gpuslice_cli.smoke import run_scenario
 from gpuslice_cli.status import status
@@ -22,6 +23,7 @@ from gpuslice_common.servers import NatsServer, RedisServer, ServerError
 app = typer.Typer(help="GPU sharing for Kubernetes.", no_args_is_help=True, add_completion=False)
 dev = typer.Typer(help="Run gpuslice on this machine, without a cluster.", no_args_is_help=True)
 app.add_typer(dev, name="dev")
+dev.command("up")(up)
 app.command("sim")(sim)
 app.command("status")(status)
 app.add_typer(audit, name="audit")

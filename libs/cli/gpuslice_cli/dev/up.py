@@ -1,0 +1,306 @@
+"""``gpuslice dev up``: the local stack with a live view, pod files or the demo.
+
+While it runs, the terminal shows the ledger's nodes and cards (allocated and,
+from telemetry, used), the latest audited events and what became of each pod;
+at the end a summary. ``--demo`` runs a scripted scenario and exits non-zero if
+any step misbehaves: two pods sharing one card, an allocation past its limit
+refused inside the running process, a pod refused for its namespace's quota,
+and every device released at the end. Without ``--demo`` or pod files, the
+stack stays up until Ctrl-C. Ctrl-C always stops every child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from gpuslice_cli.dev.driver import ClusterDriver, DriverError, PodOutcome
+from gpuslice_cli.dev.stack import DEFAULT_NODES, NodeSpec, Stack, StackError
+from gpuslice_cli.status import gather_status, gather_usage, status_table
+from gpuslice_common.bus import Bus, BusError
+from gpuslice_common.config import CommonSettings
+from gpuslice_common.events import CloudEvent
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.models import PlacementState
+from gpuslice_common.servers import ServerError
+
+QUOTA_NAMESPACE = "team-a"
+
+
+@dataclass
+class View:
+    """What the live display shows."""
+
+    events: deque[str] = field(default_factory=lambda: deque(maxlen=12))
+    pods: list[PodOutcome] = field(default_factory=list)
+    steps: list[tuple[str, bool, str]] = field(default_factory=list)
+    status: Table | None = None
+
+    def render(self) -> Group:
+        parts: list[Any] = []
+        if self.status is not None:
+            parts.append(self.status)
+        events = Table(title="events", show_header=False, expand=False)
+        for line in self.events:
+            events.add_row(line)
+        parts.append(events)
+        if self.pods:
+            parts.append(pods_table(self.pods))
+        if self.steps:
+            parts.append(steps_table(self.steps))
+        return Group(*parts)
+
+
+def pods_table(pods: Sequence[PodOutcome]) -> Table:
+    table = Table(title="pods")
+    for name in ("pod", "phase", "node", "GPUs", "reason"):
+        table.add_column(name)
+    for pod in pods:
+        uuids = ""
+        if pod.placement is not None:
+            grants = {g.uuid[-8:] for c in pod.placement.containers for g in c.devices}
+            uuids = ",".join(sorted(grants))
+        table.add_row(pod.ref, pod.phase, pod.node or "-", uuids or "-", pod.reason[:70])
+    return table
+
+
+def steps_table(steps: Sequence[tuple[str, bool, str]]) -> Table:
+    table = Table(title="demo")
+    table.add_column("step")
+    table.add_column("result")
+    table.add_column("detail")
+    for what, ok, detail in steps:
+        table.add_row(what, "[green]ok[/]" if ok else "[red]FAIL[/]", detail)
+    return table
+
+
+def probe_pod(
+    name: str, command: list[str], mem: int, namespace: str = "default"
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "cuda",
+                    "command": command,
+                    "resources": {"limits": {"nvidia.com/gpu": 1, "nvidia.com/gpumem": mem}},
+                }
+            ]
+        },
+    }
+
+
+async def demo(driver: ClusterDriver, ledger: Ledger, view: View) -> None:
+    """The scripted scenario; each step's verdict goes into ``view.steps``."""
+    stack = driver.stack
+
+    def step(what: str, ok: bool, detail: str) -> None:
+        view.steps.append((what, ok, detail))
+
+    hold = ["probe", "init", "ctx", "alloc", "2g", "sleep", "2000"]
+    first, second = await asyncio.gather(
+        driver.run_pod(probe_pod("share-a", hold, 8000)),
+        driver.run_pod(probe_pod("share-b", hold, 8000)),
+    )
+    view.pods += [first, second]
+    cards = [
+        {g.uuid for c in p.placement.containers for g in c.devices} if p.placement else set()
+        for p in (first, second)
+    ]
+    shared = bool(cards[0] & cards[1]) and first.phase == second.phase == "Succeeded"
+    step("two pods share one card", shared, f"both on {', '.join(cards[0]) or '-'}")
+
+    over = await driver.run_pod(
+        probe_pod("over-limit", ["probe", "init", "ctx", "alloc", "1g", "alloc", "2g"], 2000)
+    )
+    view.pods.append(over)
+    lines = over.containers[0].output.splitlines() if over.containers else []
+    allocs = [line for line in lines if '"cmd":"alloc"' in line]
+    refused = len(allocs) == 2 and '"rc":0' in allocs[0] and '"rc":2' in allocs[1]
+    step(
+        "an allocation past the 2000 MiB limit fails inside the process",
+        refused,
+        "1 GiB allocated, 2 GiB more refused (CUDA_ERROR_OUT_OF_MEMORY)"
+        if refused
+        else str(allocs),
+    )
+
+    stack.kube.add_resource_quota(
+        QUOTA_NAMESPACE,
+        {"metadata": {"name": "gpu"}, "spec": {"hard": {"limits.nvidia.com/gpumem": "4000"}}},
+    )
+    greedy = await driver.run_pod(
+        probe_pod("greedy", ["probe", "init"], 8000, namespace=QUOTA_NAMESPACE)
+    )
+    view.pods.append(greedy)
+    step(
+        "a pod over its namespace's GPU memory quota is refused",
+        greedy.phase == "Denied" and "exceeded quota" in greedy.reason,
+        greedy.reason[:90],
+    )
+
+    left = -1
+    for _ in range(100):
+        left = 0
+        for node in stack.nodes:
+            for placement in await ledger.node_placements(node.name):
+                left += placement.state is not PlacementState.RELEASED
+        if left == 0:
+            break
+        await asyncio.sleep(0.2)
+    step("every device released at the end", left == 0, f"{left} placements still held")
+
+
+async def _watch_events(bus: Bus, view: View) -> Any:
+    async def keep(event: CloudEvent) -> None:
+        subject = event.subject or ""
+        reason = str(event.data.get("reason") or "") if isinstance(event.data, dict) else ""
+        kind = event.type.value.removeprefix("io.gpuslice.")
+        view.events.append(f"{event.time:%H:%M:%S} {kind:16} {subject} {reason}".rstrip())
+
+    return await bus.subscribe_events(bus.subjects.events_all, keep)
+
+
+async def _refresh(ledger: Ledger, prefix: str, view: View) -> None:
+    while True:
+        with contextlib.suppress(LedgerError):
+            nodes = await gather_status(ledger)
+            view.status = status_table(nodes, await gather_usage(ledger, prefix, nodes))
+        await asyncio.sleep(0.5)
+
+
+@contextlib.asynccontextmanager
+async def session(stack: Stack) -> AsyncIterator[tuple[ClusterDriver, Ledger, Bus]]:
+    async with stack.running():
+        settings = CommonSettings(nats_url=stack.nats_url or "", subject_prefix=stack.prefix)
+        bus = await Bus.connect(settings, "gpuslice-dev")
+        ledger = Ledger.from_url(stack.redis_url or "", stack.prefix, retries=2)
+        driver = ClusterDriver(stack, bus)
+        try:
+            yield driver, ledger, bus
+        finally:
+            await driver.close()
+            await ledger.close()
+            await bus.close()
+
+
+async def run_up(
+    stack: Stack,
+    work: Callable[[ClusterDriver, Ledger, View], Any] | None,
+    console: Console,
+    live: bool,
+) -> View:
+    view = View()
+    async with session(stack) as (driver, ledger, bus):
+        await _watch_events(bus, view)
+        refresher = asyncio.create_task(_refresh(ledger, stack.prefix, view))
+        display = Live(view.render(), console=console, refresh_per_second=4) if live else None
+        try:
+            with display or contextlib.nullcontext():
+                ticker = asyncio.create_task(_tick(display, view))
+                try:
+                    if work is None:
+                        if display is None:
+                            console.print("gpuslice dev: the stack is up; Ctrl-C stops it")
+                        await asyncio.Event().wait()  # until Ctrl-C
+                    else:
+                        await work(driver, ledger, view)
+                    await asyncio.sleep(1.0)  # the last events and numbers
+                finally:
+                    ticker.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await ticker
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+    return view
+
+
+async def _tick(display: Live | None, view: View) -> None:
+    while display is not None:
+        display.update(view.render())
+        await asyncio.sleep(0.25)
+
+
+def load_pods(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    pods: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            documents = list(yaml.safe_load_all(path.read_text()))
+        except (OSError, yaml.YAMLError) as exc:
+            raise DriverError(f"cannot read pods from {path}: {exc}") from None
+        for doc in documents:
+            if doc is None:
+                continue
+            if not isinstance(doc, dict) or doc.get("kind", "Pod") != "Pod":
+                raise DriverError(f"{path}: only Pod documents can be run here")
+            pods.append(doc)
+    return pods
+
+
+def up(
+    demo_: bool = typer.Option(False, "--demo", help="run the scripted scenario and exit"),
+    pods: list[Path] = typer.Argument(None, help="pod YAML files to run, in order"),
+    nodes: int = typer.Option(2, "--nodes", min=1, max=8, help="simulated GPU nodes"),
+    nats_url: str | None = typer.Option(None, help="use this NATS instead of starting one"),
+    redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
+    workdir: Path | None = typer.Option(None, help="logs and state (default: a new temp dir)"),
+    plain: bool = typer.Option(False, "--plain", help="no live display, only the summary"),
+) -> None:
+    """Run gpuslice on this machine: NATS, Redis, the four services, simulated nodes
+    and a cluster driver that admits, schedules, allocates and runs pods."""
+    console = Console()
+    specs = tuple(
+        DEFAULT_NODES[i] if i < len(DEFAULT_NODES) else NodeSpec(f"gpu-node-{i + 1}")
+        for i in range(nodes)
+    )
+    where = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-dev-"))
+    stack = Stack(where, specs, nats_url=nats_url, redis_url=redis_url)
+    console.print(f"gpuslice dev: logs under {where}")
+    work: Callable[[ClusterDriver, Ledger, View], Any] | None = None
+    if demo_:
+        work = demo
+    elif pods:
+        specs_to_run = load_pods(pods)
+
+        async def run_files(driver: ClusterDriver, _: Ledger, view: View) -> None:
+            for spec in specs_to_run:
+                namespace = str((spec.get("metadata") or {}).get("namespace") or "default")
+                view.pods.append(await driver.run_pod(spec, namespace=namespace))
+
+        work = run_files
+    try:
+        view = asyncio.run(run_up(stack, work, console, live=not plain and console.is_terminal))
+    except KeyboardInterrupt:
+        console.print("stopped: every process of the stack has been shut down")
+        return
+    except (StackError, DriverError, ServerError, BusError, LedgerError, OSError) as exc:
+        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    if view.status is not None:
+        console.print(view.status)
+    if view.pods:
+        console.print(pods_table(view.pods))
+    if view.steps:
+        console.print(steps_table(view.steps))
+        if not all(ok for _, ok, _ in view.steps):
+            console.print("[bold red]the demo misbehaved[/]")
+            raise typer.Exit(1)
+        console.print("[bold green]demo passed[/]")
+    elif view.pods and any(p.phase not in ("Succeeded", "Denied") for p in view.pods):
+        raise typer.Exit(1)

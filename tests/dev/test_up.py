@@ -1,0 +1,82 @@
+"""``gpuslice dev up`` as a newcomer runs it: the demo passes, and Ctrl-C leaves no
+process of the stack behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import Native
+
+GPUSLICE = str(Path(sys.executable).parent / "gpuslice")
+
+
+def survivors(workdir: Path) -> list[str]:
+    """Processes whose command line or environment names the stack's directory."""
+    found = []
+    mark = str(workdir).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            seen = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if mark in seen:
+            found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()!r}")
+    return found
+
+
+def dev_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
+
+
+def test_the_demo_passes_and_leaves_nothing_running(native: Native, tmp_path: Path) -> None:
+    workdir = tmp_path / "dev"
+    result = subprocess.run(
+        [GPUSLICE, "dev", "up", "--demo", "--plain", "--workdir", str(workdir)],
+        env=dev_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "demo passed" in result.stdout
+    assert result.stdout.count(" ok ") >= 4  # every step of the scenario
+    assert "Traceback" not in result.stdout + result.stderr
+    assert survivors(workdir) == []
+
+
+def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path) -> None:
+    workdir = tmp_path / "dev"
+    proc = subprocess.Popen(
+        [GPUSLICE, "dev", "up", "--plain", "--workdir", str(workdir)],
+        env=dev_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if "the stack is up" in line:
+                break
+            assert time.monotonic() < deadline, "the stack did not come up"
+        else:
+            raise AssertionError(f"gpuslice dev up ended early (exit {proc.wait()})")
+        assert len(survivors(workdir)) >= 6  # nats, redis, four services, two nodes
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, rest
+    assert "every process of the stack has been shut down" in rest
+    assert "Traceback" not in rest
+    assert survivors(workdir) == []
