@@ -100,6 +100,19 @@ async def test_the_watch_streams_changes_and_refuses_a_forgotten_version(
         await anext(client.watch_pods("999999"))
 
 
+async def test_a_quiet_watch_still_delivers_later_changes(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    store, _, client = served
+    store.add_pod(pod("a", "uid-a"))
+    events = client.watch_pods(store.resource_version)  # nothing new yet
+    waiting = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0.5)
+    store.delete_pod("team", "a")
+    assert (await asyncio.wait_for(waiting, 5))[0] == "DELETED"
+    await events.aclose()
+
+
 async def test_requests_without_the_token_or_with_bad_bodies_get_a_status(
     served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
 ) -> None:

@@ -6,21 +6,15 @@ preloaded on the fake CUDA driver."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from gpuslice_cli.dev.driver import ClusterDriver, PodOutcome
 from gpuslice_cli.dev.stack import Stack
 from gpuslice_common.bus import Bus
-from gpuslice_common.config import CommonSettings
 from gpuslice_common.events import EventType
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import PlacementState
 from gpuslice_inventory.telemetry import TelemetryStore
-from tests.conftest import Native
 
 GIB = 1 << 30
 
@@ -49,26 +43,6 @@ def gpu_pod(
             ]
         },
     }
-
-
-@pytest.fixture
-async def up(
-    native: Native, tmp_path: Path
-) -> AsyncIterator[tuple[Stack, ClusterDriver, Bus, Ledger]]:
-    stack = Stack(tmp_path / "stack", heartbeat_s=1.0)
-    async with stack.running():
-        settings = CommonSettings(nats_url=stack.nats_url or "", subject_prefix=stack.prefix)
-        bus = await Bus.connect(settings, "e2e")
-        ledger = Ledger.from_url(stack.redis_url or "", stack.prefix)
-        driver = ClusterDriver(stack, bus)
-        try:
-            yield stack, driver, bus, ledger
-        finally:
-            await driver.close()
-            await ledger.close()
-            await bus.close()
-    assert stack.exit_codes
-    assert set(stack.exit_codes.values()) == {0}, stack.exit_codes
 
 
 def probe_lines(outcome: PodOutcome) -> list[str]:

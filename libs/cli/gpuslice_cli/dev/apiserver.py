@@ -37,6 +37,7 @@ from gpuslice_common.kube import (
     KubeError,
     LocalKubeApi,
     NotFound,
+    WatchEvent,
     WatchExpired,
 )
 from gpuslice_common.service import http_server
@@ -155,40 +156,56 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
         if not watch:
             items = await kube.list_all_pods()
             return JSONResponse(a_list("PodList", items, kube.resource_version))
-        events = kube.watch_pods(resourceVersion)
+        # The watch is read by a task of its own into a queue: waiting on the
+        # queue with a timeout never cancels (and so ends) the watch itself.
+        queue: asyncio.Queue[WatchEvent | WatchExpired] = asyncio.Queue()
+        pump = asyncio.create_task(_pump(kube.watch_pods(resourceVersion), queue))
         try:
-            first = await asyncio.wait_for(anext(events), 0.05)
-        except WatchExpired as exc:
-            return status(410, "Expired", str(exc))
+            first = await asyncio.wait_for(queue.get(), 0.05)
         except TimeoutError:
             first = None
+        if isinstance(first, WatchExpired):
+            pump.cancel()
+            return status(410, "Expired", str(first))
         return StreamingResponse(
-            _stream(events, first, timeoutSeconds), media_type="application/json"
+            _stream(queue, pump, first, timeoutSeconds), media_type="application/json"
         )
 
     return app
 
 
+async def _pump(
+    events: AsyncIterator[WatchEvent], queue: asyncio.Queue[WatchEvent | WatchExpired]
+) -> None:
+    try:
+        async for event in events:
+            queue.put_nowait(event)
+    except WatchExpired as exc:
+        queue.put_nowait(exc)
+
+
 async def _stream(
-    events: AsyncIterator[tuple[str, dict[str, Any]]],
-    first: tuple[str, dict[str, Any]] | None,
+    queue: asyncio.Queue[WatchEvent | WatchExpired],
+    pump: asyncio.Task[None],
+    first: WatchEvent | WatchExpired | None,
     seconds: int,
 ) -> AsyncIterator[bytes]:
     """A watch's lines until ``seconds`` pass (then the client watches again)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(1, seconds)
     try:
-        if first is not None:
+        if first is not None and not isinstance(first, WatchExpired):
             yield _line(first)
         while (left := deadline - loop.time()) > 0:
             try:
-                event = await asyncio.wait_for(anext(events), left)
+                event = await asyncio.wait_for(queue.get(), left)
             except TimeoutError:
+                return
+            if isinstance(event, WatchExpired):
                 return
             yield _line(event)
     finally:
-        with contextlib.suppress(Exception):
-            await events.aclose()  # type: ignore[attr-defined]
+        pump.cancel()
 
 
 def _line(event: tuple[str, dict[str, Any]]) -> bytes:

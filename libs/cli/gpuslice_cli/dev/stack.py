@@ -245,7 +245,10 @@ class Stack:
                 "GPUSLICE_HEARTBEAT_INTERVAL": heartbeat,
                 "GPUSLICE_SWEEP_INTERVAL": "1s",
                 "GPUSLICE_METRICS_INTERVAL": "1s",
-                "GPUSLICE_RECONCILE_INTERVAL": "30s",
+                # pods that end while the inventory is down are found by the
+                # next pass: keep it short here
+                "GPUSLICE_RECONCILE_INTERVAL": "5s",
+                "GPUSLICE_RECONCILE_GRACE": "2s",
             },
             f"{self.inventory_url}/readyz",
         )

@@ -1,0 +1,35 @@
+"""The local stack for the end-to-end tests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from gpuslice_cli.dev.driver import ClusterDriver
+from gpuslice_cli.dev.stack import Stack
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import CommonSettings
+from gpuslice_common.ledger import Ledger
+from tests.conftest import Native
+
+
+@pytest.fixture
+async def up(
+    native: Native, tmp_path: Path
+) -> AsyncIterator[tuple[Stack, ClusterDriver, Bus, Ledger]]:
+    stack = Stack(tmp_path / "stack", heartbeat_s=1.0)
+    async with stack.running():
+        settings = CommonSettings(nats_url=stack.nats_url or "", subject_prefix=stack.prefix)
+        bus = await Bus.connect(settings, "e2e")
+        ledger = Ledger.from_url(stack.redis_url or "", stack.prefix)
+        driver = ClusterDriver(stack, bus)
+        try:
+            yield stack, driver, bus, ledger
+        finally:
+            await driver.close()
+            await ledger.close()
+            await bus.close()
+    assert stack.exit_codes
+    assert set(stack.exit_codes.values()) == {0}, stack.exit_codes
