@@ -32,7 +32,9 @@ def survivors(workdir: Path) -> list[str]:
 
 
 def dev_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
+    env["PYTHONFAULTHANDLER"] = "1"
+    return env
 
 
 def test_the_demo_passes_and_leaves_nothing_running(native: Native, tmp_path: Path) -> None:
@@ -71,7 +73,12 @@ def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path)
             raise AssertionError(f"gpuslice dev up ended early (exit {proc.wait()})")
         assert len(survivors(workdir)) >= 6  # nats, redis, four services, two nodes
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
+        try:
+            rest, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER: every thread's stack
+            dump, _ = proc.communicate(timeout=30)
+            raise AssertionError(f"no exit 60 s after Ctrl-C:\n{dump[-8000:]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()

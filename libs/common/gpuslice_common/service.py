@@ -124,6 +124,15 @@ async def http_server(
                 await serving
 
 
+def check_cancelled() -> None:
+    """Raise CancelledError if the current task was cancelled and the cancellation
+    was swallowed on the way (the Redis client can do that mid-command), so a
+    loop that calls this after each pass still ends when asked."""
+    me = asyncio.current_task()
+    if me is not None and me.cancelling():
+        raise asyncio.CancelledError
+
+
 async def every(
     seconds: float,
     job: Callable[[], Awaitable[object]],
@@ -135,7 +144,6 @@ async def every(
     loop: an ``expected`` one (a server away) is a warning, any other is logged
     with its traceback. A cancellation that a library swallowed inside ``job``
     (the task stays "cancelling") still ends it."""
-    me = asyncio.current_task()
     log = logging.getLogger(__name__)
     while True:
         try:
@@ -144,6 +152,5 @@ async def every(
             log.warning("%s skipped: %s", what, exc)
         except Exception:
             log.exception("%s failed", what)
-        if me is not None and me.cancelling():
-            raise asyncio.CancelledError
+        check_cancelled()
         await asyncio.sleep(seconds)

@@ -20,6 +20,7 @@ import time
 from redis.exceptions import RedisError
 
 from gpuslice_common.ledger import RedisClient
+from gpuslice_common.service import check_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Lease:
         """Take or renew the lease every third of its TTL, until cancelled."""
         while True:
             await self.acquire()
+            check_cancelled()
             await asyncio.sleep(self.ttl_ms / 3000)
 
     async def release(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from gpuslice_common.kube import KubeApi, KubeError, WatchExpired
 from gpuslice_common.ledger import LedgerError
 from gpuslice_common.models import PodEnded
+from gpuslice_common.service import check_cancelled
 from gpuslice_inventory.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class PodWatcher:
                 if asyncio.get_running_loop().time() - started < RETRY_FIRST_S:
                     await asyncio.sleep(RETRY_FIRST_S)
                 delay = RETRY_FIRST_S
+                check_cancelled()
                 continue
             except WatchExpired:
                 log.info("pod watch: version %s is gone; watching from now", self.version)
@@ -115,6 +117,7 @@ class PodWatcher:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
             self.stats.restarts += 1
+            check_cancelled()
 
     async def watch_once(self) -> None:
         """One watch request, from :attr:`version`, until it ends or this

@@ -68,6 +68,7 @@ from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
 from gpuslice_common.ledger import RedisClient
+from gpuslice_common.service import check_cancelled
 from gpuslice_common.subjects import Subjects, node_from_token
 
 log = logging.getLogger(__name__)
@@ -347,6 +348,7 @@ class TelemetryStore:
             while True:
                 await asyncio.sleep(self.flush_interval)
                 await self._flush_logged()
+                check_cancelled()
         finally:
             await self._flush_logged()
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import typer
 import yaml
+from redis.exceptions import RedisError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -35,6 +36,7 @@ from gpuslice_common.events import CloudEvent
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
 from gpuslice_common.servers import ServerError
+from gpuslice_common.service import every
 
 QUOTA_NAMESPACE = "team-a"
 
@@ -176,11 +178,14 @@ async def _watch_events(bus: Bus, view: View) -> Any:
 
 
 async def _refresh(ledger: Ledger, prefix: str, view: View) -> None:
-    while True:
-        with contextlib.suppress(LedgerError):
-            nodes = await gather_status(ledger)
-            view.status = status_table(nodes, await gather_usage(ledger, prefix, nodes))
-        await asyncio.sleep(0.5)
+    """The status table, every half second (``every`` ends it even when the Redis
+    client swallows the cancellation, which it can do mid-command)."""
+
+    async def once() -> None:
+        nodes = await gather_status(ledger)
+        view.status = status_table(nodes, await gather_usage(ledger, prefix, nodes))
+
+    await every(0.5, once, "status refresh", expected=(LedgerError, RedisError))
 
 
 @contextlib.asynccontextmanager
