@@ -1,0 +1,130 @@
+"""The stack through faults: Redis killed and restarted, NATS restarted, and each
+service restarted (some killed) in turn, each fault between two waves of pods;
+every pod still runs, no card is ever over-committed, and everything is
+released at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from gpuslice_cli.dev.driver import ClusterDriver
+from gpuslice_cli.dev.stack import Stack
+from gpuslice_common.bus import Bus
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.models import PlacementState
+from tests.dev.test_stack import gpu_pod
+
+
+async def settled(stack: Stack, ledger: Ledger, timeout: float = 60) -> None:
+    """Every service ready and every node's cards registered and healthy."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    urls = [f"{u}/readyz" for u in (stack.webhook_url, stack.extender_url, stack.inventory_url)]
+    async with httpx.AsyncClient(timeout=2) as client:
+        while True:
+            ok = True
+            for url in urls:
+                with contextlib.suppress(httpx.HTTPError):
+                    ok &= (await client.get(url)).status_code == 200
+                    continue
+                ok = False
+            with contextlib.suppress(LedgerError):
+                for node in stack.nodes:
+                    cards = await ledger.node_gpus(node.name)
+                    ok &= len(cards) == node.gpus and all(c.device.healthy for c in cards)
+            if ok:
+                return
+            assert loop.time() < deadline, "the stack did not settle after the fault"
+            await asyncio.sleep(0.2)
+
+
+async def never_over_committed(stack: Stack, ledger: Ledger, stop: asyncio.Event) -> int:
+    """Watch the cards until ``stop``; the number of checks made."""
+    checks = 0
+    while not stop.is_set():
+        with contextlib.suppress(LedgerError):
+            for node in stack.nodes:
+                for card in await ledger.node_gpus(node.name):
+                    assert card.used.memory_mib <= card.capacity.memory_mib, card
+                    assert card.used.slots <= card.capacity.slots, card
+                    checks += 1
+        await asyncio.sleep(0.05)
+    return checks
+
+
+async def test_pods_run_through_restarts_of_every_part(
+    up: tuple[Stack, ClusterDriver, Bus, Ledger],
+) -> None:
+    stack, driver, _, ledger = up
+
+    async def restart_redis() -> None:
+        server = stack.server("redis")
+        server.kill()
+        server.start()
+
+    async def restart_nats() -> None:
+        server = stack.server("nats")
+        server.stop()
+        server.start()
+
+    def service(name: str, kill: bool = False) -> Callable[[], Awaitable[None]]:
+        return lambda: stack.restart(name, kill=kill)
+
+    faults: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+        ("redis killed", restart_redis),
+        ("nats restarted", restart_nats),
+        ("webhook restarted", service("webhook")),
+        ("scheduler killed", service("scheduler", kill=True)),
+        ("inventory killed", service("inventory", kill=True)),
+        ("device plugin of gpu-node-1 killed", service("gpu-node-1", kill=True)),
+        ("device plugin of gpu-node-2 restarted", service("gpu-node-2")),
+    ]
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(never_over_committed(stack, ledger, stop))
+    outcomes: list[Any] = []
+    try:
+        for i, (what, fault) in enumerate(faults):
+            await fault()
+            await settled(stack, ledger)
+            wave = [
+                gpu_pod(
+                    f"f{i}-{j}", ["probe", "init", "ctx", "alloc", "512m", "sleep", "200"], mem=6000
+                )
+                for j in range(3)
+            ]
+            done = await asyncio.gather(*(driver.run_pod(pod) for pod in wave))
+            for outcome in done:
+                assert outcome.phase == "Succeeded", (what, outcome)
+            outcomes += done
+    finally:
+        stop.set()
+        checks = await watcher
+    assert checks > 0
+    assert len(outcomes) == 3 * len(faults)
+
+    async def all_released() -> bool:
+        for node in stack.nodes:
+            for placement in await ledger.node_placements(node.name):
+                if placement.state is not PlacementState.RELEASED:
+                    return False
+        return True
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not await all_released():
+        held = [
+            (p.pod.name, p.state.value)
+            for node in stack.nodes
+            for p in await ledger.node_placements(node.name)
+            if p.state is not PlacementState.RELEASED
+        ]
+        assert loop.time() < deadline, f"placements still held after every pod ended: {held}"
+        await asyncio.sleep(0.2)
+    for node in stack.nodes:
+        for card in await ledger.node_gpus(node.name):
+            assert (card.used.memory_mib, card.used.slots) == (0, 0)
