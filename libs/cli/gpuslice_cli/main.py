@@ -11,7 +11,7 @@ from rich.console import Console
 
 import gpuslice_common
 from gpuslice_cli.audit import audit
-from gpuslice_cli.dev.up import up
+from gpuslice_cli.dev.up import driver, up
 from gpuslice_cli.simulate import sim
 from gpuslice_cli.smoke import run_scenario
 from gpuslice_cli.status import status
@@ -24,6 +24,7 @@ app = typer.Typer(help="GPU sharing for Kubernetes.", no_args_is_help=True, add_
 dev = typer.Typer(help="Run gpuslice on this machine, without a cluster.", no_args_is_help=True)
 app.add_typer(dev, name="dev")
 dev.command("up")(up)
+dev.command("driver")(driver)
 app.command("sim")(sim)
 app.command("status")(status)
 app.add_typer(audit, name="audit")

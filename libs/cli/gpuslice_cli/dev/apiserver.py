@@ -23,12 +23,12 @@ import asyncio
 import contextlib
 import json
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gpuslice_common.kube import (
@@ -43,6 +43,10 @@ from gpuslice_common.kube import (
 from gpuslice_common.service import http_server
 
 MERGE_PATCH = "application/merge-patch+json"
+
+
+class Unauthorized(Exception):
+    """A request without the kubeconfig's bearer token."""
 
 
 def status(code: int, reason: str, message: str) -> JSONResponse:
@@ -68,22 +72,31 @@ def a_list(kind: str, items: list[dict[str, Any]], version: str) -> dict[str, An
 
 
 def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
-    app = FastAPI(title="gpuslice dev API server", docs_url=None, redoc_url=None)
-
-    @app.middleware("http")
-    async def authenticate(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
+    async def authenticate(request: Request) -> None:
         if request.headers.get("authorization") != f"Bearer {token}":
-            return status(401, "Unauthorized", "Unauthorized: no or a wrong bearer token")
-        try:
-            return await call_next(request)
-        except Conflict as exc:
-            return status(409, "Conflict", str(exc))
-        except NotFound as exc:
-            return status(404, "NotFound", str(exc))
-        except KubeError as exc:
-            return status(422, "Invalid", str(exc))
+            raise Unauthorized
+
+    # A dependency and exception handlers, not an HTTP middleware: that one
+    # wraps streamed responses (watches) and logs their cancellation at shutdown.
+    app = FastAPI(
+        title="gpuslice dev API server",
+        docs_url=None,
+        redoc_url=None,
+        dependencies=[Depends(authenticate)],
+    )
+    answers: list[tuple[type[Exception], int, str]] = [
+        (Unauthorized, 401, "Unauthorized"),
+        (Conflict, 409, "Conflict"),
+        (NotFound, 404, "NotFound"),
+        (KubeError, 422, "Invalid"),
+    ]
+    for error, code, reason in answers:
+
+        def handler(_: Request, exc: Exception, code: int = code, reason: str = reason) -> Response:
+            message = str(exc) or "Unauthorized: no or a wrong bearer token"
+            return status(code, reason, message)
+
+        app.add_exception_handler(error, handler)
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
@@ -226,19 +239,23 @@ class DevApiServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def kubeconfig(self, path: Path) -> Path:
-        """Write a kubeconfig (JSON is YAML) that reaches this server; return its path."""
+    def kubeconfig(self, path: Path, server: str | None = None) -> Path:
+        """Write a kubeconfig (JSON is YAML) that reaches this server (at ``server``
+        when the services reach it by another name); return its path."""
         name = "gpuslice-dev"
         config = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": name, "cluster": {"server": self.url}}],
+            "clusters": [{"name": name, "cluster": {"server": server or self.url}}],
             "users": [{"name": name, "user": {"token": self.token}}],
             "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
             "current-context": name,
         }
-        path.write_text(json.dumps(config, indent=2))
-        path.chmod(0o600)
+        # written whole, then moved: a service never reads half a file
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(config, indent=2))
+        partial.chmod(0o644 if server else 0o600)
+        partial.replace(path)
         return path
 
     @contextlib.asynccontextmanager

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -37,13 +38,15 @@ import httpx
 from gpuslice_cli.dev.apiserver import DevApiServer
 from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
 from gpuslice_common.kube import LocalKubeApi
+from gpuslice_common.ledger import Ledger
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_deviceplugin.discovery import simulated_uuid
 
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[4]
-NATIVE_BUILD = ROOT / "native" / "build"
+# the interposer, the fake driver and NVML, the probe (the image sets the variable)
+NATIVE_BUILD = Path(os.environ.get("GPUSLICE_NATIVE_DIR") or ROOT / "native" / "build")
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 60.0
 
@@ -61,9 +64,12 @@ class NodeSpec:
     model: str = "NVIDIA A100-SXM4-80GB"
     memory_mib: int = 40960
     split_count: int = 4
+    known_uuids: tuple[str, ...] = ()  # as the node registered them, when learnt
 
     @property
     def uuids(self) -> tuple[str, ...]:
+        if self.known_uuids:
+            return self.known_uuids
         return tuple(simulated_uuid(self.name, i) for i in range(self.gpus))
 
 
@@ -71,6 +77,22 @@ DEFAULT_NODES = (
     NodeSpec("gpu-node-1", gpus=2, model="NVIDIA A100-SXM4-80GB", memory_mib=40960),
     NodeSpec("gpu-node-2", gpus=2, model="Tesla T4", memory_mib=15360),
 )
+
+
+@dataclass(frozen=True)
+class Attached:
+    """Services that run elsewhere (containers, compose.yaml): the stack then
+    serves only the API server and one kubelet per node, in directories the
+    device plugins share, and drives pods through the services' URLs."""
+
+    webhook_url: str
+    extender_url: str
+    inventory_url: str
+    kubelet_root: Path  # <kubelet_root>/<node>/kubelet.sock
+    kubeconfig: Path  # written for the services, naming api_advertise
+    api_advertise: str  # how the services reach the API server, e.g. http://driver:6443
+    api_host: str = "0.0.0.0"
+    api_port: int = 6443
 
 
 @dataclass
@@ -140,19 +162,26 @@ class Stack:
     ports: dict[str, int] = field(default_factory=dict)
     apiserver: DevApiServer | None = None
     exit_codes: dict[str, int | None] = field(default_factory=dict)  # at stop
+    attached: Attached | None = None
     _servers: list[NatsServer | RedisServer] = field(default_factory=list)
     _sockets: Path | None = None
 
     @property
     def webhook_url(self) -> str:
+        if self.attached is not None:
+            return self.attached.webhook_url
         return f"http://127.0.0.1:{self.ports['webhook']}"
 
     @property
     def extender_url(self) -> str:
+        if self.attached is not None:
+            return self.attached.extender_url
         return f"http://127.0.0.1:{self.ports['scheduler']}"
 
     @property
     def inventory_url(self) -> str:
+        if self.attached is not None:
+            return self.attached.inventory_url
         return f"http://127.0.0.1:{self.ports['inventory']}"
 
     def node(self, name: str) -> NodeSpec:
@@ -164,6 +193,10 @@ class Stack:
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Stack]:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.attached is not None:
+            async with self._attach():
+                yield self
+            return
         try:
             self._start_servers()
             self.apiserver = DevApiServer(self.kube)
@@ -178,6 +211,70 @@ class Stack:
             for server in reversed(self._servers):
                 server.stop()
             self._servers.clear()
+
+    @contextlib.asynccontextmanager
+    async def _attach(self) -> AsyncIterator[None]:
+        attached = self.attached
+        assert attached is not None
+        if self.nats_url is None or self.redis_url is None:
+            raise StackError("attached to running services, the stack needs NATS and Redis URLs")
+        self.apiserver = DevApiServer(self.kube, attached.api_host, attached.api_port)
+        async with self.apiserver.serving():
+            self.apiserver.kubeconfig(attached.kubeconfig, server=attached.api_advertise)
+            try:
+                for node in self.nodes:
+                    kubelet = DevKubelet(attached.kubelet_root / node.name)
+                    await kubelet.start()
+                    self.kubelets[node.name] = kubelet
+                await self._wait_ready(list(self.kubelets))
+                await self._learn_nodes()
+                await self._wait_services()
+                yield
+            finally:
+                for kubelet in self.kubelets.values():
+                    await kubelet.stop()
+
+    async def _wait_services(self) -> None:
+        """Attached: every service answers /readyz with 200."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        async with httpx.AsyncClient(timeout=2) as client:
+            for url in (self.webhook_url, self.extender_url, self.inventory_url):
+                while True:
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await client.get(f"{url}/readyz")).status_code == 200:
+                            break
+                    if time.monotonic() > deadline:
+                        raise StackError(f"{url} was not ready within {READY_TIMEOUT_S:.0f}s")
+                    await asyncio.sleep(0.2)
+
+    async def _learn_nodes(self) -> None:
+        """The nodes' GPUs as their agents registered them (attached, the stack
+        did not configure them): what the fake driver must show."""
+        ledger = Ledger.from_url(self.redis_url or "", self.prefix, retries=2)
+        try:
+            learnt = []
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            for node in self.nodes:
+                cards = await ledger.node_gpus(node.name)
+                while not cards:
+                    if time.monotonic() > deadline:
+                        raise StackError(f"{node.name} never registered its GPUs in the ledger")
+                    await asyncio.sleep(0.2)
+                    cards = await ledger.node_gpus(node.name)
+                cards.sort(key=lambda c: c.device.index)
+                first = cards[0].device
+                learnt.append(
+                    dataclasses.replace(
+                        node,
+                        gpus=len(cards),
+                        model=first.model,
+                        memory_mib=first.memory_mib,
+                        known_uuids=tuple(c.device.uuid for c in cards),
+                    )
+                )
+            self.nodes = tuple(learnt)
+        finally:
+            await ledger.close()
 
     def _start_servers(self) -> None:
         if self.nats_url is None:
@@ -286,27 +383,35 @@ class Stack:
             "GPUSLICE_COORDINATE_INTERVAL": "100ms",
         }
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self, nodes: list[str] | None = None) -> None:
+        """Every child ready (services: /readyz; nodes: registered with devices);
+        attached, the named nodes' plugins registered with their kubelets."""
         deadline = time.monotonic() + READY_TIMEOUT_S
+        waiting: list[tuple[str, Child | None]] = [(c.name, c) for c in self.children.values()]
+        waiting += [(node, None) for node in nodes or []]
         async with httpx.AsyncClient(timeout=2) as client:
-            for child in self.children.values():
+            for name, child in waiting:
                 while True:
                     self.check_alive()
-                    if child.ready_url:
+                    if child is not None and child.ready_url:
                         with contextlib.suppress(httpx.HTTPError):
                             if (await client.get(child.ready_url)).status_code == 200:
                                 break
                     else:
-                        kubelet = self.kubelets[child.name]
+                        kubelet = self.kubelets[name]
                         if kubelet.plugins:
                             plugin = kubelet.plugins[-1]
                             if plugin.devices:
-                                self.plugins[child.name] = plugin
+                                self.plugins[name] = plugin
                                 break
                     if time.monotonic() > deadline:
+                        where = (
+                            f"; its log ({child.log_path}) ends:\n{child.tail()}"
+                            if child is not None
+                            else ": no device plugin registered with its kubelet"
+                        )
                         raise StackError(
-                            f"{child.name} was not ready within {READY_TIMEOUT_S:.0f}s; "
-                            f"its log ({child.log_path}) ends:\n{child.tail()}"
+                            f"{name} was not ready within {READY_TIMEOUT_S:.0f}s{where}"
                         )
                     await asyncio.sleep(0.1)
 

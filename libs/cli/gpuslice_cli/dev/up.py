@@ -28,10 +28,10 @@ from rich.live import Live
 from rich.table import Table
 
 from gpuslice_cli.dev.driver import ClusterDriver, DriverError, PodOutcome
-from gpuslice_cli.dev.stack import DEFAULT_NODES, NodeSpec, Stack, StackError
+from gpuslice_cli.dev.stack import DEFAULT_NODES, Attached, NodeSpec, Stack, StackError
 from gpuslice_cli.status import gather_status, gather_usage, status_table
 from gpuslice_common.bus import Bus, BusError
-from gpuslice_common.config import CommonSettings
+from gpuslice_common.config import CommonSettings, ConfigError, load
 from gpuslice_common.events import CloudEvent
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
@@ -258,38 +258,27 @@ def load_pods(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return pods
 
 
-def up(
-    demo_: bool = typer.Option(False, "--demo", help="run the scripted scenario and exit"),
-    pods: list[Path] = typer.Argument(None, help="pod YAML files to run, in order"),
-    nodes: int = typer.Option(2, "--nodes", min=1, max=8, help="simulated GPU nodes"),
-    nats_url: str | None = typer.Option(None, help="use this NATS instead of starting one"),
-    redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
-    workdir: Path | None = typer.Option(None, help="logs and state (default: a new temp dir)"),
-    plain: bool = typer.Option(False, "--plain", help="no live display, only the summary"),
-) -> None:
-    """Run gpuslice on this machine: NATS, Redis, the four services, simulated nodes
-    and a cluster driver that admits, schedules, allocates and runs pods."""
-    console = Console()
-    specs = tuple(
-        DEFAULT_NODES[i] if i < len(DEFAULT_NODES) else NodeSpec(f"gpu-node-{i + 1}")
-        for i in range(nodes)
-    )
-    where = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-dev-"))
-    stack = Stack(where, specs, nats_url=nats_url, redis_url=redis_url)
-    console.print(f"gpuslice dev: logs under {where}")
-    work: Callable[[ClusterDriver, Ledger, View], Any] | None = None
+def _work(demo_: bool, pods: Sequence[Path] | None) -> Callable[..., Any] | None:
     if demo_:
-        work = demo
-    elif pods:
-        specs_to_run = load_pods(pods)
+        return demo
+    if not pods:
+        return None
+    specs_to_run = load_pods(pods)
 
-        async def run_files(driver: ClusterDriver, _: Ledger, view: View) -> None:
-            for spec in specs_to_run:
-                namespace = str((spec.get("metadata") or {}).get("namespace") or "default")
-                view.pods.append(await driver.run_pod(spec, namespace=namespace))
+    async def run_files(driver: ClusterDriver, _: Ledger, view: View) -> None:
+        for spec in specs_to_run:
+            namespace = str((spec.get("metadata") or {}).get("namespace") or "default")
+            view.pods.append(await driver.run_pod(spec, namespace=namespace))
 
-        work = run_files
+    return run_files
+
+
+def _run(stack: Stack, demo_: bool, pods: Sequence[Path] | None, plain: bool) -> None:
+    """Run the stack with its work and print the summary; exit as the outcome says."""
+    console = Console()
+    console.print(f"gpuslice dev: logs under {stack.workdir}")
     try:
+        work = _work(demo_, pods)
         view = asyncio.run(run_up(stack, work, console, live=not plain and console.is_terminal))
     except KeyboardInterrupt:
         console.print("stopped: every process of the stack has been shut down")
@@ -309,3 +298,76 @@ def up(
         console.print("[bold green]demo passed[/]")
     elif view.pods and any(p.phase not in ("Succeeded", "Denied") for p in view.pods):
         raise typer.Exit(1)
+
+
+DEMO_HELP = "run the scripted scenario and exit"
+PODS_HELP = "pod YAML files to run, in order"
+PLAIN_HELP = "no live display, only the summary"
+
+
+def up(
+    demo_: bool = typer.Option(False, "--demo", help=DEMO_HELP),
+    pods: list[Path] = typer.Argument(None, help=PODS_HELP),
+    nodes: int = typer.Option(2, "--nodes", min=1, max=8, help="simulated GPU nodes"),
+    nats_url: str | None = typer.Option(None, help="use this NATS instead of starting one"),
+    redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
+    workdir: Path | None = typer.Option(None, help="logs and state (default: a new temp dir)"),
+    plain: bool = typer.Option(False, "--plain", help=PLAIN_HELP),
+) -> None:
+    """Run gpuslice on this machine: NATS, Redis, the four services, simulated nodes
+    and a cluster driver that admits, schedules, allocates and runs pods."""
+    specs = tuple(
+        DEFAULT_NODES[i] if i < len(DEFAULT_NODES) else NodeSpec(f"gpu-node-{i + 1}")
+        for i in range(nodes)
+    )
+    where = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-dev-"))
+    _run(Stack(where, specs, nats_url=nats_url, redis_url=redis_url), demo_, pods, plain)
+
+
+def driver(
+    nodes: list[str] = typer.Option(..., "--node", help="a node whose device plugin runs"),
+    nats_url: str = typer.Option(..., help="the stack's NATS"),
+    redis_url: str = typer.Option(..., help="the stack's Redis"),
+    webhook_url: str = typer.Option(..., help="the webhook, e.g. http://webhook:8443"),
+    extender_url: str = typer.Option(..., help="the extender, e.g. http://scheduler:8888"),
+    inventory_url: str = typer.Option(..., help="the inventory, e.g. http://inventory:9090"),
+    kubelet_root: Path = typer.Option(..., help="<dir>/<node>/kubelet.sock, shared with the nodes"),
+    kubeconfig: Path = typer.Option(..., help="where to write the services' kubeconfig"),
+    api_advertise: str = typer.Option(..., help="how services reach the API server"),
+    api_port: int = typer.Option(6443, help="the API server's port"),
+    demo_: bool = typer.Option(False, "--demo", help=DEMO_HELP),
+    pods: list[Path] = typer.Argument(None, help=PODS_HELP),
+    workdir: Path | None = typer.Option(None, help="state (default: a new temp dir)"),
+    plain: bool = typer.Option(False, "--plain", help=PLAIN_HELP),
+) -> None:
+    """The cluster driver alone, for services that run elsewhere (compose.yaml): it
+    serves the API server and each node's kubelet and drives pods through them."""
+    attached = Attached(
+        webhook_url=webhook_url.rstrip("/"),
+        extender_url=extender_url.rstrip("/"),
+        inventory_url=inventory_url.rstrip("/"),
+        kubelet_root=kubelet_root,
+        kubeconfig=kubeconfig,
+        api_advertise=api_advertise,
+        api_port=api_port,
+    )
+    try:
+        settings = load(CommonSettings)
+    except ConfigError as exc:
+        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    if settings.subject_prefix != settings.ledger_prefix:
+        Console(stderr=True).print(
+            "[red]error:[/] GPUSLICE_SUBJECT_PREFIX and GPUSLICE_LEDGER_PREFIX must be alike"
+        )
+        raise typer.Exit(2)
+    where = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-driver-"))
+    stack = Stack(
+        where,
+        tuple(NodeSpec(name) for name in nodes),
+        nats_url=nats_url,
+        redis_url=redis_url,
+        prefix=settings.ledger_prefix,
+        attached=attached,
+    )
+    _run(stack, demo_, pods, plain)
