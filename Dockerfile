@@ -1,0 +1,32 @@
+# One image for every gpuslice service (python -m gpuslice_<service>) and the
+# gpuslice command. Built from the repository root: docker build -t gpuslice .
+
+# The interposer, and the fake CUDA driver, NVML and probe the local stack uses.
+FROM python:3.11-slim-bookworm AS native
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc make libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY native/ native/
+RUN make -C native all fakes build/probe
+
+# The Python package, as a wheel.
+FROM python:3.11-slim-bookworm AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY libs/ libs/
+COPY services/ services/
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM python:3.11-slim-bookworm
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    GPUSLICE_NATIVE_DIR=/opt/gpuslice
+COPY --from=wheel /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+# the device plugin installs libgpuslice.so from here into the node's host directory
+COPY --from=native /src/native/build/libgpuslice.so /src/native/build/probe /opt/gpuslice/
+COPY --from=native /src/native/build/fake/ /opt/gpuslice/fake/
+RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin gpuslice
+USER 10001
+CMD ["gpuslice", "--help"]
