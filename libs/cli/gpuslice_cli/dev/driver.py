@@ -35,8 +35,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import httpx
 
+from gpuslice_cli.dev.kubelet import Plugin
 from gpuslice_cli.dev.stack import NATIVE_BUILD, NodeSpec, Stack
 from gpuslice_common.bus import Bus
 from gpuslice_common.kube import PodNotFound
@@ -48,6 +50,10 @@ log = logging.getLogger(__name__)
 GPU_RESOURCE = "nvidia.com/gpu"
 PRELOAD = "/etc/ld.so.preload"
 CONTAINER_TIMEOUT_S = 120.0
+# how long a step is tried again while a component restarts
+RETRY_FOR_S = 60.0
+RETRY_FIRST_S = 0.2
+RETRY_MAX_S = 2.0
 FIELD_REFS = {
     "metadata.name": lambda pod: pod["metadata"]["name"],
     "metadata.namespace": lambda pod: pod["metadata"]["namespace"],
@@ -130,6 +136,10 @@ def _rewrite(value: str, mounts: Sequence[pb.Mount]) -> str:
     return value
 
 
+class Retry(Exception):
+    """A step that a real cluster would try again (a component restarting)."""
+
+
 # (the admitted pod, "", warnings) or (None, the refusal, ())
 Admission = tuple[dict[str, Any] | None, str, tuple[str, ...]]
 
@@ -145,6 +155,51 @@ class ClusterDriver:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+    async def _post(
+        self, url: str, body: Any, who: str, ok: tuple[int, ...] = (200,)
+    ) -> httpx.Response:
+        """POST, trying again while ``who`` cannot answer (restarting, its store
+        away), as the API server and kube-scheduler keep trying."""
+        delay, deadline = RETRY_FIRST_S, asyncio.get_running_loop().time() + RETRY_FOR_S
+        while True:
+            problem = ""
+            try:
+                reply = await self.http.post(url, json=body)
+                if reply.status_code in ok:
+                    return reply
+                problem = f"HTTP {reply.status_code}: {reply.text[:200]}"
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if asyncio.get_running_loop().time() > deadline:
+                raise DriverError(f"{who} did not answer at {url}: {problem}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+
+    async def _schedule_retrying(self, pod: dict[str, Any]) -> tuple[str, str]:
+        delay, deadline = RETRY_FIRST_S, asyncio.get_running_loop().time() + RETRY_FOR_S
+        while True:
+            try:
+                return await self.schedule(pod)
+            except Retry as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    return "", str(exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+
+    async def _allocate(self, node: str, count: int) -> tuple[Plugin, pb.ContainerAllocateResponse]:
+        """Allocate through the node's plugin as its kubelet holds it now; a
+        plugin that restarts re-registers, and the call is made again."""
+        delay, deadline = RETRY_FIRST_S, asyncio.get_running_loop().time() + RETRY_FOR_S
+        while True:
+            plugin = self.stack.plugin(node)
+            try:
+                return plugin, await plugin.admit_container(count)
+            except grpc.aio.AioRpcError as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise DriverError(f"Allocate on {node} failed: {exc.details()}") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
 
     # ------------------------------------------------------------ the API server's part
 
@@ -167,9 +222,7 @@ class ClusterDriver:
                 "dryRun": False,
             },
         }
-        reply = await self.http.post(f"{self.stack.webhook_url}/mutate", json=review)
-        if reply.status_code != 200:
-            raise DriverError(f"the webhook answered HTTP {reply.status_code}: {reply.text}")
+        reply = await self._post(f"{self.stack.webhook_url}/mutate", review, "the webhook")
         response = reply.json()["response"]
         if not response.get("allowed"):
             return None, str((response.get("status") or {}).get("message", "denied")), ()
@@ -190,10 +243,12 @@ class ClusterDriver:
             await self.stack.kube.bind_pod(meta["namespace"], meta["name"], meta["uid"], node)
             return node, ""
         url = self.stack.extender_url
-        filtered = await self.http.post(f"{url}/filter", json={"Pod": pod, "NodeNames": names})
+        filtered = await self._post(
+            f"{url}/filter", {"Pod": pod, "NodeNames": names}, "the extender"
+        )
         result = filtered.json()
         if result.get("Error"):
-            return "", f"filter: {result['Error']}"
+            raise Retry(f"filter: {result['Error']}")
         passed = result.get("NodeNames") or []
         if not passed:
             failed = {
@@ -202,9 +257,10 @@ class ClusterDriver:
             }
             why = "; ".join(f"{node}: {reason}" for node, reason in sorted(failed.items()))
             return "", f"0/{len(names)} nodes are available: {why}"
-        scored = await self.http.post(f"{url}/prioritize", json={"Pod": pod, "NodeNames": passed})
+        body = {"Pod": pod, "NodeNames": passed}
+        scored = await self._post(f"{url}/prioritize", body, "the extender", ok=(200, 400))
         if scored.status_code != 200:
-            return "", f"prioritize: {scored.text}"
+            raise Retry(f"prioritize: {scored.text}")
         scores = {entry["Host"]: entry["Score"] for entry in scored.json()}
         node = max(passed, key=lambda n: (scores.get(n, 0), -passed.index(n)))
         meta = pod["metadata"]
@@ -214,9 +270,12 @@ class ClusterDriver:
             "PodUID": meta["uid"],
             "Node": node,
         }
-        bound = (await self.http.post(f"{url}/bind", json=binding)).json()
+        bound = (await self._post(f"{url}/bind", binding, "the extender")).json()
         if bound.get("Error"):
-            return "", f"bind: {bound['Error']}"
+            held = await self.stack.kube.get_pod(meta["namespace"], meta["name"])
+            if held["spec"].get("nodeName") == node:  # bound before the error
+                return node, ""
+            raise Retry(f"bind: {bound['Error']}")
         return node, ""
 
     # ------------------------------------------------------------ kubelet's part
@@ -311,7 +370,7 @@ class ClusterDriver:
         admitted["status"] = {"phase": "Pending"}
         self.stack.kube.add_pod(admitted)
         try:
-            node, why = await self.schedule(admitted)
+            node, why = await self._schedule_retrying(admitted)
             if not node:
                 outcome.phase, outcome.reason = "Unschedulable", why
                 return outcome
@@ -326,22 +385,20 @@ class ClusterDriver:
             await self._delete(admitted)
 
     async def _run_on_node(self, pod: dict[str, Any], node: str, outcome: PodOutcome) -> None:
-        plugin = self.stack.plugin(node)
         spec = self.stack.node(node)
         containers = [("init", c) for c in pod["spec"].get("initContainers") or []]
         containers += [("app", c) for c in pod["spec"].get("containers") or []]
         envs: list[dict[str, str]] = []
-        held: list[str] = []
+        held: list[tuple[Plugin, str]] = []
         try:
             for _, container in containers:
                 run = ContainerRun(str(container.get("name")))
                 allocated = None
                 count = _gpus(container)
                 if count:
-                    before = set(plugin.allocated)
-                    allocated = await plugin.admit_container(count)
-                    run.devices = tuple(sorted(set(plugin.allocated) - before))
-                    held.extend(run.devices)
+                    plugin, allocated = await self._allocate(node, count)
+                    run.devices = plugin.last_allocated
+                    held.extend((plugin, device) for device in run.devices)
                     run.env = dict(allocated.envs)
                 envs.append(self.container_env(pod, container, spec, allocated))
                 outcome.containers.append(run)
@@ -368,7 +425,8 @@ class ClusterDriver:
                 outcome.reason = f"containers failed: {', '.join(failed)}"
             self.stack.kube.set_phase(meta["namespace"], meta["name"], outcome.phase)
         finally:
-            plugin.allocated.difference_update(held)
+            for plugin, device in held:
+                plugin.allocated.discard(device)
 
     async def _delete(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]

@@ -40,6 +40,7 @@ class Plugin:
         self.stream_error: grpc.aio.AioRpcError | None = None
         self.stream_ended = asyncio.Event()
         self.allocated: set[str] = set()
+        self.last_allocated: tuple[str, ...] = ()  # the replicas of the last Allocate
         self.watcher: asyncio.Task[None] | None = None
 
     async def watch(self) -> None:
@@ -91,6 +92,7 @@ class Plugin:
             pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
         )
         self.allocated.update(ids)
+        self.last_allocated = tuple(ids)
         return response.container_responses[0]
 
     async def close(self) -> None:
