@@ -87,3 +87,17 @@ def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path)
     assert "every process of the stack has been shut down" in rest
     assert "Traceback" not in rest
     assert survivors(workdir) == []
+
+
+def test_asking_for_a_real_gpu_where_there_is_none_is_one_clear_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [GPUSLICE, "dev", "up", "--gpu", "real", "--demo", "--plain", "--workdir", str(tmp_path)],
+        env=dev_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "no NVIDIA GPU here" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert survivors(tmp_path) == []

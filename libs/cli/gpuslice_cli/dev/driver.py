@@ -15,8 +15,9 @@ For each pod spec, :meth:`ClusterDriver.run_pod`:
    environment kubelet would give it: the container's own variables (downward
    API fields resolved), the Allocate response's, with every mount applied by
    path (a value under a mount's container path points at its host path), the
-   interposer preloaded as ``/etc/ld.so.preload`` names it, and, without a GPU,
-   the fake CUDA driver and NVML showing the node's simulated GPUs;
+   interposer preloaded as ``/etc/ld.so.preload`` names it, and, on a simulated
+   node, the fake CUDA driver and NVML showing its GPUs (a node on this
+   machine's real GPUs uses the real driver);
 6. when every container has ended, sets the phase (``Succeeded`` or ``Failed``),
    gives the replicas back to the kubelet, deletes the pod and says so on the bus
    (:class:`~gpuslice_common.models.PodEnded`).
@@ -147,10 +148,9 @@ Admission = tuple[dict[str, Any] | None, str, tuple[str, ...]]
 class ClusterDriver:
     """Drives pods through the stack; ``bus`` (optional) carries the pod-ended reports."""
 
-    def __init__(self, stack: Stack, bus: Bus | None = None, fake_gpu: bool = True) -> None:
+    def __init__(self, stack: Stack, bus: Bus | None = None) -> None:
         self.stack = stack
         self.bus = bus
-        self.fake_gpu = fake_gpu
         self.http = httpx.AsyncClient(timeout=15)
 
     async def close(self) -> None:
@@ -311,7 +311,7 @@ class ClusterDriver:
             with open(preload[0].host_path) as listed:
                 libraries = [_rewrite(line.strip(), mounts) for line in listed if line.strip()]
             env["LD_PRELOAD"] = ":".join(libraries)
-        if self.fake_gpu:
+        if not node.real:  # the fake driver and NVML, showing the node's GPUs
             uuids = ",".join(node.uuids)
             env.update(
                 {

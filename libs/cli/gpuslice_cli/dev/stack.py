@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pynvml  # type: ignore[import-untyped]
 
 from gpuslice_cli.dev.apiserver import DevApiServer
 from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
@@ -51,6 +52,19 @@ STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 60.0
 
 
+def nvidia_gpus() -> tuple[int, str]:
+    """How many NVIDIA GPUs this machine's NVML sees, and why none when 0."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return 0, f"NVML cannot start ({exc})"
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
+    return count, "" if count else "NVML sees no GPU"
+
+
 class StackError(Exception):
     """The stack could not start; the message says which part and why."""
 
@@ -65,6 +79,7 @@ class NodeSpec:
     memory_mib: int = 40960
     split_count: int = 4
     known_uuids: tuple[str, ...] = ()  # as the node registered them, when learnt
+    real: bool = False  # this machine's own GPUs (NVML), not simulated ones
 
     @property
     def uuids(self) -> tuple[str, ...]:
@@ -227,7 +242,7 @@ class Stack:
                     await kubelet.start()
                     self.kubelets[node.name] = kubelet
                 await self._wait_ready(list(self.kubelets))
-                await self._learn_nodes()
+                await self.learn_nodes()
                 await self._wait_services()
                 yield
             finally:
@@ -247,7 +262,7 @@ class Stack:
                         raise StackError(f"{url} was not ready within {READY_TIMEOUT_S:.0f}s")
                     await asyncio.sleep(0.2)
 
-    async def _learn_nodes(self) -> None:
+    async def learn_nodes(self) -> None:
         """The nodes' GPUs as their agents registered them (attached, the stack
         did not configure them): what the fake driver must show."""
         ledger = Ledger.from_url(self.redis_url or "", self.prefix, retries=2)
@@ -360,20 +375,25 @@ class Stack:
         for child in self.children.values():
             child.start()
         await self._wait_ready()
+        await self.learn_nodes()  # a node on real GPUs has what NVML found
 
     def _plugin_env(self, env: dict[str, str], node: NodeSpec, sockets: Path) -> dict[str, str]:
         home = self.workdir / node.name
         home.mkdir(parents=True, exist_ok=True)
         config = home / "node-config.json"
-        simulate = {"count": node.gpus, "model": node.model, "memoryMiB": node.memory_mib}
-        config.write_text(
-            json.dumps({"defaults": {"deviceSplitCount": node.split_count, "simulate": simulate}})
-        )
+        defaults: dict[str, object] = {"deviceSplitCount": node.split_count}
+        if not node.real:
+            defaults["simulate"] = {
+                "count": node.gpus,
+                "model": node.model,
+                "memoryMiB": node.memory_mib,
+            }
+        config.write_text(json.dumps({"defaults": defaults}))
         self.ports[node.name] = free_port()
         return {
             **env,
             "GPUSLICE_NODE_NAME": node.name,
-            "GPUSLICE_BACKEND": "simulated",
+            "GPUSLICE_BACKEND": "nvml" if node.real else "simulated",
             "GPUSLICE_NODE_CONFIG_FILE": str(config),
             "GPUSLICE_KUBELET_DIR": str(sockets / node.name),
             "GPUSLICE_HOST_DIR": str(home / "host"),

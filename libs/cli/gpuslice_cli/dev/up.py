@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import tempfile
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -28,7 +29,14 @@ from rich.live import Live
 from rich.table import Table
 
 from gpuslice_cli.dev.driver import ClusterDriver, DriverError, PodOutcome
-from gpuslice_cli.dev.stack import DEFAULT_NODES, Attached, NodeSpec, Stack, StackError
+from gpuslice_cli.dev.stack import (
+    DEFAULT_NODES,
+    Attached,
+    NodeSpec,
+    Stack,
+    StackError,
+    nvidia_gpus,
+)
 from gpuslice_cli.status import gather_status, gather_usage, status_table
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import CommonSettings, ConfigError, load
@@ -313,13 +321,29 @@ def up(
     redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
     workdir: Path | None = typer.Option(None, help="logs and state (default: a new temp dir)"),
     plain: bool = typer.Option(False, "--plain", help=PLAIN_HELP),
+    gpu: str = typer.Option(
+        "auto",
+        "--gpu",
+        help="auto: the first node uses this machine's NVIDIA GPUs when NVML sees any; "
+        "fake: every node is simulated; real: require a GPU",
+    ),
 ) -> None:
     """Run gpuslice on this machine: NATS, Redis, the four services, simulated nodes
     and a cluster driver that admits, schedules, allocates and runs pods."""
+    if gpu not in ("auto", "fake", "real"):
+        Console(stderr=True).print(f"[red]error:[/] --gpu is auto, fake or real, not {gpu!r}")
+        raise typer.Exit(2)
     specs = tuple(
         DEFAULT_NODES[i] if i < len(DEFAULT_NODES) else NodeSpec(f"gpu-node-{i + 1}")
         for i in range(nodes)
     )
+    if gpu != "fake":
+        count, why = nvidia_gpus()
+        if count:
+            specs = (dataclasses.replace(specs[0], real=True), *specs[1:])
+        elif gpu == "real":
+            Console(stderr=True).print(f"[red]error:[/] no NVIDIA GPU here: {why}")
+            raise typer.Exit(2)
     where = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-dev-"))
     _run(Stack(where, specs, nats_url=nats_url, redis_url=redis_url), demo_, pods, plain)
 
