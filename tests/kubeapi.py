@@ -14,17 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from gpuslice_cli.dev.apiserver import status_body
 
-def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure" if code >= 400 else "Success",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
+__all__ = ["FakeApiServer", "Recorded", "Stream", "fake_api_server", "status_body"]
 
 
 @dataclass

@@ -12,6 +12,7 @@ from gpuslice_cli.dev.stack import Stack
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import CommonSettings
 from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import PlacementState
 from tests.conftest import Native
 
 
@@ -33,3 +34,12 @@ async def up(
             await bus.close()
     assert stack.exit_codes
     assert set(stack.exit_codes.values()) == {0}, stack.exit_codes
+
+
+async def all_released(stack: Stack, ledger: Ledger) -> bool:
+    """No placement of any node still holds devices."""
+    for node in stack.nodes:
+        for placement in await ledger.node_placements(node.name):
+            if placement.state is not PlacementState.RELEASED:
+                return False
+    return True

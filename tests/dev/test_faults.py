@@ -18,6 +18,7 @@ from gpuslice_cli.dev.stack import Stack
 from gpuslice_common.bus import Bus
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
+from tests.dev.conftest import all_released
 from tests.dev.test_stack import gpu_pod
 
 
@@ -110,16 +111,9 @@ async def test_pods_run_through_restarts_of_every_part(
     assert checks > 0
     assert len(outcomes) == 3 * len(faults)
 
-    async def all_released() -> bool:
-        for node in stack.nodes:
-            for placement in await ledger.node_placements(node.name):
-                if placement.state is not PlacementState.RELEASED:
-                    return False
-        return True
-
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
-    while not await all_released():
+    while not await all_released(stack, ledger):
         held = [
             (p.pod.name, p.state.value)
             for node in stack.nodes

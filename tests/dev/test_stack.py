@@ -13,8 +13,8 @@ from gpuslice_cli.dev.stack import Stack
 from gpuslice_common.bus import Bus
 from gpuslice_common.events import EventType
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import PlacementState
 from gpuslice_inventory.telemetry import TelemetryStore
+from tests.dev.conftest import all_released
 
 GIB = 1 << 30
 
@@ -150,14 +150,7 @@ async def test_a_mixed_workload_end_to_end(
     assert any(_uid_of(e) == by_name["greedy"].uid for e in denied)
 
     # everything released at the end, nothing ever over-committed
-    async def all_released() -> bool:
-        for node in stack.nodes:
-            for placement in await ledger.node_placements(node.name):
-                if placement.state is not PlacementState.RELEASED:
-                    return False
-        return True
-
-    await _until(all_released, 20)
+    await _until(lambda: all_released(stack, ledger), 20)
     for node in stack.nodes:
         for card in await ledger.node_gpus(node.name):
             assert card.used.memory_mib == 0

@@ -133,6 +133,7 @@
 
 #include "gs_cuda.h"
 #include "fake_size.h"
+#include "fake_uuid.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -394,45 +395,10 @@ static uint64_t env_size(const char *name, uint64_t dflt) {
     return parse_size(getenv(name), NULL, &v) ? v : dflt;
 }
 
-static int hex_digit(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
-/* The `len` bytes at s as "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (hex in
- * either case) into out; false, out untouched, when malformed. */
-static bool parse_uuid(const char *s, size_t len, unsigned char out[16]) {
-    static const char shape[] = "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx";
-    unsigned char bytes[16] = {0};
-    if (len != sizeof shape - 1) return false;
-    unsigned n = 0; /* hex digits so far */
-    for (size_t i = 0; i < len; i++) {
-        if (shape[i] != 'x') {
-            if (s[i] != shape[i]) return false;
-            continue;
-        }
-        int v = hex_digit(s[i]);
-        if (v < 0) return false;
-        bytes[n / 2] = (unsigned char)(bytes[n / 2] | (n % 2 ? v : v << 4));
-        n++;
-    }
-    memcpy(out, bytes, sizeof bytes);
-    return true;
-}
-
-/* FAKECUDA_UUIDS: entry i (blanks around it ignored) replaces out[i] when it
- * parses; empty, malformed and missing entries leave out[i] alone. */
+/* FAKECUDA_UUIDS: entry i replaces out[i] when it parses (fake_uuid.h). */
 static void parse_uuids(const char *s, unsigned char out[FAKE_MAX_DEVICES][16]) {
-    for (int i = 0; s && *s && i < FAKE_MAX_DEVICES; i++) {
-        const char *comma = strchr(s, ',');
-        const char *end = comma ? comma : s + strlen(s);
-        while (s < end && (*s == ' ' || *s == '\t')) s++;
-        while (end > s && (end[-1] == ' ' || end[-1] == '\t')) end--;
-        parse_uuid(s, (size_t)(end - s), out[i]);
-        s = comma ? comma + 1 : NULL;
-    }
+    bool set[FAKE_MAX_DEVICES] = {false};
+    fake_uuid_list(s, FAKE_MAX_DEVICES, out, set);
 }
 
 /* ------------------------------------------------------------------ state */

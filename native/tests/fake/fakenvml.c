@@ -65,6 +65,7 @@
 
 #include "gs_cuda.h"
 #include "fake_size.h"
+#include "fake_uuid.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -204,46 +205,19 @@ static void parse_per_device(const char *s, int out[FAKE_MAX_DEVICES]) {
     }
 }
 
-static int hex_digit(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
-/* The `len` bytes at s, when they are "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
- * (hex in either case), into out with the hex lower-cased; false, out
- * untouched, when malformed. */
-static bool parse_uuid(const char *s, size_t len, char out[FAKE_UUID_LEN + 1]) {
-    static const char shape[] = "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx";
-    static const char hex[] = "0123456789abcdef";
-    char text[FAKE_UUID_LEN + 1];
-    if (len != sizeof shape - 1) return false;
-    for (size_t i = 0; i < len; i++) {
-        if (shape[i] != 'x') {
-            if (s[i] != shape[i]) return false;
-            text[i] = s[i];
-            continue;
-        }
-        int v = hex_digit(s[i]);
-        if (v < 0) return false;
-        text[i] = hex[v];
-    }
-    text[len] = '\0';
-    memcpy(out, text, sizeof text);
-    return true;
-}
-
-/* FAKENVML_UUIDS: entry i (blanks around it ignored) replaces out[i] when it
- * parses; empty, malformed and missing entries leave out[i] alone. */
+/* FAKENVML_UUIDS: entry i replaces out[i], hex lower-cased as NVML prints it,
+ * when it parses (fake_uuid.h); other entries leave out[i] alone. */
 static void parse_uuids(const char *s, char out[FAKE_MAX_DEVICES][FAKE_UUID_LEN + 1]) {
-    for (unsigned int i = 0; s && *s && i < FAKE_MAX_DEVICES; i++) {
-        const char *comma = strchr(s, ',');
-        const char *end = comma ? comma : s + strlen(s);
-        while (s < end && (*s == ' ' || *s == '\t')) s++;
-        while (end > s && (end[-1] == ' ' || end[-1] == '\t')) end--;
-        parse_uuid(s, (size_t)(end - s), out[i]);
-        s = comma ? comma + 1 : NULL;
+    unsigned char bytes[FAKE_MAX_DEVICES][16];
+    bool set[FAKE_MAX_DEVICES] = {false};
+    fake_uuid_list(s, FAKE_MAX_DEVICES, bytes, set);
+    for (unsigned int i = 0; i < FAKE_MAX_DEVICES; i++) {
+        if (!set[i]) continue;
+        const unsigned char *b = bytes[i];
+        snprintf(out[i], FAKE_UUID_LEN + 1,
+                 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+                 b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
+                 b[15]);
     }
 }
 

@@ -49,8 +49,9 @@ class Unauthorized(Exception):
     """A request without the kubeconfig's bearer token."""
 
 
-def status(code: int, reason: str, message: str) -> JSONResponse:
-    body = {
+def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
+    """A Kubernetes ``Status``, as the API server answers failures."""
+    return {
         "kind": "Status",
         "apiVersion": "v1",
         "metadata": {},
@@ -59,7 +60,10 @@ def status(code: int, reason: str, message: str) -> JSONResponse:
         "reason": reason,
         "code": code,
     }
-    return JSONResponse(body, status_code=code)
+
+
+def status(code: int, reason: str, message: str) -> JSONResponse:
+    return JSONResponse(status_body(code, reason, message), status_code=code)
 
 
 def a_list(kind: str, items: list[dict[str, Any]], version: str) -> dict[str, Any]:
