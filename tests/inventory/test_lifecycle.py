@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -155,6 +156,17 @@ async def test_pods_reported_ended_on_the_bus_are_released_once(
         await until(lambda: state.work.registrations == 1)
         for uid in ("a", "b"):
             await led.reserve(placement(uid, NODE, [[(0, 1000, 10)]]))
+        usage = {
+            "node": NODE,
+            "pod_uid": "a",
+            "container": "c0",
+            "pid": 1,
+            "time": "2026-11-21T10:00:00Z",
+            "devices": [{"uuid": "GPU-gpu-1-0", "used_bytes": 5, "limit_bytes": 9}],
+        }
+        assert state.telemetry.ingest(bus.subjects.telemetry(NODE, "a"), json.dumps(usage).encode())
+        await state.telemetry.flush()
+        assert len(await state.telemetry.container_usage(NODE)) == 1
         malformed_before = bus.stats.malformed
         await bus.nc.publish(bus.subjects.pod_ended, b'{"pod": {"uid": "a"}, "phase": "Gone"}')
         for _ in range(3):  # said three times, released once
@@ -167,6 +179,8 @@ async def test_pods_reported_ended_on_the_bus_are_released_once(
         await until(lambda: released_reason(led, "b"))
         assert await released_reason(led, "a") == "pod deleted"
         assert await released_reason(led, "b") == "pod succeeded"
+        # the released pod's usage is forgotten at once, not after the TTL
+        assert await state.telemetry.container_usage(NODE) == []
         await until(lambda: bus.stats.malformed == malformed_before + 1)
         await until(lambda: sum(e.type is EventType.ALLOC_RELEASED for e in events) == 2)
         await asyncio.sleep(0.2)

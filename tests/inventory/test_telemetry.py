@@ -538,3 +538,18 @@ async def test_samples_published_on_nats_reach_gpu_usage(
         await sub_conn.close()
         flusher.cancel()
         await asyncio.gather(flusher, return_exceptions=True)
+
+
+async def test_a_released_pod_is_forgotten_stored_and_waiting(
+    store: TelemetryStore, prefix: str
+) -> None:
+    assert store.ingest(subject(prefix), sample(container="a"))
+    assert store.ingest(subject(prefix, pod=POD2), sample(pod=POD2))
+    assert await store.flush() == 2
+    assert store.ingest(subject(prefix), sample(container="b"))  # waiting, not stored
+    assert await store.forget_pod(NODE, POD) == 1
+    assert store.pending == 0
+    await store.flush()
+    left = await store.container_usage(NODE)
+    assert [(u.pod_uid, u.container) for u in left] == [(POD2, "main")]
+    assert await store.forget_pod(NODE, POD) == 0

@@ -181,7 +181,13 @@ async def running(
         subjects=bus.subjects,
     )
     outbox = Outbox(settings, SOURCE, bus=bus)
-    upkeep = Upkeep(ledger, settings.heartbeat_interval, settings.reservation_ttl, outbox)
+    upkeep = Upkeep(
+        ledger,
+        settings.heartbeat_interval,
+        settings.reservation_ttl,
+        outbox,
+        on_release=lambda record: telemetry.forget_pod(record.node, record.pod.uid),
+    )
     lease = Lease(
         ledger.redis,
         f"{settings.ledger_prefix}:inventory:lease",

@@ -397,6 +397,17 @@ class TelemetryStore:
         fresh.sort(key=lambda u: (u.uuid, u.pod_uid, u.container))
         return fresh
 
+    async def forget_pod(self, node: str, pod_uid: str) -> int:
+        """Drop what a released pod's containers reported, stored or waiting, so
+        the GPUs it left stop showing its use; the entries deleted."""
+        for key in [k for k in self._pending if k[0] == node and k[1] == pod_uid]:
+            del self._pending[key]
+        usage = self.usage_key(node)
+        fields = [_text(f) async for f, _ in self.redis.hscan_iter(usage, match=f"*|{pod_uid}|*")]
+        if not fields:
+            return 0
+        return int(await self.redis.hdel(usage, *fields))
+
     async def gpu_usage(self, node: str, prune: bool = True) -> dict[str, GpuUsage]:
         """Per GPU UUID of the node, the sums over its containers' fresh entries."""
         sums: dict[str, tuple[int, float, int]] = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -46,7 +47,11 @@ class Upkeep:
         heartbeat_interval: timedelta,
         reservation_ttl: timedelta,
         outbox: Outbox | None = None,
+        on_release: Callable[[Placement], Awaitable[object]] | None = None,
     ) -> None:
+        """``on_release`` is told of every pod this replica released (the
+        telemetry store forgets the pod's usage)."""
+        self.on_release = on_release
         self.ledger = ledger
         self.silence = heartbeat_interval * MISSED_HEARTBEATS
         self.reservation_ttl = reservation_ttl
@@ -107,6 +112,11 @@ class Upkeep:
         record = released.placement
         self.stats.released[reason] += 1
         log.info("released pod %s on %s: %s", pod_uid, record.node, reason)
+        if self.on_release is not None:
+            try:
+                await self.on_release(record)
+            except Exception as exc:  # the release stands; the usage expires anyway
+                log.warning("after releasing pod %s: %s", pod_uid, exc)
         if self.outbox is not None:
             payload = AllocationEvent(
                 pod=record.pod,
