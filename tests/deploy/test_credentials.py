@@ -26,7 +26,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 from gpuslice_cli.status import gather_status, gather_usage
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import CommonSettings
-from gpuslice_common.events import AllocationEvent, EventType, make_event
+from gpuslice_common.events import AllocationEvent, EventType, PodDenied, make_event
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import PodRef
 from gpuslice_common.servers import NatsServer, free_port
@@ -201,6 +201,12 @@ async def test_each_nats_user_publishes_and_reads_only_its_subjects(
         await asyncio.sleep(0.3)
         assert sorted(got) == ["gpuslice.inventory.node-1", "gpuslice.telemetry.node-1.pod-1"]
         assert any("permissions violation" in e.lower() for e in errors), errors
+        # nor read anything: not the events, not other containers' telemetry
+        errors.clear()
+        await telemetry.subscribe(">", cb=keep)
+        await telemetry.flush()
+        await asyncio.sleep(0.3)
+        assert any("permissions violation" in e.lower() for e in errors), errors
     finally:
         for client in (inventory, telemetry, plugin):
             await client.close()
@@ -216,27 +222,46 @@ async def test_each_nats_user_publishes_and_reads_only_its_subjects(
         await writer.wait_closed()
 
 
-async def test_the_scheduler_keeps_the_audit_stream_and_the_auditor_reads_it(
+async def test_services_fill_the_audit_stream_and_the_auditor_reads_all_of_it(
     role_nats: NatsServer,
 ) -> None:
     def settings(role: str) -> CommonSettings:
         return CommonSettings(nats_url=role_nats.url, nats_user=role, nats_password=PASSWORDS[role])
 
+    inventory = await Bus.connect(settings("inventory"), "inventory")
     scheduler = await Bus.connect(settings("scheduler"), "scheduler")
+    webhook = await Bus.connect(settings("webhook"), "webhook")
     auditor = await Bus.connect(settings("auditor"), "auditor")
     try:
-        await scheduler.ensure_audit_stream(timedelta(days=1))
+        await inventory.ensure_audit_stream(timedelta(days=1))
+        # more than one flow-control window: the auditor must answer JetStream's
+        for i in range(20000):
+            await webhook.publish(
+                make_event(
+                    EventType.POD_DENIED,
+                    PodDenied(pod=PodRef(uid=f"d{i}"), reason="quota"),
+                    source="test",
+                )
+            )
+        await webhook.flush()
         event = make_event(
             EventType.ALLOC_RELEASED,
             AllocationEvent(pod=PodRef(uid="p1"), node="node-1", reason="done"),
             source="test",
         )
         await scheduler.publish_acked(event)
-        events = await auditor.read_audit()
-        assert [e.id for e in events] == [event.id]
+        stream = inventory.nc.jetstream()
+        for _ in range(100):  # JetStream stores what came without an ack a little later
+            info = await stream.stream_info(inventory.subjects.audit_stream)
+            if info.state.messages == 20001:
+                break
+            await asyncio.sleep(0.1)
+        events = await auditor.read_audit(timeout=15)
+        assert len(events) == 20001
+        assert event.id in {e.id for e in events}
     finally:
-        await auditor.close()
-        await scheduler.close()
+        for bus in (auditor, webhook, scheduler, inventory):
+            await bus.close()
 
 
 def test_every_secret_key_the_manifests_read_is_in_the_install_guide() -> None:
