@@ -6,6 +6,8 @@ preloaded on the fake CUDA driver."""
 from __future__ import annotations
 
 import asyncio
+import sys
+import uuid
 from typing import Any
 
 from gpuslice_cli.dev.driver import ClusterDriver, PodOutcome
@@ -169,3 +171,23 @@ async def _until(condition: Any, timeout: float) -> None:
     while not await condition():
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.2)
+
+
+async def test_a_container_ends_with_its_first_process_and_takes_the_rest_along(
+    up: tuple[Stack, ClusterDriver, Bus, Ledger],
+) -> None:
+    _, driver, _, _ = up
+    marker = f"gpuslice-orphan-{uuid.uuid4().hex[:8]}"
+    # a background process that would outlive the container and hold its output
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(60)' {marker}"
+    pod = gpu_pod("bg", ["sh", "-c", f"{sleeper} & echo started"], mem=1000)
+    started = asyncio.get_running_loop().time()
+    outcome = await driver.run_pod(pod)
+    assert asyncio.get_running_loop().time() - started < 20
+    assert outcome.phase == "Succeeded", outcome
+    assert "started" in outcome.containers[0].output
+    pgrep = await asyncio.create_subprocess_exec(
+        "pgrep", "-f", marker, stdout=asyncio.subprocess.PIPE
+    )
+    found, _ = await pgrep.communicate()
+    assert found.decode().strip() == ""

@@ -101,3 +101,48 @@ def test_asking_for_a_real_gpu_where_there_is_none_is_one_clear_line(tmp_path: P
     assert "no NVIDIA GPU here" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert survivors(tmp_path) == []
+
+
+def start_stack(workdir: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [GPUSLICE, "dev", "up", "--plain", "--gpu", "fake", "--workdir", str(workdir)],
+        env=dev_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "the stack is up" in line:
+            return proc
+    raise AssertionError(f"gpuslice dev up ended early (exit {proc.wait()})")
+
+
+def until_gone(workdir: Path, timeout: float = 20) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := survivors(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_sigterm_stops_the_stack_cleanly(native: Native, tmp_path: Path) -> None:
+    workdir = tmp_path / "dev"
+    proc = start_stack(workdir)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest
+    assert "Traceback" not in rest
+    assert until_gone(workdir) == []
+
+
+def test_a_killed_stack_leaves_no_orphans(native: Native, tmp_path: Path) -> None:
+    workdir = tmp_path / "dev"
+    proc = start_stack(workdir)
+    assert len(survivors(workdir)) >= 6
+    proc.kill()  # no chance to stop anything: the children go with it
+    proc.communicate(timeout=30)
+    assert until_gone(workdir) == []

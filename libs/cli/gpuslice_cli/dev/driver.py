@@ -31,8 +31,10 @@ import contextlib
 import json
 import logging
 import os
+import signal
+import tempfile
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +154,7 @@ class ClusterDriver:
         self.stack = stack
         self.bus = bus
         self.http = httpx.AsyncClient(timeout=15)
+        self._node_locks: dict[str, asyncio.Lock] = {}
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -198,6 +201,9 @@ class ClusterDriver:
             except grpc.aio.AioRpcError as exc:
                 if asyncio.get_running_loop().time() > deadline:
                     raise DriverError(f"Allocate on {node} failed: {exc.details()}") from None
+            except RuntimeError as exc:  # a plugin just registered lists no devices yet
+                if asyncio.get_running_loop().time() > deadline:
+                    raise DriverError(f"Allocate on {node} failed: {exc}") from None
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
 
@@ -240,7 +246,12 @@ class ClusterDriver:
         if pod["spec"].get("schedulerName", "default-scheduler") != "gpuslice-scheduler":
             node = names[0]
             meta = pod["metadata"]
-            await self.stack.kube.bind_pod(meta["namespace"], meta["name"], meta["uid"], node)
+            await self._node_locks.setdefault(node, asyncio.Lock()).acquire()
+            try:
+                await self.stack.kube.bind_pod(meta["namespace"], meta["name"], meta["uid"], node)
+            except BaseException:
+                self._node_locks[node].release()
+                raise
             return node, ""
         url = self.stack.extender_url
         filtered = await self._post(
@@ -270,12 +281,20 @@ class ClusterDriver:
             "PodUID": meta["uid"],
             "Node": node,
         }
-        bound = (await self._post(f"{url}/bind", binding, "the extender")).json()
-        if bound.get("Error"):
-            held = await self.stack.kube.get_pod(meta["namespace"], meta["name"])
-            if held["spec"].get("nodeName") == node:  # bound before the error
-                return node, ""
-            raise Retry(f"bind: {bound['Error']}")
+        # The node's device plugin answers Allocate with the pods bound to it in
+        # bind order: from this bind until the pod's Allocate calls are done,
+        # no other pod binds to the node (the lock is released in run_pod).
+        lock = self._node_locks.setdefault(node, asyncio.Lock())
+        await lock.acquire()
+        try:
+            bound = (await self._post(f"{url}/bind", binding, "the extender")).json()
+            if bound.get("Error"):
+                held = await self.stack.kube.get_pod(meta["namespace"], meta["name"])
+                if held["spec"].get("nodeName") != node:  # not bound before the error
+                    raise Retry(f"bind: {bound['Error']}")
+        except BaseException:
+            lock.release()
+            raise
         return node, ""
 
     # ------------------------------------------------------------ kubelet's part
@@ -332,24 +351,30 @@ class ClusterDriver:
         argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not argv:
             raise DriverError(f"container {run.name} has no command to run")
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), CONTAINER_TIMEOUT_S)
-        except (TimeoutError, asyncio.CancelledError):
-            proc.kill()
-            out, _ = await proc.communicate()
-            run.returncode = proc.returncode
-            run.output = out.decode(errors="replace")
-            raise
-        run.returncode = proc.returncode
-        run.output = out.decode(errors="replace")
+        # Output goes to a file, not a pipe: a background process of the
+        # container holding a pipe open would keep its end waiting.
+        with tempfile.TemporaryFile() as output:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                env=env,
+                stdout=output,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: the container's processes
+            )
+            note = ""
+            try:
+                await asyncio.wait_for(proc.wait(), CONTAINER_TIMEOUT_S)
+            except TimeoutError:
+                note = f"killed after {CONTAINER_TIMEOUT_S:.0f}s\n"
+            finally:
+                # the container ends with its first process: the rest of its group too
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+                run.returncode = proc.returncode
+                output.seek(0)
+                run.output = output.read().decode(errors="replace") + note
 
     # ------------------------------------------------------------ a whole pod
 
@@ -369,22 +394,34 @@ class ClusterDriver:
             return outcome
         admitted["status"] = {"phase": "Pending"}
         self.stack.kube.add_pod(admitted)
+        unlock: list[Callable[[], None]] = []
         try:
             node, why = await self._schedule_retrying(admitted)
             if not node:
                 outcome.phase, outcome.reason = "Unschedulable", why
                 return outcome
             outcome.node = node
+            unlock.append(self._node_locks[node].release)  # taken by schedule
             held = await self.stack.kube.get_pod(meta["namespace"], meta["name"])
             record = (held["metadata"].get("annotations") or {}).get(PLACEMENT_ANNOTATION)
             if record is not None:
                 outcome.placement = Placement.from_annotation(record)
-            await self._run_on_node(admitted, node, outcome)
+            await self._run_on_node(admitted, node, outcome, unlock)
             return outcome
         finally:
+            while unlock:  # when Allocate failed before it was released
+                unlock.pop()()
             await self._delete(admitted)
 
-    async def _run_on_node(self, pod: dict[str, Any], node: str, outcome: PodOutcome) -> None:
+    async def _run_on_node(
+        self,
+        pod: dict[str, Any],
+        node: str,
+        outcome: PodOutcome,
+        unlock: list[Callable[[], None]],
+    ) -> None:
+        """Allocate every container, let other pods bind to the node (``unlock``,
+        once), run the containers."""
         spec = self.stack.node(node)
         containers = [("init", c) for c in pod["spec"].get("initContainers") or []]
         containers += [("app", c) for c in pod["spec"].get("containers") or []]
@@ -402,6 +439,8 @@ class ClusterDriver:
                     run.env = dict(allocated.envs)
                 envs.append(self.container_env(pod, container, spec, allocated))
                 outcome.containers.append(run)
+            while unlock:
+                unlock.pop()()
             meta = pod["metadata"]
             self.stack.kube.set_phase(meta["namespace"], meta["name"], "Running")
             pairs = list(zip(containers, envs, outcome.containers, strict=True))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import signal
 import tempfile
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -218,6 +219,11 @@ async def run_up(
     live: bool,
 ) -> View:
     view = View()
+    main = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # Ctrl-C is asyncio.run's own
+        if main is not None:
+            loop.add_signal_handler(sig, main.cancel)
     async with session(stack) as (driver, ledger, bus):
         await _watch_events(bus, view)
         refresher = asyncio.create_task(_refresh(ledger, stack.prefix, view))
@@ -288,7 +294,7 @@ def _run(stack: Stack, demo_: bool, pods: Sequence[Path] | None, plain: bool) ->
     try:
         work = _work(demo_, pods)
         view = asyncio.run(run_up(stack, work, console, live=not plain and console.is_terminal))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         console.print("stopped: every process of the stack has been shut down")
         return
     except (StackError, DriverError, ServerError, BusError, LedgerError, OSError) as exc:
