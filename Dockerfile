@@ -2,7 +2,9 @@
 # gpuslice command. Built from the repository root: docker build -t gpuslice .
 
 # The interposer, and the fake CUDA driver, NVML and probe the local stack uses.
-FROM python:3.11-slim-bookworm AS native
+# Built against an older glibc (2.31): the interposer is preloaded into every
+# GPU container, whatever its base image, and must load there.
+FROM debian:bullseye-slim AS native
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc make libc6-dev \
     && rm -rf /var/lib/apt/lists/*

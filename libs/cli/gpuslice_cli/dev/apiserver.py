@@ -211,7 +211,10 @@ async def _stream(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(1, seconds)
     try:
-        if first is not None and not isinstance(first, WatchExpired):
+        if isinstance(first, WatchExpired):
+            yield _line(("ERROR", status_body(410, "Expired", str(first))))
+            return
+        if first is not None:
             yield _line(first)
         while (left := deadline - loop.time()) > 0:
             try:
@@ -219,6 +222,7 @@ async def _stream(
             except TimeoutError:
                 return
             if isinstance(event, WatchExpired):
+                yield _line(("ERROR", status_body(410, "Expired", str(event))))
                 return
             yield _line(event)
     finally:
@@ -233,11 +237,15 @@ def _line(event: tuple[str, dict[str, Any]]) -> bytes:
 class DevApiServer:
     """The API server over ``kube``, on a loopback port, for the block of a ``with``."""
 
-    def __init__(self, kube: LocalKubeApi, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, kube: LocalKubeApi, host: str = "127.0.0.1", port: int = 0, token: str = ""
+    ) -> None:
+        """Without ``token``, a fresh random one (a fixed one lets services that
+        outlive a restart of the driver keep the kubeconfig they read)."""
         self.kube = kube
         self.host = host
         self.port = port
-        self.token = secrets.token_urlsafe(24)
+        self.token = token or secrets.token_urlsafe(24)
 
     @property
     def url(self) -> str:
@@ -258,7 +266,7 @@ class DevApiServer:
         # written whole, then moved: a service never reads half a file
         partial = path.with_name(f".{path.name}.partial")
         partial.write_text(json.dumps(config, indent=2))
-        partial.chmod(0o644 if server else 0o600)
+        partial.chmod(0o600)
         partial.replace(path)
         return path
 

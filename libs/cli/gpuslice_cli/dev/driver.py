@@ -330,7 +330,10 @@ class ClusterDriver:
             with open(preload[0].host_path) as listed:
                 libraries = [_rewrite(line.strip(), mounts) for line in listed if line.strip()]
             env["LD_PRELOAD"] = ":".join(libraries)
-        if not node.real:  # the fake driver and NVML, showing the node's GPUs
+        if node.real:
+            # what the NVIDIA runtime would do: only the container's GPUs exist
+            env["CUDA_VISIBLE_DEVICES"] = env.get("NVIDIA_VISIBLE_DEVICES", "")
+        else:  # the fake driver and NVML, showing the node's GPUs
             uuids = ",".join(node.uuids)
             env.update(
                 {

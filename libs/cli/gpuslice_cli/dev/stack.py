@@ -109,6 +109,7 @@ class Attached:
     api_advertise: str  # how the services reach the API server, e.g. http://driver:6443
     api_host: str = "0.0.0.0"
     api_port: int = 6443
+    api_token: str = ""  # fixed bearer token; empty: a fresh one
 
 
 @dataclass
@@ -235,7 +236,9 @@ class Stack:
         assert attached is not None
         if self.nats_url is None or self.redis_url is None:
             raise StackError("attached to running services, the stack needs NATS and Redis URLs")
-        self.apiserver = DevApiServer(self.kube, attached.api_host, attached.api_port)
+        self.apiserver = DevApiServer(
+            self.kube, attached.api_host, attached.api_port, attached.api_token
+        )
         async with self.apiserver.serving():
             self.apiserver.kubeconfig(attached.kubeconfig, server=attached.api_advertise)
             try:

@@ -365,6 +365,9 @@ def driver(
     kubeconfig: Path = typer.Option(..., help="where to write the services' kubeconfig"),
     api_advertise: str = typer.Option(..., help="how services reach the API server"),
     api_port: int = typer.Option(6443, help="the API server's port"),
+    api_token: str = typer.Option(
+        "", envvar="GPUSLICE_DEV_API_TOKEN", help="a fixed bearer token (default: a fresh one)"
+    ),
     demo_: bool = typer.Option(False, "--demo", help=DEMO_HELP),
     pods: list[Path] = typer.Argument(None, help=PODS_HELP),
     workdir: Path | None = typer.Option(None, help="state (default: a new temp dir)"),
@@ -380,6 +383,7 @@ def driver(
         kubeconfig=kubeconfig,
         api_advertise=api_advertise,
         api_port=api_port,
+        api_token=api_token,
     )
     try:
         settings = load(CommonSettings)
