@@ -8,7 +8,6 @@ same port with the same data (for fault tests).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -100,18 +99,6 @@ class _Managed:
         self.cleanup()
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` for a child: SIGKILL it when the thread that started it
-    ends (on Linux: the process, when started from the main thread), so a
-    parent killed without a chance to stop its servers leaves no orphans."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class ServerProcess(_Managed):
     """Base: one server process with a fixed port and a working directory."""
 
@@ -143,7 +130,6 @@ class ServerProcess(_Managed):
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
             )
         _wait_for_port(self.port, self._proc, timeout, self.log_path)
 

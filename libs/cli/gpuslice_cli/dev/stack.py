@@ -12,8 +12,8 @@ Every service reaches the Kubernetes API through a kubeconfig naming the
 :class:`~gpuslice_cli.dev.apiserver.DevApiServer` this process serves, so each
 runs the code it runs on a cluster. Children are started in their own session
 (Ctrl-C reaches only this process) and stopped together with SIGTERM, then
-SIGKILL after a grace period. Each is also set to be killed if this process
-dies without stopping them (Linux's parent-death signal): no orphans.
+SIGKILL after a grace period, whenever this process stops (Ctrl-C, SIGTERM,
+SIGHUP). A SIGKILL of this process leaves them running.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from gpuslice_cli.dev.apiserver import DevApiServer
 from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.servers import NatsServer, RedisServer, die_with_parent, free_port
+from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_deviceplugin.discovery import simulated_uuid
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,6 @@ class Child:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
             )
 
     @property
