@@ -274,8 +274,13 @@ async def main(settings: InventorySettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    bus = await Bus.connect(settings, "inventory")
-    kube = kube_api(settings)
+    kube = kube_api(settings)  # missing credentials: before waiting for NATS
+    try:
+        bus = await Bus.connect(settings, "inventory")
+    except BaseException:
+        if kube is not None:
+            await kube.close()
+        raise
     try:
         await bus.ensure_audit_stream(settings.audit_max_age)
         async with running(settings, bus, kube=kube):
