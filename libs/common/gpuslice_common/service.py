@@ -133,6 +133,14 @@ def check_cancelled() -> None:
         raise asyncio.CancelledError
 
 
+def plain_http(app: Any, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
+    """uvicorn's settings for a service's plain-HTTP endpoints (probes, metrics,
+    the extender's verbs): no access log, no lifespan."""
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level.lower(), access_log=False, lifespan="off"
+    )
+
+
 async def every(
     seconds: float,
     job: Callable[[], Awaitable[object]],

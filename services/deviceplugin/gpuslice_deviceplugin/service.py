@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -25,7 +24,7 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
-from gpuslice_common.service import every, http_server
+from gpuslice_common.service import every, http_server, plain_http
 from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
@@ -211,13 +210,8 @@ async def running(
             ),
         ]
         if serve_http:
-            http_config = uvicorn.Config(
-                create_app(state),
-                host=settings.listen_host,
-                port=settings.metrics_port,
-                log_level=settings.log_level.lower(),
-                access_log=False,
-                lifespan="off",
+            http_config = plain_http(
+                create_app(state), settings.listen_host, settings.metrics_port, settings.log_level
             )
             # SIGTERM stops the agent as a whole, not uvicorn alone
             _, serving = await http.enter_async_context(

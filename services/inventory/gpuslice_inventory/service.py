@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import uvicorn
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from nats.aio.msg import Msg
@@ -30,7 +29,7 @@ from gpuslice_common.kube import KubeApi, KubernetesApi
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import NodeInventory, PodEnded
 from gpuslice_common.outbox import Outbox
-from gpuslice_common.service import every, http_server
+from gpuslice_common.service import every, http_server, plain_http
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.lifecycle import PodWatcher, WatchStats, release_ended
 from gpuslice_inventory.metrics import ClusterMetrics, WorkMetrics, WorkStats, registry_for
@@ -242,13 +241,11 @@ async def running(
     try:
         async with contextlib.AsyncExitStack() as stack:
             if serve_http:
-                config = uvicorn.Config(
+                config = plain_http(
                     create_app(state),
-                    host=settings.listen_host,
-                    port=settings.listen_port,
-                    log_level=settings.log_level.lower(),
-                    access_log=False,
-                    lifespan="off",
+                    settings.listen_host,
+                    settings.listen_port,
+                    settings.log_level,
                 )
                 await stack.enter_async_context(
                     http_server(config, "inventory-http", handle_signals=False)

@@ -9,13 +9,11 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 
-import uvicorn
-
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import SchedulerSettings
 from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_common.ledger import Ledger, LedgerError
-from gpuslice_common.service import http_server
+from gpuslice_common.service import http_server, plain_http
 from gpuslice_scheduler.app import create_app
 from gpuslice_scheduler.extender import SOURCE, Extender
 from gpuslice_scheduler.view import ClusterView
@@ -49,13 +47,8 @@ async def running(
         log.warning("ledger not reachable at start: %s", exc)
     gc.freeze()  # what exists now lives as long as the process: keep it out of collections
     syncing = asyncio.create_task(view.run(), name="ledger-sync")
-    config = uvicorn.Config(
-        create_app(extender),
-        host=settings.listen_host,
-        port=settings.listen_port,
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        lifespan="off",
+    config = plain_http(
+        create_app(extender), settings.listen_host, settings.listen_port, settings.log_level
     )
     try:
         async with http_server(config, "extender-http", handle_signals=handle_signals) as (

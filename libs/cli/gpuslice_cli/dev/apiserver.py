@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -40,7 +39,7 @@ from gpuslice_common.kube import (
     WatchEvent,
     WatchExpired,
 )
-from gpuslice_common.service import http_server
+from gpuslice_common.service import http_server, plain_http
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -272,14 +271,7 @@ class DevApiServer:
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[DevApiServer]:
-        config = uvicorn.Config(
-            create_app(self.kube, self.token),
-            host=self.host,
-            port=self.port,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-        )
+        config = plain_http(create_app(self.kube, self.token), self.host, self.port, "warning")
         async with http_server(config, "dev-apiserver", handle_signals=False) as (server, _):
             if not self.port:
                 self.port = server.servers[0].sockets[0].getsockname()[1]
