@@ -39,10 +39,15 @@ static void format_uuid(const CUuuid *uuid, char out[GS_UUID_LEN]) {
 static int record_of[GS_MAX_DEVICES] = {-1, -1, -1, -1, -1, -1, -1, -1,
                                          -1, -1, -1, -1, -1, -1, -1, -1};
 
+/* The container lists its devices by UUID (grant, or NVIDIA_VISIBLE_DEVICES):
+ * any other device, or one not named yet, is not the container's. */
+static bool listed_only(void) { return gs_cfg.granted || gs_cfg.visible_count > 0; }
+
 int gs_record_of(int ordinal) {
-    if (ordinal < 0 || ordinal >= GS_MAX_DEVICES) return -1;
+    if (ordinal < 0 || ordinal >= GS_MAX_DEVICES) return listed_only() ? GS_REC_DENIED : -1;
     int rec = __atomic_load_n(&record_of[ordinal], __ATOMIC_ACQUIRE);
-    return rec >= 0 ? rec : ordinal; /* not named yet: the ordinal */
+    if (rec != -1) return rec;
+    return listed_only() ? GS_REC_DENIED : ordinal; /* not named yet */
 }
 
 /* Places each device of this process in the region by UUID; needs an
@@ -60,7 +65,11 @@ void gs_name_devices(void) {
         int listed = -1;
         for (int v = 0; v < gs_cfg.visible_count; v++)
             if (!strcmp(gs_cfg.visible_uuid[v], text)) listed = v;
-        __atomic_store_n(&record_of[i], gs_region_place_uuid(text, listed, i), __ATOMIC_RELEASE);
+        int rec = listed < 0 && listed_only() ? GS_REC_DENIED : gs_region_place_uuid(text, listed, i);
+        if (rec == GS_REC_DENIED)
+            GS_LOG(GS_LOG_INFO, "CUDA device %d (%s) is not granted to this container: nothing may be "
+                   "allocated on it", i, text);
+        __atomic_store_n(&record_of[i], rec, __ATOMIC_RELEASE);
     }
 }
 
@@ -112,7 +121,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     uint64_t cost = primary_live[dev] ? 0 : gs_cfg.context_overhead;
     CUresult rc;
     int rec = gs_record_of(dev);
-    if (cost && !gs_reserve(rec, cost)) {
+    if (!gs_reserve(rec, cost)) /* refused on a device not granted, whatever the cost */ {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
         rc = GS_CALL(cuDevicePrimaryCtxRetain, (pctx, dev));
@@ -172,7 +181,7 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
         if (!gs_enter() || !pctx || dev < 0 || dev >= GS_MAX_DEVICES) return (call);          \
         uint64_t cost_ = gs_cfg.context_overhead;                                             \
         int rec_ = gs_record_of(dev);                                                         \
-        if (cost_ && !gs_reserve(rec_, cost_)) return CUDA_ERROR_OUT_OF_MEMORY;               \
+        if (!gs_reserve(rec_, cost_)) return CUDA_ERROR_OUT_OF_MEMORY;               \
         CUresult rc_ = (call);                                                                \
         if (rc_ != CUDA_SUCCESS) gs_unreserve(rec_, cost_);                                   \
         else gs_track_add(GS_K_CTX, (uint64_t)(uintptr_t)*pctx, rec_, cost_, *pctx);          \

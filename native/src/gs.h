@@ -19,18 +19,36 @@ static inline uint64_t gs_min_u64(uint64_t a, uint64_t b) { return a < b ? a : b
 /* ------------------------------------------------------------ settings (config.c) */
 enum gs_policy { GS_POLICY_DEFAULT = 0, GS_POLICY_FORCE = 1, GS_POLICY_DISABLE = 2 };
 
+/* Where the node agent mounts the container's grant and region (read-only
+ * directory, the region file bind-mounted read-write over it). */
+#define GS_GRANT_DIR "/run/gpuslice"
+#define GS_GRANT_FILE "grant"
+#define GS_REGION_FILE "region"
+/* mem_limit of a device without a memory limit (only without a grant). */
+#define GS_NO_LIMIT UINT64_MAX
+/* Record of a device this container was not granted: nothing may be allocated. */
+#define GS_REC_DENIED (-2)
+
 typedef struct {
-    bool disabled;                           /* CUDA_DISABLE_CONTROL */
+    bool disabled;                           /* CUDA_DISABLE_CONTROL, where allowed */
+    /* Settings that bound the container could not be read or verified: every
+     * allocation and context is refused (fail_reason says why, logged once). */
+    bool fail_closed;
+    char fail_reason[384];
+    /* Limits come from the node agent's grant file, not the environment. */
+    bool granted;
+    int grant_dir_fd;                        /* the grant's directory (O_PATH), -1 without */
     int log_level;                           /* LIBCUDA_LOG_LEVEL, 0..4 */
-    uint64_t mem_limit[GS_MAX_DEVICES];      /* bytes, 0 = none */
+    uint64_t mem_limit[GS_MAX_DEVICES];      /* bytes; GS_NO_LIMIT = none */
     uint32_t sm_limit[GS_MAX_DEVICES];       /* percent, 0 = none */
     enum gs_policy policy;                   /* GPU_CORE_UTILIZATION_POLICY */
     uint32_t priority;                       /* CUDA_TASK_PRIORITY */
     bool oom_killer;                         /* ACTIVE_OOM_KILLER */
     uint64_t context_overhead;               /* GPUSLICE_CONTEXT_OVERHEAD bytes per context */
     char region_path[512];                   /* CUDA_DEVICE_MEMORY_SHARED_CACHE ("" = private) */
-    /* NVIDIA_VISIBLE_DEVICES when it lists UUIDs: the container's devices in the
-     * order its limits (CUDA_DEVICE_MEMORY_LIMIT_<i>) and the region use */
+    /* The container's devices by UUID, in the order of its limits and region
+     * records: the grant's, or NVIDIA_VISIBLE_DEVICES when it lists UUIDs. A
+     * device with another UUID is GS_REC_DENIED. */
     char visible_uuid[GS_MAX_DEVICES][GS_UUID_LEN];
     int visible_count;
     char libcuda_path[512];                  /* GPUSLICE_LIBCUDA ("" = libcuda.so.1) */
@@ -39,18 +57,21 @@ typedef struct {
     char nats_url[512];                      /* GPUSLICE_NATS_URL ("" = telemetry off) */
     char nats_user[128], nats_pass[256], nats_token[256];
     char subject_prefix[64];                 /* GPUSLICE_SUBJECT_PREFIX (gpuslice) */
-    char node[254];                          /* GPUSLICE_NODE_NAME */
-    char pod_uid[129];                       /* GPUSLICE_POD_UID */
-    char container[254];                     /* GPUSLICE_CONTAINER_NAME */
+    char node[254];                          /* the grant's node, else GPUSLICE_NODE_NAME */
+    char pod_uid[129];                       /* the grant's pod, else GPUSLICE_POD_UID */
+    char container[254];                     /* the grant's container, else GPUSLICE_CONTAINER_NAME */
     uint64_t telemetry_interval_ns;          /* GPUSLICE_TELEMETRY_INTERVAL (1s) */
     uint32_t telemetry_ring;                 /* GPUSLICE_TELEMETRY_RING samples (64) */
 } gs_config_t;
 
 extern gs_config_t gs_cfg;
 
-/* Reads the environment once; every problem is logged with the variable's name.
- * Returns false when a value is malformed (the offending setting is ignored). */
-bool gs_config_load(void);
+/* Reads the grant, else the environment, once. Anything that bounds the
+ * container and cannot be read or parsed sets fail_closed (logged with the
+ * value's name); a bad telemetry or logging setting is logged and defaulted. */
+void gs_config_load(void);
+/* Marks the process fail-closed with a reason (logged once, at ERROR). */
+void gs_fail_closed(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* ------------------------------------------------------------ logging (log.c) */
 enum { GS_LOG_ERROR = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3, GS_LOG_TRACE = 4 };
@@ -73,6 +94,14 @@ bool gs_appendf(char *buf, size_t cap, size_t *pos, const char *fmt, ...)
 /* `s` as the body of a JSON string (no quotes). Control characters become \u00XX and
  * bytes that are not valid UTF-8 become U+FFFD, so the result is always valid JSON. */
 bool gs_json_escape(char *buf, size_t cap, size_t *pos, const char *s);
+
+/* ------------------------------------------------------------ files (files.c) */
+#include <sys/types.h>
+/* An absolute directory, every component opened without following a link:
+ * an O_PATH descriptor, or -1 with errno (ELOOP/ENOTDIR for a link on the way). */
+int gs_open_dir_nofollow(const char *path);
+/* open(2) of an absolute path with no symlink followed anywhere on it. */
+int gs_open_nofollow(const char *path, int flags, mode_t mode);
 
 /* ------------------------------------------------------------ loader (loader.c) */
 typedef struct {
@@ -101,12 +130,14 @@ static inline void gs_init(void) {
 void gs_attach(void);
 extern atomic_int gs_attached;
 void gs_name_devices(void);
-/* True when the hook should account: settings loaded, control on, region joined. */
+/* True when the hook should account: settings loaded and control on. The process
+ * has joined its region then, or could not and is fail-closed (every reservation
+ * refused): control, once on, never lapses into passing calls through. */
 static inline bool gs_enter(void) {
     gs_init();
     if (GS_UNLIKELY(gs_cfg.disabled)) return false;
     if (GS_UNLIKELY(!atomic_load_explicit(&gs_attached, memory_order_acquire))) gs_attach();
-    return atomic_load_explicit(&gs_attached, memory_order_acquire) == 1;
+    return true;
 }
 /* Real NVML pointers are resolved on the first NVML hook. */
 void gs_nvml_init(void);
@@ -143,8 +174,7 @@ int gs_region_place_uuid(const char *uuid, int preferred, int ordinal);
 void gs_region_after_fork(void);
 
 /* ------------------------------------------------------------ allocations (track.c) */
-/* GS_K_MAP: a VMM mapping, address -> handle (kept in `bytes`, device -1). */
-enum gs_kind { GS_K_MEM = 1, GS_K_ARRAY, GS_K_MIPMAP, GS_K_VMM, GS_K_CTX, GS_K_MAP };
+enum gs_kind { GS_K_MEM = 1, GS_K_ARRAY, GS_K_MIPMAP, GS_K_VMM, GS_K_CTX };
 /* GS_K_MEM covers every pointer allocation (plain, pitch, managed, stream-ordered):
  * cuMemFree may free any of them. `ctx` is the context the memory dies with. */
 void gs_track_add(enum gs_kind kind, uint64_t key, int dev, uint64_t bytes, CUcontext ctx);
@@ -155,6 +185,11 @@ bool gs_track_take(enum gs_kind kind, uint64_t key, int *dev, uint64_t *bytes);
  * entry removed) when the memory is now gone. */
 enum gs_vmm_op { GS_VMM_MAP, GS_VMM_UNMAP, GS_VMM_RELEASE };
 bool gs_track_vmm(uint64_t handle, enum gs_vmm_op op, int *dev, uint64_t *bytes);
+/* VMM mappings of this process, by address range: cuMemUnmap may cover several. */
+void gs_map_add(uint64_t ptr, uint64_t size, uint64_t handle);
+/* Removes every mapping that starts inside [ptr, ptr + size) and calls
+ * `gone(handle)` for each, outside any lock of the table. */
+void gs_map_remove_range(uint64_t ptr, uint64_t size, void (*gone)(uint64_t handle));
 /* Forgets every entry of a destroyed context (its memory went with it) and gives the
  * bytes back; returns the bytes released. */
 uint64_t gs_track_drop_ctx(CUcontext ctx);

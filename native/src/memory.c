@@ -44,14 +44,14 @@ static CUresult released(CUresult rc, enum gs_kind kind, uint64_t key) {
 /* ------------------------------------------------------------ linear memory */
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     int dev;
-    if (!gs_enter() || !dptr || bytesize == 0 || (dev = gs_current_device()) < 0)
+    if (!gs_enter() || !dptr || bytesize == 0 || (dev = gs_current_device()) == -1)
         return GS_CALL(cuMemAlloc_v2, (dptr, bytesize));
     GS_ALLOCATE(GS_K_MEM, dev, bytesize, GS_CALL(cuMemAlloc_v2, (dptr, bytesize)), *dptr);
 }
 
 CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
     int dev;
-    if (!gs_enter() || !dptr || bytesize == 0 || (dev = gs_current_device()) < 0)
+    if (!gs_enter() || !dptr || bytesize == 0 || (dev = gs_current_device()) == -1)
         return GS_CALL(cuMemAllocManaged, (dptr, bytesize, flags));
     GS_ALLOCATE(GS_K_MEM, dev, bytesize, GS_CALL(cuMemAllocManaged, (dptr, bytesize, flags)), *dptr);
 }
@@ -62,7 +62,7 @@ CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInByt
                             unsigned int ElementSizeBytes) {
     int dev;
     if (!gs_enter() || !dptr || !pPitch || WidthInBytes == 0 || Height == 0 ||
-        (dev = gs_current_device()) < 0)
+        (dev = gs_current_device()) == -1)
         return GS_CALL(cuMemAllocPitch_v2, (dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
     uint64_t guess = ((WidthInBytes + 511) / 512) * 512 * (uint64_t)Height;
     if (!gs_reserve(dev, guess)) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -117,7 +117,7 @@ static uint64_t mipmap_bytes(const CUDA_ARRAY3D_DESCRIPTOR *a, unsigned levels) 
 
 CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *a) {
     int dev;
-    if (!gs_enter() || !pHandle || !a || (dev = gs_current_device()) < 0)
+    if (!gs_enter() || !pHandle || !a || (dev = gs_current_device()) == -1)
         return GS_CALL(cuArrayCreate_v2, (pHandle, a));
     uint64_t bytes = array_bytes(a->Width, a->Height, 1, a->Format, a->NumChannels);
     GS_ALLOCATE(GS_K_ARRAY, dev, bytes, GS_CALL(cuArrayCreate_v2, (pHandle, a)), (uintptr_t)*pHandle);
@@ -125,7 +125,7 @@ CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *a) {
 
 CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *a) {
     int dev;
-    if (!gs_enter() || !pHandle || !a || (dev = gs_current_device()) < 0)
+    if (!gs_enter() || !pHandle || !a || (dev = gs_current_device()) == -1)
         return GS_CALL(cuArray3DCreate_v2, (pHandle, a));
     uint64_t bytes = array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels);
     GS_ALLOCATE(GS_K_ARRAY, dev, bytes, GS_CALL(cuArray3DCreate_v2, (pHandle, a)),
@@ -140,7 +140,7 @@ CUresult cuArrayDestroy(CUarray hArray) {
 CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *a,
                                 unsigned int numMipmapLevels) {
     int dev;
-    if (!gs_enter() || !pHandle || !a || (dev = gs_current_device()) < 0)
+    if (!gs_enter() || !pHandle || !a || (dev = gs_current_device()) == -1)
         return GS_CALL(cuMipmappedArrayCreate, (pHandle, a, numMipmapLevels));
     GS_ALLOCATE(GS_K_MIPMAP, dev, mipmap_bytes(a, numMipmapLevels),
                 GS_CALL(cuMipmappedArrayCreate, (pHandle, a, numMipmapLevels)), (uintptr_t)*pHandle);
@@ -179,17 +179,18 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
                   unsigned long long flags) {
     if (!gs_enter()) return GS_CALL(cuMemMap, (ptr, size, offset, handle, flags));
     CUresult rc = GS_CALL(cuMemMap, (ptr, size, offset, handle, flags));
-    if (rc == CUDA_SUCCESS) gs_track_add(GS_K_MAP, ptr, -1, handle, NULL);
+    if (rc == CUDA_SUCCESS) gs_map_add(ptr, size, handle);
     return vmm_step(rc, handle, GS_VMM_MAP);
 }
 
+static void unmapped(uint64_t handle) { vmm_step(CUDA_SUCCESS, handle, GS_VMM_UNMAP); }
+
+/* One unmap may cover several mappings placed side by side: each one it covers
+ * is gone. */
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     if (!gs_enter()) return GS_CALL(cuMemUnmap, (ptr, size));
     CUresult rc = GS_CALL(cuMemUnmap, (ptr, size));
-    int unused;
-    uint64_t handle;
-    if (rc == CUDA_SUCCESS && gs_track_take(GS_K_MAP, ptr, &unused, &handle))
-        vmm_step(rc, handle, GS_VMM_UNMAP);
+    if (rc == CUDA_SUCCESS) gs_map_remove_range(ptr, size, unmapped);
     return rc;
 }
 
@@ -200,7 +201,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 #define GS_ASYNC_ALLOC(fn, args)                                                              \
     do {                                                                                      \
         int dev_;                                                                             \
-        if (!gs_enter() || !dptr || bytesize == 0 || (dev_ = gs_current_device()) < 0)        \
+        if (!gs_enter() || !dptr || bytesize == 0 || (dev_ = gs_current_device()) == -1)        \
             return GS_CALL(fn, args);                                                         \
         GS_ALLOCATE(GS_K_MEM, dev_, bytesize, GS_CALL(fn, args), *dptr);                      \
     } while (0)
@@ -237,10 +238,10 @@ CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
 CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
     CUresult rc = GS_CALL(cuMemGetInfo_v2, (free, total));
     int dev;
-    if (rc != CUDA_SUCCESS || !gs_enter() || !free || !total || (dev = gs_current_device()) < 0)
+    if (rc != CUDA_SUCCESS || !gs_enter() || !free || !total || (dev = gs_current_device()) == -1)
         return rc;
     uint64_t limit = gs_limit(dev);
-    if (!limit) return rc;
+    if (limit == GS_NO_LIMIT) return rc;
     gs_reclaim_maybe();
     uint64_t used = gs_used(dev);
     uint64_t left = used < limit ? limit - used : 0;
@@ -253,7 +254,7 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     CUresult rc = GS_CALL(cuDeviceTotalMem_v2, (bytes, dev));
     if (rc != CUDA_SUCCESS || !bytes || dev < 0 || dev >= GS_MAX_DEVICES) return rc;
     gs_init();
-    uint64_t limit = gs_cfg.disabled ? 0 : gs_limit(gs_record_of(dev));
-    if (limit && limit < *bytes) *bytes = (size_t)limit;
+    uint64_t limit = gs_cfg.disabled ? GS_NO_LIMIT : gs_limit(gs_record_of(dev));
+    if (limit != GS_NO_LIMIT && limit < *bytes) *bytes = (size_t)limit;
     return rc;
 }

@@ -26,10 +26,12 @@ static bool container_view(nvmlDevice_t device, unsigned long long *total, unsig
     gs_init();
     if (gs_cfg.disabled || !gs_region_map()) return false;
     int d = region_device(device);
-    uint64_t limit = d >= 0 ? gs_limit(d) : 0;
-    if (!limit || limit > *total) return false;
+    /* a device outside the container's list is not the container's: nothing of it */
+    bool listed_only = gs_cfg.granted || gs_cfg.visible_count > 0;
+    uint64_t limit = d >= 0 ? gs_limit(d) : listed_only ? 0 : GS_NO_LIMIT;
+    if (limit == GS_NO_LIMIT || limit > *total) return false;
     gs_reclaim_maybe();
-    uint64_t u = gs_used(d);
+    uint64_t u = d >= 0 ? gs_used(d) : 0;
     *total = limit;
     *used = u < limit ? u : limit;
     *free = limit - *used;

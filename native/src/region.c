@@ -95,33 +95,46 @@ static void unlock_region(bool held) {
 }
 
 /* ------------------------------------------------------------ liveness */
-/* Field 22 of /proc/<pid>/stat: start time in clock ticks after boot; 0 if unknown. */
-static uint64_t start_time_of(int pid) {
+/* From /proc/<pid>/stat: the state (field 3) and the start time in clock ticks
+ * after boot (field 22). False when the process is not there to read. */
+static bool proc_stat(int pid, char *state, uint64_t *start_time) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
+    if (fd < 0) return false;
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
-    if (n <= 0) return 0;
+    if (n <= 0) return false;
     buf[n] = 0;
     char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
-    if (!p) return 0;
+    if (!p || p[1] != ' ' || !p[2]) return false;
+    *state = p[2];
     int field = 2;
     for (; *p && field < 22; p++)
         if (*p == ' ') field++;
     unsigned long long t = 0;
-    if (sscanf(p, "%llu", &t) != 1) return 0;
-    return t;
+    *start_time = sscanf(p, "%llu", &t) == 1 ? t : 0;
+    return true;
 }
 
+static uint64_t start_time_of(int pid) {
+    char state;
+    uint64_t t = 0;
+    return proc_stat(pid, &state, &t) ? t : 0;
+}
+
+/* A zombie (killed, not yet reaped) holds no GPU memory: the driver let go of
+ * it when the process exited. So is a process whose PID now names another. */
 static bool alive(int pid, uint64_t start_time) {
     if (pid <= 0) return false;
-    if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-    if (start_time) {
-        uint64_t now = start_time_of(pid);
-        if (now && now != start_time) return false; /* the PID was reused */
+    char state = 0;
+    uint64_t now = 0;
+    if (!proc_stat(pid, &state, &now)) {
+        /* /proc unreadable (hidepid): fall back to whether the PID exists */
+        return !(kill(pid, 0) != 0 && errno == ESRCH);
     }
+    if (state == 'Z' || state == 'X' || state == 'x') return false;
+    if (start_time && now && now != start_time) return false; /* the PID was reused */
     return true;
 }
 
@@ -180,7 +193,7 @@ static bool map_private(void) {
     void *m = mmap(NULL, sizeof(gs_region_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                    -1, 0);
     if (m == MAP_FAILED) {
-        gs_log(GS_LOG_ERROR, "cannot allocate the usage region: %s", strerror(errno));
+        gs_log(GS_LOG_ERROR, "cannot allocate the usage region: %s", gs_errname(errno));
         return false;
     }
     private_region = m;
@@ -189,43 +202,100 @@ static bool map_private(void) {
     return true;
 }
 
+/* The descriptor names a file this process may share: checked on the open
+ * descriptor itself. With a grant, the file the node agent made: regular, its
+ * owner the grant's, mode 0666 (the container runs as any user), one link, full
+ * size. Without, a file of this user that no one else can write. */
+static bool check_region_fd(const char *path, uid_t agent) {
+    struct stat st;
+    if (fstat(region_fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        gs_fail_closed("shared region %s is not a regular file", path);
+        return false;
+    }
+    if (st.st_nlink != 1) {
+        gs_fail_closed("shared region %s has %lu links; the region is a file of its own", path,
+                       (unsigned long)st.st_nlink);
+        return false;
+    }
+    unsigned mode = (unsigned)(st.st_mode & 07777);
+    if (gs_cfg.granted) {
+        if (st.st_uid != agent || mode != 0666 || (size_t)st.st_size != sizeof(gs_region_t)) {
+            gs_fail_closed("shared region %s (owner %u, mode %04o, %lld bytes) is not the one the node "
+                           "agent made (owner %u, mode 0666, %zu bytes)",
+                           path, (unsigned)st.st_uid, mode, (long long)st.st_size, (unsigned)agent,
+                           sizeof(gs_region_t));
+            return false;
+        }
+    } else if (st.st_uid != geteuid() || (mode & 077)) {
+        gs_fail_closed("shared region %s (owner %u, mode %04o) must belong to this user (%u) and "
+                       "be closed to others",
+                       path, (unsigned)st.st_uid, mode, (unsigned)geteuid());
+        return false;
+    }
+    return true;
+}
+
 static bool map_file_locked(const char *path) {
     struct stat st;
     if (fstat(region_fd, &st) != 0) return false;
-    if (st.st_size == 0) {
+    if (st.st_size == 0 && !gs_cfg.granted) {
         if (ftruncate(region_fd, (off_t)sizeof(gs_region_t)) != 0) {
-            gs_log(GS_LOG_ERROR, "cannot size the shared region %s: %s", path, strerror(errno));
+            gs_fail_closed("cannot size the shared region %s: %s", path, gs_errname(errno));
             return false;
         }
-        fchmod(region_fd, 0660); /* shared by the container's processes, never by the world */
     } else if ((size_t)st.st_size < sizeof(gs_region_t)) {
         uint32_t head[2] = {0, 0};
         ssize_t n = pread(region_fd, head, sizeof head, 0);
-        gs_log(GS_LOG_ERROR,
-               "shared region %s is %lld bytes (magic %#x, version %u); this gpuslice needs a "
-               "version %u region of %zu bytes: refusing to share it",
-               path, (long long)st.st_size, n == sizeof head ? head[0] : 0,
-               n == sizeof head ? head[1] : 0, GS_REGION_VERSION, sizeof(gs_region_t));
+        gs_fail_closed("shared region %s is %lld bytes (magic %#x, version %u); this gpuslice needs a "
+                       "version %u region of %zu bytes",
+                       path, (long long)st.st_size, n == sizeof head ? head[0] : 0,
+                       n == sizeof head ? head[1] : 0, GS_REGION_VERSION, sizeof(gs_region_t));
         return false;
     }
     void *m = mmap(NULL, sizeof(gs_region_t), PROT_READ | PROT_WRITE, MAP_SHARED, region_fd, 0);
     if (m == MAP_FAILED) {
-        gs_log(GS_LOG_ERROR, "cannot map the shared region %s: %s", path, strerror(errno));
+        gs_fail_closed("cannot map the shared region %s: %s", path, gs_errname(errno));
         return false;
     }
     gs_region_t *r = m;
     uint32_t magic = LOAD(&r->magic);
-    if (magic == 0 && r->version == 0) init_header(r);
+    if (magic == 0 && r->version == 0 && !gs_cfg.granted) init_header(r);
     else if (magic != GS_REGION_MAGIC || r->version != GS_REGION_VERSION ||
              r->size != sizeof(gs_region_t)) {
-        gs_log(GS_LOG_ERROR,
-               "shared region %s has magic %#x, layout version %u, size %u; this gpuslice "
-               "writes version %u of %zu bytes: refusing to share it",
-               path, magic, r->version, r->size, GS_REGION_VERSION, sizeof(gs_region_t));
+        gs_fail_closed("shared region %s has magic %#x, layout version %u, size %u; this gpuslice "
+                       "uses version %u of %zu bytes",
+                       path, magic, r->version, r->size, GS_REGION_VERSION, sizeof(gs_region_t));
         munmap(m, sizeof(gs_region_t));
         return false;
     }
     gs_region = r;
+    return true;
+}
+
+/* Opens the region file: beneath the grant's directory (never created: the
+ * agent makes it), else the configured path with no link followed. */
+static bool open_region(char *path, size_t size) {
+    uid_t agent = 0;
+    if (gs_cfg.granted) {
+        struct stat dst;
+        snprintf(path, size, "%s", GS_REGION_FILE);
+        if (fstat(gs_cfg.grant_dir_fd, &dst) != 0) return false;
+        agent = dst.st_uid;
+        region_fd = openat(gs_cfg.grant_dir_fd, GS_REGION_FILE,
+                           O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    } else {
+        snprintf(path, size, "%s", gs_cfg.region_path);
+        region_fd = gs_open_nofollow(gs_cfg.region_path, O_RDWR | O_CREAT | O_NONBLOCK, 0600);
+    }
+    if (region_fd < 0) {
+        gs_fail_closed("cannot open the shared region %s safely: %s", path, gs_errname(errno));
+        return false;
+    }
+    if (!check_region_fd(path, agent)) {
+        close(region_fd);
+        region_fd = -1;
+        return false;
+    }
     return true;
 }
 
@@ -235,30 +305,24 @@ static int map_state; /* 0 not tried, 1 mapped, -1 refused */
 bool gs_region_map(void) {
     pthread_mutex_lock(&map_mutex);
     if (map_state == 0) {
-        const char *path = gs_cfg.region_path;
-        if (!path[0]) {
+        char path[512];
+        if (!gs_cfg.granted && !gs_cfg.region_path[0]) {
             map_state = map_private() ? 1 : -1;
+        } else if (!open_region(path, sizeof path)) {
+            map_state = -1;
         } else {
-            region_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0660);
-            if (region_fd < 0) {
-                gs_log(GS_LOG_ERROR, "cannot open the shared region %s: %s", path, strerror(errno));
-                map_state = -1;
-            } else {
-                bool held = lock_region();
-                bool ok = map_file_locked(path);
-                unlock_region(held);
-                if (!ok) {
-                    close(region_fd);
-                    region_fd = -1;
-                }
-                map_state = ok ? 1 : -1;
+            bool held = lock_region();
+            bool ok = map_file_locked(path);
+            unlock_region(held);
+            if (!ok) {
+                close(region_fd);
+                region_fd = -1;
             }
-            /* Limits must still hold: for this process alone. */
-            if (map_state == -1 && map_private()) {
-                gs_log(GS_LOG_ERROR, "enforcing the limits for this process alone");
-                map_state = 1;
-            }
+            map_state = ok ? 1 : -1;
         }
+        /* Refused: the process keeps a private region to count in, and every
+         * reservation is refused (gs_fail_closed was called). */
+        if (map_state == -1 && gs_cfg.fail_closed && map_private()) map_state = 1;
     }
     bool ok = map_state == 1;
     pthread_mutex_unlock(&map_mutex);
@@ -290,8 +354,7 @@ bool gs_region_attach(void) {
     }
     if (!slot) {
         unlock_region(held);
-        gs_log(GS_LOG_ERROR, "shared region is full (%d processes); this process is not counted",
-               GS_MAX_PROCS);
+        gs_fail_closed("shared region is full (%d processes)", GS_MAX_PROCS);
         return false;
     }
     for (int d = 0; d < GS_MAX_DEVICES; d++) STORE(&slot->used[d], 0);
@@ -307,14 +370,30 @@ bool gs_region_attach(void) {
     for (int d = 0; d < GS_MAX_DEVICES; d++) {
         gs_device_t *dev = &gs_region->devices[d];
         uint64_t limit = gs_cfg.mem_limit[d];
-        uint64_t old = LOAD(&dev->limit);
-        if (old && limit && old != limit)
-            GS_LOG(GS_LOG_WARN, "device %d: region limit %llu bytes, this process %llu", d,
-                   (unsigned long long)old, (unsigned long long)limit);
-        /* The region shows the limits the container runs with; a process started
-         * without them (a debugging shell) does not erase them. */
-        if (limit) STORE(&dev->limit, limit);
-        if (gs_cfg.sm_limit[d]) STORE(&dev->sm_limit, gs_cfg.sm_limit[d]);
+        uint64_t shown = limit == GS_NO_LIMIT ? 0 : limit;
+        if (gs_cfg.granted) {
+            /* The grant is the truth; the region shows it (and is mended if written). */
+            if (d < gs_cfg.visible_count) {
+                STORE(&dev->limit, shown);
+                STORE(&dev->sm_limit, gs_cfg.sm_limit[d]);
+            }
+            continue;
+        }
+        /* Without a grant the first process to join records the container's
+         * limits, and no later process runs above them whatever its environment. */
+        uint64_t old = 0;
+        if (shown && !__atomic_compare_exchange_n(&dev->limit, &old, shown, false, __ATOMIC_ACQ_REL,
+                                                  __ATOMIC_ACQUIRE) &&
+            old < shown)
+            gs_cfg.mem_limit[d] = old;
+        if (!shown && (old = LOAD(&dev->limit)) != 0) gs_cfg.mem_limit[d] = old;
+        uint32_t sm_old = 0;
+        uint32_t sm = gs_cfg.sm_limit[d] >= 100 ? 0 : gs_cfg.sm_limit[d];
+        if (sm && !__atomic_compare_exchange_n(&dev->sm_limit, &sm_old, sm, false, __ATOMIC_ACQ_REL,
+                                               __ATOMIC_ACQUIRE) &&
+            sm_old < sm)
+            gs_cfg.sm_limit[d] = sm_old;
+        if (!sm && (sm_old = LOAD(&dev->sm_limit)) != 0) gs_cfg.sm_limit[d] = sm_old;
     }
     gs_self = slot;
     unlock_region(held);
@@ -369,13 +448,19 @@ int gs_region_find_uuid(const char *uuid) {
 /* ------------------------------------------------------------ reservations */
 bool gs_reserve(int dev, uint64_t bytes) {
     gs_proc_t *self = gs_self; /* once: exit may clear it under another thread */
-    if (dev < 0 || dev >= GS_MAX_DEVICES || !self) return true;
+    if (GS_UNLIKELY(gs_cfg.fail_closed || !self || dev == GS_REC_DENIED)) {
+        if (dev == GS_REC_DENIED)
+            GS_LOG(GS_LOG_WARN, "allocation of %llu bytes refused: the device is not granted to this "
+                   "container", (unsigned long long)bytes);
+        return false;
+    }
+    if (dev < 0 || dev >= GS_MAX_DEVICES) return true;
     gs_device_t *d = &gs_region->devices[dev];
     uint64_t limit = gs_cfg.mem_limit[dev];
     for (int attempt = 0; attempt < 2; attempt++) {
         uint64_t cur = LOAD(&d->used);
         for (;;) {
-            if (limit && (bytes > limit || cur > limit - bytes)) break;
+            if (bytes > limit || cur > limit - bytes) break;
             if (__atomic_compare_exchange_n(&d->used, &cur, cur + bytes, true, __ATOMIC_ACQ_REL,
                                             __ATOMIC_ACQUIRE)) {
                 __atomic_add_fetch(&self->used[dev], bytes, __ATOMIC_ACQ_REL);
@@ -411,7 +496,8 @@ uint64_t gs_used(int dev) {
 }
 
 uint64_t gs_limit(int dev) {
-    if (dev < 0 || dev >= GS_MAX_DEVICES) return 0;
+    if (gs_cfg.fail_closed || dev == GS_REC_DENIED) return 0;
+    if (dev < 0 || dev >= GS_MAX_DEVICES) return GS_NO_LIMIT;
     return gs_cfg.mem_limit[dev];
 }
 

@@ -3,6 +3,7 @@
  * one mutex per shard; entries come from a free list, refilled in blocks. */
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "gs.h"
 
@@ -153,8 +154,73 @@ uint64_t gs_track_drop_ctx(CUcontext ctx) {
     return total;
 }
 
+/* ------------------------------------------------------------ VMM mappings
+ * Few and long-lived (each maps a large handle): a sorted array, one mutex. */
+typedef struct {
+    uint64_t ptr, size, handle;
+} mapping_t;
+
+static pthread_mutex_t maps_mu = PTHREAD_MUTEX_INITIALIZER;
+static mapping_t *maps;
+static size_t maps_len, maps_cap;
+
+/* First mapping starting at or after `ptr`. */
+static size_t maps_lower_bound(uint64_t ptr) {
+    size_t lo = 0, hi = maps_len;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (maps[mid].ptr < ptr) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+void gs_map_add(uint64_t ptr, uint64_t size, uint64_t handle) {
+    pthread_mutex_lock(&maps_mu);
+    if (maps_len == maps_cap) {
+        size_t cap = maps_cap ? maps_cap * 2 : 64;
+        mapping_t *grown = realloc(maps, cap * sizeof *maps);
+        if (!grown) {
+            pthread_mutex_unlock(&maps_mu);
+            gs_log(GS_LOG_ERROR, "out of host memory tracking a mapping; its unmap is not counted");
+            return;
+        }
+        maps = grown;
+        maps_cap = cap;
+    }
+    size_t i = maps_lower_bound(ptr);
+    memmove(&maps[i + 1], &maps[i], (maps_len - i) * sizeof *maps);
+    maps[i] = (mapping_t){ptr, size, handle};
+    maps_len++;
+    pthread_mutex_unlock(&maps_mu);
+}
+
+void gs_map_remove_range(uint64_t ptr, uint64_t size, void (*gone)(uint64_t handle)) {
+    uint64_t end = ptr + size < ptr ? UINT64_MAX : ptr + size;
+    uint64_t small[16];
+    uint64_t *handles = small;
+    size_t count = 0;
+    pthread_mutex_lock(&maps_mu);
+    size_t first = maps_lower_bound(ptr), last = first;
+    while (last < maps_len && maps[last].ptr < end) last++;
+    count = last - first;
+    if (count > sizeof small / sizeof small[0] && !(handles = malloc(count * sizeof *handles))) {
+        handles = small; /* no memory: give back what fits, keep the rest mapped */
+        count = sizeof small / sizeof small[0];
+        last = first + count;
+    }
+    for (size_t i = 0; i < count; i++) handles[i] = maps[first + i].handle;
+    memmove(&maps[first], &maps[last], (maps_len - last) * sizeof *maps);
+    maps_len -= count;
+    pthread_mutex_unlock(&maps_mu);
+    for (size_t i = 0; i < count; i++) gone(handles[i]);
+    if (handles != small) free(handles);
+}
+
 void gs_track_forget_all(void) {
     pthread_once(&shards_once, shards_init);
+    pthread_mutex_init(&maps_mu, NULL); /* a fork child: the lock may have been held */
+    maps_len = 0;
     for (int i = 0; i < SHARDS; i++) {
         shard_t *s = &shards[i];
         pthread_mutex_init(&s->mu, NULL); /* a fork child: the lock may have been held */

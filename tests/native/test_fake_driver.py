@@ -705,13 +705,15 @@ def test_interposer_limits_the_device_named_by_a_custom_uuid(
         assert [(d.limit_bytes, d.used_bytes) for d in named] == [(256 * MiB, 200 * MiB)]
     proc.stop()
 
-    # Without the custom UUIDs no device is the one named, and no limit applies.
+    # Without the custom UUIDs no device is the one named: the container was
+    # granted none of them, so none gives it a context or a byte.
     env.pop("FAKECUDA_UUIDS")
     env.pop("FAKENVML_UUIDS")
     env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(region_path.with_name("control.cache"))
     control = spawn_probe(*commands, env=env).result()
-    assert [line["rc"] for line in control.by_cmd("alloc")] == [CUDA_SUCCESS] * 2
-    assert control.one("nvmlmem")["total"] == 80 * GiB
+    assert control.one("ctx")["rc"] == CUDA_ERROR_OUT_OF_MEMORY, control.describe()
+    assert all(line["rc"] != CUDA_SUCCESS for line in control.by_cmd("alloc"))
+    assert (control.one("nvmlmem")["total"], control.one("nvmlmem")["free"]) == (0, 0)
 
 
 # ----------------------------------------------------------------------------- the probe itself

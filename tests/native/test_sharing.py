@@ -131,10 +131,11 @@ def test_an_incompatible_region_is_refused_loudly(
     region_path.write_bytes(bytes(data))
     result = run_probe("init", "ctx", "alloc", "900m", "alloc", "200m", env=limited(region_path))
     assert "layout version 2" in result.stderr
-    assert "refusing to share it" in result.stderr
-    assert "enforcing the limits for this process alone" in result.stderr
-    assert [line["rc"] for line in result.by_cmd("alloc")] == [0, 2]  # the limit still holds
-    assert region_path.read_bytes() == bytes(data)  # left as it was
+    assert "every GPU allocation of this process is refused" in result.stderr
+    # fail closed: no context, no allocation, and the file is left as it was
+    assert result.one("ctx")["rc"] == 2
+    assert all(line["rc"] != 0 for line in result.by_cmd("alloc"))
+    assert region_path.read_bytes() == bytes(data)
 
 
 def test_an_exec_leaves_no_usage_of_the_old_image(
