@@ -9,7 +9,14 @@
  * else by NVML index (the container sees only its own GPUs, in order). */
 static int region_device(nvmlDevice_t device) {
     char uuid[GS_UUID_LEN] = {0};
-    if (gs_real.nvmlDeviceGetUUID && gs_real.nvmlDeviceGetUUID(device, uuid, sizeof uuid) == NVML_SUCCESS) {
+    bool named = gs_real.nvmlDeviceGetUUID &&
+                 gs_real.nvmlDeviceGetUUID(device, uuid, sizeof uuid) == NVML_SUCCESS;
+    if (gs_cfg.granted || gs_cfg.visible_count > 0) { /* the list's order is the records' */
+        for (int v = 0; named && v < gs_cfg.visible_count; v++)
+            if (!strcmp(gs_cfg.visible_uuid[v], uuid)) return v;
+        return -1;
+    }
+    if (named) {
         int d = gs_region_find_uuid(uuid);
         if (d >= 0) return d;
     }

@@ -259,9 +259,9 @@ class DevicePluginSettings(CommonSettings):
     # host directory the DaemonSet mounts: the interposer, ld.so.preload and one
     # directory per GPU container for its shared region
     host_dir: str = "/usr/local/gpuslice"
-    # where the library appears inside GPU containers, and the region directory
+    # where the library appears inside GPU containers (the grant and region
+    # directory is fixed: gpuslice_common.grant.GRANT_DIR)
     container_lib_dir: str = "/usr/local/gpuslice"
-    container_region_dir: str = "/run/gpuslice"
     # the interposer as built into the device plugin's image, installed into host_dir
     interposer_library: str = "/opt/gpuslice/libgpuslice.so"
     inventory_interval: Duration = timedelta(seconds=10)  # inventory heartbeat

@@ -42,11 +42,13 @@ truncated under a live mapping would fault on access, as it would in C.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
 import stat
 import time
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from types import TracebackType
@@ -164,19 +166,26 @@ class Region:
         self._mmap: mmap.mmap | None = mapping
         self._writable = writable
         self._r: Any = ffi.from_buffer("gs_region_t *", mapping)
+        self.inode: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file opened
 
     # ------------------------------------------------------------ open and close
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, writable: bool = False) -> Self:
-        """Map the region at ``path``, read-only unless ``writable``.
+    def open(
+        cls, path: str | os.PathLike[str], *, writable: bool = False, dir_fd: int | None = None
+    ) -> Self:
+        """Map the region at ``path`` (relative to ``dir_fd`` if given), read-only unless
+        ``writable``.
 
-        Raises :class:`RegionError` when the file is missing or unreadable, is not
-        a gpuslice region, has another layout version, or is truncated.
+        The file is opened without following a link and without waiting on a FIFO,
+        and checked on the open descriptor. Raises :class:`RegionError` when it is
+        missing or unreadable, is not a regular file or not a gpuslice region, has
+        another layout version, or is truncated.
         """
         p = Path(path)
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(p, os.O_RDWR if writable else os.O_RDONLY)
+            fd = os.open(p, flags | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
             raise RegionError(f"{p}: no such region file") from None
         except OSError as e:
@@ -195,7 +204,57 @@ class Region:
             raise RegionError(f"{p}: cannot map: {e.strerror}") from None
         finally:
             os.close(fd)  # the mapping keeps its own reference to the file
-        return cls(p, mapping, writable=writable)
+        region = cls(p, mapping, writable=writable)
+        region.inode = (st.st_dev, st.st_ino)
+        return region
+
+    @staticmethod
+    def create(
+        dir_fd: int, name: str, devices: Sequence[tuple[str, int, int]], *, mode: int = 0o666
+    ) -> None:
+        """Make the region file ``name`` in the directory ``dir_fd``, set up for the
+        container's ``devices`` (UUID, memory limit in bytes, SM percent) in order,
+        unless a valid region is already there (a running container maps it).
+
+        The file is written in full under a temporary name, given ``mode``, then
+        renamed into place, so the interposer never sees it half made. Anything
+        else at ``name`` (a link, a truncated or foreign file) is replaced.
+        """
+        if len(devices) > MAX_DEVICES:
+            raise ValueError(f"{len(devices)} devices; a region holds {MAX_DEVICES}")
+        try:
+            Region.open(name, dir_fd=dir_fd).close()
+            return
+        except RegionError:
+            pass
+        r = ffi.new("gs_region_t *")
+        r.magic, r.version, r.size = MAGIC, VERSION, REGION_SIZE
+        r.device_count = len(devices)
+        for i, (uuid, limit, sm) in enumerate(devices):
+            raw = uuid.encode()
+            if not 0 < len(raw) < UUID_LEN:
+                raise ValueError(f"device UUID {uuid!r} does not fit the region")
+            r.devices[i].uuid = raw
+            r.devices[i].limit = limit
+            r.devices[i].sm_limit = 0 if sm >= 100 else sm
+        tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=dir_fd,
+        )
+        try:
+            try:
+                os.write(fd, bytes(ffi.buffer(r)))
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
 
     def close(self) -> None:
         """Unmap the region; idempotent."""

@@ -1,12 +1,16 @@
-"""What kubelet puts into a GPU container: the interposer's environment and mounts.
+"""What kubelet puts into a GPU container: the grant, the interposer's environment
+and the mounts.
 
-The variables are the interposer's (HAMi's names where HAMi has one):
-``NVIDIA_VISIBLE_DEVICES`` lists the container's GPUs by UUID, in the order the
-per-device limits ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` and ``CUDA_DEVICE_SM_LIMIT``
-(or ``_<i>`` where they differ) follow. The mounts bring in the library,
-``/etc/ld.so.preload`` (left out when the container asks
-``CUDA_DISABLE_CONTROL=true``) and the container's own directory for its shared
-region.
+The container's limits are its grant (:mod:`gpuslice_common.grant`), written by
+the agent into the container's host directory; that directory is mounted
+read-only at ``GRANT_DIR`` and its ``region`` file read-write over it, so the
+container can change neither. The interposer reads the grant, whatever the
+environment says. The environment still carries HAMi's variables
+(``NVIDIA_VISIBLE_DEVICES`` by UUID, ``CUDA_DEVICE_MEMORY_LIMIT_<i>``,
+``CUDA_DEVICE_SM_LIMIT`` or ``_<i>``) for tools that read them, and what the
+grant does not: who reports telemetry and where to. The mounts also bring in
+the library and ``/etc/ld.so.preload`` (left out when the container asks
+``CUDA_DISABLE_CONTROL=true``, which its grant then allows).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.grant import GRANT_DIR, Grant, GrantDevice
 from gpuslice_common.ledger import Allocation
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.containers import REGION_FILE, HostDir
@@ -25,6 +30,32 @@ from gpuslice_deviceplugin.nodeconfig import NodeConfig
 LIBRARY = "libgpuslice.so"
 PRELOAD_PATH = "/etc/ld.so.preload"
 DISABLE_CONTROL = "CUDA_DISABLE_CONTROL"
+# what the interposer counts per CUDA context where the node configuration sets none
+DEFAULT_CONTEXT_OVERHEAD_MIB = 384
+MIB = 1 << 20
+
+
+def grant(
+    allocation: Allocation, settings: DevicePluginSettings, config: NodeConfig, *, control: bool
+) -> Grant:
+    """The container's grant; ``control=False`` lets it turn the interposer off."""
+    placement = allocation.placement
+    container = placement.containers[allocation.container_index]
+    overhead = config.context_overhead_mib
+    return Grant(
+        node=settings.node_name,
+        pod_uid=placement.pod.uid,
+        container=container.name,
+        policy=config.core_policy,
+        priority=container.priority,
+        control_optional=not control,
+        context_overhead_bytes=(DEFAULT_CONTEXT_OVERHEAD_MIB if overhead is None else overhead)
+        * MIB,
+        devices=tuple(
+            GrantDevice(uuid=g.uuid, memory_bytes=g.memory_mib * MIB, sm_percent=g.cores)
+            for g in container.devices
+        ),
+    )
 
 
 def environment(
@@ -36,18 +67,17 @@ def environment(
     container = placement.containers[allocation.container_index]
     grants = container.devices
     env = {"NVIDIA_VISIBLE_DEVICES": ",".join(g.uuid for g in grants)}
-    for i, grant in enumerate(grants):
-        if grant.memory_mib > 0:
-            env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{grant.memory_mib}m"
+    for i, device in enumerate(grants):
+        if device.memory_mib > 0:
+            env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{device.memory_mib}m"
     cores = {g.cores for g in grants}
     if len(cores) == 1:
         env["CUDA_DEVICE_SM_LIMIT"] = str(cores.pop())
     else:
         env.update({f"CUDA_DEVICE_SM_LIMIT_{i}": str(g.cores) for i, g in enumerate(grants)})
-    region = PurePosixPath(settings.container_region_dir) / REGION_FILE
     env.update(
         {
-            "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region),
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(PurePosixPath(GRANT_DIR) / REGION_FILE),
             "CUDA_TASK_PRIORITY": str(container.priority),
             "GPU_CORE_UTILIZATION_POLICY": config.core_policy,
             "LIBCUDA_LOG_LEVEL": str(config.log_level),
@@ -105,13 +135,16 @@ def answer(
         mounts.append(
             pb.Mount(container_path=PRELOAD_PATH, host_path=str(host.preload_path), read_only=True)
         )
-    mounts.append(
+    # The runtime mounts the shallower path first, so the region lands over the
+    # read-only directory: writable, but a mount point no one inside can replace.
+    mounts += [
+        pb.Mount(container_path=GRANT_DIR, host_path=str(region_dir), read_only=True),
         pb.Mount(
-            container_path=settings.container_region_dir,
-            host_path=str(region_dir),
+            container_path=str(PurePosixPath(GRANT_DIR) / REGION_FILE),
+            host_path=str(region_dir / REGION_FILE),
             read_only=False,
-        )
-    )
+        ),
+    ]
     return pb.ContainerAllocateResponse(
         envs=environment(allocation, settings, config), mounts=mounts
     )

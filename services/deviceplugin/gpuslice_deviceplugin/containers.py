@@ -5,16 +5,23 @@ Layout under ``root`` (``DevicePluginSettings.host_dir``)::
 
     lib/libgpuslice.so                      the interposer, bind-mounted read-only
     ld.so.preload                           names it inside the container
-    containers/<pod uid>/<container>/       bind-mounted as the container's region dir
-        owner.json                          who the directory belongs to (written here)
-        region                              the shared region (written by the interposer)
+    containers/                             0700: nothing but root on the host reaches in
+        <pod uid>/<container>/              0755, mounted read-only at /run/gpuslice
+            owner.json                      who the directory belongs to
+            grant                           0444, the container's limits (gpuslice_common.grant)
+            region                          0666, the shared region, bind-mounted read-write
 
-A container directory is world-writable: the container's processes may run as any
-user, and the interposer creates the region file there (mode 0660). So its
-contents are not trusted: :meth:`HostDir.containers` accepts an owner file only
-when it names the directory it lies in.
+Everything in a container directory is written by the agent, at Allocate. The
+container sees the directory read-only and only ``region`` writable, as a mount
+point it can neither rename nor replace: no process in it can add, swap or link
+a file the agent later opens. The region is mode 0666 because the container's
+processes may run as any user, which the agent cannot know at Allocate (kubelet
+names no pod and the image may choose its user); the 0700 ``containers``
+directory keeps every other user of the host out.
 
-Files the agent writes are replaced atomically (a temporary file in the same
+The agent still opens what it reads there without following links (a
+directory left from an older, container-writable layout may hold anything).
+Files it writes are replaced atomically (a temporary file in the same
 directory, then a rename): a reader sees the old file or the new one, and a
 container that has the old library bind-mounted keeps the old inode.
 """
@@ -32,12 +39,17 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
+from gpuslice_common import grant as grant_format
+from gpuslice_common.grant import Grant
+from gpuslice_common.region import Region
+
 __all__ = [
+    "GRANT_FILE",
     "LIBRARY",
     "OWNER_FILE",
     "REGION_FILE",
@@ -54,14 +66,18 @@ log = logging.getLogger(__name__)
 LIBRARY: Final = "libgpuslice.so"
 REGION_FILE: Final = "region"
 OWNER_FILE: Final = "owner.json"
+GRANT_FILE: Final = grant_format.GRANT_FILE
 
 _POD_UID: Final = re.compile(r"[A-Za-z0-9-]{1,128}")
 _CONTAINER: Final = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 
 DIR_MODE: Final = 0o755
-CONTAINER_DIR_MODE: Final = 0o777
+CONTAINERS_MODE: Final = 0o700
+CONTAINER_DIR_MODE: Final = 0o755
 LIBRARY_MODE: Final = 0o755
 FILE_MODE: Final = 0o644
+GRANT_MODE: Final = 0o444
+REGION_MODE: Final = 0o666
 OWNER_MAX_BYTES: Final = 64 * 1024
 
 
@@ -171,18 +187,42 @@ class HostDir:
 
     # ------------------------------------------------------------ containers
 
-    def prepare_container(self, owner: ContainerOwner) -> Path:
-        """Create the container's directory (mode 0777) and its owner record; its path."""
+    def prepare_container(self, owner: ContainerOwner, grant: Grant) -> Path:
+        """Create the container's directory with its owner record, its grant and its
+        region (kept if a valid one is there: a running container maps it); its path."""
         directory = self.container_dir(owner.pod_uid, owner.container)
-        _make_dir(self.containers_root, DIR_MODE)
+        _make_dir(self.containers_root, CONTAINERS_MODE)
         _make_dir(directory.parent, DIR_MODE)
         _make_dir(directory, CONTAINER_DIR_MODE)
-        # not synced: Allocate waits for this, and a record lost in a crash only
-        # costs metric labels (its containers are gone with the node anyway)
+        # not synced: Allocate waits for this, and what a crash loses is written
+        # again by the next Allocate (the containers are gone with the node anyway)
         _write_atomic(
             directory / OWNER_FILE, owner.to_json().encode() + b"\n", FILE_MODE, durable=False
         )
+        _write_atomic(directory / GRANT_FILE, grant.render().encode(), GRANT_MODE, durable=False)
+        devices = [(d.uuid, d.memory_bytes, d.sm_percent) for d in grant.devices]
+        with self.open_container_dir(directory) as dir_fd:
+            Region.create(dir_fd, REGION_FILE, devices, mode=REGION_MODE)
         return directory
+
+    @contextlib.contextmanager
+    def open_container_dir(self, directory: Path) -> Iterator[int]:
+        """A descriptor of a container directory under :attr:`containers_root`, every
+        component opened without following a link (OSError otherwise)."""
+        relative = directory.relative_to(self.containers_root).parts
+        fd = os.open(
+            self.containers_root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        )
+        try:
+            for part in relative:
+                child = os.open(
+                    part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+                )
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)
 
     def containers(self) -> list[tuple[ContainerOwner, Path]]:
         """Every prepared container directory with its owner, sorted by path.

@@ -223,7 +223,7 @@ class Coordinator:
         except RegionError as e:
             self._refuse(path, inode, str(e))
             return None
-        if not _same_file(path, inode):  # replaced while it was opened: next tick
+        if region.inode != inode:  # replaced while it was opened: next tick
             region.close()
             return None
         self._refused.pop(path, None)
@@ -315,11 +315,3 @@ def _being_set_up(path: Path) -> bool:
     finally:
         os.close(fd)
     return head.count(0) == len(head)
-
-
-def _same_file(path: Path, inode: tuple[int, int]) -> bool:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == inode

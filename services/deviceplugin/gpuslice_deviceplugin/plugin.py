@@ -22,7 +22,7 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.events import AllocationEvent, EventType, make_event
 from gpuslice_common.kube import KubeApi, KubeError
 from gpuslice_common.ledger import Allocation, Ledger, LedgerError, NotReserved
-from gpuslice_deviceplugin.allocation import answer, control_wanted
+from gpuslice_deviceplugin.allocation import answer, control_wanted, grant
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
@@ -227,7 +227,8 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             devices=uuids,
             allocated_at=time.time(),
         )
-        await asyncio.to_thread(self.host.prepare_container, owner)
+        limits = grant(allocation, self.settings, self.config(), control=control)
+        await asyncio.to_thread(self.host.prepare_container, owner, limits)
         if allocation.rivals:
             self.metrics.ambiguous.inc()
             log.warning(

@@ -44,6 +44,7 @@ import httpx
 from gpuslice_cli.dev.kubelet import Plugin
 from gpuslice_cli.dev.stack import NATIVE_BUILD, NodeSpec, Stack
 from gpuslice_common.bus import Bus
+from gpuslice_common.grant import GRANT_DIR
 from gpuslice_common.kube import PodNotFound
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PodEnded, PodRef, utcnow
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
@@ -325,6 +326,10 @@ class ClusterDriver:
             return env
         mounts = list(allocated.mounts)
         env.update({k: _rewrite(v, mounts) for k, v in allocated.envs.items()})
+        # processes here see the host's paths: the grant is where the mount comes from
+        grant_dir = [m for m in mounts if m.container_path == GRANT_DIR]
+        if grant_dir:
+            env["GPUSLICE_GRANT_DIR"] = grant_dir[0].host_path
         preload = [m for m in mounts if m.container_path == PRELOAD]
         if preload:
             with open(preload[0].host_path) as listed:
