@@ -162,6 +162,66 @@ GS_EXPORT void *dlsym(void *handle, const char *symbol) {
     return real(handle, symbol);
 }
 
+/* ------------------------------------------------------------ dlopen, dlmopen
+ * Two ways past the exported wrappers, closed here (both are tail calls, so
+ * glibc still sees the application as the caller for $ORIGIN and RPATH):
+ *  - RTLD_DEEPBIND makes a library linked against libcuda bind to the driver
+ *    before the global scope, where our wrappers are: the flag is dropped;
+ *  - dlmopen into another link-map namespace loads a driver this library is not
+ *    in: refused (NULL) while control is on. */
+typedef void *(*dlopen_fn)(const char *, int);
+typedef void *(*dlmopen_fn)(Lmid_t, const char *, int);
+
+static void *next_libc(const char *name) {
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.3.4"};
+    void *f = NULL;
+    for (size_t i = 0; !f && i < sizeof versions / sizeof versions[0]; i++)
+        f = dlvsym(RTLD_NEXT, name, versions[i]);
+    return f;
+}
+
+static _Atomic(dlopen_fn) real_dlopen_ptr;
+static _Atomic(dlmopen_fn) real_dlmopen_ptr;
+
+static __attribute__((noinline)) int dlopen_flags(const char *file, int flags) {
+    if (!(flags & RTLD_DEEPBIND) || loading) return flags;
+    gs_init();
+    if (gs_cfg.disabled) return flags;
+    GS_LOG(GS_LOG_INFO, "dlopen(%s): RTLD_DEEPBIND dropped so the CUDA driver stays behind gpuslice",
+           file ? file : "NULL");
+    return flags & ~RTLD_DEEPBIND;
+}
+
+GS_EXPORT void *dlopen(const char *file, int flags) {
+    dlopen_fn real = atomic_load_explicit(&real_dlopen_ptr, memory_order_acquire);
+    if (GS_UNLIKELY(!real)) {
+        real = (dlopen_fn)next_libc("dlopen");
+        atomic_store_explicit(&real_dlopen_ptr, real, memory_order_release);
+        if (!real) return NULL;
+    }
+    return real(file, dlopen_flags(file, flags));
+}
+
+static __attribute__((noinline)) bool dlmopen_refused(Lmid_t lmid, const char *file) {
+    if (lmid == LM_ID_BASE || loading) return false;
+    gs_init();
+    if (gs_cfg.disabled) return false;
+    gs_log(GS_LOG_ERROR, "dlmopen(%s) into another link-map namespace refused: a CUDA driver there "
+           "would not be held to the container's limits", file ? file : "NULL");
+    return true;
+}
+
+GS_EXPORT void *dlmopen(Lmid_t lmid, const char *file, int flags) {
+    if (dlmopen_refused(lmid, file)) return NULL;
+    dlmopen_fn real = atomic_load_explicit(&real_dlmopen_ptr, memory_order_acquire);
+    if (GS_UNLIKELY(!real)) {
+        real = (dlmopen_fn)next_libc("dlmopen");
+        atomic_store_explicit(&real_dlmopen_ptr, real, memory_order_release);
+        if (!real) return NULL;
+    }
+    return real(lmid, file, flags);
+}
+
 /* ------------------------------------------------------------ cuGetProcAddress */
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
     gs_init();

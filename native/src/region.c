@@ -36,6 +36,10 @@ gs_proc_t *gs_self;
 static int region_fd = -1;
 static gs_region_t *private_region;
 static _Atomic uint64_t last_reclaim_ns;
+/* What this process holds, kept where no other process can write: whatever
+ * anyone does to the shared counters, one process never holds more than the
+ * limit by itself. */
+static uint64_t own_used[GS_MAX_DEVICES];
 
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
@@ -457,6 +461,11 @@ bool gs_reserve(int dev, uint64_t bytes) {
     if (dev < 0 || dev >= GS_MAX_DEVICES) return true;
     gs_device_t *d = &gs_region->devices[dev];
     uint64_t limit = gs_cfg.mem_limit[dev];
+    uint64_t own = __atomic_add_fetch(&own_used[dev], bytes, __ATOMIC_ACQ_REL);
+    if (own < bytes || own > limit) {
+        __atomic_sub_fetch(&own_used[dev], bytes, __ATOMIC_ACQ_REL);
+        goto refused;
+    }
     for (int attempt = 0; attempt < 2; attempt++) {
         uint64_t cur = LOAD(&d->used);
         for (;;) {
@@ -471,6 +480,8 @@ bool gs_reserve(int dev, uint64_t bytes) {
         /* Over the limit: a dead process's usage may be what stands in the way. */
         if (attempt == 0 && gs_reclaim_dead() == 0) break;
     }
+    __atomic_sub_fetch(&own_used[dev], bytes, __ATOMIC_ACQ_REL);
+refused:
     __atomic_add_fetch(&d->denied, 1, __ATOMIC_RELAXED);
     GS_LOG(GS_LOG_WARN, "device %d: allocation of %llu bytes refused: %llu of %llu bytes in use", dev,
            (unsigned long long)bytes, (unsigned long long)LOAD(&d->used), (unsigned long long)limit);
@@ -486,6 +497,7 @@ void gs_unreserve(int dev, uint64_t bytes) {
     gs_proc_t *self = gs_self;
     if (dev < 0 || dev >= GS_MAX_DEVICES || !self || !bytes) return;
     /* Only what this process held leaves the device: never others' usage. */
+    sat_sub(&own_used[dev], bytes);
     uint64_t held = sat_sub(&self->used[dev], bytes);
     if (held) sat_sub(&gs_region->devices[dev].used, held);
 }
@@ -505,6 +517,7 @@ void gs_region_after_fork(void) {
     /* The child shares the parent's mapping but not its slot, its allocations or
      * (for OFD locks) its open file: it joins afresh on its next CUDA call. */
     gs_self = NULL;
+    memset(own_used, 0, sizeof own_used);
     if (region_fd >= 0) {
         close(region_fd);
         region_fd = -1;

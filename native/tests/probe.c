@@ -18,6 +18,7 @@
  *         (cudaVersion 13000), itself found with dlsym(dlopen("libcuda.so.1")),
  *         which is how the CUDA runtime reaches the driver;
  * --ptds  as --proc, asking for the per-thread default stream variants.
+ * --dlmopen as --proc, with the driver loaded by dlmopen into a new namespace.
  *
  * Sizes take k/m/g/t suffixes (KiB/MiB/GiB/TiB); numbers may be written 0x...
  * Used by tests/native against the fake driver (native/tests/fake).
@@ -29,6 +30,7 @@
  *   alloc SIZE | pitch WIDTH HEIGHT ELEM | managed SIZE | array W H FORMAT CH
  *   array3d W H D FORMAT CH | mipmap W H D FORMAT CH LEVELS | vmm SIZE [DEV]
  *   vmmmap ID (maps vmm ID at a new address; `free` of the map's id unmaps it)
+ *   vmmpair SIZE (two handles mapped side by side, released, one unmap over both)
  *   async SIZE | poolalloc SIZE | free ID | freeraw PTR | trim BYTES | poolattr
  *   info | totalmem [DEV] | fakeused [DEV] | uuid [DEV]
  *   fill SIZE | race SIZE COUNT START_NS (CLOCK_REALTIME)
@@ -36,6 +38,7 @@
  *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
  *   nvml | nvmlmem IDX | nvmlprocs IDX | nvmlbyuuid UUID
  *   sleep MS | hold | lock PATH | getppid
+ *   deepalloc SIZE (cuMemAlloc_v2 from deepbind.so beside the probe, loaded RTLD_DEEPBIND)
  *   fork | forkwait | exec (the rest of the line runs in a new image of this PID)
  * nvmlbyuuid looks the device up with nvmlDeviceGetHandleByUUID and prints its
  * "index" and "nvml_uuid" (nvmlDeviceGetUUID), null when the lookup fails.
@@ -423,9 +426,12 @@ static void j_where(const void *p) {
     }
 }
 
+static bool opt_dlmopen;
+
 static void *libcuda_handle(void) {
     static void *handle;
-    if (!handle) handle = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!handle && opt_dlmopen) handle = dlmopen(LM_ID_NEWLM, "libcuda.so.1", RTLD_NOW);
+    else if (!handle) handle = dlopen("libcuda.so.1", RTLD_NOW);
     return handle;
 }
 
@@ -672,6 +678,28 @@ static void cmd_vmmmap(int argc, char **argv) {
     if (rc == CUDA_SUCCESS)
         rc = CALL(cuMemMap, va, size, 0, (CUmemGenericAllocationHandle)table[id].handle, 0);
     j_created("vmmmap", rc, K_MAP, va, size);
+    j_end();
+}
+
+/* Two VMM allocations of SIZE mapped side by side, both released, then one
+ * cuMemUnmap over the whole range (as NVIDIA's vectorAddMMAP sample does). */
+static void cmd_vmmpair(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = current_device();
+    CUmemGenericAllocationHandle h[2] = {0, 0};
+    CUdeviceptr va = 0;
+    CUresult rc = CALL(cuMemAddressReserve, &va, 2 * size, 0, 0, 0);
+    for (int i = 0; i < 2 && rc == CUDA_SUCCESS; i++) rc = CALL(cuMemCreate, &h[i], size, &prop, 0);
+    for (int i = 0; i < 2 && rc == CUDA_SUCCESS; i++)
+        rc = CALL(cuMemMap, va + (CUdeviceptr)i * size, size, 0, h[i], 0);
+    for (int i = 0; i < 2 && rc == CUDA_SUCCESS; i++) rc = CALL(cuMemRelease, h[i]);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuMemUnmap, va, 2 * size);
+    j_begin("vmmpair");
+    j_int("rc", rc);
     j_end();
 }
 
@@ -1242,6 +1270,24 @@ static void cmd_getppid(int argc, char **argv) {
  * W word; lower case = optional, taken only when the next word parses as one
  * (an optional word must be one of `choices`, "a|b|c").
  */
+static void cmd_deepalloc(int argc, char **argv) {
+    (void)argc;
+    char path[4096];
+    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 32);
+    j_begin("deepalloc");
+    if (n <= 0) {
+        j_int("rc", -1);
+        j_end();
+        return;
+    }
+    path[n] = 0;
+    strcpy(strrchr(path, '/') + 1, "deepbind.so");
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+    int (*fn)(size_t) = h ? (int (*)(size_t))dlsym(h, "deepbind_alloc") : NULL;
+    j_int("rc", fn ? fn(arg_size(argv[0])) : -2);
+    j_end();
+}
+
 typedef struct {
     const char *name;
     const char *spec;
@@ -1266,6 +1312,7 @@ static const command_t commands[] = {
     {"mipmap", "NNNNNN", NULL, cmd_mipmap},
     {"vmm", "Si", NULL, cmd_vmm},
     {"vmmmap", "N", NULL, cmd_vmmmap},
+    {"vmmpair", "S", NULL, cmd_vmmpair},
     {"async", "S", NULL, cmd_async},
     {"poolalloc", "S", NULL, cmd_poolalloc},
     {"free", "N", NULL, cmd_free},
@@ -1291,6 +1338,7 @@ static const command_t commands[] = {
     {"hold", "", NULL, cmd_hold},
     {"lock", "W", NULL, cmd_lock},
     {"getppid", "", NULL, cmd_getppid},
+    {"deepalloc", "S", NULL, cmd_deepalloc},
     /* run by main: they decide which commands run next */
     {"fork", "", NULL, NULL},
     {"forkwait", "", NULL, NULL},
@@ -1420,6 +1468,8 @@ int main(int argc, char **argv) {
             opt_proc = true;
         } else if (!strcmp(argv[first], "--ptds")) {
             opt_proc = opt_ptds = true;
+        } else if (!strcmp(argv[first], "--dlmopen")) {
+            opt_proc = opt_dlmopen = true;
         } else {
             j_fail_args("unknown option '%s'", argv[first]);
         }

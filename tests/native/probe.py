@@ -323,9 +323,11 @@ def run(
     timeout: float = 30,
     check: bool = True,
     preload_after: Sequence[str | Path] = (),
+    prefix: Sequence[str] = (),
 ) -> ProbeResult:
-    """Runs the probe to completion. With `check`, a non-zero exit fails the test."""
-    argv = probe_argv(native, commands, options)
+    """Runs the probe to completion. With `check`, a non-zero exit fails the test.
+    `prefix` runs before it and execs it (a launcher such as tests/native/container.py's)."""
+    argv = [*prefix, *probe_argv(native, commands, options)]
     try:
         done = subprocess.run(
             argv,
@@ -468,9 +470,10 @@ class ProbeSpawner:
         build: Build = "release",
         options: Sequence[str] = (),
         preload_after: Sequence[str | Path] = (),
+        prefix: Sequence[str] = (),
     ) -> ProbeProcess:
         ensure_built(self.native, *targets_for(build))
-        argv = probe_argv(self.native, commands, options)
+        argv = [*prefix, *probe_argv(self.native, commands, options)]
         stderr_path = self.directory / f"probe-{len(self.started)}.stderr"
         proc = ProbeProcess(argv, probe_env(self.native, build, env, preload_after), stderr_path)
         self.started.append(proc)
@@ -499,6 +502,7 @@ class ProbeRunner:
         timeout: float = 30,
         check: bool = True,
         preload_after: Sequence[str | Path] = (),
+        prefix: Sequence[str] = (),
     ) -> ProbeResult:
         ensure_built(self.native, *targets_for(build))
         return run(
@@ -510,6 +514,7 @@ class ProbeRunner:
             timeout=timeout,
             check=check,
             preload_after=preload_after,
+            prefix=prefix,
         )
 
 
