@@ -108,6 +108,15 @@
  * compiled-in table (g_symbols), never via dlsym. A name not in g_versions
  * resolves to the fake function of exactly that name.
  *
+ * cuGetExportTable answers CUDA_ERROR_NOT_SUPPORTED for every table: the
+ * driver's private tables are undocumented, so the fake does not pretend to
+ * have them. The CUDA runtime therefore does not run on it: libcudart 12.9 and
+ * 13.x ask for table 6bd5fb6c-5bf4-e74a-8987-d93912fd9df9 right after cuInit
+ * and answer every later call (cudaGetDeviceCount, cudaMalloc,
+ * cudaGetDriverEntryPoint, ...) with the error this returns, without calling
+ * the driver again. NVIDIA's driver-API client cuda-bindings needs no private
+ * table and runs on it (tests/native/test_cuda_bindings.py).
+ *
  * FAKE-ONLY EXPORTS for tests (declare them yourself, they take no context):
  *   unsigned long long fakecuda_busy_ns(int dev)    kernel time the engine has
  *                                                   executed (nominal durations)
@@ -842,6 +851,7 @@ static CUresult error_lookup(CUresult error, const char **pStr, bool name) {
 API CUresult cuGetErrorString(CUresult error, const char **pStr) { return error_lookup(error, pStr, false); }
 API CUresult cuGetErrorName(CUresult error, const char **pStr) { return error_lookup(error, pStr, true); }
 
+/* No private tables (see the top of this file). */
 API CUresult cuGetExportTable(const void **ppExportTable, const CUuuid *pExportTableId) {
     if (ppExportTable) *ppExportTable = NULL;
     return CUDA_ERROR_NOT_SUPPORTED;
