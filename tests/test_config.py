@@ -437,6 +437,19 @@ def test_device_plugin_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.metrics_port == 19400
 
 
+def test_the_grant_directory_is_not_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interposer reads /run/gpuslice whatever the agent is told: a setting that
+    moved the mount elsewhere would leave containers without their grant."""
+    set_env(
+        monkeypatch,
+        {"GPUSLICE_NODE_NAME": "n1", "GPUSLICE_CONTAINER_REGION_DIR": "/somewhere/else"},
+    )
+    s = load(DevicePluginSettings)
+    assert "container_region_dir" not in DevicePluginSettings.model_fields
+    assert "/somewhere/else" not in s.model_dump_json()
+    assert s.container_lib_dir == "/usr/local/gpuslice"
+
+
 @pytest.mark.parametrize(
     ("cls", "env", "variable"),
     [

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import struct
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -290,6 +292,98 @@ def test_size_field_mismatch(tmp_path: Path) -> None:
 
 def test_not_a_file(tmp_path: Path) -> None:
     expect_error(tmp_path, "not a regular file")
+
+
+def test_a_link_is_not_followed(tmp_path: Path) -> None:
+    target = write(tmp_path / "target", sample_region())
+    (tmp_path / "link").symlink_to(target)
+    expect_error(tmp_path / "link", "cannot open: Too many levels of symbolic links")
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    expect_error(tmp_path / "fifo", "not a regular file")
+
+
+def test_open_beneath_a_directory_descriptor_and_the_inode(tmp_path: Path) -> None:
+    path = write(tmp_path / "region", sample_region())
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with Region.open("region", dir_fd=fd) as r:
+            assert r.devices()[0].uuid == UUID0
+            st = path.stat()
+            assert r.inode == (st.st_dev, st.st_ino)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- the agent's region
+
+
+@pytest.fixture
+def dir_fd(tmp_path: Path) -> Iterator[int]:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield fd
+    os.close(fd)
+
+
+def test_create_sets_up_the_devices_in_order(tmp_path: Path, dir_fd: int) -> None:
+    old = os.umask(0o077)
+    try:
+        Region.create(dir_fd, "region", [(UUID1, 4 * GiB, 30), (UUID0, GiB, 100)])
+    finally:
+        os.umask(old)
+    path = tmp_path / "region"
+    st = path.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_size, st.st_nlink) == (0o666, REGION_SIZE, 1)
+    with Region.open(path) as r:
+        assert [(d.uuid, d.limit_bytes, d.sm_limit_percent) for d in r.devices()] == [
+            (UUID1, 4 * GiB, 30),
+            (UUID0, GiB, 0),  # a whole device is no SM limit
+        ]
+        assert r.processes() == ()
+        assert r.agent_heartbeat_ns == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["region"]  # no temporary left
+
+
+def test_create_takes_the_mode_asked(tmp_path: Path, dir_fd: int) -> None:
+    Region.create(dir_fd, "region", [(UUID0, GiB, 10)], mode=0o600)
+    assert stat.S_IMODE((tmp_path / "region").stat().st_mode) == 0o600
+
+
+def test_create_keeps_a_region_the_interposer_takes(tmp_path: Path, dir_fd: int) -> None:
+    Region.create(dir_fd, "region", [(UUID0, GiB, 10)])
+    path = tmp_path / "region"
+    inode = path.stat().st_ino
+    with Region.open(path, writable=True) as r:
+        r.heartbeat()
+    Region.create(dir_fd, "region", [(UUID1, 2 * GiB, 20)])
+    assert path.stat().st_ino == inode
+    with Region.open(path) as r:
+        assert r.agent_heartbeat_ns > 0
+        assert r.devices()[0].uuid == UUID0
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o644, 0o660])
+def test_create_replaces_a_region_of_another_mode(tmp_path: Path, dir_fd: int, mode: int) -> None:
+    Region.create(dir_fd, "region", [(UUID0, GiB, 10)])
+    path = tmp_path / "region"
+    path.chmod(mode)
+    inode = path.stat().st_ino
+    Region.create(dir_fd, "region", [(UUID0, GiB, 10)])
+    assert path.stat().st_ino != inode
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666
+
+
+def test_create_refuses_what_the_region_cannot_hold(tmp_path: Path, dir_fd: int) -> None:
+    too_many = [(f"GPU-{i}", GiB, 10) for i in range(MAX_DEVICES + 1)]
+    with pytest.raises(ValueError, match=f"{MAX_DEVICES + 1} devices"):
+        Region.create(dir_fd, "region", too_many)
+    with pytest.raises(ValueError, match="does not fit the region"):
+        Region.create(dir_fd, "region", [("GPU-" + "f" * 92, GiB, 10)])
+    with pytest.raises(ValueError, match="does not fit the region"):
+        Region.create(dir_fd, "region", [("", GiB, 10)])
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- the agent's writes

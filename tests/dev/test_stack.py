@@ -6,6 +6,7 @@ preloaded on the fake CUDA driver."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import uuid
 from typing import Any
@@ -69,6 +70,18 @@ async def test_a_mixed_workload_end_to_end(
     )
     multi = gpu_pod("multi", ["probe", "init", "ctx", "ctx", "1"], gpus=2, mem=1000)
     whole = gpu_pod("whole", ["probe", "init", "ctx", "info"])
+    # a process that sets its own limits and region: the grant holds it all the same
+    rogue = gpu_pod(
+        "rogue",
+        [
+            "sh",
+            "-c",
+            "CUDA_DEVICE_MEMORY_LIMIT=100g CUDA_DEVICE_MEMORY_LIMIT_0=100g"
+            " CUDA_DEVICE_MEMORY_SHARED_CACHE=/tmp/gpuslice-rogue-region"
+            " exec probe init ctx alloc 1g alloc 2g info",
+        ],
+        mem=2000,
+    )
     quota = gpu_pod("greedy", ["probe", "init"], mem=8000)
 
     async def telemetry_seen() -> bool:
@@ -91,13 +104,14 @@ async def test_a_mixed_workload_end_to_end(
         await driver.run_pod(t4),
         await driver.run_pod(multi),
         await driver.run_pod(whole),
+        await driver.run_pod(rogue),
         await driver.run_pod(quota, namespace="team"),
     ]
     by_name = {o.name: o for o in outcomes}
     assert seen, "no telemetry reached the inventory while the sharing pods ran"
 
     # every pod placed or denied for the right reason
-    for name in ("share-0", "share-1", "share-2", "t4", "multi", "whole"):
+    for name in ("share-0", "share-1", "share-2", "t4", "multi", "whole", "rogue"):
         assert by_name[name].phase == "Succeeded", (name, by_name[name].containers)
     assert by_name["greedy"].phase == "Denied"
     assert "exceeded quota" in by_name["greedy"].reason
@@ -126,6 +140,10 @@ async def test_a_mixed_workload_end_to_end(
     assert '"rc":0' in allocs[0]
     assert '"rc":2' in allocs[1]  # CUDA_ERROR_OUT_OF_MEMORY
     assert by_name["over"].phase == "Succeeded"  # the probe reports, it does not crash
+    # (the interposer's log shares the output)
+    rogue_lines = [json.loads(x) for x in probe_lines(by_name["rogue"]) if x.startswith("{")]
+    assert [line["rc"] for line in rogue_lines if line["cmd"] == "alloc"] == [0, 2]
+    assert [line["total"] for line in rogue_lines if line["cmd"] == "info"] == [2000 << 20]
 
     # the audit stream holds the whole story of every placed pod
     placed = [o for o in outcomes if o.placement is not None]

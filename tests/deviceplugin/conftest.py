@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +20,8 @@ import pytest
 from gpuslice_cli.dev.kubelet import DevKubelet
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.grant import Grant as ContainerGrant
+from gpuslice_common.grant import GrantDevice
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
 from gpuslice_common.servers import NatsServer, free_port
@@ -28,6 +30,8 @@ from gpuslice_deviceplugin.service import Running, running
 from tests.native.probe import Native
 
 NODE = "node-a"
+MIB = 1 << 20
+FAKE_MEMORY = 80 << 30  # the fake driver's card, all of it
 FAST = LinkTiming(poll_s=0.05, backoff_s=0.05, backoff_max_s=0.2, max_failures=4)
 
 SIMULATED = """
@@ -125,6 +129,34 @@ async def plugin_ledger(settings: DevicePluginSettings) -> AsyncIterator[Ledger]
 
 
 Grant = tuple[str, int, int]  # (uuid, memory MiB, cores)
+
+
+def make_grant(
+    pod_uid: str,
+    container: str,
+    devices: Sequence[str],
+    *,
+    memory: int = FAKE_MEMORY,
+    sm: int = 0,
+    policy: str = "default",
+    priority: int = 1,
+) -> ContainerGrant:
+    """A container's grant as the agent writes it: ``memory`` bytes and ``sm`` percent
+    on each of ``devices``, control required, no context overhead counted."""
+    return ContainerGrant.model_validate(
+        {
+            "node": NODE,
+            "pod_uid": pod_uid,
+            "container": container,
+            "policy": policy,
+            "priority": priority,
+            "control_optional": False,
+            "context_overhead_bytes": 0,
+            "devices": tuple(
+                GrantDevice(uuid=u, memory_bytes=memory, sm_percent=sm) for u in devices
+            ),
+        }
+    )
 
 
 def placement(

@@ -1,5 +1,5 @@
-"""The agent's host directory: container directories, owner records, cleanup and the
-installed interposer."""
+"""The agent's host directory: container directories with their owner records, grants
+and regions, cleanup and the installed interposer."""
 
 from __future__ import annotations
 
@@ -7,13 +7,17 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from gpuslice_common.grant import Grant, GrantDevice
+from gpuslice_common.grant import parse as parse_grant
+from gpuslice_common.region import REGION_SIZE, Region
 from gpuslice_deviceplugin.containers import (
+    GRANT_FILE,
     OWNER_FILE,
     REGION_FILE,
     ContainerOwner,
@@ -38,8 +42,33 @@ def owner(pod_uid: str = UID, container: str = "main", at: float | None = None) 
     )
 
 
+def grant(o: ContainerOwner, memory_mib: int = 1024, sm: int = 30) -> Grant:
+    """The grant the agent would write for ``o``: ``memory_mib`` and ``sm`` on each GPU."""
+    return Grant(
+        node="node-a",
+        pod_uid=o.pod_uid,
+        container=o.container,
+        policy="force",
+        priority=0,
+        control_optional=False,
+        context_overhead_bytes=64 << 20,
+        devices=tuple(
+            GrantDevice(uuid=u, memory_bytes=memory_mib << 20, sm_percent=sm) for u in o.devices
+        ),
+    )
+
+
+def prepare(host: HostDir, o: ContainerOwner) -> Path:
+    return host.prepare_container(o, grant(o))
+
+
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
+
+
+def region_devices(path: Path) -> list[tuple[str, int, int]]:
+    with Region.open(path) as r:
+        return [(d.uuid, d.limit_bytes, d.sm_limit_percent) for d in r.devices()]
 
 
 @pytest.fixture
@@ -144,27 +173,163 @@ def test_an_owner_with_an_unsafe_pod_uid_cannot_be_made() -> None:
 
 
 @pytest.mark.usefixtures("strict_umask")
-def test_prepare_makes_a_world_writable_directory_whatever_the_umask(host: HostDir) -> None:
+def test_prepare_lays_out_the_container_with_fixed_modes_whatever_the_umask(
+    host: HostDir,
+) -> None:
     o = owner()
-    directory = host.prepare_container(o)
+    directory = host.prepare_container(o, grant(o))
     assert directory == host.container_dir(UID, "main")
-    assert mode(directory) == 0o777
+    assert mode(host.containers_root) == 0o700  # no other user of the host reaches in
     assert mode(directory.parent) == 0o755
-    assert mode(host.containers_root) == 0o755
-    record = directory / OWNER_FILE
-    assert mode(record) == 0o644
-    assert ContainerOwner.from_json(record.read_text()) == o
-    assert [p.name for p in directory.iterdir()] == [OWNER_FILE]  # no temporary left
+    assert mode(directory) == 0o755  # the container cannot add, swap or link files here
+    assert mode(directory / OWNER_FILE) == 0o644
+    assert mode(directory / GRANT_FILE) == 0o444
+    assert mode(directory / REGION_FILE) == 0o666  # the container may run as any user
+    assert ContainerOwner.from_json((directory / OWNER_FILE).read_text()) == o
+    assert parse_grant((directory / GRANT_FILE).read_text()) == grant(o)
+    # the region is there before any process of the container runs, set up for it
+    assert region_devices(directory / REGION_FILE) == [
+        (GPU1, 1024 << 20, 30),
+        (GPU0, 1024 << 20, 30),
+    ]
+    assert (directory / REGION_FILE).stat().st_size == REGION_SIZE
+    assert (directory / REGION_FILE).stat().st_nlink == 1
+    # no temporary left
+    assert sorted(p.name for p in directory.iterdir()) == [GRANT_FILE, OWNER_FILE, REGION_FILE]
 
 
-def test_preparing_again_replaces_the_owner_record(host: HostDir) -> None:
+def test_a_container_directory_of_the_older_layout_is_closed_again(host: HostDir) -> None:
+    o = owner()
+    directory = host.container_dir(UID, "main")
+    directory.mkdir(parents=True)
+    for path in (host.containers_root, directory.parent, directory):
+        path.chmod(0o777)
+    host.prepare_container(o, grant(o))
+    assert (mode(host.containers_root), mode(directory.parent), mode(directory)) == (
+        0o700,
+        0o755,
+        0o755,
+    )
+
+
+def test_a_whole_gpu_is_no_sm_limit_in_the_region(host: HostDir) -> None:
+    o = owner()
+    directory = host.prepare_container(o, grant(o, memory_mib=512, sm=100))
+    assert region_devices(directory / REGION_FILE) == [(GPU1, 512 << 20, 0), (GPU0, 512 << 20, 0)]
+    assert parse_grant((directory / GRANT_FILE).read_text()).devices[0].sm_percent == 100
+
+
+def test_preparing_again_replaces_the_records_and_keeps_a_valid_region(host: HostDir) -> None:
     first = owner(at=100.0)
-    directory = host.prepare_container(first)
-    (directory / REGION_FILE).write_bytes(b"kept")
+    directory = host.prepare_container(first, grant(first))
+    region = directory / REGION_FILE
+    inode = region.stat().st_ino
+    with Region.open(region, writable=True) as r:  # as the coordinator marks it
+        r.set_flags(0, shared=True, yield_=True)
     again = replace(first, allocated_at=200.0)
-    assert host.prepare_container(again) == directory
+    assert host.prepare_container(again, grant(again, memory_mib=2048)) == directory
     assert host.containers() == [(again, directory)]
-    assert (directory / REGION_FILE).read_bytes() == b"kept"
+    assert parse_grant((directory / GRANT_FILE).read_text()) == grant(again, memory_mib=2048)
+    assert region.stat().st_ino == inode  # a running container maps it: kept as it is
+    with Region.open(region) as r:
+        assert (r.devices()[0].shared, r.devices()[0].yield_) == (True, True)
+    assert sorted(p.name for p in directory.iterdir()) == [GRANT_FILE, OWNER_FILE, REGION_FILE]
+
+
+def _symlink(region: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(region.read_bytes())  # a valid region, even
+    region.unlink()
+    region.symlink_to(target)
+    return target
+
+
+def _fifo(region: Path, tmp_path: Path) -> None:
+    region.unlink()
+    os.mkfifo(region)  # opening it to read would wait for a writer forever
+
+
+def _truncated(region: Path, tmp_path: Path) -> None:
+    os.truncate(region, 100)
+
+
+def _garbage(region: Path, tmp_path: Path) -> None:
+    region.write_bytes(b"\x01" * REGION_SIZE)
+
+
+def _private(region: Path, tmp_path: Path) -> None:
+    region.chmod(0o600)  # as the interposer made it in the older layout
+
+
+def _linked(region: Path, tmp_path: Path) -> Path:
+    other = region.parent / "other"
+    os.link(region, other)
+    return other
+
+
+def _longer(region: Path, tmp_path: Path) -> None:
+    with region.open("ab") as f:
+        f.write(b"\0" * 4096)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [_symlink, _fifo, _truncated, _garbage, _private, _linked, _longer],
+    ids=["symlink", "fifo", "truncated", "garbage", "mode-0600", "hard-link", "longer"],
+)
+def test_preparing_again_replaces_what_the_interposer_would_refuse_at_region(
+    host: HostDir, tmp_path: Path, spoil: Callable[[Path, Path], Path | None]
+) -> None:
+    o = owner()
+    directory = host.prepare_container(o, grant(o))
+    region = directory / REGION_FILE
+    aside = spoil(region, tmp_path)
+    kept = aside.read_bytes() if aside is not None else b""
+    assert host.prepare_container(o, grant(o)) == directory
+    st = os.lstat(region)
+    assert stat.S_ISREG(st.st_mode)
+    assert (stat.S_IMODE(st.st_mode), st.st_nlink, st.st_size) == (0o666, 1, REGION_SIZE)
+    assert region_devices(region) == [(GPU1, 1024 << 20, 30), (GPU0, 1024 << 20, 30)]
+    if aside is not None:  # never written through: the link's target is untouched
+        assert aside.read_bytes() == kept
+        assert not aside.is_symlink()
+    left = {p.name for p in directory.iterdir()} - {aside.name if aside else ""}
+    assert left == {GRANT_FILE, OWNER_FILE, REGION_FILE}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away takes root")
+def test_a_region_of_another_owner_is_replaced(host: HostDir) -> None:
+    o = owner()
+    region = host.prepare_container(o, grant(o)) / REGION_FILE
+    os.chown(region, 4242, 4242)
+    host.prepare_container(o, grant(o))
+    assert region.stat().st_uid == os.geteuid()
+
+
+@pytest.mark.parametrize("level", ["pod", "container"])
+def test_a_symlinked_directory_is_refused(host: HostDir, tmp_path: Path, level: str) -> None:
+    o = owner()
+    directory = host.prepare_container(o, grant(o))
+    elsewhere = tmp_path / "elsewhere"
+    moved = directory.parent if level == "pod" else directory
+    moved.rename(elsewhere)
+    moved.symlink_to(elsewhere, target_is_directory=True)
+    before = sorted((p.name, p.read_bytes()) for p in elsewhere.rglob("*") if p.is_file())
+    # O_NOFOLLOW | O_DIRECTORY on a link: ENOTDIR (ELOOP without O_DIRECTORY)
+    with pytest.raises(NotADirectoryError), host.open_container_dir(directory):
+        pass
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        host.prepare_container(o, grant(o, memory_mib=1))
+    after = sorted((p.name, p.read_bytes()) for p in elsewhere.rglob("*") if p.is_file())
+    assert after == before  # nothing written through the link
+
+
+def test_open_container_dir_opens_the_directory_itself(host: HostDir) -> None:
+    o = owner()
+    directory = host.prepare_container(o, grant(o))
+    with host.open_container_dir(directory) as fd:
+        assert os.fstat(fd).st_ino == directory.stat().st_ino
+        assert sorted(os.listdir(fd)) == [GRANT_FILE, OWNER_FILE, REGION_FILE]
 
 
 def test_containers_lists_prepared_directories_and_skips_bad_records(
@@ -172,10 +337,10 @@ def test_containers_lists_prepared_directories_and_skips_bad_records(
 ) -> None:
     good = [owner("pod-b", "main"), owner("pod-a", "side"), owner("pod-a", "main")]
     for o in good:
-        host.prepare_container(o)
-    corrupt = host.prepare_container(owner("pod-c")) / OWNER_FILE
+        prepare(host, o)
+    corrupt = prepare(host, owner("pod-c")) / OWNER_FILE
     corrupt.write_text('{"pod_uid": ')
-    elsewhere = host.prepare_container(owner("pod-d")) / OWNER_FILE
+    elsewhere = prepare(host, owner("pod-d")) / OWNER_FILE
     elsewhere.write_text(owner("pod-a").to_json())  # names another directory
     (host.containers_root / "pod-e" / "main").mkdir(parents=True)  # no record yet
     (host.containers_root / "not a pod").mkdir()
@@ -202,13 +367,13 @@ def test_a_container_cannot_plant_links_or_fifos_as_its_owner_record(
 ) -> None:
     elsewhere = tmp_path / "forged.json"
     elsewhere.write_text(owner("pod-l").to_json())
-    link = host.prepare_container(owner("pod-l")) / OWNER_FILE
+    link = prepare(host, owner("pod-l")) / OWNER_FILE
     link.unlink()
     link.symlink_to(elsewhere)
-    fifo = host.prepare_container(owner("pod-f")) / OWNER_FILE
+    fifo = prepare(host, owner("pod-f")) / OWNER_FILE
     fifo.unlink()
     os.mkfifo(fifo)  # reading it would wait for a writer forever
-    huge = host.prepare_container(owner("pod-h")) / OWNER_FILE
+    huge = prepare(host, owner("pod-h")) / OWNER_FILE
     huge.write_bytes(b" " * (1 << 20))
     with caplog.at_level(logging.WARNING, logger="gpuslice_deviceplugin.containers"):
         assert host.containers() == []
@@ -227,13 +392,13 @@ def test_containers_of_a_missing_root_is_empty(host: HostDir) -> None:
 
 def test_cleanup_removes_only_old_directories_of_dead_pods(host: HostDir) -> None:
     now = 1_000_000.0
-    host.prepare_container(owner("live", at=now - 3600))
-    host.prepare_container(owner("young", at=now - 30))
-    host.prepare_container(owner("old", at=now - 3600))
-    host.prepare_container(owner("old", "side", at=now - 3600))
-    host.prepare_container(owner("mixed", at=now - 3600))
-    host.prepare_container(owner("mixed", "late", at=now - 10))  # its newest counts
-    corrupt = host.prepare_container(owner("corrupt"))  # aged by the directory's mtime
+    prepare(host, owner("live", at=now - 3600))
+    prepare(host, owner("young", at=now - 30))
+    prepare(host, owner("old", at=now - 3600))
+    prepare(host, owner("old", "side", at=now - 3600))
+    prepare(host, owner("mixed", at=now - 3600))
+    prepare(host, owner("mixed", "late", at=now - 10))  # its newest counts
+    corrupt = prepare(host, owner("corrupt"))  # aged by the directory's mtime
     (corrupt / OWNER_FILE).write_text("garbage")
     os.utime(corrupt, (now - 3600, now - 3600))
     bare = host.containers_root / "bare"
@@ -249,13 +414,13 @@ def test_cleanup_removes_only_old_directories_of_dead_pods(host: HostDir) -> Non
 
 
 def test_cleanup_defaults_to_the_current_time(host: HostDir) -> None:
-    host.prepare_container(owner("gone", at=time.time() - 120))
-    host.prepare_container(owner("fresh"))
+    prepare(host, owner("gone", at=time.time() - 120))
+    prepare(host, owner("fresh"))
     assert host.cleanup(set(), grace_s=60) == ["gone"]
 
 
 def test_remove_pod_deletes_its_containers_and_tolerates_absence(host: HostDir) -> None:
-    directory = host.prepare_container(owner())
+    directory = prepare(host, owner())
     (directory / REGION_FILE).write_bytes(b"\0" * 64)
     host.remove_pod(UID)
     assert not directory.parent.exists()

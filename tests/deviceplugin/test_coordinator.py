@@ -1,6 +1,11 @@
 """Compute coordination on regions the real interposer writes under the fake driver:
 which containers are active on a GPU, the flags they get, how the limiter reacts,
-and the metrics exported from it."""
+and the metrics exported from it.
+
+Each container is prepared as the agent prepares it at Allocate (its grant and its
+region), and its processes run as a container's do: held to the grant, found
+through ``GPUSLICE_GRANT_DIR`` (the plain-process stand-in for the read-only
+mount at ``/run/gpuslice``), with no limit in their environment."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from gpuslice_deviceplugin.coordinator import (
     DeviceState,
 )
 from gpuslice_deviceplugin.metrics import RegionCollector, registry_with
+from tests.deviceplugin.conftest import FAKE_MEMORY, make_grant
 from tests.native.probe import ProbeProcess, ProbeSpawner
 
 MiB = 1 << 20
@@ -46,8 +52,18 @@ def coordinator(host: HostDir) -> Iterator[Coordinator]:
     c.close()
 
 
-def prepare(host: HostDir, pod: str, devices: tuple[str, ...] = (gpu(0),)) -> Path:
-    """A prepared container directory; the path of its region file."""
+def prepare(
+    host: HostDir,
+    pod: str,
+    devices: tuple[str, ...] = (gpu(0),),
+    *,
+    memory: int = FAKE_MEMORY,
+    sm: int = 0,
+    policy: str = "default",
+    priority: int = 1,
+) -> Path:
+    """A container prepared by the agent, granted ``memory`` bytes and ``sm`` percent
+    of each of ``devices`` with ``policy`` and ``priority``; the path of its region."""
     o = ContainerOwner(
         pod_uid=pod,
         namespace="team",
@@ -56,27 +72,20 @@ def prepare(host: HostDir, pod: str, devices: tuple[str, ...] = (gpu(0),)) -> Pa
         devices=devices,
         allocated_at=time.time(),
     )
-    return host.prepare_container(o) / REGION_FILE
+    grant = make_grant(pod, "main", devices, memory=memory, sm=sm, policy=policy, priority=priority)
+    return host.prepare_container(o, grant) / REGION_FILE
 
 
-def env(
-    region: Path, devices: tuple[str, ...] = (gpu(0),), **extra: str | int
-) -> dict[str, str | int]:
-    """A GPU container's environment, as the device plugin gives it."""
-    return {
-        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(region),
-        "NVIDIA_VISIBLE_DEVICES": ",".join(devices),
-        **extra,
-    }
+def env(region: Path, **extra: str | int) -> dict[str, str | int]:
+    """A process of the container whose region is ``region``: its grant directory."""
+    return {"GPUSLICE_GRANT_DIR": str(region.parent), **extra}
 
 
 def holding(
     spawn_probe: ProbeSpawner, region: Path, *, device: int = 0, **extra: str | int
 ) -> ProbeProcess:
     """A process of the container holding 64 MiB on ``device`` until killed."""
-    proc = spawn_probe(
-        "init", "ctx", device, "alloc", "64m", "hold", env=env(region, (gpu(device),), **extra)
-    )
+    proc = spawn_probe("init", "ctx", device, "alloc", "64m", "hold", env=env(region, **extra))
     proc.wait_for("hold")
     return proc
 
@@ -217,9 +226,9 @@ def test_kernels_under_a_limit_make_a_container_active(
     host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
 ) -> None:
     # No memory held (contexts cost nothing here): only its busy time shows it works.
-    a_region, b_region = prepare(host, "a"), prepare(host, "b")
-    limited = env(a_region, CUDA_DEVICE_SM_LIMIT=50, GPU_CORE_UTILIZATION_POLICY="force")
-    runner = spawn_probe("init", "ctx", "run", 5, 1000, env=limited)
+    a_region = prepare(host, "a", sm=50, policy="force")
+    b_region = prepare(host, "b")
+    runner = spawn_probe("init", "ctx", "run", 5, 1000, env=env(a_region))
     holding(spawn_probe, b_region)
     deadline = time.monotonic() + 4
     while time.monotonic() < deadline:
@@ -239,11 +248,9 @@ def test_kernels_under_a_limit_make_a_container_active(
 def test_a_high_priority_container_makes_low_ones_yield_while_it_is_active(
     host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
 ) -> None:
-    high_region, low_region = prepare(host, "high"), prepare(host, "low")
-    holding(spawn_probe, low_region, CUDA_TASK_PRIORITY=1)
-    high = spawn_probe(
-        "init", "ctx", "alloc", "64m", "sleep", 500, env=env(high_region, CUDA_TASK_PRIORITY=0)
-    )
+    high_region, low_region = prepare(host, "high", priority=0), prepare(host, "low", priority=1)
+    holding(spawn_probe, low_region)
+    high = spawn_probe("init", "ctx", "alloc", "64m", "sleep", 500, env=env(high_region))
     high.wait_for("alloc")
     snap = coordinator.tick()
     assert container(snap, "high").high_priority
@@ -285,14 +292,17 @@ def test_foreign_and_unfinished_regions_are_skipped(
 ) -> None:
     good = prepare(host, "good")
     holding(spawn_probe, good)
+    # what a directory of the older, container-writable layout may hold
     foreign = prepare(host, "foreign")
     foreign.write_bytes(b"\x01" * 8192)
     unfinished = prepare(host, "unfinished")
     unfinished.write_bytes(bytes(8192))  # created, header not yet written
-    prepare(host, "empty")  # no region yet
+    prepare(host, "empty").unlink()  # no region
     link = prepare(host, "link")
+    link.unlink()
     link.symlink_to(good)  # would count the good container twice
     fifo = prepare(host, "fifo")
+    fifo.unlink()
     os.mkfifo(fifo)  # opening it to read would wait forever
     with caplog.at_level(logging.WARNING, logger="gpuslice_deviceplugin.coordinator"):
         snapshots = [coordinator.tick() for _ in range(3)]
@@ -352,7 +362,8 @@ def test_a_replaced_region_is_mapped_afresh(
     region = prepare(host, "a")
     holding(spawn_probe, region).stop()  # killed: its 64 MiB stay in the old file
     assert state(coordinator.tick(), "a").usage.used_bytes == 64 * MiB
-    region.unlink()  # the container restarts with a new region
+    region.unlink()
+    assert prepare(host, "a") == region  # the agent makes a new one
     spawn_probe("init", "ctx", "alloc", "128m", "hold", env=env(region)).wait_for("hold")
     assert state(coordinator.tick(), "a").usage.used_bytes == 128 * MiB
     maps = Path("/proc/self/maps").read_text()
@@ -365,17 +376,16 @@ def test_a_replaced_region_is_mapped_afresh(
 def test_the_default_policy_limits_only_while_another_container_is_active(
     host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
 ) -> None:
-    a_region, b_region = prepare(host, "a"), prepare(host, "b")
+    a_region = prepare(host, "a", sm=30, policy="default")
+    b_region = prepare(host, "b", sm=30, policy="default")
     with Ticker(coordinator, 0.1) as ticker:
         a = spawn_probe(
             "init", "ctx", "alloc", "64m", "sleep", 300,
             "run", 1.5, 2000, "run", 1, 2000, "run", 1, 2000,
-            env=env(a_region, GPU_CORE_UTILIZATION_POLICY="default", CUDA_DEVICE_SM_LIMIT=30),
+            env=env(a_region),
         )  # fmt: skip
         alone = a.wait_for("run", timeout=20)
-        holding(
-            spawn_probe, b_region, GPU_CORE_UTILIZATION_POLICY="default", CUDA_DEVICE_SM_LIMIT=30
-        )
+        holding(spawn_probe, b_region)
         a.wait_for("run", timeout=20)  # the second in which the coordinator notices
         beside = a.wait_for("run", timeout=20)
         snap = ticker.snapshot
@@ -400,12 +410,10 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_metrics_show_the_region(
     host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
 ) -> None:
-    region = prepare(host, "a")
+    region = prepare(host, "a", memory=1 << 30, sm=25, policy="force")
     proc = spawn_probe(
-        "init", "ctx", "alloc", "64m", "alloc", "2g", "run", 0.3, 1000, "hold",
-        env=env(region, CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_SM_LIMIT=25,
-                GPU_CORE_UTILIZATION_POLICY="force"),
-    )  # fmt: skip
+        "init", "ctx", "alloc", "64m", "alloc", "2g", "run", 0.3, 1000, "hold", env=env(region)
+    )
     proc.wait_for("hold")
     latest: list[CoordinatorSnapshot | None] = [None]
     registry = registry_with(RegionCollector(lambda: latest[0]))

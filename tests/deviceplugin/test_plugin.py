@@ -14,14 +14,17 @@ from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.events import AllocationEvent, CloudEvent, EventType, parse_event
+from gpuslice_common.grant import Grant, GrantDevice
+from gpuslice_common.grant import parse as parse_grant
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.models import NodeInventory, PlacementState
+from gpuslice_common.region import Region
 from gpuslice_deviceplugin.allocation import without_credentials
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.kubelet import KubeletLinkError
 from gpuslice_deviceplugin.service import Running, running
-from tests.deviceplugin.conftest import FAST, NODE, SIMULATED, bind, placement, uuids
+from tests.deviceplugin.conftest import FAST, MIB, NODE, SIMULATED, bind, placement, uuids
 
 
 def write(path: Path, text: str) -> None:
@@ -34,6 +37,17 @@ def read(path: Path) -> bytes:
 
 def is_socket(path: Path) -> bool:
     return path.is_socket()
+
+
+def granted(directory: Path) -> Grant:
+    """The grant the agent wrote into a container's directory."""
+    return parse_grant((directory / "grant").read_text())
+
+
+def region_devices(directory: Path) -> list[tuple[str, int, int]]:
+    """(UUID, memory limit, SM limit) of each device of the region the agent made."""
+    with Region.open(directory / "region") as r:
+        return [(d.uuid, d.limit_bytes, d.sm_limit_percent) for d in r.devices()]
 
 
 async def registered(kubelet: DevKubelet, number: int = 1) -> Plugin:
@@ -201,11 +215,28 @@ async def test_allocate_one_gpu_answers_env_and_mounts(
     assert not any(k.startswith("GPUSLICE_NATS_") and k != "GPUSLICE_NATS_URL" for k in env)
     mounts = {m.container_path: (m.host_path, m.read_only) for m in response.mounts}
     region_dir = host.container_dir("p1", "c0")
+    # the container sees its directory read-only, and only the region writable
     assert mounts == {
         "/usr/local/gpuslice/libgpuslice.so": (str(host.lib_path), True),
         "/etc/ld.so.preload": (str(host.preload_path), True),
-        "/run/gpuslice": (str(region_dir), False),
+        "/run/gpuslice": (str(region_dir), True),
+        "/run/gpuslice/region": (str(region_dir / "region"), False),
     }
+    order = [m.container_path for m in response.mounts]
+    assert order.index("/run/gpuslice") < order.index("/run/gpuslice/region")
+    # the limits are the grant's, written before the answer: the ledger's, and the
+    # node configuration's policy and (default) context overhead
+    assert granted(region_dir) == Grant(
+        node=NODE,
+        pod_uid="p1",
+        container="c0",
+        policy="default",
+        priority=1,
+        control_optional=False,
+        context_overhead_bytes=384 * MIB,
+        devices=(GrantDevice(uuid=gpu, memory_bytes=4096 * MIB, sm_percent=30),),
+    )
+    assert region_devices(region_dir) == [(gpu, 4096 * MIB, 30)]
     assert read(host.lib_path) == read(Path(agent.settings.interposer_library))
     assert read(host.preload_path) == b"/usr/local/gpuslice/libgpuslice.so\n"
     owner = ContainerOwner.from_json(read(region_dir / "owner.json"))
@@ -238,6 +269,12 @@ async def test_allocate_two_gpus_prefers_the_scheduler_s_cards(
     )
     assert (env["CUDA_DEVICE_SM_LIMIT_0"], env["CUDA_DEVICE_SM_LIMIT_1"]) == ("20", "50")
     assert "CUDA_DEVICE_SM_LIMIT" not in env
+    directory = agent.host.container_dir("p2", "c0")
+    assert granted(directory).devices == (  # in the container's order, as the environment
+        GrantDevice(uuid=b, memory_bytes=1000 * MIB, sm_percent=20),
+        GrantDevice(uuid=a, memory_bytes=2000 * MIB, sm_percent=50),
+    )
+    assert region_devices(directory) == [(b, 1000 * MIB, 20), (a, 2000 * MIB, 50)]
     chosen = {i.split("::")[0] for i in plugin.allocated}
     assert chosen == {a, b}  # kubelet's replicas stand for the scheduler's two cards
 
@@ -434,8 +471,12 @@ async def test_disable_control_leaves_the_preload_out(
         )
         debug = await plugin.admit_container(1)
         normal = await plugin.admit_container(1)  # pod 'ctl' is not known to the API: enforced
+        host = state.host
     assert "/etc/ld.so.preload" not in {m.container_path for m in debug.mounts}
     assert "/etc/ld.so.preload" in {m.container_path for m in normal.mounts}
+    # only the pod that asked may turn the interposer off: its grant says so
+    assert granted(host.container_dir("dbg", "c0")).control_optional is True
+    assert granted(host.container_dir("ctl", "c0")).control_optional is False
 
 
 async def test_telemetry_credential_and_context_overhead_reach_the_container(
@@ -455,6 +496,8 @@ async def test_telemetry_credential_and_context_overhead_reach_the_container(
         plugin = await registered(kubelet)
         await bind(state.ledger, placement("cred", [[(uuids(state)[0], 100, 5)]], priority=0))
         env = dict((await plugin.admit_container(1)).envs)
+        grant = granted(state.host.container_dir("cred", "c0"))
+    assert (grant.policy, grant.priority, grant.context_overhead_bytes) == ("force", 0, 300 * MIB)
     assert env["GPUSLICE_NATS_URL"] == "nats://nats.gpuslice:4222"
     assert (env["GPUSLICE_NATS_USER"], env["GPUSLICE_NATS_PASSWORD"]) == ("telemetry", "s3cret")
     assert env["GPUSLICE_CONTEXT_OVERHEAD"] == "300m"

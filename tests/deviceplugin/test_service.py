@@ -26,7 +26,7 @@ from gpuslice_common.servers import free_port
 from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.service import running
 from tests.deviceplugin.conftest import FAST, NODE, bind, placement, uuids
-from tests.native.probe import ProbeSpawner
+from tests.native.probe import ProbeProcess, ProbeSpawner, probe_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -201,14 +201,29 @@ def test_bad_settings_and_config_end_the_process_with_a_message(tmp_path: Path) 
 
 
 def container_env(response_env: dict[str, str], mounts: dict[str, str]) -> dict[str, str]:
-    """What the container's processes see, with its mounts read as host paths."""
+    """What the container's processes see, run here as plain processes: the grant
+    directory is where its mount comes from (/run/gpuslice does not exist here)."""
     env = dict(response_env)
-    region = env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]
-    for container_path, host_path in mounts.items():
-        if region.startswith(container_path + "/"):
-            env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = host_path + region[len(container_path) :]
+    env["GPUSLICE_GRANT_DIR"] = mounts["/run/gpuslice"]
     env["LD_PRELOAD"] = mounts["/usr/local/gpuslice/libgpuslice.so"]
     return env
+
+
+def bare_process(spawn_probe: ProbeSpawner, mounts: dict[str, str], *commands: str) -> ProbeProcess:
+    """A process of the container started with nothing in its environment but the
+    preload, the fake driver and where the grant is (as ``env -i`` would)."""
+    native = spawn_probe.native
+    env = {
+        "LD_PRELOAD": mounts["/usr/local/gpuslice/libgpuslice.so"],
+        "LD_LIBRARY_PATH": str(native.fake_dir),
+        "FAKECUDA_DEVICES": "2",
+        "FAKECUDA_MEMORY": "16g",
+        "GPUSLICE_GRANT_DIR": mounts["/run/gpuslice"],
+    }
+    stderr = spawn_probe.directory / f"bare-{len(spawn_probe.started)}.stderr"
+    proc = ProbeProcess(probe_argv(native, commands, ()), env, stderr)
+    spawn_probe.started.append(proc)  # stopped at the test's end
+    return proc
 
 
 async def test_end_to_end_an_allocate_answer_drives_the_interposer(
@@ -281,6 +296,19 @@ async def test_end_to_end_an_allocate_answer_drives_the_interposer(
     owner = ContainerOwner.from_json(read_owner(Path(mounts["/run/gpuslice"])))
     assert owner.devices == (fake[1],)
     probe.stop()
+    # Another container, whose process starts with an empty environment: no limit,
+    # no region path, no UUID list there. Its grant still holds it.
+    await bind(plugin_ledger, placement("bare", [[(fake[0], 512, 40)]], node="node-e2e"))
+    response = await plugin.admit_container(1)
+    mounts = {m.container_path: m.host_path for m in response.mounts}
+    assert "CUDA_DEVICE_MEMORY_LIMIT_0" in response.envs  # what the process does without
+    bare = bare_process(
+        spawn_probe, mounts, "init", "ctx", "0", "alloc", "400m", "alloc", "100m", "info"
+    )
+    result = bare.result(timeout=20)
+    allocs = [line["rc"] for line in result.by_cmd("alloc")]
+    assert allocs == [0, 2], result.describe()  # 64 + 400 fit in 512 MiB; 100 more do not
+    assert result.one("info")["total"] == 512 << 20
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out

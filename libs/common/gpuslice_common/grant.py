@@ -26,9 +26,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Final, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
-from gpuslice_common.models import Frozen, NonNegInt
+from gpuslice_common.models import Frozen
 
 __all__ = ["GRANT_DIR", "GRANT_FILE", "MAX_DEVICES", "Grant", "GrantDevice", "GrantError", "parse"]
 
@@ -37,9 +37,17 @@ GRANT_FILE: Final = "grant"
 HEADER: Final = "gpuslice-grant 1"
 MAX_DEVICES: Final = 16  # GS_MAX_DEVICES
 MAX_BYTES: Final = 65536
+MAX_NUMBER: Final = (1 << 64) - 2  # a uint64_t below GS_NO_LIMIT, as the interposer reads it
 
-_WORD = r"[^\s#][^\s]*"
-_UUID: Final = re.compile(r"[A-Za-z0-9/-]{1,95}")
+# Patterns are anchored: pydantic finds a pattern anywhere in the string.
+# A word is printable ASCII without spaces, not starting a comment.
+_WORD: Final = r"^[!-\"$-~][!-~]*$"
+_UUID: Final = r"^[A-Za-z0-9/-]{1,95}$"  # valid_uuid() below GS_UUID_LEN
+# ASCII digits, at most 20 (a uint64_t): str.isdigit() takes '²' and other scripts'
+# digits, and int() refuses more than 4300 digits with a ValueError of its own
+_NUMBER: Final = re.compile(r"[0-9]{1,20}")
+
+Bytes = Annotated[int, Field(ge=0, le=MAX_NUMBER)]
 
 
 class GrantError(ValueError):
@@ -47,8 +55,8 @@ class GrantError(ValueError):
 
 
 class GrantDevice(Frozen):
-    uuid: Annotated[str, Field(pattern=_UUID.pattern)]
-    memory_bytes: NonNegInt
+    uuid: Annotated[str, Field(pattern=_UUID)]
+    memory_bytes: Bytes
     sm_percent: Annotated[int, Field(ge=0, le=100)]
 
 
@@ -59,8 +67,15 @@ class Grant(Frozen):
     policy: Literal["default", "force", "disable"]
     priority: Literal[0, 1]
     control_optional: bool  # CUDA_DISABLE_CONTROL is honoured
-    context_overhead_bytes: NonNegInt
+    context_overhead_bytes: Bytes
     devices: Annotated[tuple[GrantDevice, ...], Field(min_length=1, max_length=MAX_DEVICES)]
+
+    @model_validator(mode="after")
+    def _distinct_devices(self) -> Grant:
+        uuids = [d.uuid for d in self.devices]
+        if len(set(uuids)) != len(uuids):  # the interposer refuses such a grant
+            raise ValueError(f"a device is given twice: {', '.join(uuids)}")
+        return self
 
     def render(self) -> str:
         """The file's text."""
@@ -90,15 +105,21 @@ _KEYS: Final = {
 
 
 def parse(text: str) -> Grant:
-    """Read a grant; :class:`GrantError` names what is wrong."""
+    """Read a grant; :class:`GrantError` names what is wrong, and the line."""
     if len(text.encode()) > MAX_BYTES:
         raise GrantError(f"grant is longer than {MAX_BYTES} bytes")
     fields: dict[str, object] = {}
+    where: dict[str, int] = {}  # field -> its line
     devices: list[GrantDevice] = []
     header = False
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line or line.startswith("#"):
+    lines = text.split("\n")
+    if lines[-1] == "":  # the newline ending the last line
+        lines.pop()
+    for number, line in enumerate(lines, 1):
+        if line.startswith("#"):
             continue
+        if not line:  # the interposer takes an empty line for an empty field
+            raise GrantError(f"line {number}: an empty line")
         if not header:
             if line != HEADER:
                 raise GrantError(f"line {number}: a grant starts with {HEADER!r}")
@@ -108,8 +129,12 @@ def parse(text: str) -> Grant:
         if "" in values:
             raise GrantError(f"line {number}: an empty field")
         if key == "device":
-            if len(values) != 3 or not all(v.isdigit() for v in values[1:]):
+            if len(values) != 3 or not all(_NUMBER.fullmatch(v) for v in values[1:]):
                 raise GrantError(f"line {number}: device <uuid> <memory bytes> <sm percent>")
+            if len(devices) == MAX_DEVICES:
+                raise GrantError(f"line {number}: more than {MAX_DEVICES} devices")
+            if any(d.uuid == values[0] for d in devices):
+                raise GrantError(f"line {number}: device {values[0]} given twice")
             try:
                 devices.append(
                     GrantDevice(
@@ -117,7 +142,7 @@ def parse(text: str) -> Grant:
                     )
                 )
             except ValidationError as e:
-                raise GrantError(f"line {number}: {e.errors()[0]['msg']}") from None
+                raise GrantError(f"line {number}: {_first(e)}") from None
             continue
         field = _KEYS.get(key)
         if field is None:
@@ -132,15 +157,22 @@ def parse(text: str) -> Grant:
                 raise GrantError(f"line {number}: control is required or optional")
             value = value == "optional"
         elif field in ("priority", "context_overhead_bytes"):
-            if not values[0].isdigit():
+            if not _NUMBER.fullmatch(values[0]):
                 raise GrantError(f"line {number}: {key} is a number")
             value = int(values[0])
         fields[field] = value
-    if len({d.uuid for d in devices}) != len(devices):
-        raise GrantError("a device is given twice")
+        where[field] = number
+    if not header:
+        raise GrantError(f"a grant starts with {HEADER!r}; this one has no such line")
     try:
         return Grant.model_validate({**fields, "devices": tuple(devices)})
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise GrantError(f"grant: {where}: {first['msg']}") from None
+        field = str(e.errors()[0]["loc"][0])
+        key = next(k for k, f in _KEYS.items() if f == field) if field in _KEYS.values() else field
+        if field in where:
+            raise GrantError(f"line {where[field]}: {key}: {_first(e)}") from None
+        raise GrantError(f"grant: {key}: {_first(e)}") from None
+
+
+def _first(e: ValidationError) -> str:
+    return str(e.errors()[0]["msg"])

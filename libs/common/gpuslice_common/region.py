@@ -214,19 +214,19 @@ class Region:
     ) -> None:
         """Make the region file ``name`` in the directory ``dir_fd``, set up for the
         container's ``devices`` (UUID, memory limit in bytes, SM percent) in order,
-        unless a valid region is already there (a running container maps it).
+        unless a region the interposer takes is already there (a running container
+        maps it): a regular file of this user with ``mode``, one link, the exact
+        size and a valid header.
 
         The file is written in full under a temporary name, given ``mode``, then
         renamed into place, so the interposer never sees it half made. Anything
-        else at ``name`` (a link, a truncated or foreign file) is replaced.
+        else at ``name`` (a link, a FIFO, a truncated or foreign file, a region of
+        another owner, mode or size, or with other links) is replaced.
         """
         if len(devices) > MAX_DEVICES:
             raise ValueError(f"{len(devices)} devices; a region holds {MAX_DEVICES}")
-        try:
-            Region.open(name, dir_fd=dir_fd).close()
+        if _reusable(dir_fd, name, mode):
             return
-        except RegionError:
-            pass
         r = ffi.new("gs_region_t *")
         r.magic, r.version, r.size = MAGIC, VERSION, REGION_SIZE
         r.device_count = len(devices)
@@ -367,6 +367,33 @@ class Region:
         if not self._writable:
             raise RegionError(f"{self._path}: region is open read-only")
         return r
+
+
+def _reusable(dir_fd: int, name: str, mode: int) -> bool:
+    """Whether ``name`` in ``dir_fd`` is a region the interposer takes as the agent's
+    (native/src/region.c, check_region_fd): checked on the open descriptor."""
+    try:
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not (
+            stat.S_ISREG(st.st_mode)
+            and st.st_uid == os.geteuid()
+            and stat.S_IMODE(st.st_mode) == mode
+            and st.st_nlink == 1
+            and st.st_size == REGION_SIZE
+        ):
+            return False
+        _check(Path(name), st.st_size, os.pread(fd, _HEADER_BYTES, 0))
+    except (OSError, RegionError):
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _check(path: Path, size: int, header: bytes) -> None:

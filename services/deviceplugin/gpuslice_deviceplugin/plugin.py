@@ -217,7 +217,8 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         placement = allocation.placement
         container = placement.containers[allocation.container_index]
         control = await self._control_wanted(allocation)
-        response = answer(allocation, self.settings, self.config(), self.host, control=control)
+        config = self.config()  # once: the answer and the grant agree if it is reloaded
+        response = answer(allocation, self.settings, config, self.host, control=control)
         uuids = tuple(g.uuid for g in container.devices)
         owner = ContainerOwner(
             pod_uid=placement.pod.uid,
@@ -227,7 +228,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             devices=uuids,
             allocated_at=time.time(),
         )
-        limits = grant(allocation, self.settings, self.config(), control=control)
+        limits = grant(allocation, self.settings, config, control=control)
         await asyncio.to_thread(self.host.prepare_container, owner, limits)
         if allocation.rivals:
             self.metrics.ambiguous.inc()
