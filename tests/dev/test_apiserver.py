@@ -4,6 +4,9 @@ real HTTP through the kubeconfig it writes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -136,3 +139,44 @@ async def test_requests_without_the_token_or_with_bad_bodies_get_a_status(
         assert garbage.status_code == 422
         assert garbage.json()["message"] == "the request body is not JSON"
     assert (await store.get_pod("team", "a"))["spec"].get("nodeName") is None
+
+
+class Collected(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def test_a_watch_open_when_the_server_stops_ends_as_a_response() -> None:
+    """A service still watching when an attached driver stops: its watch ends as a
+    watch does (the client watches again), not cancelled as an application error."""
+    store = LocalKubeApi()
+    store.add_pod(pod("a", "uid-a"))
+    server = DevApiServer(store)
+    errors = Collected()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(errors)
+    try:
+        async with contextlib.AsyncExitStack() as serving:
+            await serving.enter_async_context(server.serving())
+            auth = {"Authorization": f"Bearer {server.token}"}
+            async with (
+                httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+                http.stream("GET", "/api/v1/pods?watch=true", headers=auth) as response,
+            ):
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                assert json.loads(await anext(lines))["type"] == "ADDED"
+
+                async def rest() -> list[str]:
+                    return [line async for line in lines]
+
+                reading = asyncio.ensure_future(rest())
+                await serving.aclose()  # the server stops, the watch still open
+                assert await asyncio.wait_for(reading, 10) == []  # ended, no more events
+    finally:
+        uvicorn_log.removeHandler(errors)
+    assert [r.getMessage() for r in errors.records] == []

@@ -48,6 +48,26 @@ class Unauthorized(Exception):
     """A request without the kubeconfig's bearer token."""
 
 
+Watched = WatchEvent | WatchExpired | None  # None: the server is stopping
+
+
+class Watches:
+    """The watch streams being served. They are ended when the server stops: a
+    client still watching (a service that outlives an attached driver) would
+    otherwise have its response cancelled when the event loop closes, which
+    uvicorn logs as an exception in the application."""
+
+    def __init__(self) -> None:
+        self.open: set[asyncio.Queue[Watched]] = set()
+        self.closing = False
+
+    def end_all(self) -> None:
+        """End every stream now, and any that starts from now on at once."""
+        self.closing = True
+        for queue in self.open:
+            queue.put_nowait(None)
+
+
 def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
     """A Kubernetes ``Status``, as the API server answers failures."""
     return {
@@ -87,6 +107,7 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
         redoc_url=None,
         dependencies=[Depends(authenticate)],
     )
+    watches = app.state.watches = Watches()
     answers: list[tuple[type[Exception], int, str]] = [
         (Unauthorized, 401, "Unauthorized"),
         (Conflict, 409, "Conflict"),
@@ -174,7 +195,7 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
             return JSONResponse(a_list("PodList", items, kube.resource_version))
         # The watch is read by a task of its own into a queue: waiting on the
         # queue with a timeout never cancels (and so ends) the watch itself.
-        queue: asyncio.Queue[WatchEvent | WatchExpired] = asyncio.Queue()
+        queue: asyncio.Queue[Watched] = asyncio.Queue()
         pump = asyncio.create_task(_pump(kube.watch_pods(resourceVersion), queue))
         try:
             first = await asyncio.wait_for(queue.get(), 0.05)
@@ -184,15 +205,13 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
             pump.cancel()
             return status(410, "Expired", str(first))
         return StreamingResponse(
-            _stream(queue, pump, first, timeoutSeconds), media_type="application/json"
+            _stream(queue, pump, first, timeoutSeconds, watches), media_type="application/json"
         )
 
     return app
 
 
-async def _pump(
-    events: AsyncIterator[WatchEvent], queue: asyncio.Queue[WatchEvent | WatchExpired]
-) -> None:
+async def _pump(events: AsyncIterator[WatchEvent], queue: asyncio.Queue[Watched]) -> None:
     try:
         async for event in events:
             queue.put_nowait(event)
@@ -201,30 +220,36 @@ async def _pump(
 
 
 async def _stream(
-    queue: asyncio.Queue[WatchEvent | WatchExpired],
+    queue: asyncio.Queue[Watched],
     pump: asyncio.Task[None],
-    first: WatchEvent | WatchExpired | None,
+    first: Watched,
     seconds: int,
+    watches: Watches,
 ) -> AsyncIterator[bytes]:
-    """A watch's lines until ``seconds`` pass (then the client watches again)."""
+    """A watch's lines until ``seconds`` pass (then the client watches again) or
+    the server stops."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(1, seconds)
+    watches.open.add(queue)
     try:
         if isinstance(first, WatchExpired):
             yield _line(("ERROR", status_body(410, "Expired", str(first))))
             return
         if first is not None:
             yield _line(first)
-        while (left := deadline - loop.time()) > 0:
+        while not watches.closing and (left := deadline - loop.time()) > 0:
             try:
                 event = await asyncio.wait_for(queue.get(), left)
             except TimeoutError:
+                return
+            if event is None:
                 return
             if isinstance(event, WatchExpired):
                 yield _line(("ERROR", status_body(410, "Expired", str(event))))
                 return
             yield _line(event)
     finally:
+        watches.open.discard(queue)
         pump.cancel()
 
 
@@ -271,8 +296,13 @@ class DevApiServer:
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[DevApiServer]:
-        config = plain_http(create_app(self.kube, self.token), self.host, self.port, "warning")
+        app = create_app(self.kube, self.token)
+        config = plain_http(app, self.host, self.port, "warning")
         async with http_server(config, "dev-apiserver", handle_signals=False) as (server, _):
             if not self.port:
                 self.port = server.servers[0].sockets[0].getsockname()[1]
-            yield self
+            try:
+                yield self
+            finally:
+                # before uvicorn stops: open watches end as responses do
+                app.state.watches.end_all()
