@@ -176,13 +176,19 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
 }
 
 /* ------------------------------------------------------------ created contexts */
+/* A created context becomes the thread's current one. */
 #define GS_CTX_CREATE(call)                                                                   \
     do {                                                                                      \
-        if (!gs_enter() || !pctx || dev < 0 || dev >= GS_MAX_DEVICES) return (call);          \
+        if (!gs_enter() || !pctx || dev < 0 || dev >= GS_MAX_DEVICES) {                       \
+            CUresult rc0_ = (call);                                                           \
+            gs_limiter_ctx_switched();                                                        \
+            return rc0_;                                                                      \
+        }                                                                                     \
         uint64_t cost_ = gs_cfg.context_overhead;                                             \
         int rec_ = gs_record_of(dev);                                                         \
         if (!gs_reserve(rec_, cost_)) return CUDA_ERROR_OUT_OF_MEMORY;               \
         CUresult rc_ = (call);                                                                \
+        gs_limiter_ctx_switched();                                                            \
         if (rc_ != CUDA_SUCCESS) gs_unreserve(rec_, cost_);                                   \
         else gs_track_add(GS_K_CTX, (uint64_t)(uintptr_t)*pctx, rec_, cost_, *pctx);          \
         return rc_;                                                                           \
@@ -211,5 +217,27 @@ CUresult cuCtxDestroy_v2(CUcontext ctx) {
         gs_track_drop_ctx(ctx);
         gs_limiter_forget_ctx(ctx);
     }
+    return rc;
+}
+
+/* ------------------------------------------------------------ the current context */
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+    gs_init();
+    CUresult rc = GS_CALL(cuCtxSetCurrent, (ctx));
+    gs_limiter_ctx_switched();
+    return rc;
+}
+
+CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    gs_init();
+    CUresult rc = GS_CALL(cuCtxPushCurrent_v2, (ctx));
+    gs_limiter_ctx_switched();
+    return rc;
+}
+
+CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
+    gs_init();
+    CUresult rc = GS_CALL(cuCtxPopCurrent_v2, (pctx));
+    gs_limiter_ctx_switched();
     return rc;
 }

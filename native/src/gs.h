@@ -210,6 +210,8 @@ int gs_record_of(int ordinal);
 void gs_limiter_setup(void);
 /* The context is destroyed: the limiter's events on it went with it. */
 void gs_limiter_forget_ctx(CUcontext ctx);
+/* This thread's current context has changed (set, pushed, popped, created). */
+void gs_limiter_ctx_switched(void);
 
 /* ------------------------------------------------------------ telemetry (telemetry.c) */
 /* Starts the publisher thread once when GPUSLICE_NATS_URL is set; never blocks. */

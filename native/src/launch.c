@@ -2,51 +2,183 @@
  * Compute limiting. Without a limit a launch costs two atomic loads and the call.
  *
  * With one, a launch first waits while the container is ahead of its share, then
- * runs inside a measuring window: a timing event before the window's first kernel
- * and one after each launch. A window closes after GS_WINDOW_NS of launching, after
- * GS_WINDOW_LAUNCHES launches (so the queue stays short), or when launches pause
- * for GS_GAP_NS; closing waits for its last event and reads the GPU time the
- * window took. That busy time is charged to the device's shared virtual clock
- * (tat_ns in the region, a generic cell rate algorithm): busy / share of wall time.
- * A launch may start once now >= tat - GS_TAU_NS. Every process of the container
- * charges the same clock, so the container as a whole gets its share.
+ * runs inside a measuring window, one per device of the process: a timing event
+ * is recorded before the window's first kernel and one after its last, and the
+ * GPU time between them is charged to the device's shared virtual clock (tat_ns
+ * in the region, a generic cell rate algorithm): busy / share of wall time. A
+ * launch may start once now >= tat - GS_TAU_NS. Every process of the container
+ * charges the same clock, so the container as a whole gets its share. A window
+ * closes after GS_WINDOW_NS of launching or a number of launches (so the queue
+ * stays short); closing waits for its last event.
+ *
+ * Pauses: a window must not charge the time the GPU sat idle because no launch
+ * came (GS_GAP_NS or more between two). Where the GPU's work ended is known from
+ * an event after every launch only (any one may be the last before a pause), and
+ * an event costs about what a launch does. So windows come in two kinds:
+ *  - marked: an event after every launch, each launch under the window's mutex;
+ *    a pause closes the window at the event after its last launch: exact.
+ *  - unmarked: no events but the two. Launches take a lock-free path: no driver
+ *    call but the launch, no mutex, and no clock read before it (the clock read
+ *    after the previous launch stands for now; that only errs towards the slow
+ *    path, where the clock decides whether to wait). A pause is seen after the
+ *    launch that ends it, and the window keeps it: closing, the window takes its
+ *    pauses out of its time, less GS_PACE_NS each, the most the GPU may have run
+ *    past the launch before one. Pauses lengthen a window, to GS_WINDOW_SPAN_NS
+ *    of wall time at most.
+ * Windows are unmarked only while that bound holds and the estimate pays: the
+ * GPU finished the last windows within GS_PACE_NS of their last launch (one late
+ * window is let pass), a marked window measured a pause with the GPU keeping pace
+ * within the last GS_TRUST estimated ones (or no pause came for GS_TRUST
+ * windows), and bursts between pauses have GS_BURST launches or more. No event is
+ * ever recorded into a stream being captured: a launch that records one checks
+ * its stream first (on the lock-free path, the launch that fills the window).
  *
  * When the limit applies: `force` always; `default` unless a live node agent says
  * the GPU is not shared right now; `disable` never. A low-priority process
  * (CUDA_TASK_PRIORITY >= 1) also pauses while a live agent sets GS_DEV_YIELD.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <time.h>
 
 #include "gs.h"
 
 #define GS_WINDOW_NS 4000000ULL
+/* An unmarked window's pauses extend its time, up to this much of wall time:
+ * whether the GPU ran on through them shows when the window closes. */
+#define GS_WINDOW_SPAN_NS (8 * GS_WINDOW_NS)
+/* A window's launches while the GPU falls behind; while it keeps pace the queue
+ * stays short without the count, and windows may hold more, which spreads
+ * their driver calls thinner. */
 #define GS_WINDOW_LAUNCHES 64
+#define GS_PACED_LAUNCHES 128
 #define GS_GAP_NS 1000000ULL
 #define GS_TAU_NS 2000000ULL
 /* No window charges more than this: a clock further ahead is stale (a region
  * file kept across a reboot, where CLOCK_MONOTONIC restarted) and is reset. */
 #define GS_MAX_AHEAD_NS 120000000000ULL
+/* The GPU keeps pace when it finishes a window within this of its last launch. */
+#define GS_PACE_NS 250000ULL
+/* Pauses estimated between two measured ones. */
+#define GS_TRUST 256
+/* Launches per pause below which windows are marked: an event per launch costs
+ * little next to the pauses then, and an estimate would weigh on little work. */
+#define GS_BURST 32
 
 static atomic_bool limiter_on;
+static bool limiter_usable; /* the driver has what windows need */
+static uint32_t limit_of[GS_MAX_DEVICES]; /* the policy's: 0 under `disable` */
+/* What a live node agent may change for this process: */
+#define GS_AGENT_LIFTS 1  /* `default`: the limit, when the GPU is not shared */
+#define GS_AGENT_YIELDS 2 /* low priority: it may ask for a pause */
+static uint8_t agent_may;
+/* Moves when a context is destroyed: per-thread device caches start afresh. */
+static atomic_uint ctx_epoch;
+
+/* window_t.gate: bit 0 is set while an unmarked window is open to the lock-free
+ * path; each launch on that path adds GS_INFLIGHT until its driver call returns. */
+#define GS_OPEN 1u
+#define GS_INFLIGHT 2u
 
 typedef struct {
-    pthread_mutex_t mu;
+    /* what the lock-free path reads. The holder of `mu` clears GS_OPEN and waits
+     * for the launches in flight before it touches the window: the plain fields
+     * change only while no one reads them without the mutex. */
+    atomic_uint gate;
+    atomic_uint launches;  /* counted once a launch is let in */
+    _Atomic uint64_t seen; /* the clock after the device's last launch */
+    uint64_t *tat;         /* the device's clock in the region */
     CUcontext ctx;
+    _Atomic uint64_t deadline; /* GS_WINDOW_NS of launching after cpu_start: pauses extend it */
+    uint64_t horizon;          /* ...to no later than cpu_start + GS_WINDOW_SPAN_NS */
+    unsigned length;   /* launches it may hold */
+    uint32_t limit;
+    _Atomic uint64_t last_launch; /* the clock after the window's last launch */
+    _Atomic uint64_t gaps;        /* the pauses an unmarked window kept, end to end */
+    atomic_uint pauses;
+    pthread_mutex_t mu;
+    bool open, marked;
+    bool ended; /* `end` was recorded after the last launch */
     CUevent start, end;
-    bool open;
-    unsigned launches;
-    uint64_t cpu_start, last_launch;
+    uint64_t cpu_start, end_at; /* when `start` and `end` were recorded */
+    /* kept from window to window: a window opens marked while `behind`,
+     * `need_pause` or `sparse` is set */
+    bool late;       /* the GPU finished the last window more than GS_PACE_NS late */
+    bool behind;     /* ...and the one before: it does not keep pace */
+    bool need_pause; /* the next pause must be measured */
+    bool sparse;     /* pauses come after fewer than GS_BURST launches */
+    unsigned trust;  /* pauses that may still be estimated */
+    unsigned calm;   /* windows since the last pause */
 } window_t;
 
-static window_t windows[GS_MAX_DEVICES];
+static window_t windows[GS_MAX_DEVICES] __attribute__((aligned(64)));
+
+/* The current context and its device, cached per thread for the lock-free path:
+ * read afresh by every launch on the slow path (at least once a window) and when
+ * the thread switches contexts through the driver API (context.c), dropped when
+ * any context is destroyed (the epoch moves). Initial-exec: the library is
+ * always preloaded, so its thread-locals sit in the static block, one load away. */
+static __thread struct {
+    CUcontext ctx; /* NULL: not cached */
+    window_t *win;
+    unsigned epoch;
+    int dev;
+} t_dev __attribute__((tls_model("initial-exec")));
+
+static int launch_device(CUcontext *ctx_out);
+
+/* The cache follows the thread to its new context at once, so that a thread
+ * moving between devices keeps the lock-free path. */
+void gs_limiter_ctx_switched(void) {
+    t_dev.ctx = NULL;
+    CUcontext ctx;
+    if (atomic_load_explicit(&limiter_on, memory_order_relaxed) &&
+        atomic_load_explicit(&gs_attached, memory_order_acquire) == 1 && limiter_usable)
+        (void)launch_device(&ctx);
+}
+
+/* A fork child joins the region afresh before it limits anything: until then its
+ * launches take the slow path (the forking thread's cache is the parent's). */
+static void limiter_after_fork(void) {
+    atomic_fetch_add_explicit(&ctx_epoch, 1, memory_order_relaxed);
+    t_dev.ctx = NULL;
+}
 
 void gs_limiter_setup(void) {
     bool on = gs_cfg.priority >= 1;
     if (gs_cfg.policy != GS_POLICY_DISABLE)
         for (int d = 0; d < GS_MAX_DEVICES; d++) on |= gs_cfg.sm_limit[d] > 0;
-    for (int d = 0; d < GS_MAX_DEVICES; d++) pthread_mutex_init(&windows[d].mu, NULL);
+    limiter_usable = gs_real.cuEventCreate && gs_real.cuEventRecord && gs_real.cuEventSynchronize &&
+                     gs_real.cuEventDestroy_v2 && gs_real.cuCtxGetCurrent && gs_real.cuCtxGetDevice;
+    agent_may = (gs_cfg.policy == GS_POLICY_DEFAULT ? GS_AGENT_LIFTS : 0) |
+                (gs_cfg.priority >= 1 ? GS_AGENT_YIELDS : 0);
+    for (int d = 0; d < GS_MAX_DEVICES; d++) {
+        window_t *w = &windows[d];
+        limit_of[d] = gs_cfg.policy == GS_POLICY_DISABLE ? 0 : gs_cfg.sm_limit[d];
+        pthread_mutex_init(&w->mu, NULL);
+        atomic_init(&w->gate, 0);
+        w->tat = &gs_region->devices[d].tat_ns;
+        atomic_init(&w->seen, 0);
+        w->start = w->end = NULL; /* a fork child's are its parent's */
+        w->ctx = NULL;
+        w->open = w->ended = false;
+        w->late = w->behind = w->sparse = false;
+        w->need_pause = true; /* until a pause shows the GPU keeping pace */
+        w->trust = w->calm = 0;
+    }
+    static bool atfork_done;
+    if (!atfork_done) {
+        pthread_atfork(NULL, NULL, limiter_after_fork);
+        atfork_done = true;
+    }
+    atomic_fetch_add_explicit(&ctx_epoch, 1, memory_order_release);
     atomic_store(&limiter_on, on);
+}
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
 static void sleep_ns(uint64_t ns) {
@@ -60,13 +192,36 @@ static bool agent_live(uint64_t now) {
     return hb && now >= hb && now - hb < GS_AGENT_FRESH_NS;
 }
 
-static uint32_t active_limit(int d, uint64_t now) {
-    uint32_t limit = gs_cfg.sm_limit[d];
-    if (!limit || gs_cfg.policy == GS_POLICY_DISABLE) return 0;
-    if (gs_cfg.policy == GS_POLICY_FORCE) return limit;
-    uint32_t flags = __atomic_load_n(&gs_region->devices[d].flags, __ATOMIC_ACQUIRE);
-    if (agent_live(now) && !(flags & GS_DEV_SHARED)) return 0;
+static inline uint32_t dev_flags(int d) {
+    return __atomic_load_n(&gs_region->devices[d].flags, __ATOMIC_ACQUIRE);
+}
+
+static inline uint32_t active_limit(int d, uint64_t now) {
+    uint32_t limit = limit_of[d];
+    if (limit && (agent_may & GS_AGENT_LIFTS) && agent_live(now) && !(dev_flags(d) & GS_DEV_SHARED))
+        return 0;
     return limit;
+}
+
+/* Region record of the current context's device, and that context, read from
+ * the driver (the device too unless the cache has it); -1 when none. */
+static int launch_device(CUcontext *ctx_out) {
+    CUcontext ctx = NULL;
+    unsigned epoch = atomic_load_explicit(&ctx_epoch, memory_order_acquire);
+    if (gs_real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) {
+        t_dev.ctx = NULL;
+        return -1;
+    }
+    *ctx_out = ctx;
+    if (t_dev.ctx == ctx && t_dev.epoch == epoch) return t_dev.dev;
+    t_dev.ctx = NULL;
+    int d = gs_current_device();
+    if (d < 0) return -1;
+    t_dev.ctx = ctx;
+    t_dev.win = &windows[d];
+    t_dev.epoch = epoch;
+    t_dev.dev = d;
+    return d;
 }
 
 static void charge(int d, uint64_t busy, uint32_t limit, uint64_t start) {
@@ -81,18 +236,91 @@ static void charge(int d, uint64_t busy, uint32_t limit, uint64_t start) {
     __atomic_add_fetch(&dev->busy_ns, busy, __ATOMIC_RELAXED);
 }
 
-static void close_window(window_t *w, int d, uint32_t limit) {
-    gs_real.cuEventSynchronize(w->end);
-    uint64_t done = gs_now_ns();
-    float ms = 0;
+/* With the mutex held: keeps the lock-free path out and waits for those on it. */
+static void shut(window_t *w) {
+    atomic_fetch_and_explicit(&w->gate, ~GS_OPEN, memory_order_acq_rel);
+    while (atomic_load_explicit(&w->gate, memory_order_acquire)) sched_yield();
+}
+
+/* Lets the lock-free path into an open unmarked window again; then unlocks. */
+static void release(window_t *w) {
+    if (w->open && !w->marked) atomic_fetch_or_explicit(&w->gate, GS_OPEN, memory_order_release);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* A launch `gap` after the window's previous one, in an unmarked window. */
+static void note_pause(window_t *w, uint64_t gap) {
+    atomic_fetch_add_explicit(&w->gaps, gap, memory_order_relaxed);
+    atomic_fetch_add_explicit(&w->pauses, 1, memory_order_relaxed);
+    uint64_t deadline = atomic_load_explicit(&w->deadline, memory_order_relaxed);
+    while (deadline < w->horizon &&
+           !atomic_compare_exchange_weak_explicit(&w->deadline, &deadline,
+                                                  gs_min_u64(deadline + gap, w->horizon),
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
+
+/* The time an unmarked window's pauses were idle, taken low: while windows are
+ * unmarked the GPU finishes within GS_PACE_NS of a launch, so each pause is
+ * counted idle only after that much (charged at most GS_PACE_NS too much). */
+static uint64_t idle_of(window_t *w, unsigned pauses) {
+    uint64_t gaps = atomic_load_explicit(&w->gaps, memory_order_relaxed);
+    uint64_t ran = (uint64_t)pauses * GS_PACE_NS;
+    return gaps > ran ? gaps - ran : 0;
+}
+
+/* Ends the open window (mutex held, gate shut) and charges the time it took.
+ * `full`: it reached its length, and `end` was just recorded after its last
+ * launch; otherwise it ends at a pause or a change. */
+static void close_window(window_t *w, int d, bool full) {
+    unsigned pauses = atomic_load_explicit(&w->pauses, memory_order_relaxed);
+    unsigned launches = atomic_load_explicit(&w->launches, memory_order_relaxed);
     uint64_t busy;
-    if (gs_real.cuEventElapsedTime && gs_real.cuEventElapsedTime(&ms, w->start, w->end) == CUDA_SUCCESS &&
-        ms >= 0)
-        busy = (uint64_t)((double)ms * 1e6);
-    else
-        busy = done - w->cpu_start;
-    charge(d, busy, limit, w->cpu_start);
-    w->open = false;
+    if (w->ended) {
+        gs_real.cuEventSynchronize(w->end);
+        uint64_t done = now_ns();
+        float ms = 0;
+        if (gs_real.cuEventElapsedTime &&
+            gs_real.cuEventElapsedTime(&ms, w->start, w->end) == CUDA_SUCCESS && ms >= 0)
+            busy = (uint64_t)((double)ms * 1e6);
+        else /* the CPU's view: until the wait at the length, the last launch at a pause */
+            busy = (full ? done : w->end_at) - w->cpu_start;
+        uint64_t span = w->end_at - w->cpu_start;
+        uint64_t lag = busy > span ? busy - span : 0;
+        w->behind = w->late && lag > GS_PACE_NS; /* once may be a hiccup */
+        w->late = lag > GS_PACE_NS;
+        uint64_t idle = idle_of(w, pauses);
+        busy = busy > idle ? busy - idle : 0;
+        if (pauses && w->late) { /* it may have run on through them: measure again */
+            w->need_pause = true;
+            w->trust = 0;
+        }
+        if (full) {
+            if (!pauses && ++w->calm >= GS_TRUST) w->need_pause = false; /* it does not pause */
+            w->sparse = launches < GS_BURST * pauses;
+        } else { /* a pause, measured: estimate the next ones if the GPU kept pace */
+            w->need_pause = w->late;
+            w->trust = w->late ? 0 : GS_TRUST;
+            w->calm = 0;
+            w->sparse = launches < GS_BURST;
+        }
+    } else { /* unmarked, at a pause: up to its last launch and GS_PACE_NS past it */
+        uint64_t last = atomic_load_explicit(&w->last_launch, memory_order_relaxed);
+        uint64_t now = now_ns();
+        if (last < w->cpu_start) last = w->cpu_start;
+        uint64_t idle = idle_of(w, pauses);
+        busy = last - w->cpu_start + GS_PACE_NS;
+        busy = gs_min_u64(busy > idle ? busy - idle : 0, now - w->cpu_start);
+        pauses++;
+        w->sparse = launches < GS_BURST * pauses;
+    }
+    if (pauses) { /* estimated ones */
+        w->calm = 0;
+        w->trust = w->trust > pauses ? w->trust - pauses : 0;
+        if (!w->trust) w->need_pause = true;
+    }
+    charge(d, busy, w->limit, w->cpu_start);
+    w->open = w->ended = false;
 }
 
 static CUresult record(CUevent event, CUstream stream, bool ptds) {
@@ -112,21 +340,21 @@ static bool capturing(CUstream stream, bool ptds) {
 
 /* A context is gone, and its events with it: windows on it start afresh. */
 void gs_limiter_forget_ctx(CUcontext ctx) {
+    atomic_fetch_add_explicit(&ctx_epoch, 1, memory_order_release);
     for (int d = 0; d < GS_MAX_DEVICES; d++) {
         window_t *w = &windows[d];
         pthread_mutex_lock(&w->mu);
+        shut(w);
         if (w->start && w->ctx == ctx) {
             w->start = w->end = NULL; /* destroyed with the context */
             w->ctx = NULL;
-            w->open = false;
+            w->open = w->ended = false;
         }
-        pthread_mutex_unlock(&w->mu);
+        release(w);
     }
 }
 
-static bool window_events(window_t *w) {
-    CUcontext ctx = NULL;
-    gs_real.cuCtxGetCurrent(&ctx);
+static bool window_events(window_t *w, CUcontext ctx) {
     if (w->start && w->ctx == ctx) return true;
     if (w->start) {
         gs_real.cuEventDestroy_v2(w->start);
@@ -143,24 +371,122 @@ static bool window_events(window_t *w) {
     return true;
 }
 
-static bool limiter_usable(void) {
-    return gs_real.cuEventCreate && gs_real.cuEventRecord && gs_real.cuEventSynchronize &&
-           gs_real.cuEventDestroy_v2 && gs_real.cuCtxGetCurrent;
+static bool open_window(window_t *w, CUcontext ctx, uint32_t limit, CUstream stream, bool ptds) {
+    if (!window_events(w, ctx)) return false;
+    CUresult rc = record(w->start, stream, ptds);
+    if (rc != CUDA_SUCCESS) { /* events from a context since destroyed: once more */
+        w->start = w->end = NULL;
+        if (window_events(w, ctx)) rc = record(w->start, stream, ptds);
+    }
+    if (rc != CUDA_SUCCESS) return false;
+    w->cpu_start = now_ns();
+    atomic_store_explicit(&w->launches, 0, memory_order_relaxed);
+    atomic_store_explicit(&w->last_launch, w->cpu_start, memory_order_relaxed);
+    atomic_store_explicit(&w->gaps, 0, memory_order_relaxed);
+    atomic_store_explicit(&w->pauses, 0, memory_order_relaxed);
+    atomic_store_explicit(&w->deadline, w->cpu_start + GS_WINDOW_NS, memory_order_relaxed);
+    w->horizon = w->cpu_start + GS_WINDOW_SPAN_NS;
+    w->limit = limit;
+    w->marked = w->behind || w->need_pause || w->sparse;
+    w->length = w->behind ? GS_WINDOW_LAUNCHES : GS_PACED_LAUNCHES;
+    w->ended = false;
+    w->open = true;
+    return true;
+}
+
+enum { GS_SLOW = -1, GS_PLAIN, GS_JOINED, GS_FILLS };
+
+/*
+ * The lock-free path, before the driver call: it reads no clock (see the top of
+ * the file) and calls nothing, so the launch's arguments pass through untouched.
+ * GS_JOINED: the launch joins the open unmarked window `*out` (fast_end after the
+ * driver call). GS_PLAIN: no limit applies to it now (plain_end after).
+ * GS_FILLS: it is the last launch of that window (fill_begin). GS_SLOW: the rest
+ * (no cached device, a wait or a yield due, no window or a marked one).
+ */
+static inline __attribute__((always_inline)) int fast_begin(window_t **out) {
+    CUcontext ctx = t_dev.ctx;
+    if (GS_UNLIKELY(!ctx || t_dev.epoch != atomic_load_explicit(&ctx_epoch, memory_order_relaxed)))
+        return GS_SLOW;
+    int d = t_dev.dev;
+    window_t *w = t_dev.win;
+    *out = w;
+    uint64_t seen = atomic_load_explicit(&w->seen, memory_order_relaxed);
+    uint32_t limit = limit_of[d];
+    if (GS_UNLIKELY(agent_may)) {
+        if ((agent_may & GS_AGENT_YIELDS) && (dev_flags(d) & GS_DEV_YIELD)) return GS_SLOW;
+        limit = active_limit(d, seen);
+    }
+    if (!limit) return GS_PLAIN;
+    if (__atomic_load_n(w->tat, __ATOMIC_ACQUIRE) > seen + GS_TAU_NS) return GS_SLOW;
+    if (GS_UNLIKELY(!(atomic_fetch_add_explicit(&w->gate, GS_INFLIGHT, memory_order_acquire) &
+                      GS_OPEN) ||
+                    w->ctx != ctx)) {
+        atomic_fetch_sub_explicit(&w->gate, GS_INFLIGHT, memory_order_release);
+        return GS_SLOW;
+    }
+    if (GS_UNLIKELY(atomic_fetch_add_explicit(&w->launches, 1, memory_order_relaxed) + 1 >=
+                        w->length ||
+                    seen >= atomic_load_explicit(&w->deadline, memory_order_relaxed))) {
+        atomic_fetch_sub_explicit(&w->launches, 1, memory_order_relaxed);
+        atomic_fetch_sub_explicit(&w->gate, GS_INFLIGHT, memory_order_release);
+        return GS_FILLS; /* it records the window's end */
+    }
+    return GS_JOINED;
+}
+
+/* After the driver call of a launch that joined: the clock, and a pause before it. */
+static inline void fast_end(window_t *w) {
+    uint64_t now = now_ns();
+    atomic_store_explicit(&w->seen, now, memory_order_relaxed);
+    uint64_t prev = atomic_exchange_explicit(&w->last_launch, now, memory_order_relaxed);
+    if (GS_UNLIKELY(now > prev + GS_GAP_NS)) note_pause(w, now - prev);
+    atomic_fetch_sub_explicit(&w->gate, GS_INFLIGHT, memory_order_release);
+}
+
+static inline void plain_end(window_t *w) {
+    atomic_store_explicit(&w->seen, now_ns(), memory_order_relaxed);
+}
+
+/* The launch that fills an unmarked window: true when it is still to be filled
+ * (the window's mutex is then held, its gate shut, until fill_end records the
+ * end after this launch), false when the launch must take the slow path. */
+static bool fill_begin(window_t *w, CUstream stream, bool ptds) {
+    if (capturing(stream, ptds)) return false;
+    pthread_mutex_lock(&w->mu);
+    shut(w);
+    if (w->open && !w->marked && w->ctx == t_dev.ctx &&
+        (atomic_load_explicit(&w->launches, memory_order_relaxed) + 1 >= w->length ||
+         atomic_load_explicit(&w->seen, memory_order_relaxed) >=
+             atomic_load_explicit(&w->deadline, memory_order_relaxed)))
+        return true;
+    release(w);
+    return false;
 }
 
 /* Waits as the share and the agent require; returns the device whose window the
- * launch joins, or -1 when no limit applies. */
-static int before_launch(CUstream stream, bool ptds, uint32_t *limit_out) {
-    if (!gs_enter() || !limiter_usable() || capturing(stream, ptds)) return -1;
-    int d = gs_current_device();
+ * launch joins (its mutex held, its gate shut), or -1 when no window measures it. */
+static int before_launch(CUstream stream, bool ptds) {
+    if (!gs_enter() || !limiter_usable) return -1;
+    CUcontext ctx;
+    int d = launch_device(&ctx);
     if (d < 0) return -1;
+    window_t *w = &windows[d];
+    if (capturing(stream, ptds)) {
+        /* Launches of a capture may have joined an unmarked window on the
+         * lock-free path; its time ends with the capture's first one here. */
+        pthread_mutex_lock(&w->mu);
+        shut(w);
+        if (w->open && !w->marked) close_window(w, d, false);
+        release(w);
+        return -1;
+    }
     gs_device_t *dev = &gs_region->devices[d];
-    uint64_t now = gs_now_ns();
+    uint64_t now = now_ns();
     uint64_t waited = 0;
-    while (gs_cfg.priority >= 1 && agent_live(now) &&
-           (__atomic_load_n(&dev->flags, __ATOMIC_ACQUIRE) & GS_DEV_YIELD)) {
+    while ((agent_may & GS_AGENT_YIELDS) && agent_live(now) && (dev_flags(d) & GS_DEV_YIELD)) {
         sleep_ns(1000000);
-        uint64_t later = gs_now_ns();
+        uint64_t later = now_ns();
         waited += later - now;
         now = later;
     }
@@ -176,64 +502,105 @@ static int before_launch(CUstream stream, bool ptds, uint32_t *limit_out) {
         }
         if (tat > now + GS_TAU_NS) {
             sleep_ns(tat - GS_TAU_NS - now);
-            uint64_t later = gs_now_ns();
+            uint64_t later = now_ns();
             waited += later - now;
             now = later;
         }
     }
     if (waited) __atomic_add_fetch(&dev->throttled_ns, waited, __ATOMIC_RELAXED);
+    atomic_store_explicit(&w->seen, now, memory_order_relaxed);
     if (!limit) return -1;
-    window_t *w = &windows[d];
     pthread_mutex_lock(&w->mu);
-    now = gs_now_ns(); /* another thread may have launched while this one waited */
-    if (w->open && now > w->last_launch && now - w->last_launch > GS_GAP_NS)
-        close_window(w, d, limit);
-    if (!w->open && window_events(w)) {
-        CUresult rc = record(w->start, stream, ptds);
-        if (rc != CUDA_SUCCESS) { /* events from a context since destroyed: once more */
-            w->start = w->end = NULL;
-            if (window_events(w)) rc = record(w->start, stream, ptds);
-        }
-        if (rc == CUDA_SUCCESS) {
-            w->open = true;
-            w->launches = 0;
-            w->cpu_start = gs_now_ns();
-        }
-    }
-    if (!w->open) {
-        pthread_mutex_unlock(&w->mu);
+    shut(w);
+    now = now_ns(); /* another thread may have launched while this one waited */
+    if (w->open && (w->ctx != ctx || w->limit != limit ||
+                    now > atomic_load_explicit(&w->last_launch, memory_order_relaxed) + GS_GAP_NS))
+        close_window(w, d, false);
+    if (!w->open && !open_window(w, ctx, limit, stream, ptds)) {
+        release(w);
         return -1;
     }
-    *limit_out = limit;
-    return d; /* the window's mutex stays held until after_launch */
+    return d;
 }
 
-static void after_launch(int d, CUstream stream, bool ptds, CUresult rc, uint32_t limit) {
+/* After the driver call of a launch that holds its window's mutex. */
+static void after_launch(int d, CUstream stream, bool ptds, CUresult rc) {
     window_t *w = &windows[d];
-    if (rc == CUDA_SUCCESS && record(w->end, stream, ptds) == CUDA_SUCCESS) {
-        uint64_t now = gs_now_ns();
-        w->last_launch = now;
-        if (++w->launches >= GS_WINDOW_LAUNCHES || now - w->cpu_start >= GS_WINDOW_NS)
-            close_window(w, d, limit);
-    } else if (w->launches == 0) {
+    if (rc == CUDA_SUCCESS) {
+        unsigned n = atomic_fetch_add_explicit(&w->launches, 1, memory_order_relaxed) + 1;
+        uint64_t now = now_ns();
+        bool full = n >= w->length || now >= atomic_load_explicit(&w->deadline, memory_order_relaxed);
+        if (w->marked || full) {
+            if (record(w->end, stream, ptds) == CUDA_SUCCESS) {
+                now = now_ns();
+                w->ended = true;
+                w->end_at = now;
+            } else if (!w->marked) {
+                full = false; /* no end to close on: the next launch tries again */
+            }
+        }
+        atomic_store_explicit(&w->last_launch, now, memory_order_relaxed);
+        atomic_store_explicit(&w->seen, now, memory_order_relaxed);
+        if (full) close_window(w, d, true);
+    } else if (atomic_load_explicit(&w->launches, memory_order_relaxed) == 0) {
         w->open = false; /* nothing ran in it */
     }
-    pthread_mutex_unlock(&w->mu);
+    release(w);
+}
+
+/* After the driver call of the launch that fills an unmarked window, which came
+ * without a clock read: a pause before it first, as fast_end would. */
+static void fill_end(window_t *w, CUstream stream, bool ptds, CUresult rc) {
+    uint64_t now = now_ns();
+    uint64_t prev = atomic_load_explicit(&w->last_launch, memory_order_relaxed);
+    if (rc == CUDA_SUCCESS && now > prev + GS_GAP_NS) note_pause(w, now - prev);
+    after_launch((int)(w - windows), stream, ptds, rc);
 }
 
 /*
  * Each entry point is a fast path that only reads two flags and jumps to the
- * driver (a sibling call: no frame of its own), and a slow path, out of line,
- * that initialises and limits.
+ * driver (a sibling call: no frame of its own), and an out-of-line path for
+ * limited launches: lock-free when it can be, else the slow path.
  */
 #define GS_LAUNCH_ENTRY(fn, params, args, stream, ptds)                                       \
-    static __attribute__((noinline)) CUresult fn##_limited params {                           \
+    static __attribute__((noinline)) CUresult fn##_slow params {                              \
         gs_init();                                                                            \
         if (!atomic_load_explicit(&limiter_on, memory_order_relaxed)) return GS_CALL(fn, args); \
-        uint32_t limit_ = 0;                                                                  \
-        int d_ = before_launch((stream), (ptds), &limit_);                                    \
+        int d_ = before_launch((stream), (ptds));                                             \
         CUresult rc_ = GS_CALL(fn, args);                                                     \
-        if (d_ >= 0) after_launch(d_, (stream), (ptds), rc_, limit_);                         \
+        if (d_ >= 0) after_launch(d_, (stream), (ptds), rc_);                                 \
+        return rc_;                                                                           \
+    }                                                                                         \
+    static __attribute__((noinline)) CUresult fn##_fill params {                              \
+        window_t *w_ = t_dev.win;                                                             \
+        if (!fill_begin(w_, (stream), (ptds))) return fn##_slow args;                         \
+        CUresult rc_ = gs_real.fn args;                                                       \
+        fill_end(w_, (stream), (ptds), rc_);                                                  \
+        return rc_;                                                                           \
+    }                                                                                         \
+    /* No call before the driver's: the arguments stay where they came (the    \
+     * rare paths are plain calls, as GCC loads a sibling call's stack arguments \
+     * into registers on entry). */                                                         \
+    static __attribute__((noinline)) CUresult fn##_limited params {                           \
+        window_t *w_ = NULL;                                                                  \
+        CUresult rc_;                                                                         \
+        if (GS_LIKELY(gs_real.fn != NULL)) { /* and t_dev is empty until the library joined */ \
+            switch (fast_begin(&w_)) {                                                        \
+            case GS_JOINED:                                                                   \
+                rc_ = gs_real.fn args;                                                        \
+                fast_end(w_);                                                                 \
+                return rc_;                                                                   \
+            case GS_PLAIN:                                                                    \
+                rc_ = gs_real.fn args;                                                        \
+                plain_end(w_);                                                                \
+                return rc_;                                                                   \
+            case GS_FILLS: rc_ = fn##_fill args; break;                                       \
+            default: rc_ = fn##_slow args; break;                                             \
+            }                                                                                 \
+        } else {                                                                              \
+            rc_ = fn##_slow args;                                                             \
+        }                                                                                     \
+        __asm__ volatile("" ::: "memory"); /* calls, not sibling calls: see above */          \
         return rc_;                                                                           \
     }                                                                                         \
     CUresult fn params {                                                                      \

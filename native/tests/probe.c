@@ -35,6 +35,9 @@
  *   info | totalmem [DEV] | fakeused [DEV] | uuid [DEV]
  *   fill SIZE | race SIZE COUNT START_NS (CLOCK_REALTIME)
  *   launch N US [kernel|ex|coop|graph] | sync | run SECONDS US [kernel|ex|coop|graph]
+ *   threads T SECONDS US (`run` of kernels in T threads at once, on the current context)
+ *   capture N US (N kernels launched into a new stream under capture; see cmd_capture)
+ *   push [DEV] | pop (the primary context of DEV pushed onto / popped off the stack)
  *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
  *   nvml | nvmlmem IDX | nvmlprocs IDX | nvmlbyuuid UUID
  *   sleep MS | hold | lock PATH | getppid
@@ -61,6 +64,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -85,6 +89,15 @@
 
 /* ...and the rest of what the probe calls. */
 CUresult cuCtxSetCurrent(CUcontext ctx);
+typedef struct CUgraph_st *CUgraph;
+CUresult cuCtxPushCurrent_v2(CUcontext ctx);
+CUresult cuCtxPopCurrent_v2(CUcontext *pctx);
+CUresult cuStreamCreate(CUstream *phStream, unsigned int flags);
+CUresult cuStreamDestroy_v2(CUstream hStream);
+CUresult cuStreamBeginCapture_v2(CUstream hStream, int mode);
+CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                     unsigned long long flags);
 CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                              unsigned long long flags);
 CUresult cuCtxSynchronize(void);
@@ -118,6 +131,9 @@ typedef unsigned long long (*fake_counter_t)(int);
     X(cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", PROC_VERSION)              \
     X(cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", PROC_VERSION)                  \
     X(cuCtxSetCurrent, "cuCtxSetCurrent", PROC_VERSION)                                     \
+    X(cuCtxGetCurrent, "cuCtxGetCurrent", PROC_VERSION)                                     \
+    X(cuCtxPushCurrent_v2, "cuCtxPushCurrent", PROC_VERSION)                                \
+    X(cuCtxPopCurrent_v2, "cuCtxPopCurrent", PROC_VERSION)                                  \
     X(cuCtxGetDevice, "cuCtxGetDevice", PROC_VERSION)                                       \
     X(cuCtxCreate_v2, "cuCtxCreate", 3020)                                                  \
     X(cuCtxCreate_v3, "cuCtxCreate", 11040)                                                 \
@@ -149,7 +165,12 @@ typedef unsigned long long (*fake_counter_t)(int);
     X(cuLaunchKernel, "cuLaunchKernel", PROC_VERSION)                                       \
     X(cuLaunchKernelEx, "cuLaunchKernelEx", PROC_VERSION)                                   \
     X(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", PROC_VERSION)                 \
-    X(cuGraphLaunch, "cuGraphLaunch", PROC_VERSION)
+    X(cuGraphLaunch, "cuGraphLaunch", PROC_VERSION)                                         \
+    X(cuStreamCreate, "cuStreamCreate", PROC_VERSION)                                       \
+    X(cuStreamDestroy_v2, "cuStreamDestroy", PROC_VERSION)                                  \
+    X(cuStreamBeginCapture_v2, "cuStreamBeginCapture", PROC_VERSION)                       \
+    X(cuStreamEndCapture, "cuStreamEndCapture", PROC_VERSION)                               \
+    X(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags", PROC_VERSION)
 
 static struct {
 #define X(field, name, version) __typeof__(field) *field;
@@ -1076,6 +1097,140 @@ static void cmd_run(int argc, char **argv) {
     j_end();
 }
 
+/*
+ * `run` in T threads at once, all on the context current here (each makes it
+ * its own): kernels of US microseconds on the default stream (the per-thread one
+ * with --ptds), each thread keeping its own few kernels queued. Prints the
+ * launches of all threads, and "share" = kernel time the engine ran / wall time.
+ */
+typedef struct {
+    CUcontext ctx;
+    uint64_t duration, kernel_ns, t0;
+    fake_counter_t busy;
+    int dev;
+    unsigned long long busy0;
+    long long launches;
+    CUresult rc;
+} run_thread_t;
+
+static void *run_thread(void *arg) {
+    run_thread_t *t = arg;
+    uint64_t lookahead = t->kernel_ns * 4 > 2000000ULL ? t->kernel_ns * 4 : 2000000ULL;
+    uint64_t nap = lookahead / 8 < 250000ULL ? lookahead / 8 : 250000ULL;
+    uint64_t submitted = 0;
+    t->rc = CALL(cuCtxSetCurrent, t->ctx);
+    while (t->rc == CUDA_SUCCESS) {
+        uint64_t elapsed = now_ns(CLOCK_MONOTONIC) - t->t0;
+        if (elapsed >= t->duration) break;
+        uint64_t done = t->busy ? (uint64_t)(t->busy(t->dev) - t->busy0) : elapsed;
+        if (submitted > done + lookahead) {
+            sleep_ns(nap);
+            continue;
+        }
+        t->rc = launch_one(L_KERNEL, t->kernel_ns / 1000);
+        if (t->rc == CUDA_SUCCESS) t->launches++;
+        submitted += t->kernel_ns;
+    }
+    return NULL;
+}
+
+static void cmd_threads(int argc, char **argv) {
+    unsigned long long n = arg_u64(argv[0]);
+    double seconds = 0;
+    (void)parse_float(argv[1], &seconds);
+    unsigned long long us = arg_u64(argv[2]);
+    if (n < 1) n = 1;
+    if (n > 64) n = 64;
+    run_thread_t t[64];
+    pthread_t th[64];
+    CUcontext ctx = NULL;
+    CUresult rc = CALL(cuCtxGetCurrent, &ctx);
+    fake_counter_t busy = fake_counter("fakecuda_busy_ns");
+    int dev = current_device();
+    unsigned long long busy0 = busy ? busy(dev) : 0;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    unsigned long long started = 0;
+    for (unsigned long long i = 0; rc == CUDA_SUCCESS && i < n; i++, started++) {
+        t[i] = (run_thread_t){.ctx = ctx, .duration = (uint64_t)(seconds * 1e9),
+                              .kernel_ns = us * 1000ULL, .t0 = t0, .busy = busy, .dev = dev,
+                              .busy0 = busy0};
+        if (pthread_create(&th[i], NULL, run_thread, &t[i]) != 0) rc = PROBE_ERROR;
+    }
+    long long launches = 0;
+    for (unsigned long long i = 0; i < started; i++) {
+        pthread_join(th[i], NULL);
+        launches += t[i].launches;
+        if (rc == CUDA_SUCCESS) rc = t[i].rc;
+    }
+    CUresult src = CALL(cuCtxSynchronize);
+    if (rc == CUDA_SUCCESS) rc = src;
+    uint64_t wall = now_ns(CLOCK_MONOTONIC) - t0;
+    j_begin("threads");
+    j_int("rc", rc);
+    j_int("threads", (long long)started);
+    j_int("launches", launches);
+    j_u64("wall_ns", wall);
+    if (busy) {
+        unsigned long long b = busy(dev) - busy0;
+        j_u64("busy_ns", b);
+        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
+    } else {
+        j_null("busy_ns");
+        j_null("share");
+    }
+    j_end();
+}
+
+/*
+ * N kernels of US microseconds launched (cuLaunchKernel, the _ptsz one with
+ * --ptds) into a new stream while it is being captured. Prints "rc" (the first
+ * failure up to the last launch), "end_rc" (cuStreamEndCapture: 0 when the
+ * capture stayed whole; the fake invalidates it when anything records an event
+ * into the stream), "graph_us" (the instantiated graph: on the fake, its length)
+ * and "ran": kernels the engine ran meanwhile (none should).
+ */
+static void cmd_capture(int argc, char **argv) {
+    unsigned long long n = arg_u64(argv[0]), us = arg_u64(argv[1]);
+    fake_counter_t counted = fake_counter("fakecuda_launches");
+    int dev = current_device();
+    unsigned long long counted0 = counted ? counted(dev) : 0;
+    CUstream s = NULL;
+    CUgraph g = NULL;
+    CUgraphExec exec = NULL;
+    CUresult rc = CALL(cuStreamCreate, &s, 0);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuStreamBeginCapture_v2, s, 0 /* global */);
+    for (unsigned long long i = 0; rc == CUDA_SUCCESS && i < n; i++)
+        rc = CALL(cuLaunchKernel, (CUfunction)(uintptr_t)us, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+    CUresult end = s ? CALL(cuStreamEndCapture, s, &g) : PROBE_ERROR;
+    if (end == CUDA_SUCCESS) end = CALL(cuGraphInstantiateWithFlags, &exec, g, 0);
+    unsigned long long ran = counted ? counted(dev) - counted0 : 0;
+    if (s) CALL(cuStreamDestroy_v2, s);
+    j_begin("capture");
+    j_int("rc", rc);
+    j_int("end_rc", end);
+    j_u64("graph_us", (unsigned long long)(uintptr_t)exec);
+    j_u64("ran", ran);
+    j_end();
+}
+
+static void cmd_push(int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    CUdevice dev;
+    CUcontext ctx = NULL;
+    CUresult rc = get_device(ordinal, &dev);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuDevicePrimaryCtxRetain, &ctx, dev);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuCtxPushCurrent_v2, ctx);
+    j_begin("push");
+    j_int("rc", rc);
+    j_int("dev", ordinal);
+    j_end();
+}
+
+static void cmd_pop(int argc, char **argv) {
+    CUcontext ctx = NULL;
+    j_rc("pop", CALL(cuCtxPopCurrent_v2, &ctx));
+}
+
 static void cmd_proc(int argc, char **argv) {
     const char *name = argv[0];
     int version = (int)arg_u64(argv[1]);
@@ -1328,6 +1483,10 @@ static const command_t commands[] = {
     {"launch", "NNw", "kernel|ex|coop|graph", cmd_launch},
     {"sync", "", NULL, cmd_sync},
     {"run", "FNw", "kernel|ex|coop|graph", cmd_run},
+    {"threads", "NFN", NULL, cmd_threads},
+    {"capture", "NN", NULL, cmd_capture},
+    {"push", "i", NULL, cmd_push},
+    {"pop", "", NULL, cmd_pop},
     {"proc", "WNNw", "v1", cmd_proc},
     {"dlsym", "Ww", "cuda|nvml", cmd_dlsym},
     {"nvml", "", NULL, cmd_nvml},

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice_common.region import Region
-from tests.native.probe import ProbeRunner, ProbeSpawner
+from tests.native.probe import Build, ProbeRunner, ProbeSpawner
 
 
 def sm(region: Path, limit: int, policy: str = "force", **extra: str | int) -> dict[str, str | int]:
@@ -171,3 +171,108 @@ def test_the_limit_holds_after_the_context_is_torn_down(
     first, second = (line["share"] for line in result.by_cmd("run"))
     assert abs(first - 0.25) <= 0.06, result.describe()
     assert abs(second - 0.25) <= 0.06, result.describe()
+
+
+def measured_pause() -> tuple[str, ...]:
+    """Bursts of launches around a pause: once a pause after a long enough burst has
+    been measured with the GPU keeping pace, windows are unmarked (no event after
+    each launch) and launches take the lock-free path."""
+    return ("launch 40 0", "sleep 5", "launch 40 0")
+
+
+@pytest.mark.parametrize("options", [(), ("--proc",), ("--proc", "--ptds")])
+@pytest.mark.parametrize("windows", ["marked", "unmarked"])
+def test_a_graph_captured_under_a_limit_stays_whole(
+    run_probe: ProbeRunner, region_path: Path, windows: str, options: tuple[str, ...]
+) -> None:
+    # 300 launches into a capturing stream: more than a window holds, so a window
+    # would end inside the capture. The fake invalidates a capture that gets an
+    # event recorded into it; launches into it run nothing.
+    before = measured_pause() if windows == "unmarked" else ()
+    result = run_probe(
+        "init", "ctx", *before, "capture 300 100", "launch 10 0", "capture 300 100",
+        env=sm(region_path, 30), options=options,
+    )  # fmt: skip
+    for line in result.by_cmd("capture"):
+        assert (line["rc"], line["end_rc"], line["graph_us"], line["ran"]) == (0, 0, 30000, 0), (
+            result.describe()
+        )
+    assert result.last("launch")["rc"] == 0
+
+
+@pytest.mark.parametrize(("switch", "options"), [("ctx 1", ()), ("push 1", ("--proc",))])
+def test_each_device_is_charged_its_own_launches(
+    run_probe: ProbeRunner, region_path: Path, switch: str, options: tuple[str, ...]
+) -> None:
+    # Back-to-back 2 ms kernels on one device, then the other, then the first:
+    # each run gets its share of its own device.
+    back = "ctx 0" if switch.startswith("ctx") else "pop"
+    result = run_probe(
+        "init", "ctx 0", "run 1 2000", switch, "run 1 2000", back, "run 1 2000",
+        env={**sm(region_path, 50), "FAKECUDA_DEVICES": 2}, options=options, timeout=60,
+    )  # fmt: skip
+    shares = [line["share"] for line in result.by_cmd("run")]
+    assert all(abs(got - 0.50) <= 0.08 for got in shares), result.describe()
+    with Region.open(region_path) as region:
+        busy = [device.busy_ns for device in region.devices()[:2]]
+    # device 0 ran 2 s at 50 %, device 1 one second
+    assert 0.8e9 < busy[0] < 1.2e9, (busy, result.describe())
+    assert 0.4e9 < busy[1] < 0.6e9, (busy, result.describe())
+
+
+@pytest.mark.parametrize(("switch", "options"), [("ctx", ()), ("push", ("--proc",))])
+def test_a_thread_moving_between_devices_charges_each_its_own(
+    run_probe: ProbeRunner, region_path: Path, switch: str, options: tuple[str, ...]
+) -> None:
+    # One thread alternates devices, bursts of 40 kernels of 5 us each, in
+    # unmarked windows (a pause measured on each device first): the lock-free
+    # path takes the device from a per-thread cache that must follow every
+    # context switch (set, pushed, popped).
+    if switch == "ctx":
+        rounds = ("ctx 0", "launch 40 5", "ctx 1", "launch 40 5", "sleep 4") * 40
+    else:
+        rounds = ("launch 40 5", "push 1", "launch 40 5", "pop", "sleep 4") * 40
+    result = run_probe(
+        "init", "ctx 1", *measured_pause(), "ctx 0", *measured_pause(), *rounds,
+        env={**sm(region_path, 30), "FAKECUDA_DEVICES": 2}, options=options, timeout=60,
+    )  # fmt: skip
+    assert all(line["rc"] == 0 for line in result.lines), result.describe()
+    with Region.open(region_path) as region:
+        busy = [device.busy_ns for device in region.devices()[:2]]
+    # each device ran 40 x 40 x 5 us = 8 ms of kernels; windows charge what they
+    # span (the fake engine wakes up late after a pause), a little more
+    assert all(6.4e6 < got < 24e6 for got in busy), busy
+
+
+def test_a_bursty_process_below_its_share_is_charged_its_launches_not_its_pauses(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # Bursts of empty kernels 6 ms apart: windows (unmarked once a pause was
+    # measured) span pauses and take them out. Charged the pauses, the process
+    # would be a GPU busy all the time, three times its share, and would wait
+    # about two thirds of the time. (A start-up hiccup of the fake may be charged
+    # once: the first launch starts its engine thread.)
+    bursts = ("launch 50 0", "sleep 6") * 40
+    started = time.monotonic()
+    result = run_probe("init", "ctx", *bursts, env=sm(region_path, 30), timeout=60)
+    wall_ns = (time.monotonic() - started) * 1e9
+    assert all(line["rc"] == 0 for line in result.by_cmd("launch"))
+    with Region.open(region_path) as region:
+        device = region.devices()[0]
+    assert device.busy_ns < 0.25 * wall_ns, (device, wall_ns)
+    assert device.throttled_ns < 0.15 * wall_ns, (device, wall_ns)
+
+
+@pytest.mark.parametrize("options", [(), ("--proc", "--ptds")])
+def test_threads_launching_at_once_share_the_limit(
+    run_probe: ProbeRunner, region_path: Path, build: Build, options: tuple[str, ...]
+) -> None:
+    # Four threads launch into one device together (the default stream, or each
+    # its per-thread one): the lock-free path lets them into a window while
+    # another thread may be closing it.
+    line = run_probe(
+        "init", "ctx", "threads 4 1.5 1000",
+        env=sm(region_path, 40), build=build, options=options, timeout=90,
+    ).one("threads")  # fmt: skip
+    assert (line["rc"], line["threads"]) == (0, 4), line
+    assert abs(line["share"] - 0.40) <= 0.07, line

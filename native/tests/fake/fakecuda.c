@@ -90,6 +90,18 @@
  * everything queued on that device so far. Grid and block sizes are not
  * checked. Streams are cheap records that only remember their device.
  *
+ * STREAM CAPTURE. cuStreamBeginCapture_v2 on a created stream (not the NULL,
+ * legacy or per-thread one: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) starts a
+ * capture, whatever the mode: launches into the stream then run nothing and
+ * only add their microseconds to the capture. cuStreamEndCapture ends it and
+ * hands back a CUgraph whose value is those microseconds; cuGraphInstantiate-
+ * WithFlags makes it a CUgraphExec of the same value, which cuGraphLaunch runs
+ * for that long. Stricter than the driver: recording an event into a capturing
+ * stream, or querying or synchronising it, invalidates the capture (the driver
+ * would make the event part of the graph); cuStreamIsCapturing(_ptsz) then says
+ * INVALIDATED (2), else ACTIVE (1) or NONE (0), and cuStreamEndCapture fails
+ * with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED.
+ *
  * DEVICES. Name "Fake GPU"; cuDeviceGetUuid(_v2) of device i is, unless
  * FAKECUDA_UUIDS gives it one, the 16 bytes
  *     fa ce fe ed 00 00 40 00 80 00 00 00 00 00 00 i
@@ -183,6 +195,10 @@ enum {
     FAKE_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6,
     FAKE_MEMPOOL_ATTR_USED_MEM_HIGH = 8,
 };
+#define FAKE_ERROR_ILLEGAL_STATE 401
+#define FAKE_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
+#define FAKE_ERROR_STREAM_CAPTURE_INVALIDATED 901
+typedef struct CUgraph_st *CUgraph;
 #define FAKE_CU_STREAM_LEGACY ((CUstream)0x1)
 #define FAKE_CU_STREAM_PER_THREAD ((CUstream)0x2)
 #define FAKE_CTX_FLAGS_MASK 0xFFu
@@ -310,6 +326,12 @@ API CUresult cuStreamSynchronize(CUstream hStream);
 API CUresult cuStreamSynchronize_ptsz(CUstream hStream);
 API CUresult cuStreamQuery(CUstream hStream);
 API CUresult cuStreamQuery_ptsz(CUstream hStream);
+API CUresult cuStreamBeginCapture_v2(CUstream hStream, int mode);
+API CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph);
+API CUresult cuStreamIsCapturing(CUstream hStream, int *captureStatus);
+API CUresult cuStreamIsCapturing_ptsz(CUstream hStream, int *captureStatus);
+API CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                         unsigned long long flags);
 
 API unsigned long long fakecuda_busy_ns(int dev);
 API unsigned long long fakecuda_launches(int dev);
@@ -343,7 +365,8 @@ API unsigned long long fakecuda_used_bytes(int dev);
     X(cuEventCreate) X(cuEventRecord) X(cuEventRecord_ptsz) X(cuEventQuery)                   \
     X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuStreamCreate) X(cuStreamCreateWithPriority) \
     X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuStreamQuery)  \
-    X(cuStreamQuery_ptsz)
+    X(cuStreamQuery_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture)                   \
+    X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz) X(cuGraphInstantiateWithFlags)
 
 static const struct {
     const char *name;
@@ -377,6 +400,7 @@ static const struct {
     {"cuCtxPopCurrent", 4000, "cuCtxPopCurrent_v2"},
     {"cuEventDestroy", 4000, "cuEventDestroy_v2"},
     {"cuStreamDestroy", 4000, "cuStreamDestroy_v2"},
+    {"cuStreamBeginCapture", 10010, "cuStreamBeginCapture_v2"},
     {"cuDevicePrimaryCtxRelease", 11000, "cuDevicePrimaryCtxRelease_v2"},
     {"cuDevicePrimaryCtxReset", 11000, "cuDevicePrimaryCtxReset_v2"},
     {"cuCtxCreate", 12050, "cuCtxCreate_v4"},
@@ -432,6 +456,9 @@ struct res {
     /* K_POOL */
     uint64_t reserved, used, reserved_high, used_high, release_threshold;
     bool destroyed, is_default;
+    /* K_STREAM: a capture in progress, and the microseconds launched into it */
+    bool capturing, capture_invalid;
+    uint64_t captured_us;
     /* K_EVENT: recorded at queue position `target` of engine `dev`; `stamp` is when
      * the engine got there (0 until known) */
     uint64_t target, stamp;
@@ -1790,15 +1817,24 @@ API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
 }
 
 /* ---------------------------------------------------------------- launches */
+/* The stream if it is being captured (g_mu held). */
+static struct res *capture_of(CUstream s) {
+    struct res *r = s == NULL || s == FAKE_CU_STREAM_LEGACY || s == FAKE_CU_STREAM_PER_THREAD
+                        ? NULL
+                        : tab_find_kind((uintptr_t)s, K_STREAM);
+    return r && r->capturing ? r : NULL;
+}
+
 static CUresult launch(CUstream s, uintptr_t us) {
     NEED_INIT();
     pthread_mutex_lock(&g_mu);
-    struct res *c;
+    struct res *c, *cap = NULL;
     int dev = 0;
     CUresult rc = need_ctx(&c);
     if (!rc) rc = stream_dev(s, &dev);
+    if (!rc && (cap = capture_of(s))) cap->captured_us += us; /* joins the graph, runs nothing */
     pthread_mutex_unlock(&g_mu);
-    return rc ? rc : engine_submit(dev, (uint64_t)us);
+    return rc || cap ? rc : engine_submit(dev, (uint64_t)us);
 }
 
 API CUresult cuLaunchKernel FAKE_LAUNCH_PARAMS { return launch(hStream, (uintptr_t)f); }
@@ -1843,7 +1879,10 @@ API CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
     struct res *e = tab_find_kind((uintptr_t)hEvent, K_EVENT);
     int dev = 0;
     CUresult rc = e ? stream_dev(hStream, &dev) : CUDA_ERROR_INVALID_HANDLE;
-    if (!rc) {
+    struct res *cap = rc ? NULL : capture_of(hStream);
+    if (cap) {
+        cap->capture_invalid = true; /* see STREAM CAPTURE */
+    } else if (!rc) {
         e->dev = dev;
         e->target = engine_mark(dev); /* engine lock nests inside g_mu, never the reverse */
         e->stamp = engine_reached(dev, e->target) ? now_ns() : 0;
@@ -1952,6 +1991,11 @@ static CUresult stream_target(CUstream s, int *dev, uint64_t *target) {
     NEED_INIT();
     pthread_mutex_lock(&g_mu);
     CUresult rc = stream_dev(s, dev);
+    struct res *cap = rc ? NULL : capture_of(s);
+    if (cap) {
+        cap->capture_invalid = true;
+        rc = FAKE_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    }
     if (!rc) *target = engine_mark(*dev);
     pthread_mutex_unlock(&g_mu);
     return rc;
@@ -1976,6 +2020,66 @@ API CUresult cuStreamQuery(CUstream hStream) {
 }
 
 API CUresult cuStreamQuery_ptsz(CUstream hStream) { return cuStreamQuery(hStream); }
+
+/* ----------------------------------------------------------- stream capture */
+API CUresult cuStreamBeginCapture_v2(CUstream hStream, int mode) {
+    NEED_INIT();
+    pthread_mutex_lock(&g_mu);
+    int dev;
+    CUresult rc = stream_dev(hStream, &dev);
+    struct res *r = rc ? NULL : tab_find_kind((uintptr_t)hStream, K_STREAM);
+    if (!rc && !r) rc = FAKE_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* NULL, legacy, per-thread */
+    else if (r && r->capturing) rc = FAKE_ERROR_ILLEGAL_STATE;
+    if (r && !rc) {
+        r->capturing = true;
+        r->capture_invalid = false;
+        r->captured_us = 0;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
+    NEED_INIT();
+    if (!phGraph) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct res *r = capture_of(hStream);
+    CUresult rc = CUDA_SUCCESS;
+    *phGraph = NULL;
+    if (!r) {
+        rc = FAKE_ERROR_ILLEGAL_STATE;
+    } else {
+        r->capturing = false;
+        if (r->capture_invalid) rc = FAKE_ERROR_STREAM_CAPTURE_INVALIDATED;
+        else *phGraph = (CUgraph)(uintptr_t)r->captured_us;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API CUresult cuStreamIsCapturing(CUstream hStream, int *captureStatus) {
+    NEED_INIT();
+    if (!captureStatus) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    int dev;
+    CUresult rc = stream_dev(hStream, &dev);
+    struct res *r = rc ? NULL : capture_of(hStream);
+    if (!rc) *captureStatus = !r ? 0 : r->capture_invalid ? 2 : 1;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API CUresult cuStreamIsCapturing_ptsz(CUstream hStream, int *captureStatus) {
+    return cuStreamIsCapturing(hStream, captureStatus);
+}
+
+API CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                         unsigned long long flags) {
+    NEED_INIT();
+    if (!phGraphExec) return CUDA_ERROR_INVALID_VALUE;
+    *phGraphExec = (CUgraphExec)hGraph;
+    return CUDA_SUCCESS;
+}
 
 /* ---------------------------------------------------------- fake-only exports */
 static struct engine *engine_of(int dev) {
