@@ -21,6 +21,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -276,6 +277,50 @@ static bool map_file_locked(const char *path) {
     return true;
 }
 
+/* A new region at `path`, made in full under a temporary name and renamed into
+ * place without replacing one another process made meanwhile (whose file is
+ * then opened): no reader ever sees it empty or half set up. */
+static int create_region(const char *path) {
+    const char *slash = strrchr(path, '/');
+    char dir[512], tmp[64];
+    size_t len = slash ? (size_t)(slash - path) : 0;
+    if (!slash || len >= sizeof dir) {
+        errno = EINVAL;
+        return -1;
+    }
+    memcpy(dir, path, len);
+    dir[len] = 0;
+    int dfd = gs_open_dir_nofollow(len ? dir : "/");
+    if (dfd < 0) return -1;
+    snprintf(tmp, sizeof tmp, ".region.%d.%llu.tmp", (int)getpid(), (unsigned long long)gs_now_ns());
+    int fd = openat(dfd, tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    bool ok = fd >= 0 && ftruncate(fd, (off_t)sizeof(gs_region_t)) == 0;
+    if (ok) {
+        void *m = mmap(NULL, sizeof(gs_region_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        ok = m != MAP_FAILED;
+        if (ok) {
+            init_header(m);
+            munmap(m, sizeof(gs_region_t));
+        }
+    }
+    int saved = errno;
+    if (ok && syscall(SYS_renameat2, dfd, tmp, dfd, slash + 1, 1 /* RENAME_NOREPLACE */) != 0) {
+        saved = errno;
+        ok = false;
+    }
+    if (!ok && fd >= 0) unlinkat(dfd, tmp, 0);
+    if (fd >= 0) close(fd);
+    int out = -1;
+    if (ok || saved == EEXIST) /* made, or another process's is there: open what is in place */
+        out = openat(dfd, slash + 1, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    else
+        errno = saved;
+    saved = errno;
+    close(dfd);
+    errno = saved;
+    return out;
+}
+
 /* Opens the region file: beneath the grant's directory (never created: the
  * agent makes it), else the configured path with no link followed. */
 static bool open_region(char *path, size_t size) {
@@ -289,7 +334,8 @@ static bool open_region(char *path, size_t size) {
                            O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     } else {
         snprintf(path, size, "%s", gs_cfg.region_path);
-        region_fd = gs_open_nofollow(gs_cfg.region_path, O_RDWR | O_CREAT | O_NONBLOCK, 0600);
+        region_fd = gs_open_nofollow(gs_cfg.region_path, O_RDWR | O_NONBLOCK, 0);
+        if (region_fd < 0 && errno == ENOENT) region_fd = create_region(gs_cfg.region_path);
     }
     if (region_fd < 0) {
         gs_fail_closed("cannot open the shared region %s safely: %s", path, gs_errname(errno));
