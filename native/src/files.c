@@ -40,7 +40,7 @@ int gs_open_dir_nofollow(const char *path) {
     return fd;
 }
 
-int gs_open_nofollow(const char *path, int flags, mode_t mode) {
+int gs_open_parent_nofollow(const char *path, const char **name) {
     const char *slash = path ? strrchr(path, '/') : NULL;
     if (!slash || !slash[1] || path[0] != '/') {
         errno = EINVAL;
@@ -54,9 +54,15 @@ int gs_open_nofollow(const char *path, int flags, mode_t mode) {
     }
     memcpy(dir, path, len);
     dir[len] = 0;
-    int dfd = gs_open_dir_nofollow(len ? dir : "/");
+    *name = slash + 1;
+    return gs_open_dir_nofollow(len ? dir : "/");
+}
+
+int gs_open_nofollow(const char *path, int flags, mode_t mode) {
+    const char *name;
+    int dfd = gs_open_parent_nofollow(path, &name);
     if (dfd < 0) return -1;
-    int fd = openat(dfd, slash + 1, flags | O_NOFOLLOW | O_CLOEXEC, mode);
+    int fd = openat(dfd, name, flags | O_NOFOLLOW | O_CLOEXEC, mode);
     int saved = errno;
     close(dfd);
     errno = saved;

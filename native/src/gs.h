@@ -100,6 +100,9 @@ bool gs_json_escape(char *buf, size_t cap, size_t *pos, const char *s);
 /* An absolute directory, every component opened without following a link:
  * an O_PATH descriptor, or -1 with errno (ELOOP/ENOTDIR for a link on the way). */
 int gs_open_dir_nofollow(const char *path);
+/* The directory of an absolute path, opened as gs_open_dir_nofollow does; *name
+ * points at the last component in `path`. */
+int gs_open_parent_nofollow(const char *path, const char **name);
 /* open(2) of an absolute path with no symlink followed anywhere on it. */
 int gs_open_nofollow(const char *path, int flags, mode_t mode);
 

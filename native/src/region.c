@@ -281,16 +281,9 @@ static bool map_file_locked(const char *path) {
  * place without replacing one another process made meanwhile (whose file is
  * then opened): no reader ever sees it empty or half set up. */
 static int create_region(const char *path) {
-    const char *slash = strrchr(path, '/');
-    char dir[512], tmp[64];
-    size_t len = slash ? (size_t)(slash - path) : 0;
-    if (!slash || len >= sizeof dir) {
-        errno = EINVAL;
-        return -1;
-    }
-    memcpy(dir, path, len);
-    dir[len] = 0;
-    int dfd = gs_open_dir_nofollow(len ? dir : "/");
+    const char *name;
+    char tmp[64];
+    int dfd = gs_open_parent_nofollow(path, &name);
     if (dfd < 0) return -1;
     snprintf(tmp, sizeof tmp, ".region.%d.%llu.tmp", (int)getpid(), (unsigned long long)gs_now_ns());
     int fd = openat(dfd, tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -304,7 +297,7 @@ static int create_region(const char *path) {
         }
     }
     int saved = errno;
-    if (ok && syscall(SYS_renameat2, dfd, tmp, dfd, slash + 1, 1 /* RENAME_NOREPLACE */) != 0) {
+    if (ok && syscall(SYS_renameat2, dfd, tmp, dfd, name, 1 /* RENAME_NOREPLACE */) != 0) {
         saved = errno;
         ok = false;
     }
@@ -312,7 +305,7 @@ static int create_region(const char *path) {
     if (fd >= 0) close(fd);
     int out = -1;
     if (ok || saved == EEXIST) /* made, or another process's is there: open what is in place */
-        out = openat(dfd, slash + 1, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+        out = openat(dfd, name, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     else
         errno = saved;
     saved = errno;

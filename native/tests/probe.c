@@ -506,17 +506,28 @@ static void cmd_init(int argc, char **argv) {
     j_rc("init", CALL(cuInit, 0));
 }
 
-static void cmd_ctx(int argc, char **argv) {
-    int ordinal = arg_dev(argc, argv, 0);
+/* Retains the primary context of the device argument; its ordinal in *ordinal. */
+static CUresult retain_primary(int argc, char **argv, int *ordinal, CUcontext *ctx) {
+    *ordinal = arg_dev(argc, argv, 0);
+    *ctx = NULL;
     CUdevice dev;
-    CUcontext ctx = NULL;
-    CUresult rc = get_device(ordinal, &dev);
-    if (rc == CUDA_SUCCESS) rc = CALL(cuDevicePrimaryCtxRetain, &ctx, dev);
-    if (rc == CUDA_SUCCESS) rc = CALL(cuCtxSetCurrent, ctx);
-    j_begin("ctx");
+    CUresult rc = get_device(*ordinal, &dev);
+    return rc == CUDA_SUCCESS ? CALL(cuDevicePrimaryCtxRetain, ctx, dev) : rc;
+}
+
+static void j_ctx(const char *cmd, CUresult rc, int ordinal) {
+    j_begin(cmd);
     j_int("rc", rc);
     j_int("dev", ordinal);
     j_end();
+}
+
+static void cmd_ctx(int argc, char **argv) {
+    int ordinal;
+    CUcontext ctx;
+    CUresult rc = retain_primary(argc, argv, &ordinal, &ctx);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuCtxSetCurrent, ctx);
+    j_ctx("ctx", rc, ordinal);
 }
 
 static void newctx_common(const char *cmd, int version, int argc, char **argv) {
@@ -1214,16 +1225,11 @@ static void cmd_capture(int argc, char **argv) {
 }
 
 static void cmd_push(int argc, char **argv) {
-    int ordinal = arg_dev(argc, argv, 0);
-    CUdevice dev;
-    CUcontext ctx = NULL;
-    CUresult rc = get_device(ordinal, &dev);
-    if (rc == CUDA_SUCCESS) rc = CALL(cuDevicePrimaryCtxRetain, &ctx, dev);
+    int ordinal;
+    CUcontext ctx;
+    CUresult rc = retain_primary(argc, argv, &ordinal, &ctx);
     if (rc == CUDA_SUCCESS) rc = CALL(cuCtxPushCurrent_v2, ctx);
-    j_begin("push");
-    j_int("rc", rc);
-    j_int("dev", ordinal);
-    j_end();
+    j_ctx("push", rc, ordinal);
 }
 
 static void cmd_pop(int argc, char **argv) {

@@ -26,8 +26,8 @@ when they differ from what the record holds, and before the heartbeat, so a
 region the agent has just found becomes live with its flags already right.
 
 Regions stay mapped between ticks, keyed by directory and re-opened when the
-file's inode changes (a container restarted with a new region). A region not
-there yet, or still being set up by the interposer, is skipped quietly; one the
+file's inode changes (the agent made a new region). A region not there yet,
+or one an older interposer is still setting up, is skipped quietly; one the
 binding refuses (foreign, another layout version), a symlink or anything but a
 regular file is skipped with one warning per file, and so is a mapped region
 whose file shrank (reading a mapping past the end of its file would fault; the
@@ -189,8 +189,9 @@ class Coordinator:
     def _region(self, directory: Path) -> _Tracked | None:
         """The mapped region of a container directory, (re)opened as needed.
 
-        The file must be a regular file, not a symlink: the directory is the
-        container's to write, and a link could name another container's region.
+        The file must be a regular file, opened without following a link: the
+        agent made it and the container cannot replace it, but a directory left
+        from an older, container-writable layout may hold anything.
         """
         path = directory / REGION_FILE
         tracked = self._tracked.get(directory)
