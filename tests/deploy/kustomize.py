@@ -16,6 +16,7 @@ POD_SPEC_PATHS = {
     "Deployment": ("spec", "template", "spec"),
     "DaemonSet": ("spec", "template", "spec"),
     "StatefulSet": ("spec", "template", "spec"),
+    "Job": ("spec", "template", "spec"),
 }
 
 

@@ -34,6 +34,7 @@ def test_compose_file_follows_the_compose_specification(compose: dict[str, Any])
     assert set(parsed.service_names()) == {
         "nats",
         "redis",
+        "audit-init",
         "webhook",
         "scheduler",
         "inventory",

@@ -73,6 +73,17 @@ def test_the_driver_runs_the_demo_against_services_started_apart(
                     )
                 )
 
+        # the install step: only the admin credential makes the audit stream
+        init = subprocess.run(
+            [str(BIN / "gpuslice"), "audit", "init", "--nats-url", nats_server.url],
+            env=common,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert init.returncode == 0, init.stdout + init.stderr
+        assert f"audit stream {prefix}_audit" in init.stdout
         start("webhook", "gpuslice_webhook", GPUSLICE_LISTEN_PORT=str(ports["webhook"]))
         start("scheduler", "gpuslice_scheduler", GPUSLICE_LISTEN_PORT=str(ports["scheduler"]))
         start(

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
+from nats.js.errors import NotFoundError
 
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import InventorySettings
@@ -73,6 +75,7 @@ async def test_the_process_rides_out_a_redis_restart_and_stops_on_sigterm(
     )
     settings = InventorySettings(nats_url=nats_server.url, subject_prefix=prefix)
     bus = await Bus.connect(settings, "test")
+    await bus.ensure_audit_stream(settings.audit_max_age)
     ledger = Ledger.from_url(own_redis.url, prefix)
     try:
         with inventory_process(env) as process:
@@ -100,6 +103,37 @@ async def announce_and_check(bus: Bus, ledger: Ledger, node: str) -> bool:
     with contextlib.suppress(Exception):
         return node in await ledger.nodes()
     return False
+
+
+async def test_the_process_waits_for_the_audit_stream_it_may_not_make(
+    nats_server: NatsServer, own_redis: RedisServer, prefix: str
+) -> None:
+    """No service creates the audit stream: the inventory says what is missing,
+    waits, and starts once the install step (with the admin credential) made it."""
+    port = free_port()
+    env = inventory_env(
+        GPUSLICE_NATS_URL=nats_server.url,
+        GPUSLICE_REDIS_URL=own_redis.url,
+        GPUSLICE_SUBJECT_PREFIX=prefix,
+        GPUSLICE_LEDGER_PREFIX=prefix,
+        GPUSLICE_LISTEN_PORT=str(port),
+    )
+    settings = InventorySettings(nats_url=nats_server.url, subject_prefix=prefix)
+    bus = await Bus.connect(settings, "admin")
+    try:
+        with inventory_process(env) as process:
+            assert process.stdout is not None
+            line = await asyncio.to_thread(process.stdout.readline)
+            assert "waiting for the audit stream" in line, line
+            assert f"audit stream {prefix}_audit does not exist" in line
+            assert "gpuslice audit init" in line
+            assert await readiness(port) == 0  # not serving: not started
+            with pytest.raises(NotFoundError):  # the inventory made nothing meanwhile
+                await bus.js.stream_info(f"{prefix}_audit")
+            await bus.ensure_audit_stream(settings.audit_max_age)
+            await until(lambda: _equals(readiness(port), 200), timeout=20)
+    finally:
+        await bus.close()
 
 
 def run_inventory(env: dict[str, str]) -> subprocess.CompletedProcess[str]:

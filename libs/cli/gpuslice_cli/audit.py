@@ -497,3 +497,36 @@ def export(
         )
 
     _run_or_fail(settings, run)
+
+
+@audit.command()
+def init(
+    nats_url: str | None = typer.Option(
+        None, "--nats-url", help="the NATS to set up (default: GPUSLICE_NATS_URL)"
+    ),
+) -> None:
+    """Create the audit stream, or bring an existing one's retention up to date.
+
+    Run once at install and at each upgrade, with the admin credential
+    (GPUSLICE_NATS_USER=admin): no service may create, change or delete the
+    stream. Retention comes from GPUSLICE_AUDIT_MAX_AGE. Exit 1 when NATS
+    refuses or an existing stream is unfit for audit, 2 on a bad setting.
+    """
+    settings = cli_settings(nats_url=nats_url)
+
+    async def make() -> str:
+        bus = await _connect(settings)
+        try:
+            info = await bus.ensure_audit_stream(settings.audit_max_age)
+        finally:
+            await bus.close()
+        days = settings.audit_max_age.total_seconds() / 86400
+        return (
+            f"audit stream {info.config.name}: {info.state.messages} events stored,"
+            f" kept {days:g} days, deleting and purging denied"
+        )
+
+    def run() -> None:
+        Console(highlight=False).print(asyncio.run(make()), soft_wrap=True)
+
+    _run_or_fail(settings, run)

@@ -272,8 +272,10 @@ class Bus:
     async def ensure_audit_stream(self, max_age: timedelta) -> StreamInfo:
         """Create the audit stream, or check an existing one and bring its retention up to date.
 
-        Raises BusError if an existing stream cannot be made to match (for example
-        it uses memory storage, or allows deletes), rather than audit on a weaker one.
+        Needs the install-time ``admin`` credential: no service may create, change
+        or delete the stream. Raises BusError if an existing stream cannot be made
+        to match (for example it uses memory storage, or allows deletes), rather
+        than audit on a weaker one.
         """
         wanted = self._audit_config(max_age)
         name = self.subjects.audit_stream
@@ -282,21 +284,12 @@ class Bus:
         except NotFoundError:
             try:
                 return await self.js.add_stream(wanted)
-            except NatsError as exc:
-                raise BusError(f"cannot create audit stream {name}: {exc}") from None
+            except (TimeoutError, NatsError) as exc:
+                raise BusError(f"cannot create audit stream {name}: {exc!r}") from None
         except (TimeoutError, NatsError) as exc:
             raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
         have = info.config
-        problems = []
-        if have.storage != StorageType.FILE:
-            problems.append(f"storage is {have.storage}, not file")
-        if not have.deny_delete or not have.deny_purge:
-            problems.append("it allows deleting or purging messages")
-        if have.retention != RetentionPolicy.LIMITS:
-            problems.append(f"retention is {have.retention}, not limits")
-        for limit in ("max_msgs", "max_bytes", "max_msgs_per_subject"):
-            if (getattr(have, limit) or -1) > 0:
-                problems.append(f"{limit} is {getattr(have, limit)}: old events would be dropped")
+        problems = _unfit_for_audit(have)
         if problems:
             raise BusError(f"existing stream {name} is unfit for audit: " + "; ".join(problems))
         if (
@@ -304,7 +297,7 @@ class Bus:
             or have.max_age != wanted.max_age
             or have.duplicate_window != wanted.duplicate_window
         ):
-            # change only what this component owns; replicas and placement stay as set
+            # change only what this command owns; replicas and placement stay as set
             updated = dataclasses.replace(
                 have,
                 subjects=wanted.subjects,
@@ -313,8 +306,28 @@ class Bus:
             )
             try:
                 return await self.js.update_stream(updated)
-            except NatsError as exc:
-                raise BusError(f"cannot update audit stream {name}: {exc}") from None
+            except (TimeoutError, NatsError) as exc:
+                raise BusError(f"cannot update audit stream {name}: {exc!r}") from None
+        return info
+
+    async def check_audit_stream(self) -> StreamInfo:
+        """The audit stream's state, read only; BusError naming what is wrong when it
+        is missing, unreadable or unfit for audit (a service checks, never creates)."""
+        name = self.subjects.audit_stream
+        try:
+            info = await self.js.stream_info(name)
+        except NotFoundError:
+            raise BusError(
+                f"audit stream {name} does not exist: create it with `gpuslice audit init`"
+                " and the admin credential (the gpuslice-audit-init Job in Kubernetes)"
+            ) from None
+        except (TimeoutError, NatsError) as exc:
+            raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+        problems = _unfit_for_audit(info.config)
+        if set(info.config.subjects or []) != {self.subjects.events_all}:
+            problems.append(f"it captures {info.config.subjects}, not {self.subjects.events_all}")
+        if problems:
+            raise BusError(f"stream {name} is unfit for audit: " + "; ".join(problems))
         return info
 
     async def read_audit(
@@ -372,3 +385,20 @@ class Bus:
         finally:
             await sub.unsubscribe()
         return events
+
+
+def _unfit_for_audit(have: StreamConfig) -> list[str]:
+    """What makes a stream's configuration too weak to keep an audit trail."""
+    problems = []
+    if have.storage != StorageType.FILE:
+        problems.append(f"storage is {have.storage}, not file")
+    if not have.deny_delete or not have.deny_purge:
+        problems.append("it allows deleting or purging messages")
+    if have.retention != RetentionPolicy.LIMITS:
+        problems.append(f"retention is {have.retention}, not limits")
+    if have.allow_msg_ttl:
+        problems.append("publishers may set a message's time to live (allow_msg_ttl)")
+    for limit in ("max_msgs", "max_bytes", "max_msgs_per_subject"):
+        if (getattr(have, limit) or -1) > 0:
+            problems.append(f"{limit} is {getattr(have, limit)}: old events would be dropped")
+    return problems

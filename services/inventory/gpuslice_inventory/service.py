@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from gpuslice_common.bus import Bus
+from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import InventorySettings
 from gpuslice_common.kube import KubeApi, KubernetesApi
 from gpuslice_common.ledger import Ledger, LedgerError
@@ -40,6 +40,7 @@ from gpuslice_inventory.upkeep import SOURCE, Upkeep
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 5.0
 READY_TIMEOUT_S = 1.0
+AUDIT_STREAM_RETRY_S = 2.0
 
 
 @dataclass
@@ -265,6 +266,28 @@ async def running(
         await ledger.close()
 
 
+async def wait_for_audit_stream(bus: Bus, stop: asyncio.Event) -> None:
+    """Wait until the audit stream exists and is fit; the inventory only checks it.
+
+    It is made at install with the admin credential (``gpuslice audit init``); no
+    service may create, change or delete it.
+    """
+    said = ""
+    while not stop.is_set():
+        try:
+            await bus.check_audit_stream()
+        except BusError as exc:
+            if str(exc) != said:
+                log.warning("waiting for the audit stream: %s", exc)
+                said = str(exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), AUDIT_STREAM_RETRY_S)
+            continue
+        if said:
+            log.info("the audit stream is there")
+        return
+
+
 async def main(settings: InventorySettings) -> None:
     """Run until SIGTERM or SIGINT."""
     stop = asyncio.Event()
@@ -279,7 +302,7 @@ async def main(settings: InventorySettings) -> None:
             await kube.close()
         raise
     try:
-        await bus.ensure_audit_stream(settings.audit_max_age)
+        await wait_for_audit_stream(bus, stop)
         async with running(settings, bus, kube=kube):
             log.info("inventory listening on %s:%d", settings.listen_host, settings.listen_port)
             await stop.wait()

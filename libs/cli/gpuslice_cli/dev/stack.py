@@ -39,6 +39,8 @@ import pynvml  # type: ignore[import-untyped]
 
 from gpuslice_cli.dev.apiserver import DevApiServer
 from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import CommonSettings
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
@@ -335,8 +337,19 @@ class Stack:
         self.children[name] = child
         return child
 
+    async def init_audit_stream(self) -> None:
+        """The install step: the audit stream made with the admin credential,
+        before any service runs (services only check it)."""
+        settings = CommonSettings(nats_url=self.nats_url or "", subject_prefix=self.prefix)
+        bus = await Bus.connect(settings, "audit-init")
+        try:
+            await bus.ensure_audit_stream(settings.audit_max_age)
+        finally:
+            await bus.close()
+
     async def _start_services(self, kubeconfig: Path) -> None:
         env = self.base_env(kubeconfig)
+        await self.init_audit_stream()
         for name in ("webhook", "scheduler", "inventory"):
             self.ports[name] = free_port()
         heartbeat = f"{self.heartbeat_s}s"
