@@ -153,7 +153,8 @@ def test_each_service_has_exactly_the_permissions_it_uses(objects: list[dict[str
     shipped = {
         b["roleRef"]["name"]
         for b in objects
-        if b["kind"].endswith("Binding") and b["subjects"][0]["name"] == "gpuslice-scheduler"
+        if b["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        and b["subjects"][0]["name"] == "gpuslice-scheduler"
     }
     assert {"system:kube-scheduler", "system:volume-scheduler"} <= shipped
 

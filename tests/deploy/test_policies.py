@@ -1,0 +1,258 @@
+"""The manifests' admission rules and network policies, checked by evaluating them:
+the webhook's matchConditions and the scheduler's ValidatingAdmissionPolicy run
+in a real CEL interpreter (cel-python) against pods, and the NetworkPolicies are
+read against the pods they select."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuslice_common.config import RequestSettings
+from gpuslice_common.models import PLACEMENT_ANNOTATION
+from gpuslice_common.requests import has_gpu_request
+from tests.deploy.kustomize import render
+
+ROOT = Path(__file__).resolve().parents[2]
+OBJECTS = render(ROOT / "k8s")
+SCHEDULER_SA = "system:serviceaccount:gpuslice:gpuslice-scheduler"
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    for obj in OBJECTS:
+        if obj["kind"] == kind and obj["metadata"]["name"] == name:
+            return obj
+    raise AssertionError(f"no {kind} {name}")
+
+
+def program(expression: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(expression))
+
+
+def run(prog: Any, **values: Any) -> bool:
+    result = prog.evaluate({k: celpy.json_to_cel(v) for k, v in values.items()})
+    assert isinstance(result, celpy.celtypes.BoolType), result
+    return bool(result)
+
+
+# ---------------------------------------------------------------- webhook
+
+
+def match_condition() -> Any:
+    (hook,) = find("MutatingWebhookConfiguration", "gpuslice")["webhooks"]
+    (condition,) = hook["matchConditions"]
+    return program(condition["expression"])
+
+
+MATCH = match_condition()
+NAMES = sorted(RequestSettings().resources.all())
+OTHER = ["cpu", "memory", "nvidia.com/mig-1g.5gb", "example.com/gpu", "nvidia.com/gpux"]
+amounts = st.dictionaries(st.sampled_from(NAMES + OTHER), st.sampled_from(["0", "1", "4000"]))
+resources = st.fixed_dictionaries({}, optional={"limits": amounts, "requests": amounts})
+containers = st.lists(
+    st.fixed_dictionaries({"name": st.just("c")}, optional={"resources": resources}),
+    min_size=1,
+    max_size=3,
+)
+pods = st.fixed_dictionaries(
+    {
+        "spec": st.fixed_dictionaries(
+            {"containers": containers}, optional={"initContainers": containers}
+        )
+    }
+)
+
+
+def test_the_match_condition_names_every_resource_the_webhook_reads() -> None:
+    (hook,) = find("MutatingWebhookConfiguration", "gpuslice")["webhooks"]
+    expression = hook["matchConditions"][0]["expression"]
+    assert all(f'"{name}"' in expression for name in NAMES)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pod=pods)
+def test_the_match_condition_agrees_with_the_webhook_s_own_check(pod: dict[str, Any]) -> None:
+    assert run(MATCH, object=pod) == has_gpu_request(pod)
+
+
+def test_hami_s_example_pods_are_sent_and_others_are_not() -> None:
+    gpu_pod = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "ubuntu-container",
+                    "resources": {"limits": {"nvidia.com/gpu": 2, "nvidia.com/gpumem": 3000}},
+                }
+            ]
+        }
+    }
+    plain = {"spec": {"containers": [{"name": "web", "resources": {"limits": {"cpu": "1"}}}]}}
+    bare = {"spec": {"containers": [{"name": "web"}]}}
+    init_only = {
+        "spec": {
+            "containers": [{"name": "web"}],
+            "initContainers": [{"name": "i", "resources": {"requests": {"nvidia.com/gpu": "1"}}}],
+        }
+    }
+    assert run(MATCH, object=gpu_pod)
+    assert run(MATCH, object=init_only)
+    assert not run(MATCH, object=plain)
+    assert not run(MATCH, object=bare)
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+def scheduler_policy() -> tuple[Any, list[tuple[str, Any]]]:
+    policy = find("ValidatingAdmissionPolicy", "gpuslice-scheduler-writes-placements-only")
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule["operations"] == ["UPDATE"]
+    assert rule["resources"] == ["pods"]
+    (condition,) = spec["matchConditions"]
+    checks = [(v["message"], program(v["expression"])) for v in spec["validations"]]
+    binding = find("ValidatingAdmissionPolicyBinding", policy["metadata"]["name"])
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    return program(condition["expression"]), checks
+
+
+CONDITION, CHECKS = scheduler_policy()
+
+
+def refusals(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [message for message, check in CHECKS if not run(check, object=new, oldObject=old)]
+
+
+def waiting_pod() -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "p",
+            "namespace": "team-a",
+            "labels": {"app": "train"},
+            "annotations": {"team": "a"},
+        },
+        "spec": {"schedulerName": "gpuslice-scheduler", "containers": [{"name": "c"}]},
+    }
+
+
+def test_the_policy_applies_to_the_scheduler_s_account_only() -> None:
+    request = {"userInfo": {"username": SCHEDULER_SA}}
+    assert run(CONDITION, request=request)
+    other = {"userInfo": {"username": "system:serviceaccount:team-a:default"}}
+    assert not run(CONDITION, request=other)
+    # the account is the one the scheduler's pod runs as
+    deployment = find("Deployment", "gpuslice-scheduler")
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert f"system:serviceaccount:gpuslice:{account}" == SCHEDULER_SA
+
+
+def test_writing_the_placement_of_a_waiting_pod_is_allowed() -> None:
+    old = waiting_pod()
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"][PLACEMENT_ANNOTATION] = '{"node": "n1"}'
+    assert refusals(old, new) == []
+    bare = waiting_pod()
+    del bare["metadata"]["annotations"]
+    first = copy.deepcopy(bare)
+    first["metadata"]["annotations"] = {PLACEMENT_ANNOTATION: "{}"}
+    assert refusals(bare, first) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"),
+    [
+        (lambda p: p["metadata"]["annotations"].update(team="b"), "no annotation but"),
+        (lambda p: p["metadata"]["annotations"].pop("team"), "no annotation but"),
+        (lambda p: p["metadata"]["annotations"].update({"x.io/y": "1"}), "no annotation but"),
+        (lambda p: p["metadata"]["labels"].update(app="mine"), "labels or finalizers"),
+        (lambda p: p["metadata"].update(finalizers=["hold"]), "labels or finalizers"),
+        (lambda p: p["spec"]["containers"].append({"name": "x"}), "spec"),
+        (lambda p: p["spec"].update(schedulerName="default-scheduler"), "only the pods it places"),
+    ],
+)
+def test_anything_else_is_refused(change: Any, refused: str) -> None:
+    old = waiting_pod()
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"][PLACEMENT_ANNOTATION] = "{}"
+    change(new)
+    messages = refusals(old, new)
+    assert any(refused in m for m in messages), messages
+
+
+def test_a_bound_pod_s_placement_cannot_be_rewritten() -> None:
+    old = waiting_pod()
+    old["spec"]["nodeName"] = "n1"
+    old["metadata"]["annotations"][PLACEMENT_ANNOTATION] = '{"node": "n1"}'
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"][PLACEMENT_ANNOTATION] = '{"node": "n2"}'
+    assert any("once it is bound" in m for m in refusals(old, new))
+
+
+# ---------------------------------------------------------------- network
+
+
+def policies() -> list[dict[str, Any]]:
+    return [o for o in OBJECTS if o["kind"] == "NetworkPolicy"]
+
+
+def pod_templates() -> dict[str, dict[str, Any]]:
+    out = {}
+    for obj in OBJECTS:
+        if obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            template = obj["spec"]["template"]
+            out[obj["metadata"]["name"]] = template
+    return out
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def allowed_ports(labels: dict[str, str]) -> set[int]:
+    ports = set()
+    for policy in policies():
+        if selects(policy["spec"]["podSelector"], labels):
+            for rule in policy["spec"].get("ingress", []):
+                ports |= {p["port"] for p in rule.get("ports", [])}
+    return ports
+
+
+def test_every_gpuslice_pod_denies_ingress_but_what_it_serves() -> None:
+    (deny,) = [p for p in policies() if p["spec"]["podSelector"] == {}]
+    assert deny["spec"]["policyTypes"] == ["Ingress"]
+    assert "ingress" not in deny["spec"]
+    for name, template in pod_templates().items():
+        labels = template["metadata"]["labels"]
+        served = {
+            port["containerPort"]
+            for c in template["spec"]["containers"]
+            for port in c.get("ports", [])
+            if port.get("name") not in ("monitor",)
+        }
+        assert allowed_ports(labels) == served, name
+
+
+def test_only_the_extender_and_the_inventory_reach_redis() -> None:
+    (policy,) = [p for p in policies() if p["metadata"]["name"] == "gpuslice-redis"]
+    (rule,) = policy["spec"]["ingress"]
+    templates = pod_templates()
+    reaching = {
+        name
+        for name, template in templates.items()
+        for peer in rule["from"]
+        if "podSelector" in peer
+        and "namespaceSelector" not in peer
+        and selects(peer["podSelector"], template["metadata"]["labels"])
+    }
+    assert reaching == {"gpuslice-scheduler", "gpuslice-inventory"}
+    assert all(set(peer) == {"podSelector"} for peer in rule["from"])
