@@ -1,6 +1,11 @@
 """A local Kubernetes API server for tests: it records every request and answers
 (method, path) from canned JSON, so the real ``kubernetes`` client can be driven
-over HTTP. The ``kube_api_server`` fixture (tests/conftest.py) starts one."""
+over HTTP. The ``kube_api_server`` fixture (tests/conftest.py) starts one.
+
+It also reviews ServiceAccount tokens (TokenReview) that its ``tokens`` minted
+for test pods, as the API server does for projected tokens: bound to a pod and
+its node (``authentication.kubernetes.io/node-name``), for some audiences,
+until they expire."""
 
 from __future__ import annotations
 
@@ -15,8 +20,19 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from gpuslice_cli.dev.apiserver import status_body
+from gpuslice_common.kube import ServiceAccountTokens
 
-__all__ = ["FakeApiServer", "Recorded", "Stream", "fake_api_server", "status_body"]
+TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
+
+__all__ = [
+    "TOKEN_REVIEWS",
+    "FakeApiServer",
+    "Recorded",
+    "Stream",
+    "fake_api_server",
+    "review",
+    "status_body",
+]
 
 
 @dataclass
@@ -52,6 +68,7 @@ class FakeApiServer:
     requests: list[Recorded] = field(default_factory=list)
     routes: dict[tuple[str, str], tuple[int, Any, float]] = field(default_factory=dict)
     stopping: threading.Event = field(default_factory=threading.Event)
+    tokens: ServiceAccountTokens = field(default_factory=ServiceAccountTokens)
 
     def answer(self, method: str, path: str, status: int, body: Any, delay: float = 0.0) -> None:
         self.routes[(method, path)] = (status, body, delay)
@@ -69,10 +86,11 @@ def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             headers = {key.lower(): value for key, value in self.headers.items()}
             recorded = Recorded(self.command, self.path, headers, body)
             state.requests.append(recorded)
-            status, answer, delay = state.routes.get(
-                (self.command, self.path.split("?")[0]),
-                (404, status_body(404, "NotFound", "the server could not find it"), 0.0),
-            )
+            route = (self.command, self.path.split("?")[0])
+            default = (404, status_body(404, "NotFound", "the server could not find it"), 0.0)
+            if route == ("POST", TOKEN_REVIEWS) and route not in state.routes:
+                default = (201, review(state.tokens, body), 0.0)
+            status, answer, delay = state.routes.get(route, default)
             if callable(answer):
                 answer = answer(recorded.query)
             if delay:
@@ -108,6 +126,21 @@ def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
         do_GET = do_POST = do_PATCH = _serve
 
     return Handler
+
+
+def review(tokens: ServiceAccountTokens, body: Any) -> dict[str, Any]:
+    """The TokenReview the API server answers a create with."""
+    spec = body.get("spec") if isinstance(body, dict) else None
+    token = spec.get("token") if isinstance(spec, dict) else None
+    audiences = (spec.get("audiences") if isinstance(spec, dict) else None) or []
+    status = tokens.review(str(token or ""), [str(a) for a in audiences])
+    return {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenReview",
+        "metadata": {},
+        "spec": {"audiences": audiences},
+        "status": status,
+    }
 
 
 @contextmanager

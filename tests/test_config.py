@@ -72,6 +72,7 @@ COMMON_FIELDS: dict[str, tuple[str, Any]] = {
     "nats_user": ("scheduler", "scheduler"),
     "nats_password": ("s3cret", "s3cret"),
     "nats_creds_file": ("/etc/gpuslice/nats.creds", "/etc/gpuslice/nats.creds"),
+    "nats_token_file": ("/var/run/secrets/nats/token", "/var/run/secrets/nats/token"),
     "redis_url": ("rediss://ledger:6380/2", "rediss://ledger:6380/2"),
     "subject_prefix": ("my-co", "my-co"),
     "ledger_prefix": ("ledger_1", "ledger_1"),

@@ -55,7 +55,8 @@ typedef struct {
     char libnvml_path[512];                  /* GPUSLICE_LIBNVML ("" = libnvidia-ml.so.1) */
     /* telemetry */
     char nats_url[512];                      /* GPUSLICE_NATS_URL ("" = telemetry off) */
-    char nats_user[128], nats_pass[256], nats_token[256];
+    char nats_user[128], nats_pass[256];
+    char nats_token[1024];                   /* GPUSLICE_NATS_TOKEN (a telemetry token) */
     char subject_prefix[64];                 /* GPUSLICE_SUBJECT_PREFIX (gpuslice) */
     char node[254];                          /* the grant's node, else GPUSLICE_NODE_NAME */
     char pod_uid[129];                       /* the grant's pod, else GPUSLICE_POD_UID */

@@ -148,7 +148,12 @@ def test_each_service_has_exactly_the_permissions_it_uses(objects: list[dict[str
             for v in ("create", "get", "list", "update", "watch")
         ),
     }
-    assert rules_of(objects, "gpuslice-inventory") == {("", "pods", "list"), ("", "pods", "watch")}
+    assert rules_of(objects, "gpuslice-inventory") == {
+        ("", "pods", "list"),
+        ("", "pods", "watch"),
+        # the NATS auth callout reviews node agents' tokens
+        ("authentication.k8s.io", "tokenreviews", "create"),
+    }
     assert rules_of(objects, "gpuslice-deviceplugin") == {("", "pods", "get")}
     shipped = {
         b["roleRef"]["name"]
@@ -236,3 +241,35 @@ def test_the_device_plugin_runs_on_gpu_nodes_with_the_kubelet_socket_directory(
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert paths["device-plugins"] == env["GPUSLICE_KUBELET_DIR"] == mounts["device-plugins"]
     assert paths["host-dir"] == env["GPUSLICE_HOST_DIR"] == mounts["host-dir"]
+
+
+def test_node_agents_prove_their_node_with_a_projected_token_for_nats(
+    objects: list[dict[str, Any]],
+) -> None:
+    (daemonset,) = [
+        o
+        for o in objects
+        if o["metadata"]["name"] == "gpuslice-deviceplugin" and o["kind"] == "DaemonSet"
+    ]
+    spec = daemonset["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    # no shared NATS password on the node, none for its containers
+    assert not {"GPUSLICE_NATS_PASSWORD", "GPUSLICE_TELEMETRY_NATS_PASSWORD"} & set(env)
+    token_file = env["GPUSLICE_NATS_TOKEN_FILE"]["value"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (source,) = volumes["nats-token"]["projected"]["sources"]
+    projection = source["serviceAccountToken"]
+    assert token_file == f"{mounts['nats-token']}/{projection['path']}"
+    inventory_env = {
+        e["name"]: e
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "gpuslice-inventory"
+        for e in o["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert projection["audience"] == inventory_env["GPUSLICE_NODE_AGENT_AUDIENCE"]["value"]
+    assert projection["expirationSeconds"] <= 3600
+    account = inventory_env["GPUSLICE_NODE_AGENT_SERVICE_ACCOUNT"]["value"]
+    namespace = daemonset["metadata"]["namespace"]
+    assert account == f"system:serviceaccount:{namespace}:{spec['serviceAccountName']}"

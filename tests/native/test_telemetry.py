@@ -32,7 +32,10 @@ from gpuslice_common.models import TelemetrySample
 from gpuslice_common.region import ffi
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_common.subjects import Subjects
+from tests.conftest import make_inventory
+from tests.deploy.roles import PASSWORDS, manifest_roles
 from tests.native.probe import Build, ProbeProcess, ProbeRunner, ProbeSpawner
+from tests.test_ledger import placement
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -596,3 +599,30 @@ async def test_samples_above_max_payload_are_dropped_not_sent(
     assert stderr.count("connected to NATS") == 2, stderr  # own_nats, then tight: no reconnect
     assert "Maximum Payload" not in stderr
     assert stderr.count("exceeds the server's max_payload") == 1, stderr
+
+
+async def test_a_container_connects_with_its_telemetry_token_under_the_manifests_nats(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+    spawn_probe: ProbeSpawner,
+    region_path: Path,
+) -> None:
+    """k8s/nats.yaml's server and the inventory's auth callout: the token the
+    inventory issued for this pod lets the interposer in, for its own subject."""
+    uid = pod_uid()
+    async with manifest_roles(tmp_path, monkeypatch, redis_url) as roles:
+        await roles.ledger.register_node(make_inventory(NODE, gpus=1))
+        await roles.ledger.reserve(placement(uid, NODE, [[(0, 100, 1)]]))
+        token = roles.telemetry_token(NODE, uid)
+        inventory = PASSWORDS["inventory"]
+        async with feed(roles.server.url, subject(uid), user="inventory", password=inventory) as f:
+            env = telemetry_env(roles.server.url, region_path, uid, GPUSLICE_NATS_TOKEN=token)
+            proc = spawn_probe("init", "ctx", "sleep 1500", env=env)
+            f.probe = proc
+            sample = await f.until(lambda s: bool(s.devices), timeout=10)
+            assert sample.pod_uid == uid
+            assert sample.pid == proc.pid
+            stderr = await ended(proc)
+        assert "connected to NATS" in stderr
+        assert roles.callout.stats.accepted == {"telemetry": 1}

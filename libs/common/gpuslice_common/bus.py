@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -51,6 +52,16 @@ class BusError(Exception):
     """The bus could not do what was asked; the message says why."""
 
 
+def _read_token(path: str) -> str:
+    """The token file as it is now (kubelet replaces it before it expires)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read().strip()
+    except OSError as exc:
+        log.warning("nats: cannot read the token file %s: %s", path, exc)
+        return ""
+
+
 @dataclass
 class BusStats:
     published: int = 0
@@ -83,12 +94,14 @@ class Bus:
         connect_timeout: float = 2.0,
         reconnect_wait: float = 0.5,
         first_connect_wait: float | None = None,
+        inbox_prefix: str = "_INBOX",
     ) -> Bus:
         """Connect, reconnecting forever after a drop. ``name`` identifies the component.
 
         The first connection is tried for about ``first_connect_wait`` seconds
         (default: the ``connect_wait`` setting) before BusError; once connected, a
-        lost server is retried without end.
+        lost server is retried without end. ``inbox_prefix`` is where replies
+        come (a node agent may subscribe only below its own).
         """
         if first_connect_wait is None:
             first_connect_wait = settings.connect_wait.total_seconds()
@@ -116,12 +129,15 @@ class Bus:
             "error_cb": on_error,
             "disconnected_cb": on_disconnect,
             "reconnected_cb": on_reconnect,
+            "inbox_prefix": inbox_prefix,
         }
         if settings.nats_user:
             options["user"] = settings.nats_user
             options["password"] = settings.nats_password or ""
         if settings.nats_creds_file:
             options["user_credentials"] = settings.nats_creds_file
+        if settings.nats_token_file:
+            options["token"] = functools.partial(_read_token, settings.nats_token_file)
         servers = [s.strip() for s in settings.nats_url.split(",")]
         try:
             nc = await nats.connect(servers, **options)

@@ -112,6 +112,8 @@ class CommonSettings(BaseSettings):
     nats_user: str | None = None
     nats_password: str | None = None
     nats_creds_file: str | None = None
+    # a token read at every (re)connect: a projected ServiceAccount token kubelet rotates
+    nats_token_file: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
     subject_prefix: str = "gpuslice"
@@ -240,6 +242,19 @@ class InventorySettings(CommonSettings):
     reconcile_interval: Duration = timedelta(seconds=60)
     # a reservation this young is never released for a pod missing from the list
     reconcile_grace: Duration = timedelta(seconds=30)
+    # NATS auth callout (node agents and GPU containers prove who they are):
+    # runs when the account seed is set (python -m gpuslice_common.nkeys makes
+    # one; NATS's auth_callout.issuer is its public key)
+    callout_issuer_seed: str | None = None
+    callout_nats_user: str = "callout"
+    callout_nats_password: str | None = None
+    # the NATS account the callout places node agents and containers in
+    callout_account: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+$")] = "GPUSLICE"
+    # node agents: the audience of their projected token, their ServiceAccount
+    node_agent_audience: Annotated[str, Field(min_length=1)] = "gpuslice-nats"
+    node_agent_service_account: Annotated[
+        str, Field(pattern=r"^system:serviceaccount:[^:]+:[^:]+$")
+    ] = "system:serviceaccount:gpuslice:gpuslice-deviceplugin"
 
 
 class DevicePluginSettings(CommonSettings):

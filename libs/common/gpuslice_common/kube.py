@@ -21,13 +21,17 @@ operator; :class:`NotFound` (404; :class:`PodNotFound` for a pod) and
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import urllib3
@@ -44,6 +48,7 @@ __all__ = [
     "LocalKubeApi",
     "NotFound",
     "PodNotFound",
+    "ServiceAccountTokens",
     "WatchEvent",
     "WatchExpired",
 ]
@@ -128,6 +133,12 @@ class KubeApi(Protocol):
         """Every pod of every namespace, whatever its phase (reconciliation)."""
         ...
 
+    async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
+        """The API server's TokenReview of ``token`` for ``audiences``: its
+        ``status`` (``authenticated``, ``user`` with ``username`` and ``extra``,
+        ``audiences``, ``error``)."""
+        ...
+
     def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
         """The changes of every pod after ``resource_version`` (when empty: an
         ADDED for each pod that exists, then the changes), until the server ends
@@ -189,6 +200,7 @@ class KubernetesApi:
             raise ValueError("timeout must be positive")
         self._api_client = api_client
         self._core = k8s.CoreV1Api(api_client)
+        self._authn = k8s.AuthenticationV1Api(api_client)
         self._timeout = timeout
         self.host = host
 
@@ -342,6 +354,23 @@ class KubernetesApi:
 
         return await self._list("listing the pods of every namespace", page)
 
+    async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
+        what = "reviewing a token"
+        body = k8s.V1TokenReview(
+            api_version="authentication.k8s.io/v1",
+            kind="TokenReview",
+            spec=k8s.V1TokenReviewSpec(token=token, audiences=list(audiences)),
+        )
+        raw = await self._call(
+            what,
+            lambda: self._authn.create_token_review(
+                body=body, _preload_content=False, _request_timeout=self._timeout
+            ),
+            not_found=f"{what} failed",
+        )
+        status = self._object(raw, what).get("status")
+        return status if isinstance(status, dict) else {}
+
     async def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
         what = "watching the pods of every namespace"
 
@@ -488,6 +517,82 @@ def _describe(error: BaseException) -> str:
     return " ".join(text.split()) or type(error).__name__
 
 
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Minted:
+    username: str
+    audiences: tuple[str, ...]
+    expires: float
+    extra: dict[str, list[str]]
+
+
+class ServiceAccountTokens:
+    """Projected ServiceAccount tokens as a local API server mints and reviews
+    them: each bound to a pod on a node, for some audiences, until it expires.
+
+    A token is JWT-shaped (its claims carry ``aud``, ``exp`` and ``sub`` as
+    Kubernetes writes them) with a random signature part; only this object
+    knows it, so anything else reviews as unauthenticated.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, _Minted] = {}
+
+    def mint(
+        self,
+        namespace: str,
+        service_account: str,
+        *,
+        pod_name: str,
+        pod_uid: str,
+        node: str,
+        audiences: Sequence[str],
+        ttl_s: float = 3600.0,
+    ) -> str:
+        username = f"system:serviceaccount:{namespace}:{service_account}"
+        expires = time.time() + ttl_s
+        claims = {"aud": list(audiences), "exp": int(expires), "sub": username}
+
+        def b64(value: Any) -> str:
+            return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+        token = f"{b64({'alg': 'RS256'})}.{b64(claims)}.{secrets.token_urlsafe(32)}"
+        extra = {
+            POD_NAME_EXTRA: [pod_name],
+            POD_UID_EXTRA: [pod_uid],
+            NODE_NAME_EXTRA: [node],
+        }
+        self._tokens[token] = _Minted(username, tuple(audiences), expires, extra)
+        return token
+
+    def revoke(self, token: str) -> None:
+        self._tokens.pop(token, None)
+
+    def review(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
+        """A TokenReview's ``status``, as the API server fills it."""
+        minted = self._tokens.get(token)
+        if minted is None or time.time() >= minted.expires:
+            return {"authenticated": False, "error": "invalid bearer token"}
+        wanted = list(audiences) or ["https://kubernetes.default.svc"]
+        matched = [a for a in wanted if a in minted.audiences]
+        if not matched:
+            return {"authenticated": False, "error": "token audiences are invalid"}
+        groups = ["system:serviceaccounts", "system:authenticated"]
+        return {
+            "authenticated": True,
+            "audiences": matched,
+            "user": {
+                "username": minted.username,
+                "groups": groups,
+                "extra": copy.deepcopy(minted.extra),
+            },
+        }
+
+
 class LocalKubeApi:
     """:class:`KubeApi` in memory: Pods and ResourceQuotas held as JSON-shaped
     dicts, for the dev stack and tests. Every namespace exists, with the labels
@@ -507,6 +612,7 @@ class LocalKubeApi:
             maxlen=WATCH_HISTORY
         )
         self._watchers: set[asyncio.Queue[tuple[int, WatchEvent]]] = set()
+        self.tokens = ServiceAccountTokens()
 
     @property
     def resource_version(self) -> str:
@@ -649,6 +755,9 @@ class LocalKubeApi:
 
     async def list_all_pods(self) -> list[dict[str, Any]]:
         return [copy.deepcopy(pod) for pod in self._pods.values()]
+
+    async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
+        return self.tokens.review(token, audiences)
 
     async def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
         queue: asyncio.Queue[tuple[int, WatchEvent]] = asyncio.Queue()

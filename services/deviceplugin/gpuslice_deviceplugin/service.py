@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
 from gpuslice_common.service import every, http_server, plain_http
+from gpuslice_common.subjects import node_token
 from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
@@ -235,12 +236,18 @@ SOURCE = "gpuslice/deviceplugin"
 BUS_RETRY_S = 5.0
 
 
+def connect_bus(settings: DevicePluginSettings) -> Awaitable[Bus]:
+    """The node's connection: replies come below ``_INBOX.<node token>``, the
+    only inbox the node's NATS identity may read."""
+    return Bus.connect(settings, SOURCE, inbox_prefix=f"_INBOX.{node_token(settings.node_name)}")
+
+
 async def _connect_later(state: Running, buses: list[Bus]) -> None:
     """Keep trying NATS; once connected, the agent and the plugin publish through it."""
     while True:
         await asyncio.sleep(BUS_RETRY_S)
         try:
-            bus = await Bus.connect(state.settings, SOURCE)
+            bus = await connect_bus(state.settings)
         except BusError as exc:
             log.warning("NATS still unreachable: %s", exc)
             continue
@@ -264,7 +271,7 @@ async def main(settings: DevicePluginSettings) -> None:
         loop.add_signal_handler(sig, stop.set)
     buses: list[Bus] = []
     try:
-        buses.append(await Bus.connect(settings, SOURCE))
+        buses.append(await connect_bus(settings))
     except BusError as exc:
         log.warning("starting without NATS (%s); connecting in the background", exc)
     kube = kube_api(settings)

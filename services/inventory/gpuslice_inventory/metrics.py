@@ -206,6 +206,9 @@ WORK_METRICS = {
     "telemetry_stored": "Telemetry samples written to Redis.",
     "telemetry_malformed": "Telemetry samples dropped as malformed.",
     "telemetry_dropped": "Telemetry samples dropped because too many waited to be written.",
+    "callout_nodes_accepted": "NATS connections of node agents let in by the auth callout.",
+    "callout_containers_accepted": "NATS connections of GPU containers let in by the auth callout.",
+    "callout_refusals": "NATS connections refused by the auth callout, by reason.",
 }
 
 

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Response
@@ -28,8 +28,10 @@ from gpuslice_common.config import InventorySettings
 from gpuslice_common.kube import KubeApi, KubernetesApi
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import NodeInventory, PodEnded
+from gpuslice_common.nkeys import KeyPair, Role
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import every, http_server, plain_http
+from gpuslice_inventory.authcallout import AuthCallout
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.lifecycle import PodWatcher, WatchStats, release_ended
 from gpuslice_inventory.metrics import ClusterMetrics, WorkMetrics, WorkStats, registry_for
@@ -57,6 +59,7 @@ class Running:
     registry: CollectorRegistry
     reconciler: Reconciler | None = None
     watcher: PodWatcher | None = None
+    callout: AuthCallout | None = None
     work: WorkStats = field(default_factory=WorkStats)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     next_reconcile: float = 0.0  # loop time
@@ -106,7 +109,7 @@ class Running:
     def work_values(self) -> dict[str, float | Counter[str]]:
         t = self.telemetry.stats
         watch = self.watcher.stats if self.watcher is not None else WatchStats()
-        return {
+        values: dict[str, float | Counter[str]] = {
             "registrations": self.work.registrations,
             "registration_errors": self.work.registration_errors,
             "releases": Counter(self.upkeep.stats.released),
@@ -119,6 +122,17 @@ class Running:
             "telemetry_malformed": t.malformed,
             "telemetry_dropped": t.dropped,
         }
+        if self.callout is not None:
+            c = self.callout.stats
+            values["callout_nodes_accepted"] = c.accepted["node"]
+            values["callout_containers_accepted"] = c.accepted["telemetry"]
+            values["callout_refusals"] = Counter(c.refused)
+        return values
+
+    @property
+    def issue_telemetry_token(self) -> Callable[[str, str], str] | None:
+        """``(node, pod_uid) -> token`` for a GPU container, when the callout runs."""
+        return self.callout.issue_telemetry_token if self.callout is not None else None
 
 
 def _report_stopped(task: asyncio.Task[None]) -> None:
@@ -200,9 +214,19 @@ async def running(
     if kube is not None:
         state.reconciler = Reconciler(ledger, kube, upkeep, settings.reconcile_grace)
         state.watcher = PodWatcher(kube, upkeep, lambda: lease.held)
+    if settings.callout_issuer_seed:
+        state.callout = AuthCallout(
+            settings,
+            KeyPair.from_seed(settings.callout_issuer_seed, Role.ACCOUNT),
+            kube=kube,
+            ledger=ledger,
+            subjects=bus.subjects,
+        )
     queue = f"{settings.subject_prefix}-inventory"
     subscriptions: list[Subscription] = []
     try:
+        if state.callout is not None:
+            await state.callout.start()
         subscriptions += [
             await bus.subscribe(
                 bus.subjects.inventory_all, NodeInventory, state.on_inventory, queue
@@ -215,6 +239,8 @@ async def running(
         for sub in subscriptions:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        if state.callout is not None:
+            await state.callout.close()
         await outbox.close()
         await ledger.close()
         raise
@@ -262,6 +288,8 @@ async def running(
         for task in stuck:
             log.error("task %s did not stop", task.get_name())
         await lease.release()
+        if state.callout is not None:
+            await state.callout.close()
         await outbox.close()
         await ledger.close()
 
