@@ -119,9 +119,11 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
         sync_interval="50ms",
     )
     ledger = Ledger.from_url(redis_url)
-    await ledger.register_node(make_inventory("node-a", gpus=2, memory_mib=16384))
-    await ledger.register_node(make_inventory("node-b", gpus=4, memory_mib=16384))
-    await ledger.register_node(make_inventory("node-c", gpus=1, memory_mib=8192, model="Tesla T4"))
+    await ledger.register_node(make_inventory("node-a", gpus=2, memory_mib=16384), rebuilt=True)
+    await ledger.register_node(make_inventory("node-b", gpus=4, memory_mib=16384), rebuilt=True)
+    await ledger.register_node(
+        make_inventory("node-c", gpus=1, memory_mib=8192, model="Tesla T4"), rebuilt=True
+    )
     bus = await Bus.connect(settings, "test")
     events: list[CloudEvent] = []
 
@@ -372,7 +374,7 @@ async def test_health_readiness_and_metrics(stack: Stack) -> None:
 
 
 async def test_new_nodes_and_usage_reach_the_copy_by_revision(stack: Stack) -> None:
-    await stack.ledger.register_node(make_inventory("node-d", gpus=1))
+    await stack.ledger.register_node(make_inventory("node-d", gpus=1), rebuilt=True)
     for _ in range(100):
         if "node-d" in stack.extender.view.cluster.node_index:
             break
@@ -498,7 +500,7 @@ async def test_ledger_announces_each_changed_node(ledger: Ledger) -> None:
     task = asyncio.create_task(follow())
     try:
         await asyncio.wait_for(ready.wait(), 5)
-        await ledger.register_node(make_inventory("gpu-1.example.com", gpus=1))
+        await ledger.register_node(make_inventory("gpu-1.example.com", gpus=1), rebuilt=True)
         await ledger.cordon("gpu-1.example.com", "GPU-gpu-1.example.com-0")
         for _ in range(100):
             if len(seen) >= 2:
@@ -516,7 +518,7 @@ async def test_ledger_announces_each_changed_node(ledger: Ledger) -> None:
 
 async def test_the_copy_follows_notices_without_waiting_for_a_poll(own_redis: RedisServer) -> None:
     ledger = Ledger.from_url(own_redis.url)
-    await ledger.register_node(make_inventory("n1", gpus=1))
+    await ledger.register_node(make_inventory("n1", gpus=1), rebuilt=True)
     view = ClusterView(ledger, interval=30.0, resync=30.0)  # polling alone would take 30 s
     await view.sync()
     task = asyncio.create_task(view.run())

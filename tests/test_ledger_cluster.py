@@ -30,7 +30,7 @@ async def ledger(cluster: RedisClusterServers) -> AsyncIterator[Ledger]:
     led = Ledger.from_settings(CommonSettings(redis_url=cluster.url, redis_cluster=True))
     await led.redis.flushall()
     for node in NODES:
-        await led.register_node(make_inventory(node, gpus=4, memory_mib=10000))
+        await led.register_node(make_inventory(node, gpus=4, memory_mib=10000), rebuilt=True)
     yield led
     await led.close()
 

@@ -32,7 +32,7 @@ async def test_an_allocate_during_a_redis_restart_is_answered_when_redis_is_back
 ) -> None:
     settings = make_settings(redis_url=own_redis.url)
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory())
+        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
         await bind(state.ledger, placement("through", [[(uuids(state)[0], 100, 5)]]))
         plugin = await kubelet.registration()
         await plugin.list_after(0)
@@ -93,7 +93,7 @@ async def test_a_redis_outage_at_start_does_not_stop_the_agent(
         await asyncio.to_thread(own_redis.start)
         ledger = Ledger.from_settings(settings)
         try:
-            await ledger.register_node(state.agent.inventory())
+            await ledger.register_node(state.agent.inventory(), rebuilt=True)
             await bind(ledger, placement("late", [[(uuids(state)[1], 100, 5)]]))
         finally:
             await ledger.close()
