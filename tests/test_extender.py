@@ -332,6 +332,36 @@ async def test_bind_with_missing_fields_is_a_clear_error(stack: Stack) -> None:
     assert reply["Error"] == "bind: PodUID must be a non-empty string"
 
 
+async def test_a_node_being_rebuilt_is_filtered_out_and_a_bind_there_is_retryable(
+    stack: Stack,
+) -> None:
+    await stack.ledger.register_node(make_inventory("node-d", gpus=1))  # not stamped yet
+    pod = await stack.add(gpu_pod("early", mem=1000, cores=10))
+    reply: dict[str, Any] = {}
+    for _ in range(250):
+        reply = (await stack.post("filter", args(pod, "node-a", "node-d"))).json()
+        if "node-d" in reply["FailedNodes"]:
+            break
+        await asyncio.sleep(0.02)
+    assert reply["NodeNames"] == ["node-a"]
+    assert reply["FailedNodes"]["node-d"].startswith("NodeLedgerRebuilding")
+    # kube-scheduler's copy may be older than ours: the ledger refuses anyway
+    error = (await stack.bind(pod, "node-d")).json()["Error"]
+    assert "the ledger of node node-d is being rebuilt" in error
+    assert await stack.ledger.placement("uid-early") is None
+    assert "nodeName" not in (await stack.kube.get_pod("team", "early"))["spec"]
+    assert await stack.ledger.mark_rebuilt("node-d")
+    for _ in range(250):
+        reply = (await stack.post("filter", args(pod, "node-a", "node-d"))).json()
+        if reply["NodeNames"] == ["node-a", "node-d"]:
+            break
+        await asyncio.sleep(0.02)
+    assert reply["NodeNames"] == ["node-a", "node-d"]
+    assert (await stack.bind(pod, "node-d")).json() == {"Error": ""}
+    text = (await stack.http.get(f"{stack.url}/metrics")).text
+    assert 'reason="NodeLedgerRebuilding",verb="bind"} 1.0' in text
+
+
 async def test_concurrent_binds_never_double_allocate(stack: Stack) -> None:
     # node-c has one 8 GiB card; ten pods of 3 GiB race for it: at most two fit.
     pods = [await stack.add(gpu_pod(f"race{i}", mem=3000, cores=10)) for i in range(10)]
