@@ -102,7 +102,7 @@ async def bench(
     async with running(settings, serve_http=False, timing=LinkTiming(poll_s=0.05)) as state:
         await asyncio.wait_for(registration.done.wait(), 10)
         gpus = [d.uuid for d in state.agent.device_list.replicas.devices]
-        await state.ledger.register_node(state.agent.inventory())
+        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
         for i in range(args.pods):
             grant = DeviceGrant(uuid=gpus[i % GPUS], memory_mib=100, cores=1)
             await state.ledger.reserve(

@@ -83,7 +83,7 @@ async def run(url: str, pairs: int, concurrency: int) -> dict[str, Any]:
     ledger = Ledger.from_url(url, prefix="bench", max_connections=concurrency)
     await ledger.redis.flushall()
     for n in range(NODES):
-        await ledger.register_node(inventory(n))
+        await ledger.register_node(inventory(n), rebuilt=True)
     placements = [placement(i) for i in range(pairs)]
 
     async def reserve_release(i: int) -> None:

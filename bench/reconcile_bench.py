@@ -107,7 +107,7 @@ async def run(redis_url: str, count: int, nodes: int) -> list[tuple[str, float, 
     reconciler = Reconciler(ledger, kube, upkeep, grace=timedelta(0))
     await ledger.redis.flushall()
     for i in range(nodes):
-        await ledger.register_node(inventory(f"node-{i}"))
+        await ledger.register_node(inventory(f"node-{i}"), rebuilt=True)
 
     async def reads() -> int:
         held = 0

@@ -66,11 +66,15 @@ def cells(output: str) -> list[list[str]]:
 async def cluster(ledger: Ledger) -> Ledger:
     """node-a: two cards, memory scaled 1.5x, three pods (one released);
     node-b: one card, cordoned, holding one pod; node-c: a healthy and an unhealthy card."""
-    await ledger.register_node(make_inventory("node-a", memory_mib=16000, memory_scaling=1.5))
-    await ledger.register_node(make_inventory("node-b", gpus=1, split_count=4))
+    await ledger.register_node(
+        make_inventory("node-a", memory_mib=16000, memory_scaling=1.5), rebuilt=True
+    )
+    await ledger.register_node(make_inventory("node-b", gpus=1, split_count=4), rebuilt=True)
     inv_c = make_inventory("node-c", model="Tesla T4", memory_mib=15360)
     sick = inv_c.devices[1].model_copy(update={"healthy": False})
-    await ledger.register_node(inv_c.model_copy(update={"devices": (inv_c.devices[0], sick)}))
+    await ledger.register_node(
+        inv_c.model_copy(update={"devices": (inv_c.devices[0], sick)}), rebuilt=True
+    )
 
     # pod-1: two containers share card 0 (5000 MiB, 40 cores, 2 slots), one also on card 1
     await ledger.reserve(

@@ -119,9 +119,11 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
         sync_interval="50ms",
     )
     ledger = Ledger.from_url(redis_url)
-    await ledger.register_node(make_inventory("node-a", gpus=2, memory_mib=16384))
-    await ledger.register_node(make_inventory("node-b", gpus=4, memory_mib=16384))
-    await ledger.register_node(make_inventory("node-c", gpus=1, memory_mib=8192, model="Tesla T4"))
+    await ledger.register_node(make_inventory("node-a", gpus=2, memory_mib=16384), rebuilt=True)
+    await ledger.register_node(make_inventory("node-b", gpus=4, memory_mib=16384), rebuilt=True)
+    await ledger.register_node(
+        make_inventory("node-c", gpus=1, memory_mib=8192, model="Tesla T4"), rebuilt=True
+    )
     bus = await Bus.connect(settings, "test")
     events: list[CloudEvent] = []
 
@@ -330,6 +332,36 @@ async def test_bind_with_missing_fields_is_a_clear_error(stack: Stack) -> None:
     assert reply["Error"] == "bind: PodUID must be a non-empty string"
 
 
+async def test_a_node_being_rebuilt_is_filtered_out_and_a_bind_there_is_retryable(
+    stack: Stack,
+) -> None:
+    await stack.ledger.register_node(make_inventory("node-d", gpus=1))  # not stamped yet
+    pod = await stack.add(gpu_pod("early", mem=1000, cores=10))
+    reply: dict[str, Any] = {}
+    for _ in range(250):
+        reply = (await stack.post("filter", args(pod, "node-a", "node-d"))).json()
+        if "node-d" in reply["FailedNodes"]:
+            break
+        await asyncio.sleep(0.02)
+    assert reply["NodeNames"] == ["node-a"]
+    assert reply["FailedNodes"]["node-d"].startswith("NodeLedgerRebuilding")
+    # kube-scheduler's copy may be older than ours: the ledger refuses anyway
+    error = (await stack.bind(pod, "node-d")).json()["Error"]
+    assert "the ledger of node node-d is being rebuilt" in error
+    assert await stack.ledger.placement("uid-early") is None
+    assert "nodeName" not in (await stack.kube.get_pod("team", "early"))["spec"]
+    assert await stack.ledger.mark_rebuilt("node-d")
+    for _ in range(250):
+        reply = (await stack.post("filter", args(pod, "node-a", "node-d"))).json()
+        if reply["NodeNames"] == ["node-a", "node-d"]:
+            break
+        await asyncio.sleep(0.02)
+    assert reply["NodeNames"] == ["node-a", "node-d"]
+    assert (await stack.bind(pod, "node-d")).json() == {"Error": ""}
+    text = (await stack.http.get(f"{stack.url}/metrics")).text
+    assert 'reason="NodeLedgerRebuilding",verb="bind"} 1.0' in text
+
+
 async def test_concurrent_binds_never_double_allocate(stack: Stack) -> None:
     # node-c has one 8 GiB card; ten pods of 3 GiB race for it: at most two fit.
     pods = [await stack.add(gpu_pod(f"race{i}", mem=3000, cores=10)) for i in range(10)]
@@ -372,7 +404,7 @@ async def test_health_readiness_and_metrics(stack: Stack) -> None:
 
 
 async def test_new_nodes_and_usage_reach_the_copy_by_revision(stack: Stack) -> None:
-    await stack.ledger.register_node(make_inventory("node-d", gpus=1))
+    await stack.ledger.register_node(make_inventory("node-d", gpus=1), rebuilt=True)
     for _ in range(100):
         if "node-d" in stack.extender.view.cluster.node_index:
             break
@@ -498,7 +530,7 @@ async def test_ledger_announces_each_changed_node(ledger: Ledger) -> None:
     task = asyncio.create_task(follow())
     try:
         await asyncio.wait_for(ready.wait(), 5)
-        await ledger.register_node(make_inventory("gpu-1.example.com", gpus=1))
+        await ledger.register_node(make_inventory("gpu-1.example.com", gpus=1), rebuilt=True)
         await ledger.cordon("gpu-1.example.com", "GPU-gpu-1.example.com-0")
         for _ in range(100):
             if len(seen) >= 2:
@@ -516,7 +548,7 @@ async def test_ledger_announces_each_changed_node(ledger: Ledger) -> None:
 
 async def test_the_copy_follows_notices_without_waiting_for_a_poll(own_redis: RedisServer) -> None:
     ledger = Ledger.from_url(own_redis.url)
-    await ledger.register_node(make_inventory("n1", gpus=1))
+    await ledger.register_node(make_inventory("n1", gpus=1), rebuilt=True)
     view = ClusterView(ledger, interval=30.0, resync=30.0)  # polling alone would take 30 s
     await view.sync()
     task = asyncio.create_task(view.run())

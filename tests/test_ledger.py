@@ -66,7 +66,7 @@ async def usage(ledger: Ledger, node: str) -> list[tuple[int, int, int, str | No
 
 async def test_register_reports_capacity_after_scaling(ledger: Ledger) -> None:
     inv = make_inventory("node-a", gpus=2, memory_mib=10000, memory_scaling=1.5, core_scaling=2.0)
-    assert await ledger.register_node(inv) == 2
+    assert await ledger.register_node(inv, rebuilt=True) == 2
     gpus = await ledger.node_gpus("node-a")
     assert [g.device.uuid for g in gpus] == ["GPU-node-a-0", "GPU-node-a-1"]
     assert gpus[0].capacity.memory_mib == 15000
@@ -77,7 +77,7 @@ async def test_register_reports_capacity_after_scaling(ledger: Ledger) -> None:
 
 
 async def test_reserve_bind_allocate_release_moves_through_states(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     p = await ledger.reserve(
         placement("pod-1", "node-a", [[(0, 4000, 30)], [(1, 2000, 0), (0, 1000, 10)]])
     )
@@ -110,7 +110,7 @@ async def test_reserve_bind_allocate_release_moves_through_states(ledger: Ledger
 
 
 async def test_reserve_is_idempotent_by_pod_uid(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     p = placement("pod-1", "node-a", [[(0, 4000, 30)]])
     first = await ledger.reserve(p)
     second = await ledger.reserve(p)
@@ -119,8 +119,8 @@ async def test_reserve_is_idempotent_by_pod_uid(ledger: Ledger) -> None:
 
 
 async def test_pod_reserved_on_one_node_cannot_reserve_another(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("node-a"))
-    await ledger.register_node(make_inventory("node-b"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    await ledger.register_node(make_inventory("node-b"), rebuilt=True)
     await ledger.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)]]))
     with pytest.raises(AlreadyReserved) as err:
         await ledger.reserve(placement("pod-1", "node-b", [[(0, 4000, 30)]]))
@@ -157,7 +157,7 @@ async def test_reserve_refuses_what_does_not_fit_and_changes_nothing(
     request_: list[tuple[int, int, int]],
     reason: FitReason,
 ) -> None:
-    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     await ledger.reserve(placement("holder", "node-a", [[g] for g in existing]))
     before = await usage(ledger, "node-a")
     new = placement("pod-2", "node-a", [[g] for g in request_])
@@ -170,7 +170,7 @@ async def test_reserve_refuses_what_does_not_fit_and_changes_nothing(
 
 
 async def test_split_slots_and_health_and_unknown_cards(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("node-a", split_count=2))
+    await ledger.register_node(make_inventory("node-a", split_count=2), rebuilt=True)
     await ledger.reserve(placement("p1", "node-a", [[(0, 10, 1)]]))
     await ledger.reserve(placement("p2", "node-a", [[(0, 10, 1)]]))
     with pytest.raises(ReservationConflict) as err:
@@ -179,7 +179,7 @@ async def test_split_slots_and_health_and_unknown_cards(ledger: Ledger) -> None:
 
     unhealthy = make_inventory("node-a", split_count=2)
     devices = (unhealthy.devices[0], unhealthy.devices[1].model_copy(update={"healthy": False}))
-    await ledger.register_node(unhealthy.model_copy(update={"devices": devices}))
+    await ledger.register_node(unhealthy.model_copy(update={"devices": devices}), rebuilt=True)
     with pytest.raises(ReservationConflict) as err:
         await ledger.reserve(placement("p4", "node-a", [[(1, 10, 1)]]))
     assert err.value.reason == FitReason.CARD_NOT_HEALTH
@@ -190,7 +190,7 @@ async def test_split_slots_and_health_and_unknown_cards(ledger: Ledger) -> None:
 
 
 async def test_init_containers_count_at_the_pods_peak(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     p = placement(
         "pod-1",
         "node-a",
@@ -208,7 +208,7 @@ async def test_init_containers_count_at_the_pods_peak(ledger: Ledger) -> None:
 async def test_allocate_serves_oldest_bound_pod_and_is_idempotent_per_request(
     ledger: Ledger,
 ) -> None:
-    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     for uid in ("old", "new"):
         await ledger.reserve(placement(uid, "node-a", [[(0, 100, 1)]]))
     await ledger.reserve(placement("unbound", "node-a", [[(1, 100, 1)]]))
@@ -224,7 +224,7 @@ async def test_allocate_serves_oldest_bound_pod_and_is_idempotent_per_request(
 
 
 async def test_next_allocation_looks_without_handing_out(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     await ledger.reserve(placement("two", "node-a", [[(0, 100, 1), (1, 100, 1)]]))
     await ledger.reserve(placement("one", "node-a", [[(0, 100, 1)]]))
     assert await ledger.next_allocation("node-a", 1) is None  # nothing bound yet
@@ -247,7 +247,7 @@ async def test_next_allocation_looks_without_handing_out(ledger: Ledger) -> None
 
 
 async def test_allocate_counts_the_pods_it_could_have_meant(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     for uid in ("a", "b", "c"):
         await ledger.reserve(placement(uid, "node-a", [[(0, 100, 1)]]))
         await ledger.mark_bound(uid)
@@ -262,7 +262,7 @@ async def test_allocate_counts_the_pods_it_could_have_meant(ledger: Ledger) -> N
 async def test_bind_requires_a_live_reservation(ledger: Ledger) -> None:
     with pytest.raises(NotReserved):
         await ledger.mark_bound("ghost")
-    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     await ledger.reserve(placement("p", "node-a", [[(0, 1, 1)]]))
     await ledger.release("p")
     with pytest.raises(NotReserved):
@@ -270,19 +270,23 @@ async def test_bind_requires_a_live_reservation(ledger: Ledger) -> None:
 
 
 async def test_card_removed_while_in_use_stays_until_released(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("node-a"))
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     await ledger.reserve(placement("p", "node-a", [[(1, 100, 10)]]))
     only_first = make_inventory("node-a")
-    await ledger.register_node(only_first.model_copy(update={"devices": only_first.devices[:1]}))
+    await ledger.register_node(
+        only_first.model_copy(update={"devices": only_first.devices[:1]}), rebuilt=True
+    )
     gpus = await ledger.node_gpus("node-a")
     assert [(g.device.index, g.present) for g in gpus] == [(0, True), (1, False)]
     await ledger.release("p")
-    await ledger.register_node(only_first.model_copy(update={"devices": only_first.devices[:1]}))
+    await ledger.register_node(
+        only_first.model_copy(update={"devices": only_first.devices[:1]}), rebuilt=True
+    )
     assert [g.device.index for g in await ledger.node_gpus("node-a")] == [0]
 
 
 async def test_keys_of_a_node_share_one_hash_tag(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("gpu-1.example.com"))
+    await ledger.register_node(make_inventory("gpu-1.example.com"), rebuilt=True)
     await ledger.reserve(placement("p", "gpu-1.example.com", [[(0, 1, 1)]]))
     keys = [str(k) for k in await ledger.redis.keys("*")]
     node_keys = [k for k in keys if "pod:" not in k and k != "gpuslice:nodes"]
@@ -293,7 +297,7 @@ async def test_keys_of_a_node_share_one_hash_tag(ledger: Ledger) -> None:
 async def test_ledger_survives_a_redis_restart(own_redis: RedisServer) -> None:
     led = Ledger.from_url(own_redis.url)
     try:
-        await led.register_node(make_inventory("node-a"))
+        await led.register_node(make_inventory("node-a"), rebuilt=True)
         await led.reserve(placement("p1", "node-a", [[(0, 1000, 10)]]))
         own_redis.kill()
         own_redis.start()
@@ -313,7 +317,7 @@ def test_inventory_rejects_duplicate_devices() -> None:
 
 async def test_one_pod_raced_onto_two_nodes_ends_on_exactly_one(ledger: Ledger) -> None:
     for node in ("node-a", "node-b"):
-        await ledger.register_node(make_inventory(node, split_count=1000))
+        await ledger.register_node(make_inventory(node, split_count=1000), rebuilt=True)
     uids = [f"pod-{i}" for i in range(150)]
 
     async def attempt(uid: str, node: str) -> str | None:
@@ -347,8 +351,8 @@ async def test_one_pod_raced_onto_two_nodes_ends_on_exactly_one(ledger: Ledger) 
 async def test_a_crashed_reserve_blocks_other_nodes_only_for_the_lease(redis_url: str) -> None:
     led = Ledger.from_url(redis_url, claim_lease=timedelta(milliseconds=300))
     try:
-        await led.register_node(make_inventory("node-a"))
-        await led.register_node(make_inventory("node-b"))
+        await led.register_node(make_inventory("node-a"), rebuilt=True)
+        await led.register_node(make_inventory("node-b"), rebuilt=True)
         # a reserve on node-a that died after claiming the index, before its script ran
         await led._index("claim", "pod-1", "node-a", "crashed")
         with pytest.raises(AlreadyReserved) as err:
@@ -383,7 +387,7 @@ async def test_a_reserve_that_loses_its_claim_gives_its_cards_back(
     ledger: Ledger, redis_url: str
 ) -> None:
     for node in ("node-a", "node-b"):
-        await ledger.register_node(make_inventory(node))
+        await ledger.register_node(make_inventory(node), rebuilt=True)
     slow = PausingLedger(ledger.redis, claim_lease=timedelta(milliseconds=1))
     fast = Ledger(ledger.redis, claim_lease=timedelta(milliseconds=1))
     stalled = asyncio.create_task(slow.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)]])))
@@ -419,7 +423,7 @@ async def test_an_unreachable_redis_is_a_clear_ledger_error(redis_url: str) -> N
 
 async def test_a_reserve_slipping_into_a_release_leaves_nothing_unreachable(ledger: Ledger) -> None:
     for node in ("node-a", "node-b"):
-        await ledger.register_node(make_inventory(node))
+        await ledger.register_node(make_inventory(node), rebuilt=True)
     p_a = placement("pod-1", "node-a", [[(0, 4000, 30)]])
     await ledger.reserve(p_a)
     # a release marks the index released, then a scheduler retry reserves on node-a
@@ -439,7 +443,7 @@ async def test_a_reserve_slipping_into_a_release_leaves_nothing_unreachable(ledg
 
 async def test_a_release_killed_halfway_is_finished_by_the_next_reserve(ledger: Ledger) -> None:
     for node in ("node-a", "node-b"):
-        await ledger.register_node(make_inventory(node))
+        await ledger.register_node(make_inventory(node), rebuilt=True)
     await ledger.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)]]))
     value = await ledger._get(ledger.pod_index_key("pod-1"))
     assert value is not None
@@ -455,7 +459,7 @@ async def test_two_reserves_on_one_node_share_a_takeover(redis_url: str) -> None
     led = Ledger.from_url(redis_url, claim_lease=timedelta(milliseconds=1))
     try:
         for node in ("node-a", "node-b"):
-            await led.register_node(make_inventory(node))
+            await led.register_node(make_inventory(node), rebuilt=True)
         await led._index("claim", "pod-1", "node-a", "crashed")
         await asyncio.sleep(0.01)
         p = placement("pod-1", "node-b", [[(0, 1000, 10)]])
@@ -468,7 +472,7 @@ async def test_two_reserves_on_one_node_share_a_takeover(redis_url: str) -> None
 
 async def test_a_resent_claim_is_still_ours_and_is_abandoned_on_failure(ledger: Ledger) -> None:
     for node in ("node-a", "node-b"):
-        await ledger.register_node(make_inventory(node))
+        await ledger.register_node(make_inventory(node), rebuilt=True)
     first = await ledger._index("claim", "pod-1", "node-a", "tok")
     again = await ledger._index("claim", "pod-1", "node-a", "tok")  # reply was lost; re-sent
     assert first[1] == again[1]
@@ -508,7 +512,7 @@ def test_native_sidecars_count_beside_later_init_containers_and_the_apps() -> No
 async def test_a_cordoned_card_takes_no_new_reservation_and_keeps_its_pods(
     ledger: Ledger,
 ) -> None:
-    await ledger.register_node(make_inventory("n1", gpus=1))
+    await ledger.register_node(make_inventory("n1", gpus=1), rebuilt=True)
     await ledger.reserve(placement("before", "n1", [[(0, 1000, 10)]]))
     revision = (await ledger.revisions(["n1"]))["n1"]
     await ledger.cordon("n1", "GPU-n1-0")
@@ -530,7 +534,7 @@ async def test_a_cordoned_card_takes_no_new_reservation_and_keeps_its_pods(
 
 
 async def test_a_node_is_marked_unavailable_only_when_its_heartbeat_is_old(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory("n1", gpus=2))
+    await ledger.register_node(make_inventory("n1", gpus=2), rebuilt=True)
     await ledger.reserve(placement("p1", "n1", [[(0, 1000, 10)]]))
     revision = (await ledger.revisions(["n1"]))["n1"]
     beat = (await ledger.node_liveness(["n1"]))["n1"].heartbeat
@@ -548,7 +552,7 @@ async def test_a_node_is_marked_unavailable_only_when_its_heartbeat_is_old(ledge
     inventory = make_inventory("n1", gpus=2)
     sick = inventory.devices[1].model_copy(update={"healthy": False})
     await ledger.register_node(
-        inventory.model_copy(update={"devices": (inventory.devices[0], sick)})
+        inventory.model_copy(update={"devices": (inventory.devices[0], sick)}), rebuilt=True
     )
     assert [c.device.healthy for c in await ledger.node_gpus("n1")] == [True, False]
     assert (await ledger.node_liveness(["n1"]))["n1"].unavailable_since is None

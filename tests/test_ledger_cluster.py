@@ -8,9 +8,10 @@ import random
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from redis.asyncio import Redis
 
 from gpuslice_common.config import CommonSettings
-from gpuslice_common.ledger import AlreadyReserved, Ledger, ReservationConflict
+from gpuslice_common.ledger import AlreadyReserved, Ledger, LedgerRebuilding, ReservationConflict
 from gpuslice_common.models import Placement
 from gpuslice_common.servers import RedisClusterServers
 from tests.conftest import make_inventory
@@ -30,7 +31,7 @@ async def ledger(cluster: RedisClusterServers) -> AsyncIterator[Ledger]:
     led = Ledger.from_settings(CommonSettings(redis_url=cluster.url, redis_cluster=True))
     await led.redis.flushall()
     for node in NODES:
-        await led.register_node(make_inventory(node, gpus=4, memory_mib=10000))
+        await led.register_node(make_inventory(node, gpus=4, memory_mib=10000), rebuilt=True)
     yield led
     await led.close()
 
@@ -82,3 +83,29 @@ async def test_racing_reservations_across_shards(ledger: Ledger) -> None:
                 live.setdefault(p.pod.uid, []).append(node)
     assert live
     assert all(len(nodes) == 1 for nodes in live.values()), live
+
+
+async def test_a_shard_that_lost_its_data_blocks_only_its_own_nodes(ledger: Ledger) -> None:
+    def shard_of(node: str) -> int:
+        return int(ledger.redis.get_node_from_key(ledger.node_keys(node).gpus).port)  # type: ignore[union-attr]
+
+    lost = shard_of(NODES[0])
+    on_lost = [n for n in NODES if shard_of(n) == lost]
+    elsewhere = [n for n in NODES if n not in on_lost]
+    assert elsewhere
+    shard: Redis = Redis(host="127.0.0.1", port=lost)
+    await shard.flushall()  # that shard restarted empty
+    await shard.aclose()
+    for node in on_lost:
+        await ledger.register_node(make_inventory(node, gpus=4, memory_mib=10000))
+    status = await ledger.rebuild_status()
+    assert {n for n, s in status.items() if s.rebuilt_at is None} == set(on_lost)
+    for i, node in enumerate(on_lost):
+        with pytest.raises(LedgerRebuilding):
+            await ledger.reserve(placement(f"waits-{i}", node, [[(0, 1000, 10)]]))
+    for i, node in enumerate(elsewhere):
+        await ledger.reserve(placement(f"goes-{i}", node, [[(0, 1000, 10)]]))
+    for node in on_lost:
+        assert await ledger.mark_rebuilt(node, status[node].registered)
+        await ledger.reserve(placement(f"after-{node}", node, [[(0, 1000, 10)]]))
+        assert await ledger.check_node(node) == []

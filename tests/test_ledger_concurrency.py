@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 async def setup_nodes(ledger: Ledger) -> None:
     await ledger.redis.flushall()
     for node in NODES:
-        await ledger.register_node(make_inventory(node, gpus=GPUS_PER_NODE, memory_mib=10000))
+        await ledger.register_node(
+            make_inventory(node, gpus=GPUS_PER_NODE, memory_mib=10000), rebuilt=True
+        )
 
 
 async def assert_consistent(ledger: Ledger) -> None:

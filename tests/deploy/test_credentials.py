@@ -79,7 +79,7 @@ async def test_each_redis_user_runs_the_ledger_and_nothing_else(acl_redis: int) 
         url = f"redis://{role}:{PASSWORDS[role]}@127.0.0.1:{acl_redis}/0"
         ledger = Ledger.from_url(url, "gpuslice", retries=1)
         try:
-            await ledger.register_node(make_inventory(f"node-{role}", gpus=1))
+            await ledger.register_node(make_inventory(f"node-{role}", gpus=1), rebuilt=True)
             await ledger.reserve(placement(f"pod-{role}", f"node-{role}", [[(0, 100, 1)]]))
             await ledger.mark_bound(f"pod-{role}")
             await ledger.allocate(f"node-{role}", 1)

@@ -117,7 +117,7 @@ async def agent(
 ) -> AsyncIterator[Running]:
     """The agent registered with the test kubelet, its node registered in the ledger."""
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory())
+        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
         yield state
 
 

@@ -32,7 +32,7 @@ async def test_an_allocate_during_a_redis_restart_is_answered_when_redis_is_back
 ) -> None:
     settings = make_settings(redis_url=own_redis.url)
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory())
+        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
         await bind(state.ledger, placement("through", [[(uuids(state)[0], 100, 5)]]))
         plugin = await kubelet.registration()
         await plugin.list_after(0)
@@ -79,6 +79,33 @@ async def test_the_heartbeat_comes_back_after_a_nats_restart(
     assert len(inv.devices) == 2
 
 
+async def test_an_allocate_while_the_node_is_being_rebuilt_waits_for_it(
+    make_settings: Callable[..., DevicePluginSettings],
+    tmp_path: Path,
+    kubelet: DevKubelet,
+    bus: Bus,
+) -> None:
+    """Redis restarts empty; the pod's placement is restored, but until the node is
+    stamped rebuilt no choice among its bound pods is safe: Allocate waits."""
+    server = RedisServer(tmp_path / "redis", persist=False)
+    with server:
+        settings = make_settings(redis_url=server.url)
+        async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+            plugin = await kubelet.registration()
+            await plugin.list_after(0)
+            await asyncio.to_thread(server.kill)
+            await asyncio.to_thread(server.start)
+            await state.ledger.register_node(state.agent.inventory())  # not stamped
+            record = placement("survivor", [[(uuids(state)[0], 100, 5)]])
+            await state.ledger.restore(record, running=False)
+            admitting = asyncio.create_task(plugin.admit_container(1))
+            await asyncio.sleep(1)  # kubelet's call arrives while the node is rebuilt
+            assert not admitting.done()
+            assert await state.ledger.mark_rebuilt(NODE)
+            response = await asyncio.wait_for(admitting, 30)
+            assert response.envs["GPUSLICE_POD_UID"] == "survivor"
+
+
 async def test_a_redis_outage_at_start_does_not_stop_the_agent(
     make_settings: Callable[..., DevicePluginSettings],
     own_redis: RedisServer,
@@ -93,7 +120,7 @@ async def test_a_redis_outage_at_start_does_not_stop_the_agent(
         await asyncio.to_thread(own_redis.start)
         ledger = Ledger.from_settings(settings)
         try:
-            await ledger.register_node(state.agent.inventory())
+            await ledger.register_node(state.agent.inventory(), rebuilt=True)
             await bind(ledger, placement("late", [[(uuids(state)[1], 100, 5)]]))
         finally:
             await ledger.close()

@@ -462,7 +462,7 @@ async def test_disable_control_leaves_the_preload_out(
     }
     kube.add_pod(pod)
     async with running(settings, bus=bus, kube=kube, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory())
+        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await registered(kubelet)
         await bind(
             state.ledger,
@@ -492,7 +492,7 @@ async def test_telemetry_credential_and_context_overhead_reach_the_container(
         telemetry_nats_password="s3cret",
     )
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory())
+        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await registered(kubelet)
         await bind(state.ledger, placement("cred", [[(uuids(state)[0], 100, 5)]], priority=0))
         env = dict((await plugin.admit_container(1)).envs)

@@ -84,7 +84,7 @@ async def test_http_health_readiness_and_metrics(
             await asyncio.wait_for(state.link.registered.wait(), 5)
             await plugin.list_after(0)
             assert (await http.get("/readyz")).status_code == 200
-            await state.ledger.register_node(state.agent.inventory())
+            await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
             gpu = uuids(state)[0]
             await bind(state.ledger, placement("m1", [[(gpu, 512, 10)]]))
             await bind(state.ledger, placement("m2", [[(gpu, 512, 10)]]))  # the same shape
@@ -111,7 +111,7 @@ async def test_clean_up_removes_directories_of_pods_gone_from_the_ledger(
 ) -> None:
     settings = make_settings(cleanup_grace="1ms")
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory())
+        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await kubelet.registration()
         await plugin.list_after(0)
         gpu = uuids(state)[0]
@@ -138,7 +138,7 @@ async def test_with_the_api_a_pod_unknown_to_both_is_gone(
     kube.add_pod({"metadata": {"name": "pod-kept", "namespace": "team", "uid": "kept"}})
     settings = make_settings(cleanup_grace="1ms")
     async with running(settings, bus=bus, kube=kube, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory())
+        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await kubelet.registration()
         await plugin.list_after(0)
         gpu = uuids(state)[0]
@@ -256,7 +256,7 @@ async def test_end_to_end_an_allocate_answer_drives_the_interposer(
     assert [(d.uuid, d.memory_mib, d.model) for d in inventory.devices] == [
         (u, 16384, inventory.devices[0].model) for u in fake
     ]
-    await plugin_ledger.register_node(inventory)
+    await plugin_ledger.register_node(inventory, rebuilt=True)
     pod = placement("e2e", [[(fake[1], 1024, 40)]], node="node-e2e")
     await bind(plugin_ledger, pod)
     response = await plugin.admit_container(1)

@@ -14,6 +14,7 @@ import pytest
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import InventorySettings
 from gpuslice_common.events import CloudEvent
+from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import NodeInventory
 from gpuslice_common.servers import NatsServer, free_port
 
@@ -70,3 +71,9 @@ async def events(bus: Bus) -> list[CloudEvent]:
 async def announce(bus: Bus, inventory: NodeInventory) -> None:
     await bus.publish_model(bus.subjects.inventory(inventory.node), inventory)
     await bus.flush()
+
+
+async def rebuilt(ledger: Ledger, *nodes: str) -> bool:
+    """Are all ``nodes`` registered and stamped rebuilt (they take reservations)?"""
+    status = await ledger.rebuild_status(nodes)
+    return all(node in status and status[node].rebuilt_at is not None for node in nodes)

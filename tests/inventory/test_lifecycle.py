@@ -20,7 +20,7 @@ from gpuslice_inventory.lifecycle import PodWatcher, end_reason
 from gpuslice_inventory.service import running
 from gpuslice_inventory.upkeep import Upkeep
 from tests.conftest import make_inventory
-from tests.inventory.conftest import announce, settings_for, until
+from tests.inventory.conftest import announce, rebuilt, settings_for, until
 from tests.inventory.test_reconcile import pod_for
 from tests.kubeapi import FakeApiServer, Stream, status_body
 from tests.test_ledger import placement
@@ -50,7 +50,7 @@ async def released_reason(ledger: Ledger, uid: str) -> str | None:
 async def test_the_watch_resumes_from_its_version_and_starts_over_when_it_is_gone(
     kube_api_server: FakeApiServer, ledger: Ledger
 ) -> None:
-    await ledger.register_node(make_inventory(NODE, gpus=1))
+    await ledger.register_node(make_inventory(NODE, gpus=1), rebuilt=True)
     done = placement("done", NODE, [[(0, 100, 1)]])
     gone = placement("gone", NODE, [[(0, 100, 1)]])
     await ledger.reserve(done)
@@ -124,7 +124,7 @@ async def test_the_leader_releases_pods_as_the_watch_reports_them_ending(
     async with running(config, bus, kube=kube, serve_http=False) as state:
         led = state.ledger
         await announce(bus, make_inventory(NODE, gpus=1))
-        await until(lambda: state.work.registrations == 1)
+        await until(lambda: rebuilt(led, NODE))  # the first pass stamps it, at once
         for uid in ("deleted", "failed", "running"):
             await led.reserve(placement(uid, NODE, [[(0, 1000, 10)]]))
             kube.add_pod(bound_pod(uid))

@@ -48,7 +48,7 @@ async def usage(ledger: Ledger) -> list[tuple[int, int, int]]:
 async def test_the_ledger_is_whole_again_after_redis_lost_everything(
     ledger: Ledger, redis_url: str
 ) -> None:
-    await ledger.register_node(make_inventory(NODE, gpus=2))
+    await ledger.register_node(make_inventory(NODE, gpus=2), rebuilt=True)
     running = placement("running", NODE, [[(0, 4000, 30)], [(1, 2000, 10)]])
     starting = placement("starting", NODE, [[(1, 1000, 5)]])
     unbound = placement("unbound", NODE, [[(0, 500, 5)]])
@@ -64,8 +64,11 @@ async def test_the_ledger_is_whole_again_after_redis_lost_everything(
     await client.flushall()  # Redis lost its data
     await client.aclose()
     await ledger.register_node(make_inventory(NODE, gpus=2))  # the next heartbeat
+    assert (await ledger.rebuild_status())[NODE].rebuilt_at is None
     result = await reconciler(ledger, kube).run_once()
     assert (result.pods, result.held, result.restored, result.released) == (4, 0, 2, 0)
+    assert (result.stamped, result.waiting, result.conflicts) == (1, 0, 0)
+    assert (await ledger.rebuild_status())[NODE].rebuilt_at is not None
     after = await usage(ledger)
     assert after == [(4000, 30, 1), (3000, 15, 2)]  # running and starting, not the others
     assert before == [(4500, 35, 2), (3000, 15, 2)]
@@ -94,7 +97,7 @@ async def test_restore_counts_devices_on_a_card_that_is_now_unhealthy(ledger: Le
 
 
 async def test_pods_that_ended_or_went_are_released(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory(NODE, gpus=1))
+    await ledger.register_node(make_inventory(NODE, gpus=1), rebuilt=True)
     records = {
         uid: placement(uid, NODE, [[(0, 100, 1)]]) for uid in ("done", "failed", "gone", "alive")
     }
@@ -137,7 +140,7 @@ class EndsWhileListed(LocalKubeApi):
 
 
 async def test_a_pod_that_ends_during_the_list_is_not_brought_back(ledger: Ledger) -> None:
-    await ledger.register_node(make_inventory(NODE, gpus=1))
+    await ledger.register_node(make_inventory(NODE, gpus=1), rebuilt=True)
     record = placement("p1", NODE, [[(0, 100, 1)]])
     await ledger.reserve(record)
     kube = EndsWhileListed(ledger, "p1")

@@ -141,7 +141,7 @@ async def run_scenario(settings: CommonSettings, console: Console) -> Outcome:
         started = utcnow()
         await bus.ensure_audit_stream(timedelta(days=1))
         for inv in NODES:
-            await ledger.register_node(inv)
+            await ledger.register_node(inv, rebuilt=True)
         node1 = await ledger.node_gpus("gpu-node-1")
         out.check(
             "two simulated nodes registered", await ledger.nodes() == ["gpu-node-1", "gpu-node-2"]

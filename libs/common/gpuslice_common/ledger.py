@@ -18,6 +18,12 @@ confirming releases what it reserved. A process killed mid-reserve blocks that p
 on other nodes for at most the lease. A release marks the index released before it
 frees the cards, and the next reserve elsewhere finishes a release that died
 between the two.
+
+After Redis lost a node's keys, the node takes no reservation, bind or
+allocation (:class:`LedgerRebuilding`) until the inventory's reconciliation has
+put back the placements its pods record and stamped it rebuilt
+(:meth:`Ledger.mark_rebuilt`); restores check fit, so the ledger never counts
+more than a card holds.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from importlib import resources
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
@@ -87,6 +93,18 @@ class NotReserved(LedgerError):
     """The pod has no live reservation."""
 
 
+class LedgerRebuilding(LedgerError):
+    """The node's part of the ledger is being rebuilt (Redis lost its data, or the
+    node is new): retry once the inventory's reconciliation has stamped it."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(
+            f"the ledger of node {node} is being rebuilt from its pods' placements "
+            "(Redis lost its data or the node is new); retry shortly"
+        )
+        self.node = node
+
+
 @dataclass(frozen=True)
 class NodeKeys:
     gpus: str
@@ -118,6 +136,25 @@ class NodeLiveness:
 
     heartbeat: datetime | None
     unavailable_since: datetime | None
+
+
+class RawNode(NamedTuple):
+    """One node as :meth:`Ledger.nodes_raw` reads it."""
+
+    order: list[str]  # card UUIDs in index order
+    fields: dict[str, str]  # the gpus hash
+    rev: int
+    rebuilt: bool
+
+
+@dataclass(frozen=True)
+class NodeRebuild:
+    """Where a registered node stands: its registration (the value that changes
+    when Redis lost the node and it registered afresh) and when it was stamped
+    rebuilt (None: it takes no reservation yet)."""
+
+    registered: str
+    rebuilt_at: datetime | None
 
 
 @dataclass(frozen=True)
@@ -221,6 +258,7 @@ class Ledger:
                 "index",
                 "cordon",
                 "unavailable",
+                "rebuilt",
             )
         }
 
@@ -351,8 +389,13 @@ class Ledger:
     # ------------------------------------------------------------ nodes
 
     @_gated
-    async def register_node(self, inventory: NodeInventory) -> int:
-        """Create or refresh a node's cards; returns how many cards it now lists."""
+    async def register_node(self, inventory: NodeInventory, *, rebuilt: bool = False) -> int:
+        """Create or refresh a node's cards; returns how many cards it now lists.
+
+        ``rebuilt`` also stamps the node rebuilt (:meth:`mark_rebuilt`): only for
+        callers with no durable record of placements to restore first (an
+        inventory without the Kubernetes API, tests, simulations).
+        """
         devices = []
         for d in inventory.devices:
             cap = inventory.capacity(d)
@@ -379,7 +422,37 @@ class Ledger:
         keys = self.node_keys(inventory.node).all()
         [count] = await self._run("register", keys, [payload])
         await self.redis.sadd(self.nodes_key, inventory.node)
+        if rebuilt:
+            await self._run("rebuilt", keys, [""])
         return int(count)
+
+    @_gated
+    async def mark_rebuilt(self, node: str, registered: str = "") -> bool:
+        """Stamp a registered node rebuilt: it takes reservations from now on.
+
+        The inventory calls this after a reconciliation pass that read the node's
+        ``registered`` value (pass it) before listing the pods, and restored what
+        they record on it; a node that registered afresh since is not stamped.
+        True when the node is stamped (by this call or before).
+        """
+        [outcome] = await self._run("rebuilt", self.node_keys(node).all(), [registered])
+        return outcome in ("ok", "already")
+
+    @_gated
+    async def rebuild_status(self, nodes: Sequence[str] | None = None) -> dict[str, NodeRebuild]:
+        """Each registered node's registration and rebuilt stamp (all nodes by default);
+        nodes not registered are left out."""
+        if nodes is None:
+            nodes = sorted(_text(m) for m in await self.redis.smembers(self.nodes_key))
+        pipe = self.redis.pipeline(transaction=False)
+        for node in nodes:
+            pipe.hmget(self.node_keys(node).meta, ["registered", "rebuilt"])
+        replies = await pipe.execute()
+        return {
+            node: NodeRebuild(_text(registered), _ms_to_datetime(rebuilt))
+            for node, (registered, rebuilt) in zip(nodes, replies, strict=True)
+            if registered is not None
+        }
 
     @_gated
     async def cordon(self, node: str, card: str, cordoned: bool = True) -> None:
@@ -429,14 +502,13 @@ class Ledger:
         raw = await self.nodes_raw(nodes)
         return {
             node: [_gpu_state(node, u, fields) for u in order if f"{u}|index" in fields]
-            for node, (order, fields, _) in raw.items()
+            for node, (order, fields, _, _) in raw.items()
         }
 
     @_gated
-    async def nodes_raw(
-        self, nodes: Sequence[str]
-    ) -> dict[str, tuple[list[str], dict[str, str], int]]:
-        """Per node: card UUIDs in index order, the raw card fields, and the revision.
+    async def nodes_raw(self, nodes: Sequence[str]) -> dict[str, RawNode]:
+        """Per node: card UUIDs in index order, the raw card fields, the revision,
+        and whether the node is stamped rebuilt.
 
         One round trip; for readers that build their own arrays (the scheduler)
         without a model object per card.
@@ -445,13 +517,15 @@ class Ledger:
         for node in nodes:
             keys = self.node_keys(node)
             pipe.hgetall(keys.gpus)
-            pipe.hmget(keys.meta, ["devices", "rev"])
+            pipe.hmget(keys.meta, ["devices", "rev", "rebuilt"])
         replies = await pipe.execute()
-        result: dict[str, tuple[list[str], dict[str, str], int]] = {}
+        result: dict[str, RawNode] = {}
         for i, node in enumerate(nodes):
             fields = cast(dict[str, str], replies[2 * i])
-            devices, rev = replies[2 * i + 1]
-            result[node] = (json.loads(devices or "[]"), fields, int(rev or 0))
+            devices, rev, rebuilt = replies[2 * i + 1]
+            result[node] = RawNode(
+                json.loads(devices or "[]"), fields, int(rev or 0), rebuilt is not None
+            )
         return result
 
     @_gated
@@ -477,9 +551,12 @@ class Ledger:
     async def restore(self, placement: Placement, running: bool) -> tuple[Placement, bool]:
         """Put back a pod's reservation from its own durable record (after Redis lost
         it): as allocated when its containers run, else reserved then bound, as a
-        bound pod is. The devices are counted whether or not they fit now (the pod
-        holds them); only the cards must be known. Returns the placement and
-        whether this call restored it."""
+        bound pod is. Allowed on a node not yet rebuilt (that is how it is
+        rebuilt). The cards must be known and have room: health and cordons are
+        not checked (the pod holds the cards already), capacity and exclusivity
+        are, so records that claim more than a card holds (an outdated one) never
+        all count; the one refused raises ReservationConflict. Returns the
+        placement and whether this call restored it."""
         state = "allocated" if running else "bound"
         restored, new = await self.reserve_new(placement, restoring=state)
         if new and not running:
@@ -492,7 +569,7 @@ class Ledger:
     ) -> tuple[Placement, bool]:
         """:meth:`reserve`, also saying whether this call made the reservation (True)
         or found the pod's live one on the node (False). ``restoring`` is for
-        :meth:`restore` only: no fit checks, the pod holds the devices already."""
+        :meth:`restore` only. Raises LedgerRebuilding on a node not stamped rebuilt."""
         uid, node = placement.pod.uid, placement.node
         mine, shared = await self._claim(uid, node)
         footprint = [
@@ -503,9 +580,11 @@ class Ledger:
         keys = self.node_keys(node).all()
         args = [uid, json.dumps(record), json.dumps(footprint), restoring]
         reply = await self._run("reserve", keys, args)
-        if reply[0] == "fail":
+        if reply[0] in ("fail", "rebuilding"):
             if not shared:
                 await self._index("abandon", uid, mine)
+            if reply[0] == "rebuilding":
+                raise LedgerRebuilding(node)
             raise ReservationConflict(node, reply[1], reply[2])
         [confirmed] = await self._index("confirm", uid, mine, node)
         if confirmed != "ok":
@@ -558,6 +637,8 @@ class Ledger:
         """
         node = node or await self._node_of(pod_uid)
         reply = await self._run("bind", self.node_keys(node).all(), [pod_uid])
+        if reply[0] == "rebuilding":
+            raise LedgerRebuilding(node)
         if reply[0] != "ok":
             raise NotReserved(f"pod {pod_uid} has no live reservation to bind ({reply[0]})")
         return _placement_from_record(reply[1])
@@ -567,7 +648,8 @@ class Ledger:
         """Take the next container of the oldest bound pod on ``node`` asking for ``count`` GPUs.
 
         Pass the same ``request_id`` when retrying one kubelet call: the answer is
-        remembered, so a retry never hands out a second container.
+        remembered, so a retry never hands out a second container. Raises
+        LedgerRebuilding while the node is not stamped rebuilt: wait and retry.
         """
         allocation = await self._allocate(node, count, request_id or uuid.uuid4().hex, peek=False)
         if isinstance(allocation, int):
@@ -594,6 +676,8 @@ class Ledger:
             [*keys.all(), answer_key],
             [count, self.answer_retention_s, "1" if peek else "0"],
         )
+        if reply[0] == "rebuilding":
+            raise LedgerRebuilding(node)
         if reply[0] != "ok":
             return int(reply[1])
         answer = json.loads(reply[1])
@@ -749,10 +833,13 @@ __all__ = [
     "AlreadyReserved",
     "Ledger",
     "LedgerError",
+    "LedgerRebuilding",
     "LedgerUnavailable",
     "NodeKeys",
     "NodeLiveness",
+    "NodeRebuild",
     "NotReserved",
+    "RawNode",
     "Release",
     "ReservationConflict",
 ]

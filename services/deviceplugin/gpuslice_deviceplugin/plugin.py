@@ -4,7 +4,8 @@ Allocate carries no pod identity, only replica IDs; the pod comes from the
 ledger: the oldest pod bound to this node whose next unallocated container asks
 for that many GPUs, taken atomically. A call that finds none is refused with
 ``FAILED_PRECONDITION`` and an ``alloc.failed`` event, never answered with a
-guess.
+guess. While the node's ledger is being rebuilt (Redis lost its data), the call
+waits for it, up to ``REBUILD_WAIT_S`` or kubelet's deadline.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.events import AllocationEvent, EventType, make_event
 from gpuslice_common.kube import KubeApi, KubeError
-from gpuslice_common.ledger import Allocation, Ledger, LedgerError, NotReserved
+from gpuslice_common.ledger import Allocation, Ledger, LedgerError, LedgerRebuilding, NotReserved
 from gpuslice_deviceplugin.allocation import answer, control_wanted, grant
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -32,6 +33,8 @@ from gpuslice_deviceplugin.replicas import Replicas
 
 log = logging.getLogger(__name__)
 SOURCE = "gpuslice/deviceplugin"
+REBUILD_WAIT_S = 60.0  # Allocate waits this long at most for the node's ledger to be rebuilt
+REBUILD_POLL_S = 0.2
 
 
 class DeviceList:
@@ -186,7 +189,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         if problem:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
-            allocation = await self.ledger.allocate(self.node, len(ids))
+            allocation = await self._allocate_when_rebuilt(len(ids), context.time_remaining())
         except NotReserved as exc:
             await self._failed(None, f"no pending pod: {exc}")
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -202,6 +205,17 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             await self._refuse(context, grpc.StatusCode.INTERNAL, message)
         await self._publish(EventType.ALLOC_ALLOCATED, allocation, "")
         return pb.AllocateResponse(container_responses=[response])
+
+    async def _allocate_when_rebuilt(self, count: int, remaining: float | None) -> Allocation:
+        """``ledger.allocate``, waiting while the node's ledger is being rebuilt."""
+        deadline = time.monotonic() + min(REBUILD_WAIT_S, remaining or REBUILD_WAIT_S)
+        while True:
+            try:
+                return await self.ledger.allocate(self.node, count)
+            except LedgerRebuilding:
+                if time.monotonic() + REBUILD_POLL_S >= deadline:
+                    raise
+                await asyncio.sleep(REBUILD_POLL_S)
 
     def _check_ids(self, ids: list[str]) -> str:
         if not ids:

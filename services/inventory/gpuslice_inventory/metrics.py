@@ -31,6 +31,8 @@ class WorkStats:
 
     registrations: int = 0
     registration_errors: int = 0
+    nodes_rebuilt: int = 0  # nodes stamped rebuilt by a reconciliation pass
+    restore_conflicts: int = 0  # restores refused: the cards held too much already
 
 
 def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
@@ -202,6 +204,8 @@ WORK_METRICS = {
     "pod_watch_restarts": "Pod watches begun again after a failure or an expired version.",
     "nodes_marked_unavailable": "Nodes marked unavailable after missed heartbeats.",
     "sweeps": "Liveness and expiry passes run by this replica.",
+    "nodes_rebuilt": "Nodes stamped rebuilt by a reconciliation pass (they take pods again).",
+    "restore_conflicts": "Placements not restored because their cards held too much already.",
     "telemetry_samples": "Telemetry samples received.",
     "telemetry_stored": "Telemetry samples written to Redis.",
     "telemetry_malformed": "Telemetry samples dropped as malformed.",

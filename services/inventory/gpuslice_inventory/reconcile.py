@@ -6,13 +6,20 @@ One pass reads the ledger, then lists every pod of the cluster, and:
 
 * **restores** the reservation of a pod that is bound to a node, has not
   terminated and whose placement the ledger does not hold (Redis lost its data,
-  or a release raced ahead): as allocated when the pod runs, else as bound;
+  or a release raced ahead): as allocated when the pod runs, else as bound.
+  A restore checks fit: records that claim more than a card holds (an outdated
+  annotation) are refused and counted as conflicts, never over-committed;
 * **releases** what the ledger holds for a pod that has terminated (reason
   ``pod succeeded`` / ``pod failed``) or no longer exists (``pod deleted``).
   A reservation younger than ``grace`` is left alone: the scheduler may have
-  made it after the list was read.
+  made it after the list was read;
+* **stamps rebuilt** every node whose registration it read before the list and
+  whose restores all got an answer: only then does the node take reservations,
+  binds and allocations (``Ledger.mark_rebuilt``). A node that registered after
+  the pass read the registrations (new, or Redis lost it) waits for the next.
 
-So after Redis loses everything, the ledger is whole again within one pass.
+So after Redis loses everything, the ledger is whole again within one pass
+after the nodes registered again, and nothing is placed on a node before.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from gpuslice_common.kube import KubeApi
-from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.ledger import Ledger, LedgerError, ReservationConflict
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
 from gpuslice_inventory.lifecycle import DELETED, TERMINATED, pod_phase, pod_uid
 from gpuslice_inventory.upkeep import Upkeep
@@ -46,9 +53,12 @@ class ReconcileResult:
     held: int  # live reservations in the ledger before the pass
     restored: int
     released: int
-    failed: int  # restores the ledger refused (e.g. the node is not registered yet)
+    failed: int  # restores not done (the node is not registered yet, Redis failed)
     seconds: float
     released_by: Counter[str] = field(default_factory=Counter)  # by reason
+    conflicts: int = 0  # restores refused: the cards hold too much already
+    stamped: int = 0  # nodes this pass stamped rebuilt
+    waiting: int = 0  # registered nodes left unstamped (restores failed, or too new)
 
 
 def _record(pod: Mapping[str, Any]) -> Placement | None:
@@ -92,6 +102,9 @@ class Reconciler:
         # list is read is then held and found ended, or already released and
         # found ended; never released and found running (which would revive it).
         listed_at = await self.ledger.now()
+        # Registrations are read before the list: a node stamped below registered
+        # before the pods were listed, so the list has every pod bound to it.
+        nodes = await self.ledger.rebuild_status()
         held = await self._held()
         pods = {uid: pod for pod in await self.kube.list_all_pods() if (uid := pod_uid(pod))}
         to_restore = [
@@ -99,7 +112,12 @@ class Reconciler:
             for uid, pod in pods.items()
             if uid not in held and pod_phase(pod) not in TERMINATED and _node(pod)
         ]
-        outcomes = Counter(await _each(to_restore, self._restore))
+        # a card unknown on a node not registered when the pass began: not yet
+        restores = [
+            (node, "failed" if outcome == "conflict" and node not in nodes else outcome)
+            for node, outcome in await _each(to_restore, self._restore)
+        ]
+        outcomes = Counter(outcome for _, outcome in restores)
         to_release: list[tuple[str, str]] = []
         for uid, placement in held.items():
             found = pods.get(uid)
@@ -113,6 +131,15 @@ class Reconciler:
         released: Counter[str] = Counter(
             reason for reason in await _each(to_release, self._release) if reason
         )
+        unfinished = {node for node, outcome in restores if outcome == "failed"}
+        stamped = waiting = 0
+        for node, status in nodes.items():
+            if status.rebuilt_at is not None:
+                continue
+            if node not in unfinished and await self._stamp(node, status.registered):
+                stamped += 1
+            else:
+                waiting += 1
         restored, failed = outcomes["restored"], outcomes["failed"]
         result = ReconcileResult(
             pods=len(pods),
@@ -122,6 +149,9 @@ class Reconciler:
             failed=failed,
             seconds=time.perf_counter() - started,
             released_by=released,
+            conflicts=outcomes["conflict"],
+            stamped=stamped,
+            waiting=waiting,
         )
         self.last = result
         return result
@@ -136,21 +166,35 @@ class Reconciler:
                     held[placement.pod.uid] = placement
         return held
 
-    async def _restore(self, item: tuple[str, Mapping[str, Any]]) -> str:
-        """Put back one pod's reservation from its annotation: restored, failed or ''."""
+    async def _restore(self, item: tuple[str, Mapping[str, Any]]) -> tuple[str, str]:
+        """Put back one pod's reservation from its annotation: its node, and
+        restored, conflict, failed or ''."""
         uid, pod = item
         record = _record(pod)
         if record is None or record.node != _node(pod):
-            return ""
+            return _node(pod), ""
         try:
             _, new = await self.ledger.restore(record, running=pod_phase(pod) == "Running")
+        except ReservationConflict as exc:
+            log.warning("cannot restore the reservation of pod %s: %s", uid, exc)
+            return record.node, "conflict"
         except LedgerError as exc:
             log.warning("cannot restore the reservation of pod %s: %s", uid, exc)
-            return "failed"
+            return record.node, "failed"
         if not new:
-            return ""
+            return record.node, ""
         log.debug("restored the reservation of pod %s on %s", uid, record.node)
-        return "restored"
+        return record.node, "restored"
+
+    async def _stamp(self, node: str, registered: str) -> bool:
+        try:
+            stamped = await self.ledger.mark_rebuilt(node, registered)
+        except LedgerError as exc:
+            log.warning("cannot stamp node %s rebuilt: %s", node, exc)
+            return False
+        if stamped:
+            log.info("node %s is rebuilt: it takes reservations", node)
+        return stamped
 
     async def _release(self, item: tuple[str, str]) -> str:
         uid, reason = item

@@ -63,6 +63,8 @@ class Running:
     work: WorkStats = field(default_factory=WorkStats)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     next_reconcile: float = 0.0  # loop time
+    # registrations (node -> ``registered``) a pass has already seen unstamped
+    rebuild_seen: dict[str, str] = field(default_factory=dict)
 
     async def on_inventory(self, subject: str, inventory: NodeInventory) -> None:
         """A node agent's inventory (its heartbeat): write it to the ledger."""
@@ -70,7 +72,8 @@ class Running:
             log.warning("inventory of node %s arrived on %s; dropped", inventory.node, subject)
             return
         try:
-            await self.ledger.register_node(inventory)
+            # without the Kubernetes API there is no record to restore: rebuilt at once
+            await self.ledger.register_node(inventory, rebuilt=self.reconciler is None)
         except LedgerError as exc:
             self.work.registration_errors += 1
             log.warning("cannot register node %s: %s", inventory.node, exc)
@@ -86,25 +89,49 @@ class Running:
 
     async def sweep_if_leader(self) -> None:
         """The periodic jobs, in the replica holding the lease: liveness and expiry
-        every sweep; reconciliation at start and every ``reconcile_interval``."""
+        every sweep; reconciliation at start, every ``reconcile_interval``, and
+        as soon as a registered node waits for its rebuilt stamp."""
         if not self.lease.held:
             return
         await self.upkeep.sweep()
         now = asyncio.get_running_loop().time()
-        if self.reconciler is not None and now >= self.next_reconcile and self.lease.held:
+        if self.reconciler is None:
+            return
+        waiting = await self._waiting()
+        if any(self.rebuild_seen.get(node) != reg for node, reg in waiting.items()):
+            self.next_reconcile = now  # a node waits for its first pass: run one now
+        if now >= self.next_reconcile and self.lease.held:
             self.next_reconcile = now + self.settings.reconcile_interval.total_seconds()
             result = await self.reconciler.run_once()
+            self.rebuild_seen = waiting
+            self.work.nodes_rebuilt += result.stamped
+            self.work.restore_conflicts += result.conflicts
             if result.failed:
                 # restores refused (nodes not registered again yet): soon again
                 retry = 2 * self.settings.heartbeat_interval.total_seconds()
                 self.next_reconcile = min(self.next_reconcile, now + retry)
             log.info(
-                "reconciled %d pods in %.2fs: %d restored, %d released",
+                "reconciled %d pods in %.2fs: %d restored, %d released, %d conflicts; "
+                "%d nodes stamped rebuilt, %d waiting",
                 result.pods,
                 result.seconds,
                 result.restored,
                 result.released,
+                result.conflicts,
+                result.stamped,
+                result.waiting,
             )
+
+    async def _waiting(self) -> dict[str, str]:
+        """Registered nodes not stamped rebuilt, with their registrations. One that
+        no pass has seen yet (new, or registered afresh after Redis lost its
+        data) gets a pass at once; one whose restores failed is tried again on
+        the failed-pass schedule."""
+        return {
+            node: status.registered
+            for node, status in (await self.ledger.rebuild_status()).items()
+            if status.rebuilt_at is None
+        }
 
     def work_values(self) -> dict[str, float | Counter[str]]:
         t = self.telemetry.stats
@@ -117,6 +144,8 @@ class Running:
             "pod_watch_restarts": watch.restarts,
             "nodes_marked_unavailable": self.upkeep.stats.nodes_marked,
             "sweeps": self.upkeep.stats.sweeps,
+            "nodes_rebuilt": self.work.nodes_rebuilt,
+            "restore_conflicts": self.work.restore_conflicts,
             "telemetry_samples": t.received,
             "telemetry_stored": t.stored,
             "telemetry_malformed": t.malformed,

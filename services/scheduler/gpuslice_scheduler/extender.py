@@ -12,6 +12,11 @@ the one verb with effects, in this order:
 If anything after the reservation fails, the reservation is released and
 ``alloc.failed`` is published: a failed bind leaves nothing behind. A bind for a
 pod already bound to that node with its reservation in place succeeds again.
+
+A node whose part of the ledger is being rebuilt (Redis lost its data, or the
+node is new) fails filter with ``NodeLedgerRebuilding``, and a bind there is an
+error naming the node, which kube-scheduler retries: nothing is reserved there
+before the placements its pods hold are back.
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import SchedulerSettings
 from gpuslice_common.events import AllocationEvent, EventType, make_event
 from gpuslice_common.kube import KubeApi, KubeError, LocalKubeApi
-from gpuslice_common.ledger import AlreadyReserved, Ledger, LedgerError, ReservationConflict
+from gpuslice_common.ledger import (
+    AlreadyReserved,
+    Ledger,
+    LedgerError,
+    LedgerRebuilding,
+    ReservationConflict,
+)
 from gpuslice_common.models import (
     PLACEMENT_ANNOTATION,
     Placement,
@@ -56,6 +67,10 @@ SOURCE = "gpuslice-scheduler"
 WARM_KINDS = 64  # kinds of pod evaluated with a new mix before it is put in place
 PARSED = 64  # pods whose parsed request is kept for the verbs that follow
 UNKNOWN_NODE = "CardNotFound: no GPU of this node is registered with gpuslice"
+REBUILDING = (
+    "NodeLedgerRebuilding: the node's reservations are being restored from its pods "
+    "(Redis lost its data or the node is new); it takes pods again shortly"
+)
 
 
 class BindError(Exception):
@@ -169,6 +184,12 @@ class Extender:
         names = self.view.cluster.names
         passed = names[ev.nodes[ev.feasible]].tolist()  # in the order they were sent
         failed: dict[str, str] = {}
+        if self.view.rebuilding:
+            waiting = [n for n in passed if n in self.view.rebuilding]
+            if waiting:
+                passed = [n for n in passed if n not in self.view.rebuilding]
+                failed.update(dict.fromkeys(waiting, REBUILDING))
+                self.metrics.failures.labels("filter", "NodeLedgerRebuilding").inc(len(waiting))
         unresolvable = dict.fromkeys(unknown, UNKNOWN_NODE)
         rows = np.flatnonzero(~ev.feasible)
         if rows.size:
@@ -287,6 +308,11 @@ class Extender:
                 ) from None
             except AlreadyReserved as exc:
                 raise BindError(str(exc)) from None
+            except LedgerRebuilding as exc:
+                self.metrics.failures.labels("bind", "NodeLedgerRebuilding").inc()
+                with contextlib.suppress(LedgerError):  # the filter skips it meanwhile
+                    await self.view.refresh_node(args.node)
+                raise BindError(f"gpuslice: {exc}") from None
             except LedgerError as exc:
                 raise BindError(f"ledger: {exc}") from None
             if created:

@@ -96,7 +96,7 @@ async def register(ledger: Ledger, nodes: Sequence[TraceNode], split_count: int)
 
     async def one(node: TraceNode) -> None:
         async with gate:
-            await ledger.register_node(inventory(node, split_count))
+            await ledger.register_node(inventory(node, split_count), rebuilt=True)
 
     await asyncio.gather(*(one(n) for n in nodes if n.gpus > 0))
 

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.ledger import Ledger, LedgerError, RawNode
 from gpuslice_common.models import Placement
 from gpuslice_scheduler.cluster import Cluster, Ints, Row
 
@@ -67,6 +67,8 @@ class ClusterView:
         self.revs: dict[str, int] = {}
         self.cluster = Cluster.from_rows([])
         self.synced = False
+        # registered nodes not stamped rebuilt yet: the ledger refuses to reserve there
+        self.rebuilding: set[str] = set()
 
     async def sync(self) -> int:
         """Re-read nodes that changed (and new ones); returns how many were re-read."""
@@ -75,13 +77,11 @@ class ClusterView:
         changed = [n for n in names if revs[n] != self.revs.get(n)]
         gone = set(self.rows) - set(names)
         if changed:
-            raw = await self.ledger.nodes_raw(changed)
-            for node, (order, fields, rev) in raw.items():
-                self.rows[node] = _rows(order, fields)
-                self.revs[node] = rev
+            self._keep(await self.ledger.nodes_raw(changed))
         for node in gone:
             self.rows.pop(node, None)
             self.revs.pop(node, None)
+            self.rebuilding.discard(node)
         if changed or gone or not self.synced:
             self._rebuild(changed, bool(gone))
         self.synced = True
@@ -139,10 +139,17 @@ class ClusterView:
     async def refresh(self, nodes: Sequence[str]) -> None:
         """Re-read ``nodes`` now (announced changes, a lost race)."""
         raw = await self.ledger.nodes_raw(nodes)
-        for node, (order, fields, rev) in raw.items():
+        self._keep(raw)
+        self._rebuild(list(raw), False)
+
+    def _keep(self, raw: dict[str, RawNode]) -> None:
+        for node, (order, fields, rev, rebuilt) in raw.items():
             self.rows[node] = _rows(order, fields)
             self.revs[node] = rev
-        self._rebuild(list(raw), False)
+            if rebuilt:
+                self.rebuilding.discard(node)
+            else:
+                self.rebuilding.add(node)
 
     async def refresh_node(self, node: str) -> None:
         await self.refresh([node])

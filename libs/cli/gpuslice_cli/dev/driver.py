@@ -268,6 +268,9 @@ class ClusterDriver:
                 **(result.get("FailedAndUnresolvableNodes") or {}),
             }
             why = "; ".join(f"{node}: {reason}" for node, reason in sorted(failed.items()))
+            if any(reason.startswith("NodeLedgerRebuilding") for reason in failed.values()):
+                # kube-scheduler tries an unschedulable pod again as the nodes change
+                raise Retry(f"0/{len(names)} nodes are available: {why}")
             return "", f"0/{len(names)} nodes are available: {why}"
         body = {"Pod": pod, "NodeNames": passed}
         scored = await self._post(f"{url}/prioritize", body, "the extender", ok=(200, 400))

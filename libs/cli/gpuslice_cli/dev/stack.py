@@ -270,7 +270,8 @@ class Stack:
 
     async def learn_nodes(self) -> None:
         """The nodes' GPUs as their agents registered them (attached, the stack
-        did not configure them): what the fake driver must show."""
+        did not configure them): what the fake driver must show. Returns once
+        every node is stamped rebuilt (it takes pods)."""
         ledger = Ledger.from_url(self.redis_url or "", self.prefix, retries=2)
         try:
             learnt = []
@@ -282,6 +283,12 @@ class Stack:
                         raise StackError(f"{node.name} never registered its GPUs in the ledger")
                     await asyncio.sleep(0.2)
                     cards = await ledger.node_gpus(node.name)
+                # the inventory's first reconciliation pass after the node
+                # registered stamps it rebuilt: only then does it take pods
+                while (await ledger.rebuild_status([node.name]))[node.name].rebuilt_at is None:
+                    if time.monotonic() > deadline:
+                        raise StackError(f"{node.name} was never stamped rebuilt by the inventory")
+                    await asyncio.sleep(0.2)
                 cards.sort(key=lambda c: c.device.index)
                 first = cards[0].device
                 learnt.append(

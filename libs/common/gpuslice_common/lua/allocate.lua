@@ -5,10 +5,14 @@
 -- only look: the container that would be handed out, nothing changed (kubelet's
 -- GetPreferredAllocation comes before its Allocate)
 -- Returns {'ok', answer JSON {uid, index, record, rivals}} | {'none', pending count}
+-- | {'rebuilding'} (the pods bound here may not all be back yet: no choice is safe)
 local peek = ARGV[3] == '1'
 local prior = (not peek) and redis.call('GET', KEYS[6])
 if prior then
   return {'ok', prior}
+end
+if not rebuilt() then
+  return {'rebuilding'}
 end
 local want = tonumber(ARGV[1])
 -- the oldest match is handed out; the others that match too ('rivals') are

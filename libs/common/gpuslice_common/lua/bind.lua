@@ -1,9 +1,12 @@
 -- Mark a reserved pod as bound: from now on kubelet may ask to allocate it.
 -- ARGV[1] pod uid
--- Returns {'ok', record} | {'absent'} | {'released', record}
+-- Returns {'ok', record} | {'absent'} | {'released', record} | {'rebuilding'}
 local uid = ARGV[1]
 local rec = load_pod(uid)
 if not rec then
+  if not rebuilt() then
+    return {'rebuilding'}  -- Redis lost the reservation; its node is being rebuilt
+  end
   return {'absent'}
 end
 if rec.state == 'released' then

@@ -1,6 +1,7 @@
 -- Prelude shared by every ledger script.
 -- KEYS[1] <p>:{node}:gpus     hash  "<uuid>|<field>" -> value
--- KEYS[2] <p>:{node}:meta     hash  devices (JSON list), heartbeat, config, bind_seq, rev
+-- KEYS[2] <p>:{node}:meta     hash  devices (JSON list), heartbeat, registered, rebuilt,
+--                                   config, bind_seq, rev
 -- KEYS[3] <p>:{node}:pods     hash  pod uid -> placement record (JSON)
 -- KEYS[4] <p>:{node}:pending  zset  pod uid -> bind order, pods awaiting Allocate
 -- KEYS[5] <p>:{node}:released zset  pod uid -> release time (ms), for pruning
@@ -50,4 +51,11 @@ end
 
 local function is_count(v)
   return type(v) == 'number' and v >= 0 and v == math.floor(v)
+end
+
+-- A node takes reservations, binds and allocations only once a reconciliation
+-- pass that started after its registration stamped it ``rebuilt`` (rebuilt.lua):
+-- after Redis lost its data, the placements its pods already hold are back first.
+local function rebuilt()
+  return redis.call('HEXISTS', META, 'rebuilt') == 1
 end

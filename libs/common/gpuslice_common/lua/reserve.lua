@@ -3,8 +3,11 @@
 -- ARGV[2] placement record (JSON object, without state or times)
 -- ARGV[3] footprint: JSON list of [uuid, memory_mib, cores, slots, exclusive(0|1)]
 -- ARGV[4] optional, restoring a pod's own record: 'allocated' (its containers
---         run) or 'bound'; no fit checks, only that the cards exist
--- Returns {'ok', record} | {'exists', record} | {'fail', uuid, reason}
+--         run) or 'bound'; allowed before the node is rebuilt, and checked for
+--         capacity and exclusivity only (not health or cordon: the pod holds the
+--         cards already), so two records that claim more than a card holds never
+--         both count
+-- Returns {'ok', record} | {'exists', record} | {'fail', uuid, reason} | {'rebuilding'}
 local uid = ARGV[1]
 local existing = load_pod(uid)
 if existing and existing.state ~= 'released' then
@@ -12,6 +15,9 @@ if existing and existing.state ~= 'released' then
 end
 
 local restoring = (ARGV[4] or '') ~= ''
+if not restoring and not rebuilt() then
+  return {'rebuilding'}
+end
 local fp = cjson.decode(ARGV[3])
 for _, f in ipairs(fp) do
   local u, mem, cores, slots, excl = f[1], f[2], f[3], f[4], f[5]
@@ -21,7 +27,6 @@ for _, f in ipairs(fp) do
   if gget(u, 'present') ~= '1' then
     return {'fail', u, 'CardNotFound'}
   end
-  -- A restored pod holds these devices already: they are counted, fit or not.
   if not restoring then
     if gget(u, 'healthy') ~= '1' then
       return {'fail', u, 'CardNotHealth'}
@@ -29,27 +34,27 @@ for _, f in ipairs(fp) do
     if gget(u, 'cordoned') == '1' then
       return {'fail', u, 'CardCordoned'}
     end
-    local owner = gget(u, 'owner') or ''
-    if owner ~= '' then
-      return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
-    end
-    local used_slots, used_cores = gnum(u, 'slots'), gnum(u, 'cores')
-    local cap_cores = gnum(u, 'cap_cores')
-    if used_slots + slots > gnum(u, 'cap_slots') then
-      return {'fail', u, 'CardTimeSlicingExhausted'}
-    end
-    if gnum(u, 'mem') + mem > gnum(u, 'cap_mem') then
-      return {'fail', u, 'CardInsufficientMemory'}
-    end
-    if used_cores + cores > cap_cores then
-      return {'fail', u, 'CardInsufficientCore'}
-    end
-    if excl == 1 and used_slots > 0 then
-      return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
-    end
-    if cores == 0 and used_cores >= cap_cores then
-      return {'fail', u, 'CardComputeUnitsExhausted'}
-    end
+  end
+  local owner = gget(u, 'owner') or ''
+  if owner ~= '' then
+    return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
+  end
+  local used_slots, used_cores = gnum(u, 'slots'), gnum(u, 'cores')
+  local cap_cores = gnum(u, 'cap_cores')
+  if used_slots + slots > gnum(u, 'cap_slots') then
+    return {'fail', u, 'CardTimeSlicingExhausted'}
+  end
+  if gnum(u, 'mem') + mem > gnum(u, 'cap_mem') then
+    return {'fail', u, 'CardInsufficientMemory'}
+  end
+  if used_cores + cores > cap_cores then
+    return {'fail', u, 'CardInsufficientCore'}
+  end
+  if excl == 1 and used_slots > 0 then
+    return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
+  end
+  if not restoring and cores == 0 and used_cores >= cap_cores then
+    return {'fail', u, 'CardComputeUnitsExhausted'}
   end
 end
 
