@@ -179,7 +179,7 @@ async def test_tokens_that_do_not_prove_a_node_agent_are_refused(roles: Roles, c
 
 
 async def test_a_container_publishes_telemetry_for_its_own_pod_only(roles: Roles) -> None:
-    await roles.ledger.register_node(make_inventory(NODE_A, gpus=1))
+    await roles.ledger.register_node(make_inventory(NODE_A, gpus=1), rebuilt=True)
     await roles.ledger.reserve(placement("pod-1", NODE_A, [[(0, 100, 1)]]))
     seen = await listen(roles, "gpuslice.telemetry.*.*")
     errors: list[str] = []
@@ -219,8 +219,8 @@ def _tamper(token: str, **changes: Any) -> str:
     "case", ["tampered", "other-key", "truncated", "released", "other-node", "never-placed"]
 )
 async def test_telemetry_tokens_not_for_a_live_pod_are_refused(roles: Roles, case: str) -> None:
-    await roles.ledger.register_node(make_inventory(NODE_A, gpus=1))
-    await roles.ledger.register_node(make_inventory(NODE_B, gpus=1))
+    await roles.ledger.register_node(make_inventory(NODE_A, gpus=1), rebuilt=True)
+    await roles.ledger.register_node(make_inventory(NODE_B, gpus=1), rebuilt=True)
     await roles.ledger.reserve(placement("pod-1", NODE_A, [[(0, 100, 1)]]))
     await roles.ledger.reserve(placement("pod-2", NODE_A, [[(0, 100, 1)]]))
     own = roles.telemetry_token(NODE_A, "pod-1")

@@ -612,7 +612,7 @@ async def test_a_container_connects_with_its_telemetry_token_under_the_manifests
     inventory issued for this pod lets the interposer in, for its own subject."""
     uid = pod_uid()
     async with manifest_roles(tmp_path, monkeypatch, redis_url) as roles:
-        await roles.ledger.register_node(make_inventory(NODE, gpus=1))
+        await roles.ledger.register_node(make_inventory(NODE, gpus=1), rebuilt=True)
         await roles.ledger.reserve(placement(uid, NODE, [[(0, 100, 1)]]))
         token = roles.telemetry_token(NODE, uid)
         inventory = PASSWORDS["inventory"]
