@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client import generate_latest
 from redis.asyncio import Redis
 
@@ -48,6 +50,55 @@ async def test_inventories_register_nodes(
         assert cards[0].capacity.memory_mib == int(16384 * 1.5)
     finally:
         await led.close()
+
+
+async def test_inventories_out_of_bounds_or_on_another_subject_are_refused_in_one_line(
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A report that the ledger could not store as written, or whose node is not
+    exactly the subject's, never reaches the ledger: counted by reason, one line."""
+    config = settings_for(nats_server, redis_url, prefix)
+    good = json.loads(make_inventory("gpu-1").model_dump_json())
+    huge = {**good, "node": "gpu-2"}
+    huge["devices"] = [{**d, "memory_mib": 10**17} for d in good["devices"]]
+    bad_model = {**good, "node": "gpu-3"}
+    bad_model["devices"] = [{**d, "model": "A100\nERROR forged line"} for d in good["devices"]]
+    upper = {**good, "node": "Node-A"}
+    wrong = {
+        f"{prefix}.inventory.gpu-2": huge,  # invalid: memory beyond 16 TiB
+        f"{prefix}.inventory.gpu-3": bad_model,  # invalid: a line break in the model
+        f"{prefix}.inventory.Node-A": upper,  # invalid: not a Kubernetes node name
+        f"{prefix}.inventory.Node-B": {**good, "node": "node-b"},  # subject: case differs
+        f"{prefix}.inventory.gpu-5": {**good, "node": "gpu-6"},  # subject: another node
+    }
+    caplog.set_level(logging.INFO)
+    async with running(config, bus, serve_http=False) as state:
+        for subject, payload in wrong.items():
+            await bus.nc.publish(subject, json.dumps(payload).encode())
+        await bus.nc.publish(f"{prefix}.inventory.gpu-7", b"{not json")
+        await bus.nc.publish(f"{prefix}.inventory.gpu-1", json.dumps(good).encode())
+        await bus.flush()
+        await until(lambda: state.work.registrations == 1)
+        await until(lambda: sum(state.work.refused.values()) == 6)
+        assert state.work.refused == {"invalid": 3, "subject": 2, "malformed": 1}
+        text = generate_latest(state.registry).decode()
+    assert 'gpuslice_inventory_inventories_refused_total{reason="invalid"} 3.0' in text
+    assert 'gpuslice_inventory_inventories_refused_total{reason="subject"} 2.0' in text
+    led = Ledger.from_url(redis_url, prefix)
+    try:
+        assert await led.nodes() == ["gpu-1"]
+    finally:
+        await led.close()
+    refusals = [r for r in caplog.records if "refused the inventory" in r.getMessage()]
+    assert len(refusals) == 6
+    assert all("\n" not in r.getMessage() and r.exc_info is None for r in refusals)
+    assert "less than or equal to 16777216" in caplog.text
+    assert "Traceback" not in caplog.text
+    assert not any(r.exc_info for r in caplog.records)
 
 
 async def test_a_silent_node_is_unavailable_until_it_returns(

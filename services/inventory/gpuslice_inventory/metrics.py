@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -31,6 +31,10 @@ class WorkStats:
 
     registrations: int = 0
     registration_errors: int = 0
+    # inventories refused, by reason
+    refused: Counter[str] = field(
+        default_factory=lambda: Counter(dict.fromkeys(("malformed", "invalid", "subject"), 0))
+    )
 
 
 def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
@@ -197,6 +201,8 @@ class WorkMetrics(Collector):
 WORK_METRICS = {
     "registrations": "Node inventories written to the ledger.",
     "registration_errors": "Node inventories that could not be written (ledger unreachable).",
+    "inventories_refused": "Node inventories refused before the ledger, by reason: not JSON "
+    "(malformed), outside the bounds (invalid), another node than the subject's (subject).",
     "releases": "Pods released by the inventory, by reason.",
     "pod_watch_events": "Pod changes received from the Kubernetes watch.",
     "pod_watch_restarts": "Pod watches begun again after a failure or an expired version.",

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import InventorySettings
@@ -30,6 +31,7 @@ from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import NodeInventory, PodEnded
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import every, http_server, plain_http
+from gpuslice_common.subjects import node_from_token
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.lifecycle import PodWatcher, WatchStats, release_ended
 from gpuslice_inventory.metrics import ClusterMetrics, WorkMetrics, WorkStats, registry_for
@@ -60,11 +62,31 @@ class Running:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     next_reconcile: float = 0.0  # loop time
 
-    async def on_inventory(self, subject: str, inventory: NodeInventory) -> None:
-        """A node agent's inventory (its heartbeat): write it to the ledger."""
-        if subject != self.bus.subjects.inventory(inventory.node):
-            log.warning("inventory of node %s arrived on %s; dropped", inventory.node, subject)
+    async def on_inventory_message(self, msg: Msg) -> None:
+        """A message on ``<prefix>.inventory.<node>``: checked, then registered.
+
+        Refused, counted by reason and logged in one line: a payload that is
+        not JSON (``malformed``), one outside :class:`NodeInventory`'s bounds
+        (``invalid``), or one whose node is not exactly the subject's (``subject``).
+        """
+        try:
+            inventory = NodeInventory.model_validate_json(msg.data)
+        except ValidationError as exc:
+            malformed = any(e["type"] == "json_invalid" for e in exc.errors())
+            self._refuse(msg.subject, "malformed" if malformed else "invalid", _summary(exc))
             return
+        token = msg.subject.rsplit(".", 1)[-1]
+        if node_from_token(token) != inventory.node:
+            self._refuse(msg.subject, "subject", f"it describes node {inventory.node}")
+            return
+        await self.on_inventory(msg.subject, inventory)
+
+    def _refuse(self, subject: str, reason: str, why: str) -> None:
+        self.work.refused[reason] += 1
+        log.warning("refused the inventory on %s (%s): %s", _one_line(subject), reason, why)
+
+    async def on_inventory(self, subject: str, inventory: NodeInventory) -> None:
+        """A node agent's inventory (its heartbeat), already checked: write it to the ledger."""
         try:
             await self.ledger.register_node(inventory)
         except LedgerError as exc:
@@ -108,6 +130,7 @@ class Running:
         return {
             "registrations": self.work.registrations,
             "registration_errors": self.work.registration_errors,
+            "inventories_refused": Counter(self.work.refused),
             "releases": Counter(self.upkeep.stats.released),
             "pod_watch_events": watch.events,
             "pod_watch_restarts": watch.restarts,
@@ -118,6 +141,19 @@ class Running:
             "telemetry_malformed": t.malformed,
             "telemetry_dropped": t.dropped,
         }
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """``text`` safe for one log line: escapes instead of line breaks, at most ``limit``."""
+    return repr(text[:limit])[1:-1]
+
+
+def _summary(exc: ValidationError) -> str:
+    """The first few problems of a validation error, in one line (no input values)."""
+    return "; ".join(
+        f"{'.'.join(_one_line(str(p), 64) for p in e['loc']) or 'message'}: {e['msg']}"
+        for e in exc.errors()[:5]
+    )
 
 
 def _report_stopped(task: asyncio.Task[None]) -> None:
@@ -203,8 +239,8 @@ async def running(
     subscriptions: list[Subscription] = []
     try:
         subscriptions += [
-            await bus.subscribe(
-                bus.subjects.inventory_all, NodeInventory, state.on_inventory, queue
+            await bus.nc.subscribe(
+                bus.subjects.inventory_all, queue=queue, cb=state.on_inventory_message
             ),
             await bus.subscribe(bus.subjects.pod_ended, PodEnded, state.on_pod_ended, queue),
             await bus.nc.subscribe(bus.subjects.telemetry_all, queue=queue, cb=state.on_telemetry),
