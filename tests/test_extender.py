@@ -21,7 +21,7 @@ from gpuslice_common.kube import KubeError, LocalKubeApi
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import PLACEMENT_ANNOTATION, DeviceSelector, Placement, PlacementState
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
-from gpuslice_scheduler.extender import Extender
+from gpuslice_scheduler.extender import UNKNOWN_NODE, Extender
 from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.service import running
 from gpuslice_scheduler.view import ClusterView
@@ -386,6 +386,54 @@ async def test_new_nodes_and_usage_reach_the_copy_by_revision(stack: Stack) -> N
             break
         await asyncio.sleep(0.02)
     assert "CardCordoned" in reply["FailedAndUnresolvableNodes"]["node-d"]
+
+
+async def corrupt(ledger: Ledger, node: str, field: str, value: str) -> None:
+    """Write one card field of ``node`` by hand, as an older version or an operator
+    could, and announce the change as the ledger's scripts do."""
+    keys = ledger.node_keys(node)
+    await ledger.redis.hset(keys.gpus, f"GPU-{node}-0|{field}", value)
+    await ledger.redis.hincrby(keys.meta, "rev", 1)
+    await ledger.redis.publish(ledger.changes_channel, keys.meta)
+
+
+async def eventually(condition: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_an_unreadable_node_is_skipped_named_and_the_rest_stays_in_sync(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    view = stack.extender.view
+    await corrupt(stack.ledger, "node-b", "cap_mem", "1e+17")  # as registering 1e17 MiB did
+    # every other node keeps syncing: one registered later is schedulable
+    await stack.ledger.register_node(make_inventory("node-d", gpus=1))
+    await eventually(lambda: "node-d" in view.cluster.node_index)
+    reply = (await stack.post("filter", args(gpu_pod("p"), "node-d"))).json()
+    assert reply["NodeNames"] == ["node-d"]
+    ready = await stack.http.get(f"{stack.url}/readyz")
+    assert ready.status_code == 200  # one bad node must not take the extender out
+    assert ready.json()["nodes"] == 3
+    assert ready.json()["skipped_count"] == 1
+    assert "'1e+17', not a whole number" in ready.json()["skipped"]["node-b"]
+    text = (await stack.http.get(f"{stack.url}/metrics")).text
+    assert "gpuslice_scheduler_skipped_nodes 1.0" in text
+    # fail closed: nothing is placed on the unreadable node
+    reply = (await stack.post("filter", args(gpu_pod("p"), "node-b"))).json()
+    assert reply["FailedAndUnresolvableNodes"] == {"node-b": UNKNOWN_NODE}
+    # a value out of bounds, though digits, is as unreadable
+    await corrupt(stack.ledger, "node-c", "cap_slots", "99999999")
+    await eventually(lambda: "node-c" in view.skipped)
+    assert "above its bound" in view.skipped["node-c"]
+    # the node's next registration writes it afresh: back in the copy
+    await stack.ledger.register_node(make_inventory("node-b", gpus=4, memory_mib=16384))
+    await eventually(lambda: "node-b" in view.cluster.node_index)
+    assert "node-b" not in view.skipped
+    assert "Traceback" not in caplog.text
+    assert not any(r.exc_info for r in caplog.records)
 
 
 async def test_readyz_fails_while_redis_is_down_and_recovers(

@@ -278,6 +278,44 @@ async def test_metrics_and_readiness_over_http(
     assert "gpuslice_inventory_registrations_total 1.0" in text
 
 
+async def test_the_metrics_job_skips_an_unreadable_node_and_counts_it(
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A node record no gpuslice writes (an older version's, or one set by hand)
+    leaves that node out of the metrics; the others are exported as before."""
+    config = settings_for(nats_server, redis_url, prefix)
+    led = Ledger.from_url(redis_url, prefix)
+    try:
+        for node in ("gpu-1", "gpu-2", "gpu-3"):
+            await led.register_node(make_inventory(node, gpus=1))
+        await led.redis.hset(led.node_keys("gpu-2").gpus, "GPU-gpu-2-0|cap_mem", "1e+17")
+        await led.redis.hset(led.node_keys("gpu-3").pods, "pod-x", "{not a record")
+    finally:
+        await led.close()
+    caplog.set_level(logging.INFO)
+    async with running(config, bus, serve_http=False) as state:
+        await until(lambda: state.lease.held)
+
+        def exported() -> str:
+            return generate_latest(state.registry).decode()
+
+        await until(lambda: 'gpuslice_gpu_healthy{gpu="GPU-gpu-1-0"' in exported())
+        text = exported()
+        assert state.cluster.skipped.keys() == {"gpu-2", "gpu-3"}
+    assert "gpuslice_ledger_unreadable_nodes 2.0" in text
+    assert 'node="gpu-2"' not in text
+    assert 'node="gpu-3"' not in text
+    assert "'1e+17', not a whole number" in state.cluster.skipped["gpu-2"]
+    assert "pod 'pod-x'" in state.cluster.skipped["gpu-3"]
+    assert "metrics failed" not in caplog.text
+    assert "Traceback" not in caplog.text
+    assert not any(r.exc_info for r in caplog.records)
+
+
 # ---------------------------------------------------------------- reconciliation
 
 

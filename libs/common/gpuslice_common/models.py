@@ -33,6 +33,8 @@ NODE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-
 NodeName = Annotated[str, Field(min_length=1, max_length=253, pattern=NODE_NAME_PATTERN)]
 # Printable ASCII without leading or trailing blanks: no line breaks or escapes in logs.
 PRINTABLE_PATTERN = r"^[!-~]([ -~]*[!-~])?$"
+DEVICE_UUID_PATTERN = r"^[A-Za-z0-9_.:/-]+$"
+MAX_NAME_LENGTH = 128  # a device's UUID and model name
 
 
 class Frozen(BaseModel):
@@ -51,9 +53,13 @@ def utcnow() -> datetime:
 class GpuDevice(Frozen):
     """One physical GPU as the node agent discovered it."""
 
-    uuid: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$")]
+    uuid: Annotated[
+        str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=DEVICE_UUID_PATTERN)
+    ]
     index: Annotated[int, Field(ge=0, lt=MAX_DEVICES)]
-    model: Annotated[str, Field(min_length=1, max_length=128, pattern=PRINTABLE_PATTERN)]
+    model: Annotated[
+        str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=PRINTABLE_PATTERN)
+    ]
     memory_mib: Annotated[int, Field(gt=0, le=MAX_DEVICE_MEMORY_MIB)]
     numa: Annotated[int, Field(ge=0, le=MAX_NUMA_NODE)] | None = None
     healthy: bool = True

@@ -3,11 +3,14 @@
 Cluster state (per GPU, per container, pods by state) is read from the ledger
 and the telemetry store every ``metrics_interval`` by :meth:`ClusterMetrics.refresh`
 and served from that snapshot, so a scrape never waits on Redis. Counters of the
-inventory's own work are read from its parts' stats at scrape time.
+inventory's own work are read from its parts' stats at scrape time. A node whose
+record in the ledger cannot be read is left out of the snapshot, logged once
+and counted in ``gpuslice_ledger_unreadable_nodes``; the other nodes are not.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -16,10 +19,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuslice_common.ledger import Ledger
+from gpuslice_common.ledger import BadRecord, Ledger
 from gpuslice_common.models import PlacementState
 from gpuslice_inventory.telemetry import TelemetryStore
 
+log = logging.getLogger(__name__)
 MIB = 1024 * 1024
 GPU_LABELS = ("node", "gpu", "index", "model")
 CONTAINER_LABELS = ("node", "gpu", "pod_uid", "container")
@@ -56,6 +60,7 @@ class ClusterMetrics(Collector):
         self.telemetry = telemetry
         self.active = active
         self._snapshot: list[Metric] = []
+        self.skipped: dict[str, str] = {}  # node -> why its record cannot be read
 
     def collect(self) -> Iterator[Metric]:
         return iter(self._snapshot if self.active() else [])
@@ -138,13 +143,30 @@ class ClusterMetrics(Collector):
         )
         live = [state for state in PlacementState if state is not PlacementState.RELEASED]
         states: Counter[str] = Counter({state.value: 0 for state in live})
+        unreadable = _gauge(
+            "gpuslice_ledger_unreadable_nodes",
+            "Registered nodes whose record in the ledger cannot be read, left out here.",
+        )
         nodes = await self.ledger.nodes()
-        cards = await self.ledger.nodes_gpus(nodes)
-        liveness = await self.ledger.node_liveness(nodes)
+        all_cards = await self.ledger.read_gpus(nodes)
+        all_liveness = await self.ledger.read_liveness(nodes)
         now = await self.ledger.now()  # heartbeats carry Redis's time
+        skipped: dict[str, str] = {}
         for node in nodes:
+            cards, alive = all_cards[node], all_liveness[node]
+            try:
+                if isinstance(cards, BadRecord):
+                    raise cards
+                if isinstance(alive, BadRecord):
+                    raise alive
+                placements = await self.ledger.node_placements(node)
+            except BadRecord as exc:
+                skipped[node] = exc.problem
+                if self.skipped.get(node) != exc.problem:
+                    log.warning("node %s left out of the metrics: %s", node, exc.problem)
+                continue
             usage = await self.telemetry.gpu_usage(node) if self.telemetry else {}
-            for card in cards[node]:
+            for card in cards:
                 labels = [node, card.device.uuid, str(card.device.index), card.device.model]
                 real = usage.get(card.device.uuid)
                 values = {
@@ -161,11 +183,10 @@ class ClusterMetrics(Collector):
                 }
                 for key, value in values.items():
                     gpu[key].add_metric(labels, value)
-            alive = liveness[node]
             node_up.add_metric([node], 0 if alive.unavailable_since else 1)
             if alive.heartbeat is not None:
                 heartbeat_age.add_metric([node], (now - alive.heartbeat).total_seconds())
-            for placement in await self.ledger.node_placements(node):
+            for placement in placements:
                 if placement.state is not PlacementState.RELEASED:
                     states[placement.state.value] += 1
             if self.telemetry is not None:
@@ -176,7 +197,18 @@ class ClusterMetrics(Collector):
                     sm.add_metric(labels, c.sm_percent)
         for state, count in sorted(states.items()):
             pods.add_metric([state], count)
-        self._snapshot = [*gpu.values(), node_up, heartbeat_age, pods, used, limit, sm]
+        self.skipped = skipped
+        unreadable.add_metric([], len(skipped))
+        self._snapshot = [
+            *gpu.values(),
+            node_up,
+            heartbeat_age,
+            pods,
+            used,
+            limit,
+            sm,
+            unreadable,
+        ]
 
 
 class WorkMetrics(Collector):
