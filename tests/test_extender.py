@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.service import running
 from gpuslice_scheduler.view import ClusterView
 from tests.conftest import make_inventory
+from tests.rawhttp import post_huge
 
 
 def gpu_pod(
@@ -684,3 +686,69 @@ async def test_gpuslice_sim_via_prints_json_from_the_live_extender(
     code, _, err = await gpuslice(*trace, "--via", "https://x:1")
     assert code == 2
     assert "Traceback" not in err
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS (now) and VmHWM (the peak) of a process, in KiB, from /proc."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {
+        key: int(value.split()[0])
+        for key, _, value in (line.partition(":") for line in lines)
+        if key in ("VmRSS", "VmHWM")
+    }
+
+
+async def test_a_huge_body_gets_413_without_the_extender_holding_it(
+    redis_url: str, nats_server: NatsServer, prefix: str, tmp_path: Path
+) -> None:
+    """A 256 MiB body, declared or chunked, is refused at the 64 MiB cap: the
+    process's memory, peak included, grows by far less than the body."""
+    ledger = Ledger.from_url(redis_url)
+    await ledger.register_node(make_inventory("node-a", gpus=2))
+    await ledger.close()
+    port = free_port()
+    env = {
+        **os.environ,
+        "GPUSLICE_REDIS_URL": redis_url,
+        "GPUSLICE_NATS_URL": nats_server.url,
+        "GPUSLICE_SUBJECT_PREFIX": prefix,
+        "GPUSLICE_KUBE_API": "local",
+        "GPUSLICE_LISTEN_HOST": "127.0.0.1",
+        "GPUSLICE_LISTEN_PORT": str(port),
+    }
+    log = tmp_path / "extender.log"
+    body = 256 * 1024 * 1024
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gpuslice_scheduler", env=env, stdout=out, stderr=out
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(timeout=5) as http:
+            for _ in range(300):
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get(f"{url}/readyz")).status_code == 200:
+                        break
+                assert proc.returncode is None, log.read_text()
+                await asyncio.sleep(0.05)
+            for _ in range(3):  # warm up the filter path
+                reply = await http.post(f"{url}/filter", json=args(gpu_pod("p"), "node-a"))
+                assert reply.json()["NodeNames"] == ["node-a"]
+            before = memory_kib(proc.pid)
+            declared = await asyncio.to_thread(post_huge, port, "/filter", body, chunked=False)
+            chunked = await asyncio.to_thread(post_huge, port, "/filter", body, chunked=True)
+            assert declared[0] == 413
+            assert chunked[0] == 413
+            assert b"larger than 67108864 bytes" in chunked[1]
+            reply = await http.post(f"{url}/filter", json=args(gpu_pod("p"), "node-a"))
+            assert reply.json()["NodeNames"] == ["node-a"]  # still serving
+            after = memory_kib(proc.pid)
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 15)
+    grown_peak = (after["VmHWM"] - before["VmRSS"]) * 1024
+    grown = (after["VmRSS"] - before["VmRSS"]) * 1024
+    print(f"RSS before {before}, after {after} (KiB): peak +{grown_peak >> 20} MiB")
+    assert grown_peak < body // 2
+    assert grown < body // 2
+    assert "Traceback" not in log.read_text()

@@ -27,6 +27,7 @@ from gpuslice_inventory.service import Running, running
 from gpuslice_webhook.metrics import Metrics as WebhookMetrics
 from tests.conftest import make_inventory
 from tests.inventory.conftest import announce, settings_for, until
+from tests.rawhttp import post_huge
 from tests.test_ledger import placement
 
 # ---------------------------------------------------------------- nodes
@@ -255,6 +256,13 @@ async def test_metrics_and_readiness_over_http(
             ready = await client.get("/readyz")
             assert ready.status_code == 200
             assert ready.json()["status"] == "ready"
+            assert (await client.get("/healthz")).status_code == 200
+            # no request has a body: one over 64 KiB is refused unread, serving goes on
+            for chunked in (False, True):
+                status, _, _ = await asyncio.to_thread(
+                    post_huge, config.listen_port, "/readyz", 64 * 1024 * 1024, chunked=chunked
+                )
+                assert status == 413
             assert (await client.get("/healthz")).status_code == 200
 
             async def allocated_shows() -> bool:

@@ -284,7 +284,12 @@ async def running(
                     settings.log_level,
                 )
                 await stack.enter_async_context(
-                    http_server(config, "inventory-http", handle_signals=False)
+                    http_server(
+                        config,
+                        "inventory-http",
+                        max_body=settings.max_request_body,
+                        handle_signals=False,
+                    )
                 )
             yield state
     finally:
