@@ -279,15 +279,18 @@ async def test_an_unreadable_node_is_left_out_with_a_one_line_warning(
     one node, not the command."""
     keys = cluster.node_keys("node-b")
     await cluster.redis.hset(keys.gpus, "GPU-node-b-0|cap_mem", "1e+17")
+    await cluster.redis.sadd(cluster.nodes_key, "Bad\nNode")  # no node's name
     result = await cli(redis_url, "status")
     assert result.exit_code == 0, result.output
     assert [row[0] for row in cells(result.stdout)[1:]] == ["node-a"] * 3 + ["node-c"] * 3
-    assert result.stderr.count("\n") == 1
-    assert result.stderr.startswith("warning: node node-b left out")
+    assert result.stderr.count("\n") == 2
+    assert "warning: node 'Bad\\nNode' left out" in result.stderr
+    assert "warning: node node-b left out" in result.stderr
     assert "'1e+17', not a whole number" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     document = json.loads((await cli(redis_url, "status", "--json")).stdout)
     assert [n["node"] for n in document["nodes"]] == ["node-a", "node-c"]
+    assert document["skipped"]["Bad\nNode"] == "its name is not a Kubernetes node name"
     assert "card GPU-node-b-0 cap_mem is '1e+17'" in document["skipped"]["node-b"]
     # a placement record that is not one is as unreadable
     await cluster.redis.hset(cluster.node_keys("node-c").pods, "pod-x", "[]")

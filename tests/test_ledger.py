@@ -608,3 +608,17 @@ async def test_unreadable_revisions_and_times_name_their_node(ledger: Ledger) ->
     assert isinstance(liveness["n2"], BadRecord)
     assert "heartbeat is 'soon'" in str(liveness["n2"])
     assert not isinstance(liveness["n1"], BadRecord)
+
+
+async def test_a_name_in_the_node_set_that_is_no_node_s_is_a_bad_record(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("n1", gpus=1))
+    await ledger.redis.sadd(ledger.nodes_key, "Bad\nNode")
+    names = await ledger.nodes()
+    assert (await ledger.revisions(names))["Bad\nNode"] is None
+    for read in (await ledger.read_nodes(names), await ledger.read_liveness(names)):
+        assert not isinstance(read["n1"], BadRecord)
+        bad = read["Bad\nNode"]
+        assert isinstance(bad, BadRecord)
+        assert str(bad) == "node 'Bad\\nNode': its name is not a Kubernetes node name"
+    with pytest.raises(BadRecord):
+        await ledger.node_placements("Bad\nNode")

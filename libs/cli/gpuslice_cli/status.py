@@ -397,9 +397,10 @@ def status(
     console = Console()
     warnings = Console(stderr=True, highlight=False)
     for name, problem in skipped(nodes).items():
+        shown = name if name.isprintable() else repr(name)
         warnings.print(
-            f"[yellow]warning:[/] node {escape(name)} left out, its record cannot be read: "
-            f"{escape(problem)}",
+            f"[yellow]warning:[/] node {escape(shown)} left out, "
+            f"its record cannot be read: {escape(problem)}",
             soft_wrap=True,
         )
     if not nodes:

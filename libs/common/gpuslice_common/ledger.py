@@ -103,9 +103,32 @@ class BadRecord(LedgerError):
     that go over many nodes catch it per node, skip the node and say why."""
 
     def __init__(self, node: str, problem: str) -> None:
-        super().__init__(f"node {node}: {problem}")
+        super().__init__(f"node {_shown(node)}: {problem}")
         self.node = node
         self.problem = problem
+
+
+def _shown(node: str) -> str:
+    """A node's name for a message: as it is when it is one, else quoted and escaped."""
+    try:
+        node_token(node)
+    except ValueError:
+        return repr(node[:80])
+    return node
+
+
+def _named(nodes: Sequence[str]) -> tuple[list[str], dict[str, BadRecord]]:
+    """``nodes`` whose names can be node keys, and the others as BadRecords."""
+    named: list[str] = []
+    bad: dict[str, BadRecord] = {}
+    for node in nodes:
+        try:
+            node_token(node)
+        except ValueError:
+            bad[node] = BadRecord(node, "its name is not a Kubernetes node name")
+        else:
+            named.append(node)
+    return named, bad
 
 
 @dataclass(frozen=True)
@@ -464,11 +487,12 @@ class Ledger:
     @_gated
     async def read_liveness(self, nodes: Sequence[str]) -> dict[str, NodeLiveness | BadRecord]:
         """:meth:`node_liveness`, with a node whose times cannot be read as its BadRecord."""
+        nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
             pipe.hmget(self.node_keys(node).meta, ["heartbeat", "unavailable"])
         replies = await pipe.execute()
-        result: dict[str, NodeLiveness | BadRecord] = {}
+        result: dict[str, NodeLiveness | BadRecord] = dict(bad)
         for node, (beat, gone) in zip(nodes, replies, strict=True):
             try:
                 result[node] = NodeLiveness(
@@ -519,13 +543,14 @@ class Ledger:
         One round trip; for readers that build their own arrays (the scheduler)
         without a model object per card.
         """
+        nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
             keys = self.node_keys(node)
             pipe.hgetall(keys.gpus)
             pipe.hmget(keys.meta, ["devices", "rev"])
         replies = await pipe.execute()
-        result: dict[str, NodeCards | BadRecord] = {}
+        result: dict[str, NodeCards | BadRecord] = dict(bad)
         for i, node in enumerate(nodes):
             fields = cast(dict[str, str], replies[2 * i])
             devices, rev = replies[2 * i + 1]
@@ -543,11 +568,12 @@ class Ledger:
 
         None for a node whose revision cannot be read (:meth:`read_nodes` says why).
         """
+        nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
             pipe.hget(self.node_keys(node).meta, "rev")
         replies = await pipe.execute()
-        result: dict[str, int | None] = {}
+        result: dict[str, int | None] = dict.fromkeys(bad)
         for node, rev in zip(nodes, replies, strict=True):
             try:
                 result[node] = _stored_rev(node, rev)
@@ -733,6 +759,8 @@ class Ledger:
     @_gated
     async def node_placements(self, node: str) -> list[Placement]:
         """Every placement recorded on ``node``; BadRecord if one cannot be read."""
+        if bad := _named([node])[1]:
+            raise bad[node]
         raw = await self.redis.hgetall(self.node_keys(node).pods)
         placements = []
         for uid, record in raw.items():

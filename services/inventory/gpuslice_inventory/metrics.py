@@ -163,7 +163,7 @@ class ClusterMetrics(Collector):
             except BadRecord as exc:
                 skipped[node] = exc.problem
                 if self.skipped.get(node) != exc.problem:
-                    log.warning("node %s left out of the metrics: %s", node, exc.problem)
+                    log.warning("left out of the metrics: %s", exc)
                 continue
             usage = await self.telemetry.gpu_usage(node) if self.telemetry else {}
             for card in cards:

@@ -105,7 +105,7 @@ class ClusterView:
     def _skip(self, node: str, problem: BadRecord) -> bool:
         """Leave ``node`` out of the copy; True when it was in."""
         if self.skipped.get(node) != problem.problem:
-            log.warning("left node %s out of the scheduler's copy: %s", node, problem.problem)
+            log.warning("left out of the scheduler's copy: %s", problem)
         self.skipped[node] = problem.problem
         self.revs[node] = None  # read again next sync
         return self.rows.pop(node, None) is not None
