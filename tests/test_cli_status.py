@@ -153,6 +153,7 @@ async def test_json_document(cluster: Ledger, redis_url: str) -> None:
 
     assert json.loads(result.stdout) == {
         "version": 1,
+        "skipped": {},
         "nodes": [
             {
                 "node": "node-a",
@@ -272,7 +273,34 @@ async def test_empty_ledger(redis_url: str) -> None:
     result = await cli(redis_url, "status")
     assert (result.exit_code, result.stdout) == (0, "no GPU nodes in the ledger\n")
     result = await cli(redis_url, "status", "--json")
-    assert json.loads(result.stdout) == {"version": 1, "nodes": []}
+    assert json.loads(result.stdout) == {"version": 1, "skipped": {}, "nodes": []}
+
+
+async def test_an_unreadable_node_is_left_out_with_a_one_line_warning(
+    cluster: Ledger, redis_url: str
+) -> None:
+    """A value no gpuslice writes (here as an older version stored 1e17 MiB) spoils
+    one node, not the command."""
+    keys = cluster.node_keys("node-b")
+    await cluster.redis.hset(keys.gpus, "GPU-node-b-0|cap_mem", "1e+17")
+    await cluster.redis.sadd(cluster.nodes_key, "Bad\nNode")  # no node's name
+    result = await cli(redis_url, "status")
+    assert result.exit_code == 0, result.output
+    assert [row[0] for row in cells(result.stdout)[1:]] == ["node-a"] * 3 + ["node-c"] * 3
+    assert result.stderr.count("\n") == 2
+    assert "warning: node 'Bad\\nNode' left out" in result.stderr
+    assert "warning: node node-b left out" in result.stderr
+    assert "'1e+17', not a whole number" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    document = json.loads((await cli(redis_url, "status", "--json")).stdout)
+    assert [n["node"] for n in document["nodes"]] == ["node-a", "node-c"]
+    assert document["skipped"]["Bad\nNode"] == "its name is not a Kubernetes node name"
+    assert "card GPU-node-b-0 cap_mem is '1e+17'" in document["skipped"]["node-b"]
+    # a placement record that is not one is as unreadable
+    await cluster.redis.hset(cluster.node_keys("node-c").pods, "pod-x", "[]")
+    document = json.loads((await cli(redis_url, "status", "--json")).stdout)
+    assert [n["node"] for n in document["nodes"]] == ["node-a"]
+    assert document["skipped"]["node-c"].startswith("pod 'pod-x'")
 
 
 def test_redis_down_is_a_clean_error_exit() -> None:

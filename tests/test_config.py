@@ -484,3 +484,19 @@ def test_service_fields_are_ignored_by_other_services(monkeypatch: pytest.Monkey
     assert "heartbeat_interval" not in s.model_dump()
     with pytest.raises(ConfigError, match="GPUSLICE_HEARTBEAT_INTERVAL"):
         load(InventorySettings)
+
+
+def test_each_http_service_caps_request_bodies_and_the_cap_is_a_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mib = 1024 * 1024
+    assert SchedulerSettings().max_request_body == 64 * mib  # full Node objects
+    assert WebhookSettings().max_request_body == 8 * mib  # AdmissionReview
+    assert InventorySettings().max_request_body == 64 * 1024  # probes and metrics
+    assert DevicePluginSettings(node_name="n").max_request_body == 64 * 1024
+    monkeypatch.setenv("GPUSLICE_MAX_REQUEST_BODY", "128MiB")
+    assert SchedulerSettings().max_request_body == 128 * mib
+    for bad in ("lots", "10", "2GiB"):  # not a size, below 1 KiB, above 1 GiB
+        monkeypatch.setenv("GPUSLICE_MAX_REQUEST_BODY", bad)
+        with pytest.raises(ConfigError, match="GPUSLICE_MAX_REQUEST_BODY"):
+            load(SchedulerSettings)

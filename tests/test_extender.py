@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,11 +22,12 @@ from gpuslice_common.kube import KubeError, LocalKubeApi
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import PLACEMENT_ANNOTATION, DeviceSelector, Placement, PlacementState
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
-from gpuslice_scheduler.extender import Extender
+from gpuslice_scheduler.extender import UNKNOWN_NODE, Extender
 from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.service import running
 from gpuslice_scheduler.view import ClusterView
 from tests.conftest import make_inventory
+from tests.rawhttp import post_huge
 
 
 def gpu_pod(
@@ -420,6 +422,54 @@ async def test_new_nodes_and_usage_reach_the_copy_by_revision(stack: Stack) -> N
     assert "CardCordoned" in reply["FailedAndUnresolvableNodes"]["node-d"]
 
 
+async def corrupt(ledger: Ledger, node: str, field: str, value: str) -> None:
+    """Write one card field of ``node`` by hand, as an older version or an operator
+    could, and announce the change as the ledger's scripts do."""
+    keys = ledger.node_keys(node)
+    await ledger.redis.hset(keys.gpus, f"GPU-{node}-0|{field}", value)
+    await ledger.redis.hincrby(keys.meta, "rev", 1)
+    await ledger.redis.publish(ledger.changes_channel, keys.meta)
+
+
+async def eventually(condition: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_an_unreadable_node_is_skipped_named_and_the_rest_stays_in_sync(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    view = stack.extender.view
+    await corrupt(stack.ledger, "node-b", "cap_mem", "1e+17")  # as registering 1e17 MiB did
+    # every other node keeps syncing: one registered later is schedulable
+    await stack.ledger.register_node(make_inventory("node-d", gpus=1), rebuilt=True)
+    await eventually(lambda: "node-d" in view.cluster.node_index)
+    reply = (await stack.post("filter", args(gpu_pod("p"), "node-d"))).json()
+    assert reply["NodeNames"] == ["node-d"]
+    ready = await stack.http.get(f"{stack.url}/readyz")
+    assert ready.status_code == 200  # one bad node must not take the extender out
+    assert ready.json()["nodes"] == 3
+    assert ready.json()["skipped_count"] == 1
+    assert "'1e+17', not a whole number" in ready.json()["skipped"]["node-b"]
+    text = (await stack.http.get(f"{stack.url}/metrics")).text
+    assert "gpuslice_scheduler_skipped_nodes 1.0" in text
+    # fail closed: nothing is placed on the unreadable node
+    reply = (await stack.post("filter", args(gpu_pod("p"), "node-b"))).json()
+    assert reply["FailedAndUnresolvableNodes"] == {"node-b": UNKNOWN_NODE}
+    # a value out of bounds, though digits, is as unreadable
+    await corrupt(stack.ledger, "node-c", "cap_slots", "99999999")
+    await eventually(lambda: "node-c" in view.skipped)
+    assert "above its bound" in view.skipped["node-c"]
+    # the node's next registration writes it afresh: back in the copy
+    await stack.ledger.register_node(make_inventory("node-b", gpus=4, memory_mib=16384), rebuilt=True)
+    await eventually(lambda: "node-b" in view.cluster.node_index)
+    assert "node-b" not in view.skipped
+    assert "Traceback" not in caplog.text
+    assert not any(r.exc_info for r in caplog.records)
+
+
 async def test_readyz_fails_while_redis_is_down_and_recovers(
     own_redis: RedisServer, nats_server: NatsServer
 ) -> None:
@@ -668,3 +718,69 @@ async def test_gpuslice_sim_via_prints_json_from_the_live_extender(
     code, _, err = await gpuslice(*trace, "--via", "https://x:1")
     assert code == 2
     assert "Traceback" not in err
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS (now) and VmHWM (the peak) of a process, in KiB, from /proc."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {
+        key: int(value.split()[0])
+        for key, _, value in (line.partition(":") for line in lines)
+        if key in ("VmRSS", "VmHWM")
+    }
+
+
+async def test_a_huge_body_gets_413_without_the_extender_holding_it(
+    redis_url: str, nats_server: NatsServer, prefix: str, tmp_path: Path
+) -> None:
+    """A 256 MiB body, declared or chunked, is refused at the 64 MiB cap: the
+    process's memory, peak included, grows by far less than the body."""
+    ledger = Ledger.from_url(redis_url)
+    await ledger.register_node(make_inventory("node-a", gpus=2), rebuilt=True)
+    await ledger.close()
+    port = free_port()
+    env = {
+        **os.environ,
+        "GPUSLICE_REDIS_URL": redis_url,
+        "GPUSLICE_NATS_URL": nats_server.url,
+        "GPUSLICE_SUBJECT_PREFIX": prefix,
+        "GPUSLICE_KUBE_API": "local",
+        "GPUSLICE_LISTEN_HOST": "127.0.0.1",
+        "GPUSLICE_LISTEN_PORT": str(port),
+    }
+    log = tmp_path / "extender.log"
+    body = 256 * 1024 * 1024
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gpuslice_scheduler", env=env, stdout=out, stderr=out
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(timeout=5) as http:
+            for _ in range(300):
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get(f"{url}/readyz")).status_code == 200:
+                        break
+                assert proc.returncode is None, log.read_text()
+                await asyncio.sleep(0.05)
+            for _ in range(3):  # warm up the filter path
+                reply = await http.post(f"{url}/filter", json=args(gpu_pod("p"), "node-a"))
+                assert reply.json()["NodeNames"] == ["node-a"]
+            before = memory_kib(proc.pid)
+            declared = await asyncio.to_thread(post_huge, port, "/filter", body, chunked=False)
+            chunked = await asyncio.to_thread(post_huge, port, "/filter", body, chunked=True)
+            assert declared[0] == 413
+            assert chunked[0] == 413
+            assert b"larger than 67108864 bytes" in chunked[1]
+            reply = await http.post(f"{url}/filter", json=args(gpu_pod("p"), "node-a"))
+            assert reply.json()["NodeNames"] == ["node-a"]  # still serving
+            after = memory_kib(proc.pid)
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 15)
+    grown_peak = (after["VmHWM"] - before["VmRSS"]) * 1024
+    grown = (after["VmRSS"] - before["VmRSS"]) * 1024
+    print(f"RSS before {before}, after {after} (KiB): peak +{grown_peak >> 20} MiB")
+    assert grown_peak < body // 2
+    assert grown < body // 2
+    assert "Traceback" not in log.read_text()

@@ -11,6 +11,7 @@ import pytest
 
 from gpuslice_common.ledger import (
     AlreadyReserved,
+    BadRecord,
     Ledger,
     LedgerError,
     LedgerUnavailable,
@@ -563,3 +564,65 @@ async def test_unknown_nodes_have_no_liveness(ledger: Ledger) -> None:
     liveness = (await ledger.node_liveness(["ghost"]))["ghost"]
     assert liveness.heartbeat is None
     assert liveness.unavailable_since is None
+
+
+@pytest.mark.parametrize(
+    ("stored", "problem"),
+    [
+        ("1e+17", "not a whole number"),  # how Lua prints a double from 1e14 up
+        ("1.5", "not a whole number"),
+        ("-1", "not a whole number"),
+        (" 7", "not a whole number"),
+        ("\u0661", "not a whole number"),  # a digit, but not an ASCII one
+        ("", "not a whole number"),
+        ("99999999999999999999", "not a whole number"),
+        ("16777217", "above its bound 16777216"),
+    ],
+)
+async def test_numbers_are_read_strictly_and_a_bad_one_spoils_only_its_node(
+    ledger: Ledger, stored: str, problem: str
+) -> None:
+    await ledger.register_node(make_inventory("n1", gpus=1))
+    await ledger.register_node(make_inventory("n2", gpus=1))
+    await ledger.redis.hset(ledger.node_keys("n1").gpus, "GPU-n1-0|memory", stored)
+    read = await ledger.read_gpus(["n1", "n2"])
+    bad, good = read["n1"], read["n2"]
+    assert isinstance(bad, BadRecord)
+    assert bad.node == "n1"
+    assert problem in bad.problem
+    assert "GPU-n1-0 memory" in bad.problem
+    assert isinstance(good, list)
+    assert [g.device.uuid for g in good] == ["GPU-n2-0"]
+    with pytest.raises(BadRecord):
+        await ledger.nodes_gpus(["n1", "n2"])
+
+
+async def test_unreadable_revisions_and_times_name_their_node(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("n1", gpus=1))
+    await ledger.register_node(make_inventory("n2", gpus=1))
+    await ledger.redis.hset(ledger.node_keys("n1").meta, "rev", "1e+17")
+    await ledger.redis.hset(ledger.node_keys("n2").meta, "heartbeat", "soon")
+    revs = await ledger.revisions(["n1", "n2"])
+    assert revs["n1"] is None
+    assert isinstance(revs["n2"], int)
+    read = await ledger.read_nodes(["n1", "n2"])
+    assert isinstance(read["n1"], BadRecord)
+    assert "revision is '1e+17'" in read["n1"].problem
+    liveness = await ledger.read_liveness(["n1", "n2"])
+    assert isinstance(liveness["n2"], BadRecord)
+    assert "heartbeat is 'soon'" in str(liveness["n2"])
+    assert not isinstance(liveness["n1"], BadRecord)
+
+
+async def test_a_name_in_the_node_set_that_is_no_node_s_is_a_bad_record(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("n1", gpus=1))
+    await ledger.redis.sadd(ledger.nodes_key, "Bad\nNode")
+    names = await ledger.nodes()
+    assert (await ledger.revisions(names))["Bad\nNode"] is None
+    for read in (await ledger.read_nodes(names), await ledger.read_liveness(names)):
+        assert not isinstance(read["n1"], BadRecord)
+        bad = read["Bad\nNode"]
+        assert isinstance(bad, BadRecord)
+        assert str(bad) == "node 'Bad\\nNode': its name is not a Kubernetes node name"
+    with pytest.raises(BadRecord):
+        await ledger.node_placements("Bad\nNode")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -396,8 +397,23 @@ async def test_malformed_allocates_are_refused_and_nothing_is_handed_out(
     assert (await plugin.admit_container(1)).envs["GPUSLICE_POD_UID"] == "waiting"
 
 
+async def call_raw(plugin: Plugin, method: str, data: bytes) -> None:
+    """Call ``method`` with ``data`` as the request's bytes, whatever they are."""
+    path = f"/v1beta1.DevicePlugin/{method}"
+    if method == "ListAndWatch":
+        stream = plugin.channel.unary_stream(
+            path, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        await stream(data).read()
+        return
+    unary = plugin.channel.unary_unary(
+        path, request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
+    await unary(data)
+
+
 async def test_repeated_ids_and_garbage_bytes_leave_the_plugin_serving(
-    agent: Running, kubelet: DevKubelet
+    agent: Running, kubelet: DevKubelet, caplog: pytest.LogCaptureFixture
 ) -> None:
     plugin = await registered(kubelet)
     one = plugin.free()[0]
@@ -413,10 +429,24 @@ async def test_repeated_ids_and_garbage_bytes_leave_the_plugin_serving(
         request_serializer=lambda b: b,
         response_deserializer=lambda b: b,
     )
-    with pytest.raises(grpc.aio.AioRpcError):
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
         await raw(b"\xff\xff\xff\xff not protobuf")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid v1beta1.AllocateRequest" in str(err.value.details())
+    # every method is guarded, streams too
+    for method in ("GetPreferredAllocation", "ListAndWatch"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call_raw(plugin, method, b"\x0a\xff")  # a length past the end
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid v1beta1." in str(err.value.details())
     options = await plugin.stub.GetDevicePluginOptions(pb.Empty())
     assert options.get_preferred_allocation_available
+    refusals = [r for r in caplog.records if "not a valid" in r.getMessage()]
+    assert len(refusals) == 3
+    assert all("\n" not in r.getMessage() for r in refusals)
+    assert not any(r.exc_info for r in caplog.records)
+    assert "Traceback" not in caplog.text
 
 
 async def test_preferred_allocation_honours_must_include(

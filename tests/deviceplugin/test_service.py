@@ -27,6 +27,7 @@ from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.service import running
 from tests.deviceplugin.conftest import FAST, NODE, bind, placement, uuids
 from tests.native.probe import ProbeProcess, ProbeSpawner, probe_argv
+from tests.rawhttp import post_huge
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,6 +78,16 @@ async def test_http_health_readiness_and_metrics(
     ):
         assert (await http.get("/healthz")).status_code == 200
         assert (await http.get("/readyz")).status_code == 503  # no kubelet yet
+        # no request has a body: one over 64 KiB is refused unread, serving goes on
+        status, _, _ = await asyncio.to_thread(
+            post_huge, port, "/healthz", 64 * 1024 * 1024, chunked=False, send_body=False
+        )
+        assert status == 413
+        status, _, _ = await asyncio.to_thread(
+            post_huge, port, "/healthz", 64 * 1024 * 1024, chunked=True
+        )
+        assert status == 413
+        assert (await http.get("/healthz")).status_code == 200
         kubelet = DevKubelet(short_dir / "kubelet")
         await kubelet.start()
         try:

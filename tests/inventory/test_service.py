@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client import generate_latest
 from redis.asyncio import Redis
 
@@ -25,6 +27,7 @@ from gpuslice_inventory.service import Running, running
 from gpuslice_webhook.metrics import Metrics as WebhookMetrics
 from tests.conftest import make_inventory
 from tests.inventory.conftest import announce, settings_for, until
+from tests.rawhttp import post_huge
 from tests.test_ledger import placement
 
 # ---------------------------------------------------------------- nodes
@@ -48,6 +51,55 @@ async def test_inventories_register_nodes(
         assert cards[0].capacity.memory_mib == int(16384 * 1.5)
     finally:
         await led.close()
+
+
+async def test_inventories_out_of_bounds_or_on_another_subject_are_refused_in_one_line(
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A report that the ledger could not store as written, or whose node is not
+    exactly the subject's, never reaches the ledger: counted by reason, one line."""
+    config = settings_for(nats_server, redis_url, prefix)
+    good = json.loads(make_inventory("gpu-1").model_dump_json())
+    huge = {**good, "node": "gpu-2"}
+    huge["devices"] = [{**d, "memory_mib": 10**17} for d in good["devices"]]
+    bad_model = {**good, "node": "gpu-3"}
+    bad_model["devices"] = [{**d, "model": "A100\nERROR forged line"} for d in good["devices"]]
+    upper = {**good, "node": "Node-A"}
+    wrong = {
+        f"{prefix}.inventory.gpu-2": huge,  # invalid: memory beyond 16 TiB
+        f"{prefix}.inventory.gpu-3": bad_model,  # invalid: a line break in the model
+        f"{prefix}.inventory.Node-A": upper,  # invalid: not a Kubernetes node name
+        f"{prefix}.inventory.Node-B": {**good, "node": "node-b"},  # subject: case differs
+        f"{prefix}.inventory.gpu-5": {**good, "node": "gpu-6"},  # subject: another node
+    }
+    caplog.set_level(logging.INFO)
+    async with running(config, bus, serve_http=False) as state:
+        for subject, payload in wrong.items():
+            await bus.nc.publish(subject, json.dumps(payload).encode())
+        await bus.nc.publish(f"{prefix}.inventory.gpu-7", b"{not json")
+        await bus.nc.publish(f"{prefix}.inventory.gpu-1", json.dumps(good).encode())
+        await bus.flush()
+        await until(lambda: state.work.registrations == 1)
+        await until(lambda: sum(state.work.refused.values()) == 6)
+        assert state.work.refused == {"invalid": 3, "subject": 2, "malformed": 1}
+        text = generate_latest(state.registry).decode()
+    assert 'gpuslice_inventory_inventories_refused_total{reason="invalid"} 3.0' in text
+    assert 'gpuslice_inventory_inventories_refused_total{reason="subject"} 2.0' in text
+    led = Ledger.from_url(redis_url, prefix)
+    try:
+        assert await led.nodes() == ["gpu-1"]
+    finally:
+        await led.close()
+    refusals = [r for r in caplog.records if "refused the inventory" in r.getMessage()]
+    assert len(refusals) == 6
+    assert all("\n" not in r.getMessage() and r.exc_info is None for r in refusals)
+    assert "less than or equal to 16777216" in caplog.text
+    assert "Traceback" not in caplog.text
+    assert not any(r.exc_info for r in caplog.records)
 
 
 async def test_a_silent_node_is_unavailable_until_it_returns(
@@ -205,6 +257,13 @@ async def test_metrics_and_readiness_over_http(
             assert ready.status_code == 200
             assert ready.json()["status"] == "ready"
             assert (await client.get("/healthz")).status_code == 200
+            # no request has a body: one over 64 KiB is refused unread, serving goes on
+            for chunked in (False, True):
+                status, _, _ = await asyncio.to_thread(
+                    post_huge, config.listen_port, "/readyz", 64 * 1024 * 1024, chunked=chunked
+                )
+                assert status == 413
+            assert (await client.get("/healthz")).status_code == 200
 
             async def allocated_shows() -> bool:
                 text = (await client.get("/metrics")).text
@@ -225,6 +284,44 @@ async def test_metrics_and_readiness_over_http(
     assert 'gpuslice_node_available{node="gpu-1"} 1.0' in text
     assert 'gpuslice_pods{state="reserved"} 1.0' in text
     assert "gpuslice_inventory_registrations_total 1.0" in text
+
+
+async def test_the_metrics_job_skips_an_unreadable_node_and_counts_it(
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A node record no gpuslice writes (an older version's, or one set by hand)
+    leaves that node out of the metrics; the others are exported as before."""
+    config = settings_for(nats_server, redis_url, prefix)
+    led = Ledger.from_url(redis_url, prefix)
+    try:
+        for node in ("gpu-1", "gpu-2", "gpu-3"):
+            await led.register_node(make_inventory(node, gpus=1))
+        await led.redis.hset(led.node_keys("gpu-2").gpus, "GPU-gpu-2-0|cap_mem", "1e+17")
+        await led.redis.hset(led.node_keys("gpu-3").pods, "pod-x", "{not a record")
+    finally:
+        await led.close()
+    caplog.set_level(logging.INFO)
+    async with running(config, bus, serve_http=False) as state:
+        await until(lambda: state.lease.held)
+
+        def exported() -> str:
+            return generate_latest(state.registry).decode()
+
+        await until(lambda: 'gpuslice_gpu_healthy{gpu="GPU-gpu-1-0"' in exported())
+        text = exported()
+        assert state.cluster.skipped.keys() == {"gpu-2", "gpu-3"}
+    assert "gpuslice_ledger_unreadable_nodes 2.0" in text
+    assert 'node="gpu-2"' not in text
+    assert 'node="gpu-3"' not in text
+    assert "'1e+17', not a whole number" in state.cluster.skipped["gpu-2"]
+    assert "pod 'pod-x'" in state.cluster.skipped["gpu-3"]
+    assert "metrics failed" not in caplog.text
+    assert "Traceback" not in caplog.text
+    assert not any(r.exc_info for r in caplog.records)
 
 
 # ---------------------------------------------------------------- reconciliation

@@ -87,6 +87,43 @@ async def test_plain_http_to_the_https_port_gets_no_answer(https_webhook: Runnin
             await plain.get(f"http://127.0.0.1:{https_webhook.port}/healthz")
 
 
+def negotiated(port: int, ca_file: Path, ciphers: str) -> str:
+    """The cipher suite of a TLS 1.2 handshake offering only ``ciphers``."""
+    context = trusting(ca_file)
+    context.maximum_version = ssl.TLSVersion.TLSv1_2
+    context.set_ciphers(ciphers)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        suite = tls.cipher()
+    assert suite is not None
+    return suite[0]
+
+
+CBC_SUITES = [
+    f"ECDHE-{key}-{cipher}"
+    for key in ("ECDSA", "RSA")
+    for cipher in ("AES128-SHA256", "AES256-SHA384", "AES128-SHA", "AES256-SHA")
+]
+
+
+async def test_tls_1_2_offers_only_aead_suites(https_webhook: Running, ca_file: Path) -> None:
+    port = https_webhook.port
+    for cbc in CBC_SUITES:
+        with pytest.raises(ssl.SSLError):  # no suite in common: the handshake fails
+            await asyncio.to_thread(negotiated, port, ca_file, cbc)
+    # the test certificate's key is ECDSA
+    for aead in (
+        "ECDHE-ECDSA-AES128-GCM-SHA256",
+        "ECDHE-ECDSA-AES256-GCM-SHA384",
+        "ECDHE-ECDSA-CHACHA20-POLY1305",
+    ):
+        assert await asyncio.to_thread(negotiated, port, ca_file, aead) == aead
+    # TLS 1.3 is left as OpenSSL has it
+    assert await asyncio.to_thread(served_certificate, port, ca_file)
+
+
 async def test_certificate_rotation_without_restart(
     https_webhook: Running,
     client: httpx.AsyncClient,

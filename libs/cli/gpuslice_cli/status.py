@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuslice_common.config import CommonSettings, ConfigError, load
-from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.ledger import BadRecord, Ledger, LedgerError
 from gpuslice_common.models import GpuState, Placement, PlacementState
 from gpuslice_inventory.telemetry import TelemetryStore
 
@@ -98,6 +98,7 @@ class CardStatus:
 class NodeStatus:
     node: str
     gpus: tuple[CardStatus, ...]
+    problem: str = ""  # why the node's record cannot be read (then no gpus); "" when it can
 
     @property
     def pod_uids(self) -> tuple[str, ...]:
@@ -153,18 +154,35 @@ async def gather_status(ledger: Ledger, node: str | None = None) -> list[NodeSta
     names = [node] if node is not None else known
     if not names:
         return []
-    gpus = await ledger.nodes_gpus(names)
-    placements = await asyncio.gather(*(ledger.node_placements(n) for n in names))
-    return [
-        NodeStatus(
-            node=name,
-            gpus=tuple(
-                card_status(g, pods)
-                for g in sorted(gpus.get(name, []), key=lambda g: g.device.index)
-            ),
-        )
-        for name, pods in zip(names, placements, strict=True)
-    ]
+    gpus = await ledger.read_gpus(names)
+    placements = await asyncio.gather(*(_placements(ledger, n) for n in names))
+    result = []
+    for name, pods in zip(names, placements, strict=True):
+        cards = gpus.get(name, [])
+        if isinstance(cards, BadRecord) or isinstance(pods, BadRecord):
+            problem = cards if isinstance(cards, BadRecord) else pods
+            assert isinstance(problem, BadRecord)
+            result.append(NodeStatus(node=name, gpus=(), problem=problem.problem))
+            continue
+        ordered = sorted(cards, key=lambda g: g.device.index)
+        result.append(NodeStatus(node=name, gpus=tuple(card_status(g, pods) for g in ordered)))
+    return result
+
+
+async def _placements(ledger: Ledger, node: str) -> list[Placement] | BadRecord:
+    try:
+        return await ledger.node_placements(node)
+    except BadRecord as exc:
+        return exc
+
+
+def readable(nodes: Sequence[NodeStatus]) -> list[NodeStatus]:
+    return [n for n in nodes if not n.problem]
+
+
+def skipped(nodes: Sequence[NodeStatus]) -> dict[str, str]:
+    """Nodes whose record cannot be read, with why."""
+    return {n.node: n.problem for n in nodes if n.problem}
 
 
 # ---------------------------------------------------------------- rendering
@@ -202,7 +220,7 @@ def table_rows(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> list[
     memory and averages the SM percentage of the cards that have it.
     """
     rows: list[list[str]] = []
-    for node in nodes:
+    for node in readable(nodes):
         for card in node.gpus:
             row = [
                 node.node,
@@ -284,6 +302,7 @@ def status_document(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> 
     """The ``--json`` document (see the command's help for its keys)."""
     return {
         "version": JSON_VERSION,
+        "skipped": skipped(nodes),
         "nodes": [
             {
                 "node": node.node,
@@ -299,7 +318,7 @@ def status_document(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> 
                     "pod_count": len(node.pod_uids),
                 },
             }
-            for node in nodes
+            for node in readable(nodes)
         ],
     }
 
@@ -314,7 +333,7 @@ async def gather_usage(
     store: uuid -> (used bytes, SM percent); cards without fresh samples are absent."""
     store = TelemetryStore(ledger.redis, prefix)
     usage: dict[str, tuple[int, float]] = {}
-    for node in nodes:
+    for node in readable(nodes):
         for uuid, used in (await store.gpu_usage(node.node, prune=False)).items():
             usage[uuid] = (used.used_bytes, used.sm_percent)
     return usage
@@ -348,8 +367,11 @@ def status(
     number of live pods on the card (a pod counts once on every card it uses)
     and its health (healthy, cordoned, unhealthy, or
     missing from the node's inventory). A bold row per node gives its totals.
+    A node whose record in the ledger cannot be read (a value no gpuslice
+    writes) is left out, with a warning on stderr saying why.
 
-    --json prints {"version": 1, "nodes": [...]} instead; each node is
+    --json prints {"version": 1, "skipped": {...}, "nodes": [...]} instead;
+    "skipped" maps each node left out to why; each node is
     {"node", "gpus", "totals"}, each gpu is {"index", "uuid", "model",
     "memory_physical_mib", "memory_total_mib", "memory_allocated_mib",
     "cores_capacity", "cores_allocated", "slots_total", "slots_used", "health",
@@ -373,7 +395,16 @@ def status(
         typer.echo(json.dumps(status_document(nodes, usage), indent=2))
         return
     console = Console()
+    warnings = Console(stderr=True, highlight=False)
+    for name, problem in skipped(nodes).items():
+        shown = name if name.isprintable() else repr(name)
+        warnings.print(
+            f"[yellow]warning:[/] node {escape(shown)} left out, "
+            f"its record cannot be read: {escape(problem)}",
+            soft_wrap=True,
+        )
     if not nodes:
         console.print("no GPU nodes in the ledger")
         return
-    console.print(status_table(nodes, usage))
+    if readable(nodes):
+        console.print(status_table(nodes, usage))

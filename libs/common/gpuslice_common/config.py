@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     BaseModel,
     BeforeValidator,
+    ByteSize,
     Field,
     ValidationError,
     field_validator,
@@ -59,6 +60,9 @@ def parse_duration(value: Any) -> timedelta:
 
 # A duration setting: "30s", "5m", "2h", "90d" or a number of seconds.
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+# The largest request body an HTTP service reads, in bytes: "64MiB", "8MiB", "65536".
+BodyCap = Annotated[ByteSize, Field(ge=1024, le=1024**3)]
+MIB = 1024 * 1024
 
 
 class ResourceNames(BaseModel):
@@ -191,6 +195,9 @@ class WebhookSettings(CommonSettings):
     # server's webhook timeout (10 s by default)
     kube_timeout: Duration = timedelta(seconds=3)
     event_queue_size: Annotated[int, Field(ge=1)] = 10_000  # events waiting for NATS
+    # an AdmissionReview holds a pod, and on updates its old copy too; the API
+    # server stores objects of at most about 1.5 MiB
+    max_request_body: BodyCap = ByteSize(8 * MIB)
 
     @field_validator("scheduler_name")
     @classmethod
@@ -216,6 +223,9 @@ class SchedulerSettings(CommonSettings):
     sync_interval: Duration = timedelta(seconds=1)
     # ... and read whole this often with them
     resync_interval: Duration = timedelta(seconds=30)
+    # kube-scheduler's ExtenderArgs: small with nodeCacheCapable (node names), but
+    # with full Node objects several MiB for a few thousand nodes
+    max_request_body: BodyCap = ByteSize(64 * MIB)
 
 
 class InventorySettings(CommonSettings):
@@ -255,6 +265,8 @@ class InventorySettings(CommonSettings):
     node_agent_service_account: Annotated[
         str, Field(pattern=r"^system:serviceaccount:[^:]+:[^:]+$")
     ] = "system:serviceaccount:gpuslice:gpuslice-deviceplugin"
+    # HTTP serves probes and metrics only: no request has a body
+    max_request_body: BodyCap = ByteSize(64 * 1024)
 
 
 class DevicePluginSettings(CommonSettings):
@@ -291,6 +303,8 @@ class DevicePluginSettings(CommonSettings):
     telemetry_nats_token: str | None = None
     # where pod specs are read (CUDA_DISABLE_CONTROL): "cluster", "local", or "none"
     kube_api: Literal["cluster", "local", "none"] = "cluster"
+    # HTTP serves probes and metrics only: no request has a body
+    max_request_body: BodyCap = ByteSize(64 * 1024)
 
 
 S = TypeVar("S", bound=BaseSettings)

@@ -32,12 +32,13 @@ import asyncio
 import contextlib
 import functools
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from importlib import resources
-from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
@@ -50,6 +51,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gpuslice_common.config import CommonSettings
 from gpuslice_common.models import (
+    DEVICE_UUID_PATTERN,
+    MAX_CAPACITY_CORES,
+    MAX_CAPACITY_MIB,
+    MAX_DEVICE_MEMORY_MIB,
+    MAX_DEVICES,
+    MAX_NAME_LENGTH,
+    MAX_NUMA_NODE,
+    MAX_SPLIT_COUNT,
+    PRINTABLE_PATTERN,
     DeviceGrant,
     GpuCapacity,
     GpuDevice,
@@ -105,6 +115,40 @@ class LedgerRebuilding(LedgerError):
         self.node = node
 
 
+class BadRecord(LedgerError):
+    """A node's record holds a value no gpuslice writes (an older version's, or one
+    set by hand): that node cannot be read, every other node still can. Readers
+    that go over many nodes catch it per node, skip the node and say why."""
+
+    def __init__(self, node: str, problem: str) -> None:
+        super().__init__(f"node {_shown(node)}: {problem}")
+        self.node = node
+        self.problem = problem
+
+
+def _shown(node: str) -> str:
+    """A node's name for a message: as it is when it is one, else quoted and escaped."""
+    try:
+        node_token(node)
+    except ValueError:
+        return repr(node[:80])
+    return node
+
+
+def _named(nodes: Sequence[str]) -> tuple[list[str], dict[str, BadRecord]]:
+    """``nodes`` whose names can be node keys, and the others as BadRecords."""
+    named: list[str] = []
+    bad: dict[str, BadRecord] = {}
+    for node in nodes:
+        try:
+            node_token(node)
+        except ValueError:
+            bad[node] = BadRecord(node, "its name is not a Kubernetes node name")
+        else:
+            named.append(node)
+    return named, bad
+
+
 @dataclass(frozen=True)
 class NodeKeys:
     gpus: str
@@ -130,21 +174,44 @@ class Allocation:
         return self.placement.containers[self.container_index].devices
 
 
+@dataclass(frozen=True, slots=True)
+class StoredCard:
+    """One card as the ledger stores it, every number checked (:func:`stored_cards`)."""
+
+    uuid: str
+    index: int
+    model: str
+    memory_mib: int  # the card's own memory, before scaling
+    numa: int | None
+    healthy: bool
+    mig: bool
+    cap_mem: int
+    cap_cores: int
+    cap_slots: int
+    used_mem: int
+    used_cores: int
+    used_slots: int
+    owner: str  # the pod holding it exclusively, or ""
+    present: bool
+    cordoned: bool
+
+
+@dataclass(frozen=True)
+class NodeCards:
+    """A node's cards in index order, the revision they were read at, and whether
+    a reconciliation pass has stamped the node rebuilt (it takes reservations)."""
+
+    cards: list[StoredCard]
+    rev: int
+    rebuilt: bool
+
+
 @dataclass(frozen=True)
 class NodeLiveness:
     """When a node's agent last registered, and since when it counts as gone."""
 
     heartbeat: datetime | None
     unavailable_since: datetime | None
-
-
-class RawNode(NamedTuple):
-    """One node as :meth:`Ledger.nodes_raw` reads it."""
-
-    order: list[str]  # card UUIDs in index order
-    fields: dict[str, str]  # the gpus hash
-    rev: int
-    rebuilt: bool
 
 
 @dataclass(frozen=True)
@@ -476,17 +543,30 @@ class Ledger:
         seconds, micros = await self.redis.time()
         return datetime.fromtimestamp(int(seconds) + int(micros) / 1e6, UTC)
 
-    @_gated
     async def node_liveness(self, nodes: Sequence[str]) -> dict[str, NodeLiveness]:
-        """Each node's last heartbeat and, if marked, since when it is unavailable."""
+        """Each node's last heartbeat and, if marked, since when it is unavailable.
+
+        Raises BadRecord for the first node whose times cannot be read.
+        """
+        return _all_read(await self.read_liveness(nodes))
+
+    @_gated
+    async def read_liveness(self, nodes: Sequence[str]) -> dict[str, NodeLiveness | BadRecord]:
+        """:meth:`node_liveness`, with a node whose times cannot be read as its BadRecord."""
+        nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
             pipe.hmget(self.node_keys(node).meta, ["heartbeat", "unavailable"])
         replies = await pipe.execute()
-        return {
-            node: NodeLiveness(_ms_to_datetime(beat), _ms_to_datetime(gone))
-            for node, (beat, gone) in zip(nodes, replies, strict=True)
-        }
+        result: dict[str, NodeLiveness | BadRecord] = dict(bad)
+        for node, (beat, gone) in zip(nodes, replies, strict=True):
+            try:
+                result[node] = NodeLiveness(
+                    _stored_time(node, "heartbeat", beat), _stored_time(node, "unavailable", gone)
+                )
+            except BadRecord as exc:
+                result[node] = exc
+        return result
 
     @_gated
     async def nodes(self) -> list[str]:
@@ -494,48 +574,78 @@ class Ledger:
         return sorted(_text(m) for m in members)
 
     async def node_gpus(self, node: str) -> list[GpuState]:
-        """A node's cards with capacity and usage, read in one round trip."""
+        """A node's cards with capacity and usage, read in one round trip.
+
+        Raises BadRecord when the node's record cannot be read.
+        """
         return (await self.nodes_gpus([node]))[node]
 
     async def nodes_gpus(self, nodes: Sequence[str]) -> dict[str, list[GpuState]]:
-        """Several nodes' cards in one round trip (unknown nodes map to [])."""
-        raw = await self.nodes_raw(nodes)
-        return {
-            node: [_gpu_state(node, u, fields) for u in order if f"{u}|index" in fields]
-            for node, (order, fields, _, _) in raw.items()
-        }
+        """Several nodes' cards in one round trip (unknown nodes map to []).
+
+        Raises BadRecord for the first node whose record cannot be read; readers
+        of many nodes use :meth:`read_gpus` and skip that one.
+        """
+        return _all_read(await self.read_gpus(nodes))
+
+    async def read_gpus(self, nodes: Sequence[str]) -> dict[str, list[GpuState] | BadRecord]:
+        """:meth:`nodes_gpus`, with a node whose record cannot be read as its BadRecord."""
+        result: dict[str, list[GpuState] | BadRecord] = {}
+        for node, read in (await self.read_nodes(nodes)).items():
+            if isinstance(read, BadRecord):
+                result[node] = read
+                continue
+            try:
+                result[node] = [_gpu_state(node, card) for card in read.cards]
+            except BadRecord as exc:
+                result[node] = exc
+        return result
 
     @_gated
-    async def nodes_raw(self, nodes: Sequence[str]) -> dict[str, RawNode]:
-        """Per node: card UUIDs in index order, the raw card fields, the revision,
-        and whether the node is stamped rebuilt.
+    async def read_nodes(self, nodes: Sequence[str]) -> dict[str, NodeCards | BadRecord]:
+        """Per node, its cards as stored (numbers checked, see :func:`stored_cards`) and
+        its revision; a node whose record cannot be read maps to its BadRecord.
 
         One round trip; for readers that build their own arrays (the scheduler)
         without a model object per card.
         """
+        nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
             keys = self.node_keys(node)
             pipe.hgetall(keys.gpus)
             pipe.hmget(keys.meta, ["devices", "rev", "rebuilt"])
         replies = await pipe.execute()
-        result: dict[str, RawNode] = {}
+        result: dict[str, NodeCards | BadRecord] = dict(bad)
         for i, node in enumerate(nodes):
             fields = cast(dict[str, str], replies[2 * i])
             devices, rev, rebuilt = replies[2 * i + 1]
-            result[node] = RawNode(
-                json.loads(devices or "[]"), fields, int(rev or 0), rebuilt is not None
-            )
+            try:
+                result[node] = NodeCards(
+                    stored_cards(node, devices, fields), _stored_rev(node, rev), rebuilt is not None
+                )
+            except BadRecord as exc:
+                result[node] = exc
         return result
 
     @_gated
-    async def revisions(self, nodes: Sequence[str]) -> dict[str, int]:
-        """Each node's revision: it grows with every change to the node's cards or usage."""
+    async def revisions(self, nodes: Sequence[str]) -> dict[str, int | None]:
+        """Each node's revision: it grows with every change to the node's cards or usage.
+
+        None for a node whose revision cannot be read (:meth:`read_nodes` says why).
+        """
+        nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
             pipe.hget(self.node_keys(node).meta, "rev")
         replies = await pipe.execute()
-        return {node: int(rev or 0) for node, rev in zip(nodes, replies, strict=True)}
+        result: dict[str, int | None] = dict.fromkeys(bad)
+        for node, rev in zip(nodes, replies, strict=True):
+            try:
+                result[node] = _stored_rev(node, rev)
+            except BadRecord:
+                result[node] = None
+        return result
 
     # ------------------------------------------------------------ pods
 
@@ -724,8 +834,18 @@ class Ledger:
 
     @_gated
     async def node_placements(self, node: str) -> list[Placement]:
+        """Every placement recorded on ``node``; BadRecord if one cannot be read."""
+        if bad := _named([node])[1]:
+            raise bad[node]
         raw = await self.redis.hgetall(self.node_keys(node).pods)
-        return [_placement_from_record(_text(v)) for v in raw.values()]
+        placements = []
+        for uid, record in raw.items():
+            try:
+                placements.append(_placement_from_record(_text(record)))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise BadRecord(node, f"pod {_text(uid)!r:.80}: {problem[:200]}") from None
+        return placements
 
     @_gated
     async def check_node(self, node: str) -> list[str]:
@@ -798,48 +918,166 @@ class Ledger:
         return raw is not None and json.loads(raw)["state"] != PlacementState.RELEASED
 
 
-def _gpu_state(node: str, u: str, f: dict[str, str]) -> GpuState:
-    numa = f.get(f"{u}|numa", "")
-    owner = f.get(f"{u}|owner", "")
-    return GpuState(
-        node=node,
-        device=GpuDevice(
-            uuid=u,
-            index=int(f[f"{u}|index"]),
-            model=f[f"{u}|model"],
-            memory_mib=int(f[f"{u}|memory"]),
-            numa=int(numa) if numa != "" else None,
-            healthy=f.get(f"{u}|healthy") == "1",
-            mig=f.get(f"{u}|mig") == "1",
-        ),
-        capacity=GpuCapacity(
-            memory_mib=int(f[f"{u}|cap_mem"]),
-            cores=int(f[f"{u}|cap_cores"]),
-            slots=int(f[f"{u}|cap_slots"]),
-        ),
-        used=GpuUsage(
-            memory_mib=int(f.get(f"{u}|mem", 0)),
-            cores=int(f.get(f"{u}|cores", 0)),
-            slots=int(f.get(f"{u}|slots", 0)),
-            exclusive_owner=owner or None,
-        ),
-        present=f.get(f"{u}|present") == "1",
-        cordoned=f.get(f"{u}|cordoned") == "1",
-    )
+# ---------------------------------------------------------------- reading what is stored
+#
+# Every number the ledger keeps is written by Redis as plain decimal digits, and
+# every one has a bound (gpuslice_common.models). Anything else (a float such as
+# "1e+17", a sign, a value beyond its bound, a missing field) was not written by
+# this version of gpuslice: the node is refused whole with BadRecord, so a reader
+# never acts on half of a card.
+
+MAX_USAGE = 2**40  # a card's usage counters; far beyond any capacity
+MAX_MS = 2**53  # a time in milliseconds since the epoch
+MAX_REV = 2**63 - 1  # Redis's own integer range
+_CARD_NUMBERS: dict[str, int] = {
+    "index": MAX_DEVICES - 1,
+    "memory": MAX_DEVICE_MEMORY_MIB,
+    "cap_mem": MAX_CAPACITY_MIB,
+    "cap_cores": MAX_CAPACITY_CORES,
+    "cap_slots": MAX_SPLIT_COUNT,
+    "mem": MAX_USAGE,
+    "cores": MAX_USAGE,
+    "slots": MAX_USAGE,
+}
+_USAGE = ("mem", "cores", "slots")  # absent reads as 0: a card registered, never used
+_UUID = re.compile(DEVICE_UUID_PATTERN)
+_PRINTABLE = re.compile(PRINTABLE_PATTERN)
+
+
+def stored_number(node: str, what: str, value: Any, high: int) -> int:
+    """A whole number as the ledger stores it: decimal digits only, at most ``high``.
+
+    Raises BadRecord naming the node, the field and the value (shortened, escaped).
+    """
+    text = _text(value)
+    if not (0 < len(text) <= 19 and text.isascii() and text.isdigit()):
+        raise BadRecord(node, f"{what} is {text[:32]!r}, not a whole number")
+    number = int(text)
+    if number > high:
+        raise BadRecord(node, f"{what} is {number}, above its bound {high}")
+    return number
+
+
+def _stored_rev(node: str, value: Any) -> int:
+    return 0 if value is None else stored_number(node, "revision", value, MAX_REV)
+
+
+def _stored_time(node: str, what: str, value: Any) -> datetime | None:
+    if value is None:
+        return None
+    return datetime.fromtimestamp(stored_number(node, what, value, MAX_MS) / 1000, UTC)
+
+
+def stored_cards(node: str, devices: Any, fields: dict[str, str]) -> list[StoredCard]:
+    """A node's cards from its ``devices`` list (JSON, meta hash) and its card fields.
+
+    Cards listed without fields (being removed) are left out. Raises BadRecord
+    when anything stored is not what gpuslice writes.
+    """
+    try:
+        order = json.loads(_text(devices)) if devices is not None else []
+    except ValueError:
+        order = None
+    if not isinstance(order, list) or not all(isinstance(u, str) for u in order):
+        raise BadRecord(node, "its list of cards is not a JSON list of UUIDs")
+    cards = []
+    for u in order:
+        if f"{u}|index" not in fields:
+            continue
+        if len(u) > MAX_NAME_LENGTH or not _UUID.fullmatch(u):
+            raise BadRecord(node, f"card UUID {u[:32]!r} is not one a node reports")
+        numbers: dict[str, int] = {}
+        for name, high in _CARD_NUMBERS.items():
+            value = fields.get(f"{u}|{name}")
+            if value is None and name in _USAGE:
+                value = "0"
+            elif value is None:
+                raise BadRecord(node, f"card {u} has no {name}")
+            numbers[name] = stored_number(node, f"card {u} {name}", value, high)
+        model = fields.get(f"{u}|model", "")
+        if len(model) > MAX_NAME_LENGTH or not _PRINTABLE.fullmatch(model):
+            raise BadRecord(node, f"card {u} model {model[:32]!r} is not one a node reports")
+        numa = fields.get(f"{u}|numa", "")
+        cards.append(
+            StoredCard(
+                uuid=u,
+                index=numbers["index"],
+                model=model,
+                memory_mib=numbers["memory"],
+                numa=None
+                if numa == ""
+                else stored_number(node, f"card {u} numa", numa, MAX_NUMA_NODE),
+                healthy=fields.get(f"{u}|healthy") == "1",
+                mig=fields.get(f"{u}|mig") == "1",
+                cap_mem=numbers["cap_mem"],
+                cap_cores=numbers["cap_cores"],
+                cap_slots=numbers["cap_slots"],
+                used_mem=numbers["mem"],
+                used_cores=numbers["cores"],
+                used_slots=numbers["slots"],
+                owner=fields.get(f"{u}|owner", ""),
+                present=fields.get(f"{u}|present") == "1",
+                cordoned=fields.get(f"{u}|cordoned") == "1",
+            )
+        )
+    return cards
+
+
+def _all_read(read: dict[str, T | BadRecord]) -> dict[str, T]:
+    """The values of ``read``; raises the first BadRecord among them."""
+    for value in read.values():
+        if isinstance(value, BadRecord):
+            raise value
+    return read  # type: ignore[return-value]
+
+
+def _gpu_state(node: str, card: StoredCard) -> GpuState:
+    try:
+        return GpuState(
+            node=node,
+            device=GpuDevice(
+                uuid=card.uuid,
+                index=card.index,
+                model=card.model,
+                memory_mib=card.memory_mib,
+                numa=card.numa,
+                healthy=card.healthy,
+                mig=card.mig,
+            ),
+            capacity=GpuCapacity(
+                memory_mib=card.cap_mem, cores=card.cap_cores, slots=card.cap_slots
+            ),
+            used=GpuUsage(
+                memory_mib=card.used_mem,
+                cores=card.used_cores,
+                slots=card.used_slots,
+                exclusive_owner=card.owner or None,
+            ),
+            present=card.present,
+            cordoned=card.cordoned,
+        )
+    except ValueError as exc:  # within the bounds, yet not a device (memory 0)
+        problem = str(exc).splitlines()
+        detail = problem[1].strip() if len(problem) > 1 else str(exc)
+        raise BadRecord(node, f"card {card.uuid}: {detail}") from None
 
 
 __all__ = [
     "Allocation",
     "AlreadyReserved",
+    "BadRecord",
     "Ledger",
     "LedgerError",
     "LedgerRebuilding",
     "LedgerUnavailable",
+    "NodeCards",
     "NodeKeys",
     "NodeLiveness",
     "NodeRebuild",
     "NotReserved",
-    "RawNode",
     "Release",
     "ReservationConflict",
+    "StoredCard",
+    "stored_cards",
+    "stored_number",
 ]

@@ -16,6 +16,26 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 NonNegInt = Annotated[int, Field(ge=0)]
 Percent = Annotated[int, Field(ge=0, le=100)]
 
+# Bounds of what a node agent may report. Generous beyond any real card, but
+# finite: every number stays an exact integer in Redis's Lua (doubles, printed
+# with 14 significant digits), so the ledger stores it as plain digits.
+MAX_DEVICE_MEMORY_MIB = 16 * 1024 * 1024  # 16 TiB
+MAX_DEVICES = 1024  # cards (MIG instances included) on one node; indexes below it
+MAX_NUMA_NODE = 1023  # Linux numbers at most 1024 NUMA nodes
+MAX_SPLIT_COUNT = 1024
+MAX_SCALING = 100.0
+# What scaling can make of them: a card's schedulable capacity.
+MAX_CAPACITY_MIB = int(MAX_DEVICE_MEMORY_MIB * MAX_SCALING)
+MAX_CAPACITY_CORES = int(100 * MAX_SCALING)
+
+# A Kubernetes node name (an RFC 1123 subdomain), as subjects and ledger keys need it.
+NODE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+NodeName = Annotated[str, Field(min_length=1, max_length=253, pattern=NODE_NAME_PATTERN)]
+# Printable ASCII without leading or trailing blanks: no line breaks or escapes in logs.
+PRINTABLE_PATTERN = r"^[!-~]([ -~]*[!-~])?$"
+DEVICE_UUID_PATTERN = r"^[A-Za-z0-9_.:/-]+$"
+MAX_NAME_LENGTH = 128  # a device's UUID and model name
+
 
 class Frozen(BaseModel):
     """Base for value objects: immutable, and unknown fields are an error."""
@@ -33,23 +53,31 @@ def utcnow() -> datetime:
 class GpuDevice(Frozen):
     """One physical GPU as the node agent discovered it."""
 
-    uuid: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$")]
-    index: NonNegInt
-    model: Annotated[str, Field(min_length=1, max_length=128)]
-    memory_mib: Annotated[int, Field(gt=0)]
-    numa: int | None = None
+    uuid: Annotated[
+        str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=DEVICE_UUID_PATTERN)
+    ]
+    index: Annotated[int, Field(ge=0, lt=MAX_DEVICES)]
+    model: Annotated[
+        str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=PRINTABLE_PATTERN)
+    ]
+    memory_mib: Annotated[int, Field(gt=0, le=MAX_DEVICE_MEMORY_MIB)]
+    numa: Annotated[int, Field(ge=0, le=MAX_NUMA_NODE)] | None = None
     healthy: bool = True
     mig: bool = False
 
 
 class NodeInventory(Frozen):
-    """A node's full device list and sharing configuration, sent as a heartbeat."""
+    """A node's full device list and sharing configuration, sent as a heartbeat.
 
-    node: Annotated[str, Field(min_length=1, max_length=253)]
-    devices: tuple[GpuDevice, ...]
-    split_count: Annotated[int, Field(ge=1, le=1024)] = 10
-    memory_scaling: Annotated[float, Field(gt=0, le=100)] = 1.0
-    core_scaling: Annotated[float, Field(gt=0, le=100)] = 1.0
+    Every field is bounded (the constants above), so one node's report cannot
+    put a value in the ledger that readers would have to refuse.
+    """
+
+    node: NodeName
+    devices: Annotated[tuple[GpuDevice, ...], Field(max_length=MAX_DEVICES)]
+    split_count: Annotated[int, Field(ge=1, le=MAX_SPLIT_COUNT)] = 10
+    memory_scaling: Annotated[float, Field(gt=0, le=MAX_SCALING, allow_inf_nan=False)] = 1.0
+    core_scaling: Annotated[float, Field(gt=0, le=MAX_SCALING, allow_inf_nan=False)] = 1.0
     sent_at: datetime = Field(default_factory=utcnow)
 
     @model_validator(mode="after")

@@ -7,7 +7,8 @@ declares into a one-line message and an exit code, never a traceback.
 
 :func:`http_server` runs uvicorn for the block of a ``with``: it returns once the
 server listens, raises OSError when it cannot (uvicorn itself would exit the
-process), and stops the server when the block ends.
+process), and stops the server when the block ends. Every request body passes
+:class:`BodyLimit` on its way in, with the cap the service names.
 
 :func:`every` runs a service's periodic job for as long as its task lives.
 """
@@ -18,8 +19,16 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections import deque
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    MutableMapping,
+)
+from typing import Any, TypeVar, cast
 
 import uvicorn
 from pydantic_settings import BaseSettings
@@ -80,6 +89,87 @@ def _run_loop(coroutine: Coroutine[Any, Any, None]) -> None:
         uvloop.run(coroutine)
 
 
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+AsgiApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413, and
+    nothing beyond the limit is ever held in memory.
+
+    A declared ``Content-Length`` over the limit is refused before any of the
+    body is read; a body without one (chunked) is read up to the limit and
+    refused as soon as it passes it. Whatever of the body follows the 413, uvicorn
+    reads and discards (so the client gets to read the answer), holding none of
+    it. The application sees a body only once it has arrived whole within the
+    limit; ``on_refused`` is called per refusal.
+    """
+
+    def __init__(
+        self, app: AsgiApp, limit: int, on_refused: Callable[[], None] | None = None
+    ) -> None:
+        self.app = app
+        self.limit = limit
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await self._refuse(send)
+                return
+        chunks: deque[bytes] = deque()
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: no one to answer
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                chunks.clear()
+                await self._refuse(send)
+                return
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if chunks:
+                chunk = chunks.popleft()
+                replayed = not chunks
+                return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            return await receive()  # after the body: what the server says next (disconnect)
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send) -> None:
+        if self.on_refused is not None:
+            self.on_refused()
+        body = b'{"error": "the request body is larger than %d bytes"}' % self.limit
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
 class _QuietServer(uvicorn.Server):
     """uvicorn without signal handling of its own: the service handles SIGTERM."""
 
@@ -98,13 +188,20 @@ async def _serve(server: uvicorn.Server) -> None:
 
 @contextlib.asynccontextmanager
 async def http_server(
-    config: uvicorn.Config, name: str, *, handle_signals: bool = True
+    config: uvicorn.Config,
+    name: str,
+    *,
+    max_body: int,
+    on_refused: Callable[[], None] | None = None,
+    handle_signals: bool = True,
 ) -> AsyncIterator[tuple[uvicorn.Server, asyncio.Task[None]]]:
     """uvicorn serving ``config`` until the block ends: (server, its task).
 
+    Request bodies over ``max_body`` bytes are answered 413 (:class:`BodyLimit`).
     With ``handle_signals`` uvicorn stops on SIGINT/SIGTERM and the task ends;
     without, the service handles them. Raises OSError if it cannot listen.
     """
+    config.app = BodyLimit(cast(AsgiApp, config.app), max_body, on_refused)
     server = uvicorn.Server(config) if handle_signals else _QuietServer(config)
     serving = asyncio.create_task(_serve(server), name=name)
     try:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -28,6 +31,8 @@ log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 REGISTER_TIMEOUT_S = 10.0
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 
 class KubeletLinkError(Exception):
@@ -43,8 +48,84 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
+@dataclass(frozen=True)
+class _Undecodable:
+    """What a request that is not the protobuf message it should be decodes to."""
+
+    problem: str
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``deserialize``, but bytes that do not decode give an :class:`_Undecodable`:
+    grpc would log the DecodeError with its traceback and answer UNKNOWN."""
+    message = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    name = getattr(message, "full_name", "request message")
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except (DecodeError, ValueError) as exc:
+            detail = str(exc).rsplit(": ", 1)[-1].splitlines()[0][:200] if str(exc) else ""
+            return _Undecodable(f"the request is not a valid {name}: {detail or 'undecodable'}")
+
+    return parse
+
+
+class RefuseUndecodable(grpc.aio.ServerInterceptor):
+    """Answer a request that does not decode with INVALID_ARGUMENT and one log line,
+    before any servicer method sees it (unary and server-streaming methods)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Req, Resp] | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = str(getattr(handler_call_details, "method", "?"))
+        parse = _lenient(handler.request_deserializer)
+        serialize = handler.response_serializer
+        if handler.unary_unary is not None:
+            unary: Any = handler.unary_unary
+
+            async def unary_unary(request: Any, context: Any) -> Any:
+                await _refuse_undecodable(method, request, context)
+                return await unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, request_deserializer=parse, response_serializer=serialize
+            )
+        if handler.unary_stream is not None:
+            stream: Any = handler.unary_stream
+
+            async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                await _refuse_undecodable(method, request, context)
+                async for reply in stream(request, context):
+                    yield reply
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, request_deserializer=parse, response_serializer=serialize
+            )
+        return handler
+
+
+async def _refuse_undecodable(
+    method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+) -> None:
+    if isinstance(request, _Undecodable):
+        log.warning("refused %s: %s", method, request.problem)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+
+
 class PluginServer:
-    """The gRPC server of the DevicePlugin service on its unix socket."""
+    """The gRPC server of the DevicePlugin service on its unix socket.
+
+    A request that does not decode is refused with INVALID_ARGUMENT
+    (:class:`RefuseUndecodable`), never handed to the servicer.
+    """
 
     def __init__(self, servicer: pb_grpc.DevicePluginServicer, socket: Path) -> None:
         self.servicer = servicer
@@ -53,7 +134,7 @@ class PluginServer:
 
     async def start(self) -> None:
         self.socket.unlink(missing_ok=True)
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[RefuseUndecodable()])
         pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
         if server.add_insecure_port(f"unix://{self.socket}") == 0:
             raise OSError(f"cannot listen on {self.socket}")

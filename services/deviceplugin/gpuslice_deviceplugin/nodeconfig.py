@@ -34,7 +34,13 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from gpuslice_common.models import Frozen, GpuDevice, NodeInventory
+from gpuslice_common.models import (
+    MAX_DEVICE_MEMORY_MIB,
+    PRINTABLE_PATTERN,
+    Frozen,
+    GpuDevice,
+    NodeInventory,
+)
 
 
 class NodeConfigError(Exception):
@@ -61,8 +67,10 @@ class SimulatedGpus(Frozen):
     """The GPUs the simulated backend reports; NUMA nodes take contiguous runs of indices."""
 
     count: Annotated[int, Field(ge=1, le=16)] = 4
-    model: Annotated[str, Field(min_length=1, max_length=128)] = "NVIDIA A100-SXM4-80GB"
-    memory_mib: Annotated[int, Field(gt=0)] = 81920
+    model: Annotated[str, Field(min_length=1, max_length=128, pattern=PRINTABLE_PATTERN)] = (
+        "NVIDIA A100-SXM4-80GB"
+    )
+    memory_mib: Annotated[int, Field(gt=0, le=MAX_DEVICE_MEMORY_MIB)] = 81920
     numa_nodes: Annotated[int, Field(ge=1, le=16)] = 1
     unhealthy: tuple[int, ...] = ()  # indices reported Unhealthy
 

@@ -216,7 +216,12 @@ async def running(
             )
             # SIGTERM stops the agent as a whole, not uvicorn alone
             _, serving = await http.enter_async_context(
-                http_server(http_config, "agent-http", handle_signals=False)
+                http_server(
+                    http_config,
+                    "agent-http",
+                    max_body=settings.max_request_body,
+                    handle_signals=False,
+                )
             )
             state.tasks.append(serving)
         yield state

@@ -3,23 +3,27 @@
 Cluster state (per GPU, per container, pods by state) is read from the ledger
 and the telemetry store every ``metrics_interval`` by :meth:`ClusterMetrics.refresh`
 and served from that snapshot, so a scrape never waits on Redis. Counters of the
-inventory's own work are read from its parts' stats at scrape time.
+inventory's own work are read from its parts' stats at scrape time. A node whose
+record in the ledger cannot be read is left out of the snapshot, logged once
+and counted in ``gpuslice_ledger_unreadable_nodes``; the other nodes are not.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuslice_common.ledger import Ledger
+from gpuslice_common.ledger import BadRecord, Ledger
 from gpuslice_common.models import PlacementState
 from gpuslice_inventory.telemetry import TelemetryStore
 
+log = logging.getLogger(__name__)
 MIB = 1024 * 1024
 GPU_LABELS = ("node", "gpu", "index", "model")
 CONTAINER_LABELS = ("node", "gpu", "pod_uid", "container")
@@ -33,6 +37,10 @@ class WorkStats:
     registration_errors: int = 0
     nodes_rebuilt: int = 0  # nodes stamped rebuilt by a reconciliation pass
     restore_conflicts: int = 0  # restores refused: the cards held too much already
+    # inventories refused, by reason
+    refused: Counter[str] = field(
+        default_factory=lambda: Counter(dict.fromkeys(("malformed", "invalid", "subject"), 0))
+    )
 
 
 def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
@@ -54,6 +62,7 @@ class ClusterMetrics(Collector):
         self.telemetry = telemetry
         self.active = active
         self._snapshot: list[Metric] = []
+        self.skipped: dict[str, str] = {}  # node -> why its record cannot be read
 
     def collect(self) -> Iterator[Metric]:
         return iter(self._snapshot if self.active() else [])
@@ -136,13 +145,30 @@ class ClusterMetrics(Collector):
         )
         live = [state for state in PlacementState if state is not PlacementState.RELEASED]
         states: Counter[str] = Counter({state.value: 0 for state in live})
+        unreadable = _gauge(
+            "gpuslice_ledger_unreadable_nodes",
+            "Registered nodes whose record in the ledger cannot be read, left out here.",
+        )
         nodes = await self.ledger.nodes()
-        cards = await self.ledger.nodes_gpus(nodes)
-        liveness = await self.ledger.node_liveness(nodes)
+        all_cards = await self.ledger.read_gpus(nodes)
+        all_liveness = await self.ledger.read_liveness(nodes)
         now = await self.ledger.now()  # heartbeats carry Redis's time
+        skipped: dict[str, str] = {}
         for node in nodes:
+            cards, alive = all_cards[node], all_liveness[node]
+            try:
+                if isinstance(cards, BadRecord):
+                    raise cards
+                if isinstance(alive, BadRecord):
+                    raise alive
+                placements = await self.ledger.node_placements(node)
+            except BadRecord as exc:
+                skipped[node] = exc.problem
+                if self.skipped.get(node) != exc.problem:
+                    log.warning("left out of the metrics: %s", exc)
+                continue
             usage = await self.telemetry.gpu_usage(node) if self.telemetry else {}
-            for card in cards[node]:
+            for card in cards:
                 labels = [node, card.device.uuid, str(card.device.index), card.device.model]
                 real = usage.get(card.device.uuid)
                 values = {
@@ -159,11 +185,10 @@ class ClusterMetrics(Collector):
                 }
                 for key, value in values.items():
                     gpu[key].add_metric(labels, value)
-            alive = liveness[node]
             node_up.add_metric([node], 0 if alive.unavailable_since else 1)
             if alive.heartbeat is not None:
                 heartbeat_age.add_metric([node], (now - alive.heartbeat).total_seconds())
-            for placement in await self.ledger.node_placements(node):
+            for placement in placements:
                 if placement.state is not PlacementState.RELEASED:
                     states[placement.state.value] += 1
             if self.telemetry is not None:
@@ -174,7 +199,18 @@ class ClusterMetrics(Collector):
                     sm.add_metric(labels, c.sm_percent)
         for state, count in sorted(states.items()):
             pods.add_metric([state], count)
-        self._snapshot = [*gpu.values(), node_up, heartbeat_age, pods, used, limit, sm]
+        self.skipped = skipped
+        unreadable.add_metric([], len(skipped))
+        self._snapshot = [
+            *gpu.values(),
+            node_up,
+            heartbeat_age,
+            pods,
+            used,
+            limit,
+            sm,
+            unreadable,
+        ]
 
 
 class WorkMetrics(Collector):
@@ -199,6 +235,8 @@ class WorkMetrics(Collector):
 WORK_METRICS = {
     "registrations": "Node inventories written to the ledger.",
     "registration_errors": "Node inventories that could not be written (ledger unreachable).",
+    "inventories_refused": "Node inventories refused before the ledger, by reason: not JSON "
+    "(malformed), outside the bounds (invalid), another node than the subject's (subject).",
     "releases": "Pods released by the inventory, by reason.",
     "pod_watch_events": "Pod changes received from the Kubernetes watch.",
     "pod_watch_restarts": "Pod watches begun again after a failure or an expired version.",

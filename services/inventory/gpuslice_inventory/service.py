@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import InventorySettings
@@ -31,6 +32,7 @@ from gpuslice_common.models import NodeInventory, PodEnded
 from gpuslice_common.nkeys import KeyPair, Role
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import every, http_server, plain_http
+from gpuslice_common.subjects import node_from_token
 from gpuslice_inventory.authcallout import AuthCallout
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.lifecycle import PodWatcher, WatchStats, release_ended
@@ -66,11 +68,31 @@ class Running:
     # registrations (node -> ``registered``) a pass has already seen unstamped
     rebuild_seen: dict[str, str] = field(default_factory=dict)
 
-    async def on_inventory(self, subject: str, inventory: NodeInventory) -> None:
-        """A node agent's inventory (its heartbeat): write it to the ledger."""
-        if subject != self.bus.subjects.inventory(inventory.node):
-            log.warning("inventory of node %s arrived on %s; dropped", inventory.node, subject)
+    async def on_inventory_message(self, msg: Msg) -> None:
+        """A message on ``<prefix>.inventory.<node>``: checked, then registered.
+
+        Refused, counted by reason and logged in one line: a payload that is
+        not JSON (``malformed``), one outside :class:`NodeInventory`'s bounds
+        (``invalid``), or one whose node is not exactly the subject's (``subject``).
+        """
+        try:
+            inventory = NodeInventory.model_validate_json(msg.data)
+        except ValidationError as exc:
+            malformed = any(e["type"] == "json_invalid" for e in exc.errors())
+            self._refuse(msg.subject, "malformed" if malformed else "invalid", _summary(exc))
             return
+        token = msg.subject.rsplit(".", 1)[-1]
+        if node_from_token(token) != inventory.node:
+            self._refuse(msg.subject, "subject", f"it describes node {inventory.node}")
+            return
+        await self.on_inventory(msg.subject, inventory)
+
+    def _refuse(self, subject: str, reason: str, why: str) -> None:
+        self.work.refused[reason] += 1
+        log.warning("refused the inventory on %s (%s): %s", _one_line(subject), reason, why)
+
+    async def on_inventory(self, subject: str, inventory: NodeInventory) -> None:
+        """A node agent's inventory (its heartbeat), already checked: write it to the ledger."""
         try:
             # without the Kubernetes API there is no record to restore: rebuilt at once
             await self.ledger.register_node(inventory, rebuilt=self.reconciler is None)
@@ -139,6 +161,7 @@ class Running:
         values: dict[str, float | Counter[str]] = {
             "registrations": self.work.registrations,
             "registration_errors": self.work.registration_errors,
+            "inventories_refused": Counter(self.work.refused),
             "releases": Counter(self.upkeep.stats.released),
             "pod_watch_events": watch.events,
             "pod_watch_restarts": watch.restarts,
@@ -162,6 +185,19 @@ class Running:
     def issue_telemetry_token(self) -> Callable[[str, str], str] | None:
         """``(node, pod_uid) -> token`` for a GPU container, when the callout runs."""
         return self.callout.issue_telemetry_token if self.callout is not None else None
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """``text`` safe for one log line: escapes instead of line breaks, at most ``limit``."""
+    return repr(text[:limit])[1:-1]
+
+
+def _summary(exc: ValidationError) -> str:
+    """The first few problems of a validation error, in one line (no input values)."""
+    return "; ".join(
+        f"{'.'.join(_one_line(str(p), 64) for p in e['loc']) or 'message'}: {e['msg']}"
+        for e in exc.errors()[:5]
+    )
 
 
 def _report_stopped(task: asyncio.Task[None]) -> None:
@@ -257,8 +293,8 @@ async def running(
         if state.callout is not None:
             await state.callout.start()
         subscriptions += [
-            await bus.subscribe(
-                bus.subjects.inventory_all, NodeInventory, state.on_inventory, queue
+            await bus.nc.subscribe(
+                bus.subjects.inventory_all, queue=queue, cb=state.on_inventory_message
             ),
             await bus.subscribe(bus.subjects.pod_ended, PodEnded, state.on_pod_ended, queue),
             await bus.nc.subscribe(bus.subjects.telemetry_all, queue=queue, cb=state.on_telemetry),
@@ -304,7 +340,12 @@ async def running(
                     settings.log_level,
                 )
                 await stack.enter_async_context(
-                    http_server(config, "inventory-http", handle_signals=False)
+                    http_server(
+                        config,
+                        "inventory-http",
+                        max_body=settings.max_request_body,
+                        handle_signals=False,
+                    )
                 )
             yield state
     finally:

@@ -30,6 +30,7 @@ from gpuslice_scheduler.wire import (
 )
 
 log = logging.getLogger(__name__)
+SKIPPED_SHOWN = 50  # nodes named in /readyz's "skipped" (all are counted)
 
 
 def create_app(extender: Extender) -> FastAPI:
@@ -98,11 +99,21 @@ def create_app(extender: Extender) -> FastAPI:
         if not ok or not extender.view.synced:
             why = "ledger unreachable" if not ok else "ledger copy not loaded yet"
             return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
-        return JSONResponse({"status": "ready", "nodes": extender.view.cluster.node_count})
+        # One unreadable node must not take the extender out: ready, and named.
+        skipped = extender.view.skipped
+        return JSONResponse(
+            {
+                "status": "ready",
+                "nodes": extender.view.cluster.node_count,
+                "skipped": {node: skipped[node] for node in sorted(skipped)[:SKIPPED_SHOWN]},
+                "skipped_count": len(skipped),
+            }
+        )
 
     @app.get("/metrics")
     async def metrics_() -> Response:
         metrics.nodes.set(extender.view.cluster.node_count)
+        metrics.skipped_nodes.set(len(extender.view.skipped))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

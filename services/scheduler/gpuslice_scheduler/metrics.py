@@ -40,3 +40,8 @@ class Metrics:
             "Nodes in the scheduler's copy of the ledger.",
             registry=self.registry,
         )
+        self.skipped_nodes = Gauge(
+            "gpuslice_scheduler_skipped_nodes",
+            "Registered nodes left out of the scheduler's copy: their record cannot be read.",
+            registry=self.registry,
+        )

@@ -51,10 +51,12 @@ async def running(
         create_app(extender), settings.listen_host, settings.listen_port, settings.log_level
     )
     try:
-        async with http_server(config, "extender-http", handle_signals=handle_signals) as (
-            _,
-            serving,
-        ):
+        async with http_server(
+            config,
+            "extender-http",
+            max_body=settings.max_request_body,
+            handle_signals=handle_signals,
+        ) as (_, serving):
             yield extender, serving
     finally:
         syncing.cancel()

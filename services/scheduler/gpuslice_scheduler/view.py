@@ -9,6 +9,11 @@ every ``interval`` seconds while notices are unavailable.
 The copy may lag by one sync interval: that only affects scores, because bind
 reserves through the ledger, which checks capacity atomically, and a lost race
 refreshes the node at once.
+
+A node whose record cannot be read (a value no gpuslice writes: an older
+version's, or one set by hand) is left out of the copy, as if unregistered, and
+listed in :attr:`ClusterView.skipped` with the reason; every other node stays
+in sync, and the node comes back once its record reads again.
 """
 
 from __future__ import annotations
@@ -19,37 +24,29 @@ import logging
 import time
 from collections.abc import Sequence
 
-from gpuslice_common.ledger import Ledger, LedgerError, RawNode
+from gpuslice_common.ledger import BadRecord, Ledger, LedgerError, NodeCards, StoredCard
 from gpuslice_common.models import Placement
 from gpuslice_scheduler.cluster import Cluster, Ints, Row
 
 log = logging.getLogger(__name__)
 
 
-def _rows(order: Sequence[str], f: dict[str, str]) -> list[Row]:
-    rows = []
-    for u in order:
-        if f"{u}|index" not in f:
-            continue
-        numa = f.get(f"{u}|numa", "")
-        rows.append(
-            (
-                u,
-                f.get(f"{u}|model", "unknown"),
-                int(numa) if numa not in ("", None) else -1,
-                int(f.get(f"{u}|cap_mem", 0)),
-                int(f.get(f"{u}|cap_cores", 0)),
-                int(f.get(f"{u}|cap_slots", 0)),
-                int(f.get(f"{u}|mem", 0)),
-                int(f.get(f"{u}|cores", 0)),
-                int(f.get(f"{u}|slots", 0)),
-                bool(f.get(f"{u}|owner", "")),
-                f.get(f"{u}|healthy") == "1",
-                f.get(f"{u}|present") == "1",
-                f.get(f"{u}|cordoned") == "1",
-            )
-        )
-    return rows
+def _row(card: StoredCard) -> Row:
+    return (
+        card.uuid,
+        card.model,
+        -1 if card.numa is None else card.numa,
+        card.cap_mem,
+        card.cap_cores,
+        card.cap_slots,
+        card.used_mem,
+        card.used_cores,
+        card.used_slots,
+        bool(card.owner),
+        card.healthy,
+        card.present,
+        card.cordoned,
+    )
 
 
 class ClusterView:
@@ -64,28 +61,61 @@ class ClusterView:
         self._wake = asyncio.Event()
         self._resync_due = 0.0
         self.rows: dict[str, list[Row]] = {}
-        self.revs: dict[str, int] = {}
+        self.revs: dict[str, int | None] = {}
+        self.skipped: dict[str, str] = {}  # node -> why its record cannot be read
         self.cluster = Cluster.from_rows([])
         self.synced = False
         # registered nodes not stamped rebuilt yet: the ledger refuses to reserve there
         self.rebuilding: set[str] = set()
 
     async def sync(self) -> int:
-        """Re-read nodes that changed (and new ones); returns how many were re-read."""
+        """Re-read nodes that changed (and new ones); returns how many were re-read.
+
+        A node whose revision cannot be read is re-read every time (to say why).
+        """
         names = await self.ledger.nodes()
         revs = await self.ledger.revisions(names)
-        changed = [n for n in names if revs[n] != self.revs.get(n)]
-        gone = set(self.rows) - set(names)
-        if changed:
-            self._keep(await self.ledger.nodes_raw(changed))
+        changed = [n for n in names if revs[n] is None or revs[n] != self.revs.get(n)]
+        gone = (set(self.rows) | set(self.skipped)) - set(names)
+        updated, removed = (await self._take(changed)) if changed else ([], False)
         for node in gone:
-            self.rows.pop(node, None)
+            removed |= self.rows.pop(node, None) is not None
             self.revs.pop(node, None)
             self.rebuilding.discard(node)
-        if changed or gone or not self.synced:
-            self._rebuild(changed, bool(gone))
+            self.skipped.pop(node, None)
+        if updated or removed or not self.synced:
+            self._rebuild(updated, removed)
         self.synced = True
         return len(changed)
+
+    async def _take(self, nodes: Sequence[str]) -> tuple[list[str], bool]:
+        """Read ``nodes`` into :attr:`rows`; returns the nodes read and whether a node
+        left the copy (its record cannot be read any more)."""
+        read = await self.ledger.read_nodes(nodes)
+        updated: list[str] = []
+        removed = False
+        for node, got in read.items():
+            if isinstance(got, NodeCards):
+                self.rows[node] = [_row(card) for card in got.cards]
+                self.revs[node] = got.rev
+                if got.rebuilt:
+                    self.rebuilding.discard(node)
+                else:
+                    self.rebuilding.add(node)
+                if self.skipped.pop(node, None) is not None:
+                    log.info("node %s can be read again; it is back in the scheduler's copy", node)
+                updated.append(node)
+            else:
+                removed |= self._skip(node, got)
+        return updated, removed
+
+    def _skip(self, node: str, problem: BadRecord) -> bool:
+        """Leave ``node`` out of the copy; True when it was in."""
+        if self.skipped.get(node) != problem.problem:
+            log.warning("left out of the scheduler's copy: %s", problem)
+        self.skipped[node] = problem.problem
+        self.revs[node] = None  # read again next sync
+        return self.rows.pop(node, None) is not None
 
     def _rebuild(self, changed: Sequence[str], removed: bool) -> None:
         cluster = self.cluster
@@ -138,18 +168,9 @@ class ClusterView:
 
     async def refresh(self, nodes: Sequence[str]) -> None:
         """Re-read ``nodes`` now (announced changes, a lost race)."""
-        raw = await self.ledger.nodes_raw(nodes)
-        self._keep(raw)
-        self._rebuild(list(raw), False)
-
-    def _keep(self, raw: dict[str, RawNode]) -> None:
-        for node, (order, fields, rev, rebuilt) in raw.items():
-            self.rows[node] = _rows(order, fields)
-            self.revs[node] = rev
-            if rebuilt:
-                self.rebuilding.discard(node)
-            else:
-                self.rebuilding.add(node)
+        updated, removed = await self._take(nodes)
+        if updated or removed:
+            self._rebuild(updated, removed)
 
     async def refresh_node(self, node: str) -> None:
         await self.refresh([node])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,9 +18,6 @@ from gpuslice_webhook.review import AdmissionReviewRequest, AdmissionReviewRespo
 from gpuslice_webhook.tls import ReloadingTls
 
 JSON = "application/json"
-# An AdmissionReview carries the pod and, on updates, its old copy; the API
-# server stores objects of at most about 1.5 MiB.
-MAX_BODY = 8 * 1024 * 1024
 
 
 def _body_schema() -> dict[str, Any]:
@@ -32,21 +28,6 @@ def _body_schema() -> dict[str, Any]:
             "content": {JSON: {"schema": {"$ref": "#/components/schemas/AdmissionReviewRequest"}}},
         }
     }
-
-
-async def _read_capped(request: Request, limit: int) -> bytes | None:
-    """The request body, or None once it passes ``limit`` bytes (the rest unread)."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def create_app(admission: Admission, tls: ReloadingTls | None = None) -> FastAPI:
@@ -64,18 +45,17 @@ def create_app(admission: Admission, tls: ReloadingTls | None = None) -> FastAPI
         response_model=AdmissionReviewResponse,
         responses={
             400: {"model": Problem, "description": "not an AdmissionReview request"},
-            413: {"model": Problem, "description": "a body over 8 MiB"},
+            413: {
+                "model": Problem,
+                "description": "a body over GPUSLICE_MAX_REQUEST_BODY (8 MiB), refused unread",
+            },
         },
         openapi_extra=_body_schema(),
         summary="Admit a pod: validate its GPU request, fill defaults, route it",
     )
     async def mutate(request: Request) -> Response:
-        body = await _read_capped(request, MAX_BODY)
-        if body is None:
-            admission.metrics.admissions.labels("too_large").inc()
-            problem = {"error": f"the body is larger than {MAX_BODY} bytes"}
-            return Response(orjson.dumps(problem), status_code=413, media_type=JSON)
-        status, answer = await admission.handle(body)
+        # bodies over the limit were refused before (gpuslice_common.service.BodyLimit)
+        status, answer = await admission.handle(await request.body())
         return Response(answer, status_code=status, media_type=JSON)
 
     @app.get("/healthz")

@@ -82,7 +82,14 @@ async def running(
     )
     gc.freeze()  # what exists now lives as long as the process
     async with contextlib.AsyncExitStack() as stack:
-        server, serving = await stack.enter_async_context(http_server(config, "webhook-http"))
+        server, serving = await stack.enter_async_context(
+            http_server(
+                config,
+                "webhook-http",
+                max_body=settings.max_request_body,
+                on_refused=metrics.admissions.labels("too_large").inc,
+            )
+        )
         state = Running(settings, admission, tls, server, serving)
         if tls is not None:
             interval = settings.tls_reload_interval.total_seconds()

@@ -44,9 +44,16 @@ def _signature(path: Path) -> tuple[int, int, int, int]:
     return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
 
 
+# TLS 1.2 suites: forward secret (ECDHE) and authenticated encryption (AES-GCM,
+# ChaCha20-Poly1305) only; OpenSSL's default list also has CBC suites. TLS 1.3's
+# suites (all AEAD) are not set by this list and stay OpenSSL's.
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:!aNULL:!eNULL"
+
+
 def _server_context() -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_ciphers(TLS12_CIPHERS)
     return context
 
 

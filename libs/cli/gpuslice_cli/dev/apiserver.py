@@ -42,6 +42,7 @@ from gpuslice_common.kube import (
 from gpuslice_common.service import http_server, plain_http
 
 MERGE_PATCH = "application/merge-patch+json"
+MAX_BODY = 16 * 1024 * 1024  # objects the API server stores are at most about 1.5 MiB
 
 
 class Unauthorized(Exception):
@@ -298,7 +299,9 @@ class DevApiServer:
     async def serving(self) -> AsyncIterator[DevApiServer]:
         app = create_app(self.kube, self.token)
         config = plain_http(app, self.host, self.port, "warning")
-        async with http_server(config, "dev-apiserver", handle_signals=False) as (server, _):
+        async with http_server(
+            config, "dev-apiserver", max_body=MAX_BODY, handle_signals=False
+        ) as (server, _):
             if not self.port:
                 self.port = server.servers[0].sockets[0].getsockname()[1]
             try:
