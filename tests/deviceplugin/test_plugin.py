@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from nats.aio.msg import Msg
 
 from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
 from gpuslice_common.bus import Bus
@@ -20,13 +21,23 @@ from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import NodeInventory, PlacementState
 from gpuslice_common.region import Region
+from gpuslice_common.servers import NatsServer
 from gpuslice_deviceplugin.allocation import without_credentials
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.kubelet import KubeletLinkError
 from gpuslice_deviceplugin.service import Running, running
 from gpuslice_inventory.service import Running as InventoryRunning
-from tests.deviceplugin.conftest import FAST, MIB, NODE, SIMULATED, bind, placement, uuids
+from tests.deviceplugin.conftest import (
+    FAST,
+    MIB,
+    NODE,
+    SIMULATED,
+    an_inventory,
+    bind,
+    placement,
+    uuids,
+)
 
 
 def write(path: Path, text: str) -> None:
@@ -528,3 +539,57 @@ defaults:
   libCudaLogLevel: 3
   simulate: {count: 1}
 """
+
+
+async def test_a_token_the_inventory_issues_replaces_the_static_telemetry_credential(
+    make_settings: Callable[..., DevicePluginSettings],
+    kubelet: DevKubelet,
+    bus: Bus,
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    plugin_ledger: Ledger,
+) -> None:
+    settings = make_settings(telemetry_nats_user="telemetry", telemetry_nats_password="s3cret")
+
+    def issue(node: str, pod_uid: str) -> str:
+        return f"tok.{node}.{pod_uid}"
+
+    async with (
+        an_inventory(nats_server.url, redis_url, prefix, issue_telemetry_token=issue),
+        running(settings, bus=bus, serve_http=False, timing=FAST) as state,
+    ):
+        await plugin_ledger.register_node(state.agent.inventory())
+        plugin = await registered(kubelet)
+        await bind(plugin_ledger, placement("tok", [[(uuids(state)[0], 100, 5)]]))
+        env = dict((await plugin.admit_container(1)).envs)
+    assert env["GPUSLICE_NATS_TOKEN"] == f"tok.{NODE}.tok"
+    assert "GPUSLICE_NATS_USER" not in env
+    assert "GPUSLICE_NATS_PASSWORD" not in env
+
+
+async def test_the_agent_publishes_nothing_but_its_inventory_and_asks_only_its_own_subjects(
+    agent: Running, kubelet: DevKubelet, bus: Bus, plugin_ledger: Ledger
+) -> None:
+    """What the node's NATS credential must allow: inventory.<node> and node.<node>.>."""
+    seen: list[str] = []
+
+    async def on_msg(msg: Msg) -> None:
+        seen.append(msg.subject)
+
+    await bus.nc.subscribe(">", cb=on_msg)
+    await bus.nc.flush()
+    plugin = await registered(kubelet)
+    await bind(plugin_ledger, placement("watched", [[(uuids(agent)[0], 100, 5)]]))
+    await plugin.admit_container(1)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await plugin.admit_container(1)  # nothing waits: refused
+    await agent.agent.publish_inventory()
+    await agent.clean_up()
+    await bus.nc.flush()
+    prefix = bus.subjects.prefix
+    own = (f"{prefix}.inventory.{NODE}", f"{prefix}.node.{NODE}.")
+    requests = [s for s in seen if not s.startswith(("_INBOX.", f"{prefix}.events."))]
+    assert any(s.startswith(own[1]) for s in requests)
+    assert own[0] in requests
+    assert all(s == own[0] or s.startswith(own[1]) for s in requests), requests
