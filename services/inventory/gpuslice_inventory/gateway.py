@@ -21,6 +21,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -64,6 +65,7 @@ MAX_IN_FLIGHT = 512
 PING_TIMEOUT_S = 1.0
 
 TokenIssuer = Callable[[str, str], str]
+After = list[Callable[[], None]]  # what follows a reply: its events
 Answer = Pong | AllocationReply | PreferredReply | PlacementsReply | Done | ErrorReply
 
 
@@ -116,7 +118,7 @@ class NodeGateway:
         self.stats = GatewayStats()
         self._tasks: set[asyncio.Task[None]] = set()
         self._subscription: Subscription | None = None
-        self._handlers: dict[Verb, Callable[[str, Frozen], Awaitable[Answer]]] = {
+        self._handlers: dict[Verb, Callable[[str, Frozen, After], Awaitable[Answer]]] = {
             Verb.PING: self._ping,
             Verb.ALLOCATE: self._allocate,
             Verb.PREFERRED: self._preferred,
@@ -154,11 +156,26 @@ class NodeGateway:
         task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, msg: Msg) -> None:
-        answer = await self.answer(msg.subject, msg.data)
+        after: After = []
+        answer = await self.answer(msg.subject, msg.data, after)
         await self._respond(msg, answer)
+        if after:
+            await asyncio.sleep(0)  # the reply goes out before the events are built
+            for step in after:
+                step()
 
-    async def answer(self, subject: str, data: bytes) -> Answer:
-        """The reply to one request; never raises."""
+    async def answer(self, subject: str, data: bytes, after: After | None = None) -> Answer:
+        """The reply to one request; never raises. What is to follow the reply (its
+        events) is appended to ``after``; without it, it is done at once."""
+        steps: After = [] if after is None else after
+        try:
+            return await self._answer(subject, data, steps)
+        finally:
+            if after is None:
+                for step in steps:
+                    step()
+
+    async def _answer(self, subject: str, data: bytes, after: After) -> Answer:
         try:
             node, verb, request = self._parse(subject, data)
         except BadRequest as exc:
@@ -167,7 +184,7 @@ class NodeGateway:
             return ErrorReply(error=ErrorKind.BAD_REQUEST, message=str(exc)[:1024])
         self.stats.requests[verb] += 1
         try:
-            return await self._handlers[verb](node, request)
+            return await self._handlers[verb](node, request, after)
         except BadRequest as exc:
             log.warning("bad %s request from node %s: %s", verb, node, exc)
             answer = ErrorReply(error=ErrorKind.BAD_REQUEST, message=str(exc)[:1024])
@@ -215,7 +232,7 @@ class NodeGateway:
 
     # ------------------------------------------------------------ verbs
 
-    async def _ping(self, node: str, request: Frozen) -> Answer:
+    async def _ping(self, node: str, request: Frozen, after: After) -> Answer:
         try:
             alive = await asyncio.wait_for(self.ledger.ping(), PING_TIMEOUT_S)
         except TimeoutError:
@@ -224,23 +241,30 @@ class NodeGateway:
             raise LedgerUnavailable("Redis did not answer a ping")
         return Pong()
 
-    async def _allocate(self, node: str, request: Frozen) -> Answer:
+    async def _allocate(self, node: str, request: Frozen, after: After) -> Answer:
         assert isinstance(request, AllocateRequest)
         try:
             allocation = await self.ledger.allocate(node, request.count, request.request_id)
         except NotReserved as exc:
-            self._publish(EventType.ALLOC_FAILED, node, None, f"no pending pod: {exc}")
+            after.append(
+                partial(self._publish, EventType.ALLOC_FAILED, node, None, f"no pending pod: {exc}")
+            )
             raise
         except LedgerError as exc:
             if error_kind(exc) != ErrorKind.REBUILDING:  # asked again soon, not a failure yet
-                self._publish(EventType.ALLOC_FAILED, node, None, f"ledger unavailable: {exc}")
+                reason = f"ledger unavailable: {exc}"
+                after.append(partial(self._publish, EventType.ALLOC_FAILED, node, None, reason))
             raise
         token = ""
         if self.issue_telemetry_token is not None:
             token = self.issue_telemetry_token(node, allocation.placement.pod.uid)
         # retried requests share the event id: the audit stream keeps it once
         event_id = str(uuid.uuid5(EVENT_NAMESPACE, f"{node}/{request.request_id}"))
-        self._publish(EventType.ALLOC_ALLOCATED, node, allocation, "", event_id=event_id)
+        after.append(
+            partial(
+                self._publish, EventType.ALLOC_ALLOCATED, node, allocation, "", event_id=event_id
+            )
+        )
         return AllocationReply(
             placement=allocation.placement,
             container_index=allocation.container_index,
@@ -248,18 +272,18 @@ class NodeGateway:
             telemetry_token=token,
         )
 
-    async def _preferred(self, node: str, request: Frozen) -> Answer:
+    async def _preferred(self, node: str, request: Frozen, after: After) -> Answer:
         assert isinstance(request, PreferredRequest)
         upcoming = await self.ledger.next_allocation(node, request.count)
         return PreferredReply(devices=tuple(g.uuid for g in upcoming.devices) if upcoming else ())
 
-    async def _placements(self, node: str, request: Frozen) -> Answer:
+    async def _placements(self, node: str, request: Frozen, after: After) -> Answer:
         placements = await self.ledger.node_placements(node)
         return PlacementsReply(
             pods=tuple(PodState(uid=p.pod.uid, state=p.state) for p in placements)
         )
 
-    async def _failed(self, node: str, request: Frozen) -> Answer:
+    async def _failed(self, node: str, request: Frozen, after: After) -> Answer:
         assert isinstance(request, FailedRequest)
         placement = await self.ledger.placement(request.pod_uid)
         if placement is None or placement.node != node:
@@ -268,7 +292,9 @@ class NodeGateway:
         if request.container not in names:
             raise BadRequest(f"pod {request.pod_uid} has no container {request.container!r}")
         allocation = Allocation(placement, names.index(request.container))
-        self._publish(EventType.ALLOC_FAILED, node, allocation, request.reason)
+        after.append(
+            partial(self._publish, EventType.ALLOC_FAILED, node, allocation, request.reason)
+        )
         return Done()
 
     def _publish(
