@@ -1,11 +1,16 @@
 """Device plugin benchmark: what kubelet waits for when it admits a GPU container.
 
-Runs the agent (simulated GPUs, real redis-server and nats-server on loopback)
-and plays kubelet over the plugin's unix socket: for each pod, bound in the
-ledger beforehand, GetPreferredAllocation then Allocate, as kubelet calls them.
-The baseline, measured in the same run over the same socket, is an empty gRPC
-round trip (GetDevicePluginOptions). Also: how long a health change takes to
-reach an open ListAndWatch stream.
+Runs the agent (simulated GPUs, real redis-server and nats-server on loopback,
+the inventory as its own process) and plays kubelet over the plugin's unix
+socket: for each pod, bound in the ledger beforehand, GetPreferredAllocation
+then Allocate, as kubelet calls them. The baseline, measured in the same run
+over the same socket, is an empty gRPC round trip (GetDevicePluginOptions).
+
+The ledger's part of Allocate is also timed alone, both ways, interleaved in
+the same run: through the bus as the agent asks now (agent -> NATS ->
+inventory -> Redis -> reply) and directly (agent -> Redis), as it did when it
+held a ledger credential. Also: how long a health change takes to reach an open
+ListAndWatch stream.
 
     python bench/deviceplugin_bench.py [--pods 500] [--json]
 """
@@ -15,23 +20,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 
+from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
-from gpuslice_common.servers import NatsServer, RedisServer
+from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.kubelet import LinkTiming
 from gpuslice_deviceplugin.service import running
 
@@ -73,6 +86,78 @@ class Registration(pb_grpc.RegistrationServicer):
         return pb.Empty()
 
 
+def start_inventory(work: Path, redis_url: str, nats_url: str) -> subprocess.Popen[bytes]:
+    """``python -m gpuslice_inventory``, as a cluster runs it (one replica)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
+    env.update(
+        GPUSLICE_NATS_URL=nats_url,
+        GPUSLICE_REDIS_URL=redis_url,
+        GPUSLICE_KUBE_API="none",
+        GPUSLICE_LISTEN_HOST="127.0.0.1",
+        GPUSLICE_LISTEN_PORT=str(port),
+        GPUSLICE_LOG_LEVEL="WARNING",
+    )
+    with (work / "inventory.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuslice_inventory"], env=env, stdout=log, stderr=log
+        )
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the inventory exited: {(work / 'inventory.log').read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("the inventory did not get ready")
+        time.sleep(0.1)
+
+
+async def bind_pods(ledger: Ledger, gpus: list[str], names: list[str]) -> None:
+    for i, uid in enumerate(names):
+        grant = DeviceGrant(uuid=gpus[i % GPUS], memory_mib=100, cores=1)
+        await ledger.reserve(
+            Placement(
+                pod=PodRef(uid=uid, namespace="bench", name=uid),
+                node=NODE,
+                containers=(ContainerAssignment(name="main", devices=(grant,)),),
+            )
+        )
+        await ledger.mark_bound(uid)
+
+
+async def ledger_part(
+    args: argparse.Namespace, ledger: Ledger, gateway: InventoryGateway, gpus: list[str]
+) -> tuple[list[float], list[float]]:
+    """The ledger's part of Allocate, through the bus and directly, interleaved, in
+    batches of a few bound pods, as a node has waiting (the allocate script reads
+    every waiting pod), released afterwards."""
+    loop = asyncio.get_running_loop()
+    bus: list[float] = []
+    direct: list[float] = []
+    batch = 5
+    for first in range(0, args.pods + 4 * batch, batch):  # the first batches warm up
+        names = [f"ledger-{first + i}" for i in range(2 * batch)]
+        await bind_pods(ledger, gpus, names)
+        for _ in range(batch):
+            start = time.perf_counter()
+            await gateway.allocate(1, uuid.uuid4().hex, loop.time() + 5)
+            took_bus = time.perf_counter() - start
+            start = time.perf_counter()
+            await ledger.allocate(NODE, 1, uuid.uuid4().hex)
+            took_direct = time.perf_counter() - start
+            if first >= 4 * batch:
+                bus.append(took_bus)
+                direct.append(took_direct)
+        for uid in names:
+            await ledger.release(uid, "benchmark")
+    return bus, direct
+
+
 async def bench(
     args: argparse.Namespace, work: Path, redis_url: str, nats_url: str
 ) -> dict[str, Any]:
@@ -89,7 +174,6 @@ async def bench(
         interposer_library=str(library),
         node_config_file=str(config),
         backend="simulated",
-        redis_url=redis_url,
         nats_url=nats_url,
         kube_api="none",
         health_interval="50ms",
@@ -99,61 +183,66 @@ async def bench(
     pb_grpc.add_RegistrationServicer_to_server(registration, server)
     server.add_insecure_port(f"unix://{kubelet_dir / 'kubelet.sock'}")
     await server.start()
-    async with running(settings, serve_http=False, timing=LinkTiming(poll_s=0.05)) as state:
-        await asyncio.wait_for(registration.done.wait(), 10)
-        gpus = [d.uuid for d in state.agent.device_list.replicas.devices]
-        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
-        for i in range(args.pods):
-            grant = DeviceGrant(uuid=gpus[i % GPUS], memory_mib=100, cores=1)
-            await state.ledger.reserve(
-                Placement(
-                    pod=PodRef(uid=f"bench-{i}", namespace="bench", name=f"p{i}"),
-                    node=NODE,
-                    containers=(ContainerAssignment(name="main", devices=(grant,)),),
-                )
-            )
-            await state.ledger.mark_bound(f"bench-{i}")
-        async with grpc.aio.insecure_channel(f"unix://{kubelet_dir / 'gpuslice.sock'}") as ch:
-            stub = pb_grpc.DevicePluginStub(ch)
-            stream = stub.ListAndWatch(pb.Empty())
-            first = await stream.read()
-            ids = [d.ID for d in first.devices]  # type: ignore[union-attr]
-            baseline = await timed(args.pods, lambda i: stub.GetDevicePluginOptions(pb.Empty()))
+    inventory = await asyncio.to_thread(start_inventory, work, redis_url, nats_url)
+    ledger = Ledger.from_url(redis_url)
+    bus = await Bus.connect(settings, "bench/deviceplugin")
+    try:
+        async with running(
+            settings, bus=bus, serve_http=False, timing=LinkTiming(poll_s=0.05)
+        ) as state:
+            await asyncio.wait_for(registration.done.wait(), 10)
+            gpus = [d.uuid for d in state.agent.device_list.replicas.devices]
+            await ledger.register_node(state.agent.inventory(), rebuilt=True)
+            through_bus, direct = await ledger_part(args, ledger, state.gateway, gpus)
+            await bind_pods(ledger, gpus, [f"bench-{i}" for i in range(args.pods)])
+            async with grpc.aio.insecure_channel(f"unix://{kubelet_dir / 'gpuslice.sock'}") as ch:
+                stub = pb_grpc.DevicePluginStub(ch)
+                stream = stub.ListAndWatch(pb.Empty())
+                first = await stream.read()
+                ids = [d.ID for d in first.devices]  # type: ignore[union-attr]
+                baseline = await timed(args.pods, lambda i: stub.GetDevicePluginOptions(pb.Empty()))
 
-            async def admit(i: int) -> None:
-                free = ids[i:]
-                pref = await stub.GetPreferredAllocation(
-                    pb.PreferredAllocationRequest(
-                        container_requests=[
-                            pb.ContainerPreferredAllocationRequest(
-                                available_deviceIDs=free, allocation_size=1
-                            )
-                        ]
+                async def admit(i: int) -> None:
+                    free = ids[i:]
+                    pref = await stub.GetPreferredAllocation(
+                        pb.PreferredAllocationRequest(
+                            container_requests=[
+                                pb.ContainerPreferredAllocationRequest(
+                                    available_deviceIDs=free, allocation_size=1
+                                )
+                            ]
+                        )
                     )
-                )
-                chosen = list(pref.container_responses[0].deviceIDs)
-                await stub.Allocate(
-                    pb.AllocateRequest(
-                        container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)]
+                    chosen = list(pref.container_responses[0].deviceIDs)
+                    await stub.Allocate(
+                        pb.AllocateRequest(
+                            container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)]
+                        )
                     )
-                )
 
-            admitted = await timed(args.pods, admit)
-            changes = []
-            for n in range(10):
-                unhealthy = "[0]" if n % 2 == 0 else "[]"
-                start = time.perf_counter()
-                config.write_text(
-                    f"defaults: {{deviceSplitCount: {SPLIT}, "
-                    f"simulate: {{count: {GPUS}, unhealthy: {unhealthy}}}}}\n"
-                )
-                await stream.read()
-                changes.append(time.perf_counter() - start)
-            stream.cancel()
-    await server.stop(0)
+                admitted = await timed(args.pods, admit)
+                changes = []
+                for n in range(10):
+                    unhealthy = "[0]" if n % 2 == 0 else "[]"
+                    start = time.perf_counter()
+                    config.write_text(
+                        f"defaults: {{deviceSplitCount: {SPLIT}, "
+                        f"simulate: {{count: {GPUS}, unhealthy: {unhealthy}}}}}\n"
+                    )
+                    await stream.read()
+                    changes.append(time.perf_counter() - start)
+                stream.cancel()
+    finally:
+        await bus.close()
+        await ledger.close()
+        inventory.terminate()
+        await asyncio.to_thread(inventory.wait, 10)
+        await server.stop(0)
     return {
         "pods": args.pods,
         "replicas": len(ids),
+        "ledger_allocate_through_bus": summary(through_bus),
+        "ledger_allocate_direct": summary(direct),
         "baseline_empty_rpc": summary(baseline),
         "preferred_plus_allocate": summary(admitted),
         "health_change_to_stream": summary(changes),
@@ -182,9 +271,15 @@ def run() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"device plugin, {result['pods']} pods, {result['replicas']} replicas advertised")
-    for key in ("baseline_empty_rpc", "preferred_plus_allocate", "health_change_to_stream"):
+    for key in (
+        "ledger_allocate_through_bus",
+        "ledger_allocate_direct",
+        "baseline_empty_rpc",
+        "preferred_plus_allocate",
+        "health_change_to_stream",
+    ):
         s = result[key]
-        print(f"  {key:26s} p50 {s['p50_ms']:8.3f} ms  p99 {s['p99_ms']:8.3f} ms")
+        print(f"  {key:28s} p50 {s['p50_ms']:8.3f} ms  p99 {s['p99_ms']:8.3f} ms")
 
 
 if __name__ == "__main__":

@@ -438,6 +438,19 @@ def test_device_plugin_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.metrics_port == 19400
 
 
+def test_the_node_agent_has_no_ledger_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node agent asks the inventory; a Redis URL in its environment is not read."""
+    set_env(
+        monkeypatch,
+        {"GPUSLICE_NODE_NAME": "n1", "GPUSLICE_REDIS_URL": "redis://agent:pw@redis:6379/0"},
+    )
+    s = load(DevicePluginSettings)
+    fields = set(DevicePluginSettings.model_fields)
+    assert not fields & {"redis_url", "redis_cluster", "ledger_prefix"}
+    assert "pw" not in s.model_dump_json()
+    assert (s.inventory_timeout.total_seconds(), s.allocate_timeout.total_seconds()) == (2, 30)
+
+
 def test_the_grant_directory_is_not_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interposer reads /run/gpuslice whatever the agent is told: a setting that
     moved the mount elsewhere would leave containers without their grant."""

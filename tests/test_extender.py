@@ -463,7 +463,9 @@ async def test_an_unreadable_node_is_skipped_named_and_the_rest_stays_in_sync(
     await eventually(lambda: "node-c" in view.skipped)
     assert "above its bound" in view.skipped["node-c"]
     # the node's next registration writes it afresh: back in the copy
-    await stack.ledger.register_node(make_inventory("node-b", gpus=4, memory_mib=16384), rebuilt=True)
+    await stack.ledger.register_node(
+        make_inventory("node-b", gpus=4, memory_mib=16384), rebuilt=True
+    )
     await eventually(lambda: "node-b" in view.cluster.node_index)
     assert "node-b" not in view.skipped
     assert "Traceback" not in caplog.text

@@ -254,3 +254,22 @@ def test_node_tokens_round_trip(node: str) -> None:
 def test_distinct_nodes_get_distinct_tokens(a: str, b: str) -> None:
     assert (node_token(a) == node_token(b)) == (a == b)
     assert matches(Subjects().telemetry_node(a), Subjects().telemetry(b, UID)) == (a == b)
+
+
+def test_node_request_subjects_carry_the_node_and_parse_back() -> None:
+    subjects = Subjects("gs")
+    subject = subjects.node_request("gpu-1.example.com", "allocate")
+    assert subject == "gs.node.gpu-1_example_com.allocate"
+    assert subjects.parse_node_request(subject) == ("gpu-1.example.com", "allocate")
+    assert subjects.node_requests("gpu-1") == "gs.node.gpu-1.>"
+    assert subjects.node_requests_all == "gs.node.*.*"
+    for bad in (
+        "gs.node.gpu-1",
+        "gs.node.GPU.ping",
+        "other.node.n.ping",
+        "gs.node.n.Ping",
+        "gs.node.n.a.b",
+    ):
+        assert subjects.parse_node_request(bad) is None
+    with pytest.raises(ValueError, match="not a request verb"):
+        subjects.node_request("gpu-1", "all.of.them")

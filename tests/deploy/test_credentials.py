@@ -28,10 +28,12 @@ from gpuslice_cli.status import gather_status, gather_usage
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import CommonSettings
 from gpuslice_common.events import AllocationEvent, EventType, PodDenied, make_event
-from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import PodRef
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.models import DeviceTelemetry, PodRef, TelemetrySample
 from gpuslice_common.nkeys import KeyPair, Role
 from gpuslice_common.servers import NatsServer, free_port
+from gpuslice_inventory.lease import Lease
+from gpuslice_inventory.telemetry import TelemetryStore
 from tests.conftest import make_inventory
 from tests.deploy.kustomize import render
 from tests.deploy.roles import PASSWORDS, manifest, manifest_nats, until
@@ -50,7 +52,7 @@ def acl_redis(tmp_path: Path) -> Iterator[int]:
     (container,) = spec["containers"]
     assert container["command"] == ["sh", "-c"]
     script = container["args"][0]
-    for role in ("scheduler", "inventory", "deviceplugin", "operator", "probe"):
+    for role in ("scheduler", "inventory", "operator", "probe"):
         script = script.replace(f"$REDIS_{role.upper()}_PASSWORD", PASSWORDS[role])
     assert "$" not in script, script
     argv = shlex.split(script)
@@ -74,25 +76,128 @@ def acl_redis(tmp_path: Path) -> Iterator[int]:
         proc.wait(10)
 
 
-async def test_each_redis_user_runs_the_ledger_and_nothing_else(acl_redis: int) -> None:
-    for role in ("scheduler", "inventory", "deviceplugin"):
-        url = f"redis://{role}:{PASSWORDS[role]}@127.0.0.1:{acl_redis}/0"
-        ledger = Ledger.from_url(url, "gpuslice", retries=1)
+def redis_url(port: int, role: str) -> str:
+    return f"redis://{role}:{PASSWORDS[role]}@127.0.0.1:{port}/0"
+
+
+async def refused_what_is_not_theirs(client: aioredis.Redis) -> None:
+    """Nothing outside the ledger's keys and channel, nothing that runs arbitrary code,
+    changes the server or empties it."""
+    for command in (
+        ("SCRIPT", "FLUSH"),
+        ("SCRIPT", "KILL"),
+        ("FUNCTION", "LIST"),
+        ("FUNCTION", "FLUSH"),
+        ("FLUSHALL",),
+        ("FLUSHDB",),
+        ("CONFIG", "GET", "*"),
+        ("CONFIG", "SET", "appendonly", "no"),
+        ("KEYS", "*"),
+        ("DEBUG", "SLEEP", "0"),
+        ("EVAL", "return 1", "0"),
+        ("SHUTDOWN",),
+        ("ACL", "LIST"),
+        ("SET", "not-gpuslice", "x"),
+        ("GET", "not-gpuslice"),
+        ("HGETALL", "other:gpus"),
+        ("PUBLISH", "other-channel", "x"),
+        ("SUBSCRIBE", "other-channel"),
+    ):
+        # DEBUG is off in the server as well, and says so first
+        refused = ResponseError if command[0] == "DEBUG" else NoPermissionError
+        with pytest.raises(refused, match=r"permissions|not allowed"):
+            await client.execute_command(*command)
+
+
+async def test_each_redis_user_runs_its_part_of_the_ledger_and_nothing_else(
+    acl_redis: int,
+) -> None:
+    inventory = Ledger.from_url(redis_url(acl_redis, "inventory"), "gpuslice", retries=1)
+    scheduler = Ledger.from_url(redis_url(acl_redis, "scheduler"), "gpuslice", retries=1)
+    try:
+        # the inventory registers the nodes its agents announce
+        for node in ("node-1", "node-2"):
+            assert await inventory.register_node(make_inventory(node, gpus=1), rebuilt=True) == 1
+        # the scheduler follows changes, reads the ledger, reserves and binds
+        subscribed = asyncio.Event()
+        changed: asyncio.Queue[str] = asyncio.Queue()
+
+        async def follow() -> None:
+            async for node in scheduler.watch_changes(0.05, on_subscribed=subscribed.set):
+                await changed.put(node)
+
+        watcher = asyncio.create_task(follow())
         try:
-            await ledger.register_node(make_inventory(f"node-{role}", gpus=1), rebuilt=True)
-            await ledger.reserve(placement(f"pod-{role}", f"node-{role}", [[(0, 100, 1)]]))
-            await ledger.mark_bound(f"pod-{role}")
-            await ledger.allocate(f"node-{role}", 1)
-            released = await ledger.release(f"pod-{role}", "done")
+            await asyncio.wait_for(subscribed.wait(), 5)
+            assert await scheduler.ping()
+            assert await scheduler.nodes() == ["node-1", "node-2"]
+            assert set(await scheduler.read_nodes(["node-1"])) == {"node-1"}
+            assert await scheduler.revisions(["node-1"])
+            _, new = await scheduler.reserve_new(placement("p1", "node-1", [[(0, 100, 1)]]))
+            assert new
+            assert await asyncio.wait_for(changed.get(), 5) == "node-1"
+            await scheduler.mark_bound("p1", "node-1")
+            assert (await scheduler.placement("p1")) is not None
+            await scheduler.reserve(placement("p2", "node-2", [[(0, 100, 1)]]))
+            released = await scheduler.release("p2", "bind failed")
             assert released is not None
             assert released.first
-            assert await ledger.now()
-            with pytest.raises(NoPermissionError):
-                await ledger.redis.flushall()
-            with pytest.raises(NoPermissionError):
-                await ledger.redis.set("not-gpuslice", "x")
         finally:
-            await ledger.close()
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        # the inventory allocates, keeps liveness, expiry and reconciliation
+        assert await inventory.next_allocation("node-1", 1) is not None
+        allocation = await inventory.allocate("node-1", 1, "request-1")
+        assert allocation.placement.pod.uid == "p1"
+        assert [p.pod.uid for p in await inventory.node_placements("node-1")] == ["p1"]
+        now = await inventory.now()
+        assert set(await inventory.node_liveness(["node-1"])) == {"node-1"}
+        assert not await inventory.mark_unavailable("node-1", now - timedelta(hours=1))
+        assert await inventory.nodes_gpus(["node-1"])
+        restored, _ = await inventory.restore(placement("p3", "node-2", [[(0, 100, 1)]]), True)
+        assert restored.pod.uid == "p3"
+        assert (await inventory.release("p1", "pod deleted")) is not None
+        lease = Lease(inventory.redis, "gpuslice:inventory:lease", 1000)
+        assert await lease.acquire()
+        assert await lease.acquire()  # renewed
+        await lease.release()
+        store = TelemetryStore(inventory.redis, "gpuslice")
+        sample = TelemetrySample(
+            node="node-2",
+            pod_uid="p3",
+            container="main",
+            pid=1,
+            time=now,
+            devices=(DeviceTelemetry(uuid="GPU-node-2-0", used_bytes=1, limit_bytes=2),),
+        )
+        assert store.ingest(
+            store.subjects.telemetry("node-2", "p3"), sample.model_dump_json().encode()
+        )
+        assert await store.flush() == 1
+        assert [u.pod_uid for u in await store.container_usage("node-2")] == ["p3"]
+        assert await store.forget_pod("node-2", "p3") >= 1
+        for ledger in (inventory, scheduler):
+            await refused_what_is_not_theirs(ledger.redis)
+        # the scheduler registers no node and allocates nothing
+        with pytest.raises(NoPermissionError):
+            await scheduler.redis.sadd("gpuslice:nodes", "node-9")
+        with pytest.raises(LedgerError, match=r"can.t run this command"):
+            await scheduler.allocate("node-1", 1, "from-the-scheduler")
+    finally:
+        await inventory.close()
+        await scheduler.close()
+    # node agents have no Redis user at all
+    # (spoken raw: the client library retries a refused login)
+    reader, writer = await asyncio.open_connection("127.0.0.1", acl_redis)
+    try:
+        for password in (PASSWORDS["deviceplugin"], PASSWORDS["inventory"], "x"):
+            writer.write(f"AUTH deviceplugin {password}\r\n".encode())
+            await writer.drain()
+            assert (await reader.readline()).startswith(b"-WRONGPASS")
+    finally:
+        writer.close()
+        await writer.wait_closed()
     anonymous = aioredis.Redis(port=acl_redis)
     try:
         with pytest.raises((AuthenticationError, ResponseError)):
@@ -100,12 +205,11 @@ async def test_each_redis_user_runs_the_ledger_and_nothing_else(acl_redis: int) 
     finally:
         await anonymous.aclose()
     # operators read what gpuslice status shows, and write nothing
-    url = f"redis://operator:{PASSWORDS['operator']}@127.0.0.1:{acl_redis}/0"
-    operator = Ledger.from_url(url, "gpuslice", retries=1)
+    operator = Ledger.from_url(redis_url(acl_redis, "operator"), "gpuslice", retries=1)
     try:
         nodes = await gather_status(operator)
-        assert [n.node for n in nodes] == ["node-deviceplugin", "node-inventory", "node-scheduler"]
-        assert await gather_usage(operator, "gpuslice", nodes) == {}
+        assert [n.node for n in nodes] == ["node-1", "node-2"]
+        await gather_usage(operator, "gpuslice", nodes)
         with pytest.raises(NoPermissionError):
             await operator.redis.hset("gpuslice:nodes", "x", "y")
     finally:
@@ -117,6 +221,13 @@ async def test_each_redis_user_runs_the_ledger_and_nothing_else(acl_redis: int) 
             await probe.get("gpuslice:nodes")
     finally:
         await probe.aclose()
+
+
+def test_no_redis_user_or_password_is_left_for_node_agents() -> None:
+    script = manifest("StatefulSet", "gpuslice-redis")["spec"]["template"]["spec"]["containers"]
+    assert "deviceplugin" not in yaml.safe_dump(script)
+    plugin = manifest("DaemonSet", "gpuslice-deviceplugin")
+    assert "REDIS" not in yaml.safe_dump(plugin).upper()
 
 
 # ---------------------------------------------------------------- NATS
@@ -163,6 +274,7 @@ async def test_service_users_log_in_with_their_passwords_and_no_other(
         await until(lambda: got)
         assert got == ["gpuslice.events.pod.denied"]
         assert any("permissions violation" in e.lower() for e in errors), errors
+
     finally:
         for client in (auditor, webhook):
             await client.close()

@@ -62,12 +62,13 @@ def test_the_driver_runs_the_demo_against_services_started_apart(
         logs = tmp_path / "logs"
         logs.mkdir()
 
-        def start(name: str, module: str, **env: str) -> None:
+        def start(name: str, module: str, ledger: bool = True, **env: str) -> None:
+            shared = {k: v for k, v in common.items() if ledger or "REDIS" not in k}
             with (logs / f"{name}.log").open("wb") as out:
                 services.append(
                     subprocess.Popen(
                         [sys.executable, "-m", module],
-                        env={**common, **env},
+                        env={**shared, **env},
                         stdout=out,
                         stderr=subprocess.STDOUT,
                     )
@@ -98,6 +99,7 @@ def test_the_driver_runs_the_demo_against_services_started_apart(
             start(
                 node,
                 "gpuslice_deviceplugin",
+                ledger=False,  # node agents ask the inventory
                 GPUSLICE_NODE_NAME=node,
                 GPUSLICE_BACKEND="simulated",
                 GPUSLICE_KUBELET_DIR=str(kubelets / node),

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ import pytest
 
 from gpuslice_cli.dev.kubelet import DevKubelet
 from gpuslice_common.bus import Bus
-from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.config import DevicePluginSettings, InventorySettings
 from gpuslice_common.grant import Grant as ContainerGrant
 from gpuslice_common.grant import GrantDevice
 from gpuslice_common.ledger import Ledger
@@ -27,6 +28,9 @@ from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, 
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_deviceplugin.kubelet import LinkTiming
 from gpuslice_deviceplugin.service import Running, running
+from gpuslice_inventory.gateway import TokenIssuer
+from gpuslice_inventory.service import Running as InventoryRunning
+from gpuslice_inventory.service import running as inventory_running
 from tests.native.probe import Native
 
 NODE = "node-a"
@@ -68,7 +72,6 @@ def make_settings(
     short_dir: Path,
     tmp_path: Path,
     node_config: Path,
-    redis_url: str,
     nats_server: NatsServer,
     prefix: str,
     native: Native,
@@ -81,11 +84,10 @@ def make_settings(
             "interposer_library": str(native.lib),
             "node_config_file": str(node_config),
             "backend": "simulated",
-            "redis_url": redis_url,
             "nats_url": nats_server.url,
             "subject_prefix": prefix,
-            "ledger_prefix": prefix,
             "kube_api": "none",
+            "inventory_timeout": "1s",
             "health_interval": "100ms",
             "inventory_interval": "10s",
             "coordinate_interval": "100ms",
@@ -111,21 +113,66 @@ async def bus(nats_server: NatsServer, prefix: str) -> AsyncIterator[Bus]:
     await b.close()
 
 
+@asynccontextmanager
+async def an_inventory(
+    nats_url: str,
+    redis_url: str,
+    prefix: str,
+    *,
+    issue_telemetry_token: TokenIssuer | None = None,
+    **overrides: Any,
+) -> AsyncIterator[InventoryRunning]:
+    """The inventory service, which answers the agent's requests to the ledger."""
+    values: dict[str, Any] = {
+        "nats_url": nats_url,
+        "redis_url": redis_url,
+        "subject_prefix": prefix,
+        "ledger_prefix": prefix,
+        "kube_api": "none",
+        "listen_host": "127.0.0.1",
+        "listen_port": free_port(),
+        **overrides,
+    }
+    settings = InventorySettings(**values)
+    bus = await Bus.connect(settings, "test/inventory")
+    try:
+        async with inventory_running(
+            settings, bus, serve_http=False, issue_telemetry_token=issue_telemetry_token
+        ) as state:
+            await bus.nc.flush()
+            yield state
+    finally:
+        await bus.close()
+
+
 @pytest.fixture
-async def agent(
-    settings: DevicePluginSettings, kubelet: DevKubelet, bus: Bus
-) -> AsyncIterator[Running]:
-    """The agent registered with the test kubelet, its node registered in the ledger."""
-    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
+async def inventory(
+    nats_server: NatsServer, redis_url: str, prefix: str
+) -> AsyncIterator[InventoryRunning]:
+    async with an_inventory(nats_server.url, redis_url, prefix) as state:
         yield state
 
 
 @pytest.fixture
-async def plugin_ledger(settings: DevicePluginSettings) -> AsyncIterator[Ledger]:
-    led = Ledger.from_settings(settings)
+async def plugin_ledger(redis_url: str, prefix: str) -> AsyncIterator[Ledger]:
+    """The ledger the inventory serves the agent from, for the test's own reads and writes."""
+    led = Ledger.from_url(redis_url, prefix)
     yield led
     await led.close()
+
+
+@pytest.fixture
+async def agent(
+    settings: DevicePluginSettings,
+    kubelet: DevKubelet,
+    bus: Bus,
+    inventory: InventoryRunning,
+    plugin_ledger: Ledger,
+) -> AsyncIterator[Running]:
+    """The agent registered with the test kubelet, its node registered in the ledger."""
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
+        yield state
 
 
 Grant = tuple[str, int, int]  # (uuid, memory MiB, cores)
@@ -203,7 +250,6 @@ def agent_process(
     short_dir: Path,
     tmp_path: Path,
     native: Native,
-    redis_url: str,
     nats_server: NatsServer,
     prefix: str,
 ) -> Iterator[Callable[..., subprocess.Popen[str]]]:
@@ -225,10 +271,8 @@ def agent_process(
                 "GPUSLICE_HOST_DIR": str(tmp_path / "host"),
                 "GPUSLICE_INTERPOSER_LIBRARY": str(native.lib),
                 "GPUSLICE_NODE_CONFIG_FILE": str(config),
-                "GPUSLICE_REDIS_URL": redis_url,
                 "GPUSLICE_NATS_URL": nats_server.url,
                 "GPUSLICE_SUBJECT_PREFIX": prefix,
-                "GPUSLICE_LEDGER_PREFIX": prefix,
                 "GPUSLICE_KUBE_API": "none",
                 "GPUSLICE_LISTEN_HOST": "127.0.0.1",
                 "GPUSLICE_METRICS_PORT": str(free_port()),

@@ -1,4 +1,5 @@
-"""The agent rides out Redis and NATS restarts; its generated API stays in step with the .proto."""
+"""The agent rides out Redis, NATS and inventory restarts and lost replies; its
+generated API stays in step with the .proto."""
 
 from __future__ import annotations
 
@@ -11,14 +12,21 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+import pytest
+from nats.aio.msg import Msg
+
 from gpuslice_cli.dev.kubelet import DevKubelet
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import NodeInventory
+from gpuslice_common.models import NodeInventory, PlacementState
+from gpuslice_common.nodeapi import AllocationReply, ErrorKind, ErrorReply
 from gpuslice_common.servers import NatsServer, RedisServer
+from gpuslice_common.subjects import Subjects
 from gpuslice_deviceplugin.service import running
-from tests.deviceplugin.conftest import FAST, NODE, bind, placement, uuids
+from gpuslice_inventory.gateway import NodeGateway
+from tests.deviceplugin.conftest import FAST, NODE, an_inventory, bind, placement, uuids
 
 ROOT = Path(__file__).resolve().parents[2]
 API = ROOT / "services" / "deviceplugin" / "gpuslice_deviceplugin" / "api"
@@ -27,21 +35,30 @@ API = ROOT / "services" / "deviceplugin" / "gpuslice_deviceplugin" / "api"
 async def test_an_allocate_during_a_redis_restart_is_answered_when_redis_is_back(
     make_settings: Callable[..., DevicePluginSettings],
     own_redis: RedisServer,
+    nats_server: NatsServer,
+    prefix: str,
     kubelet: DevKubelet,
     bus: Bus,
 ) -> None:
-    settings = make_settings(redis_url=own_redis.url)
-    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
-        await bind(state.ledger, placement("through", [[(uuids(state)[0], 100, 5)]]))
-        plugin = await kubelet.registration()
-        await plugin.list_after(0)
-        own_redis.kill()
-        admitting = asyncio.create_task(plugin.admit_container(1))
-        await asyncio.sleep(0.5)
-        assert not admitting.done()
-        await asyncio.to_thread(own_redis.start)
-        response = await asyncio.wait_for(admitting, 15)
+    settings = make_settings()
+    ledger = Ledger.from_url(own_redis.url, prefix)
+    try:
+        async with (
+            an_inventory(nats_server.url, own_redis.url, prefix),
+            running(settings, bus=bus, serve_http=False, timing=FAST) as state,
+        ):
+            await ledger.register_node(state.agent.inventory(), rebuilt=True)
+            await bind(ledger, placement("through", [[(uuids(state)[0], 100, 5)]]))
+            plugin = await kubelet.registration()
+            await plugin.list_after(0)
+            own_redis.kill()
+            admitting = asyncio.create_task(plugin.admit_container(1))
+            await asyncio.sleep(0.5)
+            assert not admitting.done()
+            await asyncio.to_thread(own_redis.start)
+            response = await asyncio.wait_for(admitting, 30)
+    finally:
+        await ledger.close()
     assert response.envs["GPUSLICE_POD_UID"] == "through"
 
 
@@ -79,53 +96,189 @@ async def test_the_heartbeat_comes_back_after_a_nats_restart(
     assert len(inv.devices) == 2
 
 
+async def test_an_allocate_before_any_inventory_answers_waits_for_one(
+    settings: DevicePluginSettings,
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    plugin_ledger: Ledger,
+    kubelet: DevKubelet,
+    bus: Bus,
+) -> None:
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        plugin = await kubelet.registration()
+        assert len(await plugin.list_after(0)) == 8  # devices come from the node, not the ledger
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
+        await bind(plugin_ledger, placement("late", [[(uuids(state)[1], 100, 5)]]))
+        admitting = asyncio.create_task(plugin.admit_container(1))
+        await asyncio.sleep(0.5)  # no inventory listens: asked again and again
+        assert not admitting.done()
+        async with an_inventory(nats_server.url, redis_url, prefix):
+            response = await asyncio.wait_for(admitting, 15)
+    assert response.envs["GPUSLICE_POD_UID"] == "late"
+
+
+async def test_a_reply_lost_after_the_ledger_took_the_container_is_asked_again_to_the_same_answer(
+    settings: DevicePluginSettings,
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    plugin_ledger: Ledger,
+    kubelet: DevKubelet,
+    bus: Bus,
+) -> None:
+    """An inventory replica that dies between the ledger's allocation and its reply:
+    the agent asks again with the same request id and gets the same container, not
+    the next pod's."""
+    subjects = Subjects(prefix)
+    dying = NodeGateway(plugin_ledger, subjects)
+    took: asyncio.Queue[AllocationReply] = asyncio.Queue()
+
+    async def answer_then_die(msg: Msg) -> None:
+        await sub.unsubscribe()  # the replica is gone: no reply is ever sent
+        reply = await dying.answer(msg.subject, msg.data)
+        assert isinstance(reply, AllocationReply)
+        await took.put(reply)
+
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        plugin = await kubelet.registration()
+        await plugin.list_after(0)
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
+        gpu = uuids(state)[0]
+        await bind(
+            plugin_ledger,
+            placement("first", [[(gpu, 100, 5)]]),
+            placement("second", [[(gpu, 100, 5)]]),
+        )
+        sub = await bus.nc.subscribe(
+            subjects.node_request(NODE, "allocate"), queue=f"{prefix}-inventory", cb=answer_then_die
+        )
+        await bus.nc.flush()
+        admitting = asyncio.create_task(plugin.admit_container(1))
+        lost = await asyncio.wait_for(took.get(), 10)
+        assert lost.placement.pod.uid == "first"
+        async with an_inventory(nats_server.url, redis_url, prefix):
+            response = await asyncio.wait_for(admitting, 15)
+    assert response.envs["GPUSLICE_POD_UID"] == "first"
+    second = await plugin_ledger.placement("second")
+    assert second is not None
+    assert second.state == PlacementState.BOUND  # not handed out by the retry
+
+
+async def test_rebuilding_answers_are_waited_out(
+    settings: DevicePluginSettings,
+    prefix: str,
+    plugin_ledger: Ledger,
+    kubelet: DevKubelet,
+    bus: Bus,
+) -> None:
+    """An inventory whose ledger for the node is being rebuilt says so; the agent
+    asks again until the answer is an allocation."""
+    subjects = Subjects(prefix)
+    gateway = NodeGateway(plugin_ledger, subjects)
+    asked: list[str] = []
+
+    async def rebuilding_twice(msg: Msg) -> None:
+        asked.append(msg.subject)
+        if len(asked) <= 2:
+            busy = ErrorReply(error=ErrorKind.REBUILDING, message="node-a is being rebuilt")
+            await msg.respond(busy.model_dump_json().encode())
+            return
+        reply = await gateway.answer(msg.subject, msg.data)
+        await msg.respond(reply.model_dump_json().encode())
+
+    async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
+        plugin = await kubelet.registration()
+        await plugin.list_after(0)
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
+        await bind(plugin_ledger, placement("rebuilt", [[(uuids(state)[0], 100, 5)]]))
+        await bus.nc.subscribe(subjects.node_request(NODE, "allocate"), cb=rebuilding_twice)
+        await bus.nc.flush()
+        response = await asyncio.wait_for(plugin.admit_container(1), 15)
+    assert response.envs["GPUSLICE_POD_UID"] == "rebuilt"
+    assert len(asked) == 3
+
+
 async def test_an_allocate_while_the_node_is_being_rebuilt_waits_for_it(
-    make_settings: Callable[..., DevicePluginSettings],
+    settings: DevicePluginSettings,
+    nats_server: NatsServer,
+    prefix: str,
     tmp_path: Path,
     kubelet: DevKubelet,
     bus: Bus,
 ) -> None:
     """Redis restarts empty; the pod's placement is restored, but until the node is
-    stamped rebuilt no choice among its bound pods is safe: Allocate waits."""
+    stamped rebuilt no choice among its bound pods is safe: the real inventory
+    answers "rebuilding" and Allocate waits."""
     server = RedisServer(tmp_path / "redis", persist=False)
     with server:
-        settings = make_settings(redis_url=server.url)
-        async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-            plugin = await kubelet.registration()
-            await plugin.list_after(0)
-            await asyncio.to_thread(server.kill)
-            await asyncio.to_thread(server.start)
-            await state.ledger.register_node(state.agent.inventory())  # not stamped
-            record = placement("survivor", [[(uuids(state)[0], 100, 5)]])
-            await state.ledger.restore(record, running=False)
-            admitting = asyncio.create_task(plugin.admit_container(1))
-            await asyncio.sleep(1)  # kubelet's call arrives while the node is rebuilt
-            assert not admitting.done()
-            assert await state.ledger.mark_rebuilt(NODE)
-            response = await asyncio.wait_for(admitting, 30)
-            assert response.envs["GPUSLICE_POD_UID"] == "survivor"
+        ledger = Ledger.from_url(server.url, prefix)
+        try:
+            async with (
+                an_inventory(nats_server.url, server.url, prefix),
+                running(settings, bus=bus, serve_http=False, timing=FAST) as state,
+            ):
+                plugin = await kubelet.registration()
+                await plugin.list_after(0)
+                await asyncio.to_thread(server.kill)
+                await asyncio.to_thread(server.start)
+                await ledger.register_node(state.agent.inventory())  # not stamped
+                record = placement("survivor", [[(uuids(state)[0], 100, 5)]])
+                await ledger.restore(record, running=False)
+                admitting = asyncio.create_task(plugin.admit_container(1))
+                await asyncio.sleep(1)  # kubelet's call arrives while the node is rebuilt
+                assert not admitting.done()
+                assert await ledger.mark_rebuilt(NODE)
+                response = await asyncio.wait_for(admitting, 30)
+                assert response.envs["GPUSLICE_POD_UID"] == "survivor"
+        finally:
+            await ledger.close()
 
 
-async def test_a_redis_outage_at_start_does_not_stop_the_agent(
+async def test_an_allocate_the_inventory_never_answers_is_refused_at_its_deadline(
     make_settings: Callable[..., DevicePluginSettings],
-    own_redis: RedisServer,
     kubelet: DevKubelet,
     bus: Bus,
 ) -> None:
-    own_redis.kill()
-    settings = make_settings(redis_url=own_redis.url)
+    settings = make_settings(allocate_timeout="1s", inventory_timeout="200ms")
+    async with running(settings, bus=bus, serve_http=False, timing=FAST):
+        plugin = await kubelet.registration()
+        await plugin.list_after(0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(plugin.admit_container(1), 15)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "inventory unavailable: no inventory is listening" in str(err.value.details())
+
+
+async def test_an_inventory_restart_between_allocates_loses_nothing(
+    settings: DevicePluginSettings,
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    plugin_ledger: Ledger,
+    kubelet: DevKubelet,
+    bus: Bus,
+) -> None:
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
         plugin = await kubelet.registration()
-        assert len(await plugin.list_after(0)) == 8  # devices come from the node, not Redis
-        await asyncio.to_thread(own_redis.start)
-        ledger = Ledger.from_settings(settings)
-        try:
-            await ledger.register_node(state.agent.inventory(), rebuilt=True)
-            await bind(ledger, placement("late", [[(uuids(state)[1], 100, 5)]]))
-        finally:
-            await ledger.close()
-        response = await plugin.admit_container(1)
-    assert response.envs["GPUSLICE_POD_UID"] == "late"
+        await plugin.list_after(0)
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
+        gpu = uuids(state)[0]
+        await bind(plugin_ledger, *(placement(f"p{i}", [[(gpu, 100, 5)]]) for i in range(4)))
+        served = []
+        async with an_inventory(nats_server.url, redis_url, prefix):
+            for _ in range(2):
+                served.append((await plugin.admit_container(1)).envs["GPUSLICE_POD_UID"])
+        admitting = asyncio.create_task(plugin.admit_container(1))
+        await asyncio.sleep(0.3)
+        async with an_inventory(nats_server.url, redis_url, prefix):
+            served.append((await asyncio.wait_for(admitting, 15)).envs["GPUSLICE_POD_UID"])
+            served.append((await plugin.admit_container(1)).envs["GPUSLICE_POD_UID"])
+    assert served == ["p0", "p1", "p2", "p3"]
+    for i in range(4):
+        record = await plugin_ledger.placement(f"p{i}")
+        assert record is not None
+        assert record.state == PlacementState.ALLOCATED
 
 
 async def test_the_agent_serves_kubelet_while_nats_is_down_and_connects_later(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from nats.aio.msg import Msg
 
 from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
 from gpuslice_common.bus import Bus
@@ -18,14 +19,26 @@ from gpuslice_common.events import AllocationEvent, CloudEvent, EventType, parse
 from gpuslice_common.grant import Grant, GrantDevice
 from gpuslice_common.grant import parse as parse_grant
 from gpuslice_common.kube import LocalKubeApi
+from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import NodeInventory, PlacementState
 from gpuslice_common.region import Region
+from gpuslice_common.servers import NatsServer
 from gpuslice_deviceplugin.allocation import without_credentials
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.kubelet import KubeletLinkError
 from gpuslice_deviceplugin.service import Running, running
-from tests.deviceplugin.conftest import FAST, MIB, NODE, SIMULATED, bind, placement, uuids
+from gpuslice_inventory.service import Running as InventoryRunning
+from tests.deviceplugin.conftest import (
+    FAST,
+    MIB,
+    NODE,
+    SIMULATED,
+    an_inventory,
+    bind,
+    placement,
+    uuids,
+)
 
 
 def write(path: Path, text: str) -> None:
@@ -144,13 +157,15 @@ async def test_a_bad_config_edit_keeps_the_last_good_one(
     assert len(devices) == 4
 
 
-async def test_kubelet_restart_means_registering_again(agent: Running, kubelet: DevKubelet) -> None:
+async def test_kubelet_restart_means_registering_again(
+    agent: Running, kubelet: DevKubelet, plugin_ledger: Ledger
+) -> None:
     await registered(kubelet)
     await kubelet.restart()  # deletes every socket, ours included
     again = await registered(kubelet, 2)
     assert len(again.devices) == 8
     assert is_socket(Path(agent.settings.kubelet_dir) / "gpuslice.sock")
-    await bind(agent.ledger, placement("after-restart", [[(uuids(agent)[0], 1000, 10)]]))
+    await bind(plugin_ledger, placement("after-restart", [[(uuids(agent)[0], 1000, 10)]]))
     response = await again.admit_container(1)
     assert response.envs["GPUSLICE_POD_UID"] == "after-restart"
 
@@ -194,11 +209,11 @@ async def test_registration_refused_gives_up_after_bounded_retries(
 
 
 async def test_allocate_one_gpu_answers_env_and_mounts(
-    agent: Running, kubelet: DevKubelet, events: Events
+    agent: Running, kubelet: DevKubelet, events: Events, plugin_ledger: Ledger
 ) -> None:
     plugin = await registered(kubelet)
     gpu = uuids(agent)[1]
-    await bind(agent.ledger, placement("p1", [[(gpu, 4096, 30)]]))
+    await bind(plugin_ledger, placement("p1", [[(gpu, 4096, 30)]]))
     response = await plugin.admit_container(1)
     env = dict(response.envs)
     host = agent.host
@@ -250,17 +265,17 @@ async def test_allocate_one_gpu_answers_env_and_mounts(
     assert payload.pod.uid == "p1"
     assert (payload.node, payload.container, payload.policy) == (NODE, "c0", "binpack")
     assert [d.uuid for d in payload.containers[0].devices] == [gpu]
-    record = await agent.ledger.placement("p1")
+    record = await plugin_ledger.placement("p1")
     assert record is not None
     assert record.state == PlacementState.ALLOCATED
 
 
 async def test_allocate_two_gpus_prefers_the_scheduler_s_cards(
-    agent: Running, kubelet: DevKubelet
+    agent: Running, kubelet: DevKubelet, plugin_ledger: Ledger
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
-    await bind(agent.ledger, placement("p2", [[(b, 1000, 20), (a, 2000, 50)]]))
+    await bind(plugin_ledger, placement("p2", [[(b, 1000, 20), (a, 2000, 50)]]))
     response = await plugin.admit_container(2)
     env = dict(response.envs)
     assert env["NVIDIA_VISIBLE_DEVICES"] == f"{b},{a}"
@@ -281,12 +296,12 @@ async def test_allocate_two_gpus_prefers_the_scheduler_s_cards(
 
 
 async def test_multi_container_pods_are_served_in_bind_order(
-    agent: Running, kubelet: DevKubelet
+    agent: Running, kubelet: DevKubelet, plugin_ledger: Ledger
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
     await bind(
-        agent.ledger,
+        plugin_ledger,
         placement("first", [[(a, 100, 10)], [(a, 200, 10), (b, 300, 10)]], init=[[(b, 50, 5)]]),
         placement("second", [[(b, 400, 10)]]),
     )
@@ -305,7 +320,7 @@ async def test_multi_container_pods_are_served_in_bind_order(
         ("first", "c1", f"{a},{b}"),
         ("second", "c0", b),
     ]
-    assert (await agent.ledger.placement("first")).state == PlacementState.ALLOCATED  # type: ignore[union-attr]
+    assert (await plugin_ledger.placement("first")).state == PlacementState.ALLOCATED  # type: ignore[union-attr]
 
 
 async def test_allocate_without_a_pending_pod_is_a_clear_error(
@@ -328,11 +343,11 @@ async def test_allocate_without_a_pending_pod_is_a_clear_error(
 
 
 async def test_a_count_mismatch_is_refused_and_the_pod_keeps_waiting(
-    agent: Running, kubelet: DevKubelet
+    agent: Running, kubelet: DevKubelet, plugin_ledger: Ledger
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
-    await bind(agent.ledger, placement("two", [[(a, 100, 10), (b, 100, 10)]]))
+    await bind(plugin_ledger, placement("two", [[(a, 100, 10), (b, 100, 10)]]))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await plugin.admit_container(1)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -342,12 +357,12 @@ async def test_a_count_mismatch_is_refused_and_the_pod_keeps_waiting(
 
 
 async def test_concurrent_allocates_hand_out_each_container_once(
-    agent: Running, kubelet: DevKubelet
+    agent: Running, kubelet: DevKubelet, plugin_ledger: Ledger
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
     pods = [placement(f"pod{i}", [[(a if i % 2 else b, 100, 5)]]) for i in range(8)]
-    await bind(agent.ledger, *pods)
+    await bind(plugin_ledger, *pods)
     ids = plugin.free()
     calls = [
         plugin.stub.Allocate(
@@ -383,15 +398,19 @@ async def test_concurrent_allocates_hand_out_each_container_once(
     ],
 )
 async def test_malformed_allocates_are_refused_and_nothing_is_handed_out(
-    agent: Running, kubelet: DevKubelet, request_: pb.AllocateRequest, message: str
+    agent: Running,
+    kubelet: DevKubelet,
+    request_: pb.AllocateRequest,
+    message: str,
+    plugin_ledger: Ledger,
 ) -> None:
     plugin = await registered(kubelet)
-    await bind(agent.ledger, placement("waiting", [[(uuids(agent)[0], 100, 5)]]))
+    await bind(plugin_ledger, placement("waiting", [[(uuids(agent)[0], 100, 5)]]))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await plugin.stub.Allocate(request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in str(err.value.details())
-    record = await agent.ledger.placement("waiting")
+    record = await plugin_ledger.placement("waiting")
     assert record is not None
     assert record.state == PlacementState.BOUND
     assert (await plugin.admit_container(1)).envs["GPUSLICE_POD_UID"] == "waiting"
@@ -450,11 +469,11 @@ async def test_repeated_ids_and_garbage_bytes_leave_the_plugin_serving(
 
 
 async def test_preferred_allocation_honours_must_include(
-    agent: Running, kubelet: DevKubelet
+    agent: Running, kubelet: DevKubelet, plugin_ledger: Ledger
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
-    await bind(agent.ledger, placement("pref", [[(a, 100, 5), (b, 100, 5)]]))
+    await bind(plugin_ledger, placement("pref", [[(a, 100, 5), (b, 100, 5)]]))
     free = plugin.free()
     forced = f"{b}::3"
     reply = await plugin.stub.GetPreferredAllocation(
@@ -479,7 +498,11 @@ def test_the_agent_s_own_nats_credentials_never_reach_a_container() -> None:
 
 
 async def test_disable_control_leaves_the_preload_out(
-    settings: DevicePluginSettings, kubelet: DevKubelet, bus: Bus
+    settings: DevicePluginSettings,
+    kubelet: DevKubelet,
+    bus: Bus,
+    plugin_ledger: Ledger,
+    inventory: InventoryRunning,
 ) -> None:
     kube = LocalKubeApi()
     pod = {
@@ -492,10 +515,10 @@ async def test_disable_control_leaves_the_preload_out(
     }
     kube.add_pod(pod)
     async with running(settings, bus=bus, kube=kube, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await registered(kubelet)
         await bind(
-            state.ledger,
+            plugin_ledger,
             placement("dbg", [[(uuids(state)[0], 100, 5)]]),
             placement("ctl", [[(uuids(state)[0], 100, 5)]]),
         )
@@ -514,6 +537,8 @@ async def test_telemetry_credential_and_context_overhead_reach_the_container(
     kubelet: DevKubelet,
     bus: Bus,
     node_config: Path,
+    plugin_ledger: Ledger,
+    inventory: InventoryRunning,
 ) -> None:
     write(node_config, SIMULATED_WITH_OVERHEAD)
     settings = make_settings(
@@ -522,9 +547,9 @@ async def test_telemetry_credential_and_context_overhead_reach_the_container(
         telemetry_nats_password="s3cret",
     )
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await registered(kubelet)
-        await bind(state.ledger, placement("cred", [[(uuids(state)[0], 100, 5)]], priority=0))
+        await bind(plugin_ledger, placement("cred", [[(uuids(state)[0], 100, 5)]], priority=0))
         env = dict((await plugin.admit_container(1)).envs)
         grant = granted(state.host.container_dir("cred", "c0"))
     assert (grant.policy, grant.priority, grant.context_overhead_bytes) == ("force", 0, 300 * MIB)
@@ -544,3 +569,57 @@ defaults:
   libCudaLogLevel: 3
   simulate: {count: 1}
 """
+
+
+async def test_a_token_the_inventory_issues_replaces_the_static_telemetry_credential(
+    make_settings: Callable[..., DevicePluginSettings],
+    kubelet: DevKubelet,
+    bus: Bus,
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    plugin_ledger: Ledger,
+) -> None:
+    settings = make_settings(telemetry_nats_user="telemetry", telemetry_nats_password="s3cret")
+
+    def issue(node: str, pod_uid: str) -> str:
+        return f"tok.{node}.{pod_uid}"
+
+    async with (
+        an_inventory(nats_server.url, redis_url, prefix, issue_telemetry_token=issue),
+        running(settings, bus=bus, serve_http=False, timing=FAST) as state,
+    ):
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
+        plugin = await registered(kubelet)
+        await bind(plugin_ledger, placement("tok", [[(uuids(state)[0], 100, 5)]]))
+        env = dict((await plugin.admit_container(1)).envs)
+    assert env["GPUSLICE_NATS_TOKEN"] == f"tok.{NODE}.tok"
+    assert "GPUSLICE_NATS_USER" not in env
+    assert "GPUSLICE_NATS_PASSWORD" not in env
+
+
+async def test_the_agent_publishes_nothing_but_its_inventory_and_asks_only_its_own_subjects(
+    agent: Running, kubelet: DevKubelet, bus: Bus, plugin_ledger: Ledger
+) -> None:
+    """What the node's NATS credential must allow: inventory.<node> and node.<node>.>."""
+    seen: list[str] = []
+
+    async def on_msg(msg: Msg) -> None:
+        seen.append(msg.subject)
+
+    await bus.nc.subscribe(">", cb=on_msg)
+    await bus.nc.flush()
+    plugin = await registered(kubelet)
+    await bind(plugin_ledger, placement("watched", [[(uuids(agent)[0], 100, 5)]]))
+    await plugin.admit_container(1)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await plugin.admit_container(1)  # nothing waits: refused
+    await agent.agent.publish_inventory()
+    await agent.clean_up()
+    await bus.nc.flush()
+    prefix = bus.subjects.prefix
+    own = (f"{prefix}.inventory.{NODE}", f"{prefix}.node.{NODE}.")
+    requests = [s for s in seen if not s.startswith(("_INBOX.", f"{prefix}.events."))]
+    assert any(s.startswith(own[1]) for s in requests)
+    assert own[0] in requests
+    assert all(s == own[0] or s.startswith(own[1]) for s in requests), requests

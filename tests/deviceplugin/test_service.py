@@ -25,6 +25,7 @@ from gpuslice_common.models import NodeInventory, TelemetrySample
 from gpuslice_common.servers import free_port
 from gpuslice_deviceplugin.containers import ContainerOwner
 from gpuslice_deviceplugin.service import running
+from gpuslice_inventory.service import Running as InventoryRunning
 from tests.deviceplugin.conftest import FAST, NODE, bind, placement, uuids
 from tests.native.probe import ProbeProcess, ProbeSpawner, probe_argv
 from tests.rawhttp import post_huge
@@ -68,7 +69,11 @@ async def test_heartbeat_publishes_the_inventory_every_interval(
 
 
 async def test_http_health_readiness_and_metrics(
-    make_settings: Callable[..., DevicePluginSettings], short_dir: Path, bus: Bus
+    make_settings: Callable[..., DevicePluginSettings],
+    short_dir: Path,
+    bus: Bus,
+    plugin_ledger: Ledger,
+    inventory: InventoryRunning,
 ) -> None:
     port = free_port()
     settings = make_settings(metrics_port=port, listen_host="127.0.0.1")
@@ -95,10 +100,10 @@ async def test_http_health_readiness_and_metrics(
             await asyncio.wait_for(state.link.registered.wait(), 5)
             await plugin.list_after(0)
             assert (await http.get("/readyz")).status_code == 200
-            await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
+            await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
             gpu = uuids(state)[0]
-            await bind(state.ledger, placement("m1", [[(gpu, 512, 10)]]))
-            await bind(state.ledger, placement("m2", [[(gpu, 512, 10)]]))  # the same shape
+            await bind(plugin_ledger, placement("m1", [[(gpu, 512, 10)]]))
+            await bind(plugin_ledger, placement("m2", [[(gpu, 512, 10)]]))  # the same shape
             await plugin.admit_container(1)
             text = (await http.get("/metrics")).text
             await plugin.close()  # kubelet stops watching: not ready, once the stream ends
@@ -118,24 +123,28 @@ async def test_http_health_readiness_and_metrics(
 
 
 async def test_clean_up_removes_directories_of_pods_gone_from_the_ledger(
-    make_settings: Callable[..., DevicePluginSettings], kubelet: DevKubelet, bus: Bus
+    make_settings: Callable[..., DevicePluginSettings],
+    kubelet: DevKubelet,
+    bus: Bus,
+    plugin_ledger: Ledger,
+    inventory: InventoryRunning,
 ) -> None:
     settings = make_settings(cleanup_grace="1ms")
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await kubelet.registration()
         await plugin.list_after(0)
         gpu = uuids(state)[0]
-        await bind(state.ledger, placement("done", [[(gpu, 100, 5)]]))
-        await bind(state.ledger, placement("live", [[(gpu, 100, 5)]]))
+        await bind(plugin_ledger, placement("done", [[(gpu, 100, 5)]]))
+        await bind(plugin_ledger, placement("live", [[(gpu, 100, 5)]]))
         await plugin.admit_container(1)
         await plugin.admit_container(1)
-        await state.ledger.release("done", reason="pod deleted")
+        await plugin_ledger.release("done", reason="pod deleted")
         await asyncio.sleep(0.01)
         assert await state.clean_up() == ["done"]
         assert not exists(state.host.container_dir("done", "c0"))
         assert exists(state.host.container_dir("live", "c0"))
-        await state.ledger.redis.flushdb()  # Redis lost its data: nothing proves 'live' ended
+        await plugin_ledger.redis.flushdb()  # Redis lost its data: nothing proves 'live' ended
         await asyncio.sleep(0.01)
         assert await state.clean_up() == []
         assert state.gone == frozenset()
@@ -143,21 +152,25 @@ async def test_clean_up_removes_directories_of_pods_gone_from_the_ledger(
 
 
 async def test_with_the_api_a_pod_unknown_to_both_is_gone(
-    make_settings: Callable[..., DevicePluginSettings], kubelet: DevKubelet, bus: Bus
+    make_settings: Callable[..., DevicePluginSettings],
+    kubelet: DevKubelet,
+    bus: Bus,
+    plugin_ledger: Ledger,
+    inventory: InventoryRunning,
 ) -> None:
     kube = LocalKubeApi()
     kube.add_pod({"metadata": {"name": "pod-kept", "namespace": "team", "uid": "kept"}})
     settings = make_settings(cleanup_grace="1ms")
     async with running(settings, bus=bus, kube=kube, serve_http=False, timing=FAST) as state:
-        await state.ledger.register_node(state.agent.inventory(), rebuilt=True)
+        await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await kubelet.registration()
         await plugin.list_after(0)
         gpu = uuids(state)[0]
-        await bind(state.ledger, placement("kept", [[(gpu, 100, 5)]]))
-        await bind(state.ledger, placement("lost", [[(gpu, 100, 5)]]))
+        await bind(plugin_ledger, placement("kept", [[(gpu, 100, 5)]]))
+        await bind(plugin_ledger, placement("lost", [[(gpu, 100, 5)]]))
         await plugin.admit_container(1)
         await plugin.admit_container(1)
-        await state.ledger.redis.flushdb()
+        await plugin_ledger.redis.flushdb()
         await asyncio.sleep(0.01)
         assert await state.clean_up() == ["lost"]
         assert exists(state.host.container_dir("kept", "c0"))
@@ -243,6 +256,7 @@ async def test_end_to_end_an_allocate_answer_drives_the_interposer(
     plugin_ledger: Ledger,
     bus: Bus,
     spawn_probe: ProbeSpawner,
+    inventory: InventoryRunning,
 ) -> None:
     inventories: asyncio.Queue[NodeInventory] = asyncio.Queue()
     telemetry: asyncio.Queue[TelemetrySample] = asyncio.Queue()
@@ -263,11 +277,11 @@ async def test_end_to_end_an_allocate_answer_drives_the_interposer(
     assert {d.ID.split("::")[0] for d in devices} == set(fake)
     assert len(devices) == 10
     # the inventory service's part: the published inventory becomes ledger state
-    inventory = await asyncio.wait_for(inventories.get(), 10)
-    assert [(d.uuid, d.memory_mib, d.model) for d in inventory.devices] == [
-        (u, 16384, inventory.devices[0].model) for u in fake
+    published = await asyncio.wait_for(inventories.get(), 10)
+    assert [(d.uuid, d.memory_mib, d.model) for d in published.devices] == [
+        (u, 16384, published.devices[0].model) for u in fake
     ]
-    await plugin_ledger.register_node(inventory, rebuilt=True)
+    await plugin_ledger.register_node(published, rebuilt=True)
     pod = placement("e2e", [[(fake[1], 1024, 40)]], node="node-e2e")
     await bind(plugin_ledger, pod)
     response = await plugin.admit_container(1)

@@ -35,7 +35,7 @@ from nats.js.api import (
 from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
-from gpuslice_common.config import CommonSettings
+from gpuslice_common.config import BusSettings
 from gpuslice_common.events import CloudEvent, EventError, parse_event
 from gpuslice_common.subjects import Subjects
 
@@ -88,7 +88,7 @@ class Bus:
     @classmethod
     async def connect(
         cls,
-        settings: CommonSettings,
+        settings: BusSettings,
         name: str,
         *,
         connect_timeout: float = 2.0,

@@ -102,8 +102,8 @@ class RequestSettings(BaseModel):
     default_gpu_policy: GpuPolicy = GpuPolicy.FRAGMENTATION
 
 
-class CommonSettings(BaseSettings):
-    """Settings every service reads: where the bus and the ledger are."""
+class BusSettings(BaseSettings):
+    """Settings every component reads: where the bus is. The node agent has only these."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -118,10 +118,7 @@ class CommonSettings(BaseSettings):
     nats_creds_file: str | None = None
     # a token read at every (re)connect: a projected ServiceAccount token kubelet rotates
     nats_token_file: str | None = None
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
     subject_prefix: str = "gpuslice"
-    ledger_prefix: str = "gpuslice"
     audit_max_age: Annotated[Duration, Field(description="retention of the audit stream")] = (
         timedelta(days=90)
     )
@@ -139,19 +136,10 @@ class CommonSettings(BaseSettings):
                 raise ValueError(f"not a NATS URL: {url.strip()!r} (expected nats://host:port)")
         return value
 
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_scheme(cls, value: str) -> str:
-        if not re.match(r"^(redis|rediss|unix)://", value):
-            raise ValueError(f"not a Redis URL: {value!r} (expected redis://host:port/db)")
-        return value
-
-    @field_validator("subject_prefix", "ledger_prefix")
+    @field_validator("subject_prefix")
     @classmethod
     def _token(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", value):
-            raise ValueError(f"must be one token of letters, digits, '-' or '_': {value!r}")
-        return value
+        return _one_token(value)
 
     @field_validator("log_level")
     @classmethod
@@ -160,6 +148,32 @@ class CommonSettings(BaseSettings):
         if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError(f"unknown log level {value!r}")
         return level
+
+
+def _one_token(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", value):
+        raise ValueError(f"must be one token of letters, digits, '-' or '_': {value!r}")
+    return value
+
+
+class CommonSettings(BusSettings):
+    """Settings every control-plane service reads: where the bus and the ledger are."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
+    ledger_prefix: str = "gpuslice"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if not re.match(r"^(redis|rediss|unix)://", value):
+            raise ValueError(f"not a Redis URL: {value!r} (expected redis://host:port/db)")
+        return value
+
+    @field_validator("ledger_prefix")
+    @classmethod
+    def _ledger_token(cls, value: str) -> str:
+        return _one_token(value)
 
 
 _SCHEDULER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -269,8 +283,12 @@ class InventorySettings(CommonSettings):
     max_request_body: BodyCap = ByteSize(64 * 1024)
 
 
-class DevicePluginSettings(CommonSettings):
-    """The node agent: kubelet's device plugin, inventory and compute coordination."""
+class DevicePluginSettings(BusSettings):
+    """The node agent: kubelet's device plugin, inventory and compute coordination.
+
+    It holds no ledger credential: what it needs from the ledger it asks the
+    inventory over NATS (:mod:`gpuslice_common.nodeapi`).
+    """
 
     node_name: Annotated[str, Field(min_length=1)]
     # kubelet's device-plugin directory (kubelet.sock) and our socket's file name in it
@@ -296,6 +314,11 @@ class DevicePluginSettings(CommonSettings):
     coordinate_interval: Duration = timedelta(milliseconds=250)  # region flags
     # how long a container directory of a pod the ledger no longer holds is kept
     cleanup_grace: Duration = timedelta(minutes=10)
+    # how long one request to the inventory is waited for before it is sent again
+    # (a lost reply, an inventory replica that died), and how long kubelet's
+    # Allocate may take in all while the inventory or its ledger is away
+    inventory_timeout: Duration = timedelta(seconds=2)
+    allocate_timeout: Duration = timedelta(seconds=30)
     # NATS as containers reach it, and the telemetry-only credential they get
     telemetry_nats_url: str | None = None
     telemetry_nats_user: str | None = None

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from gpuslice_common.bus import Bus, BusError
-from gpuslice_common.config import CommonSettings
+from gpuslice_common.config import BusSettings
 from gpuslice_common.events import CloudEvent
 
 log = logging.getLogger("gpuslice.outbox")
@@ -52,7 +52,7 @@ class Outbox:
 
     def __init__(
         self,
-        settings: CommonSettings,
+        settings: BusSettings,
         name: str,
         *,
         capacity: int = 10_000,

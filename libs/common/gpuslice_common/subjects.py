@@ -14,6 +14,7 @@ from gpuslice_common.events import EventType
 
 _PREFIX = re.compile(r"^[A-Za-z0-9_-]+$")
 _NODE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_VERB = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
 _UID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
@@ -49,6 +50,32 @@ class Subjects:
     @property
     def inventory_all(self) -> str:
         return f"{self.prefix}.inventory.*"
+
+    # node agent -> inventory, request-reply: the node is the subject's, never the payload's
+    def node_request(self, node: str, verb: str) -> str:
+        """Where a node agent asks the inventory to ``verb`` (allocate, ping, ...)."""
+        if not _VERB.fullmatch(verb):
+            raise ValueError(f"not a request verb: {verb!r}")
+        return f"{self.prefix}.node.{node_token(node)}.{verb}"
+
+    def node_requests(self, node: str) -> str:
+        """Every request subject of one node: what that node's credential may publish to."""
+        return f"{self.prefix}.node.{node_token(node)}.>"
+
+    @property
+    def node_requests_all(self) -> str:
+        """What the inventory serves: every node's requests."""
+        return f"{self.prefix}.node.*.*"
+
+    def parse_node_request(self, subject: str) -> tuple[str, str] | None:
+        """(node, verb) of a request subject, or None when it is not one."""
+        parts = subject.split(".")
+        if len(parts) != 4 or parts[0] != self.prefix or parts[1] != "node":
+            return None
+        node = node_from_token(parts[2])
+        if len(node) > 253 or not _NODE.fullmatch(node) or not _VERB.fullmatch(parts[3]):
+            return None
+        return node, parts[3]
 
     # interposer -> inventory
     def telemetry(self, node: str, pod_uid: str) -> str:

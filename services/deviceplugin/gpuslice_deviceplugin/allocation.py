@@ -8,7 +8,9 @@ container can change neither. The interposer reads the grant, whatever the
 environment says. The environment still carries HAMi's variables
 (``NVIDIA_VISIBLE_DEVICES`` by UUID, ``CUDA_DEVICE_MEMORY_LIMIT_<i>``,
 ``CUDA_DEVICE_SM_LIMIT`` or ``_<i>``) for tools that read them, and what the
-grant does not: who reports telemetry and where to. The mounts also bring in
+grant does not: who reports telemetry and where to, with the container's own
+telemetry token when the inventory issued one, else the node's static
+telemetry credential. The mounts also bring in
 the library and ``/etc/ld.so.preload`` (left out when the container asks
 ``CUDA_DISABLE_CONTROL=true``, which its grant then allows).
 """
@@ -22,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.grant import GRANT_DIR, Grant, GrantDevice
-from gpuslice_common.ledger import Allocation
+from gpuslice_common.nodeapi import AllocationReply
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.containers import REGION_FILE, HostDir
 from gpuslice_deviceplugin.nodeconfig import NodeConfig
@@ -36,7 +38,11 @@ MIB = 1 << 20
 
 
 def grant(
-    allocation: Allocation, settings: DevicePluginSettings, config: NodeConfig, *, control: bool
+    allocation: AllocationReply,
+    settings: DevicePluginSettings,
+    config: NodeConfig,
+    *,
+    control: bool,
 ) -> Grant:
     """The container's grant; ``control=False`` lets it turn the interposer off."""
     placement = allocation.placement
@@ -59,7 +65,7 @@ def grant(
 
 
 def environment(
-    allocation: Allocation,
+    allocation: AllocationReply,
     settings: DevicePluginSettings,
     config: NodeConfig,
 ) -> dict[str, str]:
@@ -93,11 +99,15 @@ def environment(
     )
     if config.context_overhead_mib is not None:
         env["GPUSLICE_CONTEXT_OVERHEAD"] = f"{config.context_overhead_mib}m"
-    credentials = {
-        "GPUSLICE_NATS_USER": settings.telemetry_nats_user,
-        "GPUSLICE_NATS_PASSWORD": settings.telemetry_nats_password,
-        "GPUSLICE_NATS_TOKEN": settings.telemetry_nats_token,
-    }
+    credentials: dict[str, str | None]
+    if allocation.telemetry_token:  # the container's own credential, from the inventory
+        credentials = {"GPUSLICE_NATS_TOKEN": allocation.telemetry_token}
+    else:
+        credentials = {
+            "GPUSLICE_NATS_USER": settings.telemetry_nats_user,
+            "GPUSLICE_NATS_PASSWORD": settings.telemetry_nats_password,
+            "GPUSLICE_NATS_TOKEN": settings.telemetry_nats_token,
+        }
     env.update({k: v for k, v in credentials.items() if v})
     return env
 
@@ -114,7 +124,7 @@ def without_credentials(urls: str) -> str:
 
 
 def answer(
-    allocation: Allocation,
+    allocation: AllocationReply,
     settings: DevicePluginSettings,
     config: NodeConfig,
     host: HostDir,

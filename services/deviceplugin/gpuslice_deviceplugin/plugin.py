@@ -1,40 +1,61 @@
 """The ``v1beta1.DevicePlugin`` service kubelet calls.
 
 Allocate carries no pod identity, only replica IDs; the pod comes from the
-ledger: the oldest pod bound to this node whose next unallocated container asks
-for that many GPUs, taken atomically. A call that finds none is refused with
-``FAILED_PRECONDITION`` and an ``alloc.failed`` event, never answered with a
-guess. While the node's ledger is being rebuilt (Redis lost its data), the call
-waits for it, up to ``REBUILD_WAIT_S`` or kubelet's deadline.
+ledger, through the inventory (:mod:`gpuslice_deviceplugin.gateway`): the
+oldest pod bound to this node whose next unallocated container asks for that
+many GPUs, taken atomically. A call that finds none is refused with
+``FAILED_PRECONDITION`` (the inventory records ``alloc.failed``), never
+answered with a guess. While the inventory or its ledger is away the call waits,
+asking again with the same request id, until its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
 
-from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import DevicePluginSettings
-from gpuslice_common.events import AllocationEvent, EventType, make_event
 from gpuslice_common.kube import KubeApi, KubeError
-from gpuslice_common.ledger import Allocation, Ledger, LedgerError, LedgerRebuilding, NotReserved
+from gpuslice_common.nodeapi import AllocationReply, ErrorKind, NodeRequestError
 from gpuslice_deviceplugin.allocation import answer, control_wanted, grant
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
+from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.metrics import PluginMetrics
 from gpuslice_deviceplugin.nodeconfig import NodeConfig
 from gpuslice_deviceplugin.replicas import Replicas
 
 log = logging.getLogger(__name__)
-SOURCE = "gpuslice/deviceplugin"
-REBUILD_WAIT_S = 60.0  # Allocate waits this long at most for the node's ledger to be rebuilt
-REBUILD_POLL_S = 0.2
+# how long the inventory's report of a container that could not be prepared may take
+FAILED_REPORT_S = 2.0
+
+# the gRPC status of each kind of error the inventory answers
+STATUS = {
+    ErrorKind.BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_RESERVED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.LEDGER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.REBUILDING: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.LEDGER_ERROR: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def refusal(exc: NodeRequestError) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message for an Allocate the inventory could not answer."""
+    if not isinstance(exc.kind, ErrorKind):
+        return grpc.StatusCode.UNAVAILABLE, f"inventory unavailable: {exc}"
+    code = STATUS[exc.kind]
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return code, f"ledger unavailable: {exc}"
+    return code, str(exc)
 
 
 class DeviceList:
@@ -79,20 +100,18 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         settings: DevicePluginSettings,
         devices: DeviceList,
         config: Callable[[], NodeConfig],
-        ledger: Ledger,
+        gateway: InventoryGateway,
         host: HostDir,
         metrics: PluginMetrics,
         *,
-        bus: Bus | None = None,
         kube: KubeApi | None = None,
     ) -> None:
         self.settings = settings
         self.devices = devices
         self.config = config
-        self.ledger = ledger
+        self.gateway = gateway
         self.host = host
         self.metrics = metrics
-        self.bus = bus
         self.kube = kube
         self.watching = 0  # open ListAndWatch streams: kubelet is listening
 
@@ -145,11 +164,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
                 )
             chosen: list[str] = []
             try:
-                upcoming = await self.ledger.next_allocation(self.node, size)
-            except LedgerError as exc:
+                chosen = list(await self.gateway.preferred(size))
+            except NodeRequestError as exc:
                 log.warning("GetPreferredAllocation without the ledger's choice: %s", exc)
-            else:
-                chosen = [g.uuid for g in upcoming.devices] if upcoming else []
             ids = replicas.preferred(
                 chosen, wanted.available_deviceIDs, wanted.must_include_deviceIDs, size
             )
@@ -188,34 +205,28 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         problem = self._check_ids(ids)
         if problem:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        deadline = self._deadline(context)
         try:
-            allocation = await self._allocate_when_rebuilt(len(ids), context.time_remaining())
-        except NotReserved as exc:
-            await self._failed(None, f"no pending pod: {exc}")
-            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except LedgerError as exc:
-            await self._failed(None, f"ledger unavailable: {exc}")
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"ledger unavailable: {exc}")
+            allocation = await self.gateway.allocate(len(ids), uuid.uuid4().hex, deadline)
+        except NodeRequestError as exc:
+            log.warning("Allocate on %s failed: %s", self.node, exc)
+            await self._refuse(context, *refusal(exc))
         try:
             response = await self._answer(allocation, ids)
         except Exception as exc:  # the container is taken in the ledger; say why it fails
             log.exception("Allocate answer for pod %s failed", allocation.placement.pod.uid)
             message = f"cannot prepare the container ({type(exc).__name__}): {exc}"
-            await self._failed(allocation, message)
+            await self._report_failed(allocation, message)
             await self._refuse(context, grpc.StatusCode.INTERNAL, message)
-        await self._publish(EventType.ALLOC_ALLOCATED, allocation, "")
         return pb.AllocateResponse(container_responses=[response])
 
-    async def _allocate_when_rebuilt(self, count: int, remaining: float | None) -> Allocation:
-        """``ledger.allocate``, waiting while the node's ledger is being rebuilt."""
-        deadline = time.monotonic() + min(REBUILD_WAIT_S, remaining or REBUILD_WAIT_S)
-        while True:
-            try:
-                return await self.ledger.allocate(self.node, count)
-            except LedgerRebuilding:
-                if time.monotonic() + REBUILD_POLL_S >= deadline:
-                    raise
-                await asyncio.sleep(REBUILD_POLL_S)
+    def _deadline(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
+        """When Allocate gives up waiting for the inventory (event-loop time)."""
+        budget = self.settings.allocate_timeout.total_seconds()
+        remaining = context.time_remaining()
+        if remaining is not None and math.isfinite(remaining):
+            budget = min(budget, remaining - 0.1)  # leave time to refuse
+        return asyncio.get_running_loop().time() + max(budget, 0.0)
 
     def _check_ids(self, ids: list[str]) -> str:
         if not ids:
@@ -227,7 +238,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             return f"unknown device IDs: {', '.join(unknown[:8])}"
         return ""
 
-    async def _answer(self, allocation: Allocation, ids: list[str]) -> pb.ContainerAllocateResponse:
+    async def _answer(
+        self, allocation: AllocationReply, ids: list[str]
+    ) -> pb.ContainerAllocateResponse:
         placement = allocation.placement
         container = placement.containers[allocation.container_index]
         control = await self._control_wanted(allocation)
@@ -271,7 +284,7 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         )
         return response
 
-    async def _control_wanted(self, allocation: Allocation) -> bool:
+    async def _control_wanted(self, allocation: AllocationReply) -> bool:
         """Whether the preload goes in; the pod may opt out, a pod we cannot read may not."""
         if self.kube is None:
             return True
@@ -286,33 +299,15 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             return True
         return control_wanted(spec, container)
 
-    async def _failed(self, allocation: Allocation | None, reason: str) -> None:
-        log.warning("Allocate on %s failed: %s", self.node, reason)
-        await self._publish(EventType.ALLOC_FAILED, allocation, reason)
-
-    async def _publish(
-        self, event_type: EventType, allocation: Allocation | None, reason: str
-    ) -> None:
-        if self.bus is None:
-            return
-        if allocation is None:
-            payload = AllocationEvent(pod=None, node=self.node, reason=reason[:1024])
-        else:
-            placement = allocation.placement
-            container = placement.containers[allocation.container_index]
-            payload = AllocationEvent(
-                pod=placement.pod,
-                node=self.node,
-                containers=(container,),
-                container=container.name,
-                policy=placement.policy,
-                reason=reason[:1024],
-            )
-        subject = payload.pod.uid if payload.pod else None
+    async def _report_failed(self, allocation: AllocationReply, reason: str) -> None:
+        """The inventory records alloc.failed for the container it handed out."""
+        placement = allocation.placement
+        container = placement.containers[allocation.container_index].name
+        deadline = asyncio.get_running_loop().time() + FAILED_REPORT_S
         try:
-            await self.bus.publish(make_event(event_type, payload, source=SOURCE, subject=subject))
-        except BusError as exc:  # the answer stands; the client buffers across reconnects
-            log.warning("event %s not published: %s", event_type, exc)
+            await self.gateway.failed(placement.pod.uid, container, reason, deadline)
+        except NodeRequestError as exc:
+            log.warning("failure of pod %s not reported: %s", placement.pod.uid, exc)
 
     @staticmethod
     async def _refuse(

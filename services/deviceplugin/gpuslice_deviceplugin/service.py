@@ -22,14 +22,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
-from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
+from gpuslice_common.nodeapi import NodeRequestError
 from gpuslice_common.service import every, http_server, plain_http
 from gpuslice_common.subjects import node_token
 from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
 from gpuslice_deviceplugin.discovery import open_backend
+from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.kubelet import KubeletLink, LinkTiming
 from gpuslice_deviceplugin.metrics import PluginMetrics, RegionCollector
 from gpuslice_deviceplugin.nodeconfig import NodeConfig, load_node_config
@@ -59,7 +60,7 @@ class Running:
     link: KubeletLink
     coordinator: Coordinator
     host: HostDir
-    ledger: Ledger
+    gateway: InventoryGateway
     registry: CollectorRegistry
     kube: KubeApi | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -77,9 +78,10 @@ class Running:
         at hand, when the ledger lacks it and the API has no such pod. The
         ledger's silence alone proves nothing: a Redis that lost its data must
         neither lift limits nor delete the directories of running containers.
+        The ledger's answer comes through the inventory; without one nothing is gone.
         """
-        placements = await self.ledger.node_placements(self.settings.node_name)
-        states = {p.pod.uid: p.state for p in placements}
+        placements = await self.gateway.placements()
+        states = {p.uid: p.state for p in placements.pods}
         owners = {o.pod_uid: o for o, _ in await asyncio.to_thread(self.host.containers)}
         gone = set()
         for uid, owner in owners.items():
@@ -114,9 +116,15 @@ class Running:
 
     async def ready(self) -> bool:
         """Registered, kubelet watching the devices (a plugin that took our resource
-        name over would end that stream), and the ledger reachable."""
-        registered = self.link.registered.is_set() and self.plugin.watching > 0
-        return registered and await self.ledger.ping()
+        name over would end that stream), and the inventory answering for its ledger."""
+        if not (self.link.registered.is_set() and self.plugin.watching > 0):
+            return False
+        try:
+            await self.gateway.ping()
+        except NodeRequestError as exc:
+            log.info("not ready: %s", exc)
+            return False
+        return True
 
 
 def create_app(running: Running) -> FastAPI:
@@ -158,7 +166,7 @@ async def running(
         host.install, Path(settings.interposer_library), settings.container_lib_dir
     )
     backend = await asyncio.to_thread(open_backend, settings.backend, settings.node_name, config)
-    ledger = Ledger.from_settings(settings)
+    gateway = InventoryGateway(settings, bus)
     registry = CollectorRegistry()
     metrics = PluginMetrics(registry)
     agent = NodeAgent(settings, backend, config, metrics, bus=bus)
@@ -166,10 +174,9 @@ async def running(
         settings,
         agent.device_list,
         lambda: agent.config,
-        ledger,
+        gateway,
         host,
         metrics,
-        bus=bus,
         kube=kube,
     )
     link = KubeletLink(
@@ -181,7 +188,7 @@ async def running(
         timing,
     )
     state = Running(
-        settings, agent, plugin, link, Coordinator(host), host, ledger, registry, kube=kube
+        settings, agent, plugin, link, Coordinator(host), host, gateway, registry, kube=kube
     )
     registry.register(RegionCollector(lambda: state.snapshot))
     http = contextlib.AsyncExitStack()
@@ -199,14 +206,17 @@ async def running(
             asyncio.create_task(link.run(), name="kubelet-link"),
             asyncio.create_task(agent.run(), name="node-agent"),
             asyncio.create_task(
-                every(coordinate, state.coordinate, "coordination", expected=(LedgerError,))
+                every(coordinate, state.coordinate, "coordination", expected=(NodeRequestError,))
             ),
             asyncio.create_task(
-                every(CLEANUP_INTERVAL_S, state.clean_up, "clean-up", expected=(LedgerError,))
+                every(CLEANUP_INTERVAL_S, state.clean_up, "clean-up", expected=(NodeRequestError,))
             ),
             asyncio.create_task(
                 every(
-                    GONE_PODS_INTERVAL_S, state.refresh_gone, "pod check", expected=(LedgerError,)
+                    GONE_PODS_INTERVAL_S,
+                    state.refresh_gone,
+                    "pod check",
+                    expected=(NodeRequestError,),
                 )
             ),
         ]
@@ -234,7 +244,6 @@ async def running(
                 await task
         state.coordinator.close()
         await asyncio.to_thread(backend.close)
-        await ledger.close()
 
 
 SOURCE = "gpuslice/deviceplugin"
@@ -248,7 +257,7 @@ def connect_bus(settings: DevicePluginSettings) -> Awaitable[Bus]:
 
 
 async def _connect_later(state: Running, buses: list[Bus]) -> None:
-    """Keep trying NATS; once connected, the agent and the plugin publish through it."""
+    """Keep trying NATS; once connected, the agent publishes and asks through it."""
     while True:
         await asyncio.sleep(BUS_RETRY_S)
         try:
@@ -257,8 +266,8 @@ async def _connect_later(state: Running, buses: list[Bus]) -> None:
             log.warning("NATS still unreachable: %s", exc)
             continue
         buses.append(bus)
-        state.agent.bus = state.plugin.bus = bus
-        log.info("connected to NATS; publishing inventory and events")
+        state.agent.bus = state.gateway.bus = bus
+        log.info("connected to NATS; publishing the inventory, asking the inventory service")
         await state.agent.publish_inventory()
         return
 
@@ -266,8 +275,9 @@ async def _connect_later(state: Running, buses: list[Bus]) -> None:
 async def main(settings: DevicePluginSettings) -> None:
     """Run until SIGTERM/SIGINT or until a part fails for good (then raise).
 
-    NATS being down at start does not keep kubelet waiting: the agent serves
-    without the bus and connects when it can (Allocate never needs it).
+    NATS being down at start does not keep kubelet waiting: the agent lists its
+    devices without the bus and connects when it can (Allocate waits for it,
+    within its deadline)
     """
     config = load_node_config(settings.node_config_file, settings.node_name)
     stop = asyncio.Event()

@@ -2,7 +2,9 @@
 
 Every replica takes a share of the node inventories, the telemetry and the
 dev stack's pod-ended reports (NATS queue group ``<prefix>-inventory``), so the
-work splits across replicas and each message is handled once. The periodic
+work splits across replicas and each message is handled once; the node agents'
+requests to the ledger (:mod:`gpuslice_inventory.gateway`) are served the same
+way. The periodic
 jobs (liveness, expiry, reconciliation) and the Kubernetes pod watch run only
 in the replica holding the lease in Redis.
 """
@@ -34,6 +36,7 @@ from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import every, http_server, plain_http
 from gpuslice_common.subjects import node_from_token
 from gpuslice_inventory.authcallout import AuthCallout
+from gpuslice_inventory.gateway import NodeGateway, TokenIssuer
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.lifecycle import PodWatcher, WatchStats, release_ended
 from gpuslice_inventory.metrics import ClusterMetrics, WorkMetrics, WorkStats, registry_for
@@ -59,6 +62,7 @@ class Running:
     lease: Lease
     cluster: ClusterMetrics
     registry: CollectorRegistry
+    gateway: NodeGateway
     reconciler: Reconciler | None = None
     watcher: PodWatcher | None = None
     callout: AuthCallout | None = None
@@ -249,9 +253,13 @@ async def running(
     kube: KubeApi | None = None,
     serve_http: bool = True,
     name: str = "",
+    issue_telemetry_token: TokenIssuer | None = None,
 ) -> AsyncIterator[Running]:
     """The inventory working until the block ends. ``bus`` and ``kube`` stay the
-    caller's; without ``kube`` there is no reconciliation."""
+    caller's; without ``kube`` there is no reconciliation. ``issue_telemetry_token``
+    (node, pod UID) gives each allocated container its own telemetry credential:
+    by default the auth callout's, when it runs; without either, containers use
+    the node's static one."""
     ledger = Ledger.from_settings(settings)
     telemetry = TelemetryStore(
         ledger.redis,
@@ -274,19 +282,26 @@ async def running(
         holder=name,
     )
     cluster = ClusterMetrics(ledger, telemetry, active=lambda: lease.held)
-    state = Running(settings, bus, ledger, telemetry, upkeep, lease, cluster, CollectorRegistry())
-    state.registry = registry_for(cluster, WorkMetrics(state.work_values))
-    if kube is not None:
-        state.reconciler = Reconciler(ledger, kube, upkeep, settings.reconcile_grace)
-        state.watcher = PodWatcher(kube, upkeep, lambda: lease.held)
+    callout = None
     if settings.callout_issuer_seed:
-        state.callout = AuthCallout(
+        callout = AuthCallout(
             settings,
             KeyPair.from_seed(settings.callout_issuer_seed, Role.ACCOUNT),
             kube=kube,
             ledger=ledger,
             subjects=bus.subjects,
         )
+        if issue_telemetry_token is None:  # containers get tokens the callout accepts
+            issue_telemetry_token = callout.issue_telemetry_token
+    gateway = NodeGateway(ledger, bus.subjects, outbox, issue_telemetry_token=issue_telemetry_token)
+    state = Running(
+        settings, bus, ledger, telemetry, upkeep, lease, cluster, CollectorRegistry(), gateway
+    )
+    state.callout = callout
+    state.registry = registry_for(cluster, WorkMetrics(state.work_values))
+    if kube is not None:
+        state.reconciler = Reconciler(ledger, kube, upkeep, settings.reconcile_grace)
+        state.watcher = PodWatcher(kube, upkeep, lambda: lease.held)
     queue = f"{settings.subject_prefix}-inventory"
     subscriptions: list[Subscription] = []
     try:
@@ -298,6 +313,7 @@ async def running(
             ),
             await bus.subscribe(bus.subjects.pod_ended, PodEnded, state.on_pod_ended, queue),
             await bus.nc.subscribe(bus.subjects.telemetry_all, queue=queue, cb=state.on_telemetry),
+            await gateway.start(bus.nc, queue),
         ]
         await outbox.start()
     except BaseException:
@@ -352,6 +368,7 @@ async def running(
         for sub in subscriptions:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        await gateway.close()
         for task in state.tasks:
             task.cancel()
         _, stuck = await asyncio.wait(state.tasks, timeout=STOP_TIMEOUT_S)

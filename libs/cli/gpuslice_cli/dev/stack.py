@@ -414,8 +414,14 @@ class Stack:
             }
         config.write_text(json.dumps({"defaults": defaults}))
         self.ports[node.name] = free_port()
+        # the node agent holds no ledger credential: it asks the inventory over NATS
+        agent_env = {
+            k: v
+            for k, v in env.items()
+            if k not in ("GPUSLICE_REDIS_URL", "GPUSLICE_LEDGER_PREFIX")
+        }
         return {
-            **env,
+            **agent_env,
             "GPUSLICE_NODE_NAME": node.name,
             "GPUSLICE_BACKEND": "nvml" if node.real else "simulated",
             "GPUSLICE_NODE_CONFIG_FILE": str(config),

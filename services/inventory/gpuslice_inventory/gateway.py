@@ -1,0 +1,333 @@
+"""The node agents' way to the ledger: NATS request-reply on ``<prefix>.node.<node>.<verb>``.
+
+Node agents hold no ledger credential; they ask here (:mod:`gpuslice_common.nodeapi`).
+The node a request acts on is the one its subject names, never one its payload
+names: once each node's NATS credential may publish only to its own subjects,
+a node can touch only its own slice of the ledger. Every replica serves in the
+inventory's queue group, so each request is answered once.
+
+Every request gets a reply: the verb's, or an error reply with its kind (a
+request that cannot be read is a ``bad-request``, logged in one line). The
+``alloc.allocated`` and ``alloc.failed`` events of kubelet's Allocate are
+published from here, through the inventory's outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from pydantic import ValidationError
+
+from gpuslice_common.events import AllocationEvent, EventType, make_event
+from gpuslice_common.ledger import (
+    Allocation,
+    Ledger,
+    LedgerError,
+    LedgerUnavailable,
+    NotReserved,
+)
+from gpuslice_common.models import Frozen, PodRef
+from gpuslice_common.nodeapi import (
+    REQUESTS,
+    AllocateRequest,
+    AllocationReply,
+    Done,
+    ErrorKind,
+    ErrorReply,
+    FailedRequest,
+    PlacementsReply,
+    PodState,
+    Pong,
+    PreferredReply,
+    PreferredRequest,
+    Verb,
+)
+from gpuslice_common.outbox import Outbox
+from gpuslice_common.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+SOURCE = "gpuslice/inventory"
+# events of one allocation share an id, so the audit stream keeps a retried one once
+EVENT_NAMESPACE = uuid.UUID("5b0c6e1e-6c59-4c1b-9d1e-6a4f0c2f7a31")
+MAX_IN_FLIGHT = 512
+PING_TIMEOUT_S = 1.0
+
+TokenIssuer = Callable[[str, str], str]
+After = list[Callable[[], None]]  # what follows a reply: its events
+Answer = Pong | AllocationReply | PreferredReply | PlacementsReply | Done | ErrorReply
+
+
+def error_kind(exc: Exception) -> ErrorKind:
+    """The error kind of a ledger exception: the one place that maps them.
+
+    A ledger being rebuilt after Redis lost its data raises ``LedgerRebuilding``
+    (a LedgerError); it is matched by name so the mapping holds whichever
+    module defines it.
+    """
+    if any(cls.__name__ == "LedgerRebuilding" for cls in type(exc).__mro__):
+        return ErrorKind.REBUILDING
+    if isinstance(exc, NotReserved):
+        return ErrorKind.NOT_RESERVED
+    if isinstance(exc, LedgerUnavailable):
+        return ErrorKind.LEDGER_UNAVAILABLE
+    if isinstance(exc, LedgerError):
+        return ErrorKind.LEDGER_ERROR
+    return ErrorKind.INTERNAL
+
+
+class BadRequest(Exception):
+    """A request that cannot be read; the message says why."""
+
+
+@dataclass
+class GatewayStats:
+    requests: Counter[str] = field(default_factory=Counter)  # by verb
+    errors: Counter[str] = field(default_factory=Counter)  # by error kind
+    unanswerable: int = 0  # requests without a reply subject
+
+
+class NodeGateway:
+    """Serves the node agents' requests with the ledger."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        subjects: Subjects,
+        outbox: Outbox | None = None,
+        *,
+        issue_telemetry_token: TokenIssuer | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
+    ) -> None:
+        self.ledger = ledger
+        self.subjects = subjects
+        self.outbox = outbox
+        self.issue_telemetry_token = issue_telemetry_token
+        self.max_in_flight = max_in_flight
+        self.stats = GatewayStats()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subscription: Subscription | None = None
+        self._handlers: dict[Verb, Callable[[str, Frozen, After], Awaitable[Answer]]] = {
+            Verb.PING: self._ping,
+            Verb.ALLOCATE: self._allocate,
+            Verb.PREFERRED: self._preferred,
+            Verb.PLACEMENTS: self._placements,
+            Verb.FAILED: self._failed,
+        }
+
+    async def start(self, nc: NATS, queue: str) -> Subscription:
+        self._subscription = await nc.subscribe(
+            self.subjects.node_requests_all, queue=queue, cb=self._on_msg
+        )
+        return self._subscription
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Stop taking requests; those in flight get up to ``timeout`` to answer."""
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()
+            self._subscription = None
+        if self._tasks:
+            _, stuck = await asyncio.wait(set(self._tasks), timeout=timeout)
+            for task in stuck:
+                task.cancel()
+            if stuck:
+                await asyncio.wait(stuck)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        # one task each: a request waiting for Redis must not hold up the others
+        if len(self._tasks) >= self.max_in_flight:
+            busy = ErrorReply(error=ErrorKind.LEDGER_UNAVAILABLE, message="inventory busy")
+            await self._respond(msg, busy)
+            return
+        task = asyncio.create_task(self._serve(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, msg: Msg) -> None:
+        after: After = []
+        answer = await self.answer(msg.subject, msg.data, after)
+        await self._respond(msg, answer)
+        if after:
+            await asyncio.sleep(0)  # the reply goes out before the events are built
+            for step in after:
+                step()
+
+    async def answer(self, subject: str, data: bytes, after: After | None = None) -> Answer:
+        """The reply to one request; never raises. What is to follow the reply (its
+        events) is appended to ``after``; without it, it is done at once."""
+        steps: After = [] if after is None else after
+        try:
+            return await self._answer(subject, data, steps)
+        finally:
+            if after is None:
+                for step in steps:
+                    step()
+
+    async def _answer(self, subject: str, data: bytes, after: After) -> Answer:
+        try:
+            node, verb, request = self._parse(subject, data)
+        except BadRequest as exc:
+            self.stats.errors[ErrorKind.BAD_REQUEST] += 1
+            log.warning("bad request on %s: %s", subject[:300], exc)
+            return ErrorReply(error=ErrorKind.BAD_REQUEST, message=str(exc)[:1024])
+        self.stats.requests[verb] += 1
+        try:
+            return await self._handlers[verb](node, request, after)
+        except BadRequest as exc:
+            log.warning("bad %s request from node %s: %s", verb, node, exc)
+            answer = ErrorReply(error=ErrorKind.BAD_REQUEST, message=str(exc)[:1024])
+        except LedgerError as exc:
+            kind = error_kind(exc)
+            if kind != ErrorKind.NOT_RESERVED:
+                log.warning("%s for node %s: %s", verb, node, exc)
+            answer = ErrorReply(error=kind, message=str(exc)[:1024])
+        except Exception as exc:  # a defect here: the node gets an answer, the log the trace
+            log.exception("%s for node %s failed", verb, node)
+            answer = ErrorReply(
+                error=ErrorKind.INTERNAL, message=f"{type(exc).__name__}: {exc}"[:1024]
+            )
+        self.stats.errors[answer.error] += 1
+        return answer
+
+    def _parse(self, subject: str, data: bytes) -> tuple[str, Verb, Frozen]:
+        parsed = self.subjects.parse_node_request(subject)
+        if parsed is None:
+            raise BadRequest(f"not a node request subject: {subject[:300]!r}")
+        node, name = parsed
+        try:
+            verb = Verb(name)
+        except ValueError:
+            raise BadRequest(f"unknown verb {name!r}") from None
+        model = REQUESTS[verb]
+        try:
+            request = model.model_validate_json(data or b"{}")
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}"
+                for e in exc.errors()[:5]
+            )
+            raise BadRequest(f"not a valid {verb} request: {problems}") from None
+        return node, verb, request
+
+    async def _respond(self, msg: Msg, answer: Answer) -> None:
+        if not msg.reply:
+            self.stats.unanswerable += 1
+            return
+        try:
+            await msg.respond(answer.model_dump_json().encode())
+        except (NatsError, OSError) as exc:  # the node asks again
+            log.warning("reply on %s not sent: %s", msg.subject, exc)
+
+    # ------------------------------------------------------------ verbs
+
+    async def _ping(self, node: str, request: Frozen, after: After) -> Answer:
+        try:
+            alive = await asyncio.wait_for(self.ledger.ping(), PING_TIMEOUT_S)
+        except TimeoutError:
+            alive = False
+        if not alive:
+            raise LedgerUnavailable("Redis did not answer a ping")
+        return Pong()
+
+    async def _allocate(self, node: str, request: Frozen, after: After) -> Answer:
+        assert isinstance(request, AllocateRequest)
+        try:
+            allocation = await self.ledger.allocate(node, request.count, request.request_id)
+        except NotReserved as exc:
+            after.append(
+                partial(self._publish, EventType.ALLOC_FAILED, node, None, f"no pending pod: {exc}")
+            )
+            raise
+        except LedgerError as exc:
+            if error_kind(exc) != ErrorKind.REBUILDING:  # asked again soon, not a failure yet
+                reason = f"ledger unavailable: {exc}"
+                after.append(partial(self._publish, EventType.ALLOC_FAILED, node, None, reason))
+            raise
+        token = ""
+        if self.issue_telemetry_token is not None:
+            token = self.issue_telemetry_token(node, allocation.placement.pod.uid)
+        # retried requests share the event id: the audit stream keeps it once
+        event_id = str(uuid.uuid5(EVENT_NAMESPACE, f"{node}/{request.request_id}"))
+        after.append(
+            partial(
+                self._publish, EventType.ALLOC_ALLOCATED, node, allocation, "", event_id=event_id
+            )
+        )
+        return AllocationReply(
+            placement=allocation.placement,
+            container_index=allocation.container_index,
+            rivals=allocation.rivals,
+            telemetry_token=token,
+        )
+
+    async def _preferred(self, node: str, request: Frozen, after: After) -> Answer:
+        assert isinstance(request, PreferredRequest)
+        upcoming = await self.ledger.next_allocation(node, request.count)
+        return PreferredReply(devices=tuple(g.uuid for g in upcoming.devices) if upcoming else ())
+
+    async def _placements(self, node: str, request: Frozen, after: After) -> Answer:
+        placements = await self.ledger.node_placements(node)
+        return PlacementsReply(
+            pods=tuple(PodState(uid=p.pod.uid, state=p.state) for p in placements)
+        )
+
+    async def _failed(self, node: str, request: Frozen, after: After) -> Answer:
+        assert isinstance(request, FailedRequest)
+        placement = await self.ledger.placement(request.pod_uid)
+        if placement is None or placement.node != node:
+            raise NotReserved(f"pod {request.pod_uid} has no placement on node {node}")
+        names = [c.name for c in placement.containers]
+        if request.container not in names:
+            raise BadRequest(f"pod {request.pod_uid} has no container {request.container!r}")
+        allocation = Allocation(placement, names.index(request.container))
+        after.append(
+            partial(self._publish, EventType.ALLOC_FAILED, node, allocation, request.reason)
+        )
+        return Done()
+
+    def _publish(
+        self,
+        event_type: EventType,
+        node: str,
+        allocation: Allocation | None,
+        reason: str,
+        *,
+        event_id: str | None = None,
+    ) -> None:
+        if self.outbox is None:
+            return
+        if allocation is None:
+            payload = AllocationEvent(pod=None, node=node, reason=reason[:1024])
+            pod: PodRef | None = None
+        else:
+            placement = allocation.placement
+            container = placement.containers[allocation.container_index]
+            pod = placement.pod
+            payload = AllocationEvent(
+                pod=pod,
+                node=node,
+                containers=(container,),
+                container=container.name,
+                policy=placement.policy,
+                reason=reason[:1024],
+            )
+        event = make_event(
+            event_type,
+            payload,
+            source=SOURCE,
+            subject=pod.uid if pod else None,
+            event_id=event_id,
+        )
+        self.outbox.submit(event)

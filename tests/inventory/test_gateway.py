@@ -1,0 +1,322 @@
+"""The node agents' requests to the ledger, served by the inventory over real NATS and Redis.
+
+Requests are sent here as a node agent sends them: on ``<prefix>.node.<node>.<verb>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.events import AllocationEvent, CloudEvent, EventType
+from gpuslice_common.ledger import Ledger, LedgerError, LedgerUnavailable, NotReserved
+from gpuslice_common.models import (
+    ContainerAssignment,
+    DeviceGrant,
+    Placement,
+    PlacementState,
+    PodRef,
+)
+from gpuslice_common.nodeapi import (
+    AllocationReply,
+    Done,
+    ErrorKind,
+    ErrorReply,
+    PlacementsReply,
+    Pong,
+    PreferredReply,
+    Reply,
+    parse_reply,
+)
+from gpuslice_common.servers import NatsServer
+from gpuslice_inventory.gateway import error_kind
+from gpuslice_inventory.service import Running, running
+from tests.conftest import make_inventory
+from tests.inventory.conftest import settings_for, until
+
+A, B = "node-a", "node-b"
+
+
+def bound(uid: str, node: str, gpus: int = 1) -> Placement:
+    return Placement(
+        pod=PodRef(uid=uid, namespace="team", name=f"pod-{uid}"),
+        node=node,
+        containers=(
+            ContainerAssignment(
+                name="main",
+                devices=tuple(
+                    DeviceGrant(uuid=f"GPU-{node}-{i}", memory_mib=1000, cores=10)
+                    for i in range(gpus)
+                ),
+            ),
+        ),
+        policy="binpack",
+    )
+
+
+@pytest.fixture
+async def inventory(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> AsyncIterator[Running]:
+    settings = settings_for(nats_server, redis_url, prefix, kube_api="none")
+    issued: list[tuple[str, str]] = []
+
+    def issue(node: str, pod_uid: str) -> str:
+        issued.append((node, pod_uid))
+        return f"token-{node}-{pod_uid}"
+
+    async with running(settings, bus, serve_http=False, issue_telemetry_token=issue) as state:
+        state.issued = issued  # type: ignore[attr-defined]
+        await bus.nc.flush()
+        yield state
+
+
+@pytest.fixture
+async def nodes(ledger_of_prefix: Ledger) -> Ledger:
+    for node in (A, B):
+        await ledger_of_prefix.register_node(make_inventory(node))
+    for p in (bound("on-a", A), bound("on-b", B)):
+        await ledger_of_prefix.reserve(p)
+        await ledger_of_prefix.mark_bound(p.pod.uid)
+    return ledger_of_prefix
+
+
+@pytest.fixture
+async def ledger_of_prefix(redis_url: str, prefix: str) -> AsyncIterator[Ledger]:
+    led = Ledger.from_url(redis_url, prefix)
+    yield led
+    await led.close()
+
+
+async def ask(bus: Bus, node: str, verb: str, payload: bytes | dict[str, Any] = b"{}") -> Reply:
+    subject = f"{bus.subjects.prefix}.node.{node}.{verb}"
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    msg = await bus.nc.request(subject, data, timeout=5)
+    return parse_reply(msg.data)
+
+
+async def test_ping_answers_for_the_ledger(inventory: Running, bus: Bus) -> None:
+    assert isinstance(await ask(bus, A, "ping"), Pong)
+
+
+async def test_allocate_hands_out_the_node_s_own_pod_with_its_token_and_event(
+    inventory: Running, nodes: Ledger, bus: Bus, events: list[CloudEvent]
+) -> None:
+    reply = await ask(bus, A, "allocate", {"request_id": "r1", "count": 1})
+    assert isinstance(reply, AllocationReply)
+    assert (reply.placement.pod.uid, reply.container_index) == ("on-a", 0)
+    assert reply.devices == ("GPU-node-a-0",)
+    assert reply.telemetry_token == "token-node-a-on-a"
+    assert inventory.issued == [(A, "on-a")]  # type: ignore[attr-defined]
+    await until(lambda: any(e.type == EventType.ALLOC_ALLOCATED for e in events))
+    [event] = [e for e in events if e.type == EventType.ALLOC_ALLOCATED]
+    payload = event.payload()
+    assert isinstance(payload, AllocationEvent)
+    assert payload.pod is not None
+    assert (payload.pod.uid, payload.node, payload.container) == ("on-a", A, "main")
+    assert event.source == "gpuslice/inventory"
+    record = await nodes.placement("on-a")
+    assert record is not None
+    assert record.state == PlacementState.ALLOCATED
+
+
+async def test_a_node_acts_only_on_its_own_slice_whatever_the_payload_says(
+    inventory: Running, nodes: Ledger, bus: Bus, events: list[CloudEvent]
+) -> None:
+    # node-a's only pod is taken; node-b's pod waits, but a node-a request cannot reach it
+    assert isinstance(
+        await ask(bus, A, "allocate", {"request_id": "r1", "count": 1}), AllocationReply
+    )
+    again = await ask(bus, A, "allocate", {"request_id": "r2", "count": 1})
+    assert isinstance(again, ErrorReply)
+    assert again.error == ErrorKind.NOT_RESERVED
+    assert "node node-a" in again.message
+    # naming the other node in the payload is not a request at all
+    named = await ask(bus, A, "allocate", {"request_id": "r3", "count": 1, "node": B})
+    assert isinstance(named, ErrorReply)
+    assert named.error == ErrorKind.BAD_REQUEST
+    # node-a cannot report node-b's pod as failed either
+    failed = await ask(bus, A, "failed", {"pod_uid": "on-b", "container": "main", "reason": "x"})
+    assert isinstance(failed, ErrorReply)
+    assert failed.error == ErrorKind.NOT_RESERVED
+    assert "on-b" not in await pod_list(bus, A)
+    preferred = await ask(bus, A, "preferred", {"count": 1})
+    assert isinstance(preferred, PreferredReply)
+    assert preferred.devices == ()
+    record = await nodes.placement("on-b")
+    assert record is not None
+    assert record.state == PlacementState.BOUND
+    await bus.flush()
+    await asyncio.sleep(0.2)  # the outbox publishes in the background
+    failures = [e.payload() for e in events if e.type == EventType.ALLOC_FAILED]
+    assert all(isinstance(p, AllocationEvent) and p.pod is None for p in failures)
+    # and node-b's own request gets it
+    mine = await ask(bus, B, "allocate", {"request_id": "r1", "count": 1})
+    assert isinstance(mine, AllocationReply)
+    assert mine.placement.pod.uid == "on-b"
+
+
+async def pod_list(bus: Bus, node: str) -> dict[str, PlacementState]:
+    reply = await ask(bus, node, "placements")
+    assert isinstance(reply, PlacementsReply)
+    return {p.uid: p.state for p in reply.pods}
+
+
+async def test_placements_and_preferred_show_the_node_s_pods(
+    inventory: Running, nodes: Ledger, bus: Bus
+) -> None:
+    assert await pod_list(bus, A) == {"on-a": PlacementState.BOUND}
+    preferred = await ask(bus, A, "preferred", {"count": 1})
+    assert isinstance(preferred, PreferredReply)
+    assert preferred.devices == ("GPU-node-a-0",)
+    nothing = await ask(bus, A, "preferred", {"count": 2})
+    assert isinstance(nothing, PreferredReply)
+    assert nothing.devices == ()
+
+
+async def test_a_repeated_request_gets_the_same_container_and_one_audit_event(
+    inventory: Running, nodes: Ledger, bus: Bus
+) -> None:
+    await nodes.reserve(bound("second-a", A))
+    await nodes.mark_bound("second-a")
+    first = await ask(bus, A, "allocate", {"request_id": "same", "count": 1})
+    again = await ask(bus, A, "allocate", {"request_id": "same", "count": 1})
+    assert isinstance(first, AllocationReply)
+    assert isinstance(again, AllocationReply)
+    assert first.placement.pod.uid == again.placement.pod.uid == "on-a"
+    second = await nodes.placement("second-a")
+    assert second is not None
+    assert second.state == PlacementState.BOUND
+    stored: list[CloudEvent] = []
+
+    async def allocated() -> bool:
+        stored[:] = await bus.read_audit(subject=bus.subjects.event(EventType.ALLOC_ALLOCATED))
+        return bool(stored)
+
+    await until(allocated)
+    await asyncio.sleep(0.3)  # a second event, if there were one, would be stored by now
+    stored = await bus.read_audit(subject=bus.subjects.event(EventType.ALLOC_ALLOCATED))
+    assert len(stored) == 1
+
+
+async def test_a_failure_report_for_the_node_s_own_pod_is_recorded(
+    inventory: Running, nodes: Ledger, bus: Bus, events: list[CloudEvent]
+) -> None:
+    assert isinstance(
+        await ask(bus, A, "allocate", {"request_id": "r", "count": 1}), AllocationReply
+    )
+    reason = {"pod_uid": "on-a", "container": "main", "reason": "cannot prepare the container"}
+    assert isinstance(await ask(bus, A, "failed", reason), Done)
+    unknown = await ask(bus, A, "failed", {**reason, "container": "other"})
+    assert isinstance(unknown, ErrorReply)
+    assert unknown.error == ErrorKind.BAD_REQUEST
+    await until(lambda: any(e.type == EventType.ALLOC_FAILED for e in events))
+    [event] = [e for e in events if e.type == EventType.ALLOC_FAILED]
+    payload = event.payload()
+    assert isinstance(payload, AllocationEvent)
+    assert payload.pod is not None
+    assert (payload.pod.uid, payload.container, payload.reason) == (
+        "on-a",
+        "main",
+        "cannot prepare the container",
+    )
+
+
+@pytest.mark.parametrize(
+    ("node", "verb", "payload", "expected"),
+    [
+        (A, "allocate", b"not json", "not a valid allocate request"),
+        (A, "allocate", b"", "request_id: Field required"),
+        (A, "allocate", b'{"request_id": "r", "count": 0}', "count: Input should be greater"),
+        (A, "allocate", b'{"request_id": "r", "count": 1000}', "count: Input should be less"),
+        (A, "allocate", b'{"request_id": "../x", "count": 1}', "request_id: String should match"),
+        (A, "allocate", b'{"request_id": "' + b"r" * 65 + b'", "count": 1}', "request_id"),
+        (A, "allocate", b"[1, 2]", "not a valid allocate request"),
+        (
+            A,
+            "failed",
+            b'{"pod_uid": "p", "container": "c", "reason": "' + b"x" * 2000 + b'"}',
+            "reason",
+        ),
+        (A, "ping", b'{"extra": 1}', "extra: Extra inputs are not permitted"),
+        (A, "release", b"{}", "unknown verb 'release'"),
+        ("NODE-A", "ping", b"{}", "not a node request subject"),
+    ],
+)
+async def test_malformed_requests_get_a_bad_request_reply_and_no_traceback(
+    inventory: Running,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+    node: str,
+    verb: str,
+    payload: bytes,
+    expected: str,
+) -> None:
+    caplog.set_level(logging.INFO)
+    reply = await ask(bus, node, verb, payload)
+    assert isinstance(reply, ErrorReply)
+    assert reply.error == ErrorKind.BAD_REQUEST
+    assert expected in reply.message
+    assert "Traceback" not in caplog.text
+    assert not any(r.exc_info for r in caplog.records)
+    assert any("bad request" in r.getMessage() for r in caplog.records)
+    assert isinstance(await ask(bus, A, "ping"), Pong)  # still serving
+
+
+async def test_requests_without_a_reply_subject_change_nothing(
+    inventory: Running, nodes: Ledger, bus: Bus
+) -> None:
+    await bus.nc.publish(
+        f"{bus.subjects.prefix}.node.{A}.allocate", b'{"request_id":"r","count":1}'
+    )
+    await bus.flush()
+    await until(lambda: inventory.gateway.stats.unanswerable == 1)
+    # answered or not, the allocation is remembered: asking with the id gives it back
+    reply = await ask(bus, A, "allocate", {"request_id": "r", "count": 1})
+    assert isinstance(reply, AllocationReply)
+    assert reply.placement.pod.uid == "on-a"
+
+
+class LedgerRebuilding(LedgerError):
+    """Stands for the ledger's own, raised while a node's ledger is rebuilt."""
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (LedgerRebuilding("node-a is being rebuilt"), ErrorKind.REBUILDING),
+        (NotReserved("nothing waits"), ErrorKind.NOT_RESERVED),
+        (LedgerUnavailable("Redis is unreachable"), ErrorKind.LEDGER_UNAVAILABLE),
+        (LedgerError("Redis refused allocate"), ErrorKind.LEDGER_ERROR),
+        (RuntimeError("a defect"), ErrorKind.INTERNAL),
+    ],
+)
+def test_ledger_errors_map_to_error_kinds(exc: Exception, kind: ErrorKind) -> None:
+    assert error_kind(exc) == kind
+    assert kind.transient == (kind in (ErrorKind.REBUILDING, ErrorKind.LEDGER_UNAVAILABLE))
+
+
+async def test_two_replicas_answer_each_request_once(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, nodes: Ledger
+) -> None:
+    settings = settings_for(nats_server, redis_url, prefix, kube_api="none")
+    second_bus = await Bus.connect(settings, "t2")
+    try:
+        async with (
+            running(settings, bus, serve_http=False, name="one") as one,
+            running(settings, second_bus, serve_http=False, name="two") as two,
+        ):
+            await bus.nc.flush()
+            await second_bus.nc.flush()
+            replies = [await ask(bus, A, "ping") for _ in range(20)]
+            assert all(isinstance(r, Pong) for r in replies)
+            served = one.gateway.stats.requests["ping"] + two.gateway.stats.requests["ping"]
+            assert served == 20
+    finally:
+        await second_bus.close()
