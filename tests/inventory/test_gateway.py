@@ -80,7 +80,7 @@ async def inventory(
 @pytest.fixture
 async def nodes(ledger_of_prefix: Ledger) -> Ledger:
     for node in (A, B):
-        await ledger_of_prefix.register_node(make_inventory(node))
+        await ledger_of_prefix.register_node(make_inventory(node), rebuilt=True)
     for p in (bound("on-a", A), bound("on-b", B)):
         await ledger_of_prefix.reserve(p)
         await ledger_of_prefix.mark_bound(p.pod.uid)
