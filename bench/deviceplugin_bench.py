@@ -37,7 +37,6 @@ from typing import Any
 import grpc
 import httpx
 
-from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
@@ -46,7 +45,7 @@ from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.kubelet import LinkTiming
-from gpuslice_deviceplugin.service import running
+from gpuslice_deviceplugin.service import connect_bus, running
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "bench-node"
@@ -185,7 +184,7 @@ async def bench(
     await server.start()
     inventory = await asyncio.to_thread(start_inventory, work, redis_url, nats_url)
     ledger = Ledger.from_url(redis_url)
-    bus = await Bus.connect(settings, "bench/deviceplugin")
+    bus = await connect_bus(settings)
     try:
         async with running(
             settings, bus=bus, serve_http=False, timing=LinkTiming(poll_s=0.05)

@@ -27,7 +27,7 @@ from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_deviceplugin.kubelet import LinkTiming
-from gpuslice_deviceplugin.service import Running, running
+from gpuslice_deviceplugin.service import Running, connect_bus, running
 from gpuslice_inventory.gateway import TokenIssuer
 from gpuslice_inventory.service import Running as InventoryRunning
 from gpuslice_inventory.service import running as inventory_running
@@ -105,9 +105,8 @@ def settings(make_settings: Callable[..., DevicePluginSettings]) -> DevicePlugin
 
 @pytest.fixture
 async def bus(nats_server: NatsServer, prefix: str) -> AsyncIterator[Bus]:
-    b = await Bus.connect(
-        DevicePluginSettings(node_name=NODE, nats_url=nats_server.url, subject_prefix=prefix),
-        "test/deviceplugin",
+    b = await connect_bus(
+        DevicePluginSettings(node_name=NODE, nats_url=nats_server.url, subject_prefix=prefix)
     )
     yield b
     await b.close()

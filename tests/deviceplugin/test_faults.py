@@ -24,7 +24,7 @@ from gpuslice_common.models import NodeInventory, PlacementState
 from gpuslice_common.nodeapi import AllocationReply, ErrorKind, ErrorReply
 from gpuslice_common.servers import NatsServer, RedisServer
 from gpuslice_common.subjects import Subjects
-from gpuslice_deviceplugin.service import running
+from gpuslice_deviceplugin.service import connect_bus, running
 from gpuslice_inventory.gateway import NodeGateway
 from tests.deviceplugin.conftest import FAST, NODE, an_inventory, bind, placement, uuids
 
@@ -69,7 +69,7 @@ async def test_the_heartbeat_comes_back_after_a_nats_restart(
     prefix: str,
 ) -> None:
     settings = make_settings(nats_url=own_nats.url, inventory_interval="200ms")
-    agent_bus = await Bus.connect(settings, "gpuslice/deviceplugin")
+    agent_bus = await connect_bus(settings)
     try:
         async with running(settings, bus=agent_bus, serve_http=False, timing=FAST):
             await asyncio.sleep(0.3)

@@ -6,12 +6,16 @@ Requests are sent here as a node agent sends them: on ``<prefix>.node.<node>.<ve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from gpuslice_common.bus import Bus
 from gpuslice_common.events import AllocationEvent, CloudEvent, EventType
@@ -94,10 +98,27 @@ async def ledger_of_prefix(redis_url: str, prefix: str) -> AsyncIterator[Ledger]
     await led.close()
 
 
-async def ask(bus: Bus, node: str, verb: str, payload: bytes | dict[str, Any] = b"{}") -> Reply:
+async def ask(
+    bus: Bus,
+    node: str,
+    verb: str,
+    payload: bytes | dict[str, Any] = b"{}",
+    *,
+    inbox: str | None = None,
+    timeout: float = 5,
+) -> Reply:
+    """A request as the node's agent sends it: answered in the node's own inbox
+    (``inbox`` names another one)."""
     subject = f"{bus.subjects.prefix}.node.{node}.{verb}"
     data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    msg = await bus.nc.request(subject, data, timeout=5)
+    reply_to = f"{inbox or '_INBOX.' + node}.{uuid.uuid4().hex}"
+    sub = await bus.nc.subscribe(reply_to, max_msgs=1)
+    try:
+        await bus.nc.publish(subject, data, reply=reply_to)
+        msg = await sub.next_msg(timeout=timeout)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
     return parse_reply(msg.data)
 
 
@@ -246,7 +267,6 @@ async def test_a_failure_report_for_the_node_s_own_pod_is_recorded(
         ),
         (A, "ping", b'{"extra": 1}', "extra: Extra inputs are not permitted"),
         (A, "release", b"{}", "unknown verb 'release'"),
-        ("NODE-A", "ping", b"{}", "not a node request subject"),
     ],
 )
 async def test_malformed_requests_get_a_bad_request_reply_and_no_traceback(
@@ -267,6 +287,38 @@ async def test_malformed_requests_get_a_bad_request_reply_and_no_traceback(
     assert not any(r.exc_info for r in caplog.records)
     assert any("bad request" in r.getMessage() for r in caplog.records)
     assert isinstance(await ask(bus, A, "ping"), Pong)  # still serving
+
+
+async def test_requests_answerable_elsewhere_than_the_node_s_inbox_are_dropped(
+    inventory: Running, nodes: Ledger, bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reply subject is the requester's to choose: naming an audit subject
+    (or another node's inbox) would have the inventory publish there. Such a
+    request changes nothing and gets no answer; nor does one whose subject names
+    no node."""
+    events: list[bytes] = []
+
+    async def keep(msg: Msg) -> None:
+        events.append(msg.data)
+
+    await bus.nc.subscribe(f"{bus.subjects.prefix}.events.>", cb=keep)
+    allocate = {"request_id": "r", "count": 1}
+    for inbox in (f"{bus.subjects.prefix}.events.pod.admitted", f"_INBOX.{B}", "_INBOX"):
+        with pytest.raises(NatsTimeoutError):
+            await ask(bus, A, "allocate", allocate, inbox=inbox, timeout=0.5)
+    with pytest.raises(NatsTimeoutError):
+        await ask(bus, "NODE-A", "ping", timeout=0.5)
+    assert inventory.gateway.stats.foreign_replies == 3
+    assert inventory.gateway.stats.errors[ErrorKind.BAD_REQUEST] == 1
+    record = await nodes.placement("on-a")
+    assert record is not None
+    assert record.state == PlacementState.BOUND  # nothing was allocated
+    assert events == []
+    assert "not the node's own inbox" in caplog.text
+    assert "not a node request subject" in caplog.text
+    assert "Traceback" not in caplog.text
+    # the node's own inbox is answered
+    assert isinstance(await ask(bus, A, "allocate", allocate), AllocationReply)
 
 
 async def test_requests_without_a_reply_subject_change_nothing(

@@ -77,6 +77,12 @@ class Subjects:
             return None
         return node, parts[3]
 
+    @staticmethod
+    def node_inbox(node: str) -> str:
+        """Where a node agent takes its replies: only it may subscribe there, and
+        the inventory answers a node's request nowhere else."""
+        return f"_INBOX.{node_token(node)}"
+
     # interposer -> inventory
     def telemetry(self, node: str, pod_uid: str) -> str:
         return f"{self.prefix}.telemetry.{node_token(node)}.{uid_token(pod_uid)}"

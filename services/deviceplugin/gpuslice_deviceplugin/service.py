@@ -25,7 +25,7 @@ from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi
 from gpuslice_common.models import PlacementState
 from gpuslice_common.nodeapi import NodeRequestError
 from gpuslice_common.service import every, http_server, plain_http
-from gpuslice_common.subjects import node_token
+from gpuslice_common.subjects import Subjects
 from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
@@ -253,7 +253,7 @@ BUS_RETRY_S = 5.0
 def connect_bus(settings: DevicePluginSettings) -> Awaitable[Bus]:
     """The node's connection: replies come below ``_INBOX.<node token>``, the
     only inbox the node's NATS identity may read."""
-    return Bus.connect(settings, SOURCE, inbox_prefix=f"_INBOX.{node_token(settings.node_name)}")
+    return Bus.connect(settings, SOURCE, inbox_prefix=Subjects.node_inbox(settings.node_name))
 
 
 async def _connect_later(state: Running, buses: list[Bus]) -> None:

@@ -96,6 +96,7 @@ class GatewayStats:
     requests: Counter[str] = field(default_factory=Counter)  # by verb
     errors: Counter[str] = field(default_factory=Counter)  # by error kind
     unanswerable: int = 0  # requests without a reply subject
+    foreign_replies: int = 0  # requests whose reply subject is not the node's own inbox
 
 
 class NodeGateway:
@@ -146,6 +147,8 @@ class NodeGateway:
                 await asyncio.wait(stuck)
 
     async def _on_msg(self, msg: Msg) -> None:
+        if not self._answerable(msg):
+            return
         # one task each: a request waiting for Redis must not hold up the others
         if len(self._tasks) >= self.max_in_flight:
             busy = ErrorReply(error=ErrorKind.LEDGER_UNAVAILABLE, message="inventory busy")
@@ -221,10 +224,37 @@ class NodeGateway:
             raise BadRequest(f"not a valid {verb} request: {problems}") from None
         return node, verb, request
 
-    async def _respond(self, msg: Msg, answer: Answer) -> None:
+    def _answerable(self, msg: Msg) -> bool:
+        """Serve only requests whose answer goes to the requesting node's own inbox.
+
+        The reply subject is the requester's to choose: one naming an audit
+        subject would have the inventory's answer stored as an event. Such a
+        request, one without a reply subject, and one whose subject names no node
+        are dropped before they change anything, and counted.
+        """
         if not msg.reply:
             self.stats.unanswerable += 1
-            return
+            return False
+        parsed = self.subjects.parse_node_request(msg.subject)
+        if parsed is None:  # no node: no inbox to answer in
+            self.stats.errors[ErrorKind.BAD_REQUEST] += 1
+            log.warning("bad request on %s: not a node request subject", msg.subject[:300])
+            return False
+        if msg.reply.startswith(Subjects.node_inbox(parsed[0]) + "."):
+            return True
+        self.stats.foreign_replies += 1
+        count = self.stats.foreign_replies
+        if count in (1, 10, 100) or count % 1000 == 0:
+            log.warning(
+                "dropped a request on %s to be answered on %s, not the node's own inbox"
+                " (%d so far)",
+                msg.subject[:300],
+                msg.reply[:300],
+                count,
+            )
+        return False
+
+    async def _respond(self, msg: Msg, answer: Answer) -> None:
         try:
             await msg.respond(answer.model_dump_json().encode())
         except (NatsError, OSError) as exc:  # the node asks again
