@@ -1,5 +1,6 @@
 """The local stack's NATS: nats-server with the manifests' accounts and users
-(k8s/nats.yaml) and one run's credentials in its environment."""
+(k8s/nats.yaml) and one run's credentials in its environment; the node agents'
+projected tokens, minted for their node and renewed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from pathlib import Path
 
 import nats
 
-from gpuslice_cli.dev.natsauth import AUTHORIZATION, USERS, NatsAuth
+from gpuslice_cli.dev.natsauth import (
+    AUTHORIZATION,
+    NODE_AGENT_AUDIENCE,
+    NODE_AGENT_NAMESPACE,
+    NODE_AGENT_SERVICE_ACCOUNT,
+    USERS,
+    NatsAuth,
+)
+from gpuslice_cli.dev.stack import AgentTokens
+from gpuslice_common.kube import NODE_NAME_EXTRA, LocalKubeApi
 from gpuslice_common.servers import NatsServer
 
 
@@ -51,3 +61,30 @@ async def login(port: int, user: str, password: str) -> str:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+async def test_node_agent_tokens_are_minted_for_their_node_and_renewed(tmp_path: Path) -> None:
+    kube = LocalKubeApi()
+    tokens = AgentTokens(kube, ttl_s=0.5)
+    path = tokens.write("gpu-node-1", tmp_path / "token")
+    first = path.read_text()
+    review = await kube.review_token(first, [NODE_AGENT_AUDIENCE])
+    assert review["authenticated"] is True
+    assert review["user"]["username"] == (
+        f"system:serviceaccount:{NODE_AGENT_NAMESPACE}:{NODE_AGENT_SERVICE_ACCOUNT}"
+    )
+    assert review["user"]["extra"][NODE_NAME_EXTRA] == ["gpu-node-1"]
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    renewing = asyncio.create_task(tokens.renew())
+    try:
+        for _ in range(200):
+            if path.read_text() != first:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
+    renewed = path.read_text()
+    assert renewed != first
+    assert (await kube.review_token(renewed, [NODE_AGENT_AUDIENCE]))["authenticated"] is True
