@@ -338,7 +338,9 @@ def up(
     demo_: bool = typer.Option(False, "--demo", help=DEMO_HELP),
     pods: list[Path] = typer.Argument(None, help=PODS_HELP),
     nodes: int = typer.Option(2, "--nodes", min=1, max=8, help="simulated GPU nodes"),
-    nats_url: str | None = typer.Option(None, help="use this NATS instead of starting one"),
+    nats_url: str | None = typer.Option(
+        None, help="use this NATS, without users, instead of starting one with the cluster's"
+    ),
     redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
     workdir: Path | None = typer.Option(None, help="logs and state (default: a new temp dir)"),
     plain: bool = typer.Option(False, "--plain", help=PLAIN_HELP),
