@@ -3,6 +3,7 @@ Kubernetes schemas, and wired the way the services read their settings."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gpuslice_cli.dev.natsauth import AUTHORIZATION, NatsAuth
 from gpuslice_common.config import (
     DevicePluginSettings,
     InventorySettings,
@@ -273,3 +275,27 @@ def test_node_agents_prove_their_node_with_a_projected_token_for_nats(
     account = inventory_env["GPUSLICE_NODE_AGENT_SERVICE_ACCOUNT"]["value"]
     namespace = daemonset["metadata"]["namespace"]
     assert account == f"system:serviceaccount:{namespace}:{spec['serviceAccountName']}"
+
+
+def test_the_local_stack_runs_the_manifests_nats_accounts_and_users(
+    objects: list[dict[str, Any]],
+) -> None:
+    (config_map,) = [
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "gpuslice-nats"
+    ]
+    config = config_map["data"]["nats.conf"]
+    # the cluster's part before the accounts: listeners and storage only
+    assert config.endswith(AUTHORIZATION)
+    before = config.removesuffix(AUTHORIZATION)
+    assert "accounts" not in before
+    assert "authorization" not in before
+    assert "$" not in before
+    # nats-server's environment names every password the template reads
+    (statefulset,) = [
+        o
+        for o in objects
+        if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "gpuslice-nats"
+    ]
+    env = {e["name"] for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    read = set(re.findall(r":\s*\$([A-Z_]+)", AUTHORIZATION))  # values, not subjects
+    assert read == env == set(NatsAuth.generate().server_env())

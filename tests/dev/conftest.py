@@ -10,7 +10,6 @@ import pytest
 from gpuslice_cli.dev.driver import ClusterDriver
 from gpuslice_cli.dev.stack import Stack
 from gpuslice_common.bus import Bus
-from gpuslice_common.config import CommonSettings
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import PlacementState
 from tests.conftest import Native
@@ -22,10 +21,10 @@ async def up(
 ) -> AsyncIterator[tuple[Stack, ClusterDriver, Bus, Ledger]]:
     stack = Stack(tmp_path / "stack", heartbeat_s=1.0)
     async with stack.running():
-        settings = CommonSettings(nats_url=stack.nats_url or "", subject_prefix=stack.prefix)
-        bus = await Bus.connect(settings, "e2e")
+        # the auditor's view of the bus; pod ends reach the inventory through its pod watch
+        bus = await Bus.connect(stack.bus_settings("auditor"), "e2e")
         ledger = Ledger.from_url(stack.redis_url or "", stack.prefix)
-        driver = ClusterDriver(stack, bus)
+        driver = ClusterDriver(stack)
         try:
             yield stack, driver, bus, ledger
         finally:

@@ -138,6 +138,11 @@ async def test_requests_without_the_token_or_with_bad_bodies_get_a_status(
         )
         assert garbage.status_code == 422
         assert garbage.json()["message"] == "the request body is not JSON"
+        review = "/apis/authentication.k8s.io/v1/tokenreviews"
+        tokenless = await http.post(review, json={"kind": "TokenReview", "spec": {}}, headers=auth)
+        assert tokenless.status_code == 422
+        assert "spec.token" in tokenless.json()["message"]
+        assert (await http.post(review, json={"spec": {"token": "t"}})).status_code == 401
     assert (await store.get_pod("team", "a"))["spec"].get("nodeName") is None
 
 
@@ -180,3 +185,25 @@ async def test_a_watch_open_when_the_server_stops_ends_as_a_response() -> None:
     finally:
         uvicorn_log.removeHandler(errors)
     assert [r.getMessage() for r in errors.records] == []
+
+
+async def test_minted_service_account_tokens_are_reviewed_through_the_real_client(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    store, _, client = served
+    token = store.tokens.mint(
+        "gpuslice",
+        "gpuslice-deviceplugin",
+        pod_name="agent-1",
+        pod_uid="uid-agent-1",
+        node="gpu-1",
+        audiences=["gpuslice-nats"],
+    )
+    review = await client.review_token(token, ["gpuslice-nats"])
+    assert review["authenticated"] is True
+    assert review["user"]["username"] == "system:serviceaccount:gpuslice:gpuslice-deviceplugin"
+    assert review["user"]["extra"]["authentication.kubernetes.io/node-name"] == ["gpu-1"]
+    assert review["audiences"] == ["gpuslice-nats"]
+    # another audience, or a token nobody minted, is not authenticated
+    assert (await client.review_token(token, ["https://kubernetes"]))["authenticated"] is False
+    assert (await client.review_token(token + "x", ["gpuslice-nats"]))["authenticated"] is False

@@ -9,6 +9,7 @@ import asyncio
 import json
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 from gpuslice_cli.dev.driver import ClusterDriver, PodOutcome
@@ -109,6 +110,23 @@ async def test_a_mixed_workload_end_to_end(
     ]
     by_name = {o.name: o for o in outcomes}
     assert seen, "no telemetry reached the inventory while the sharing pods ran"
+
+    # NATS knows each part as on a cluster: the services as their own users,
+    # the node agents by their projected tokens, the containers by the
+    # telemetry tokens Allocate gave them (the telemetry above came with those)
+    assert stack.nats_auth is not None
+    for service in ("webhook", "scheduler", "inventory"):
+        assert stack.children[service].env["GPUSLICE_NATS_USER"] == service
+    for node in stack.nodes:
+        agent = stack.children[node.name].env
+        assert "GPUSLICE_NATS_PASSWORD" not in agent
+        assert "GPUSLICE_NATS_USER" not in agent
+        assert await asyncio.to_thread(Path(agent["GPUSLICE_NATS_TOKEN_FILE"]).read_text)
+    for outcome in outcomes:
+        if outcome.placement is not None:
+            allocated = outcome.containers[0].env
+            assert allocated["GPUSLICE_NATS_TOKEN"], outcome.name
+            assert "GPUSLICE_NATS_PASSWORD" not in allocated
 
     # every pod placed or denied for the right reason
     for name in ("share-0", "share-1", "share-2", "t4", "multi", "whole", "rogue"):

@@ -65,13 +65,26 @@ def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path)
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 120
+        said = ""
         for line in proc.stdout:
+            said += line
             if "the stack is up" in line:
                 break
             assert time.monotonic() < deadline, "the stack did not come up"
         else:
             raise AssertionError(f"gpuslice dev up ended early (exit {proc.wait()})")
         assert len(survivors(workdir)) >= 6  # nats, redis, four services, two nodes
+        # it says where the servers are and how to read the audit as the auditor
+        env_file = workdir / "gpuslice.env"
+        assert str(env_file) in said
+        assert "NATS at nats://" in said
+        assert "Redis at redis://" in said
+        audit = audit_tail(env_file)
+        assert audit.returncode == 0, audit.stdout + audit.stderr
+        # NATS wants a login: the same command without the credential is refused
+        anonymous = audit_tail(env_file, login=False)
+        assert anonymous.returncode == 1, anonymous.stdout + anonymous.stderr
+        assert "cannot connect to NATS" in anonymous.stderr
         proc.send_signal(signal.SIGINT)
         try:
             rest, _ = proc.communicate(timeout=60)
@@ -87,6 +100,23 @@ def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path)
     assert "every process of the stack has been shut down" in rest
     assert "Traceback" not in rest
     assert survivors(workdir) == []
+
+
+def audit_tail(env_file: Path, login: bool = True) -> subprocess.CompletedProcess[str]:
+    """``gpuslice audit tail`` with the variables of the stack's env file."""
+    env = dev_env()
+    for line in env_file.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            if login or name not in ("GPUSLICE_NATS_USER", "GPUSLICE_NATS_PASSWORD"):
+                env[name] = value
+    return subprocess.run(
+        [GPUSLICE, "audit", "tail", "--since", "1h"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_asking_for_a_real_gpu_where_there_is_none_is_one_clear_line(tmp_path: Path) -> None:

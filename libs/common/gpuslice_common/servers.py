@@ -107,6 +107,7 @@ class ServerProcess(_Managed):
         self.port = port or free_port()
         self.log_path = self.workdir / f"{self.name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}  # added to this process's environment
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -126,6 +127,7 @@ class ServerProcess(_Managed):
             self._proc = subprocess.Popen(
                 self.command(),
                 cwd=self.workdir,
+                env={**os.environ, **self.env} if self.env else None,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -168,11 +170,15 @@ class NatsServer(ServerProcess):
         workdir: Path | None = None,
         port: int | None = None,
         config: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """``config``: a configuration file's text (the command line sets the
+        address, port and store); ``env``: variables it reads (``$NAME``)."""
         super().__init__(workdir, port)
         self.binary = find_binary("nats-server", "GPUSLICE_NATS_SERVER")
         self.store_dir = self.workdir / "jetstream"
         self.config = config
+        self.env = dict(env or {})
 
     def command(self) -> list[str]:
         cmd = [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js"]

@@ -8,7 +8,10 @@ from a :class:`~gpuslice_common.kube.LocalKubeApi` held by the cluster driver:
   ``POST .../pods/{name}/binding``;
 * ``GET /api/v1/namespaces/{name}``, ``GET /api/v1/namespaces/{ns}/resourcequotas``;
 * ``GET /api/v1/namespaces/{ns}/pods`` (``fieldSelector`` for pods that have not
-  terminated), ``GET /api/v1/pods`` and its ``watch=true`` stream.
+  terminated), ``GET /api/v1/pods`` and its ``watch=true`` stream;
+* ``POST /apis/authentication.k8s.io/v1/tokenreviews``: the projected
+  ServiceAccount tokens the driver minted (``LocalKubeApi.tokens``) are reviewed
+  as the API server reviews them (the inventory's auth callout asks).
 
 So every service runs exactly the code it runs on a cluster (``KubernetesApi``
 through a kubeconfig), and the driver sees what they do. Every request must
@@ -208,6 +211,24 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
         return StreamingResponse(
             _stream(queue, pump, first, timeoutSeconds, watches), media_type="application/json"
         )
+
+    @app.post("/apis/authentication.k8s.io/v1/tokenreviews", status_code=201)
+    async def review_token(request: Request) -> dict[str, Any]:
+        review = await body_of(request)
+        spec = review.get("spec")
+        token = spec.get("token") if isinstance(spec, dict) else None
+        audiences = spec.get("audiences") if isinstance(spec, dict) else None
+        if review.get("kind") != "TokenReview" or not isinstance(token, str):
+            raise KubeError("a TokenReview with spec.token is expected")
+        if not isinstance(audiences, list) or not all(isinstance(a, str) for a in audiences):
+            audiences = []
+        return {
+            "kind": "TokenReview",
+            "apiVersion": "authentication.k8s.io/v1",
+            "metadata": {},
+            "spec": {"audiences": audiences},
+            "status": await kube.review_token(token, audiences),
+        }
 
     return app
 

@@ -8,6 +8,15 @@ stack's directory:
 * one device plugin per simulated node, on the simulated GPU backend, whose
   kubelet is a :class:`~gpuslice_cli.dev.kubelet.DevKubelet` in this process.
 
+The nats-server it starts runs the cluster's accounts and users
+(:mod:`gpuslice_cli.dev.natsauth`) with fresh passwords and a fresh callout key:
+each service logs in as its own user, the inventory runs the auth callout, each
+node agent proves its node with a projected ServiceAccount token that the API
+server below minted for it (renewed as kubelet renews it), and GPU containers
+get their telemetry token at Allocate. ``gpuslice.env`` in the stack's
+directory holds the servers' URLs and the auditor's credential, for
+``gpuslice status`` and ``gpuslice audit tail``.
+
 Every service reaches the Kubernetes API through a kubeconfig naming the
 :class:`~gpuslice_cli.dev.apiserver.DevApiServer` this process serves, so each
 runs the code it runs on a cluster. Children are started in their own session
@@ -39,6 +48,13 @@ import pynvml  # type: ignore[import-untyped]
 
 from gpuslice_cli.dev.apiserver import DevApiServer
 from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
+from gpuslice_cli.dev.natsauth import (
+    AUTHORIZATION,
+    NODE_AGENT_AUDIENCE,
+    NODE_AGENT_NAMESPACE,
+    NODE_AGENT_SERVICE_ACCOUNT,
+    NatsAuth,
+)
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import CommonSettings
 from gpuslice_common.kube import LocalKubeApi
@@ -53,6 +69,8 @@ ROOT = Path(__file__).resolve().parents[4]
 NATIVE_BUILD = Path(os.environ.get("GPUSLICE_NATIVE_DIR") or ROOT / "native" / "build")
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 60.0
+# the subject prefix the manifests' NATS permissions are written for
+NATS_AUTH_PREFIX = "gpuslice"
 
 
 def nvidia_gpus() -> tuple[int, str]:
@@ -164,6 +182,41 @@ class Child:
 
 
 @dataclass
+class AgentTokens:
+    """The node agents' projected ServiceAccount tokens, as kubelet keeps them:
+    minted by the API server for the agent's pod on its node and NATS's
+    audience, written whole to a file, and renewed at 80 % of their life."""
+
+    kube: LocalKubeApi
+    ttl_s: float = 3600.0
+    files: dict[str, Path] = field(default_factory=dict)  # by node
+
+    def write(self, node: str, path: Path) -> Path:
+        token = self.kube.tokens.mint(
+            NODE_AGENT_NAMESPACE,
+            NODE_AGENT_SERVICE_ACCOUNT,
+            pod_name=f"{NODE_AGENT_SERVICE_ACCOUNT}-{node}",
+            pod_uid=f"uid-{NODE_AGENT_SERVICE_ACCOUNT}-{node}",
+            node=node,
+            audiences=(NODE_AGENT_AUDIENCE,),
+            ttl_s=self.ttl_s,
+        )
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(token)
+        partial.chmod(0o600)
+        partial.replace(path)
+        self.files[node] = path
+        return path
+
+    async def renew(self) -> None:
+        """Every file gets a fresh token at 80 % of the last one's life, until cancelled."""
+        while True:
+            await asyncio.sleep(self.ttl_s * 0.8)
+            for node, path in self.files.items():
+                self.write(node, path)
+
+
+@dataclass
 class Stack:
     """Everything gpuslice needs on this machine, for the block of :meth:`running`."""
 
@@ -182,8 +235,12 @@ class Stack:
     apiserver: DevApiServer | None = None
     exit_codes: dict[str, int | None] = field(default_factory=dict)  # at stop
     attached: Attached | None = None
+    nats_auth: NatsAuth | None = None  # the credentials of the NATS the stack started
+    agent_token_ttl_s: float = 3600.0
     _servers: list[NatsServer | RedisServer] = field(default_factory=list)
     _sockets: Path | None = None
+    _agent_tokens: AgentTokens | None = None
+    _renewing: asyncio.Task[None] | None = None
 
     @property
     def webhook_url(self) -> str:
@@ -202,6 +259,23 @@ class Stack:
         if self.attached is not None:
             return self.attached.inventory_url
         return f"http://127.0.0.1:{self.ports['inventory']}"
+
+    @property
+    def env_file(self) -> Path:
+        """The servers' URLs and the auditor's NATS credential, as variables."""
+        return self.workdir / "gpuslice.env"
+
+    def bus_settings(self, user: str) -> CommonSettings:
+        """Settings to reach the stack's NATS as ``user`` (when it has users)."""
+        auth = self.nats_auth
+        return CommonSettings(
+            nats_url=self.nats_url or "",
+            nats_user=user if auth is not None else None,
+            nats_password=auth.passwords[user] if auth is not None else None,
+            redis_url=self.redis_url or "",
+            subject_prefix=self.prefix,
+            ledger_prefix=self.prefix,
+        )
 
     def node(self, name: str) -> NodeSpec:
         for node in self.nodes:
@@ -306,7 +380,14 @@ class Stack:
 
     def _start_servers(self) -> None:
         if self.nats_url is None:
-            nats = NatsServer(self.workdir / "nats")
+            if self.prefix != NATS_AUTH_PREFIX:
+                raise StackError(
+                    f"the stack's NATS permits the subjects of prefix {NATS_AUTH_PREFIX!r} only"
+                )
+            self.nats_auth = NatsAuth.generate()
+            nats = NatsServer(
+                self.workdir / "nats", config=AUTHORIZATION, env=self.nats_auth.server_env()
+            )
             nats.start()
             self._servers.append(nats)
             self.nats_url = nats.url
@@ -315,6 +396,27 @@ class Stack:
             redis.start()
             self._servers.append(redis)
             self.redis_url = redis.url
+        self._write_env_file()
+
+    def _write_env_file(self) -> None:
+        auditor = self.bus_settings("auditor")
+        lines = [
+            "# the local stack's servers and the auditor's NATS credential, for",
+            "# gpuslice status and gpuslice audit tail:  set -a; . THIS_FILE; set +a",
+            f"GPUSLICE_NATS_URL={auditor.nats_url}",
+            f"GPUSLICE_REDIS_URL={auditor.redis_url}",
+            f"GPUSLICE_SUBJECT_PREFIX={self.prefix}",
+            f"GPUSLICE_LEDGER_PREFIX={self.prefix}",
+        ]
+        if auditor.nats_user:
+            lines += [
+                f"GPUSLICE_NATS_USER={auditor.nats_user}",
+                f"GPUSLICE_NATS_PASSWORD={auditor.nats_password}",
+            ]
+        partial = self.env_file.with_name(f".{self.env_file.name}.partial")
+        partial.write_text("\n".join(lines) + "\n")
+        partial.chmod(0o600)
+        partial.replace(self.env_file)
 
     def base_env(self, kubeconfig: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSLICE_", "FAKE"))}
@@ -333,6 +435,10 @@ class Stack:
         )
         return env
 
+    def _login(self, user: str) -> dict[str, str]:
+        """A service's NATS credential, as variables (none when NATS has no users)."""
+        return self.nats_auth.client_env(user) if self.nats_auth is not None else {}
+
     def _service(self, name: str, module: str, env: dict[str, str], ready: str = "") -> Child:
         child = Child(
             name,
@@ -347,7 +453,7 @@ class Stack:
     async def init_audit_stream(self) -> None:
         """The install step: the audit stream made with the admin credential,
         before any service runs (services only check it)."""
-        settings = CommonSettings(nats_url=self.nats_url or "", subject_prefix=self.prefix)
+        settings = self.bus_settings("admin")
         bus = await Bus.connect(settings, "audit-init")
         try:
             await bus.ensure_audit_stream(settings.audit_max_age)
@@ -363,13 +469,17 @@ class Stack:
         self._service(
             "webhook",
             "gpuslice_webhook",
-            {**env, "GPUSLICE_LISTEN_PORT": str(self.ports["webhook"])},
+            {**env, **self._login("webhook"), "GPUSLICE_LISTEN_PORT": str(self.ports["webhook"])},
             f"{self.webhook_url}/readyz",
         )
         self._service(
             "scheduler",
             "gpuslice_scheduler",
-            {**env, "GPUSLICE_LISTEN_PORT": str(self.ports["scheduler"])},
+            {
+                **env,
+                **self._login("scheduler"),
+                "GPUSLICE_LISTEN_PORT": str(self.ports["scheduler"]),
+            },
             f"{self.extender_url}/readyz",
         )
         self._service(
@@ -377,6 +487,8 @@ class Stack:
             "gpuslice_inventory",
             {
                 **env,
+                **self._login("inventory"),
+                **self._callout_env(),
                 "GPUSLICE_LISTEN_PORT": str(self.ports["inventory"]),
                 "GPUSLICE_HEARTBEAT_INTERVAL": heartbeat,
                 "GPUSLICE_SWEEP_INTERVAL": "1s",
@@ -388,18 +500,39 @@ class Stack:
             },
             f"{self.inventory_url}/readyz",
         )
+        for child in self.children.values():
+            child.start()
+        # the node agents after the inventory: its callout lets them into NATS
+        await self._wait_ready()
         # Unix socket paths are short: the kubelet directories live under /tmp.
         sockets = Path(tempfile.mkdtemp(prefix="gpuslice-kubelet-"))
         self._sockets = sockets
+        if self.nats_auth is not None:
+            self._agent_tokens = AgentTokens(self.kube, self.agent_token_ttl_s)
+            self._renewing = asyncio.create_task(self._agent_tokens.renew())
         for node in self.nodes:
             kubelet = DevKubelet(sockets / node.name)
             await kubelet.start()
             self.kubelets[node.name] = kubelet
             self._service(node.name, "gpuslice_deviceplugin", self._plugin_env(env, node, sockets))
-        for child in self.children.values():
-            child.start()
+            self.children[node.name].start()
         await self._wait_ready()
         await self.learn_nodes()  # a node on real GPUs has what NVML found
+
+    def _callout_env(self) -> dict[str, str]:
+        """The inventory's auth callout: its account key, its NATS user, and
+        whose tokens prove a node agent."""
+        if self.nats_auth is None:
+            return {}
+        return {
+            "GPUSLICE_CALLOUT_ISSUER_SEED": self.nats_auth.issuer.seed,
+            "GPUSLICE_CALLOUT_NATS_USER": "callout",
+            "GPUSLICE_CALLOUT_NATS_PASSWORD": self.nats_auth.passwords["callout"],
+            "GPUSLICE_NODE_AGENT_AUDIENCE": NODE_AGENT_AUDIENCE,
+            "GPUSLICE_NODE_AGENT_SERVICE_ACCOUNT": (
+                f"system:serviceaccount:{NODE_AGENT_NAMESPACE}:{NODE_AGENT_SERVICE_ACCOUNT}"
+            ),
+        }
 
     def _plugin_env(self, env: dict[str, str], node: NodeSpec, sockets: Path) -> dict[str, str]:
         home = self.workdir / node.name
@@ -420,6 +553,11 @@ class Stack:
             for k, v in env.items()
             if k not in ("GPUSLICE_REDIS_URL", "GPUSLICE_LEDGER_PREFIX")
         }
+        # nor a NATS password: its pod's projected token, which the callout
+        # reviews (the agent replies below _INBOX.<node>, as on a cluster)
+        if self._agent_tokens is not None:
+            token = self._agent_tokens.write(node.name, home / "nats-token")
+            agent_env["GPUSLICE_NATS_TOKEN_FILE"] = str(token)
         return {
             **agent_env,
             "GPUSLICE_NODE_NAME": node.name,
@@ -509,6 +647,11 @@ class Stack:
         raise StackError(f"no embedded {kind} server")
 
     async def _stop_services(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewing
+            self._renewing = None
         codes = await asyncio.gather(
             *(asyncio.to_thread(c.stop) for c in reversed(self.children.values()))
         )

@@ -200,10 +200,12 @@ async def _refresh(ledger: Ledger, prefix: str, view: View) -> None:
 @contextlib.asynccontextmanager
 async def session(stack: Stack) -> AsyncIterator[tuple[ClusterDriver, Ledger, Bus]]:
     async with stack.running():
-        settings = CommonSettings(nats_url=stack.nats_url or "", subject_prefix=stack.prefix)
-        bus = await Bus.connect(settings, "gpuslice-dev")
+        # the view reads events as an auditor does
+        bus = await Bus.connect(stack.bus_settings("auditor"), "gpuslice-dev")
         ledger = Ledger.from_url(stack.redis_url or "", stack.prefix, retries=2)
-        driver = ClusterDriver(stack, bus)
+        # on the stack's own NATS no user may report pod ends: the inventory's
+        # pod watch sees them, as on a cluster
+        driver = ClusterDriver(stack, bus if stack.nats_auth is None else None)
         try:
             yield driver, ledger, bus
         finally:
@@ -225,6 +227,8 @@ async def run_up(
         if main is not None:
             loop.add_signal_handler(sig, main.cancel)
     async with session(stack) as (driver, ledger, bus):
+        if stack.attached is None:
+            where(stack, console)
         await _watch_events(bus, view)
         refresher = asyncio.create_task(_refresh(ledger, stack.prefix, view))
         display = Live(view.render(), console=console, refresh_per_second=4) if live else None
@@ -248,6 +252,17 @@ async def run_up(
             with contextlib.suppress(asyncio.CancelledError):
                 await refresher
     return view
+
+
+def where(stack: Stack, console: Console) -> None:
+    """Where the servers are, and how to read them as an auditor."""
+    console.print(f"gpuslice dev: NATS at {stack.nats_url}, Redis at {stack.redis_url}")
+    login = "the auditor's NATS credential and " if stack.nats_auth is not None else ""
+    console.print(
+        f"gpuslice dev: {login}the URLs are in {stack.env_file}; for gpuslice status"
+        f" and gpuslice audit tail:  set -a; . {stack.env_file}; set +a",
+        soft_wrap=True,
+    )
 
 
 async def _tick(display: Live | None, view: View) -> None:
@@ -323,7 +338,9 @@ def up(
     demo_: bool = typer.Option(False, "--demo", help=DEMO_HELP),
     pods: list[Path] = typer.Argument(None, help=PODS_HELP),
     nodes: int = typer.Option(2, "--nodes", min=1, max=8, help="simulated GPU nodes"),
-    nats_url: str | None = typer.Option(None, help="use this NATS instead of starting one"),
+    nats_url: str | None = typer.Option(
+        None, help="use this NATS, without users, instead of starting one with the cluster's"
+    ),
     redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
     workdir: Path | None = typer.Option(None, help="logs and state (default: a new temp dir)"),
     plain: bool = typer.Option(False, "--plain", help=PLAIN_HELP),

@@ -1,0 +1,90 @@
+"""The local stack's NATS: nats-server with the manifests' accounts and users
+(k8s/nats.yaml) and one run's credentials in its environment; the node agents'
+projected tokens, minted for their node and renewed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+
+import nats
+
+from gpuslice_cli.dev.natsauth import (
+    AUTHORIZATION,
+    NODE_AGENT_AUDIENCE,
+    NODE_AGENT_NAMESPACE,
+    NODE_AGENT_SERVICE_ACCOUNT,
+    USERS,
+    NatsAuth,
+)
+from gpuslice_cli.dev.stack import AgentTokens
+from gpuslice_common.kube import NODE_NAME_EXTRA, LocalKubeApi
+from gpuslice_common.servers import NatsServer
+
+
+def test_each_run_has_its_own_passwords_and_callout_key() -> None:
+    one, two = NatsAuth.generate(), NatsAuth.generate()
+    assert set(one.passwords) == set(USERS)
+    assert len(set(one.passwords.values())) == len(USERS)
+    assert not set(one.passwords.values()) & set(two.passwords.values())
+    assert one.issuer.public_key != two.issuer.public_key
+    assert one.issuer.public_key.startswith("A")  # an account key
+    # read by nats-server as configuration values: strings, never numbers
+    assert all(not p[0].isdigit() for p in one.passwords.values())
+
+
+async def test_services_log_in_with_their_own_passwords_only(tmp_path: Path) -> None:
+    auth = NatsAuth.generate()
+    with NatsServer(tmp_path / "nats", config=AUTHORIZATION, env=auth.server_env()) as server:
+        for user in USERS:
+            client = await nats.connect(
+                server.url, user=user, password=auth.passwords[user], allow_reconnect=False
+            )
+            await client.close()
+        for user, password in (("auditor", auth.passwords["admin"]), ("admin", "")):
+            answer = await login(server.port, user, password)
+            assert "authorization violation" in answer.lower(), answer
+
+
+async def login(port: int, user: str, password: str) -> str:
+    """The server's answer to a login (spoken raw: the client library would retry)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        assert (await reader.readline()).startswith(b"INFO ")
+        connect = {"verbose": False, "protocol": 1, "user": user, "pass": password}
+        writer.write(b"CONNECT " + json.dumps(connect).encode() + b"\r\nPING\r\n")
+        await writer.drain()
+        return (await reader.readline()).decode()
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def test_node_agent_tokens_are_minted_for_their_node_and_renewed(tmp_path: Path) -> None:
+    kube = LocalKubeApi()
+    tokens = AgentTokens(kube, ttl_s=0.5)
+    path = tokens.write("gpu-node-1", tmp_path / "token")
+    first = path.read_text()
+    review = await kube.review_token(first, [NODE_AGENT_AUDIENCE])
+    assert review["authenticated"] is True
+    assert review["user"]["username"] == (
+        f"system:serviceaccount:{NODE_AGENT_NAMESPACE}:{NODE_AGENT_SERVICE_ACCOUNT}"
+    )
+    assert review["user"]["extra"][NODE_NAME_EXTRA] == ["gpu-node-1"]
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    renewing = asyncio.create_task(tokens.renew())
+    try:
+        for _ in range(200):
+            if path.read_text() != first:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
+    renewed = path.read_text()
+    assert renewed != first
+    assert (await kube.review_token(renewed, [NODE_AGENT_AUDIENCE]))["authenticated"] is True
