@@ -64,16 +64,16 @@ accounts {
                                  "gpuslice.events.alloc.failed"],
                        subscribe: ["_INBOX.>"] } }
       # the inventory: reads inventories, node agents' requests (and
-      # answers them), telemetry and pod ends; publishes allocations and
-      # releases; checks the audit stream
+      # answers them in the node's own inbox: never on a subject the
+      # requester names elsewhere), telemetry and pod ends; publishes
+      # allocations and releases; checks the audit stream
       { user: inventory, password: $NATS_INVENTORY_PASSWORD,
         permissions: { publish: ["gpuslice.events.alloc.allocated",
                                  "gpuslice.events.alloc.released",
                                  "gpuslice.events.alloc.failed",
-                                 "$JS.API.STREAM.INFO.gpuslice_audit"],
+                                 "$JS.API.STREAM.INFO.gpuslice_audit", "_INBOX.>"],
                        subscribe: ["gpuslice.inventory.*", "gpuslice.node.*.>",
-                                   "gpuslice.telemetry.*.*", "gpuslice.pods.ended", "_INBOX.>"],
-                       allow_responses: true } }
+                                   "gpuslice.telemetry.*.*", "gpuslice.pods.ended", "_INBOX.>"] } }
       # operators and auditors: read the audit stream through consumers of
       # their own (an ordered consumer answers JetStream's flow control on $JS.FC)
       { user: auditor, password: $NATS_AUDITOR_PASSWORD,
