@@ -69,9 +69,15 @@ class FakeApiServer:
     routes: dict[tuple[str, str], tuple[int, Any, float]] = field(default_factory=dict)
     stopping: threading.Event = field(default_factory=threading.Event)
     tokens: ServiceAccountTokens = field(default_factory=ServiceAccountTokens)
+    review_delay: float = 0.0  # seconds each TokenReview takes (unless routed otherwise)
 
     def answer(self, method: str, path: str, status: int, body: Any, delay: float = 0.0) -> None:
         self.routes[(method, path)] = (status, body, delay)
+
+    @property
+    def reviews(self) -> list[Recorded]:
+        """The TokenReviews asked so far."""
+        return [r for r in self.requests if r.method == "POST" and r.path == TOKEN_REVIEWS]
 
 
 def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
@@ -89,7 +95,7 @@ def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             route = (self.command, self.path.split("?")[0])
             default = (404, status_body(404, "NotFound", "the server could not find it"), 0.0)
             if route == ("POST", TOKEN_REVIEWS) and route not in state.routes:
-                default = (201, review(state.tokens, body), 0.0)
+                default = (201, review(state.tokens, body), state.review_delay)
             status, answer, delay = state.routes.get(route, default)
             if callable(answer):
                 answer = answer(recorded.query)
@@ -143,11 +149,15 @@ def review(tokens: ServiceAccountTokens, body: Any) -> dict[str, Any]:
     }
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 256  # many clients connecting at once (TokenReview bursts)
+
+
 @contextmanager
 def fake_api_server() -> Iterator[FakeApiServer]:
     """A FakeApiServer listening on a free loopback port until the block ends."""
     state = FakeApiServer()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
+    httpd = _Server(("127.0.0.1", 0), make_handler(state))
     httpd.daemon_threads = False  # server_close() waits for every handler
     state.host = f"http://127.0.0.1:{httpd.server_address[1]}"
     thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)

@@ -6,8 +6,11 @@ identity may publish for its own node or pod and nothing else."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import secrets
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -249,3 +252,56 @@ async def test_telemetry_tokens_not_for_a_live_pod_are_refused(roles: Roles, cas
     if case not in ("released",):
         client = await roles.client(own)
         await client.close()
+
+
+def _jwt_shaped(claims: dict[str, Any]) -> str:
+    """A token shaped like a ServiceAccount JWT that no API server minted."""
+
+    def b64(value: Any) -> str:
+        return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+    return f"{b64({'alg': 'RS256'})}.{b64(claims)}.{secrets.token_urlsafe(32)}"
+
+
+async def test_a_node_agent_connects_while_junk_connects_wait_on_slow_reviews(
+    roles: Roles,
+) -> None:
+    """Anyone who reaches NATS can make the callout review a token: many at once,
+    each review slow, must not keep a real node agent out."""
+    roles.api.review_delay = 0.5
+    junk = [_jwt_shaped({"exp": int(time.time()) + 600, "sub": f"x{i}"}) for i in range(60)]
+    junk += [f"eyJ{secrets.token_hex(8)}.x.y" for _ in range(20)]  # not even JWTs
+    flood = [asyncio.create_task(roles.refusal(token)) for token in junk]
+    try:
+        # the flood is being reviewed when the agent comes
+        await until(lambda: len(roles.api.reviews) >= 10)
+        agent = await roles.client(roles.node_token(NODE_A), inbox_prefix=f"_INBOX.{A}")
+        assert agent.is_connected
+        answers = await asyncio.wait_for(asyncio.gather(*flood), timeout=60)
+    finally:
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+    assert all("authorization violation" in answer.lower() for answer in answers), answers
+    assert roles.callout.stats.accepted == {"node": 1}
+    assert roles.callout.stats.refused["token-malformed"] == 20
+    # the ones that are not JWTs were never sent to the API server
+    assert len(roles.api.reviews) == 61
+
+
+async def test_a_token_is_reviewed_once_and_a_refusal_remembered(roles: Roles) -> None:
+    token = roles.node_token(NODE_A)
+    for _ in range(2):
+        agent = await roles.client(token, inbox_prefix=f"_INBOX.{A}")
+        await agent.close()
+    assert len(roles.api.reviews) == 1
+    assert roles.callout.stats.accepted == {"node": 2}
+    unknown = _jwt_shaped({"exp": int(time.time()) + 600, "sub": "nobody"})
+    for _ in range(2):
+        assert "authorization violation" in (await roles.refusal(unknown)).lower()
+    assert len(roles.api.reviews) == 2
+    assert roles.callout.stats.refused == {"token-not-authenticated": 2}
+    # another token is reviewed on its own
+    agent = await roles.client(roles.node_token(NODE_A), inbox_prefix=f"_INBOX.{A}")
+    await agent.close()
+    assert len(roles.api.reviews) == 3

@@ -279,6 +279,13 @@ class InventorySettings(CommonSettings):
     node_agent_service_account: Annotated[
         str, Field(pattern=r"^system:serviceaccount:[^:]+:[^:]+$")
     ] = "system:serviceaccount:gpuslice:gpuslice-deviceplugin"
+    # authorization requests decided at once (each may wait on a TokenReview);
+    # anyone who reaches NATS's port can send them
+    callout_concurrency: Annotated[int, Field(ge=1, le=1024)] = 64
+    # how long a container's telemetry user lasts: then the server closes the
+    # connection and the interposer reconnects through the callout, which checks
+    # the ledger again (a released pod's container is not let back in)
+    telemetry_session: Duration = timedelta(minutes=10)
     # HTTP serves probes and metrics only: no request has a body
     max_request_body: BodyCap = ByteSize(64 * 1024)
 

@@ -32,6 +32,7 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import urllib3
@@ -60,6 +61,10 @@ RUNNING_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 TERMINATED_PHASES = ("Succeeded", "Failed")
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "gpuslice"
+# TokenReviews at once (the NATS auth callout asks one per connecting node
+# agent): their own threads and pooled connections, so that a burst of them
+# neither waits behind the other calls' threads nor holds those calls up
+REVIEW_THREADS = 64
 # How long one watch request lasts before the server ends it and it is renewed.
 WATCH_SECONDS = 300
 WATCH_HISTORY = 1000  # LocalKubeApi: changes a resumed watch can catch up on
@@ -203,6 +208,8 @@ class KubernetesApi:
         self._authn = k8s.AuthenticationV1Api(api_client)
         self._timeout = timeout
         self.host = host
+        # threads start as reviews need them
+        self._reviews = ThreadPoolExecutor(REVIEW_THREADS, thread_name_prefix="tokenreview")
 
     @classmethod
     def connect(
@@ -246,6 +253,9 @@ class KubernetesApi:
         # One retry covers a pooled keep-alive connection the server has dropped,
         # without stretching an outage into several timeouts.
         configuration.retries = 1
+        configuration.connection_pool_maxsize = max(
+            configuration.connection_pool_maxsize, REVIEW_THREADS + 8
+        )
         api_client = k8s.ApiClient(configuration)
         api_client.user_agent = USER_AGENT
         return cls(api_client, host=str(configuration.host), timeout=timeout)
@@ -361,12 +371,15 @@ class KubernetesApi:
             kind="TokenReview",
             spec=k8s.V1TokenReviewSpec(token=token, audiences=list(audiences)),
         )
-        raw = await self._call(
+        raw = await self._guarded(
             what,
-            lambda: self._authn.create_token_review(
-                body=body, _preload_content=False, _request_timeout=self._timeout
+            lambda: _read_body(
+                self._authn.create_token_review(
+                    body=body, _preload_content=False, _request_timeout=self._timeout
+                )
             ),
             not_found=f"{what} failed",
+            executor=self._reviews,
         )
         status = self._object(raw, what).get("status")
         return status if isinstance(status, dict) else {}
@@ -449,6 +462,7 @@ class KubernetesApi:
         return parsed
 
     async def close(self) -> None:
+        self._reviews.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self._api_client.close)
 
     async def _call(
@@ -472,9 +486,13 @@ class KubernetesApi:
         *,
         not_found: str,
         missing: type[NotFound] = NotFound,
+        executor: ThreadPoolExecutor | None = None,
     ) -> T:
-        """Run blocking client work in a thread, its failures as :class:`KubeError`s."""
+        """Run blocking client work in a thread (of ``executor``, else the loop's
+        default), its failures as :class:`KubeError`s."""
         try:
+            if executor is not None:
+                return await asyncio.get_running_loop().run_in_executor(executor, work)
             return await asyncio.to_thread(work)
         except ApiException as error:
             if error.status == 410:

@@ -25,6 +25,7 @@ from gpuslice_common.nkeys import KeyPair, Role, public_role, verify
 
 __all__ = [
     "JwtError",
+    "JwtExpired",
     "authorization_response",
     "decode",
     "encode",
@@ -37,6 +38,10 @@ NO_LIMIT = -1
 
 class JwtError(ValueError):
     """Not a valid NATS JWT, or not one of the expected kind."""
+
+
+class JwtExpired(JwtError):
+    """A valid NATS JWT whose ``exp`` has passed."""
 
 
 def _b64(data: bytes) -> str:
@@ -95,7 +100,7 @@ def decode(token: str, issuer_role: Role | None = None, now: float | None = None
     at = time.time() if now is None else now
     expires, not_before = claims.get("exp"), claims.get("nbf")
     if isinstance(expires, int) and expires > 0 and at > expires:
-        raise JwtError("expired")
+        raise JwtExpired("expired")
     if isinstance(not_before, int) and not_before > at:
         raise JwtError("not yet valid")
     return claims

@@ -23,6 +23,18 @@ the server's ``auth_callout.issuer``, carrying the user JWT (placed in the
 services' account by its ``aud``) or the reason for refusing. Each refusal is
 one log line and counted by reason.
 
+Anyone who reaches NATS's port can make the server ask, so the callout is built
+not to be starved by junk: every request is answered in its own task, at most
+``callout_concurrency`` at once (the subscription waits while that many run);
+a request whose expiry (the server's own deadline for the answer) has passed
+is dropped before any work; a token that is neither a telemetry token nor
+JWT-shaped (three base64url parts, the first two JSON objects) is refused
+without asking the API server; and TokenReview outcomes are remembered, keyed
+by the token's SHA-256, in a bounded LRU: a node agent's acceptance until its
+token's ``exp`` (read unverified, only for this) but at most
+``REVIEW_CACHE_MAX_S``, a refusal for ``REFUSAL_CACHE_S``. A failed review (the
+API server away) is not remembered.
+
 The requests are not encrypted (no ``xkey``): they carry the clients' tokens
 from nats-server to its own callout user over the cluster network, which is
 where clients send those tokens anyway.
@@ -30,11 +42,15 @@ where clients send those tokens anyway.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import hashlib
 import json
 import logging
-from collections import Counter
+import re
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +75,16 @@ log = logging.getLogger(__name__)
 
 AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
 
+REVIEW_CACHE_MAX_S = 600.0  # a node agent's acceptance is remembered at most this long
+REFUSAL_CACHE_S = 10.0  # a token the review refused is refused again without asking
+REVIEW_CACHE_SIZE = 4096  # entries, least recently used dropped first
+MAX_TOKEN = 16 * 1024  # bytes of a token worth looking at
+_B64URL = re.compile(r"[A-Za-z0-9_-]+")
+# refusals that are the review's verdict on the token itself (not a failure to ask)
+_VERDICTS = frozenset(
+    {"token-not-authenticated", "token-wrong-audience", "not-node-agent", "no-node-name"}
+)
+
 
 class Refused(Exception):
     """The client is not let in: ``reason`` is a short label (the metric's),
@@ -74,6 +100,9 @@ class CalloutStats:
     accepted: Counter[str] = field(default_factory=Counter)  # by kind: node, telemetry
     refused: Counter[str] = field(default_factory=Counter)  # by reason
     errors: int = 0  # requests that could not be answered at all
+    expired: int = 0  # requests dropped unanswered: the server had stopped waiting
+    reviews: int = 0  # TokenReviews asked of the API server
+    cached: int = 0  # node agent tokens decided from the review cache
 
 
 @dataclass(frozen=True)
@@ -85,18 +114,70 @@ class Identity:
     expires: int | None = None
 
 
+def _json_part(part: str) -> Any:
+    try:
+        return json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _jwt_claims(token: str) -> dict[str, Any] | None:
+    """The claims of a JWT-shaped token (three base64url parts, header and
+    claims JSON objects), read without checking anything else; None when the
+    token is not shaped so."""
+    if len(token) > MAX_TOKEN:
+        return None
+    parts = token.split(".")
+    if len(parts) != 3 or not all(_B64URL.fullmatch(part) for part in parts):
+        return None
+    header, claims = _json_part(parts[0]), _json_part(parts[1])
+    if not isinstance(header, dict) or not isinstance(claims, dict):
+        return None
+    return claims
+
+
 def _token_expiry(token: str) -> int | None:
     """The ``exp`` of a JWT-shaped token, read without checking it (the API
     server's review has checked it); None when it has none."""
-    parts = token.split(".")
-    if len(parts) != 3:
-        return None
-    try:
-        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
-    except (binascii.Error, ValueError):
-        return None
-    expires = claims.get("exp") if isinstance(claims, dict) else None
+    claims = _jwt_claims(token)
+    expires = claims.get("exp") if claims is not None else None
     return expires if isinstance(expires, int) and expires > 0 else None
+
+
+class _ReviewCache:
+    """TokenReview outcomes by the token's SHA-256, each until its own deadline
+    (monotonic seconds); at most ``size`` entries, the least recently used
+    dropped first."""
+
+    def __init__(self, size: int = REVIEW_CACHE_SIZE) -> None:
+        self.size = size
+        self._entries: OrderedDict[bytes, tuple[float, Identity | Refused]] = OrderedDict()
+
+    @staticmethod
+    def key(token: str) -> bytes:
+        return hashlib.sha256(token.encode()).digest()
+
+    def get(self, key: bytes) -> Identity | Refused | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        until, outcome = entry
+        if time.monotonic() >= until:
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return outcome
+
+    def put(self, key: bytes, outcome: Identity | Refused, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self._entries[key] = (time.monotonic() + seconds, outcome)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class AuthCallout:
@@ -122,6 +203,9 @@ class AuthCallout:
         self.stats = CalloutStats()
         self._nc: NATS | None = None
         self._sub: Subscription | None = None
+        self._reviewed = _ReviewCache()
+        self._slots = asyncio.Semaphore(settings.callout_concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def issue_telemetry_token(self) -> Callable[[str, str], str]:
@@ -205,9 +289,32 @@ class AuthCallout:
         )
 
     async def _node_agent(self, token: str) -> Identity:
+        claims = _jwt_claims(token)
+        if claims is None:
+            raise Refused("token-malformed", "the token is not a JWT")
+        key = self._reviewed.key(token)
+        known = self._reviewed.get(key)
+        if known is not None:
+            self.stats.cached += 1
+            if isinstance(known, Refused):
+                raise known
+            return known
+        try:
+            identity = await self._review(token)
+        except Refused as refused:
+            if refused.reason in _VERDICTS:
+                self._reviewed.put(key, refused, REFUSAL_CACHE_S)
+            raise
+        if identity.expires is not None:
+            lifetime = min(identity.expires - time.time(), REVIEW_CACHE_MAX_S)
+            self._reviewed.put(key, identity, lifetime)
+        return identity
+
+    async def _review(self, token: str) -> Identity:
         if self.kube is None:
             raise Refused("no-kube-api", "no Kubernetes API to review node agent tokens")
         audience = self.settings.node_agent_audience
+        self.stats.reviews += 1
         try:
             status = await self.kube.review_token(token, [audience])
         except KubeError as exc:
@@ -264,8 +371,28 @@ class AuthCallout:
             raise BusError(f"auth callout cannot connect to NATS: {exc!r}") from None
 
     async def _on_request(self, msg: Msg) -> None:
+        """nats-py runs this for one message at a time: the work goes to a task
+        of its own, and this waits only while ``callout_concurrency`` run."""
+        await self._slots.acquire()
+        try:
+            task = asyncio.create_task(self._handle(msg), name="auth-callout")
+        except BaseException:
+            self._slots.release()
+            raise
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+
+    async def _handle(self, msg: Msg) -> None:
         try:
             response = await self.answer(msg.data.decode("utf-8", errors="replace"))
+        except natsjwt.JwtExpired:  # the server gave up on this client already
+            self.stats.expired += 1
+            log.debug("auth callout: a request that expired while it waited dropped")
+            return
         except natsjwt.JwtError as exc:
             self.stats.errors += 1
             log.warning("auth callout: unreadable request ignored: %s", exc)
@@ -283,6 +410,7 @@ class AuthCallout:
     async def close(self) -> None:
         nc, self._nc = self._nc, None
         if nc is None or nc.is_closed:
+            await self._finish()
             return
         try:
             await nc.drain()
@@ -292,6 +420,15 @@ class AuthCallout:
                 await nc.close()
             except Exception as again:
                 log.warning("auth callout: close failed: %r", again)
+        await self._finish()
+
+    async def _finish(self) -> None:
+        """Cancel the requests still being decided (their clients are refused by
+        the server's timeout)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _single(extra: Any, key: str) -> str | None:
