@@ -39,7 +39,7 @@ from gpuslice_common.nodeapi import (
     parse_reply,
 )
 from gpuslice_common.servers import NatsServer
-from gpuslice_inventory.gateway import error_kind
+from gpuslice_inventory.gateway import PODLESS_FAILURE_WINDOW_S, error_kind, podless_failure_id
 from gpuslice_inventory.service import Running, running
 from tests.conftest import make_inventory
 from tests.inventory.conftest import settings_for, until
@@ -372,3 +372,37 @@ async def test_two_replicas_answer_each_request_once(
             assert served == 20
     finally:
         await second_bus.close()
+
+
+async def test_a_node_asking_again_and_again_for_nothing_adds_one_failure_a_window(
+    inventory: Running, nodes: Ledger, bus: Bus, events: list[CloudEvent]
+) -> None:
+    """A node's requests that find no pod (kubelet retrying, or a node flooding the
+    audit stream on purpose) record one failure per kind and count a window: the
+    rest neither reaches the outbox's queue nor the stream."""
+    for _ in range(200):
+        reply = await ask(bus, A, "allocate", {"request_id": uuid.uuid4().hex, "count": 3})
+        assert isinstance(reply, ErrorReply)
+        assert reply.error == ErrorKind.NOT_RESERVED
+    reply = await ask(bus, B, "allocate", {"request_id": "other-node", "count": 3})
+    assert isinstance(reply, ErrorReply)
+    await until(lambda: len([e for e in events if e.type == EventType.ALLOC_FAILED]) >= 2)
+    await ask(bus, A, "ping")  # events of the requests above are out by now
+    await bus.flush()
+    failures = [e.payload() for e in events if e.type == EventType.ALLOC_FAILED]
+    on_a = [f for f in failures if isinstance(f, AllocationEvent) and f.node == A]
+    on_b = [f for f in failures if isinstance(f, AllocationEvent) and f.node == B]
+    assert len(on_b) == 1
+    # one a window: two if the requests happened to straddle a window's end
+    assert len(on_a) in (1, 2)
+    assert inventory.gateway.stats.repeated_failures == 200 - len(on_a)
+
+
+def test_pod_less_failure_ids_are_one_per_node_kind_count_and_window() -> None:
+    base = 1_800_000_000.0 - 1_800_000_000.0 % PODLESS_FAILURE_WINDOW_S
+    same = podless_failure_id(A, "no-pending-pod", 1, base)
+    assert podless_failure_id(A, "no-pending-pod", 1, base + PODLESS_FAILURE_WINDOW_S - 1) == same
+    assert podless_failure_id(A, "no-pending-pod", 1, base + PODLESS_FAILURE_WINDOW_S) != same
+    assert podless_failure_id(B, "no-pending-pod", 1, base) != same
+    assert podless_failure_id(A, "ledger-unavailable", 1, base) != same
+    assert podless_failure_id(A, "no-pending-pod", 2, base) != same

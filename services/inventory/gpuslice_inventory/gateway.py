@@ -15,8 +15,10 @@ published from here, through the inventory's outbox.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -61,6 +63,20 @@ log = logging.getLogger(__name__)
 SOURCE = "gpuslice/inventory"
 # events of one allocation share an id, so the audit stream keeps a retried one once
 EVENT_NAMESPACE = uuid.UUID("5b0c6e1e-6c59-4c1b-9d1e-6a4f0c2f7a31")
+# A failure that names no pod is recorded once per node, kind, count and this
+# many seconds: a node asking again and again (or on purpose, to flood the
+# audit stream) adds no events within one window (the stream's duplicate window
+# drops the repeats, whose id is the same).
+PODLESS_FAILURE_WINDOW_S = 60
+RECENT_PODLESS = 4096  # ids remembered to keep repeats out of the outbox's queue
+
+
+def podless_failure_id(node: str, kind: str, count: int, now: float | None = None) -> str:
+    """The event id of an allocation failure without a pod, the same within a window."""
+    window = int((time.time() if now is None else now) // PODLESS_FAILURE_WINDOW_S)
+    return str(uuid.uuid5(EVENT_NAMESPACE, f"{node}/{kind}/{count}/{window}"))
+
+
 MAX_IN_FLIGHT = 512
 PING_TIMEOUT_S = 1.0
 
@@ -97,6 +113,7 @@ class GatewayStats:
     errors: Counter[str] = field(default_factory=Counter)  # by error kind
     unanswerable: int = 0  # requests without a reply subject
     foreign_replies: int = 0  # requests whose reply subject is not the node's own inbox
+    repeated_failures: int = 0  # pod-less failures not recorded again within their window
 
 
 class NodeGateway:
@@ -119,6 +136,8 @@ class NodeGateway:
         self.stats = GatewayStats()
         self._tasks: set[asyncio.Task[None]] = set()
         self._subscription: Subscription | None = None
+        # ids of pod-less failures recorded lately: a repeat is not queued again
+        self._recent_podless: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._handlers: dict[Verb, Callable[[str, Frozen, After], Awaitable[Answer]]] = {
             Verb.PING: self._ping,
             Verb.ALLOCATE: self._allocate,
@@ -276,14 +295,23 @@ class NodeGateway:
         try:
             allocation = await self.ledger.allocate(node, request.count, request.request_id)
         except NotReserved as exc:
+            event_id = podless_failure_id(node, "no-pending-pod", request.count)
+            reason = f"no pending pod: {exc}"
             after.append(
-                partial(self._publish, EventType.ALLOC_FAILED, node, None, f"no pending pod: {exc}")
+                partial(
+                    self._publish, EventType.ALLOC_FAILED, node, None, reason, event_id=event_id
+                )
             )
             raise
         except LedgerError as exc:
             if error_kind(exc) != ErrorKind.REBUILDING:  # asked again soon, not a failure yet
+                event_id = podless_failure_id(node, "ledger-unavailable", request.count)
                 reason = f"ledger unavailable: {exc}"
-                after.append(partial(self._publish, EventType.ALLOC_FAILED, node, None, reason))
+                after.append(
+                    partial(
+                        self._publish, EventType.ALLOC_FAILED, node, None, reason, event_id=event_id
+                    )
+                )
             raise
         token = ""
         if self.issue_telemetry_token is not None:
@@ -338,6 +366,13 @@ class NodeGateway:
     ) -> None:
         if self.outbox is None:
             return
+        if allocation is None and event_id is not None:
+            if event_id in self._recent_podless:
+                self.stats.repeated_failures += 1
+                return
+            self._recent_podless[event_id] = None
+            if len(self._recent_podless) > RECENT_PODLESS:
+                self._recent_podless.popitem(last=False)
         if allocation is None:
             payload = AllocationEvent(pod=None, node=node, reason=reason[:1024])
             pod: PodRef | None = None

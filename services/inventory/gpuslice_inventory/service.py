@@ -177,6 +177,14 @@ class Running:
             "telemetry_stored": t.stored,
             "telemetry_malformed": t.malformed,
             "telemetry_dropped": t.dropped,
+            "node_request_errors": Counter(self.gateway.stats.errors),
+            "node_requests_dropped": Counter(
+                {
+                    "no_reply_subject": self.gateway.stats.unanswerable,
+                    "reply_outside_the_node_inbox": self.gateway.stats.foreign_replies,
+                }
+            ),
+            "node_failures_repeated": self.gateway.stats.repeated_failures,
         }
         if self.callout is not None:
             c = self.callout.stats
