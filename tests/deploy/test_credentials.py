@@ -73,7 +73,11 @@ def acl_redis(tmp_path: Path) -> Iterator[int]:
         yield port
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:  # busy in a script: it cannot stop cleanly
+            proc.kill()
+            proc.wait()
 
 
 def redis_url(port: int, role: str) -> str:
@@ -348,3 +352,42 @@ def test_every_secret_key_the_manifests_read_is_in_the_install_guide() -> None:
     missing = sorted(k for k in keys if f"--from-literal={k}=" not in guide)
     assert not missing, f"docs/install.md does not create {missing}"
     assert os.path.exists(ROOT / "k8s" / "kustomization.yaml")
+
+
+def liveness_command() -> list[str]:
+    spec = manifest("StatefulSet", "gpuslice-redis")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    command: list[str] = container["livenessProbe"]["exec"]["command"]
+    return command
+
+
+async def test_a_redis_held_by_a_script_that_never_ends_fails_its_liveness_probe(
+    acl_redis: int,
+) -> None:
+    """A service credential may load scripts, so one could run a script that never
+    ends: Redis then answers only BUSY. The liveness probe must fail so that
+    kubelet restarts Redis (the append-only file keeps the ledger)."""
+    env = {**os.environ, "REDISCLI_AUTH": PASSWORDS["probe"]}
+    argv = [*liveness_command()]
+    argv[-1] = argv[-1].replace("redis-cli", f"redis-cli -p {acl_redis}")
+
+    def probe() -> bool:
+        try:
+            done = subprocess.run(argv, env=env, timeout=5, capture_output=True, check=False)
+        except subprocess.TimeoutExpired:
+            return False
+        return done.returncode == 0
+
+    assert await asyncio.to_thread(probe)
+    scheduler = aioredis.Redis.from_url(redis_url(acl_redis, "scheduler"))
+    sha = await scheduler.script_load("while true do end")
+    stuck = asyncio.create_task(scheduler.evalsha(sha, 0))
+    try:
+        await asyncio.sleep(0.2)
+        assert not await asyncio.to_thread(probe)
+    finally:
+        stuck.cancel()
+        with contextlib.suppress(BaseException):
+            await stuck
+        with contextlib.suppress(Exception):
+            await scheduler.aclose()
