@@ -200,7 +200,7 @@ async def test_rebuilding_answers_are_waited_out(
 
 
 async def test_an_allocate_while_the_node_is_being_rebuilt_waits_for_it(
-    settings: DevicePluginSettings,
+    make_settings: Callable[..., DevicePluginSettings],
     nats_server: NatsServer,
     prefix: str,
     tmp_path: Path,
@@ -209,7 +209,10 @@ async def test_an_allocate_while_the_node_is_being_rebuilt_waits_for_it(
 ) -> None:
     """Redis restarts empty; the pod's placement is restored, but until the node is
     stamped rebuilt no choice among its bound pods is safe: the real inventory
-    answers "rebuilding" and Allocate waits."""
+    answers "rebuilding" and Allocate waits. (An inventory without the Kubernetes
+    API stamps a node when it registers it: the agent's next heartbeat is kept
+    beyond the test.)"""
+    settings = make_settings(inventory_interval="1h")
     server = RedisServer(tmp_path / "redis", persist=False)
     with server:
         ledger = Ledger.from_url(server.url, prefix)
