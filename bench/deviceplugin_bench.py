@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 import httpx
 
+from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
@@ -182,6 +183,10 @@ async def bench(
     pb_grpc.add_RegistrationServicer_to_server(registration, server)
     server.add_insecure_port(f"unix://{kubelet_dir / 'kubelet.sock'}")
     await server.start()
+    # the install step: the audit stream the inventory waits for
+    admin = await Bus.connect(settings, "bench/audit-init")
+    await admin.ensure_audit_stream(settings.audit_max_age)
+    await admin.close()
     inventory = await asyncio.to_thread(start_inventory, work, redis_url, nats_url)
     ledger = Ledger.from_url(redis_url)
     bus = await connect_bus(settings)
