@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -262,13 +263,18 @@ async def test_sm_use_and_throttling_under_a_compute_limit(
 async def test_names_are_escaped_as_json(
     nats_server: NatsServer, run_probe: ProbeRunner, region_path: Path
 ) -> None:
+    """The C client escapes what it writes; the raw JSON it sent is read here (the
+    model refuses such a container name: no Kubernetes container has one)."""
     uid = pod_uid()
     name = 'main "trainer" \\ ünïcode\ttab'
     async with feed(nats_server.url, subject(uid)) as f:
         env = telemetry_env(nats_server.url, region_path, uid, GPUSLICE_CONTAINER_NAME=name)
         await asyncio.to_thread(run_probe, "init", "ctx", "sleep 400", env=env)
-        sample = (await f.next()).sample
-    assert sample.container == name
+        raw = (await f.sub.next_msg(timeout=5)).data
+    doc = json.loads(raw)  # strict: a raw control character in a string is an error
+    assert doc["container"] == name
+    assert b'\\"trainer\\"' in raw
+    assert b"\t" not in raw
 
 
 def blocked_signals(status: str) -> int:

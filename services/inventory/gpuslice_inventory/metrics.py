@@ -247,7 +247,9 @@ WORK_METRICS = {
     "telemetry_samples": "Telemetry samples received.",
     "telemetry_stored": "Telemetry samples written to Redis.",
     "telemetry_malformed": "Telemetry samples dropped as malformed.",
-    "telemetry_dropped": "Telemetry samples dropped because too many waited to be written.",
+    "telemetry_dropped": "Well-formed telemetry samples not stored, by reason: too many "
+    "waiting (full, containers, flush-failed), or not the placement's (not-placed, "
+    "foreign-container, foreign-device).",
     "callout_nodes_accepted": "NATS connections of node agents let in by the auth callout.",
     "callout_containers_accepted": "NATS connections of GPU containers let in by the auth callout.",
     "callout_refusals": "NATS connections refused by the auth callout, by reason.",
