@@ -168,9 +168,10 @@ async def connect(server: NatsServer, errors: list[str] | None, **options: Any) 
 
 @contextlib.asynccontextmanager
 async def manifest_roles(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str, **settings: Any
 ) -> AsyncIterator[Roles]:
-    """The manifests' NATS and the inventory (with its callout) on it."""
+    """The manifests' NATS and the inventory (with its callout) on it; ``settings``
+    are the inventory's own (say a short ``telemetry_session``)."""
     issuer = KeyPair.generate(Role.ACCOUNT)
     env = manifest_env("Deployment", "gpuslice-inventory")
     assert env["GPUSLICE_CALLOUT_ISSUER_SEED"]["valueFrom"]["secretKeyRef"]["key"]
@@ -190,6 +191,7 @@ async def manifest_roles(
             callout_nats_password=PASSWORDS["callout"],
             node_agent_audience=env["GPUSLICE_NODE_AGENT_AUDIENCE"]["value"],
             node_agent_service_account=env["GPUSLICE_NODE_AGENT_SERVICE_ACCOUNT"]["value"],
+            **settings,
         )
         kube = KubernetesApi.connect(api.host, timeout=5)
         bus = await Bus.connect(settings, "inventory")

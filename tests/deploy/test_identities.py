@@ -12,6 +12,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,21 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gpuslice_common.config import DevicePluginSettings
-from gpuslice_common.models import NodeInventory
+from gpuslice_common.models import (
+    MAX_DEVICE_MEMORY_MIB,
+    MAX_DEVICES,
+    MAX_NAME_LENGTH,
+    MAX_NUMA_NODE,
+    MAX_SPLIT_COUNT,
+    GpuDevice,
+    NodeInventory,
+)
 from gpuslice_deviceplugin.service import connect_bus
+from gpuslice_inventory.authcallout import (
+    CONTAINER_MAX_PAYLOAD,
+    NODE_AGENT_MAX_PAYLOAD,
+    NODE_AGENT_MAX_SUBS,
+)
 from gpuslice_inventory.tokens import TelemetryTokens
 from tests.conftest import make_inventory
 from tests.deploy.roles import AUDIENCE, Roles, manifest_roles, until
@@ -305,3 +319,111 @@ async def test_a_token_is_reviewed_once_and_a_refusal_remembered(roles: Roles) -
     agent = await roles.client(roles.node_token(NODE_A), inbox_prefix=f"_INBOX.{A}")
     await agent.close()
     assert len(roles.api.reviews) == 3
+
+
+# ------------------------------------------------------------ what a container may send
+
+
+def telemetry(node: str, uid: str, container: str, *uuids: str) -> bytes:
+    devices = [{"uuid": u, "used_bytes": 10, "limit_bytes": 20} for u in uuids]
+    doc = {"node": node, "pod_uid": uid, "container": container, "pid": 1}
+    doc |= {"time": datetime.now(UTC).isoformat(), "devices": devices}
+    return json.dumps(doc).encode()
+
+
+async def test_callout_users_carry_limits_and_a_container_an_expiry(roles: Roles) -> None:
+    await roles.ledger.register_node(make_inventory(NODE_A, gpus=1), rebuilt=True)
+    await roles.ledger.reserve(placement("pod-1", NODE_A, [[(0, 100, 1)]]))
+    container = await roles.callout.identify(roles.telemetry_token(NODE_A, "pod-1"))
+    assert (container.payload, container.subs) == (CONTAINER_MAX_PAYLOAD, 0)
+    session = roles.inventory.settings.telemetry_session.total_seconds()
+    assert container.expires is not None
+    assert time.time() + session <= container.expires <= time.time() + session + 2
+    agent = await roles.callout.identify(roles.node_token(NODE_A))
+    assert (agent.payload, agent.subs) == (NODE_AGENT_MAX_PAYLOAD, NODE_AGENT_MAX_SUBS)
+
+
+def test_a_node_agent_may_send_its_largest_inventory_twice_over() -> None:
+    """NODE_AGENT_MAX_PAYLOAD leaves headroom over the largest NodeInventory."""
+    devices = tuple(
+        GpuDevice(
+            uuid=f"GPU-{i:04}-".ljust(MAX_NAME_LENGTH, "x"),
+            index=i,
+            model="M" * MAX_NAME_LENGTH,
+            memory_mib=MAX_DEVICE_MEMORY_MIB,
+            numa=MAX_NUMA_NODE,
+            healthy=False,
+        )
+        for i in range(MAX_DEVICES)
+    )
+    name = ".".join(["n" * 63] * 3 + ["n" * 61])  # 253 characters
+    largest = NodeInventory(
+        node=name, devices=devices, split_count=MAX_SPLIT_COUNT, memory_scaling=1 / 3
+    )
+    assert 2 * len(largest.model_dump_json()) <= NODE_AGENT_MAX_PAYLOAD
+
+
+async def test_the_store_keeps_only_the_pods_own_containers_and_cards(roles: Roles) -> None:
+    """A container's credential publishes under its own pod's subject, and the
+    inventory stores only what its placement holds: c0 on the node's one card."""
+    await roles.ledger.register_node(make_inventory(NODE_A, gpus=1), rebuilt=True)
+    await roles.ledger.reserve(placement("pod-1", NODE_A, [[(0, 100, 1)]]))
+    card = f"GPU-{NODE_A}-0"
+    store = roles.inventory.telemetry
+    container = await roles.client(roles.telemetry_token(NODE_A, "pod-1"))
+    subject = f"gpuslice.telemetry.{A}.pod-1"
+    wide = [f"GPU-fake-{i:06}" for i in range(5000)]
+    sent = [
+        telemetry(NODE_A, "pod-1", "c0", *wide[:17]),  # more than a region holds
+        telemetry(NODE_A, "pod-1", "c0", card, *wide[:15]),  # cards not granted to c0
+        telemetry(NODE_A, "pod-1", "c1", card),  # no such container in the placement
+        telemetry(NODE_A, "pod-1", "C0", card),  # no Kubernetes container name
+    ]
+    for payload in sent:
+        before = store.stats.malformed + store.stats.dropped
+        await container.publish(subject, payload)
+        await container.flush()
+        await until(lambda b=before: store.stats.malformed + store.stats.dropped == b + 1)
+    await container.publish(subject, telemetry(NODE_A, "pod-1", "c0", card))
+    await container.flush()
+    await until(lambda: store.stats.stored == 1)
+    assert store.stats.malformed == 2
+    assert store.stats.dropped_by == {"foreign-device": 1, "foreign-container": 1}
+    usage = await store.gpu_usage(NODE_A)
+    assert list(usage) == [card]
+    assert (usage[card].used_bytes, usage[card].containers) == (10, 1)
+
+
+async def test_a_released_pods_late_samples_are_not_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    async with manifest_roles(
+        tmp_path, monkeypatch, redis_url, telemetry_placement_cache="100ms"
+    ) as roles:
+        await roles.ledger.register_node(make_inventory(NODE_A, gpus=1), rebuilt=True)
+        await roles.ledger.reserve(placement("pod-1", NODE_A, [[(0, 100, 1)]]))
+        card = f"GPU-{NODE_A}-0"
+        store = roles.inventory.telemetry
+        container = await roles.client(roles.telemetry_token(NODE_A, "pod-1"))
+
+        async def send() -> None:
+            await container.publish(
+                f"gpuslice.telemetry.{A}.pod-1", telemetry(NODE_A, "pod-1", "c0", card)
+            )
+            await container.flush()
+
+        await send()
+        await until(lambda: store.stats.stored == 1)
+        await roles.ledger.release("pod-1", "done")
+
+        async def refused() -> bool:  # the store has read the release
+            await send()
+            return store.stats.dropped_by["not-placed"] > 0
+
+        await until(refused)
+        stored = store.stats.stored
+        dropped = store.stats.dropped_by["not-placed"]
+        for more in range(1, 4):  # one flush at a time (a flush keeps one per container)
+            await send()
+            await until(lambda n=more: store.stats.dropped_by["not-placed"] == dropped + n)
+        assert store.stats.stored == stored

@@ -18,7 +18,19 @@ from nats.aio.msg import Msg
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gpuslice_common.models import DeviceTelemetry, TelemetrySample
+from gpuslice_common import region
+from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import (
+    MAX_TELEMETRY_DEVICES,
+    ContainerAssignment,
+    DeviceGrant,
+    DeviceTelemetry,
+    GpuDevice,
+    NodeInventory,
+    Placement,
+    PodRef,
+    TelemetrySample,
+)
 from gpuslice_common.servers import NatsServer, RedisServer
 from gpuslice_common.subjects import Subjects
 from gpuslice_inventory.telemetry import (
@@ -312,6 +324,16 @@ MALFORMED: dict[str, bytes] = {
     "uuid empty": sample(devices=(device(uuid=""),)),
     "the same device twice": sample(devices=(device(), device())),
     "an integer beyond 64 bits": sample(devices=(device(used=1 << 70),)),
+    "more devices than a region holds": sample(
+        devices=tuple(device(uuid=f"GPU-{i}") for i in range(MAX_TELEMETRY_DEVICES + 1))
+    ),
+    "container empty": sample(container=""),
+    "container with capitals": sample(container="Main"),
+    "container with a quote": sample(container='ma\\"in'),
+    "container with a bar": sample(container="a|b"),
+    "container longer than a label": sample(container="c" * 64),
+    "container ending in a dash": sample(container="main-"),
+    "pid beyond any pid": GOOD.replace(b'"pid":4242', b'"pid":4294967296'),
 }
 
 
@@ -362,7 +384,7 @@ def test_a_valid_sample_written_by_the_model_is_accepted(
             {
                 "node": NODE,
                 "pod_uid": POD2,
-                "container": "",
+                "container": "c" * 63,
                 "pid": 0,
                 "time": "2026-11-21T10:11:12",
                 "devices": [{"uuid": GPU_A, "used_bytes": 0, "limit_bytes": 0}],
@@ -553,3 +575,131 @@ async def test_a_released_pod_is_forgotten_stored_and_waiting(
     left = await store.container_usage(NODE)
     assert [(u.pod_uid, u.container) for u in left] == [(POD2, "main")]
     assert await store.forget_pod(NODE, POD) == 0
+
+
+# ------------------------------------------------------------ bounds
+
+
+def test_a_sample_holds_at_most_a_regions_devices() -> None:
+    assert MAX_TELEMETRY_DEVICES == region.MAX_DEVICES
+    devices = tuple(
+        DeviceTelemetry(uuid=f"GPU-{i}", used_bytes=1, limit_bytes=1)
+        for i in range(MAX_TELEMETRY_DEVICES + 1)
+    )
+    fields: dict[str, Any] = {
+        "node": NODE,
+        "pod_uid": POD,
+        "container": "main",
+        "pid": 1,
+        "time": datetime.now(UTC),
+    }
+    TelemetrySample(**fields, devices=devices[:-1])
+    with pytest.raises(ValueError, match="at most 16"):
+        TelemetrySample(**fields, devices=devices)
+    for name in ("", "Main", 'a"b', "c" * 64, "a\tb"):
+        with pytest.raises(ValueError, match="container"):
+            TelemetrySample(**fields | {"container": name}, devices=())
+    with pytest.raises(ValueError, match="used_bytes"):
+        DeviceTelemetry(uuid=GPU_A, used_bytes=1 << 64, limit_bytes=1)
+    with pytest.raises(ValueError, match="sm_percent"):
+        DeviceTelemetry(uuid=GPU_A, used_bytes=1, limit_bytes=1, sm_percent=float("nan"))
+
+
+def test_a_pod_has_at_most_max_containers_waiting(redis: Redis, prefix: str) -> None:
+    store = TelemetryStore(redis, prefix, max_containers=3)
+    for name in ("a", "b", "c"):
+        assert store.ingest(subject(prefix), sample(container=name))
+    assert not store.ingest(subject(prefix), sample(container="d"))
+    # a waiting container is updated; another pod has its own room
+    assert store.ingest(subject(prefix), sample(container="a", devices=(device(used=9),)))
+    assert store.ingest(subject(prefix, pod=POD2), sample(pod=POD2, container="d"))
+    assert store.stats.dropped_by == {"containers": 1}
+    assert (store.stats.dropped, store.stats.malformed, store.pending) == (1, 0, 4)
+
+
+# ------------------------------------------------------------ the ledger's placement
+
+
+async def place(ledger: Ledger, placement: Placement) -> None:
+    cards = (GPU_A, GPU_B)
+    devices = tuple(
+        GpuDevice(uuid=u, index=i, model="NVIDIA A100", memory_mib=1024)
+        for i, u in enumerate(cards)
+    )
+    await ledger.register_node(NodeInventory(node=placement.node, devices=devices), rebuilt=True)
+    await ledger.reserve(placement)
+
+
+def pod_placement(uid: str, node: str = NODE, **containers: tuple[str, ...]) -> Placement:
+    return Placement(
+        pod=PodRef(uid=uid, namespace="ns", name=uid),
+        node=node,
+        containers=tuple(
+            ContainerAssignment(
+                name=name, devices=tuple(DeviceGrant(uuid=u, memory_mib=1, cores=10) for u in uuids)
+            )
+            for name, uuids in containers.items()
+        ),
+    )
+
+
+async def test_only_a_placements_containers_on_their_own_cards_are_stored(
+    redis: Redis, prefix: str, ledger: Ledger
+) -> None:
+    """Each container reports on the cards granted to it, in a pod the ledger
+    places on the sample's node; everything else is dropped and counted."""
+    await place(ledger, pod_placement(POD, main=(GPU_A,), side=(GPU_B,)))
+    await place(ledger, pod_placement(POD2, node="gpu-8.pool-a.example", main=(GPU_A,)))
+    store = TelemetryStore(redis, prefix, placements=ledger.placement)
+    others = [f"GPU-other-{i}" for i in range(MAX_TELEMETRY_DEVICES - 1)]
+    dropped = {
+        "foreign-container": sample(container="c0", devices=(device(GPU_A),)),
+        "foreign-device": sample(
+            container="main", devices=(device(GPU_A), *(device(u) for u in others))
+        ),
+        "not-placed": sample(pod=POD2, container="main"),  # placed on another node
+        "never-placed": sample(pod="pod-9", container="main"),
+    }
+    for name, payload in dropped.items():
+        pod = {"not-placed": POD2, "never-placed": "pod-9"}.get(name, POD)
+        assert store.ingest(subject(prefix, pod=pod), payload), name
+        assert await store.flush() == 0, name
+    assert store.ingest(subject(prefix), sample(container="main", devices=(device(GPU_A, used=5),)))
+    assert store.ingest(subject(prefix), sample(container="side", devices=(device(GPU_B, used=7),)))
+    assert await store.flush() == 2
+    assert store.stats.dropped_by == {
+        "foreign-container": 1,
+        "foreign-device": 1,
+        "not-placed": 2,
+    }
+    assert store.stats.dropped == 4
+    usage = await store.gpu_usage(NODE)
+    assert {u: (g.used_bytes, g.containers) for u, g in usage.items()} == {
+        GPU_A: (5, 1),
+        GPU_B: (7, 1),
+    }
+
+
+async def test_a_released_pods_samples_are_not_stored(
+    redis: Redis, prefix: str, ledger: Ledger
+) -> None:
+    await place(ledger, pod_placement(POD, main=(GPU_A,)))
+    await place(ledger, pod_placement(POD2, main=(GPU_A,)))
+    # a cache that never expires: only the release itself makes the store drop them
+    store = TelemetryStore(redis, prefix, placements=ledger.placement, placement_cache=3600)
+    for pod in (POD, POD2):
+        assert store.ingest(subject(prefix, pod=pod), sample(pod=pod))
+    assert await store.flush() == 2
+    await ledger.release(POD, "done")
+    assert await store.forget_pod(NODE, POD) == 1  # what the inventory does on release
+    for pod in (POD, POD2):
+        assert store.ingest(subject(prefix, pod=pod), sample(pod=pod))
+    assert await store.flush() == 1
+    assert store.stats.dropped_by == {"not-placed": 1}
+    assert [u.pod_uid for u in await store.container_usage(NODE)] == [POD2]
+
+    # another replica, which never saw the release, reads the ledger afresh
+    other = TelemetryStore(redis, prefix, placements=ledger.placement)
+    assert other.ingest(subject(prefix), sample())
+    assert await other.flush() == 0
+    assert other.stats.dropped_by == {"not-placed": 1}

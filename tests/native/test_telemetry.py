@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -33,7 +34,7 @@ from gpuslice_common.region import ffi
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_common.subjects import Subjects
 from tests.conftest import make_inventory
-from tests.deploy.roles import PASSWORDS, manifest_roles
+from tests.deploy.roles import PASSWORDS, manifest_roles, until
 from tests.native.probe import Build, ProbeProcess, ProbeRunner, ProbeSpawner
 from tests.test_ledger import placement
 
@@ -262,13 +263,18 @@ async def test_sm_use_and_throttling_under_a_compute_limit(
 async def test_names_are_escaped_as_json(
     nats_server: NatsServer, run_probe: ProbeRunner, region_path: Path
 ) -> None:
+    """The C client escapes what it writes; the raw JSON it sent is read here (the
+    model refuses such a container name: no Kubernetes container has one)."""
     uid = pod_uid()
     name = 'main "trainer" \\ ünïcode\ttab'
     async with feed(nats_server.url, subject(uid)) as f:
         env = telemetry_env(nats_server.url, region_path, uid, GPUSLICE_CONTAINER_NAME=name)
         await asyncio.to_thread(run_probe, "init", "ctx", "sleep 400", env=env)
-        sample = (await f.next()).sample
-    assert sample.container == name
+        raw = (await f.sub.next_msg(timeout=5)).data
+    doc = json.loads(raw)  # strict: a raw control character in a string is an error
+    assert doc["container"] == name
+    assert b'\\"trainer\\"' in raw
+    assert b"\t" not in raw
 
 
 def blocked_signals(status: str) -> int:
@@ -626,3 +632,40 @@ async def test_a_container_connects_with_its_telemetry_token_under_the_manifests
             stderr = await ended(proc)
         assert "connected to NATS" in stderr
         assert roles.callout.stats.accepted == {"telemetry": 1}
+
+
+async def test_a_containers_session_ends_and_it_reconnects_only_while_its_pod_lives(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+    spawn_probe: ProbeSpawner,
+    region_path: Path,
+) -> None:
+    """The callout gives a container's user an expiry (telemetry_session): the
+    server closes the connection then, and the interposer connects again through
+    the callout, which lets it back in while the ledger places the pod and refuses
+    it once the pod is released."""
+    uid = pod_uid()
+    async with manifest_roles(tmp_path, monkeypatch, redis_url, telemetry_session="2s") as roles:
+        await roles.ledger.register_node(make_inventory(NODE, gpus=1), rebuilt=True)
+        await roles.ledger.reserve(placement(uid, NODE, [[(0, 100, 1)]]))
+        token = roles.telemetry_token(NODE, uid)
+        stats = roles.callout.stats
+        inventory = PASSWORDS["inventory"]
+        async with feed(roles.server.url, subject(uid), user="inventory", password=inventory) as f:
+            env = telemetry_env(roles.server.url, region_path, uid, GPUSLICE_NATS_TOKEN=token)
+            proc = spawn_probe("init", "ctx", "sleep 30000", env=env)
+            f.probe = proc
+            await f.until(lambda s: bool(s.devices), what="from the first session")
+            await until(lambda: stats.accepted["telemetry"] >= 2, timeout=15)
+            again = datetime.now(UTC)
+            await f.until(lambda s: s.time > again, what="from the second session")
+
+            await roles.ledger.release(uid, "done")
+            await until(lambda: stats.refused["pod-released"] >= 1, timeout=15)
+            await f.quiet(0.5)  # what was under way when the session ended
+            refused = stats.refused["pod-released"]
+            await until(lambda: stats.refused["pod-released"] > refused, timeout=15)
+            assert f.sub.pending_msgs == 0  # no sample since
+            proc.kill()
+        assert "lost the connection to NATS" in proc.stderr_text()

@@ -257,6 +257,9 @@ class InventorySettings(CommonSettings):
     lease_ttl: Duration = timedelta(seconds=15)
     # a container's telemetry counts for this long after its last sample
     telemetry_ttl: Duration = timedelta(seconds=30)
+    # telemetry is stored only for a live placement's containers and cards; each
+    # pod's placement is read from the ledger at most this often
+    telemetry_placement_cache: Duration = timedelta(seconds=5)
     # how often the per-GPU metrics are read from the ledger
     metrics_interval: Duration = timedelta(seconds=5)
     # "cluster": watch and reconcile pods through the Kubernetes API; "none":

@@ -414,22 +414,45 @@ class PodEnded(Frozen):
 # ---------------------------------------------------------------- telemetry
 
 
+# Bounds of a telemetry sample: what the interposer can send, no more. A
+# container's region holds at most GS_MAX_DEVICES (region_layout.h) devices; its
+# counters are uint64_t; Linux's pid_max is at most 2^22.
+MAX_TELEMETRY_DEVICES = 16  # GS_MAX_DEVICES
+MAX_COUNTER = 2**64 - 1
+MAX_PID = 2**31 - 1
+# A Kubernetes container name: an RFC 1123 label.
+CONTAINER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MAX_CONTAINER_NAME = 63
+Counter64 = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
+
+
 class DeviceTelemetry(Frozen):
-    uuid: str
-    used_bytes: NonNegInt
-    limit_bytes: NonNegInt
-    sm_percent: Annotated[float, Field(ge=0, le=100)] = 0.0
-    throttled_ns: NonNegInt = 0
-    denied_allocations: NonNegInt = 0
+    uuid: Annotated[
+        str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=DEVICE_UUID_PATTERN)
+    ]
+    used_bytes: Counter64
+    limit_bytes: Counter64
+    sm_percent: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] = 0.0
+    throttled_ns: Counter64 = 0
+    denied_allocations: Counter64 = 0
 
 
 class TelemetrySample(Frozen):
     """One report from the interposer in a container."""
 
-    node: str
-    pod_uid: str
-    container: str
-    pid: NonNegInt
+    node: NodeName
+    pod_uid: Annotated[str, Field(min_length=1, max_length=128)]
+    container: Annotated[
+        str, Field(min_length=1, max_length=MAX_CONTAINER_NAME, pattern=CONTAINER_NAME_PATTERN)
+    ]
+    pid: Annotated[int, Field(ge=0, le=MAX_PID)]
     time: datetime
-    devices: tuple[DeviceTelemetry, ...]
-    dropped_samples: NonNegInt = 0
+    devices: Annotated[tuple[DeviceTelemetry, ...], Field(max_length=MAX_TELEMETRY_DEVICES)]
+    dropped_samples: Counter64 = 0
+
+    @model_validator(mode="after")
+    def _distinct_devices(self) -> TelemetrySample:
+        uuids = [d.uuid for d in self.devices]
+        if len(set(uuids)) != len(uuids):
+            raise ValueError("a device twice in one sample")
+        return self

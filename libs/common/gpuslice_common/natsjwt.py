@@ -114,12 +114,21 @@ def user_claims(
     publish: Sequence[str],
     subscribe: Sequence[str],
     expires: int | None = None,
+    payload: int = NO_LIMIT,
+    subs: int = NO_LIMIT,
 ) -> dict[str, Any]:
     """A user JWT's claims: the user ``user_key`` (the server's nkey for the
     client) placed in ``account`` (in server-configured accounts, ``aud`` names
     it), allowed to publish and subscribe to exactly the given subjects. An
     empty list allows nothing (the server would read an empty allow list as
-    everything: it is written as deny ``>``)."""
+    everything: it is written as deny ``>``). ``payload`` caps a message's
+    bytes and ``subs`` the subscriptions (0: none), ``NO_LIMIT`` by default;
+    ``expires`` (epoch seconds) ends the user: the server then closes its
+    connection."""
+    if payload != NO_LIMIT and payload < 1:
+        raise ValueError("payload must be positive or NO_LIMIT")
+    if subs != NO_LIMIT and subs < 0:
+        raise ValueError("subs must be at least 0 or NO_LIMIT")
 
     def permission(allowed: Sequence[str]) -> dict[str, list[str]]:
         return {"allow": list(allowed)} if allowed else {"deny": [">"]}
@@ -131,9 +140,9 @@ def user_claims(
         "nats": {
             "pub": permission(publish),
             "sub": permission(subscribe),
-            "subs": NO_LIMIT,
+            "subs": subs,
             "data": NO_LIMIT,
-            "payload": NO_LIMIT,
+            "payload": payload,
             "type": "user",
             "version": 2,
         },

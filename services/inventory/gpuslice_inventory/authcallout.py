@@ -8,7 +8,9 @@ client's ``auth_token`` decides:
 * a *telemetry token* (``gst1.``, :mod:`gpuslice_inventory.tokens`) that this
   inventory's key signed, for a pod the ledger holds on that node and has not
   released: a user that may publish ``<prefix>.telemetry.<node>.<pod uid>`` and
-  subscribe to nothing;
+  subscribe to nothing, for ``telemetry_session``: the server then closes the
+  connection and the interposer reconnects through the callout, which checks
+  the ledger again;
 * anything else is taken for a node agent's projected ServiceAccount token and
   sent to the API server's TokenReview for the node-agent audience: it must be
   authenticated, be the device plugin's ServiceAccount, and name its node
@@ -17,6 +19,10 @@ client's ``auth_token`` decides:
   only below its own inbox prefix ``_INBOX.<node>``. It expires with the token
   (the server then closes the connection; the agent reconnects with the token
   kubelet has rotated in).
+
+Users carry limits: a container 64 KiB a message and no subscriptions, a node
+agent 1 MiB and 64 (nats-server 2.15.1 applies a callout user's permissions and
+expiry but not these; the inventory bounds what it reads itself).
 
 The answer is a response JWT, signed by the account key whose public half is
 the server's ``auth_callout.issuer``, carrying the user JWT (placed in the
@@ -48,6 +54,7 @@ import binascii
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 from collections import Counter, OrderedDict
@@ -79,6 +86,13 @@ REVIEW_CACHE_MAX_S = 600.0  # a node agent's acceptance is remembered at most th
 REFUSAL_CACHE_S = 10.0  # a token the review refused is refused again without asking
 REVIEW_CACHE_SIZE = 4096  # entries, least recently used dropped first
 MAX_TOKEN = 16 * 1024  # bytes of a token worth looking at
+# What one message of a callout user may carry. A container sends samples of at
+# most 24 KiB (GS_NATS_PAYLOAD_MAX in native/src/nats.h); a node agent's largest
+# message is its NodeInventory, about 360 KB at the model's bounds (1024 cards,
+# every name at its longest).
+CONTAINER_MAX_PAYLOAD = 64 * 1024
+NODE_AGENT_MAX_PAYLOAD = 1024 * 1024
+NODE_AGENT_MAX_SUBS = 64  # its replies come on one inbox subscription
 _B64URL = re.compile(r"[A-Za-z0-9_-]+")
 # refusals that are the review's verdict on the token itself (not a failure to ask)
 _VERDICTS = frozenset(
@@ -112,6 +126,8 @@ class Identity:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     expires: int | None = None
+    payload: int = natsjwt.NO_LIMIT  # bytes of one message
+    subs: int = natsjwt.NO_LIMIT
 
 
 def _json_part(part: str) -> Any:
@@ -252,6 +268,8 @@ class AuthCallout:
             publish=identity.publish,
             subscribe=identity.subscribe,
             expires=identity.expires,
+            payload=identity.payload,
+            subs=identity.subs,
         )
         user_jwt = natsjwt.encode(user, self.signer)
         response = natsjwt.authorization_response(user_key, server_id, user_jwt=user_jwt)
@@ -281,11 +299,15 @@ class AuthCallout:
                 raise Refused("pod-not-placed", f"telemetry token of {pod}: not placed there")
             if placement.state == PlacementState.RELEASED:
                 raise Refused("pod-released", f"telemetry token of {pod}: released")
+        session = self.settings.telemetry_session.total_seconds()
         return Identity(
             "telemetry",
             f"pod:{claims.pod_uid}",
             publish=(self.subjects.telemetry(claims.node, claims.pod_uid),),
             subscribe=(),
+            expires=math.ceil(time.time() + session),
+            payload=CONTAINER_MAX_PAYLOAD,
+            subs=0,
         )
 
     async def _node_agent(self, token: str) -> Identity:
@@ -344,6 +366,8 @@ class AuthCallout:
             publish=(self.subjects.inventory(node), f"{prefix}.node.{token_of_node}.>"),
             subscribe=(f"_INBOX.{token_of_node}.>",),
             expires=_token_expiry(token),
+            payload=NODE_AGENT_MAX_PAYLOAD,
+            subs=NODE_AGENT_MAX_SUBS,
         )
 
     # ------------------------------------------------------------ serving

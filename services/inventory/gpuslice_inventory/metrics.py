@@ -247,12 +247,14 @@ WORK_METRICS = {
     "telemetry_samples": "Telemetry samples received.",
     "telemetry_stored": "Telemetry samples written to Redis.",
     "telemetry_malformed": "Telemetry samples dropped as malformed.",
-    "telemetry_dropped": "Telemetry samples dropped because too many waited to be written.",
     "node_request_errors": "Node agents' requests answered with an error, by kind.",
     "node_requests_dropped": "Node agents' requests dropped unanswered and unserved, by reason: "
     "no reply subject, or a reply subject outside the node's own inbox.",
     "node_failures_repeated": "Allocation failures naming no pod not recorded again: the same "
     "node, kind and count were recorded within the last minute.",
+    "telemetry_dropped": "Well-formed telemetry samples not stored, by reason: too many "
+    "waiting (full, containers, flush-failed), or not the placement's (not-placed, "
+    "foreign-container, foreign-device).",
     "callout_nodes_accepted": "NATS connections of node agents let in by the auth callout.",
     "callout_containers_accepted": "NATS connections of GPU containers let in by the auth callout.",
     "callout_refusals": "NATS connections refused by the auth callout, by reason.",

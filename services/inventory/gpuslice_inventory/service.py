@@ -176,7 +176,7 @@ class Running:
             "telemetry_samples": t.received,
             "telemetry_stored": t.stored,
             "telemetry_malformed": t.malformed,
-            "telemetry_dropped": t.dropped,
+            "telemetry_dropped": Counter(t.dropped_by),
             "node_request_errors": Counter(self.gateway.stats.errors),
             "node_requests_dropped": Counter(
                 {
@@ -274,6 +274,8 @@ async def running(
         settings.ledger_prefix,
         ttl=settings.telemetry_ttl.total_seconds(),
         subjects=bus.subjects,
+        placements=ledger.placement,
+        placement_cache=settings.telemetry_placement_cache.total_seconds(),
     )
     outbox = Outbox(settings, SOURCE, bus=bus)
     upkeep = Upkeep(

@@ -58,8 +58,9 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -68,6 +69,13 @@ from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
 from gpuslice_common.ledger import RedisClient
+from gpuslice_common.models import (
+    MAX_CONTAINER_NAME,
+    MAX_PID,
+    MAX_TELEMETRY_DEVICES,
+    Placement,
+    PlacementState,
+)
 from gpuslice_common.service import check_cancelled
 from gpuslice_common.subjects import Subjects, node_from_token
 
@@ -75,7 +83,11 @@ log = logging.getLogger(__name__)
 
 # A device UUID as the node agent reports it (GpuDevice.uuid).
 _UUID = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
-_MAX_CONTAINER = 253
+# A Kubernetes container name (models.CONTAINER_NAME_PATTERN).
+_CONTAINER = re.compile(rf"[a-z0-9](?:[-a-z0-9]{{0,{MAX_CONTAINER_NAME - 2}}}[a-z0-9])?")
+MAX_POD_CONTAINERS = 64  # containers of one pod waiting at once; more are dropped
+PLACEMENT_CACHE_S = 5.0  # how long a pod's placement is trusted without asking the ledger
+_PLACEMENT_CACHE_SIZE = 65536  # pods remembered; forgotten all at once when full
 _SAMPLE_REQUIRED = frozenset({"node", "pod_uid", "container", "pid", "time", "devices"})
 _SAMPLE_ALL = _SAMPLE_REQUIRED | {"dropped_samples"}
 _DEVICE_REQUIRED = frozenset({"uuid", "used_bytes", "limit_bytes"})
@@ -97,6 +109,9 @@ return n
 # (node, pod_uid, container) -> ((uuid, "used,limit,sm,throttled,denied"), ...)
 _Key = tuple[str, str, str]
 _Devices = tuple[tuple[str, str], ...]
+# What the ledger places: a pod's node and, per container, the cards granted to it.
+_Placed = tuple[str, dict[str, frozenset[str]]]
+PlacementLookup = Callable[[str], Awaitable[Placement | None]]
 
 
 @dataclass(frozen=True)
@@ -130,7 +145,12 @@ class TelemetryStats:
     received: int = 0  # messages given to ingest
     stored: int = 0  # samples written to Redis (after coalescing)
     malformed: int = 0
-    dropped: int = 0  # good samples with no room (max_pending), or lost by a failed flush
+    dropped: int = 0  # well-formed samples not stored, all reasons (dropped_by)
+    # by reason: "full" (max_pending), "flush-failed", "containers" (a pod's
+    # max_containers already waiting), and, checked against the ledger's
+    # placement: "not-placed" (no live placement of the pod on that node),
+    # "foreign-container", "foreign-device" (not a card granted to that container)
+    dropped_by: Counter[str] = field(default_factory=Counter)
     flushes: int = 0  # pipelines that succeeded
     flush_errors: int = 0  # pipelines that failed
     flush_seconds: float = 0.0  # time spent in successful flushes
@@ -153,11 +173,17 @@ class TelemetryStore:
         max_pending: int = 100_000,
         clock: Callable[[], float] = time.time,
         subjects: Subjects | None = None,
+        placements: PlacementLookup | None = None,
+        placement_cache: float = PLACEMENT_CACHE_S,
+        max_containers: int = MAX_POD_CONTAINERS,
     ) -> None:
         """``prefix`` names the Redis keys and, unless ``subjects`` is given, the
-        subjects too; ``clock`` gives epoch seconds (store times and freshness)."""
-        if ttl <= 0 or flush_interval <= 0 or max_pending < 1:
-            raise ValueError("ttl and flush_interval must be positive, max_pending at least 1")
+        subjects too; ``clock`` gives epoch seconds (store times and freshness).
+        With ``placements`` (pod UID -> the ledger's placement), a flush stores only
+        samples of a live placement's containers on their granted cards; each
+        answer is kept ``placement_cache`` seconds."""
+        if ttl <= 0 or flush_interval <= 0 or max_pending < 1 or max_containers < 1:
+            raise ValueError("ttl, flush_interval, max_pending and max_containers must be positive")
         self.redis = redis
         self.prefix = prefix
         self.ttl = ttl
@@ -170,6 +196,11 @@ class TelemetryStore:
         self._head = self.subjects.telemetry_all.removesuffix("*.*")
         self._routes: dict[str, tuple[str, str]] = {}  # valid subject -> (node, pod_uid)
         self._pending: dict[_Key, _Devices] = {}
+        self._waiting: dict[tuple[str, str], int] = {}  # (node, pod_uid) -> containers pending
+        self.max_containers = max_containers
+        self.placements = placements
+        self.placement_cache = placement_cache
+        self._placed: dict[str, tuple[float, _Placed | None]] = {}  # pod -> (until, placed)
         self._lock = asyncio.Lock()
         self._forget = redis.register_script(_FORGET_LUA)
         self._logged: dict[str, tuple[float, int]] = {}  # what -> (last logged, unlogged since)
@@ -201,9 +232,16 @@ class TelemetryStore:
             self._count_malformed(subject, f"{type(err).__name__}: {err}")
             return False
         pending = self._pending
-        if len(pending) >= self.max_pending and key not in pending:
-            self._count_dropped()
-            return False
+        if key not in pending:
+            if len(pending) >= self.max_pending:
+                self._count_dropped("full")
+                return False
+            pod = key[:2]
+            waiting = self._waiting.get(pod, 0)
+            if waiting >= self.max_containers:
+                self._count_dropped("containers")
+                return False
+            self._waiting[pod] = waiting + 1
         pending[key] = devices
         return True
 
@@ -245,10 +283,10 @@ class TelemetryStore:
                 f"sample of node {doc['node']!r} pod {doc['pod_uid']!r} on another's subject"
             )
         container = doc["container"]
-        if type(container) is not str or len(container) > _MAX_CONTAINER:
+        if type(container) is not str or _CONTAINER.fullmatch(container) is None:
             raise _Malformed("bad container")
         pid = doc["pid"]
-        if type(pid) is not int or pid < 0:
+        if type(pid) is not int or not 0 <= pid <= MAX_PID:
             raise _Malformed("bad pid")
         when = doc["time"]
         if type(when) is not str:
@@ -263,6 +301,8 @@ class TelemetryStore:
         devices = doc["devices"]
         if type(devices) is not list:
             raise _Malformed("devices is not a list")
+        if len(devices) > MAX_TELEMETRY_DEVICES:
+            raise _Malformed(f"{len(devices)} devices")
         if len(devices) == 1:
             return (node, pod_uid, container), (_device(devices[0]),)
         out = tuple([_device(d) for d in devices])
@@ -276,11 +316,13 @@ class TelemetryStore:
         if quiet is not None:
             log.warning("malformed telemetry on %.200s: %.200s%s", subject, why, quiet)
 
-    def _count_dropped(self) -> None:
-        self.stats.dropped += 1
-        quiet = self._quiet("dropped")
+    def _count_dropped(self, reason: str, n: int = 1) -> None:
+        self.stats.dropped += n
+        self.stats.dropped_by[reason] += n
+        quiet = self._quiet(f"dropped {reason}")
         if quiet is not None:
-            log.warning("telemetry dropped: %d samples already wait%s", self.max_pending, quiet)
+            why = _DROPPED.get(reason, reason)
+            log.warning("telemetry dropped: %s%s", why, quiet)
 
     def _quiet(self, what: str) -> str | None:
         """None while a line about ``what`` was logged in the last minute, else what
@@ -298,18 +340,21 @@ class TelemetryStore:
     async def flush(self) -> int:
         """Write everything pending in one pipeline; returns the samples written.
 
-        Raises what Redis raised; the samples then wait for the next flush.
+        Raises what Redis (or the ledger) raised; the samples then wait for the
+        next flush.
         """
         async with self._lock:
             batch = self._pending
             if not batch:
                 return 0
             self._pending = {}
+            self._waiting = {}
             started = time.perf_counter()
             try:
+                admitted = await self._admit(batch)
                 at = f",{int(self.clock() * 1000)}"
                 by_node: dict[str, dict[FieldT, EncodableT]] = {}
-                for (node, pod_uid, container), devices in batch.items():
+                for (node, pod_uid, container), devices in admitted.items():
                     fields = by_node.get(node)
                     if fields is None:
                         fields = by_node[node] = {}
@@ -327,9 +372,9 @@ class TelemetryStore:
                 self._restore(batch)
                 raise
             self.stats.flushes += 1
-            self.stats.stored += len(batch)
+            self.stats.stored += len(admitted)
             self.stats.flush_seconds += time.perf_counter() - started
-            return len(batch)
+            return len(admitted)
 
     def _restore(self, batch: dict[_Key, _Devices]) -> None:
         """Put a failed flush's samples back, behind any newer ones."""
@@ -338,9 +383,45 @@ class TelemetryStore:
             if key in pending:
                 continue
             if len(pending) >= self.max_pending:
-                self.stats.dropped += 1
+                self._count_dropped("flush-failed")
                 continue
             pending[key] = devices
+            pod = key[:2]
+            self._waiting[pod] = self._waiting.get(pod, 0) + 1
+
+    async def _admit(self, batch: dict[_Key, _Devices]) -> dict[_Key, _Devices]:
+        """The samples of ``batch`` that belong to their pod's placement (all of
+        them without ``placements``); the others are dropped and counted."""
+        if self.placements is None:
+            return batch
+        now = time.monotonic()
+        cached = self._placed
+        unknown = {pod_uid for _, pod_uid, _ in batch}
+        unknown = {p for p in unknown if p not in cached or cached[p][0] <= now}
+        if unknown:
+            asked = list(unknown)
+            found = await asyncio.gather(*(self.placements(p) for p in asked))
+            if len(cached) + len(asked) > _PLACEMENT_CACHE_SIZE:
+                cached.clear()
+            until = time.monotonic() + self.placement_cache
+            for pod_uid, placement in zip(asked, found, strict=True):
+                cached[pod_uid] = (until, _placed(placement))
+        admitted: dict[_Key, _Devices] = {}
+        for key, devices in batch.items():
+            node, pod_uid, container = key
+            placed = cached[pod_uid][1]
+            if placed is None or placed[0] != node:
+                self._count_dropped("not-placed")
+                continue
+            granted = placed[1].get(container)
+            if granted is None:
+                self._count_dropped("foreign-container")
+                continue
+            if any(uuid not in granted for uuid, _ in devices):
+                self._count_dropped("foreign-device")
+                continue
+            admitted[key] = devices
+        return admitted
 
     async def run(self) -> None:
         """Flush every ``flush_interval`` until cancelled, then once more."""
@@ -402,6 +483,9 @@ class TelemetryStore:
         the GPUs it left stop showing its use; the entries deleted."""
         for key in [k for k in self._pending if k[0] == node and k[1] == pod_uid]:
             del self._pending[key]
+        self._waiting.pop((node, pod_uid), None)
+        if self.placements is not None:  # released: its late samples are not stored
+            self._placed[pod_uid] = (time.monotonic() + self.placement_cache, None)
         usage = self.usage_key(node)
         fields = [_text(f) async for f, _ in self.redis.hscan_iter(usage, match=f"*|{pod_uid}|*")]
         if not fields:
@@ -418,6 +502,25 @@ class TelemetryStore:
             uuid: GpuUsage(uuid=uuid, used_bytes=used, sm_percent=sm, containers=count)
             for uuid, (used, sm, count) in sums.items()
         }
+
+
+_DROPPED = {
+    "full": "too many samples wait to be written",
+    "flush-failed": "too many samples wait after a failed flush",
+    "containers": "a pod sent more containers than it may have waiting",
+    "not-placed": "a sample of a pod the ledger does not place on that node (or released)",
+    "foreign-container": "a sample of a container not in its pod's placement",
+    "foreign-device": "a sample naming a card not granted to its container",
+}
+
+
+def _placed(placement: Placement | None) -> _Placed | None:
+    """What a live placement allows to report; None for none or a released one."""
+    if placement is None or placement.state == PlacementState.RELEASED:
+        return None
+    return placement.node, {
+        c.name: frozenset(d.uuid for d in c.devices) for c in placement.containers
+    }
 
 
 def _device(d: Any) -> tuple[str, str]:
