@@ -10,7 +10,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
-import nats
 import pytest
 from nats.errors import Error as NatsError
 
@@ -19,7 +18,7 @@ from gpuslice_common.config import CommonSettings
 from gpuslice_common.events import AllocationEvent, EventType, PodAdmitted, PodDenied, make_event
 from gpuslice_common.models import PodRef
 from gpuslice_common.servers import NatsServer
-from tests.deploy.test_credentials import PASSWORDS, role_nats
+from tests.deploy.test_credentials import PASSWORDS, connect, role_nats
 
 __all__ = ["role_nats"]  # the fixture, shared with test_credentials
 
@@ -39,19 +38,6 @@ SERVICE_ROLES = ("webhook", "scheduler", "inventory", "auditor", "admin")
 
 def role_settings(server: NatsServer, role: str) -> CommonSettings:
     return CommonSettings(nats_url=server.url, nats_user=role, nats_password=PASSWORDS[role])
-
-
-async def connect(server: NatsServer, role: str, errors: list[str]) -> nats.NATS:
-    async def on_error(exc: Exception) -> None:
-        errors.append(str(exc))
-
-    return await nats.connect(
-        server.url,
-        user=role,
-        password=PASSWORDS[role],
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
 
 
 def an_event(event_type: EventType, by: str) -> bytes:

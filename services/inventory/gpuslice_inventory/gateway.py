@@ -295,23 +295,11 @@ class NodeGateway:
         try:
             allocation = await self.ledger.allocate(node, request.count, request.request_id)
         except NotReserved as exc:
-            event_id = podless_failure_id(node, "no-pending-pod", request.count)
-            reason = f"no pending pod: {exc}"
-            after.append(
-                partial(
-                    self._publish, EventType.ALLOC_FAILED, node, None, reason, event_id=event_id
-                )
-            )
+            self._podless_failure(after, node, "no-pending-pod", request.count, str(exc))
             raise
         except LedgerError as exc:
             if error_kind(exc) != ErrorKind.REBUILDING:  # asked again soon, not a failure yet
-                event_id = podless_failure_id(node, "ledger-unavailable", request.count)
-                reason = f"ledger unavailable: {exc}"
-                after.append(
-                    partial(
-                        self._publish, EventType.ALLOC_FAILED, node, None, reason, event_id=event_id
-                    )
-                )
+                self._podless_failure(after, node, "ledger-unavailable", request.count, str(exc))
             raise
         token = ""
         if self.issue_telemetry_token is not None:
@@ -354,6 +342,14 @@ class NodeGateway:
             partial(self._publish, EventType.ALLOC_FAILED, node, allocation, request.reason)
         )
         return Done()
+
+    def _podless_failure(self, after: After, node: str, kind: str, count: int, why: str) -> None:
+        """Record, after the reply, an allocation failure that names no pod."""
+        event_id = podless_failure_id(node, kind, count)
+        reason = f"{kind.replace('-', ' ')}: {why}"
+        after.append(
+            partial(self._publish, EventType.ALLOC_FAILED, node, None, reason, event_id=event_id)
+        )
 
     def _publish(
         self,
