@@ -549,6 +549,8 @@ async def test_samples_published_on_nats_reach_gpu_usage(
         await pub_conn.flush()
 
         await wait_for(lambda: store.stats.received == 11 and store.pending == 0)
+        # a flush may still be writing what it took: the store's own lock waits for it
+        await store.flush()
         assert await store.gpu_usage(NODE) == {
             GPU_A: GpuUsage(uuid=GPU_A, used_bytes=6, sm_percent=25.0, containers=2),
             GPU_B: GpuUsage(uuid=GPU_B, used_bytes=3, sm_percent=12.5, containers=1),
