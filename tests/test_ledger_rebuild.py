@@ -176,3 +176,25 @@ async def test_a_record_on_a_node_not_registered_yet_is_tried_again(ledger: Ledg
     second = await reconciler(ledger, kube).run_once()
     assert (second.restored, second.conflicts, second.failed, second.stamped) == (1, 0, 0, 1)
     assert await usage(ledger, NODE) == [(1000, 10, 1, None)]
+
+
+async def test_one_unreadable_node_holds_back_only_itself(ledger: Ledger) -> None:
+    """A pod record no gpuslice wrote on one node, a name in the node set that is no
+    node's, and a stamp that is not a time: reconciliation still runs, stamps every
+    other node, and leaves the unreadable one alone until it can be read."""
+    for node in (NODE, "gpu-2"):
+        await ledger.register_node(make_inventory(node, gpus=1))
+    await ledger.redis.hset(ledger.node_keys("gpu-2").pods, "broken", "{not json")
+    await ledger.redis.sadd(ledger.nodes_key, "Not A Node!")
+    kube = LocalKubeApi()
+    kube.add_pod(pod_for(placement("a", NODE, [[(0, 1000, 10)]]), "Running"))
+    kube.add_pod(pod_for(placement("b", "gpu-2", [[(0, 1000, 10)]]), "Running"))
+    result = await reconciler(ledger, kube).run_once()
+    assert (result.restored, result.stamped, result.waiting) == (1, 1, 1)
+    status = await ledger.rebuild_status()
+    assert set(status) == {NODE, "gpu-2"}
+    assert status[NODE].rebuilt_at is not None
+    assert status["gpu-2"].rebuilt_at is None
+    # a stamp that is not a time is read without failing (and shown as none)
+    await ledger.redis.hset(ledger.node_keys(NODE).meta, "rebuilt", "soon")
+    assert (await ledger.rebuild_status())[NODE].rebuilt_at is None

@@ -3,10 +3,13 @@ tests/deploy/test_identities.py (a user it accepts or refuses)."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from gpuslice_common import natsjwt
 from gpuslice_common.nkeys import KeyPair, NkeyError, Role, crc16, decode_public, main
+from gpuslice_inventory.authcallout import _jwt_claims
 
 
 def test_crc16_is_xmodem() -> None:
@@ -63,3 +66,10 @@ def test_the_module_prints_an_account_key_pair(capsys: pytest.CaptureFixture[str
     seed_line, public_line = capsys.readouterr().out.splitlines()
     pair = KeyPair.from_seed(seed_line.removeprefix("seed: "), Role.ACCOUNT)
     assert public_line == f"public: {pair.public_key}"
+
+
+def test_a_token_nested_too_deep_to_parse_is_no_jwt() -> None:
+    """A client's token is read before anything is checked: JSON nested thousands
+    deep must be refused as unreadable, not raise (and log a traceback)."""
+    deep = base64.urlsafe_b64encode(b"[" * 5000).decode().rstrip("=")
+    assert _jwt_claims(f"{deep}.{deep}.c2ln") is None

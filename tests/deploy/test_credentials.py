@@ -282,14 +282,19 @@ async def test_service_users_log_in_with_their_passwords_and_no_other(
     finally:
         for client in (auditor, webhook):
             await client.close()
-    # a wrong password is refused, for a service user and for the old shared
-    # node and container users, which no longer exist (spoken raw: the client
+    # a wrong password is refused for a service user, and a password is no way in
+    # for a node agent or a container: no such user has one (the callout, asked
+    # about them, refuses a login without a token) (spoken raw: the client
     # library would retry)
-    for user in ("inventory", "telemetry", "deviceplugin"):
+    for user, password in (
+        ("inventory", PASSWORDS["inventory"] + "x"),
+        ("telemetry", PASSWORDS["telemetry"]),
+        ("deviceplugin", PASSWORDS["deviceplugin"]),
+    ):
         reader, writer = await asyncio.open_connection("127.0.0.1", role_nats.port)
         try:
             assert (await reader.readline()).startswith(b"INFO ")
-            login = {"user": user, "pass": PASSWORDS[user] + "x", "verbose": False}
+            login = {"user": user, "pass": password, "verbose": False}
             writer.write(b"CONNECT " + json.dumps(login).encode() + b"\r\nPING\r\n")
             await writer.drain()
             assert b"Authorization Violation" in await reader.readline(), user

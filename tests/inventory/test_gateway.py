@@ -19,7 +19,13 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from gpuslice_common.bus import Bus
 from gpuslice_common.events import AllocationEvent, CloudEvent, EventType
-from gpuslice_common.ledger import Ledger, LedgerError, LedgerUnavailable, NotReserved
+from gpuslice_common.ledger import (
+    Ledger,
+    LedgerError,
+    LedgerRebuilding,
+    LedgerUnavailable,
+    NotReserved,
+)
 from gpuslice_common.models import (
     ContainerAssignment,
     DeviceGrant,
@@ -335,14 +341,10 @@ async def test_requests_without_a_reply_subject_change_nothing(
     assert reply.placement.pod.uid == "on-a"
 
 
-class LedgerRebuilding(LedgerError):
-    """Stands for the ledger's own, raised while a node's ledger is rebuilt."""
-
-
 @pytest.mark.parametrize(
     ("exc", "kind"),
     [
-        (LedgerRebuilding("node-a is being rebuilt"), ErrorKind.REBUILDING),
+        (LedgerRebuilding("node-a"), ErrorKind.REBUILDING),
         (NotReserved("nothing waits"), ErrorKind.NOT_RESERVED),
         (LedgerUnavailable("Redis is unreachable"), ErrorKind.LEDGER_UNAVAILABLE),
         (LedgerError("Redis refused allocate"), ErrorKind.LEDGER_ERROR),

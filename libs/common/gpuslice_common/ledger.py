@@ -511,15 +511,21 @@ class Ledger:
         nodes not registered are left out."""
         if nodes is None:
             nodes = sorted(_text(m) for m in await self.redis.smembers(self.nodes_key))
+        nodes, _ = _named(nodes)  # a name that is no node's has no record to read
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
             pipe.hmget(self.node_keys(node).meta, ["registered", "rebuilt"])
         replies = await pipe.execute()
-        return {
-            node: NodeRebuild(_text(registered), _ms_to_datetime(rebuilt))
-            for node, (registered, rebuilt) in zip(nodes, replies, strict=True)
-            if registered is not None
-        }
+        status = {}
+        for node, (registered, rebuilt) in zip(nodes, replies, strict=True):
+            if registered is None:
+                continue
+            try:
+                stamp = _stored_time(node, "rebuilt", rebuilt)
+            except BadRecord:  # not a time gpuslice wrote: shown as none, never a failure
+                stamp = None
+            status[node] = NodeRebuild(_text(registered), stamp)
+        return status
 
     @_gated
     async def cordon(self, node: str, card: str, cordoned: bool = True) -> None:

@@ -133,7 +133,7 @@ class Identity:
 def _json_part(part: str) -> Any:
     try:
         return json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
-    except (binascii.Error, ValueError):
+    except (binascii.Error, ValueError, RecursionError):  # nested too deep to parse
         return None
 
 
@@ -356,15 +356,14 @@ class AuthCallout:
         if node is None:
             raise Refused("no-node-name", f"token of {username} names no node (pod-bound?)")
         try:
-            token_of_node = node_token(node)
+            node_token(node)  # a Kubernetes node name, one subject token
         except ValueError as exc:
             raise Refused("no-node-name", str(exc)) from None
-        prefix = self.subjects.prefix
         return Identity(
             "node",
             f"node:{node}",
-            publish=(self.subjects.inventory(node), f"{prefix}.node.{token_of_node}.>"),
-            subscribe=(f"_INBOX.{token_of_node}.>",),
+            publish=(self.subjects.inventory(node), self.subjects.node_requests(node)),
+            subscribe=(f"{Subjects.node_inbox(node)}.>",),
             expires=_token_expiry(token),
             payload=NODE_AGENT_MAX_PAYLOAD,
             subs=NODE_AGENT_MAX_SUBS,

@@ -36,6 +36,7 @@ from gpuslice_common.ledger import (
     Allocation,
     Ledger,
     LedgerError,
+    LedgerRebuilding,
     LedgerUnavailable,
     NotReserved,
 )
@@ -86,13 +87,8 @@ Answer = Pong | AllocationReply | PreferredReply | PlacementsReply | Done | Erro
 
 
 def error_kind(exc: Exception) -> ErrorKind:
-    """The error kind of a ledger exception: the one place that maps them.
-
-    A ledger being rebuilt after Redis lost its data raises ``LedgerRebuilding``
-    (a LedgerError); it is matched by name so the mapping holds whichever
-    module defines it.
-    """
-    if any(cls.__name__ == "LedgerRebuilding" for cls in type(exc).__mro__):
+    """The error kind of a ledger exception: the one place that maps them."""
+    if isinstance(exc, LedgerRebuilding):
         return ErrorKind.REBUILDING
     if isinstance(exc, NotReserved):
         return ErrorKind.NOT_RESERVED
@@ -298,7 +294,7 @@ class NodeGateway:
             self._podless_failure(after, node, "no-pending-pod", request.count, str(exc))
             raise
         except LedgerError as exc:
-            if error_kind(exc) != ErrorKind.REBUILDING:  # asked again soon, not a failure yet
+            if not isinstance(exc, LedgerRebuilding):  # asked again soon, not a failure yet
                 self._podless_failure(after, node, "ledger-unavailable", request.count, str(exc))
             raise
         token = ""

@@ -34,7 +34,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from gpuslice_common.kube import KubeApi
-from gpuslice_common.ledger import Ledger, LedgerError, ReservationConflict
+from gpuslice_common.ledger import BadRecord, Ledger, LedgerError, ReservationConflict
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
 from gpuslice_inventory.lifecycle import DELETED, TERMINATED, pod_phase, pod_uid
 from gpuslice_inventory.upkeep import Upkeep
@@ -105,12 +105,15 @@ class Reconciler:
         # Registrations are read before the list: a node stamped below registered
         # before the pods were listed, so the list has every pod bound to it.
         nodes = await self.ledger.rebuild_status()
-        held = await self._held()
+        held, unreadable = await self._held()
         pods = {uid: pod for pod in await self.kube.list_all_pods() if (uid := pod_uid(pod))}
         to_restore = [
             (uid, pod)
             for uid, pod in pods.items()
-            if uid not in held and pod_phase(pod) not in TERMINATED and _node(pod)
+            if uid not in held
+            and pod_phase(pod) not in TERMINATED
+            and _node(pod)
+            and _node(pod) not in unreadable
         ]
         # a card unknown on a node not registered when the pass began: not yet
         restores = [
@@ -131,7 +134,7 @@ class Reconciler:
         released: Counter[str] = Counter(
             reason for reason in await _each(to_release, self._release) if reason
         )
-        unfinished = {node for node, outcome in restores if outcome == "failed"}
+        unfinished = {node for node, outcome in restores if outcome == "failed"} | unreadable
         stamped = waiting = 0
         for node, status in nodes.items():
             if status.rebuilt_at is not None:
@@ -156,15 +159,26 @@ class Reconciler:
         self.last = result
         return result
 
-    async def _held(self) -> dict[str, Placement]:
-        """The live placements of every node, by pod uid."""
-        nodes = await self.ledger.nodes()
+    async def _held(self) -> tuple[dict[str, Placement], set[str]]:
+        """The live placements of every node, by pod uid, and the nodes whose
+        records cannot be read: those are left alone (not restored, released or
+        stamped) and named in the log; every other node is reconciled."""
+        unreadable: set[str] = set()
+
+        async def placements_of(node: str) -> list[Placement]:
+            try:
+                return await self.ledger.node_placements(node)
+            except BadRecord as exc:
+                log.warning("reconciliation leaves node %s alone: %s", node, exc)
+                unreadable.add(node)
+                return []
+
         held: dict[str, Placement] = {}
-        for placements in await _each(nodes, self.ledger.node_placements):
+        for placements in await _each(await self.ledger.nodes(), placements_of):
             for placement in placements:
                 if placement.state is not PlacementState.RELEASED:
                     held[placement.pod.uid] = placement
-        return held
+        return held, unreadable
 
     async def _restore(self, item: tuple[str, Mapping[str, Any]]) -> tuple[str, str]:
         """Put back one pod's reservation from its annotation: its node, and
