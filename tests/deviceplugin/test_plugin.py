@@ -541,11 +541,7 @@ async def test_telemetry_credential_and_context_overhead_reach_the_container(
     inventory: InventoryRunning,
 ) -> None:
     write(node_config, SIMULATED_WITH_OVERHEAD)
-    settings = make_settings(
-        telemetry_nats_url="nats://nats.gpuslice:4222",
-        telemetry_nats_user="telemetry",
-        telemetry_nats_password="s3cret",
-    )
+    settings = make_settings(telemetry_nats_url="nats://nats.gpuslice:4222")
     async with running(settings, bus=bus, serve_http=False, timing=FAST) as state:
         await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await registered(kubelet)
@@ -554,7 +550,8 @@ async def test_telemetry_credential_and_context_overhead_reach_the_container(
         grant = granted(state.host.container_dir("cred", "c0"))
     assert (grant.policy, grant.priority, grant.context_overhead_bytes) == ("force", 0, 300 * MIB)
     assert env["GPUSLICE_NATS_URL"] == "nats://nats.gpuslice:4222"
-    assert (env["GPUSLICE_NATS_USER"], env["GPUSLICE_NATS_PASSWORD"]) == ("telemetry", "s3cret")
+    # no token issued (no auth callout): the container gets no credential at all
+    assert not {"GPUSLICE_NATS_USER", "GPUSLICE_NATS_PASSWORD", "GPUSLICE_NATS_TOKEN"} & set(env)
     assert env["GPUSLICE_CONTEXT_OVERHEAD"] == "300m"
     assert env["GPU_CORE_UTILIZATION_POLICY"] == "force"
     assert env["LIBCUDA_LOG_LEVEL"] == "3"
@@ -571,7 +568,7 @@ defaults:
 """
 
 
-async def test_a_token_the_inventory_issues_replaces_the_static_telemetry_credential(
+async def test_a_token_the_inventory_issues_is_the_container_s_only_credential(
     make_settings: Callable[..., DevicePluginSettings],
     kubelet: DevKubelet,
     bus: Bus,
@@ -580,7 +577,7 @@ async def test_a_token_the_inventory_issues_replaces_the_static_telemetry_creden
     prefix: str,
     plugin_ledger: Ledger,
 ) -> None:
-    settings = make_settings(telemetry_nats_user="telemetry", telemetry_nats_password="s3cret")
+    settings = make_settings()
 
     def issue(node: str, pod_uid: str) -> str:
         return f"tok.{node}.{pod_uid}"

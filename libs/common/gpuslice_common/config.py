@@ -329,11 +329,9 @@ class DevicePluginSettings(BusSettings):
     # Allocate may take in all while the inventory or its ledger is away
     inventory_timeout: Duration = timedelta(seconds=2)
     allocate_timeout: Duration = timedelta(seconds=30)
-    # NATS as containers reach it, and the telemetry-only credential they get
+    # NATS as containers reach it (their credential is the token the inventory
+    # issues for their pod at Allocate)
     telemetry_nats_url: str | None = None
-    telemetry_nats_user: str | None = None
-    telemetry_nats_password: str | None = None
-    telemetry_nats_token: str | None = None
     # where pod specs are read (CUDA_DISABLE_CONTROL): "cluster", "local", or "none"
     kube_api: Literal["cluster", "local", "none"] = "cluster"
     # HTTP serves probes and metrics only: no request has a body

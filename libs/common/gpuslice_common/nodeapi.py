@@ -108,7 +108,7 @@ class AllocationReply(Frozen):
     placement: Placement
     container_index: Annotated[int, Field(ge=0)]
     rivals: Annotated[int, Field(ge=0)] = 0  # other pods waiting for as many GPUs
-    # the container's own telemetry credential; empty: the agent's static one
+    # the container's own telemetry credential; empty where no auth callout runs
     telemetry_token: Annotated[str, Field(max_length=4096)] = ""
 
     @property

@@ -9,8 +9,8 @@ environment says. The environment still carries HAMi's variables
 (``NVIDIA_VISIBLE_DEVICES`` by UUID, ``CUDA_DEVICE_MEMORY_LIMIT_<i>``,
 ``CUDA_DEVICE_SM_LIMIT`` or ``_<i>``) for tools that read them, and what the
 grant does not: who reports telemetry and where to, with the container's own
-telemetry token when the inventory issued one, else the node's static
-telemetry credential. The mounts also bring in
+telemetry token when the inventory issued one (none where no auth callout
+runs). The mounts also bring in
 the library and ``/etc/ld.so.preload`` (left out when the container asks
 ``CUDA_DISABLE_CONTROL=true``, which its grant then allows).
 """
@@ -99,16 +99,8 @@ def environment(
     )
     if config.context_overhead_mib is not None:
         env["GPUSLICE_CONTEXT_OVERHEAD"] = f"{config.context_overhead_mib}m"
-    credentials: dict[str, str | None]
     if allocation.telemetry_token:  # the container's own credential, from the inventory
-        credentials = {"GPUSLICE_NATS_TOKEN": allocation.telemetry_token}
-    else:
-        credentials = {
-            "GPUSLICE_NATS_USER": settings.telemetry_nats_user,
-            "GPUSLICE_NATS_PASSWORD": settings.telemetry_nats_password,
-            "GPUSLICE_NATS_TOKEN": settings.telemetry_nats_token,
-        }
-    env.update({k: v for k, v in credentials.items() if v})
+        env["GPUSLICE_NATS_TOKEN"] = allocation.telemetry_token
     return env
 
 

@@ -266,8 +266,8 @@ async def running(
     """The inventory working until the block ends. ``bus`` and ``kube`` stay the
     caller's; without ``kube`` there is no reconciliation. ``issue_telemetry_token``
     (node, pod UID) gives each allocated container its own telemetry credential:
-    by default the auth callout's, when it runs; without either, containers use
-    the node's static one."""
+    by default the auth callout's, when it runs; without either, containers get
+    none (a NATS without users)."""
     ledger = Ledger.from_settings(settings)
     telemetry = TelemetryStore(
         ledger.redis,
