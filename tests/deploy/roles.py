@@ -21,6 +21,12 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from gpuslice_cli.dev.natsauth import (
+    NODE_AGENT_AUDIENCE,
+    NODE_AGENT_NAMESPACE,
+    NODE_AGENT_SERVICE_ACCOUNT,
+    USERS,
+)
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import InventorySettings
 from gpuslice_common.kube import KubernetesApi
@@ -50,10 +56,10 @@ PASSWORDS = {
         )
     )
 }
-SERVICE_ROLES = ("webhook", "scheduler", "inventory", "auditor", "admin", "callout")
-AUDIENCE = "gpuslice-nats"
-NAMESPACE = "gpuslice"
-AGENT_SA = "gpuslice-deviceplugin"
+SERVICE_ROLES = USERS
+AUDIENCE = NODE_AGENT_AUDIENCE
+NAMESPACE = NODE_AGENT_NAMESPACE
+AGENT_SA = NODE_AGENT_SERVICE_ACCOUNT
 
 
 def manifest(kind: str, name: str) -> dict[str, Any]:
@@ -141,21 +147,8 @@ class Roles:
         return client
 
     async def refusal(self, token: str | None) -> str:
-        """The server's answer to a client connecting with ``token`` (spoken raw:
-        the client library would retry)."""
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.server.port)
-        try:
-            assert (await reader.readline()).startswith(b"INFO ")
-            login: dict[str, Any] = {"verbose": False, "protocol": 1}
-            if token is not None:
-                login["auth_token"] = token
-            writer.write(b"CONNECT " + json.dumps(login).encode() + b"\r\nPING\r\n")
-            await writer.drain()
-            return (await reader.readline()).decode()
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+        """The server's answer to a client connecting with ``token``."""
+        return await raw_login(self.server.port, {} if token is None else {"auth_token": token})
 
 
 async def connect(server: NatsServer, errors: list[str] | None, **options: Any) -> Client:
@@ -223,3 +216,19 @@ async def until(check: Any, timeout: float = 10.0) -> None:
         if loop.time() > deadline:
             raise AssertionError(f"not true within {timeout}s")
         await asyncio.sleep(0.05)
+
+
+async def raw_login(port: int, fields: dict[str, Any]) -> str:
+    """The server's first answer to a CONNECT with ``fields`` (spoken raw: the client
+    library would retry a refused login)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        assert (await reader.readline()).startswith(b"INFO ")
+        login = {"verbose": False, "protocol": 1, **fields}
+        writer.write(b"CONNECT " + json.dumps(login).encode() + b"\r\nPING\r\n")
+        await writer.drain()
+        return (await reader.readline()).decode()
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()

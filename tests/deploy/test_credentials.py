@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import shlex
@@ -36,7 +35,7 @@ from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.telemetry import TelemetryStore
 from tests.conftest import make_inventory
 from tests.deploy.kustomize import render
-from tests.deploy.roles import PASSWORDS, manifest, manifest_nats, until
+from tests.deploy.roles import PASSWORDS, manifest, manifest_nats, raw_login, until
 from tests.test_ledger import placement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -284,23 +283,14 @@ async def test_service_users_log_in_with_their_passwords_and_no_other(
             await client.close()
     # a wrong password is refused for a service user, and a password is no way in
     # for a node agent or a container: no such user has one (the callout, asked
-    # about them, refuses a login without a token) (spoken raw: the client
-    # library would retry)
+    # about them, refuses a login without a token)
     for user, password in (
         ("inventory", PASSWORDS["inventory"] + "x"),
         ("telemetry", PASSWORDS["telemetry"]),
         ("deviceplugin", PASSWORDS["deviceplugin"]),
     ):
-        reader, writer = await asyncio.open_connection("127.0.0.1", role_nats.port)
-        try:
-            assert (await reader.readline()).startswith(b"INFO ")
-            login = {"user": user, "pass": password, "verbose": False}
-            writer.write(b"CONNECT " + json.dumps(login).encode() + b"\r\nPING\r\n")
-            await writer.drain()
-            assert b"Authorization Violation" in await reader.readline(), user
-        finally:
-            writer.close()
-            await writer.wait_closed()
+        answer = await raw_login(role_nats.port, {"user": user, "pass": password})
+        assert "Authorization Violation" in answer, user
 
 
 async def test_services_fill_the_audit_stream_and_the_auditor_reads_all_of_it(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from pathlib import Path
 
 import nats
@@ -22,6 +21,7 @@ from gpuslice_cli.dev.natsauth import (
 from gpuslice_cli.dev.stack import AgentTokens
 from gpuslice_common.kube import NODE_NAME_EXTRA, LocalKubeApi
 from gpuslice_common.servers import NatsServer
+from tests.deploy.roles import raw_login
 
 
 def test_each_run_has_its_own_passwords_and_callout_key() -> None:
@@ -44,23 +44,8 @@ async def test_services_log_in_with_their_own_passwords_only(tmp_path: Path) -> 
             )
             await client.close()
         for user, password in (("auditor", auth.passwords["admin"]), ("admin", "")):
-            answer = await login(server.port, user, password)
+            answer = await raw_login(server.port, {"user": user, "pass": password})
             assert "authorization violation" in answer.lower(), answer
-
-
-async def login(port: int, user: str, password: str) -> str:
-    """The server's answer to a login (spoken raw: the client library would retry)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        assert (await reader.readline()).startswith(b"INFO ")
-        connect = {"verbose": False, "protocol": 1, "user": user, "pass": password}
-        writer.write(b"CONNECT " + json.dumps(connect).encode() + b"\r\nPING\r\n")
-        await writer.drain()
-        return (await reader.readline()).decode()
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
 
 
 async def test_node_agent_tokens_are_minted_for_their_node_and_renewed(tmp_path: Path) -> None:
