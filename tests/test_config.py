@@ -22,6 +22,7 @@ from gpuslice_common.config import (
     env_name,
     load,
     parse_duration,
+    sentinel_addresses,
 )
 from gpuslice_common.models import GpuPolicy
 
@@ -80,11 +81,70 @@ COMMON_FIELDS: dict[str, tuple[str, Any]] = {
     "connect_wait": ("750ms", timedelta(milliseconds=750)),
     "redis_cluster": ("true", True),
     "log_level": ("debug", "DEBUG"),
+    "audit_replicas": ("3", 3),
+}
+# The Redis Sentinel fields (they exclude redis_cluster, so they load apart).
+SENTINEL_FIELDS: dict[str, tuple[str, Any]] = {
+    "redis_sentinels": ("redis-0.r:26379,[::1]:26380", "redis-0.r:26379,[::1]:26380"),
+    "redis_sentinel_service": ("ledger.main", "ledger.main"),
+    "redis_sentinel_user": ("clients", "clients"),
+    "redis_sentinel_password": ("s3cret", "s3cret"),
 }
 
 
 def test_the_field_table_covers_every_common_field() -> None:
-    assert set(COMMON_FIELDS) | {"requests"} == set(CommonSettings.model_fields)
+    fields = set(COMMON_FIELDS) | set(SENTINEL_FIELDS) | {"requests"}
+    assert fields == set(CommonSettings.model_fields)
+
+
+def test_the_sentinel_fields_are_read_from_their_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_env(monkeypatch, {env_name((f,)): raw for f, (raw, _) in SENTINEL_FIELDS.items()})
+    s = load(CommonSettings)
+    for field, (_, expected) in SENTINEL_FIELDS.items():
+        assert getattr(s, field) == expected, field
+    assert sentinel_addresses(s.redis_sentinels or "") == [("redis-0.r", 26379), ("::1", 26380)]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "redis-0",
+        "redis-0:",
+        ":26379",
+        "r:0",
+        "r:65536",
+        "r:26379,,",
+        "redis://r:26379",
+        "http://x:26379",
+        "a:1:2",
+        "sentinel-0 :26379",
+        "::1:26379",
+    ],
+)
+def test_a_bad_sentinel_address_is_named(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    set_env(monkeypatch, {"GPUSLICE_REDIS_SENTINELS": bad})
+    assert "GPUSLICE_REDIS_SENTINELS: not a sentinel address" in config_error()
+
+
+def test_sentinels_take_a_plain_redis_url_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(
+        monkeypatch,
+        {"GPUSLICE_REDIS_SENTINELS": "r:26379", "GPUSLICE_REDIS_URL": "rediss://u:p@r:6380/0"},
+    )
+    assert "must be redis://" in config_error()
+
+
+def test_sentinels_and_a_redis_cluster_exclude_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, {"GPUSLICE_REDIS_SENTINELS": "r:26379", "GPUSLICE_REDIS_CLUSTER": "1"})
+    assert "exclude each other" in config_error()
+
+
+@pytest.mark.parametrize("bad", ["0", "6", "three"])
+def test_audit_replicas_are_one_to_five(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    set_env(monkeypatch, {"GPUSLICE_AUDIT_REPLICAS": bad})
+    assert "GPUSLICE_AUDIT_REPLICAS" in config_error()
 
 
 def test_every_common_field_is_read_from_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -268,3 +268,29 @@ async def test_no_card_goes_over_capacity_when_redis_restarts_empty(
         rebuild_refusals,
         rebuilding_allocates,
     )
+
+
+async def test_a_new_epoch_gets_a_reconciliation_pass_at_once(
+    nats_server: NatsServer, own_redis: RedisServer, prefix: str, bus: Bus
+) -> None:
+    # Redis restarts with its data (append-only, synced at every write here):
+    # a new epoch all the same, since a file synced once a second, or a promoted
+    # replica, may miss acknowledged writes. The leader's next sweep sees every
+    # node stale and runs a pass then, not a reconcile interval later.
+    config = settings_for(nats_server, own_redis.url, prefix, reconcile_interval="1h")
+    kube = LocalKubeApi()
+    ledger = Ledger.from_url(own_redis.url, prefix)
+    try:
+        async with inventory_running(config, bus, kube=kube, serve_http=False):
+            for node in NODES:
+                await announce(bus, make_inventory(node, gpus=GPUS))
+            await until(lambda: rebuilt(ledger, *NODES), timeout=30)
+            epoch = (await ledger.rebuild_status())[NODES[0]].epoch
+            own_redis.kill()
+            own_redis.start()
+            with contextlib.suppress(LedgerError):  # the first call may find it starting
+                await ledger.ping()
+            assert (await ledger.rebuild_status())[NODES[0]].epoch != epoch
+            await until(lambda: rebuilt(ledger, *NODES), timeout=30)
+    finally:
+        await ledger.close()

@@ -122,6 +122,12 @@ class BusSettings(BaseSettings):
     audit_max_age: Annotated[Duration, Field(description="retention of the audit stream")] = (
         timedelta(days=90)
     )
+    audit_replicas: Annotated[
+        int,
+        Field(
+            ge=1, le=5, description="copies of the audit stream (3 on a three-member NATS cluster)"
+        ),
+    ] = 1
     connect_wait: Annotated[
         Duration, Field(description="how long a component waits for NATS at start-up")
     ] = timedelta(seconds=10)
@@ -161,6 +167,13 @@ class CommonSettings(BusSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
+    # Redis Sentinel: "host:port,host:port,..."; the ledger asks them which
+    # server is the primary of ``redis_sentinel_service`` (and asks again after
+    # a failover); redis_url then gives only the user, password and database
+    redis_sentinels: str | None = None
+    redis_sentinel_service: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")] = "gpuslice"
+    redis_sentinel_user: str | None = None
+    redis_sentinel_password: str | None = None
     ledger_prefix: str = "gpuslice"
 
     @field_validator("redis_url")
@@ -174,6 +187,45 @@ class CommonSettings(BusSettings):
     @classmethod
     def _ledger_token(cls, value: str) -> str:
         return _one_token(value)
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinel_addresses(cls, value: str | None) -> str | None:
+        if value is not None:
+            sentinel_addresses(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_redis_shape(self) -> CommonSettings:
+        if self.redis_sentinels and self.redis_cluster:
+            raise ValueError(
+                "GPUSLICE_REDIS_SENTINELS and GPUSLICE_REDIS_CLUSTER exclude each other"
+                " (Sentinel watches one primary; a Redis Cluster fails over by itself)"
+            )
+        if self.redis_sentinels and not self.redis_url.startswith("redis://"):
+            # the primary's address comes from the sentinels: only a plain
+            # redis:// URL's user, password and database carry over, and a
+            # rediss:// one would silently lose its TLS
+            raise ValueError(
+                "with GPUSLICE_REDIS_SENTINELS, GPUSLICE_REDIS_URL must be redis:// "
+                "(TLS to the primary through sentinels is not supported)"
+            )
+        return self
+
+
+_HOST = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])$")
+
+
+def sentinel_addresses(value: str) -> list[tuple[str, int]]:
+    """``host:port,host:port`` as pairs (an IPv6 host in brackets); ValueError
+    naming the first bad one."""
+    addresses = []
+    for item in value.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"not a sentinel address: {item.strip()!r} (expected host:port)")
+        addresses.append((host.strip("[]"), int(port)))
+    return addresses
 
 
 _SCHEDULER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")

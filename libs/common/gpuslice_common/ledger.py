@@ -42,14 +42,21 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+)
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gpuslice_common.config import CommonSettings
+from gpuslice_common.config import CommonSettings, sentinel_addresses
 from gpuslice_common.models import (
     DEVICE_UUID_PATTERN,
     MAX_CAPACITY_CORES,
@@ -217,11 +224,14 @@ class NodeLiveness:
 @dataclass(frozen=True)
 class NodeRebuild:
     """Where a registered node stands: its registration (the value that changes
-    when Redis lost the node and it registered afresh) and when it was stamped
-    rebuilt (None: it takes no reservation yet)."""
+    when Redis lost the node and it registered afresh), when it was stamped
+    rebuilt in the current epoch (None: it takes no reservation yet), and that
+    epoch (the primary's replication id: it changes with a failover or restart,
+    and with it every stamp goes stale)."""
 
     registered: str
     rebuilt_at: datetime | None
+    epoch: str = ""
 
 
 @dataclass(frozen=True)
@@ -263,6 +273,63 @@ def _text(value: Any) -> str:
 
 
 RedisClient = Redis | RedisCluster
+
+
+class _PrimaryConnection(SentinelManagedConnection):
+    """A connection to the primary the sentinels name at each (re)connect.
+
+    redis-py's own reconnects a connection its retry dropped to the address it
+    had (``send_packed_command`` calls ``connect_check_health``, not the
+    sentinel-aware ``connect``): after a failover, to the dead primary, until the
+    retries run out. Asking the sentinels here makes every reconnect follow.
+    """
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            pool = self.connection_pool
+            try:
+                self.host, self.port = await pool.get_master_address()
+            except MasterNotFoundError:
+                asked = len(pool.sentinel_manager.sentinels)
+                raise RedisConnectionError(
+                    f"none of the {asked} sentinels names a primary for {pool.service_name!r}"
+                ) from None
+        await super().connect_check_health(check_health, retry_socket_connect)
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        """A primary that refuses writes for lack of a replica in sync (NOREPLICAS,
+        ``min-replicas-to-write``) may be one the sentinels are demoting, cut off
+        from the rest: like READONLY, the command is cut off and tried again on
+        the primary the sentinels name."""
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOREPLICAS"):
+                raise
+            await self.disconnect()
+            raise RedisConnectionError(f"the primary refused a write: {exc}") from None
+
+
+def _pool_options(max_connections: int, retries: int) -> dict[str, Any]:
+    """One server's (or the sentinels' primary's) blocking pool: callers beyond
+    ``max_connections`` wait; commands retry with backoff across a drop."""
+    return {
+        "max_connections": max_connections,
+        "timeout": 10,
+        "decode_responses": True,
+        "socket_timeout": 5,
+        "socket_connect_timeout": 2,
+        "health_check_interval": 15,
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=retries),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError, ConnectionResetError],
+    }
+
+
+class _PrimaryPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Connections to the sentinels' primary, from a pool that makes a burst wait
+    for a free connection (as :meth:`Ledger.from_url`'s does) rather than fail."""
 
 
 P = ParamSpec("P")
@@ -314,6 +381,7 @@ class Ledger:
         self.answer_retention_s = max(1, int(answer_retention.total_seconds()))
         self.claim_lease_ms = int(claim_lease.total_seconds() * 1000)
         self._gate = asyncio.Semaphore(max_in_flight)
+        self._sentinel: Sentinel | None = None  # closed with the ledger
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(_script_source(name))
             for name in (
@@ -355,28 +423,79 @@ class Ledger:
                 retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=retries),
             )
             return cls(client, prefix, max_in_flight=max_connections, **kwargs)
-        pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=10,
-            decode_responses=True,
-            socket_timeout=5,
-            socket_connect_timeout=2,
-            health_check_interval=15,
-            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=retries),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
-        )
+        pool = BlockingConnectionPool.from_url(url, **_pool_options(max_connections, retries))
         return cls(Redis.from_pool(pool), prefix, max_in_flight=max_connections, **kwargs)
 
     @classmethod
+    def from_sentinels(
+        cls,
+        sentinels: Sequence[tuple[str, int]],
+        service: str,
+        url: str,
+        prefix: str = "gpuslice",
+        max_connections: int = 64,
+        retries: int = 12,
+        sentinel_user: str | None = None,
+        sentinel_password: str | None = None,
+        **kwargs: Any,
+    ) -> Ledger:
+        """The primary that Redis Sentinel names for ``service``, found again after
+        a failover; ``url`` gives the user, password and database only.
+
+        A command cut off by a failover is retried, with backoff, on the primary
+        the sentinels name next (~10 s by default): every ledger script is
+        idempotent, so one that ran before the cut is not applied twice. A
+        demoted primary's READONLY answer counts as cut off.
+        """
+        given = parse_url(url)
+        login: dict[str, Any] = {
+            k: given[k] for k in ("username", "password", "db") if given.get(k) is not None
+        }
+        # one try per sentinel per look-up: the command's own retries repeat it
+        to_sentinels: dict[str, Any] = {
+            "socket_timeout": 2,
+            "socket_connect_timeout": 1,
+            "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=0),
+        }
+        if sentinel_user:
+            to_sentinels["username"] = sentinel_user
+        if sentinel_password:
+            to_sentinels["password"] = sentinel_password
+        sentinel = Sentinel(list(sentinels), sentinel_kwargs=to_sentinels)  # type: ignore[no-untyped-call]
+        client = sentinel.master_for(
+            service,
+            redis_class=Redis,
+            connection_pool_class=_PrimaryPool,
+            connection_class=_PrimaryConnection,
+            **_pool_options(max_connections, retries),
+            **login,
+        )
+        ledger = cls(client, prefix, max_in_flight=max_connections, **kwargs)
+        ledger._sentinel = sentinel
+        return ledger
+
+    @classmethod
     def from_settings(cls, settings: CommonSettings, **kwargs: Any) -> Ledger:
-        """The ledger a component's settings point at (URL, prefix, cluster or not)."""
+        """The ledger a component's settings point at: through Redis Sentinel, on a
+        Redis Cluster, or at one server."""
+        if settings.redis_sentinels:
+            return cls.from_sentinels(
+                sentinel_addresses(settings.redis_sentinels),
+                settings.redis_sentinel_service,
+                settings.redis_url,
+                settings.ledger_prefix,
+                sentinel_user=settings.redis_sentinel_user,
+                sentinel_password=settings.redis_sentinel_password,
+                **kwargs,
+            )
         return cls.from_url(
             settings.redis_url, settings.ledger_prefix, cluster=settings.redis_cluster, **kwargs
         )
 
     async def close(self) -> None:
         await self.redis.aclose()
+        if self._sentinel is not None:
+            await self._sentinel.aclose()
 
     @_gated
     async def ping(self) -> bool:
@@ -448,7 +567,18 @@ class Ledger:
         return None if value is None else _text(value)
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> list[str]:
-        result = await self._scripts[name](keys=list(keys), args=list(args))
+        script = self._scripts[name]
+        try:
+            result = await script(keys=list(keys), args=list(args))
+        except NoScriptError:
+            # loaded, and still unknown: the load and the call went to different
+            # servers, one a demoted primary (its script cache emptied by the
+            # resync) that a pooled connection still reached after a failover.
+            # Drop every connection so each asks the sentinels, then once more.
+            if self._sentinel is None or not isinstance(self.redis, Redis):
+                raise
+            await self.redis.connection_pool.disconnect()
+            result = await script(keys=list(keys), args=list(args))
         if isinstance(result, list):
             return [_text(v) for v in result]
         return [_text(result)]
@@ -494,15 +624,18 @@ class Ledger:
         return int(count)
 
     @_gated
-    async def mark_rebuilt(self, node: str, registered: str = "") -> bool:
-        """Stamp a registered node rebuilt: it takes reservations from now on.
+    async def mark_rebuilt(self, node: str, registered: str = "", epoch: str = "") -> bool:
+        """Stamp a registered node rebuilt in the current epoch: it takes
+        reservations from now on.
 
         The inventory calls this after a reconciliation pass that read the node's
-        ``registered`` value (pass it) before listing the pods, and restored what
-        they record on it; a node that registered afresh since is not stamped.
+        ``registered`` value and epoch (pass them) before listing the pods, and
+        restored what they record on it; a node that registered afresh since, or
+        whose primary changed since (the restores may be lost), is not stamped.
         True when the node is stamped (by this call or before).
         """
-        [outcome] = await self._run("rebuilt", self.node_keys(node).all(), [registered])
+        keys = self.node_keys(node).all()
+        [outcome] = await self._run("rebuilt", keys, [registered, epoch])
         return outcome in ("ok", "already")
 
     @_gated
@@ -513,19 +646,51 @@ class Ledger:
             nodes = sorted(_text(m) for m in await self.redis.smembers(self.nodes_key))
         nodes, _ = _named(nodes)  # a name that is no node's has no record to read
         pipe = self.redis.pipeline(transaction=False)
-        for node in nodes:
-            pipe.hmget(self.node_keys(node).meta, ["registered", "rebuilt"])
+        metas = [self.node_keys(node).meta for node in nodes]
+        for meta in metas:
+            pipe.hmget(meta, ["registered", "rebuilt", "epoch"])
         replies = await pipe.execute()
+        epochs = await self._epochs(metas)
         status = {}
-        for node, (registered, rebuilt) in zip(nodes, replies, strict=True):
+        for node, (registered, rebuilt, stamp_epoch), epoch in zip(
+            nodes, replies, epochs, strict=True
+        ):
             if registered is None:
                 continue
             try:
-                stamp = _stored_time(node, "rebuilt", rebuilt)
+                stamp = _stored_time(node, "rebuilt", rebuilt or None)
             except BadRecord:  # not a time gpuslice wrote: shown as none, never a failure
                 stamp = None
-            status[node] = NodeRebuild(_text(registered), stamp)
+            if _text(stamp_epoch or "") != epoch:
+                stamp = None  # stamped before a failover or restart: stale
+            status[node] = NodeRebuild(_text(registered), stamp, epoch)
         return status
+
+    @_gated
+    async def epochs(self, nodes: Sequence[str]) -> dict[str, str]:
+        """The epoch of each node's part of the ledger (one primary's replication
+        id; on Redis Cluster, its shard's): a reader that keeps a copy re-reads a
+        node whose epoch changed, since every stamp went stale with it."""
+        nodes, _ = _named(nodes)
+        epochs = await self._epochs([self.node_keys(node).meta for node in nodes])
+        return dict(zip(nodes, epochs, strict=True))
+
+    async def _epochs(self, keys: Sequence[str]) -> list[str]:
+        """The epoch (lib.lua) of the primary holding each key: one INFO per primary."""
+        if not isinstance(self.redis, RedisCluster):
+            epoch = _replid(await self.redis.info("replication")) if keys else ""
+            return [epoch] * len(keys)
+        by_primary: dict[str, str] = {}
+        epochs = []
+        for key in keys:
+            primary = self.redis.get_node_from_key(key)
+            if primary is None:
+                raise RedisConnectionError(f"no Redis Cluster node holds the slot of {key}")
+            if primary.name not in by_primary:
+                reply = await self.redis.info("replication", target_nodes=primary)
+                by_primary[primary.name] = _replid(reply)
+            epochs.append(by_primary[primary.name])
+        return epochs
 
     @_gated
     async def cordon(self, node: str, card: str, cordoned: bool = True) -> None:
@@ -617,18 +782,23 @@ class Ledger:
         """
         nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
+        metas = []
         for node in nodes:
             keys = self.node_keys(node)
             pipe.hgetall(keys.gpus)
-            pipe.hmget(keys.meta, ["devices", "rev", "rebuilt"])
+            pipe.hmget(keys.meta, ["devices", "rev", "rebuilt", "epoch"])
+            metas.append(keys.meta)
         replies = await pipe.execute()
+        epochs = await self._epochs(metas)
         result: dict[str, NodeCards | BadRecord] = dict(bad)
         for i, node in enumerate(nodes):
             fields = cast(dict[str, str], replies[2 * i])
-            devices, rev, rebuilt = replies[2 * i + 1]
+            devices, rev, rebuilt, stamp_epoch = replies[2 * i + 1]
+            # stamped in this epoch, as the scripts check it
+            trusted = rebuilt is not None and _text(stamp_epoch or "") == epochs[i]
             try:
                 result[node] = NodeCards(
-                    stored_cards(node, devices, fields), _stored_rev(node, rev), rebuilt is not None
+                    stored_cards(node, devices, fields), _stored_rev(node, rev), trusted
                 )
             except BadRecord as exc:
                 result[node] = exc
@@ -966,6 +1136,14 @@ def stored_number(node: str, what: str, value: Any, high: int) -> int:
 
 def _stored_rev(node: str, value: Any) -> int:
     return 0 if value is None else stored_number(node, "revision", value, MAX_REV)
+
+
+def _replid(info: Any) -> str:
+    """The primary's replication id from INFO replication, as the client parsed it."""
+    if isinstance(info, dict):
+        return _text(info.get("master_replid", ""))
+    found = re.search(r"master_replid:([0-9a-f]+)", _text(info))
+    return found.group(1) if found else ""
 
 
 def _stored_time(node: str, what: str, value: Any) -> datetime | None:

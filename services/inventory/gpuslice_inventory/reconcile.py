@@ -16,7 +16,11 @@ One pass reads the ledger, then lists every pod of the cluster, and:
 * **stamps rebuilt** every node whose registration it read before the list and
   whose restores all got an answer: only then does the node take reservations,
   binds and allocations (``Ledger.mark_rebuilt``). A node that registered after
-  the pass read the registrations (new, or Redis lost it) waits for the next.
+  the pass read the registrations (new, or Redis lost it), or whose ledger
+  entered a new epoch during the pass (a failover), waits for the next.
+
+Releases come before restores: a failover can lose a release together with a
+reservation that reused its room, and the restore must find that room free.
 
 So after Redis loses everything, the ledger is whole again within one pass
 after the nodes registered again, and nothing is placed on a node before.
@@ -34,7 +38,13 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from gpuslice_common.kube import KubeApi
-from gpuslice_common.ledger import BadRecord, Ledger, LedgerError, ReservationConflict
+from gpuslice_common.ledger import (
+    BadRecord,
+    Ledger,
+    LedgerError,
+    NodeRebuild,
+    ReservationConflict,
+)
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
 from gpuslice_inventory.lifecycle import DELETED, TERMINATED, pod_phase, pod_uid
 from gpuslice_inventory.upkeep import Upkeep
@@ -115,12 +125,6 @@ class Reconciler:
             and _node(pod)
             and _node(pod) not in unreadable
         ]
-        # a card unknown on a node not registered when the pass began: not yet
-        restores = [
-            (node, "failed" if outcome == "conflict" and node not in nodes else outcome)
-            for node, outcome in await _each(to_restore, self._restore)
-        ]
-        outcomes = Counter(outcome for _, outcome in restores)
         to_release: list[tuple[str, str]] = []
         for uid, placement in held.items():
             found = pods.get(uid)
@@ -131,15 +135,23 @@ class Reconciler:
                 to_release.append((uid, DELETED))
             elif pod_phase(found) in TERMINATED:
                 to_release.append((uid, TERMINATED[pod_phase(found)]))
+        # releases before restores: a release the ledger lost (a failover) may
+        # hold the room that a restore is to take back
         released: Counter[str] = Counter(
             reason for reason in await _each(to_release, self._release) if reason
         )
+        # a card unknown on a node not registered when the pass began: not yet
+        restores = [
+            (node, "failed" if outcome == "conflict" and node not in nodes else outcome)
+            for node, outcome in await _each(to_restore, self._restore)
+        ]
+        outcomes = Counter(outcome for _, outcome in restores)
         unfinished = {node for node, outcome in restores if outcome == "failed"} | unreadable
         stamped = waiting = 0
         for node, status in nodes.items():
             if status.rebuilt_at is not None:
                 continue
-            if node not in unfinished and await self._stamp(node, status.registered):
+            if node not in unfinished and await self._stamp(node, status):
                 stamped += 1
             else:
                 waiting += 1
@@ -200,9 +212,11 @@ class Reconciler:
         log.debug("restored the reservation of pod %s on %s", uid, record.node)
         return record.node, "restored"
 
-    async def _stamp(self, node: str, registered: str) -> bool:
+    async def _stamp(self, node: str, status: NodeRebuild) -> bool:
+        """Stamp ``node`` if it is as the pass found it: same registration, and
+        the same epoch (a failover during the pass may have lost its restores)."""
         try:
-            stamped = await self.ledger.mark_rebuilt(node, registered)
+            stamped = await self.ledger.mark_rebuilt(node, status.registered, status.epoch)
         except LedgerError as exc:
             log.warning("cannot stamp node %s rebuilt: %s", node, exc)
             return False

@@ -69,7 +69,7 @@ class Running:
     work: WorkStats = field(default_factory=WorkStats)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     next_reconcile: float = 0.0  # loop time
-    # registrations (node -> ``registered``) a pass has already seen unstamped
+    # registrations (node -> ``registered@epoch``) a pass has already seen unstamped
     rebuild_seen: dict[str, str] = field(default_factory=dict)
 
     async def on_inventory_message(self, msg: Msg) -> None:
@@ -149,12 +149,13 @@ class Running:
             )
 
     async def _waiting(self) -> dict[str, str]:
-        """Registered nodes not stamped rebuilt, with their registrations. One that
-        no pass has seen yet (new, or registered afresh after Redis lost its
-        data) gets a pass at once; one whose restores failed is tried again on
+        """Registered nodes not stamped rebuilt in this epoch, with their
+        registrations and the epoch. One that no pass has seen yet (new,
+        registered afresh after Redis lost its data, or stale after a failover or
+        restart) gets a pass at once; one whose restores failed is tried again on
         the failed-pass schedule."""
         return {
-            node: status.registered
+            node: f"{status.registered}@{status.epoch}"
             for node, status in (await self.ledger.rebuild_status()).items()
             if status.rebuilt_at is None
         }

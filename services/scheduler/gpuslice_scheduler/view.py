@@ -4,7 +4,8 @@ Filter and prioritize read this copy and never wait on Redis. Every ledger
 change to a node bumps its revision and announces the node on the ledger's
 changes channel: an announced node is re-read at once. :meth:`ClusterView.sync`
 reads all revisions in one round trip and re-reads the nodes whose revision
-moved; it runs at start, after (re)subscribing, every ``resync`` seconds, and
+moved, or whose epoch did (a failover: every rebuilt stamp went stale); it
+runs at start, after (re)subscribing, every ``resync`` seconds, and
 every ``interval`` seconds while notices are unavailable.
 The copy may lag by one sync interval: that only affects scores, because bind
 reserves through the ledger, which checks capacity atomically, and a lost race
@@ -62,6 +63,7 @@ class ClusterView:
         self._resync_due = 0.0
         self.rows: dict[str, list[Row]] = {}
         self.revs: dict[str, int | None] = {}
+        self.epochs: dict[str, str] = {}  # the epoch each node was last read in
         self.skipped: dict[str, str] = {}  # node -> why its record cannot be read
         self.cluster = Cluster.from_rows([])
         self.synced = False
@@ -75,12 +77,21 @@ class ClusterView:
         """
         names = await self.ledger.nodes()
         revs = await self.ledger.revisions(names)
-        changed = [n for n in names if revs[n] is None or revs[n] != self.revs.get(n)]
+        # a failover or restart leaves revisions as they were but every stamp
+        # stale: a node read in another epoch is read again
+        epochs = await self.ledger.epochs(names)
+        changed = [
+            n
+            for n in names
+            if revs[n] is None or revs[n] != self.revs.get(n) or epochs.get(n) != self.epochs.get(n)
+        ]
         gone = (set(self.rows) | set(self.skipped)) - set(names)
         updated, removed = (await self._take(changed)) if changed else ([], False)
+        self.epochs.update(epochs)
         for node in gone:
             removed |= self.rows.pop(node, None) is not None
             self.revs.pop(node, None)
+            self.epochs.pop(node, None)
             self.rebuilding.discard(node)
             self.skipped.pop(node, None)
         if updated or removed or not self.synced:

@@ -1,7 +1,7 @@
 -- Prelude shared by every ledger script.
 -- KEYS[1] <p>:{node}:gpus     hash  "<uuid>|<field>" -> value
 -- KEYS[2] <p>:{node}:meta     hash  devices (JSON list), heartbeat, registered, rebuilt,
---                                   config, bind_seq, rev
+--                                   epoch, config, bind_seq, rev
 -- KEYS[3] <p>:{node}:pods     hash  pod uid -> placement record (JSON)
 -- KEYS[4] <p>:{node}:pending  zset  pod uid -> bind order, pods awaiting Allocate
 -- KEYS[5] <p>:{node}:released zset  pod uid -> release time (ms), for pruning
@@ -53,9 +53,19 @@ local function is_count(v)
   return type(v) == 'number' and v >= 0 and v == math.floor(v)
 end
 
+-- The ledger's epoch: the replication id of the primary running this script.
+-- It changes whenever the data may have lost acknowledged writes: a replica
+-- promoted by a failover (replication is asynchronous) or a server restarted
+-- (from an append-only file that may miss its last second).
+local function epoch()
+  return string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)') or ''
+end
+
 -- A node takes reservations, binds and allocations only once a reconciliation
--- pass that started after its registration stamped it ``rebuilt`` (rebuilt.lua):
--- after Redis lost its data, the placements its pods already hold are back first.
+-- pass that started after its registration stamped it ``rebuilt`` in this
+-- epoch (rebuilt.lua): after Redis lost data, whole or the last writes, the
+-- placements its pods already hold are back first.
 local function rebuilt()
-  return redis.call('HEXISTS', META, 'rebuilt') == 1
+  local stamp = redis.call('HMGET', META, 'rebuilt', 'epoch')
+  return stamp[1] ~= false and stamp[2] == epoch()
 end
