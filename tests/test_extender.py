@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,7 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
         make_inventory("node-c", gpus=1, memory_mib=8192, model="Tesla T4"), rebuilt=True
     )
     bus = await Bus.connect(settings, "test")
+    await bus.ensure_audit_stream(timedelta(hours=1))  # the extender's outbox waits for it
     events: list[CloudEvent] = []
 
     async def collect(event: CloudEvent) -> None:
@@ -624,12 +626,33 @@ async def test_the_copy_follows_notices_without_waiting_for_a_poll(own_redis: Re
         # Redis restarts: the notices come back.
         own_redis.stop()
         own_redis.start()
+        await ledger.mark_rebuilt("n1")  # a restart is a new epoch: stamped again first
         await ledger.reserve(_placement("p2", "n1", card))
         assert await copy_sees(2)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await ledger.close()
+
+
+async def test_the_copy_sees_every_stamp_go_stale_in_a_new_epoch(own_redis: RedisServer) -> None:
+    # a restart (or a failover) keeps the revisions but not the stamps' worth:
+    # the filter must fail the nodes as the scripts will, not pass them
+    ledger = Ledger.from_url(own_redis.url)
+    try:
+        await ledger.register_node(make_inventory("n1", gpus=1), rebuilt=True)
+        view = ClusterView(ledger, interval=30.0, resync=30.0)
+        await view.sync()
+        assert view.rebuilding == set()
+        own_redis.kill()
+        own_redis.start()
+        await view.sync()
+        assert view.rebuilding == {"n1"}
+        assert await ledger.mark_rebuilt("n1")
+        await view.sync()
+        assert view.rebuilding == set()
+    finally:
         await ledger.close()
 
 

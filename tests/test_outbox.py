@@ -7,6 +7,8 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
 
 import nats
 import pytest
@@ -23,7 +25,7 @@ from gpuslice_common.events import (
     make_event,
 )
 from gpuslice_common.models import ContainerGpuRequest, MemoryRequest, PodRef
-from gpuslice_common.outbox import Outbox
+from gpuslice_common.outbox import STRIKES, Outbox
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_common.subjects import Subjects
 
@@ -88,11 +90,13 @@ async def received() -> AsyncIterator[Received]:
         await r.bus.close()
 
 
-async def make_stream(url: str, prefix: str) -> None:
-    """An events stream on file storage (kept across a restart of own_nats).
+async def make_stream(url: str, prefix: str, duplicate_window: float = 0.1) -> None:
+    """An events stream on file storage (kept across a restart of own_nats): the
+    outbox waits for its acknowledgements.
 
-    Its duplicate window is the least NATS allows, shorter than the outbox's retry
-    interval, so an event published twice a retry apart is stored twice.
+    Its duplicate window is by default the least NATS allows, shorter than the
+    outbox's retry interval, so an event published twice a retry apart is stored
+    twice.
     """
     bus = await Bus.connect(settings_for(url, prefix), "test-stream")
     try:
@@ -101,7 +105,7 @@ async def make_stream(url: str, prefix: str) -> None:
                 name=bus.subjects.audit_stream,
                 subjects=[bus.subjects.events_all],
                 storage=StorageType.FILE,
-                duplicate_window=0.1,
+                duplicate_window=duplicate_window,
             )
         )
     finally:
@@ -145,6 +149,7 @@ def blackholed_port() -> Iterator[int]:
 async def test_events_arrive_in_order_on_their_subjects(
     nats_server: NatsServer, prefix: str, received: Received
 ) -> None:
+    await make_stream(nats_server.url, prefix)
     await received.start(nats_server.url, prefix)
     outbox = Outbox(settings_for(nats_server.url, prefix), "test-webhook", retry_interval=RETRY)
     await outbox.start()
@@ -278,6 +283,7 @@ async def test_restart_mid_stream_delivers_every_event_exactly_once(
 async def test_full_queue_drops_new_events_and_keeps_earlier_ones(
     nats_server: NatsServer, prefix: str, received: Received, caplog: pytest.LogCaptureFixture
 ) -> None:
+    await make_stream(nats_server.url, prefix)
     await received.start(nats_server.url, prefix)
     outbox = Outbox(settings_for(nats_server.url, prefix), "t", capacity=5, retry_interval=RETRY)
     sent = events(8)
@@ -298,6 +304,7 @@ async def test_full_queue_drops_new_events_and_keeps_earlier_ones(
 async def test_an_event_nats_refuses_is_dropped_and_does_not_block_the_rest(
     nats_server: NatsServer, prefix: str, received: Received
 ) -> None:
+    await make_stream(nats_server.url, prefix)
     await received.start(nats_server.url, prefix)
     outbox = Outbox(settings_for(nats_server.url, prefix), "t", retry_interval=RETRY)
     await outbox.start()
@@ -332,3 +339,194 @@ async def test_close_with_nats_down_is_bounded_and_counts_what_is_left(
     assert outbox.stats.published == 0
     assert not outbox.submit(events(1)[0])  # closed: refused, counted
     assert outbox.stats.dropped == 11
+
+
+class AckLost(Bus):
+    """A real bus whose first acknowledgement for each event never arrives: the
+    stream stores the event, the publisher hears nothing (a NATS member died
+    between the two)."""
+
+    lost: set[str]
+
+    async def publish_acked(self, event: CloudEvent, timeout: float = 2.0) -> int:
+        seq = await super().publish_acked(event, timeout)
+        if event.id not in self.lost:
+            self.lost.add(event.id)
+            raise BusError("no acknowledgement (lost in a failover)")
+        return seq
+
+
+async def test_an_event_whose_acknowledgement_is_lost_is_sent_again_and_stored_once(
+    nats_server: NatsServer, prefix: str
+) -> None:
+    await make_stream(nats_server.url, prefix, duplicate_window=120)
+    nc = await nats.connect(nats_server.url)
+    bus = AckLost(nc, Subjects(prefix), source=SOURCE, stats=BusStats())
+    bus.lost = set()
+    outbox = Outbox(settings_for(nats_server.url, prefix), "t", retry_interval=RETRY, bus=bus)
+    checker = await Bus.connect(settings_for(nats_server.url, prefix), "test-checker")
+    try:
+        await outbox.start()
+        sent = events(100)
+        for e in sent:
+            assert outbox.submit(e)
+        await wait_for(lambda: outbox.pending == 0)
+        got = await stored(checker, 100)
+        await asyncio.sleep(0.1)
+        got = await stored(checker, 100)
+    finally:
+        await outbox.close()
+        await bus.close()
+        await checker.close()
+    assert bus.lost == {e.id for e in sent}  # every event was sent twice ...
+    assert outbox.stats.retried == 100
+    assert [e.id for e in got] == [e.id for e in sent]  # ... and stored once, in order
+    assert outbox.stats.published == 100
+    assert outbox.stats.dropped == 0
+
+
+async def test_events_wait_until_the_stream_can_store_them(
+    nats_server: NatsServer, prefix: str
+) -> None:
+    # no stream listens yet (JetStream without a leader answers no one either):
+    # the events are not dropped, they wait and go in once it can store them
+    outbox = Outbox(settings_for(nats_server.url, prefix), "t", retry_interval=RETRY)
+    checker = await Bus.connect(settings_for(nats_server.url, prefix), "test-checker")
+    try:
+        await outbox.start()
+        sent = events(20)
+        for e in sent:
+            assert outbox.submit(e)
+        await wait_for(lambda: outbox.stats.publish_errors >= 20)
+        assert outbox.pending == 20
+        assert outbox.stats.published == outbox.stats.dropped == 0
+        await make_stream(nats_server.url, prefix, duplicate_window=120)
+        await wait_for(lambda: outbox.pending == 0)
+        got = await stored(checker, 20)
+    finally:
+        await outbox.close()
+        await checker.close()
+    assert [e.id for e in got] == [e.id for e in sent]
+    assert outbox.stats.published == 20
+
+
+async def test_an_event_too_large_with_its_headers_is_refused_and_the_connection_kept(
+    tmp_path: Path, prefix: str
+) -> None:
+    # the client checks the payload alone; the server counts the headers too,
+    # and closes a connection that sends more, for good
+    limit = 4096
+    with NatsServer(tmp_path / "nats", config=f"max_payload: {limit}\n") as server:
+        await make_stream(server.url, prefix, duplicate_window=120)
+        outbox = Outbox(settings_for(server.url, prefix), "t", retry_interval=RETRY)
+        checker = await Bus.connect(settings_for(server.url, prefix), "test-checker")
+        try:
+            await outbox.start()
+            pod = PodRef(uid="big", namespace="team-a", name="big")
+            empty = PodDenied(pod=pod, reason="")
+            fits = len(make_event(EventType.POD_DENIED, empty, source=SOURCE).to_json())
+            reason = "r" * (limit - fits - 4)
+            big = make_event(EventType.POD_DENIED, PodDenied(pod=pod, reason=reason), source=SOURCE)
+            assert len(big.to_json()) < limit  # the client alone would send it
+            sent = events(10)
+            assert outbox.submit(big)
+            for e in sent:
+                assert outbox.submit(e)
+            got = await stored(checker, 10)
+            await wait_for(lambda: outbox.pending == 0)
+            assert outbox.connected
+        finally:
+            await outbox.close()
+            await checker.close()
+    assert [e.id for e in got] == [e.id for e in sent]
+    assert outbox.stats.dropped == 1
+
+
+async def test_events_nats_does_not_let_the_publisher_send_are_dropped_not_kept_for_ever(
+    tmp_path: Path, prefix: str
+) -> None:
+    config = f"""
+    jetstream {{}}
+    authorization {{ users: [
+      {{ user: admin, password: a }}
+      {{ user: webhook, password: w, permissions: {{
+          publish: ["{prefix}.events.pod.admitted"], subscribe: ["_INBOX.>"] }} }}
+    ] }}
+    """
+    with NatsServer(tmp_path / "nats", config=config) as server:
+        admin = CommonSettings(
+            nats_url=server.url, subject_prefix=prefix, nats_user="admin", nats_password="a"
+        )
+        bus = await Bus.connect(admin, "audit-init")
+        await bus.ensure_audit_stream(timedelta(hours=1))
+        webhook = admin.model_copy(update={"nats_user": "webhook", "nats_password": "w"})
+        outbox = Outbox(webhook, "t", retry_interval=RETRY)
+        try:
+            await outbox.start()
+            sent = events(200)  # half of them pod.denied, which the user may not publish
+            for e in sent:
+                assert outbox.submit(e)
+            await wait_for(lambda: outbox.pending == 0, timeout=20)
+            got = await stored(bus, 100)
+        finally:
+            await outbox.close()
+            await bus.close()
+    admitted = [e.id for e in sent if e.type is EventType.POD_ADMITTED]
+    assert [e.id for e in got] == admitted
+    assert outbox.stats.dropped == 100
+    assert outbox.stats.published == 100
+
+
+class NeverAcked(Bus):
+    """A real bus on which one event's acknowledgement never comes."""
+
+    poison: str = ""
+
+    async def publish_acked(self, event: CloudEvent, timeout: float = 2.0) -> int:
+        if event.id == self.poison:
+            raise BusError("no acknowledgement")
+        return await super().publish_acked(event, timeout)
+
+
+async def test_an_event_never_stored_while_the_rest_are_is_dropped_after_strikes(
+    nats_server: NatsServer, prefix: str
+) -> None:
+    await make_stream(nats_server.url, prefix, duplicate_window=120)
+    nc = await nats.connect(nats_server.url)
+    bus = NeverAcked(nc, Subjects(prefix), source=SOURCE, stats=BusStats())
+    outbox = Outbox(
+        settings_for(nats_server.url, prefix), "t", retry_interval=RETRY, bus=bus, window=4
+    )
+    checker = await Bus.connect(settings_for(nats_server.url, prefix), "test-checker")
+    sent = events(12)
+    bus.poison = sent[0].id
+    try:
+        await outbox.start()
+        for e in sent:
+            assert outbox.submit(e)
+        await wait_for(lambda: outbox.pending == 0)
+        got = await stored(checker, 11)
+    finally:
+        await outbox.close()
+        await bus.close()
+        await checker.close()
+    assert [e.id for e in got] == [e.id for e in sent[1:]]
+    assert outbox.stats.dropped == 1
+    assert outbox.stats.retried == STRIKES - 1
+
+
+async def test_while_nothing_is_stored_nothing_is_dropped(
+    nats_server: NatsServer, prefix: str
+) -> None:
+    # no stream yet: every event of every batch fails, many times over; none
+    # is struck out, all wait
+    outbox = Outbox(settings_for(nats_server.url, prefix), "t", retry_interval=0.05, window=4)
+    try:
+        await outbox.start()
+        for e in events(8):
+            assert outbox.submit(e)
+        await wait_for(lambda: outbox.stats.publish_errors >= 8 * STRIKES * 2, timeout=30)
+        assert outbox.pending == 8
+        assert outbox.stats.dropped == 0
+    finally:
+        await outbox.close(timeout=0.1)

@@ -9,6 +9,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -131,6 +132,12 @@ async def test_admission_does_not_wait_for_a_bus_that_is_down(
         assert elapsed < 1.0, f"20 admissions took {elapsed:.2f}s with NATS down"
         assert outbox.pending == 20
         own_nats.start()
+        # the install step: the audit stream the outbox waits to store them in
+        admin = await Bus.connect(config, "audit-init")
+        try:
+            await admin.ensure_audit_stream(timedelta(hours=1))
+        finally:
+            await admin.close()
         await until(lambda: outbox.stats.published == 20, timeout=15)
     finally:
         await outbox.close()

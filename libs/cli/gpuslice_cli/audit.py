@@ -509,7 +509,8 @@ def init(
 
     Run once at install and at each upgrade, with the admin credential
     (GPUSLICE_NATS_USER=admin): no service may create, change or delete the
-    stream. Retention comes from GPUSLICE_AUDIT_MAX_AGE. Exit 1 when NATS
+    stream. Retention comes from GPUSLICE_AUDIT_MAX_AGE, the number of copies
+    from GPUSLICE_AUDIT_REPLICAS (3 on a three-member cluster). Exit 1 when NATS
     refuses or an existing stream is unfit for audit, 2 on a bad setting.
     """
     settings = cli_settings(nats_url=nats_url)
@@ -517,13 +518,14 @@ def init(
     async def make() -> str:
         bus = await _connect(settings)
         try:
-            info = await bus.ensure_audit_stream(settings.audit_max_age)
+            info = await bus.ensure_audit_stream(settings.audit_max_age, settings.audit_replicas)
         finally:
             await bus.close()
         days = settings.audit_max_age.total_seconds() / 86400
         return (
             f"audit stream {info.config.name}: {info.state.messages} events stored,"
-            f" kept {days:g} days, deleting and purging denied"
+            f" kept {days:g} days in {info.config.num_replicas or 1} copies,"
+            " deleting and purging denied"
         )
 
     def run() -> None:

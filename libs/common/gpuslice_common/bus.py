@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -23,6 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
+from nats.errors import MaxPayloadError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import (
     ConsumerConfig,
@@ -46,10 +48,17 @@ EventHandler = Callable[[CloudEvent], Awaitable[None]]
 MessageHandler = Callable[[str, M], Awaitable[None]]
 
 DEDUP_WINDOW = timedelta(minutes=2)
+# what nats-py reports for a server's -ERR on a publish the user may not make
+_DENIED_PUBLISH = re.compile(r'permissions violation for publish to "?([^"\s]+)', re.IGNORECASE)
 
 
 class BusError(Exception):
     """The bus could not do what was asked; the message says why."""
+
+
+class EventRefused(BusError):
+    """This very event can never be published (an invalid payload, larger than
+    NATS takes): sending it again cannot help."""
 
 
 def _read_token(path: str) -> str:
@@ -73,6 +82,9 @@ class BusStats:
     reconnects: int = 0
     last_malformed: str = field(default="", repr=False)
     closing: bool = field(default=False, repr=False)
+    # subjects the server refused this connection to publish to (its -ERR comes
+    # apart from the publish; an acknowledgement that never came is then why)
+    denied_subjects: set[str] = field(default_factory=set, repr=False)
 
 
 class Bus:
@@ -109,6 +121,8 @@ class Bus:
 
         async def on_error(exc: Exception) -> None:
             log.warning("nats: %s", exc)
+            if denied := _DENIED_PUBLISH.search(str(exc)):
+                stats.denied_subjects.add(denied.group(1))
 
         async def on_disconnect() -> None:
             if stats.closing:
@@ -130,6 +144,9 @@ class Bus:
             "disconnected_cb": on_disconnect,
             "reconnected_cb": on_reconnect,
             "inbox_prefix": inbox_prefix,
+            # a stop waits at most this for subscriptions to drain (the
+            # default, 30 s, outlasts a pod's grace period)
+            "drain_timeout": 2,
         }
         if settings.nats_user:
             options["user"] = settings.nats_user
@@ -174,8 +191,9 @@ class Bus:
         retried event once.
         """
         subject = self._checked_subject(event)
+        payload = self._fitting(event)
         try:
-            await self.nc.publish(subject, event.to_json(), headers={"Nats-Msg-Id": event.id})
+            await self.nc.publish(subject, payload, headers={"Nats-Msg-Id": event.id})
         except (NatsError, OSError) as exc:
             self.stats.publish_failures += 1
             raise BusError(f"cannot publish {event.type.value}: {exc}") from None
@@ -184,15 +202,39 @@ class Bus:
     async def publish_acked(self, event: CloudEvent, timeout: float = 2.0) -> int:
         """Publish and wait until the audit stream has stored it; returns its sequence."""
         subject = self._checked_subject(event)
+        payload = self._fitting(event)
         try:
             ack = await self.js.publish(
-                subject, event.to_json(), timeout=timeout, headers={"Nats-Msg-Id": event.id}
+                subject, payload, timeout=timeout, headers={"Nats-Msg-Id": event.id}
             )
+        except MaxPayloadError as exc:
+            self.stats.publish_failures += 1
+            raise EventRefused(f"{event.type.value} {event.id} is too large: {exc}") from None
         except (TimeoutError, NatsError, OSError) as exc:
             self.stats.publish_failures += 1
+            if subject in self.stats.denied_subjects:
+                raise EventRefused(
+                    f"NATS does not let {self.source} publish {event.type.value} to {subject}"
+                ) from None
             raise BusError(f"audit stream did not store {event.type.value}: {exc!r}") from None
+        self.stats.denied_subjects.discard(subject)
         self.stats.published += 1
         return int(ack.seq)
+
+    def _fitting(self, event: CloudEvent) -> bytes:
+        """The event's bytes, refused when they and the headers exceed what the
+        server takes: nats-py checks the payload alone, and the server closes a
+        connection that sends more (for good: the client does not reconnect)."""
+        payload = event.to_json()
+        headers = len(b"NATS/1.0\r\nNats-Msg-Id: \r\n\r\n") + len(event.id.encode())
+        limit = self.nc.max_payload
+        if limit and len(payload) + headers > limit:
+            self.stats.publish_failures += 1
+            raise EventRefused(
+                f"{event.type.value} {event.id} is too large: {len(payload) + headers} bytes"
+                f" with headers, the server takes {limit}"
+            )
+        return payload
 
     def _checked_subject(self, event: CloudEvent) -> str:
         """Validate the payload once more (its dict may have been changed) and route it."""
@@ -200,7 +242,9 @@ class Bus:
             event.payload()
         except ValidationError as exc:
             self.stats.publish_failures += 1
-            raise BusError(f"refusing to publish an invalid {event.type.value}: {exc}") from None
+            raise EventRefused(
+                f"refusing to publish an invalid {event.type.value}: {exc}"
+            ) from None
         return self.subjects.event(event.type)
 
     async def publish_model(self, subject: str, message: BaseModel) -> None:
@@ -272,7 +316,7 @@ class Bus:
 
     # ------------------------------------------------------------ audit stream
 
-    def _audit_config(self, max_age: timedelta) -> StreamConfig:
+    def _audit_config(self, max_age: timedelta, replicas: int) -> StreamConfig:
         return StreamConfig(
             name=self.subjects.audit_stream,
             description="gpuslice allocation and admission events, for audit",
@@ -283,17 +327,20 @@ class Bus:
             duplicate_window=min(DEDUP_WINDOW, max_age).total_seconds(),
             deny_delete=True,
             deny_purge=True,
+            num_replicas=replicas,
         )
 
-    async def ensure_audit_stream(self, max_age: timedelta) -> StreamInfo:
-        """Create the audit stream, or check an existing one and bring its retention up to date.
+    async def ensure_audit_stream(self, max_age: timedelta, replicas: int = 1) -> StreamInfo:
+        """Create the audit stream, or check an existing one and bring its retention
+        and its number of copies (``replicas``: 3 on a three-member cluster, so it
+        survives losing any one member) up to date.
 
         Needs the install-time ``admin`` credential: no service may create, change
         or delete the stream. Raises BusError if an existing stream cannot be made
         to match (for example it uses memory storage, or allows deletes), rather
         than audit on a weaker one.
         """
-        wanted = self._audit_config(max_age)
+        wanted = self._audit_config(max_age, replicas)
         name = self.subjects.audit_stream
         try:
             info = await self.js.stream_info(name)
@@ -312,13 +359,15 @@ class Bus:
             set(have.subjects or []) != {self.subjects.events_all}
             or have.max_age != wanted.max_age
             or have.duplicate_window != wanted.duplicate_window
+            or (have.num_replicas or 1) != replicas
         ):
-            # change only what this command owns; replicas and placement stay as set
+            # change only what this command owns; placement stays as set
             updated = dataclasses.replace(
                 have,
                 subjects=wanted.subjects,
                 max_age=wanted.max_age,
                 duplicate_window=wanted.duplicate_window,
+                num_replicas=replicas,
             )
             try:
                 return await self.js.update_stream(updated)

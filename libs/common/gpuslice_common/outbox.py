@@ -1,19 +1,29 @@
-"""Events handed over without waiting, published to NATS in order by one background task.
+"""Events handed over without waiting, kept until the audit stream has stored them.
 
-A component that must answer quickly (the admission webhook) calls
-:meth:`Outbox.submit`, which only appends the event to a bounded in-memory queue:
-it never waits and never fails because of NATS. The outbox's task connects
-(retrying for as long as it takes), then publishes the events in submission
-order, one at a time. A publish that fails while NATS is away keeps the event at
-the head of the queue and is retried: nothing is lost or reordered by a failed
-publish, and nothing is published twice.
+A component that must answer quickly (the admission webhook, the extender, the
+inventory) calls :meth:`Outbox.submit`, which only appends the event to a bounded
+in-memory queue: it never waits and never fails because of NATS. The outbox's
+task connects (retrying for as long as it takes), then publishes the events in
+submission order, up to ``window`` at a time, each waiting for JetStream's
+acknowledgement that the audit stream stored it (replicated, on a cluster).
+
+An event leaves the queue only when acknowledged. One whose acknowledgement
+does not come (a NATS member died with it, the stream is electing a leader,
+NATS is away) stays in the queue and is sent again, with the same
+``Nats-Msg-Id`` (its event id): the stream stores it once even when the first
+copy was stored and only the acknowledgement was lost, provided the retry comes
+within the stream's duplicate window (``bus.DEDUP_WINDOW``). Events are stored in
+submission order, except that an event sent again is stored after those that
+went through meanwhile.
 
 Events are dropped (counted in :attr:`Outbox.stats` and logged) when the queue is
-full (submit returns False), when NATS refuses the event itself while connected
-(invalid, too large), or when they are still queued after :meth:`Outbox.close`
-has waited its timeout. An event leaves the queue once the NATS client has taken
-it; from then on delivery is core NATS's: kept across a reconnect, lost if the
-server dies with it in flight or if the outbox closes while NATS is down.
+full (submit returns False), when the event itself cannot be published (an
+invalid payload, larger than NATS takes), when the stream stored other events
+of its batches but never it, ``STRIKES`` times in a row (NATS refuses this very
+event, e.g. a permission it lacks: kept, it would be sent for ever and hold up
+the rest), or when they are still queued after :meth:`Outbox.close` has waited
+its timeout. While no event at all is stored (NATS or the stream away), none
+is dropped: they wait.
 """
 
 from __future__ import annotations
@@ -21,25 +31,28 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass
 
-from gpuslice_common.bus import Bus, BusError
+from gpuslice_common.bus import Bus, BusError, EventRefused
 from gpuslice_common.config import BusSettings
 from gpuslice_common.events import CloudEvent
 
 log = logging.getLogger("gpuslice.outbox")
 
 WARN_EVERY_S = 60.0  # at most one warning a minute per kind of trouble
+STRIKES = 3  # batches in a row in which others were stored but not this event
 
 
 @dataclass
 class OutboxStats:
     submitted: int = 0  # submit() calls
-    published: int = 0  # events the NATS client took
-    dropped: int = 0  # events given up: queue full, refused by NATS, left at close
+    published: int = 0  # events the audit stream acknowledged
+    dropped: int = 0  # events given up: queue full, unpublishable, left at close
     publish_errors: int = 0  # failed publish attempts (most are retried)
+    retried: int = 0  # events sent again after an attempt got no acknowledgement
     connect_attempts: int = 0
 
 
@@ -58,13 +71,17 @@ class Outbox:
         capacity: int = 10_000,
         retry_interval: float = 1.0,
         bus: Bus | None = None,
+        window: int = 64,
+        ack_timeout: float = 2.0,
     ) -> None:
-        if capacity < 1 or retry_interval <= 0:
-            raise ValueError("capacity and retry_interval must be positive")
+        if capacity < 1 or retry_interval <= 0 or window < 1 or ack_timeout <= 0:
+            raise ValueError("capacity, retry_interval, window and ack_timeout must be positive")
         self.settings = settings
         self.name = name
         self.capacity = capacity
         self.retry_interval = retry_interval
+        self.window = window
+        self.ack_timeout = ack_timeout
         self.bus = bus
         self.stats = OutboxStats()
         self._owns_bus = bus is None
@@ -74,6 +91,7 @@ class Outbox:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._last_warning: dict[str, float] = {}
+        self._strikes: dict[str, int] = {}  # event id -> batches it alone failed in
 
     @property
     def connected(self) -> bool:
@@ -120,8 +138,12 @@ class Outbox:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._drained.wait(), timeout)
             finally:
+                # nats-py can swallow a cancellation that lands inside its
+                # connect: cancel again until the task has really ended
                 task.cancel()
-                await asyncio.wait([task])
+                while not task.done():
+                    await asyncio.wait([task], timeout=0.2)
+                    task.cancel()
         if self._queue:
             self.stats.dropped += len(self._queue)
             log.warning("closing with %d events unpublished; they are lost", len(self._queue))
@@ -141,29 +163,62 @@ class Outbox:
                 await self._wakeup.wait()
                 continue
             if not bus.connected:
-                # The client would take it into its reconnect buffer: the event
-                # would count as published while NATS is away, and be lost if the
-                # process stopped before the reconnect. It waits here instead.
+                # The client would take them into its reconnect buffer, where an
+                # acknowledgement can only time out: they wait here instead.
                 self._warn("publish", "NATS is away; events wait in the queue")
                 await asyncio.sleep(self.retry_interval)
                 continue
-            event = self._queue[0]
-            try:
-                await bus.publish(event)
-            except BusError as exc:
-                self.stats.publish_errors += 1
-                if bus.connected:
-                    # NATS is there and the client refuses this very event (an
-                    # invalid payload, too large): retrying cannot help.
-                    self._queue.popleft()
-                    self.stats.dropped += 1
-                    log.error("dropped an event NATS cannot take: %s", exc)
-                    continue
-                self._warn("publish", f"cannot publish yet, will retry: {exc}")
+            batch = list(itertools.islice(self._queue, self.window))
+            results = await asyncio.gather(
+                *(self._send(bus, event) for event in batch), return_exceptions=False
+            )
+            done = {event.id for event, gone in zip(batch, results, strict=True) if gone}
+            kept = [event for event in batch if event.id not in done]
+            if kept and done:
+                kept = [event for event in kept if not self._struck(event)]
+            for event in batch:
+                self._queue.popleft()
+                if event.id in done:
+                    self._strikes.pop(event.id, None)
+            self._queue.extendleft(reversed(kept))  # the unacknowledged keep their turn
+            if kept:
+                self.stats.retried += len(kept)
                 await asyncio.sleep(self.retry_interval)
-                continue
-            self._queue.popleft()
-            self.stats.published += 1
+
+    def _struck(self, event: CloudEvent) -> bool:
+        """One more batch in which the stream stored others but not ``event``;
+        True (dropped, logged) at the STRIKES-th in a row."""
+        strikes = self._strikes.get(event.id, 0) + 1
+        if strikes < STRIKES:
+            self._strikes[event.id] = strikes
+            return False
+        self._strikes.pop(event.id, None)
+        self.stats.dropped += 1
+        log.error(
+            "dropped %s %s: the audit stream stored the events around it but not it,"
+            " %d times (does the publisher's NATS user lack permission for it?)",
+            event.type.value,
+            event.id,
+            STRIKES,
+        )
+        return True
+
+    async def _send(self, bus: Bus, event: CloudEvent) -> bool:
+        """Publish one event and wait for the stream's acknowledgement; True when it
+        leaves the queue (stored, or dropped because it can never be)."""
+        try:
+            await bus.publish_acked(event, timeout=self.ack_timeout)
+        except EventRefused as exc:
+            self.stats.publish_errors += 1
+            self.stats.dropped += 1
+            log.error("dropped an event NATS cannot take: %s", exc)
+            return True
+        except BusError as exc:
+            self.stats.publish_errors += 1
+            self._warn("publish", f"not stored yet, will send again: {exc}")
+            return False
+        self.stats.published += 1
+        return True
 
     async def _connect(self) -> Bus:
         while True:

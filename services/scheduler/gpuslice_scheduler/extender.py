@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import SchedulerSettings
 from gpuslice_common.events import AllocationEvent, EventType, make_event
 from gpuslice_common.kube import KubeApi, KubeError, LocalKubeApi
@@ -46,6 +45,7 @@ from gpuslice_common.models import (
     PodGpuRequest,
     PodRef,
 )
+from gpuslice_common.outbox import Outbox
 from gpuslice_common.requests import RequestError, parse_pod
 from gpuslice_scheduler.engine import (
     Ceiling,
@@ -84,7 +84,7 @@ class Extender:
         ledger: Ledger,
         view: ClusterView,
         kube: KubeApi,
-        bus: Bus | None = None,
+        events: Outbox | None = None,
         metrics: Metrics | None = None,
         learner: MixLearner | None = None,
     ) -> None:
@@ -92,7 +92,7 @@ class Extender:
         self.ledger = ledger
         self.view = view
         self.kube = kube
-        self.bus = bus
+        self.events = events
         self.metrics = metrics or Metrics()
         self.learner = learner or MixLearner()
         self._current: Evaluator | None = None
@@ -385,10 +385,7 @@ class Extender:
         await self._send(event_type, payload)
 
     async def _send(self, event_type: EventType, payload: AllocationEvent) -> None:
-        if self.bus is None or payload.pod is None:
+        """Hand the event to the outbox: it is kept until the audit stream stored it."""
+        if self.events is None or payload.pod is None:
             return
-        uid = payload.pod.uid
-        try:
-            await self.bus.publish(make_event(event_type, payload, source=SOURCE, subject=uid))
-        except BusError as exc:  # the bind stands; the bus buffers across reconnects
-            log.warning("event %s for pod %s not published: %s", event_type, uid, exc)
+        self.events.submit(make_event(event_type, payload, source=SOURCE, subject=payload.pod.uid))

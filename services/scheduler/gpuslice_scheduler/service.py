@@ -13,6 +13,7 @@ from gpuslice_common.bus import Bus
 from gpuslice_common.config import SchedulerSettings
 from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import http_server, plain_http
 from gpuslice_scheduler.app import create_app
 from gpuslice_scheduler.extender import SOURCE, Extender
@@ -35,12 +36,16 @@ async def running(
     bus: Bus | None = None,
     handle_signals: bool = True,
 ) -> AsyncIterator[tuple[Extender, asyncio.Task[None]]]:
-    """The extender serving on ``settings.listen_host:listen_port`` until the block ends."""
+    """The extender serving on ``settings.listen_host:listen_port`` until the block ends;
+    its events go out on ``bus`` through an outbox (none without a bus)."""
     ledger = Ledger.from_settings(settings)
     view = ClusterView(
         ledger, settings.sync_interval.total_seconds(), settings.resync_interval.total_seconds()
     )
-    extender = Extender(settings, ledger, view, kube, bus)
+    events = Outbox(settings, SOURCE, bus=bus) if bus is not None else None
+    if events is not None:
+        await events.start()
+    extender = Extender(settings, ledger, view, kube, events)
     try:
         await view.sync()
     except LedgerError as exc:  # serve anyway; /readyz says not ready until a sync works
@@ -63,6 +68,8 @@ async def running(
         with contextlib.suppress(asyncio.CancelledError):
             await syncing
         await extender.close()
+        if events is not None:
+            await events.close()
         await ledger.close()
 
 
