@@ -20,7 +20,11 @@ NODES = ("gpu-node-1", "gpu-node-2")
 def test_the_driver_runs_the_demo_against_services_started_apart(
     native: Native, nats_server: NatsServer, redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    ports = {name: free_port() for name in ("webhook", "scheduler", "inventory", "api")}
+    ports: dict[str, int] = {}
+    for name in ("webhook", "scheduler", "inventory", "api"):
+        ports[name] = free_port()
+        while ports[name] in [ports[n] for n in ports if n != name]:  # one port, two services
+            ports[name] = free_port()
     kubeconfig = tmp_path / "shared" / "kubeconfig"
     kubeconfig.parent.mkdir()
     kubelets = Path(f"/tmp/gs-{prefix}")  # unix socket paths must stay short

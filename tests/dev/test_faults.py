@@ -7,56 +7,15 @@ is released at the end."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
-
-import httpx
 
 from gpuslice_cli.dev.driver import ClusterDriver
 from gpuslice_cli.dev.stack import Stack
 from gpuslice_common.bus import Bus
-from gpuslice_common.ledger import Ledger, LedgerError
-from gpuslice_common.models import PlacementState
-from tests.dev.conftest import all_released
+from gpuslice_common.ledger import Ledger
+from tests.dev.conftest import everything_released, never_over_committed, settled
 from tests.dev.test_stack import gpu_pod
-
-
-async def settled(stack: Stack, ledger: Ledger, timeout: float = 60) -> None:
-    """Every service ready and every node's cards registered and healthy."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    urls = [f"{u}/readyz" for u in (stack.webhook_url, stack.extender_url, stack.inventory_url)]
-    async with httpx.AsyncClient(timeout=2) as client:
-        while True:
-            ok = True
-            for url in urls:
-                with contextlib.suppress(httpx.HTTPError):
-                    ok &= (await client.get(url)).status_code == 200
-                    continue
-                ok = False
-            with contextlib.suppress(LedgerError):
-                for node in stack.nodes:
-                    cards = await ledger.node_gpus(node.name)
-                    ok &= len(cards) == node.gpus and all(c.device.healthy for c in cards)
-            if ok:
-                return
-            assert loop.time() < deadline, "the stack did not settle after the fault"
-            await asyncio.sleep(0.2)
-
-
-async def never_over_committed(stack: Stack, ledger: Ledger, stop: asyncio.Event) -> int:
-    """Watch the cards until ``stop``; the number of checks made."""
-    checks = 0
-    while not stop.is_set():
-        with contextlib.suppress(LedgerError):
-            for node in stack.nodes:
-                for card in await ledger.node_gpus(node.name):
-                    assert card.used.memory_mib <= card.capacity.memory_mib, card
-                    assert card.used.slots <= card.capacity.slots, card
-                    checks += 1
-        await asyncio.sleep(0.05)
-    return checks
 
 
 async def test_pods_run_through_restarts_of_every_part(
@@ -111,17 +70,4 @@ async def test_pods_run_through_restarts_of_every_part(
     assert checks > 0
     assert len(outcomes) == 3 * len(faults)
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    while not await all_released(stack, ledger):
-        held = [
-            (p.pod.name, p.state.value)
-            for node in stack.nodes
-            for p in await ledger.node_placements(node.name)
-            if p.state is not PlacementState.RELEASED
-        ]
-        assert loop.time() < deadline, f"placements still held after every pod ended: {held}"
-        await asyncio.sleep(0.2)
-    for node in stack.nodes:
-        for card in await ledger.node_gpus(node.name):
-            assert (card.used.memory_mib, card.used.slots) == (0, 0)
+    await everything_released(stack, ledger)

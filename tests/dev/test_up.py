@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Native
 
 GPUSLICE = str(Path(sys.executable).parent / "gpuslice")
@@ -37,10 +39,15 @@ def dev_env() -> dict[str, str]:
     return env
 
 
-def test_the_demo_passes_and_leaves_nothing_running(native: Native, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", [[], ["--ha"]], ids=["single", "ha"])
+def test_the_demo_passes_and_leaves_nothing_running(
+    native: Native, tmp_path: Path, shape: list[str]
+) -> None:
+    """Also in the highly-available shapes: three nats-servers, Redis with its
+    replicas and sentinels, two extenders and two inventories, all stopped."""
     workdir = tmp_path / "dev"
     result = subprocess.run(
-        [GPUSLICE, "dev", "up", "--demo", "--plain", "--workdir", str(workdir)],
+        [GPUSLICE, "dev", "up", "--demo", "--plain", *shape, "--workdir", str(workdir)],
         env=dev_env(),
         capture_output=True,
         text=True,
@@ -129,6 +136,23 @@ def test_asking_for_a_real_gpu_where_there_is_none_is_one_clear_line(tmp_path: P
     )
     assert result.returncode == 2
     assert "no NVIDIA GPU here" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert survivors(tmp_path) == []
+
+
+def test_the_highly_available_stack_starts_its_own_servers(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            *(GPUSLICE, "dev", "up", "--ha", "--redis-url", "redis://127.0.0.1:1/0"),
+            *("--demo", "--plain", "--workdir", str(tmp_path)),
+        ],
+        env=dev_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--ha starts its own NATS cluster and Redis" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert survivors(tmp_path) == []
 

@@ -8,7 +8,10 @@ For each pod spec, :meth:`ClusterDriver.run_pod`:
 2. stores the pod in the API server (``Pending``);
 3. calls the extender's ``filter``, ``prioritize`` and ``bind`` as
    kube-scheduler does (``nodeCacheCapable``: node names only), and takes the
-   best-scored node; the bind goes through the API server;
+   best-scored node; the bind goes through the API server. Where the extender
+   runs as several replicas, the calls are spread over them in turn, as a
+   Service in front of them does, and a call that finds one down goes to the
+   next;
 4. as the node's kubelet, asks the device plugin over gRPC to Allocate the
    replicas of every container that wants ``nvidia.com/gpu``;
 5. runs each container's ``command`` + ``args`` as a local process with the
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import json
 import logging
@@ -58,6 +62,8 @@ CONTAINER_TIMEOUT_S = 120.0
 RETRY_FOR_S = 60.0
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
+# a replica that refused a connection gets no call for this long
+REPLICA_DOWN_S = 1.0
 FIELD_REFS = {
     "metadata.name": lambda pod: pod["metadata"]["name"],
     "metadata.namespace": lambda pod: pod["metadata"]["namespace"],
@@ -156,29 +162,58 @@ class ClusterDriver:
         self.bus = bus
         self.http = httpx.AsyncClient(timeout=15)
         self._node_locks: dict[str, asyncio.Lock] = {}
+        self._next_replica = 0  # the replica the next call to replicas goes to
+        # replicas that refused a connection lately, until when (loop time): as
+        # a Service's endpoints drop a pod that is not ready
+        self._down: dict[str, float] = {}
+        # steps tried again, by whom: a component down, restarting, its store away
+        self.retries: collections.Counter[str] = collections.Counter()
 
     async def close(self) -> None:
         await self.http.aclose()
 
     async def _post(
-        self, url: str, body: Any, who: str, ok: tuple[int, ...] = (200,)
+        self, url: str | Sequence[str], body: Any, who: str, ok: tuple[int, ...] = (200,)
     ) -> httpx.Response:
         """POST, trying again while ``who`` cannot answer (restarting, its store
-        away), as the API server and kube-scheduler keep trying."""
-        delay, deadline = RETRY_FIRST_S, asyncio.get_running_loop().time() + RETRY_FOR_S
+        away), as the API server and kube-scheduler keep trying. Given several
+        URLs (replicas behind one Service), each try goes to the next, and only
+        a whole round of failures waits before the next round."""
+        urls = [url] if isinstance(url, str) else list(url)
+        loop = asyncio.get_running_loop()
+        delay, deadline = RETRY_FIRST_S, loop.time() + RETRY_FOR_S
+        failed = 0  # in a row
         while True:
+            target = self._pick(urls, loop.time())
             problem = ""
             try:
-                reply = await self.http.post(url, json=body)
+                reply = await self.http.post(target, json=body)
                 if reply.status_code in ok:
                     return reply
                 problem = f"HTTP {reply.status_code}: {reply.text[:200]}"
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
+                if len(urls) > 1:
+                    self._down[target] = loop.time() + REPLICA_DOWN_S
+            self.retries[who] += 1
             if asyncio.get_running_loop().time() > deadline:
-                raise DriverError(f"{who} did not answer at {url}: {problem}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX_S)
+                raise DriverError(f"{who} did not answer at {target}: {problem}")
+            failed += 1
+            if failed % len(urls) == 0:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+
+    def _pick(self, urls: Sequence[str], now: float) -> str:
+        """The next of ``urls`` in turn, passing over those down lately (all
+        down: the next in turn all the same)."""
+        count = len(urls)
+        for step in range(count):
+            url = urls[(self._next_replica + step) % count]
+            if self._down.get(url, 0.0) <= now:
+                self._next_replica += step + 1
+                return url
+        self._next_replica += 1
+        return urls[(self._next_replica - 1) % count]
 
     async def _schedule_retrying(self, pod: dict[str, Any]) -> tuple[str, str]:
         delay, deadline = RETRY_FIRST_S, asyncio.get_running_loop().time() + RETRY_FOR_S
@@ -186,6 +221,7 @@ class ClusterDriver:
             try:
                 return await self.schedule(pod)
             except Retry as exc:
+                self.retries["schedule"] += 1
                 if asyncio.get_running_loop().time() > deadline:
                     return "", str(exc)
             await asyncio.sleep(delay)
@@ -200,9 +236,11 @@ class ClusterDriver:
             try:
                 return plugin, await plugin.admit_container(count)
             except grpc.aio.AioRpcError as exc:
+                self.retries["Allocate"] += 1
                 if asyncio.get_running_loop().time() > deadline:
                     raise DriverError(f"Allocate on {node} failed: {exc.details()}") from None
             except RuntimeError as exc:  # a plugin just registered lists no devices yet
+                self.retries["Allocate"] += 1
                 if asyncio.get_running_loop().time() > deadline:
                     raise DriverError(f"Allocate on {node} failed: {exc}") from None
             await asyncio.sleep(delay)
@@ -254,9 +292,9 @@ class ClusterDriver:
                 self._node_locks[node].release()
                 raise
             return node, ""
-        url = self.stack.extender_url
+        replicas = self.stack.extender_urls
         filtered = await self._post(
-            f"{url}/filter", {"Pod": pod, "NodeNames": names}, "the extender"
+            [f"{url}/filter" for url in replicas], {"Pod": pod, "NodeNames": names}, "the extender"
         )
         result = filtered.json()
         if result.get("Error"):
@@ -273,7 +311,9 @@ class ClusterDriver:
                 raise Retry(f"0/{len(names)} nodes are available: {why}")
             return "", f"0/{len(names)} nodes are available: {why}"
         body = {"Pod": pod, "NodeNames": passed}
-        scored = await self._post(f"{url}/prioritize", body, "the extender", ok=(200, 400))
+        scored = await self._post(
+            [f"{url}/prioritize" for url in replicas], body, "the extender", ok=(200, 400)
+        )
         if scored.status_code != 200:
             raise Retry(f"prioritize: {scored.text}")
         scores = {entry["Host"]: entry["Score"] for entry in scored.json()}
@@ -291,7 +331,9 @@ class ClusterDriver:
         lock = self._node_locks.setdefault(node, asyncio.Lock())
         await lock.acquire()
         try:
-            bound = (await self._post(f"{url}/bind", binding, "the extender")).json()
+            bound = (
+                await self._post([f"{url}/bind" for url in replicas], binding, "the extender")
+            ).json()
             if bound.get("Error"):
                 held = await self.stack.kube.get_pod(meta["namespace"], meta["name"])
                 if held["spec"].get("nodeName") != node:  # not bound before the error

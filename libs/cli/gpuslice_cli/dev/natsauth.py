@@ -1,7 +1,8 @@
 """NATS's accounts and users as the cluster runs them, for the local stack.
 
-:data:`AUTHORIZATION` is the ``accounts`` and ``authorization`` part of the
-``nats.conf`` in k8s/nats.yaml, word for word (a test holds the two alike):
+:data:`AUTHORIZATION` is the ``accounts`` and ``authorization`` part of NATS's
+configuration in k8s/nats.yaml (the ConfigMap's ``authorization.conf``, which
+every member's ``nats.conf`` includes), word for word (a test holds the two alike):
 two accounts, a static user with a password for each service, and the auth
 callout for node agents and GPU containers. nats-server reads the passwords and
 the callout's issuer from its environment (:meth:`NatsAuth.server_env`), as in

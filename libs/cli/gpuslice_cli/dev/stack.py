@@ -17,6 +17,14 @@ get their telemetry token at Allocate. ``gpuslice.env`` in the stack's
 directory holds the servers' URLs and the auditor's credential, for
 ``gpuslice status`` and ``gpuslice audit tail``.
 
+With ``ha=True`` the stack runs the shapes of the highly-available install:
+three nats-servers routed as one JetStream cluster (the same accounts and
+callout; the audit stream in three copies), a Redis primary with two replicas
+and three sentinels (the services find the primary through the sentinels), and
+two replicas each of the scheduler extender and the inventory
+(``scheduler-0``, ``scheduler-1``, ``inventory-0``, ``inventory-1``); the
+webhook stays one.
+
 Every service reaches the Kubernetes API through a kubeconfig naming the
 :class:`~gpuslice_cli.dev.apiserver.DevApiServer` this process serves, so each
 runs the code it runs on a cluster. Children are started in their own session
@@ -42,6 +50,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pynvml  # type: ignore[import-untyped]
@@ -55,11 +64,17 @@ from gpuslice_cli.dev.natsauth import (
     NODE_AGENT_SERVICE_ACCOUNT,
     NatsAuth,
 )
-from gpuslice_common.bus import Bus
+from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import CommonSettings
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.servers import NatsServer, RedisServer, free_port
+from gpuslice_common.servers import (
+    NatsCluster,
+    NatsServer,
+    RedisSentinelGroup,
+    RedisServer,
+    free_port,
+)
 from gpuslice_deviceplugin.discovery import simulated_uuid
 
 log = logging.getLogger(__name__)
@@ -71,6 +86,8 @@ STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 60.0
 # the subject prefix the manifests' NATS permissions are written for
 NATS_AUTH_PREFIX = "gpuslice"
+# replicas of the extender and of the inventory in the highly-available stack
+HA_REPLICAS = 2
 
 
 def nvidia_gpus() -> tuple[int, str]:
@@ -237,7 +254,14 @@ class Stack:
     attached: Attached | None = None
     nats_auth: NatsAuth | None = None  # the credentials of the NATS the stack started
     agent_token_ttl_s: float = 3600.0
-    _servers: list[NatsServer | RedisServer] = field(default_factory=list)
+    ha: bool = False  # the highly-available shapes (module docstring)
+    nats_cluster: NatsCluster | None = None  # ha: the servers, to kill in fault tests
+    redis_group: RedisSentinelGroup | None = None
+    redis_sentinels: str | None = None  # ha: "host:port,..."
+    redis_sentinel_service: str = "gpuslice"
+    _servers: list[NatsServer | RedisServer | NatsCluster | RedisSentinelGroup] = field(
+        default_factory=list
+    )
     _sockets: Path | None = None
     _agent_tokens: AgentTokens | None = None
     _renewing: asyncio.Task[None] | None = None
@@ -250,15 +274,38 @@ class Stack:
 
     @property
     def extender_url(self) -> str:
-        if self.attached is not None:
-            return self.attached.extender_url
-        return f"http://127.0.0.1:{self.ports['scheduler']}"
+        """The extender (ha: its first replica; :attr:`extender_urls` names all)."""
+        return self.extender_urls[0]
 
     @property
     def inventory_url(self) -> str:
+        """The inventory (ha: its first replica; :attr:`inventory_urls` names all)."""
+        return self.inventory_urls[0]
+
+    @property
+    def extender_urls(self) -> list[str]:
+        """Every replica of the extender, as a Service in front of them would reach them."""
         if self.attached is not None:
-            return self.attached.inventory_url
-        return f"http://127.0.0.1:{self.ports['inventory']}"
+            return [self.attached.extender_url]
+        return [f"http://127.0.0.1:{self.ports[name]}" for name in self.replicas("scheduler")]
+
+    @property
+    def inventory_urls(self) -> list[str]:
+        if self.attached is not None:
+            return [self.attached.inventory_url]
+        return [f"http://127.0.0.1:{self.ports[name]}" for name in self.replicas("inventory")]
+
+    @property
+    def service_urls(self) -> list[str]:
+        """Every service replica's URL: the webhook, the extenders, the inventories."""
+        return [self.webhook_url, *self.extender_urls, *self.inventory_urls]
+
+    def replicas(self, service: str) -> list[str]:
+        """The children that run ``service`` (scheduler, inventory): itself, or
+        ``<service>-0``, ``<service>-1`` in the highly-available stack."""
+        if not self.ha or service == "webhook":
+            return [service]
+        return [f"{service}-{i}" for i in range(HA_REPLICAS)]
 
     @property
     def env_file(self) -> Path:
@@ -266,16 +313,25 @@ class Stack:
         return self.workdir / "gpuslice.env"
 
     def bus_settings(self, user: str) -> CommonSettings:
-        """Settings to reach the stack's NATS as ``user`` (when it has users)."""
+        """Settings to reach the stack's NATS as ``user`` (when it has users), and
+        its Redis (ha: through the sentinels)."""
         auth = self.nats_auth
         return CommonSettings(
             nats_url=self.nats_url or "",
             nats_user=user if auth is not None else None,
             nats_password=auth.passwords[user] if auth is not None else None,
             redis_url=self.redis_url or "",
+            redis_sentinels=self.redis_sentinels,
+            redis_sentinel_service=self.redis_sentinel_service,
             subject_prefix=self.prefix,
             ledger_prefix=self.prefix,
+            audit_replicas=3 if self.nats_cluster is not None else 1,
         )
+
+    def ledger(self, **kwargs: Any) -> Ledger:
+        """A client of the stack's ledger (ha: it finds the primary through the
+        sentinels, again after a failover)."""
+        return Ledger.from_settings(self.bus_settings("admin"), **kwargs)
 
     def node(self, name: str) -> NodeSpec:
         for node in self.nodes:
@@ -346,7 +402,7 @@ class Stack:
         """The nodes' GPUs as their agents registered them (attached, the stack
         did not configure them): what the fake driver must show. Returns once
         every node is stamped rebuilt (it takes pods)."""
-        ledger = Ledger.from_url(self.redis_url or "", self.prefix, retries=2)
+        ledger = self.ledger(retries=2)
         try:
             learnt = []
             deadline = time.monotonic() + READY_TIMEOUT_S
@@ -379,6 +435,27 @@ class Stack:
             await ledger.close()
 
     def _start_servers(self) -> None:
+        if self.ha:
+            if self.nats_url is not None or self.redis_url is not None:
+                raise StackError("the highly-available stack starts its own NATS and Redis")
+            if self.prefix != NATS_AUTH_PREFIX:
+                raise StackError(
+                    f"the stack's NATS permits the subjects of prefix {NATS_AUTH_PREFIX!r} only"
+                )
+            self.nats_auth = NatsAuth.generate()
+            cluster = NatsCluster(
+                self.workdir / "nats", 3, config=AUTHORIZATION, env=self.nats_auth.server_env()
+            )
+            self._servers.append(cluster)
+            cluster.start()
+            self.nats_cluster, self.nats_url = cluster, cluster.url
+            group = RedisSentinelGroup(self.workdir / "redis", service=self.redis_sentinel_service)
+            self._servers.append(group)
+            group.start()
+            self.redis_group, self.redis_url = group, group.url
+            self.redis_sentinels = group.sentinels
+            self._write_env_file()
+            return
         if self.nats_url is None:
             if self.prefix != NATS_AUTH_PREFIX:
                 raise StackError(
@@ -408,6 +485,11 @@ class Stack:
             f"GPUSLICE_SUBJECT_PREFIX={self.prefix}",
             f"GPUSLICE_LEDGER_PREFIX={self.prefix}",
         ]
+        if self.redis_sentinels:
+            lines += [
+                f"GPUSLICE_REDIS_SENTINELS={self.redis_sentinels}",
+                f"GPUSLICE_REDIS_SENTINEL_SERVICE={self.redis_sentinel_service}",
+            ]
         if auditor.nats_user:
             lines += [
                 f"GPUSLICE_NATS_USER={auditor.nats_user}",
@@ -433,6 +515,11 @@ class Stack:
                 "KUBECONFIG": str(kubeconfig),
             }
         )
+        if self.redis_sentinels:
+            env["GPUSLICE_REDIS_SENTINELS"] = self.redis_sentinels
+            env["GPUSLICE_REDIS_SENTINEL_SERVICE"] = self.redis_sentinel_service
+        if self.nats_cluster is not None:
+            env["GPUSLICE_AUDIT_REPLICAS"] = "3"
         return env
 
     def _login(self, user: str) -> dict[str, str]:
@@ -455,15 +542,25 @@ class Stack:
         before any service runs (services only check it)."""
         settings = self.bus_settings("admin")
         bus = await Bus.connect(settings, "audit-init")
+        deadline = time.monotonic() + READY_TIMEOUT_S
         try:
-            await bus.ensure_audit_stream(settings.audit_max_age)
+            while True:  # as the install Job is retried
+                try:
+                    await bus.ensure_audit_stream(settings.audit_max_age, settings.audit_replicas)
+                    return
+                except BusError as exc:
+                    if time.monotonic() > deadline:
+                        raise StackError(f"the audit stream could not be made: {exc}") from None
+                    log.info("the audit stream is not made yet (%s); trying again", exc)
+                await asyncio.sleep(0.5)
         finally:
             await bus.close()
 
     async def _start_services(self, kubeconfig: Path) -> None:
         env = self.base_env(kubeconfig)
         await self.init_audit_stream()
-        for name in ("webhook", "scheduler", "inventory"):
+        names = ["webhook", *self.replicas("scheduler"), *self.replicas("inventory")]
+        for name in names:
             self.ports[name] = free_port()
         heartbeat = f"{self.heartbeat_s}s"
         self._service(
@@ -472,34 +569,32 @@ class Stack:
             {**env, **self._login("webhook"), "GPUSLICE_LISTEN_PORT": str(self.ports["webhook"])},
             f"{self.webhook_url}/readyz",
         )
-        self._service(
-            "scheduler",
-            "gpuslice_scheduler",
-            {
-                **env,
-                **self._login("scheduler"),
-                "GPUSLICE_LISTEN_PORT": str(self.ports["scheduler"]),
-            },
-            f"{self.extender_url}/readyz",
-        )
-        self._service(
-            "inventory",
-            "gpuslice_inventory",
-            {
-                **env,
-                **self._login("inventory"),
-                **self._callout_env(),
-                "GPUSLICE_LISTEN_PORT": str(self.ports["inventory"]),
-                "GPUSLICE_HEARTBEAT_INTERVAL": heartbeat,
-                "GPUSLICE_SWEEP_INTERVAL": "1s",
-                "GPUSLICE_METRICS_INTERVAL": "1s",
-                # pods that end while the inventory is down are found by the
-                # next pass: keep it short here
-                "GPUSLICE_RECONCILE_INTERVAL": "5s",
-                "GPUSLICE_RECONCILE_GRACE": "2s",
-            },
-            f"{self.inventory_url}/readyz",
-        )
+        for name, url in zip(self.replicas("scheduler"), self.extender_urls, strict=True):
+            self._service(
+                name,
+                "gpuslice_scheduler",
+                {**env, **self._login("scheduler"), "GPUSLICE_LISTEN_PORT": str(self.ports[name])},
+                f"{url}/readyz",
+            )
+        for name, url in zip(self.replicas("inventory"), self.inventory_urls, strict=True):
+            self._service(
+                name,
+                "gpuslice_inventory",
+                {
+                    **env,
+                    **self._login("inventory"),
+                    **self._callout_env(),
+                    "GPUSLICE_LISTEN_PORT": str(self.ports[name]),
+                    "GPUSLICE_HEARTBEAT_INTERVAL": heartbeat,
+                    "GPUSLICE_SWEEP_INTERVAL": "1s",
+                    "GPUSLICE_METRICS_INTERVAL": "1s",
+                    # pods that end while the inventory is down are found by the
+                    # next pass: keep it short here
+                    "GPUSLICE_RECONCILE_INTERVAL": "5s",
+                    "GPUSLICE_RECONCILE_GRACE": "2s",
+                },
+                f"{url}/readyz",
+            )
         for child in self.children.values():
             child.start()
         # the node agents after the inventory: its callout lets them into NATS

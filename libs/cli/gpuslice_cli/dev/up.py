@@ -202,7 +202,7 @@ async def session(stack: Stack) -> AsyncIterator[tuple[ClusterDriver, Ledger, Bu
     async with stack.running():
         # the view reads events as an auditor does
         bus = await Bus.connect(stack.bus_settings("auditor"), "gpuslice-dev")
-        ledger = Ledger.from_url(stack.redis_url or "", stack.prefix, retries=2)
+        ledger = stack.ledger(retries=2)
         # on the stack's own NATS no user may report pod ends: the inventory's
         # pod watch sees them, as on a cluster
         driver = ClusterDriver(stack, bus if stack.nats_auth is None else None)
@@ -256,7 +256,15 @@ async def run_up(
 
 def where(stack: Stack, console: Console) -> None:
     """Where the servers are, and how to read them as an auditor."""
-    console.print(f"gpuslice dev: NATS at {stack.nats_url}, Redis at {stack.redis_url}")
+    if stack.redis_sentinels:
+        console.print(
+            f"gpuslice dev: NATS cluster at {stack.nats_url}, Redis through the sentinels"
+            f" at {stack.redis_sentinels} (service {stack.redis_sentinel_service});"
+            f" two replicas each of the extender and the inventory",
+            soft_wrap=True,
+        )
+    else:
+        console.print(f"gpuslice dev: NATS at {stack.nats_url}, Redis at {stack.redis_url}")
     login = "the auditor's NATS credential and " if stack.nats_auth is not None else ""
     console.print(
         f"gpuslice dev: {login}the URLs are in {stack.env_file}; for gpuslice status"
@@ -350,11 +358,23 @@ def up(
         help="auto: the first node uses this machine's NVIDIA GPUs when NVML sees any; "
         "fake: every node is simulated; real: require a GPU",
     ),
+    ha: bool = typer.Option(
+        False,
+        "--ha",
+        help="the highly-available shapes: a three-member NATS cluster, Redis with "
+        "sentinels and replicas, two replicas each of the extender and the inventory",
+    ),
 ) -> None:
     """Run gpuslice on this machine: NATS, Redis, the four services, simulated nodes
     and a cluster driver that admits, schedules, allocates and runs pods."""
     if gpu not in ("auto", "fake", "real"):
         Console(stderr=True).print(f"[red]error:[/] --gpu is auto, fake or real, not {gpu!r}")
+        raise typer.Exit(2)
+    if ha and (nats_url or redis_url):
+        Console(stderr=True).print(
+            "[red]error:[/] --ha starts its own NATS cluster and Redis:"
+            " no --nats-url or --redis-url"
+        )
         raise typer.Exit(2)
     specs = tuple(
         DEFAULT_NODES[i] if i < len(DEFAULT_NODES) else NodeSpec(f"gpu-node-{i + 1}")
@@ -368,7 +388,8 @@ def up(
             Console(stderr=True).print(f"[red]error:[/] no NVIDIA GPU here: {why}")
             raise typer.Exit(2)
     where = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-dev-"))
-    _run(Stack(where, specs, nats_url=nats_url, redis_url=redis_url), demo_, pods, plain)
+    stack = Stack(where, specs, nats_url=nats_url, redis_url=redis_url, ha=ha)
+    _run(stack, demo_, pods, plain)
 
 
 def driver(
