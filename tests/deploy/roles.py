@@ -1,6 +1,9 @@
 """The manifests' NATS server, run for tests: nats-server with k8s/nats.yaml's own
 configuration and the roles' passwords, and the inventory running beside it
-with its auth callout, reviewing node agents' tokens on a test API server.
+with its auth callout, reviewing node agents' tokens on a test API server. And
+what it takes to run the manifests' containers' own scripts and configuration
+here: their environment as kubelet gives it, the Secret's keys as the tests'
+passwords.
 
 The test API server mints projected ServiceAccount tokens for test pods
 (:meth:`Roles.node_token`), and the inventory's callout issues containers'
@@ -11,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
-from collections.abc import AsyncIterator, Iterator
+import os
+import subprocess
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,7 @@ from gpuslice_common.config import InventorySettings
 from gpuslice_common.kube import KubernetesApi
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.nkeys import KeyPair, Role
-from gpuslice_common.servers import NatsServer, free_port
+from gpuslice_common.servers import NatsServer
 from gpuslice_inventory.authcallout import AuthCallout
 from gpuslice_inventory.service import Running, running
 from tests.deploy.kustomize import render
@@ -53,6 +57,11 @@ PASSWORDS = {
             "probe",
             "operator",
             "callout",
+            "replica",
+            "sentinel",
+            "sentinel-client",
+            "route",
+            "cluster-admin",
         )
     )
 }
@@ -75,17 +84,82 @@ def manifest_env(kind: str, name: str) -> dict[str, Any]:
     return {e["name"]: e for e in spec["containers"][0]["env"]}
 
 
+def secret(key: str) -> str:
+    """The tests' value for a key of the Secret gpuslice-credentials: the
+    password of the role it names (nats-webhook, redis-replica, ...)."""
+    return PASSWORDS[key.removeprefix("nats-").removeprefix("redis-")]
+
+
+def container(kind: str, name: str, container_name: str) -> dict[str, Any]:
+    spec = manifest(kind, name)["spec"]["template"]["spec"]
+    (found,) = [c for c in spec["containers"] if c["name"] == container_name]
+    return found
+
+
+def container_env(
+    spec: dict[str, Any],
+    pod_name: str,
+    *,
+    secrets: Mapping[str, str] | None = None,
+    addresses: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """A container's environment as kubelet gives it to pod ``pod_name``: the
+    pod's name from the downward API, the Secret's keys (``secrets``, else the
+    tests' passwords), $(NAME) expanded from the variables before. Then in
+    every value each of ``addresses`` (a pod's DNS name, say) is replaced by
+    its value (where the test runs that pod's server)."""
+    env: dict[str, str] = {}
+    for var in spec["env"]:
+        source = var.get("valueFrom", {})
+        if "fieldRef" in source:
+            assert source["fieldRef"]["fieldPath"] == "metadata.name", var
+            value = pod_name
+        elif "secretKeyRef" in source:
+            key = source["secretKeyRef"]["key"]
+            value = (secrets or {}).get(key) or secret(key)
+        else:
+            value = var["value"]
+            for defined, known in env.items():
+                value = value.replace(f"$({defined})", known)
+        for name, address in (addresses or {}).items():
+            value = value.replace(name, address)
+        env[var["name"]] = value
+    return env
+
+
+def redis_scripts(directory: Path) -> Path:
+    """The ConfigMap gpuslice-redis's files in ``directory``, as the members mount
+    them (REDIS_CONFIG_DIR)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in manifest("ConfigMap", "gpuslice-redis")["data"].items():
+        (directory / name).write_text(text)
+    return directory
+
+
+def redis_render(directory: Path, name: str, env: Mapping[str, str]) -> str:
+    """A file of the ConfigMap as the members' own start scripts write it out
+    (lib.sh's render, the variables from ``env``)."""
+    done = subprocess.run(
+        ["sh", "-c", '. "$REDIS_CONFIG_DIR/lib.sh" && render "$REDIS_CONFIG_DIR/$1"', "sh", name],
+        env={"PATH": os.environ["PATH"], **env, "REDIS_CONFIG_DIR": str(directory)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout
+
+
 @contextlib.contextmanager
 def manifest_nats(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, issuer: KeyPair
 ) -> Iterator[NatsServer]:
-    """nats-server with the manifest's configuration, the roles' passwords and
-    ``issuer`` as the callout's account key."""
-    config = manifest("ConfigMap", "gpuslice-nats")["data"]["nats.conf"]
-    config = re.sub(r"http_port: \d+", f"http_port: {free_port()}", config)
-    # the test server names its own store directory (-sd)
-    assert "store_dir: /data/jetstream" in config
-    config = config.replace("store_dir: /data/jetstream", "")
+    """nats-server with the manifest's accounts and users, the roles' passwords
+    and ``issuer`` as the callout's account key: one server, standing for the
+    cluster (whose members all run this configuration; test_k8s runs the
+    members' own part, the cluster, on its own)."""
+    data = manifest("ConfigMap", "gpuslice-nats")["data"]
+    assert "include ./authorization.conf" in data["nats.conf"]
+    config = data["authorization.conf"]
     env = manifest_env("StatefulSet", "gpuslice-nats")
     for role in SERVICE_ROLES:
         assert f"NATS_{role.upper()}_PASSWORD" in env, role

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import re
-import shlex
 import shutil
 import socket
 import subprocess
@@ -34,8 +33,18 @@ from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.telemetry import TelemetryStore
 from tests.conftest import make_inventory
-from tests.deploy.kustomize import render
-from tests.deploy.roles import PASSWORDS, manifest, manifest_nats, raw_login, until
+from tests.deploy.kustomize import overlay, render
+from tests.deploy.roles import (
+    PASSWORDS,
+    container,
+    container_env,
+    manifest,
+    manifest_nats,
+    raw_login,
+    redis_render,
+    redis_scripts,
+    until,
+)
 from tests.test_ledger import placement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,39 +53,134 @@ ROOT = Path(__file__).resolve().parents[2]
 # ---------------------------------------------------------------- Redis
 
 
-@pytest.fixture
-def acl_redis(tmp_path: Path) -> Iterator[int]:
-    """redis-server started with the manifest's own command line."""
-    spec = manifest("StatefulSet", "gpuslice-redis")["spec"]["template"]["spec"]
-    (container,) = spec["containers"]
-    assert container["command"] == ["sh", "-c"]
-    script = container["args"][0]
-    for role in ("scheduler", "inventory", "operator", "probe"):
-        script = script.replace(f"$REDIS_{role.upper()}_PASSWORD", PASSWORDS[role])
-    assert "$" not in script, script
-    argv = shlex.split(script)
-    assert argv[:2] == ["exec", "redis-server"]
-    port = free_port()
-    argv = [shutil.which("redis-server") or "redis-server", *argv[2:]]
-    argv[argv.index("--dir") + 1] = str(tmp_path)
-    argv += ["--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+class LedgerMember:
+    """redis-server with a member's own configuration and ACL users, written out
+    by the member's own start script (lib.sh's render): a primary alone, so
+    without the replicas min-replicas-to-write asks for. Stopped and started
+    again on the same port and append-only file."""
+
+    def __init__(self, directory: Path) -> None:
+        redis = container("StatefulSet", "gpuslice-redis", "redis")
+        assert redis["command"] == ["sh", "/etc/redis/redis.sh"]
+        self.port = free_port()
+        run, data = directory / "run", directory / "data"
+        run.mkdir()
+        data.mkdir()
+        env = container_env(redis, "gpuslice-redis-0")
+        env |= {
+            "REDIS_PORT": str(self.port),
+            "REDIS_RUN_DIR": str(run),
+            "REDIS_DATA_DIR": str(data),
+        }
+        config = redis_scripts(directory / "config")
+        for name in ("redis.conf", "users.acl"):
+            (run / name).write_text(redis_render(config, name, env))
+        self.argv = [shutil.which("redis-server") or "redis-server", str(run / "redis.conf")]
+        self.argv += ["--bind", "127.0.0.1", "--save", ""]
+        self.argv += ["--min-replicas-to-write", "0", "--replica-announce-ip", "127.0.0.1"]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 15
         while True:
-            assert proc.poll() is None, f"redis-server exited: {argv}"
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
+            assert self.proc.poll() is None, f"redis-server exited: {self.argv}"
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), 1),
+            ):
+                return
             assert time.monotonic() < deadline, "redis-server did not listen"
             time.sleep(0.05)
-        yield port
-    finally:
-        proc.terminate()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
         try:
-            proc.wait(10)
+            self.proc.wait(10)
         except subprocess.TimeoutExpired:  # busy in a script: it cannot stop cleanly
-            proc.kill()
-            proc.wait()
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture
+def acl_redis(tmp_path: Path) -> Iterator[int]:
+    member = LedgerMember(tmp_path)
+    member.start()
+    try:
+        yield member.port
+    finally:
+        member.stop()
+
+
+async def test_a_member_restarted_from_its_append_only_file_keeps_what_scripts_wrote(
+    tmp_path: Path,
+) -> None:
+    """The ledger's scripts' writes are transactions in the append-only file,
+    which Redis replays as the default user: the member's ACLs must let that
+    replay through (the default user is off, not powerless)."""
+    member = LedgerMember(tmp_path)
+    member.start()
+    try:
+        inventory = Ledger.from_url(redis_url(member.port, "inventory"), "gpuslice", retries=1)
+        scheduler = Ledger.from_url(redis_url(member.port, "scheduler"), "gpuslice", retries=1)
+        try:
+            assert await inventory.register_node(make_inventory("node-1", gpus=1), rebuilt=True)
+            await scheduler.reserve(placement("p1", "node-1", [[(0, 100, 1)]]))
+        finally:
+            await inventory.close()
+            await scheduler.close()
+        member.stop()
+        member.start()
+        operator = Ledger.from_url(redis_url(member.port, "operator"), "gpuslice", retries=1)
+        try:
+            assert await operator.nodes() == ["node-1"]
+            assert (await operator.placement("p1")) is not None
+        finally:
+            await operator.close()
+        # and no one logs in as the default user
+        for password in ("", "x", PASSWORDS["probe"]):
+            client = aioredis.Redis(port=member.port, username="default", password=password)
+            try:
+                with pytest.raises((AuthenticationError, ResponseError)):
+                    await client.ping()
+            finally:
+                await client.aclose()
+    finally:
+        member.stop()
+
+
+def test_the_members_acl_file_is_the_manifest_s_with_the_secret_s_passwords(
+    tmp_path: Path,
+) -> None:
+    redis = container("StatefulSet", "gpuslice-redis", "redis")
+    env = container_env(redis, "gpuslice-redis-0")
+    config = redis_scripts(tmp_path)
+    template = manifest("ConfigMap", "gpuslice-redis")["data"]["users.acl"]
+    rendered = redis_render(config, "users.acl", env)
+    users = {line.split()[1]: line for line in rendered.splitlines()}
+    assert set(users) == {
+        "default",
+        "scheduler",
+        "inventory",
+        "operator",
+        "probe",
+        "replica",
+        "sentinel",
+    }
+    assert users["default"] == "user default off resetpass ~* &* +@all"
+    for user in set(users) - {"default"}:
+        assert f" on >{PASSWORDS[user]} " in users[user], user
+    assert rendered == re.sub(
+        r"\$\{REDIS_([A-Z]+)_PASSWORD\}", lambda m: PASSWORDS[m[1].lower()], template
+    )
+    # a variable the container does not have stops the start script
+    with pytest.raises(subprocess.CalledProcessError):
+        redis_render(config, "users.acl", {k: v for k, v in env.items() if "PROBE" not in k})
 
 
 def redis_url(port: int, role: str) -> str:
@@ -226,6 +330,35 @@ async def test_each_redis_user_runs_its_part_of_the_ledger_and_nothing_else(
         await probe.aclose()
 
 
+async def test_replication_and_the_sentinels_touch_no_key(acl_redis: int) -> None:
+    """The members' own users: a replica's login (the replication stream only)
+    and the sentinels' (roles, INFO, failover commands), neither reading nor
+    writing the ledger nor changing the server's configuration."""
+    for role in ("replica", "sentinel"):
+        client = aioredis.Redis(port=acl_redis, username=role, password=PASSWORDS[role])
+        try:
+            assert await client.ping()
+            for command in (
+                ("GET", "gpuslice:nodes"),
+                ("SET", "gpuslice:x", "1"),
+                ("FLUSHALL",),
+                ("CONFIG", "SET", "appendonly", "no"),
+                ("EVAL", "return 1", "0"),
+                ("KEYS", "*"),
+                ("ACL", "LIST"),
+            ):
+                with pytest.raises(NoPermissionError):
+                    await client.execute_command(*command)
+        finally:
+            await client.aclose()
+    sentinel = aioredis.Redis(port=acl_redis, username="sentinel", password=PASSWORDS["sentinel"])
+    try:
+        assert (await sentinel.info("replication"))["role"] == "master"
+        assert (await sentinel.execute_command("ROLE"))[0] == b"master"
+    finally:
+        await sentinel.aclose()
+
+
 def test_no_redis_user_or_password_is_left_for_node_agents() -> None:
     script = manifest("StatefulSet", "gpuslice-redis")["spec"]["template"]["spec"]["containers"]
     assert "deviceplugin" not in yaml.safe_dump(script)
@@ -337,9 +470,10 @@ async def test_services_fill_the_audit_stream_and_the_auditor_reads_all_of_it(
             await bus.close()
 
 
-def test_every_secret_key_the_manifests_read_is_in_the_install_guide() -> None:
+def test_every_secret_key_the_manifests_read_is_in_the_install_guide(tmp_path: Path) -> None:
     keys = set()
-    for obj in render(ROOT / "k8s"):
+    with_cluster = overlay(tmp_path, ROOT / "k8s", "redis-cluster")
+    for obj in render(ROOT / "k8s") + render(with_cluster):
         text = yaml.safe_dump(obj)
         keys |= set(re.findall(r"key: ((?:nats|redis)-[a-z-]+)", text))
     guide = (ROOT / "docs" / "install.md").read_text()
@@ -350,9 +484,9 @@ def test_every_secret_key_the_manifests_read_is_in_the_install_guide() -> None:
 
 
 def liveness_command() -> list[str]:
-    spec = manifest("StatefulSet", "gpuslice-redis")["spec"]["template"]["spec"]
-    (container,) = spec["containers"]
-    command: list[str] = container["livenessProbe"]["exec"]["command"]
+    command: list[str] = container("StatefulSet", "gpuslice-redis", "redis")["livenessProbe"][
+        "exec"
+    ]["command"]
     return command
 
 

@@ -16,13 +16,14 @@ import yaml
 
 from gpuslice_cli.dev.natsauth import AUTHORIZATION, NatsAuth
 from gpuslice_common.config import (
+    CommonSettings,
     DevicePluginSettings,
     InventorySettings,
     ResourceNames,
     SchedulerSettings,
     WebhookSettings,
 )
-from tests.deploy.kustomize import render
+from tests.deploy.kustomize import overlay, render
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -36,8 +37,23 @@ SETTINGS: dict[str, type[Any]] = {
 
 
 @pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """What can be applied: k8s/ (Redis Sentinel), and an overlay of one's own
+    with the Redis Cluster component (docs/install.md)."""
+    return {
+        "k8s": K8S,
+        "redis-cluster": overlay(tmp_path_factory.mktemp("overlay"), K8S, "redis-cluster"),
+    }
+
+
+@pytest.fixture(scope="module")
 def objects() -> list[dict[str, Any]]:
     return render(K8S)
+
+
+@pytest.fixture(scope="module")
+def cluster_objects(builds: dict[str, Path]) -> list[dict[str, Any]]:
+    return render(builds["redis-cluster"])
 
 
 def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -47,6 +63,9 @@ def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     raise AssertionError(f"no {kind} {name}")
 
 
+POD_SPEC_KINDS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
+
+
 def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
     for obj in objects:
         if obj["kind"] in ("Deployment", "DaemonSet", "StatefulSet"):
@@ -54,21 +73,24 @@ def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, An
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-def test_the_renderer_agrees_with_kubectl_kustomize(objects: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("build", ["k8s", "redis-cluster"])
+def test_the_renderer_agrees_with_kubectl_kustomize(builds: dict[str, Path], build: str) -> None:
     out = subprocess.run(
-        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, check=True
+        ["kubectl", "kustomize", str(builds[build])], capture_output=True, text=True, check=True
     ).stdout
     theirs = [d for d in yaml.safe_load_all(out) if d]
 
     def key(d: dict[str, Any]) -> tuple[str, str, str]:
         return d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]
 
-    assert {key(d): d for d in theirs} == {key(d): d for d in objects}
+    assert {key(d): d for d in theirs} == {key(d): d for d in render(builds[build])}
 
 
+@pytest.mark.parametrize("build", ["k8s", "redis-cluster"])
 def test_every_object_is_valid_against_the_kubernetes_schemas(
-    objects: list[dict[str, Any]],
+    builds: dict[str, Path], build: str
 ) -> None:
+    objects = render(builds[build])
     custom = []
     for obj in objects:
         if obj["apiVersion"].startswith("cert-manager.io/"):
@@ -180,7 +202,7 @@ def test_every_container_has_probes_and_resources(objects: list[dict[str, Any]])
 def test_replicated_deployments_have_disruption_budgets(objects: list[dict[str, Any]]) -> None:
     budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
     for obj in objects:
-        if obj["kind"] != "Deployment":
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
             continue
         assert obj["spec"]["replicas"] >= 2, obj["metadata"]["name"]
         labels = obj["spec"]["template"]["metadata"]["labels"]
@@ -193,9 +215,11 @@ def test_replicated_deployments_have_disruption_budgets(objects: list[dict[str, 
         assert covering, f"no PodDisruptionBudget for {obj['metadata']['name']}"
 
 
+@pytest.mark.parametrize("build", ["k8s", "redis-cluster"])
 def test_every_gpuslice_variable_is_a_setting_of_its_service(
-    objects: list[dict[str, Any]],
+    builds: dict[str, Path], build: str
 ) -> None:
+    objects = render(builds[build])
     seen = set()
     for name, spec in pod_specs(objects):
         for container in spec["containers"]:
@@ -280,22 +304,296 @@ def test_node_agents_prove_their_node_with_a_projected_token_for_nats(
 def test_the_local_stack_runs_the_manifests_nats_accounts_and_users(
     objects: list[dict[str, Any]],
 ) -> None:
-    (config_map,) = [
-        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "gpuslice-nats"
+    data = find(objects, "ConfigMap", "gpuslice-nats")["data"]
+    # the accounts and users are the local stack's, word for word
+    assert data["authorization.conf"] == AUTHORIZATION
+    # the members' own part: listeners, storage and the cluster, then those
+    config = data["nats.conf"]
+    top_level = [
+        line.split(":")[0].split(" ")[0] for line in config.splitlines() if line[:1].isalpha()
     ]
-    config = config_map["data"]["nats.conf"]
-    # the cluster's part before the accounts: listeners and storage only
-    assert config.endswith(AUTHORIZATION)
-    before = config.removesuffix(AUTHORIZATION)
-    assert "accounts" not in before
-    assert "authorization" not in before
-    assert "$" not in before
-    # nats-server's environment names every password the template reads
-    (statefulset,) = [
-        o
-        for o in objects
-        if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "gpuslice-nats"
+    assert top_level == [
+        "server_name",
+        "port",
+        "http_port",
+        "lame_duck_duration",
+        "lame_duck_grace_period",
+        "jetstream",
+        "cluster",
+        "include",
     ]
-    env = {e["name"] for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert config.rstrip().endswith("include ./authorization.conf")
+    assert "accounts" not in config
+    assert "auth_callout" not in config
+    own = set(re.findall(r":\s*\$([A-Z_]+)", config))
+    assert own == {"POD_NAME", "NATS_ROUTE_PASSWORD", "NATS_ROUTES"}
+    # nats-server's environment names every variable the two read
+    env = {e["name"] for e in nats_container(objects)["env"]}
     read = set(re.findall(r":\s*\$([A-Z_]+)", AUTHORIZATION))  # values, not subjects
-    assert read == env == set(NatsAuth.generate().server_env())
+    assert read == set(NatsAuth.generate().server_env())
+    assert env == read | own
+
+
+# ---------------------------------------------------------------- losing a member
+
+NATS_MEMBERS = tuple(f"gpuslice-nats-{i}.gpuslice-nats-cluster.gpuslice.svc" for i in range(3))
+REDIS_MEMBERS = tuple(f"gpuslice-redis-{i}.gpuslice-redis.gpuslice.svc" for i in range(3))
+
+
+def nats_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    spec = find(objects, "StatefulSet", "gpuslice-nats")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    return container
+
+
+def member_names(statefulset: dict[str, Any], objects: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The DNS names of a StatefulSet's pods, through its headless Service."""
+    service = find(objects, "Service", statefulset["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    # members starting together find each other before any is ready
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= (
+        statefulset["spec"]["template"]["metadata"]["labels"].items()
+    )
+    name, namespace = statefulset["metadata"]["name"], statefulset["metadata"]["namespace"]
+    return tuple(
+        f"{name}-{i}.{service['metadata']['name']}.{namespace}.svc"
+        for i in range(statefulset["spec"]["replicas"])
+    )
+
+
+@pytest.mark.parametrize("name", ["gpuslice-nats", "gpuslice-redis"])
+def test_the_servers_run_three_members_on_three_nodes_and_drain_one_at_a_time(
+    objects: list[dict[str, Any]], name: str
+) -> None:
+    statefulset = find(objects, "StatefulSet", name)
+    spec = statefulset["spec"]
+    assert spec["replicas"] == 3
+    # all start at once: a quorum (NATS) or the first primary (Redis) needs the others
+    assert spec["podManagementPolicy"] == "Parallel"
+    labels = spec["template"]["metadata"]["labels"]
+    # never two members on one node: that node's loss would be the loss of two
+    (term,) = spec["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= labels.items()
+    assert (
+        "preferredDuringSchedulingIgnoredDuringExecution"
+        not in (spec["template"]["spec"]["affinity"]["podAntiAffinity"])
+    )
+    # drains and upgrades take one member at a time
+    (budget,) = [
+        b
+        for b in objects
+        if b["kind"] == "PodDisruptionBudget"
+        and b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ]
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": budget["spec"]["selector"]}
+    # each member keeps its own data
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert len(member_names(statefulset, objects)) == 3
+
+
+def test_nats_members_route_to_each_other_with_the_route_password(
+    objects: list[dict[str, Any]],
+) -> None:
+    statefulset = find(objects, "StatefulSet", "gpuslice-nats")
+    assert member_names(statefulset, objects) == NATS_MEMBERS
+    container = nats_container(objects)
+    env = [e["name"] for e in container["env"]]
+    values = {e["name"]: e for e in container["env"]}
+    # the server's name is its pod's
+    assert values["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    key = values["NATS_ROUTE_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert key == {"name": "gpuslice-credentials", "key": "nats-route"}
+    # kubelet expands $(NATS_ROUTE_PASSWORD) only if it is defined before
+    assert env.index("NATS_ROUTE_PASSWORD") < env.index("NATS_ROUTES")
+    routes = yaml.safe_load(values["NATS_ROUTES"]["value"])
+    assert routes == [
+        f"nats-route://route:$(NATS_ROUTE_PASSWORD)@{member}:6222" for member in NATS_MEMBERS
+    ]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"client": 4222, "cluster": 6222, "monitor": 8222}
+    config = find(objects, "ConfigMap", "gpuslice-nats")["data"]["nats.conf"]
+    assert re.search(r"cluster \{\n\s+name: gpuslice\n\s+port: 6222\n", config)
+    assert "authorization { user: route, password: $NATS_ROUTE_PASSWORD }" in config
+    assert "routes: $NATS_ROUTES" in config
+    # lame duck on the way out, within the grace period
+    assert "nats-server --signal ldm=1" in container["lifecycle"]["preStop"]["exec"]["command"][-1]
+    duck = sum(int(m) for m in re.findall(r"lame_duck_(?:duration|grace_period): (\d+)s", config))
+    assert duck < statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz?js-enabled-only=true"
+    assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_every_nats_client_is_given_every_member(objects: list[dict[str, Any]]) -> None:
+    members = [f"nats://{member}:4222" for member in NATS_MEMBERS]
+    seen = set()
+    for obj in objects:
+        if obj["kind"] not in POD_SPEC_KINDS:
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        for container in spec["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            if "GPUSLICE_NATS_URL" in env:
+                seen.add(obj["metadata"]["name"])
+                assert env["GPUSLICE_NATS_URL"].split(",") == members, obj["metadata"]["name"]
+            # the interposer reads one address: the clients' Service, any member
+            if "GPUSLICE_TELEMETRY_NATS_URL" in env:
+                assert (
+                    env["GPUSLICE_TELEMETRY_NATS_URL"] == "nats://gpuslice-nats.gpuslice.svc:4222"
+                )
+    assert seen == {
+        "gpuslice-webhook",
+        "gpuslice-scheduler",
+        "gpuslice-inventory",
+        "gpuslice-deviceplugin",
+        "gpuslice-audit-init",
+    }
+    client = find(objects, "Service", "gpuslice-nats")
+    assert "clusterIP" not in client["spec"]  # a virtual address in front of the members
+
+
+def test_the_audit_stream_has_a_copy_on_each_member(objects: list[dict[str, Any]]) -> None:
+    job = find(objects, "Job", "gpuslice-audit-init")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["gpuslice", "audit", "init"]
+    env = {e["name"]: e for e in container["env"]}
+    replicas = find(objects, "StatefulSet", "gpuslice-nats")["spec"]["replicas"]
+    assert env["GPUSLICE_AUDIT_REPLICAS"]["value"] == str(replicas)
+    for name in env:
+        field = name.removeprefix("GPUSLICE_").lower()
+        assert field in CommonSettings.model_fields, name
+
+
+def test_the_ledger_s_clients_ask_every_sentinel_for_the_primary(
+    objects: list[dict[str, Any]],
+) -> None:
+    statefulset = find(objects, "StatefulSet", "gpuslice-redis")
+    assert member_names(statefulset, objects) == REDIS_MEMBERS
+    data = find(objects, "ConfigMap", "gpuslice-redis")["data"]
+    sentinel_conf = data["sentinel.conf"]
+    service = CommonSettings.model_fields["redis_sentinel_service"].default
+    # two of three sentinels agree a primary is lost
+    assert f"sentinel monitor {service} ${{REDIS_PRIMARY}} ${{REDIS_PORT}} 2\n" in sentinel_conf
+    assert f"sentinel down-after-milliseconds {service} 5000\n" in sentinel_conf
+    # the scripts ask for the same primary
+    assert f"sentinel get-master-addr-by-name {service}" in data["lib.sh"]
+    # every container of a member knows every member and itself by name
+    containers = {c["name"]: c for c in statefulset["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) == {"redis", "sentinel"}
+    for container in containers.values():
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["REDIS_MEMBERS"].split() == list(REDIS_MEMBERS)
+        assert env["REDIS_SELF"] == "$(POD_NAME).gpuslice-redis.gpuslice.svc"
+        assert (env["REDIS_PORT"], env["SENTINEL_PORT"]) == ("6379", "26379")
+    ports = {p["name"]: p["containerPort"] for c in containers.values() for p in c["ports"]}
+    assert ports == {"redis": 6379, "sentinel": 26379}
+    # the services: every member's sentinel, as the sentinels' "client" user
+    client_user = re.search(r"user client on >\$\{(\w+)\}", sentinel_conf)
+    assert client_user is not None
+    sentinel_env = {e["name"]: e for e in containers["sentinel"]["env"]}
+    client_key = sentinel_env[client_user[1]]["valueFrom"]["secretKeyRef"]["key"]
+    for name in ("gpuslice-scheduler", "gpuslice-inventory"):
+        spec = find(objects, "Deployment", name)["spec"]["template"]["spec"]
+        (container,) = [c for c in spec["containers"] if c["image"].startswith("ghcr.io/gpuslice")]
+        env = {e["name"]: e for e in container["env"]}
+        sentinels = env["GPUSLICE_REDIS_SENTINELS"]["value"].split(",")
+        assert sentinels == [f"{member}:26379" for member in REDIS_MEMBERS], name
+        assert env["GPUSLICE_REDIS_SENTINEL_USER"]["value"] == "client"
+        key = env["GPUSLICE_REDIS_SENTINEL_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"]
+        assert key == client_key
+        assert "GPUSLICE_REDIS_CLUSTER" not in env
+        # the user, password and database for the primary
+        assert env["GPUSLICE_REDIS_URL"]["value"].startswith(
+            f"redis://{name.removeprefix('gpuslice-')}:$(REDIS_PASSWORD)@"
+        )
+    # operators reach a sentinel through one Service
+    service_obj = find(objects, "Service", "gpuslice-redis-sentinel")
+    assert [p["port"] for p in service_obj["spec"]["ports"]] == [26379]
+
+
+# ---------------------------------------------------------------- Redis Cluster
+
+
+def acl_lines(objects: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Each ACL user's rules (users.acl), by user."""
+    text = find(objects, "ConfigMap", "gpuslice-redis")["data"]["users.acl"]
+    return {line.split()[1]: line.split()[2:] for line in text.splitlines()}
+
+
+def test_the_redis_cluster_component_runs_six_members_and_no_sentinels(
+    objects: list[dict[str, Any]], cluster_objects: list[dict[str, Any]]
+) -> None:
+    statefulset = find(cluster_objects, "StatefulSet", "gpuslice-redis")
+    assert statefulset["spec"]["replicas"] == 6
+    members = member_names(statefulset, cluster_objects)
+    spec = statefulset["spec"]["template"]["spec"]
+    # still one member per node, and one at a time drained (k8s/'s)
+    assert (
+        spec["affinity"]
+        == find(objects, "StatefulSet", "gpuslice-redis")["spec"]["template"]["spec"]["affinity"]
+    )
+    assert (
+        find(cluster_objects, "PodDisruptionBudget", "gpuslice-redis")["spec"]["maxUnavailable"]
+        == 1
+    )
+    (container,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["REDIS_MEMBERS"].split() == list(members)
+    assert {p["containerPort"] for p in container["ports"]} == {6379, 16379}
+    assert {v["name"] for v in spec["volumes"]} == {"config", "redis-run"}
+    data = find(cluster_objects, "ConfigMap", "gpuslice-redis")["data"]
+    assert "cluster-enabled yes" in data["redis.conf"]
+    assert not {"sentinel.conf", "sentinel.sh", "handover.sh"} & set(data)
+    assert data["lib.sh"] == find(objects, "ConfigMap", "gpuslice-redis")["data"]["lib.sh"]
+    # the Job that makes the cluster knows the same members
+    job = find(cluster_objects, "Job", "gpuslice-redis-cluster-create")
+    (creator,) = job["spec"]["template"]["spec"]["containers"]
+    job_env = {e["name"]: e.get("value") for e in creator["env"]}
+    assert job_env["REDIS_MEMBERS"] == env["REDIS_MEMBERS"]
+    # no sentinels to ask
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in cluster_objects}
+    assert ("Service", "gpuslice-redis-sentinel") not in kinds
+    for name in ("gpuslice-scheduler", "gpuslice-inventory"):
+        spec = find(cluster_objects, "Deployment", name)["spec"]["template"]["spec"]
+        (client,) = [c for c in spec["containers"] if c["image"].startswith("ghcr.io/gpuslice")]
+        client_env = {e["name"]: e.get("value") for e in client["env"]}
+        assert client_env["GPUSLICE_REDIS_CLUSTER"] == "true"
+        assert not [k for k in client_env if k.startswith("GPUSLICE_REDIS_SENTINEL")], name
+        assert client_env["GPUSLICE_REDIS_URL"].endswith("@gpuslice-redis:6379/0")
+
+
+def test_the_redis_cluster_keeps_k8s_s_users_with_what_a_cluster_client_sends(
+    objects: list[dict[str, Any]], cluster_objects: list[dict[str, Any]]
+) -> None:
+    sentinel, cluster = acl_lines(objects), acl_lines(cluster_objects)
+    # the clients read where the slots are and the commands' key positions
+    for user in ("scheduler", "inventory", "operator"):
+        assert cluster[user] == [*sentinel[user], "+cluster|slots", "+command"], user
+    for user in ("default", "probe", "replica"):
+        assert cluster[user] == sentinel[user], user
+    # no sentinels; the cluster's creation by the Job, which reads no key
+    assert set(cluster) == set(sentinel) - {"sentinel"} | {"clusteradmin"}
+    admin = cluster["clusteradmin"]
+    assert "-@all" in admin
+    assert not [rule for rule in admin if rule.startswith(("~", "%", "&", "allkeys"))]
+    assert all(r.startswith(("+ping", "+info", "+dbsize", "+cluster|")) for r in admin[3:])
+
+
+def test_the_redis_cluster_bus_is_open_between_members_only(
+    cluster_objects: list[dict[str, Any]],
+) -> None:
+    policy = find(cluster_objects, "NetworkPolicy", "gpuslice-redis-cluster")
+    rules = {
+        tuple(p["port"] for p in rule["ports"]): [
+            peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for peer in rule["from"]
+        ]
+        for rule in policy["spec"]["ingress"]
+    }
+    assert rules == {
+        (16379,): ["gpuslice-redis"],
+        (6379,): ["gpuslice-redis-cluster-create"],
+    }

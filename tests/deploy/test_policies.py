@@ -242,17 +242,39 @@ def test_every_gpuslice_pod_denies_ingress_but_what_it_serves() -> None:
         assert allowed_ports(labels) == served, name
 
 
+def reaching(policy_name: str) -> dict[str, set[int]]:
+    """The gpuslice pods a policy lets in, with the ports each may reach; every
+    peer it names is a pod of gpuslice's namespace (no namespace, no address)."""
+    (policy,) = [p for p in policies() if p["metadata"]["name"] == policy_name]
+    found: dict[str, set[int]] = {}
+    for rule in policy["spec"]["ingress"]:
+        peers = rule["from"]
+        if not all(set(peer) == {"podSelector"} for peer in peers):
+            continue
+        for name, template in pod_templates().items():
+            if any(selects(peer["podSelector"], template["metadata"]["labels"]) for peer in peers):
+                found.setdefault(name, set()).update(p["port"] for p in rule["ports"])
+    return found
+
+
 def test_only_the_extender_and_the_inventory_reach_redis() -> None:
     (policy,) = [p for p in policies() if p["metadata"]["name"] == "gpuslice-redis"]
-    (rule,) = policy["spec"]["ingress"]
-    templates = pod_templates()
-    reaching = {
-        name
-        for name, template in templates.items()
-        for peer in rule["from"]
-        if "podSelector" in peer
-        and "namespaceSelector" not in peer
-        and selects(peer["podSelector"], template["metadata"]["labels"])
+    for rule in policy["spec"]["ingress"]:
+        assert all(set(peer) == {"podSelector"} for peer in rule["from"])
+    # the ledger and the sentinels that name its primary; replication and the
+    # sentinels' own talk between the members
+    assert reaching("gpuslice-redis") == {
+        "gpuslice-scheduler": {6379, 26379},
+        "gpuslice-inventory": {6379, 26379},
+        "gpuslice-redis": {6379, 26379},
     }
-    assert reaching == {"gpuslice-scheduler", "gpuslice-inventory"}
-    assert all(set(peer) == {"podSelector"} for peer in rule["from"])
+
+
+def test_only_nats_members_reach_the_route_port() -> None:
+    (policy,) = [p for p in policies() if p["metadata"]["name"] == "gpuslice-nats"]
+    route_rules = [
+        rule for rule in policy["spec"]["ingress"] if {p["port"] for p in rule["ports"]} & {6222}
+    ]
+    (rule,) = route_rules
+    assert [p["port"] for p in rule["ports"]] == [6222]
+    assert reaching("gpuslice-nats") == {"gpuslice-nats": {6222}}
