@@ -91,6 +91,33 @@ async def test_every_event_type_round_trips(bus: Bus) -> None:
     assert bus.stats.malformed == 0
 
 
+async def test_a_flush_reaches_the_server_after_what_was_sent_before_it(bus: Bus) -> None:
+    # the bytes as they go onto the socket: the flush's PING must follow the
+    # SUB and the PUB queued before it, or its PONG confirms nothing about them
+    # (nats-py's own flush writes the PING first)
+    transport = bus.nc._transport
+    assert transport is not None
+    wire: list[bytes] = []
+    write, writelines = transport.write, transport.writelines
+
+    def keep(data: bytes) -> None:
+        wire.append(bytes(data))
+        write(data)
+
+    def keep_lines(lines: list[bytes]) -> None:
+        wire.append(b"".join(bytes(line) for line in lines))
+        writelines(lines)
+
+    transport.write = keep  # type: ignore[method-assign]
+    transport.writelines = keep_lines  # type: ignore[method-assign]
+    _, handler = collector()
+    await bus.subscribe_events(bus.subjects.event(EventType.POD_DENIED), handler)
+    await bus.nc.publish("elsewhere", b"x")
+    await bus.flush()
+    sent = b"".join(wire)
+    assert sent.index(b"SUB ") < sent.index(b"PUB elsewhere") < sent.index(b"PING")
+
+
 async def test_event_subjects_follow_the_type(bus: Bus) -> None:
     got, handler = collector()
     await bus.subscribe_events(bus.subjects.event(EventType.ALLOC_BOUND), handler)

@@ -209,11 +209,11 @@ async def test_a_pass_cut_by_a_failover_does_not_stamp(
     # the node waits for a pass; the pass restores a running pod's placement on
     # one primary, which dies before a replica has it: the pass must not stamp
     # the node on the promoted replica, where the restore is missing
-    status = (await ledger.rebuild_status())[NODE]
+    registered = (await ledger.rebuild_status())[NODE].registered
     await ledger.register_node(make_inventory(NODE, gpus=1, memory_mib=16384))
-    client = group.primary()
-    assert client is not None
-    with client.client() as raw:
+    primary = group.primary()
+    assert primary is not None
+    with primary.client() as raw:
         raw.hdel(ledger.node_keys(NODE).meta, "rebuilt")  # not stamped: a new node
     await replicated(group)
     running = placement("running", 12000)
@@ -231,8 +231,8 @@ async def test_a_pass_cut_by_a_failover_does_not_stamp(
     result = await reconciler(ledger, kube).run_once()
     ledger.restore = restore  # type: ignore[method-assign]
     assert (result.restored, result.stamped, result.waiting) == (1, 0, 1)
-    assert status.registered == (await ledger.rebuild_status())[NODE].registered
-    assert (await ledger.rebuild_status())[NODE].rebuilt_at is None
+    now = (await ledger.rebuild_status())[NODE]
+    assert (now.registered, now.rebuilt_at) == (registered, None)
     with pytest.raises(LedgerRebuilding):
         await ledger.reserve(placement("intruder", 10000))
     # the next pass restores again and stamps: the card counts the running pod

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 from nats.errors import Error as NatsError
 
-from gpuslice_common.bus import Bus
+from gpuslice_common.bus import Bus, flush_client
 from gpuslice_common.config import CommonSettings
 from gpuslice_common.events import AllocationEvent, EventType, PodAdmitted, PodDenied, make_event
 from gpuslice_common.models import PodRef
@@ -72,7 +72,7 @@ async def test_each_event_type_is_stored_only_from_its_owner(
                 await client.publish(
                     f"gpuslice.events.{event_type.suffix}", an_event(event_type, role)
                 )
-            await client.flush()
+            await flush_client(client)
         wanted = Counter({t: len(owners) for t, owners in OWNERS.items()})
         auditor = await Bus.connect(role_settings(role_nats, "auditor"), "auditor")
         try:

@@ -23,7 +23,7 @@ import yaml
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from gpuslice_cli.status import gather_status, gather_usage
-from gpuslice_common.bus import Bus
+from gpuslice_common.bus import Bus, flush_client
 from gpuslice_common.config import CommonSettings
 from gpuslice_common.events import AllocationEvent, EventType, PodDenied, make_event
 from gpuslice_common.ledger import Ledger, LedgerError
@@ -402,11 +402,11 @@ async def test_service_users_log_in_with_their_passwords_and_no_other(
             got.append(msg.subject)
 
         await auditor.subscribe("gpuslice.events.>", cb=keep)
-        await auditor.flush()
+        await flush_client(auditor)
         await webhook.publish("gpuslice.events.pod.denied", b"{}")
         # the webhook cannot pose as a node
         await webhook.publish("gpuslice.inventory.node-1", b"{}")
-        await webhook.flush()
+        await flush_client(webhook)
         await until(lambda: got)
         assert got == ["gpuslice.events.pod.denied"]
         assert any("permissions violation" in e.lower() for e in errors), errors

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from gpuslice_common.bus import flush_client
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.models import (
     MAX_DEVICE_MEMORY_MIB,
@@ -67,7 +68,7 @@ async def listen(roles: Roles, *subjects: str) -> Seen:
     inventory = await roles.service("inventory")
     for subject in subjects:
         await inventory.subscribe(subject, cb=seen.keep)
-    await inventory.flush()
+    await flush_client(inventory)
     return seen
 
 
@@ -93,11 +94,11 @@ async def test_a_node_agent_publishes_for_its_own_node_only(roles: Roles) -> Non
         )
         for subject in refused:
             await agent.publish(subject, b"{}")
-        await agent.flush()
+        await flush_client(agent)
         await until(lambda: len(violations(errors)) == len(refused))
         # published after the refused ones: once it arrives, so would they have
         await agent.publish(f"gpuslice.inventory.{A}", b"{}")
-        await agent.flush()
+        await flush_client(agent)
         await until(lambda: len(seen.subjects) == 2)
     finally:
         await agent.close()
@@ -112,11 +113,11 @@ async def test_a_node_agent_reads_only_its_own_inbox(roles: Roles) -> None:
     agent = await roles.client(roles.node_token(NODE_A), errors, inbox_prefix=f"_INBOX.{A}")
     try:
         await agent.subscribe(f"_INBOX.{A}.x.*")
-        await agent.flush()
+        await flush_client(agent)
         assert violations(errors) == []
         for subject in ("_INBOX.>", f"_INBOX.{B}.>", "gpuslice.inventory.*", ">"):
             await agent.subscribe(subject)
-            await agent.flush()
+            await flush_client(agent)
             quoted = f'"{subject.lower()}"'  # as the client reports it
             await until(lambda q=quoted: any(q in v for v in violations(errors)))
         assert len(violations(errors)) == 4, errors
@@ -155,7 +156,7 @@ async def test_an_inventory_naming_another_node_than_its_subject_is_not_register
         await agent.publish(
             f"gpuslice.inventory.{A}", make_inventory(NODE_A, gpus=1).model_dump_json().encode()
         )
-        await agent.flush()
+        await flush_client(agent)
         await until(lambda: roles.ledger.node_gpus(NODE_A))  # handled in order
     finally:
         await agent.close()
@@ -210,13 +211,13 @@ async def test_a_container_publishes_telemetry_for_its_own_pod_only(roles: Roles
             "gpuslice.events.alloc.released",
         ):
             await container.publish(subject, b"{}")
-        await container.flush()
+        await flush_client(container)
         await until(lambda: len(violations(errors)) == 4)
         await container.subscribe(">")
-        await container.flush()
+        await flush_client(container)
         await until(lambda: len(violations(errors)) == 5)
         await container.publish(f"gpuslice.telemetry.{A}.pod-1", b"{}")
-        await container.flush()
+        await flush_client(container)
         await until(lambda: len(seen.subjects) == 2)
     finally:
         await container.close()
@@ -382,10 +383,10 @@ async def test_the_store_keeps_only_the_pods_own_containers_and_cards(roles: Rol
     for payload in sent:
         before = store.stats.malformed + store.stats.dropped
         await container.publish(subject, payload)
-        await container.flush()
+        await flush_client(container)
         await until(lambda b=before: store.stats.malformed + store.stats.dropped == b + 1)
     await container.publish(subject, telemetry(NODE_A, "pod-1", "c0", card))
-    await container.flush()
+    await flush_client(container)
     await until(lambda: store.stats.stored == 1)
     assert store.stats.malformed == 2
     assert store.stats.dropped_by == {"foreign-device": 1, "foreign-container": 1}
@@ -410,7 +411,7 @@ async def test_a_released_pods_late_samples_are_not_stored(
             await container.publish(
                 f"gpuslice.telemetry.{A}.pod-1", telemetry(NODE_A, "pod-1", "c0", card)
             )
-            await container.flush()
+            await flush_client(container)
 
         await send()
         await until(lambda: store.stats.stored == 1)

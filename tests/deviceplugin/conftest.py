@@ -138,7 +138,7 @@ async def an_inventory(
         async with inventory_running(
             settings, bus, serve_http=False, issue_telemetry_token=issue_telemetry_token
         ) as state:
-            await bus.nc.flush()
+            await bus.flush()
             yield state
     finally:
         await bus.close()

@@ -86,7 +86,7 @@ async def test_the_heartbeat_comes_back_after_a_nats_restart(
                 await listener.subscribe(
                     listener.subjects.inventory(NODE), NodeInventory, on_inventory
                 )
-                await listener.nc.flush()
+                await listener.flush()
                 inv = await asyncio.wait_for(got.get(), 10)
             finally:
                 await listener.close()
@@ -153,7 +153,7 @@ async def test_a_reply_lost_after_the_ledger_took_the_container_is_asked_again_t
         sub = await bus.nc.subscribe(
             subjects.node_request(NODE, "allocate"), queue=f"{prefix}-inventory", cb=answer_then_die
         )
-        await bus.nc.flush()
+        await bus.flush()
         admitting = asyncio.create_task(plugin.admit_container(1))
         lost = await asyncio.wait_for(took.get(), 10)
         assert lost.placement.pod.uid == "first"
@@ -193,7 +193,7 @@ async def test_rebuilding_answers_are_waited_out(
         await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
         await bind(plugin_ledger, placement("rebuilt", [[(uuids(state)[0], 100, 5)]]))
         await bus.nc.subscribe(subjects.node_request(NODE, "allocate"), cb=rebuilding_twice)
-        await bus.nc.flush()
+        await bus.flush()
         response = await asyncio.wait_for(plugin.admit_container(1), 15)
     assert response.envs["GPUSLICE_POD_UID"] == "rebuilt"
     assert len(asked) == 3
@@ -310,7 +310,7 @@ async def test_the_agent_serves_kubelet_while_nats_is_down_and_connects_later(
         await listener.subscribe(
             listener.subjects.inventory("late-bus"), NodeInventory, on_inventory
         )
-        await listener.nc.flush()
+        await listener.flush()
         inv = await asyncio.wait_for(got.get(), 20)  # the agent retries every 5 s
     finally:
         await listener.close()

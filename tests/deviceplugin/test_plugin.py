@@ -81,7 +81,7 @@ class Events:
             await self.seen.put(parse_event(msg.data))  # type: ignore[attr-defined]
 
         await bus.nc.subscribe(f"{bus.subjects.prefix}.events.alloc.*", cb=on_msg)
-        await bus.nc.flush()
+        await bus.flush()
 
     async def next(self, timeout: float = 5.0) -> CloudEvent:
         return await asyncio.wait_for(self.seen.get(), timeout)
@@ -131,7 +131,7 @@ async def test_health_change_resends_the_full_list_and_inventory(
         await inventories.put(inv)
 
     await bus.subscribe(bus.subjects.inventory(NODE), NodeInventory, on_inventory)
-    await bus.nc.flush()
+    await bus.flush()
     seen = len(plugin.lists)
     write(node_config, SIMULATED.replace("numaNodes: 2}", "numaNodes: 2, unhealthy: [1]}"))
     devices = await plugin.list_after(seen, timeout=5)
@@ -605,7 +605,7 @@ async def test_the_agent_publishes_nothing_but_its_inventory_and_asks_only_its_o
         seen.append(msg.subject)
 
     await bus.nc.subscribe(">", cb=on_msg)
-    await bus.nc.flush()
+    await bus.flush()
     plugin = await registered(kubelet)
     await bind(plugin_ledger, placement("watched", [[(uuids(agent)[0], 100, 5)]]))
     await plugin.admit_container(1)
@@ -613,7 +613,7 @@ async def test_the_agent_publishes_nothing_but_its_inventory_and_asks_only_its_o
         await plugin.admit_container(1)  # nothing waits: refused
     await agent.agent.publish_inventory()
     await agent.clean_up()
-    await bus.nc.flush()
+    await bus.flush()
     prefix = bus.subjects.prefix
     own = (f"{prefix}.inventory.{NODE}", f"{prefix}.node.{NODE}.")
     requests = [s for s in seen if not s.startswith(("_INBOX.", f"{prefix}.events."))]

@@ -59,7 +59,7 @@ async def test_heartbeat_publishes_the_inventory_every_interval(
         got.append(inv)
 
     await bus.subscribe(bus.subjects.inventory(NODE), NodeInventory, on_inventory)
-    await bus.nc.flush()
+    await bus.flush()
     settings = make_settings(inventory_interval="200ms")
     async with running(settings, bus=bus, serve_http=False, timing=FAST):
         await asyncio.sleep(1.1)
@@ -269,7 +269,7 @@ async def test_end_to_end_an_allocate_answer_drives_the_interposer(
 
     await bus.subscribe(bus.subjects.inventory("node-e2e"), NodeInventory, on_inventory)
     await bus.subscribe(bus.subjects.telemetry_node("node-e2e"), TelemetrySample, on_sample)
-    await bus.nc.flush()
+    await bus.flush()
     proc = agent_process()
     plugin = await kubelet.registration(timeout=30)
     devices = await plugin.list_after(0)

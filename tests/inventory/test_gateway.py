@@ -83,7 +83,7 @@ async def inventory(
 
     async with running(settings, bus, serve_http=False, issue_telemetry_token=issue) as state:
         state.issued = issued  # type: ignore[attr-defined]
-        await bus.nc.flush()
+        await bus.flush()
         yield state
 
 
@@ -366,8 +366,8 @@ async def test_two_replicas_answer_each_request_once(
             running(settings, bus, serve_http=False, name="one") as one,
             running(settings, second_bus, serve_http=False, name="two") as two,
         ):
-            await bus.nc.flush()
-            await second_bus.nc.flush()
+            await bus.flush()
+            await second_bus.flush()
             replies = [await ask(bus, A, "ping") for _ in range(20)]
             assert all(isinstance(r, Pong) for r in replies)
             served = one.gateway.stats.requests["ping"] + two.gateway.stats.requests["ping"]

@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gpuslice_common import region
+from gpuslice_common.bus import flush_client
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import (
     MAX_TELEMETRY_DEVICES,
@@ -537,7 +538,7 @@ async def test_samples_published_on_nats_reach_gpu_usage(
             store.ingest(msg.subject, msg.data)
 
         await sub_conn.subscribe(Subjects(prefix).telemetry_all, cb=on_message)
-        await sub_conn.flush()
+        await flush_client(sub_conn)
         containers = [(POD, "main", GPU_A), (POD, "side", GPU_A), (POD2, "main", GPU_B)]
         for round_ in range(1, 4):
             for pod, name, gpu in containers:
@@ -546,7 +547,7 @@ async def test_samples_published_on_nats_reach_gpu_usage(
         # one from another node's credential, claiming to be this node, and garbage
         await pub_conn.publish(subject(prefix, node="gpu-8.pool-a.example"), sample())
         await pub_conn.publish(subject(prefix), b"\x00garbage")
-        await pub_conn.flush()
+        await flush_client(pub_conn)
 
         await wait_for(lambda: store.stats.received == 11 and store.pending == 0)
         # a flush may still be writing what it took: the store's own lock waits for it

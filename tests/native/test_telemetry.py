@@ -29,6 +29,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 
+from gpuslice_common.bus import flush_client
 from gpuslice_common.models import TelemetrySample
 from gpuslice_common.region import ffi
 from gpuslice_common.servers import NatsServer, free_port
@@ -135,7 +136,7 @@ async def feed(
     client = await nats.connect(url, allow_reconnect=False, connect_timeout=5, **options)
     try:
         sub = await client.subscribe(subj)
-        await client.flush()
+        await flush_client(client)
         yield Feed(client, sub, probe=probe)
     finally:
         await client.close()

@@ -52,6 +52,22 @@ DEDUP_WINDOW = timedelta(minutes=2)
 _DENIED_PUBLISH = re.compile(r'permissions violation for publish to "?([^"\s]+)', re.IGNORECASE)
 
 
+async def flush_client(nc: NATS, timeout: float = 2) -> None:
+    """``nc.flush()`` that keeps its promise: once it returns, the server has
+    every command sent before it. nats-py writes a flush's PING to the socket at
+    once, ahead of commands (a SUB, PUBs) still queued for its flusher task, so
+    its PONG can come back before the server has seen them: a subscription
+    "flushed" that way may miss a message published right after. Waits for the
+    queue to be written first (the flusher empties it in one turn of the loop;
+    within ``timeout`` whatever else is publishing meanwhile)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    # nats-py signals nothing when its queue empties: yield until it has
+    while nc.pending_data_size and nc.is_connected and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0)
+    await nc.flush(max(1, math.ceil(timeout)))
+
+
 class BusError(Exception):
     """The bus could not do what was asked; the message says why."""
 
@@ -257,8 +273,10 @@ class Bus:
         self.stats.published += 1
 
     async def flush(self, timeout: int = 2) -> None:
+        """Returns once the server has everything sent before it (subscriptions
+        included); BusError when it does not confirm within ``timeout``."""
         try:
-            await self.nc.flush(max(1, math.ceil(timeout)))
+            await flush_client(self.nc, timeout)
         except (TimeoutError, NatsError) as exc:
             raise BusError(f"NATS did not confirm within {timeout}s: {exc!r}") from None
 

@@ -69,7 +69,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
 from gpuslice_common import natsjwt
-from gpuslice_common.bus import BusError
+from gpuslice_common.bus import BusError, flush_client
 from gpuslice_common.config import InventorySettings
 from gpuslice_common.kube import NODE_NAME_EXTRA, KubeApi, KubeError
 from gpuslice_common.ledger import Ledger, LedgerError
@@ -388,7 +388,7 @@ class AuthCallout:
             self._sub = await self._nc.subscribe(
                 AUTH_SUBJECT, queue=f"{self.subjects.prefix}-callout", cb=self._on_request
             )
-            await self._nc.flush()
+            await flush_client(self._nc)
         except (TimeoutError, OSError, NatsError) as exc:
             await self.close()
             raise BusError(f"auth callout cannot connect to NATS: {exc!r}") from None
