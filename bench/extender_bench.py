@@ -21,12 +21,14 @@ import platform
 import subprocess
 import sys
 import time
-from datetime import date
+from datetime import date, timedelta
 from pathlib import Path
 
 import numpy as np
 import orjson
 
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import CommonSettings
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_scheduler.sim import load_nodes, load_pods
 from gpuslice_scheduler.via import Connection, replay_via
@@ -53,6 +55,16 @@ async def empty_call_baseline(url: str, names: list[str], count: int = 500) -> d
     return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
 
 
+async def audit_stream(url: str) -> None:
+    """The audit stream, as ``gpuslice audit init`` makes it at install: without it
+    the extender's outbox would keep sending events nothing stores."""
+    bus = await Bus.connect(CommonSettings(nats_url=url), "bench")
+    try:
+        await bus.ensure_audit_stream(timedelta(days=1))
+    finally:
+        await bus.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--traces", type=Path, default=HERE.parent.parent / "shared/traces/openb")
@@ -63,6 +75,7 @@ def main() -> None:
     pods = load_pods(args.traces / "openb_pod_list_default.csv")
     port = free_port()
     with NatsServer() as nats, RedisServer(persist=False) as redis:
+        asyncio.run(audit_stream(nats.url))
         env = {
             **os.environ,
             "GPUSLICE_NATS_URL": nats.url,
