@@ -266,6 +266,23 @@ async def test_prioritize_scores_between_0_and_10_with_the_best_at_10(stack: Sta
     assert scores["node-b"] < 10
 
 
+async def test_the_verbs_answer_posts_and_everything_else_reaches_the_probes(
+    stack: Stack,
+) -> None:
+    # the verbs are served in front of FastAPI: a POST is a verb's, any other
+    # method on the path is FastAPI's 405, and the probes and metrics are its own
+    for verb in ("filter", "prioritize", "bind", "preempt"):
+        response = await stack.http.get(f"{stack.url}/{verb}")
+        assert response.status_code == 405, verb
+    assert (await stack.http.get(f"{stack.url}/healthz")).json() == {"status": "ok"}
+    assert (await stack.http.post(f"{stack.url}/filter/x", content=b"{}")).status_code == 404
+    reply = await stack.post("bind", b'{"PodName": "x"}')
+    assert reply.headers["content-type"] == "application/json"
+    assert reply.json()["Error"] == "bind: PodNamespace must be a non-empty string"
+    metrics = (await stack.http.get(f"{stack.url}/metrics")).text
+    assert 'gpuslice_scheduler_requests_total{outcome="error",verb="bind"} 1.0' in metrics
+
+
 async def test_prioritize_with_a_bad_body_answers_400_with_an_error(stack: Stack) -> None:
     response = await stack.post("prioritize", b"\xff\xfe")
     assert response.status_code == 400

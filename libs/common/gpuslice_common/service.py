@@ -90,9 +90,10 @@ def _run_loop(coroutine: Coroutine[Any, Any, None]) -> None:
 
 
 Message = MutableMapping[str, Any]
+Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-AsgiApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class BodyLimit:

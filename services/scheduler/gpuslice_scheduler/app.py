@@ -1,4 +1,5 @@
-"""HTTP face of the extender (FastAPI): the verbs kube-scheduler calls, health, metrics.
+"""HTTP face of the extender: the verbs kube-scheduler calls (a bare ASGI app),
+then health and metrics (FastAPI).
 
 Filter and bind answer 200 with an ``Error`` field when the request is bad or
 the verb fails, as kube-scheduler expects; prioritize and preempt, whose replies
@@ -14,12 +15,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuslice_common.ledger import LedgerError
 from gpuslice_common.requests import RequestError
+from gpuslice_common.service import AsgiApp, Receive, Scope, Send
 from gpuslice_scheduler.extender import BindError, Extender
 from gpuslice_scheduler.wire import (
     BindingArgs,
@@ -33,58 +35,105 @@ log = logging.getLogger(__name__)
 SKIPPED_SHOWN = 50  # nodes named in /readyz's "skipped" (all are counted)
 
 
-def create_app(extender: Extender) -> FastAPI:
+Handler = Callable[[bytes], Awaitable[Any]]
+BOUND = b'{"Error":""}'  # a bind that happened
+
+
+class Verbs:
+    """The extender's verbs as a bare ASGI app in front of ``fallback``.
+
+    kube-scheduler waits on every call, one pod at a time, so the verbs skip
+    FastAPI's routing, dependency and middleware layers: POST ``/<verb>`` is
+    read, answered and measured here; any other request (health, metrics, a
+    GET of a verb's path) goes on to ``fallback``.
+    """
+
+    def __init__(self, extender: Extender, fallback: AsgiApp) -> None:
+        self.fallback = fallback
+        self.metrics = extender.metrics
+
+        async def filter_(body: bytes) -> Any:
+            return extender.filter(ExtenderArgs.parse(body, "filter"))
+
+        async def prioritize(body: bytes) -> Any:
+            return extender.prioritize(ExtenderArgs.parse(body, "prioritize"))
+
+        async def bind(body: bytes) -> Any:
+            await extender.bind(BindingArgs.parse(body))
+            return BOUND
+
+        async def preempt(body: bytes) -> Any:
+            return extender.preempt(PreemptionArgs.parse(body))
+
+        # path -> (verb, handler, reply for an error, HTTP status of an error reply)
+        self.verbs: dict[str, tuple[str, Handler, Callable[[str], Any], int]] = {
+            "/filter": ("filter", filter_, filter_error, 200),
+            "/prioritize": ("prioritize", prioritize, lambda e: {"Error": e}, 400),
+            "/bind": ("bind", bind, lambda e: {"Error": e}, 200),
+            # ExtenderPreemptionResult has no Error field: an error must be a non-200.
+            "/preempt": ("preempt", preempt, lambda e: {"Error": e}, 400),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        verb = self.verbs.get(scope["path"]) if scope["type"] == "http" else None
+        if verb is None or scope["method"] != "POST":
+            await self.fallback(scope, receive, send)
+            return
+        body = await _body(receive)
+        if body is None:  # the client went away: no one to answer
+            return
+        status, reply = await self._answer(verb, body)
+        await send({"type": "http.response.start", "status": status, "headers": _headers(reply)})
+        await send({"type": "http.response.body", "body": reply})
+
+    async def _answer(
+        self, verb: tuple[str, Handler, Callable[[str], Any], int], body: bytes
+    ) -> tuple[int, bytes]:
+        name, handler, on_error, status = verb
+        started = time.perf_counter()
+        try:
+            reply, code, outcome = await handler(body), 200, "ok"
+        except (WireError, BindError, LedgerError, RequestError) as exc:
+            log.info("%s: %s", name, exc)
+            reply, code, outcome = on_error(str(exc)), status, "error"
+        except Exception as exc:  # an engine bug must not become a 500 with a traceback
+            log.exception("%s failed unexpectedly", name)
+            reply, code, outcome = (
+                on_error(f"internal error: {type(exc).__name__}"),
+                status,
+                "error",
+            )
+        payload = reply if isinstance(reply, bytes) else orjson.dumps(reply)
+        self.metrics.requests.labels(name, outcome).inc()
+        self.metrics.latency.labels(name).observe(time.perf_counter() - started)
+        return code, payload
+
+
+async def _body(receive: Receive) -> bytes | None:
+    """The whole request body (BodyLimit in front has bounded it), or None when the
+    client disconnected first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _headers(body: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+
+
+def create_app(extender: Extender) -> AsgiApp:
+    """The extender's HTTP face: the verbs (:class:`Verbs`) before a FastAPI app
+    serving the probes and metrics."""
     app = FastAPI(title="gpuslice scheduler extender", docs_url=None, redoc_url=None)
     metrics = extender.metrics
-
-    async def filter_(body: bytes) -> Any:
-        return extender.filter(ExtenderArgs.parse(body, "filter"))
-
-    async def prioritize(body: bytes) -> Any:
-        return extender.prioritize(ExtenderArgs.parse(body, "prioritize"))
-
-    async def bind(body: bytes) -> Any:
-        await extender.bind(BindingArgs.parse(body))
-        return {"Error": ""}
-
-    async def preempt(body: bytes) -> Any:
-        return extender.preempt(PreemptionArgs.parse(body))
-
-    # verb -> (handler, reply for an error, HTTP status of an error reply)
-    verbs: dict[str, tuple[Callable[[bytes], Awaitable[Any]], Callable[[str], Any], int]] = {
-        "filter": (filter_, filter_error, 200),
-        "prioritize": (prioritize, lambda e: {"Error": e}, 400),
-        "bind": (bind, lambda e: {"Error": e}, 200),
-        # ExtenderPreemptionResult has no Error field: an error must be a non-200.
-        "preempt": (preempt, lambda e: {"Error": e}, 400),
-    }
-
-    def route(verb: str) -> Callable[[Request], Awaitable[Response]]:
-        handler, on_error, status = verbs[verb]
-
-        async def answer(request: Request) -> Response:
-            started = time.perf_counter()
-            try:
-                body, code, outcome = await handler(await request.body()), 200, "ok"
-            except (WireError, BindError, LedgerError, RequestError) as exc:
-                log.info("%s: %s", verb, exc)
-                body, code, outcome = on_error(str(exc)), status, "error"
-            except Exception as exc:  # an engine bug must not become a 500 with a traceback
-                log.exception("%s failed unexpectedly", verb)
-                body, code, outcome = (
-                    on_error(f"internal error: {type(exc).__name__}"),
-                    status,
-                    "error",
-                )
-            reply = Response(orjson.dumps(body), status_code=code, media_type="application/json")
-            metrics.requests.labels(verb, outcome).inc()
-            metrics.latency.labels(verb).observe(time.perf_counter() - started)
-            return reply
-
-        return answer
-
-    for verb in verbs:
-        app.add_api_route(f"/{verb}", route(verb), methods=["POST"], name=verb)
+    for verb in ("filter", "prioritize", "bind", "preempt"):
+        # reached only by another method than POST: FastAPI answers 405
+        app.add_api_route(f"/{verb}", _unreachable, methods=["POST"], name=verb)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -116,4 +165,8 @@ def create_app(extender: Extender) -> FastAPI:
         metrics.skipped_nodes.set(len(extender.view.skipped))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return Verbs(extender, app)
+
+
+async def _unreachable() -> None:  # pragma: no cover - Verbs answers every POST
+    raise AssertionError("a verb's POST reached FastAPI")
