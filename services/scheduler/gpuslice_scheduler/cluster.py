@@ -55,7 +55,7 @@ class Cluster:
     # Grows with every change to usage or cards; derived values are cached per version.
     version: int = field(init=False, default=0)
     cache: dict[str, Any] = field(init=False, default_factory=dict)
-    lookups: dict[str, Any] = field(init=False, default_factory=dict)  # by node name; kept
+    lookups: dict[str, Any] = field(init=False, default_factory=dict)  # kept: same cards
     # Per node, the version that last changed it (usage or anything), and the one
     # that last changed its facts or capacity (what could ever fit there).
     changed: Ints = field(init=False)
@@ -161,7 +161,17 @@ class Cluster:
         return np.asarray(self.present[cards] & self.healthy[cards] & ~self.cordoned[cards])
 
     def emptied(self) -> Cluster:
-        """The same cards with nothing reserved: what could ever fit here."""
+        """The same cards with nothing reserved: what could ever fit here.
+
+        Made once per cluster: it shares this cluster's card facts and capacity
+        (changed in place), with usage of its own that stays zero."""
+        empty = self.lookups.get("emptied")
+        if empty is None:
+            empty = self.lookups["emptied"] = self._emptied()
+        assert isinstance(empty, Cluster)
+        return empty
+
+    def _emptied(self) -> Cluster:
         zeros = np.zeros_like(self.used_mem)
         return dataclasses.replace(
             self,
@@ -174,6 +184,24 @@ class Cluster:
         )
 
     # ------------------------------------------------------------ changing
+
+    def row(self, card: int) -> Row:
+        """One card as a :data:`Row`, as :meth:`set_row` takes it."""
+        return (
+            self.uuids[card],
+            self.models[int(self.model_id[card])],
+            int(self.numa[card]),
+            int(self.cap_mem[card]),
+            int(self.cap_cores[card]),
+            int(self.cap_slots[card]),
+            int(self.used_mem[card]),
+            int(self.used_cores[card]),
+            int(self.used_slots[card]),
+            bool(self.owned[card]),
+            bool(self.healthy[card]),
+            bool(self.present[card]),
+            bool(self.cordoned[card]),
+        )
 
     def set_row(self, card: int, row: Row) -> bool:
         """Overwrite one card from ``row`` (its model must be known); True when more than

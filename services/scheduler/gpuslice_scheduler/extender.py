@@ -193,10 +193,12 @@ class Extender:
         unresolvable = dict.fromkeys(unknown, UNKNOWN_NODE)
         rows = np.flatnonzero(~ev.feasible)
         if rows.size:
-            never = self._ceiling.never_fit(demand, ev.nodes[rows])  # current: _evaluate
-            for row, hopeless in zip(rows.tolist(), never.tolist(), strict=True):
-                name = names[ev.nodes[row]]
-                (unresolvable if hopeless else failed)[name] = ev.detail[row]
+            nodes = ev.nodes[rows]
+            never = self._ceiling.never_fit(demand, nodes)  # current: _evaluate
+            detail = ev.detail
+            for part, into in ((~never, failed), (never, unresolvable)):
+                lines = [detail[r] for r in rows[part].tolist()]
+                into.update(zip(names[nodes[part]].tolist(), lines, strict=True))
             codes, counts = np.unique(ev.code[rows], return_counts=True)
             for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
                 reason = REASONS.get(Code(code))
@@ -299,7 +301,7 @@ class Extender:
             try:
                 reserved, created = await self.ledger.reserve_new(chosen)
             except ReservationConflict as exc:
-                await self.view.refresh_node(args.node)
+                await self._reread(args.node)
                 if attempt == 0:
                     continue
                 await self._failed(args, exc.reason, str(exc))
@@ -310,8 +312,7 @@ class Extender:
                 raise BindError(str(exc)) from None
             except LedgerRebuilding as exc:
                 self.metrics.failures.labels("bind", "NodeLedgerRebuilding").inc()
-                with contextlib.suppress(LedgerError):  # the filter skips it meanwhile
-                    await self.view.refresh_node(args.node)
+                await self._reread(args.node)  # the filter skips it meanwhile
                 raise BindError(f"gpuslice: {exc}") from None
             except LedgerError as exc:
                 raise BindError(f"ledger: {exc}") from None
@@ -320,6 +321,12 @@ class Extender:
                 await self._publish(EventType.ALLOC_RESERVED, reserved)
             return reserved, created
         raise BindError(f"node {args.node} keeps changing; try again")  # pragma: no cover
+
+    async def _reread(self, node: str) -> None:
+        """Read ``node`` from the ledger again; if Redis cannot answer, the next
+        sync does (:meth:`ClusterView.apply` marked it)."""
+        with contextlib.suppress(LedgerError):
+            await self.view.refresh_node(node)
 
     async def _record_and_bind(self, args: BindingArgs, chosen: Placement, created: bool) -> None:
         try:
@@ -358,8 +365,7 @@ class Extender:
             await self.ledger.release(args.pod_uid, f"bind failed: {why}")
         except LedgerError as exc:  # inventory's reservation TTL frees it later
             log.error("cannot release pod %s after a failed bind: %s", args.pod_uid, exc)
-        with contextlib.suppress(LedgerError):  # else the next sync catches up
-            await self.view.refresh_node(args.node)
+        await self._reread(args.node)
         await self._failed(args, "BindFailed", why, chosen)
 
     async def _failed(

@@ -148,10 +148,16 @@ class ClusterView:
             r[1] not in cluster.models for r in rows
         ):
             return False
-        facts = False
-        for card, row in enumerate(rows, start=lo):
-            facts |= cluster.set_row(card, row)
-        cluster.touch([i], facts=facts)
+        # a re-read that finds what the copy holds (a bind, an allocation: the
+        # cards' usage is unchanged) leaves the node's evaluations standing
+        changed = [
+            (card, row) for card, row in enumerate(rows, start=lo) if cluster.row(card) != row
+        ]
+        if changed:
+            facts = False
+            for card, row in changed:
+                facts |= cluster.set_row(card, row)
+            cluster.touch([i], facts=facts)
         return True
 
     def node_indexes(self, names: Sequence[str]) -> tuple[Ints, list[str]]:
