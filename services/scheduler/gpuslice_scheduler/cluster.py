@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 from gpuslice_common.models import GpuState
 
@@ -145,6 +146,17 @@ class Cluster:
         at = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
         found = keys[at] == wanted
         return order[at[found]].astype(np.int64), wanted[~found].tolist()
+
+    def host_openings(self) -> list[bytes]:
+        """Per node, ``{"Host":<its name as JSON>,"Score":``: the extender writes a
+        prioritize reply from these without building an object per node."""
+        openings = self.lookups.get("host_openings")
+        if openings is None:
+            openings = self.lookups["host_openings"] = [
+                b'{"Host":' + orjson.dumps(name) + b',"Score":' for name in self.node_names
+            ]
+        assert isinstance(openings, list)
+        return openings
 
     def cards_of(self, nodes: Ints) -> Ints:
         """Card indexes of ``nodes`` (node indexes), concatenated in the nodes' order."""

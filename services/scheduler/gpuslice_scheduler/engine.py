@@ -472,7 +472,8 @@ def normalise(scores: Floats, tolerance: float = 1e-9) -> list[int]:
         distinct = levels[np.r_[True, np.diff(levels) < -tolerance]]
         rank = np.searchsorted(-distinct, -values - tolerance)
         result[finite] = np.maximum(10 - rank, 0)
-    return [int(s) for s in result.tolist()]
+    ranks: list[int] = result.tolist()
+    return ranks
 
 
 # ---------------------------------------------------------------- incremental

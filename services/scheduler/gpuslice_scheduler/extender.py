@@ -73,6 +73,10 @@ REBUILDING = (
 )
 
 
+# the end of a HostPriority for each score: {"Host":<name>,"Score": + this
+SCORE_CLOSINGS = [b"%d}" % score for score in range(11)]
+
+
 class BindError(Exception):
     """A bind that did not happen; the message is what kube-scheduler shows."""
 
@@ -205,17 +209,23 @@ class Extender:
                 self.metrics.failures.labels("filter", reason or "unknown").inc(count)
         return args.filter_reply(passed, failed, unresolvable)
 
-    def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
+    def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]] | bytes:
+        """A HostPriorityList: every node sent, scored 0 to 10. Written straight as
+        JSON (bytes) from each node's cached opening, where all nodes are known."""
         demand = self._demand(args.pod)
         if demand is None:
             return [{"Host": n, "Score": 0} for n in args.node_names]
         ev, unknown = self._evaluate(demand, args.node_names)
-        hosts = self.view.cluster.names[ev.nodes].tolist()
         scores = normalise(ev.score)
         if unknown:  # unregistered nodes score 0, in the order they were sent
+            hosts = self.view.cluster.names[ev.nodes].tolist()
             known = dict(zip(hosts, scores, strict=True))
-            hosts, scores = args.node_names, [known.get(n, 0) for n in args.node_names]
-        return [{"Host": h, "Score": s} for h, s in zip(hosts, scores, strict=True)]
+            return [{"Host": n, "Score": known.get(n, 0)} for n in args.node_names]
+        openings = self.view.cluster.host_openings()
+        parts = [
+            openings[n] + SCORE_CLOSINGS[s] for n, s in zip(ev.nodes.tolist(), scores, strict=True)
+        ]
+        return b"[" + b",".join(parts) + b"]"
 
     def preempt(self, args: PreemptionArgs) -> dict[str, Any]:
         """Victims as proposed, in MetaVictims form (gpuslice does not narrow them)."""
