@@ -2,7 +2,7 @@
 
 Prints, for one client at a time (latency) and for many concurrent clients
 (throughput), the ledger's numbers beside a baseline measured in the same run:
-the same number (6) of plain Redis round trips (PING), which is the floor any
+the same number (4) of plain Redis round trips (PING), which is the floor any
 network ledger pays.
 
     python bench/ledger_bench.py [--pairs 5000] [--concurrency 64] [--redis-url URL] [--json]
@@ -93,7 +93,7 @@ async def run(url: str, pairs: int, concurrency: int) -> dict[str, Any]:
     async def reserve_only(i: int) -> None:
         await ledger.reserve(placements[i].model_copy(update={"pod": PodRef(uid=f"r-{i}")}))
 
-    round_trips = 6  # reserve: claim, script, confirm; release: index GET, script, mark released
+    round_trips = 4  # reserve: one script; release: index GET, mark released, script
 
     async def baseline(_: int) -> None:
         for _ in range(round_trips):

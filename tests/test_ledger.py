@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import json
+import random
+import re
+from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ResponseError
 
 from gpuslice_common.ledger import (
     AlreadyReserved,
@@ -17,6 +23,7 @@ from gpuslice_common.ledger import (
     LedgerRebuilding,
     LedgerUnavailable,
     NotReserved,
+    Release,
     ReservationConflict,
 )
 from gpuslice_common.models import (
@@ -377,7 +384,8 @@ async def test_a_crashed_reserve_blocks_other_nodes_only_for_the_lease(redis_url
 
 
 class PausingLedger(Ledger):
-    """A ledger whose next reserve waits, after claiming the index, before its script."""
+    """A ledger whose next reserve waits, after claiming the index, before its
+    script (in three steps: in one script nothing can come between)."""
 
     def __init__(self, redis: Any, **kwargs: Any) -> None:
         super().__init__(redis, **kwargs)
@@ -396,7 +404,7 @@ async def test_a_reserve_that_loses_its_claim_gives_its_cards_back(
 ) -> None:
     for node in ("node-a", "node-b"):
         await ledger.register_node(make_inventory(node), rebuilt=True)
-    slow = PausingLedger(ledger.redis, claim_lease=timedelta(milliseconds=1))
+    slow = PausingLedger(ledger.redis, claim_lease=timedelta(milliseconds=1), fast_reserve=False)
     fast = Ledger(ledger.redis, claim_lease=timedelta(milliseconds=1))
     stalled = asyncio.create_task(slow.reserve(placement("pod-1", "node-a", [[(0, 4000, 30)]])))
     await slow.paused.wait()  # node-a's reserve holds a claim, past its lease
@@ -633,3 +641,345 @@ async def test_a_name_in_the_node_set_that_is_no_node_s_is_a_bad_record(ledger: 
         assert str(bad) == "node 'Bad\\nNode': its name is not a Kubernetes node name"
     with pytest.raises(BadRecord):
         await ledger.node_placements("Bad\nNode")
+
+
+# ---------------------------------------------------------------- a reserve in one script
+
+_STAMPS = ("heartbeat", "registered", "rebuilt")  # times in a node's meta
+_TIMES = ("reserved_at", "bound_at", "allocated_at", "released_at")
+
+
+async def stored(led: Ledger) -> dict[str, Any]:
+    """Every key of the ledger as two runs of the same calls must leave it: times
+    and the tokens reserve calls draw (which differ from run to run) masked, the
+    prefix cut."""
+    r: Any = led.redis
+    found: dict[str, Any] = {}
+    async for key in r.scan_iter(match=f"{led.prefix}:*"):
+        name = key.removeprefix(f"{led.prefix}:")
+        kind = await r.type(key)
+        if kind == "string":
+            state, _, token, node = (await r.get(key)).split(":", 3)
+            token = "<call>" if re.fullmatch("[0-9a-f]{16}", token) else token  # a call's own
+            found[name] = (state, token, node, await r.ttl(key) > 0)
+        elif kind == "hash":
+            fields = await r.hgetall(key)
+            if name.endswith(":meta"):
+                fields = {f: "<time>" if f in _STAMPS else v for f, v in fields.items()}
+            if name.endswith(":pods"):
+                fields = {uid: _untimed(raw) for uid, raw in fields.items()}
+            found[name] = fields
+        elif kind == "zset":  # released: scored by time; pending: by bind order
+            found[name] = await r.zrange(key, 0, -1, withscores=name.endswith(":pending"))
+        else:
+            found[name] = sorted(await r.smembers(key))
+    return found
+
+
+def _untimed(raw: str) -> Any:
+    record = json.loads(raw)
+    record["times"] = sorted(record["times"])  # the steps it went through, not when
+    return record
+
+
+def masked(result: Any) -> Any:
+    """A ledger call's result without its times."""
+    if isinstance(result, Placement):
+        return result.model_dump(mode="json", exclude=set(_TIMES))
+    if isinstance(result, Release):
+        return (masked(result.placement), result.first, result.clamped)
+    if isinstance(result, tuple):
+        return tuple(masked(r) for r in result)
+    return result
+
+
+ODD_UID = "x:1:tok:node-b}{pod:\n\x00é😀"  # ':' as in an index value, braces, odd bytes
+
+
+async def reserves_of_every_kind(led: Ledger) -> list[Any]:
+    """Each call's result (or error) beside every key it left, call by call."""
+    seen: list[Any] = []
+
+    async def call(done: Awaitable[Any]) -> None:
+        try:
+            result = masked(await done)
+        except LedgerError as exc:
+            result = (type(exc).__name__, str(exc))
+        seen.append((result, await stored(led)))
+
+    for node in ("node-a", "node-b"):
+        await led.register_node(make_inventory(node), rebuilt=True)
+    await led.register_node(make_inventory("node-c"))  # not stamped rebuilt
+    p1 = placement("pod-1", "node-a", [[(0, 4000, 30)]])
+    await call(led.reserve_new(p1))
+    await call(led.reserve_new(p1))  # exists: not made by this call
+    await call(led.reserve_new(placement("pod-1", "node-b", [[(0, 10, 1)]])))  # live on node-a
+    await call(led.reserve_new(placement("pod-2", "node-a", [[(0, 99999, 10)]])))  # no room
+    await call(led.reserve_new(placement("pod-3", "node-c", [[(0, 10, 1)]])))  # being rebuilt
+    await call(led.restore(placement("pod-4", "node-c", [[(1, 10, 1)]]), True))
+    await call(led.reserve_new(placement("pod-5", "node-b", [[(1, 100, 100)]])))  # exclusive
+    await call(led.reserve_new(placement("pod-6", "node-b", [[(1, 100, 10)]])))  # its owner
+    await call(led.release("pod-1"))
+    await call(led.reserve_new(p1))  # after a release, on the same node
+    await call(led.release("pod-1"))
+    await call(led.reserve_new(placement("pod-1", "node-a", [[(0, 99999, 1)]])))  # over a release
+    await call(led.reserve_new(placement("pod-1", "node-b", [[(0, 10, 1)]])))
+    await call(led.release("pod-1"))
+    await call(led.reserve_new(p1))  # after a release on another node
+    # a release that died after marking the index: the next reserve elsewhere finishes it
+    value = await led._get(led.pod_index_key("pod-1"))
+    await led._index("release", "pod-1", value, 60)
+    await call(led.reserve_new(placement("pod-1", "node-b", [[(0, 10, 1)]])))
+    # another call's claim: shared on its node, refused elsewhere while fresh
+    for uid in ("pod-7", "pod-8", "pod-9"):
+        await led._index("claim", uid, "node-a", "othercall")
+    await call(led.reserve_new(placement("pod-7", "node-a", [[(1, 10, 1)]])))
+    await call(led.reserve_new(placement("pod-8", "node-a", [[(1, 99999, 1)]])))  # claim stays
+    await call(led.reserve_new(placement("pod-9", "node-b", [[(0, 10, 1)]])))
+    await call(led.mark_bound("pod-7"))
+    await call(led.reserve_new(placement("pod-7", "node-a", [[(1, 10, 1)]])))  # exists, bound
+    await call(led.cordon("node-a", "GPU-node-a-1"))
+    await call(led.reserve_new(placement("pod-10", "node-a", [[(1, 10, 1)]])))  # cordoned
+    await call(led.reserve_new(placement("pod-11", "node-a", [[(0, 10**30, 1)]])))  # absurd
+    await call(led.reserve_new(placement(ODD_UID, "node-a", [[(0, 10, 1)]])))
+    await call(led.reserve_new(placement(ODD_UID, "node-b", [[(0, 10, 1)]])))
+    await call(led.placement(ODD_UID))
+    await call(led.release(ODD_UID))
+    return seen
+
+
+async def test_one_script_answers_and_stores_what_the_three_steps_do(redis_url: str) -> None:
+    fast = Ledger.from_url(redis_url, prefix="fast")
+    steps = Ledger.from_url(redis_url, prefix="steps", fast_reserve=False)
+    notices = steps.redis.pubsub()
+    try:
+        assert fast.fast_reserve
+        await notices.subscribe(fast.changes_channel, steps.changes_channel)
+        in_one, in_three = await reserves_of_every_kind(fast), await reserves_of_every_kind(steps)
+        for i, (one, three) in enumerate(zip(in_one, in_three, strict=True)):
+            assert one == three, f"call {i}"
+        outcomes = [outcome for outcome, _ in in_one]
+        assert outcomes[1][1] is False  # exists
+        assert outcomes[2] == ("AlreadyReserved", "pod pod-1 is already reserved on node node-a")
+        assert outcomes[3][0] == "ReservationConflict"
+        assert outcomes[4][0] == "LedgerRebuilding"
+        assert outcomes[11][0] == "ReservationConflict"
+        assert "pod:{pod-1}" not in in_one[11][1]  # the claim over the release is dropped
+        assert in_one[15][1]["pod:{pod-1}"] == ("live", "<call>", "node-b", False)
+        assert in_one[16][1]["pod:{pod-7}"] == ("live", "othercall", "node-a", False)  # shared
+        assert in_one[17][1]["pod:{pod-8}"] == ("claimed", "othercall", "node-a", False)
+        assert outcomes[18] == ("AlreadyReserved", "pod pod-9 is already reserved on node node-a")
+        assert outcomes[22][0] == outcomes[23][0] == "ReservationConflict"
+        assert outcomes[23][1].endswith("InvalidRequest")
+        assert outcomes[25][0] == "AlreadyReserved"
+        assert outcomes[26] is not None
+        announced: dict[str, list[str]] = {fast.changes_channel: [], steps.changes_channel: []}
+        while (message := await notices.get_message(timeout=0.2)) is not None:
+            if message["type"] == "message":
+                prefix = message["channel"].removesuffix(":changes")
+                announced[message["channel"]].append(message["data"].removeprefix(prefix))
+        assert announced[fast.changes_channel] == announced[steps.changes_channel]
+        assert len(announced[fast.changes_channel]) > 10
+    finally:
+        await notices.aclose()  # type: ignore[no-untyped-call]
+        await fast.close()
+        await steps.close()
+
+
+async def evalsha_calls(redis: Any) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_a_reserve_is_one_round_trip_where_every_key_is_on_one_server(
+    ledger: Ledger, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps = Ledger(ledger.redis, fast_reserve=False)
+    for node in ("node-a", "node-b"):
+        await ledger.register_node(make_inventory(node), rebuilt=True)
+    for led in (ledger, steps):  # scripts loaded
+        await led.reserve(placement(f"warm-{led.fast_reserve}", "node-a", [[(0, 10, 1)]]))
+    sent: list[str] = []
+    send = ledger.redis.execute_command
+
+    async def counted(*args: Any, **options: Any) -> Any:
+        sent.append(str(args[0]))
+        return await send(*args, **options)
+
+    monkeypatch.setattr(ledger.redis, "execute_command", counted)
+    server = Redis.from_url(redis_url)  # a client of its own, not counted
+    try:
+        before = await evalsha_calls(server)
+        _, created = await ledger.reserve_new(placement("pod-1", "node-a", [[(0, 10, 1)]]))
+        assert created
+        assert sent == ["EVALSHA"]
+        assert await evalsha_calls(server) - before == 1
+        sent.clear()
+        await steps.reserve(placement("pod-2", "node-a", [[(0, 10, 1)]]))
+        assert sent == ["EVALSHA"] * 3  # claim, reserve, confirm
+        sent.clear()
+        # an index naming another node: the one script changes nothing, the steps decide
+        with pytest.raises(AlreadyReserved):
+            await ledger.reserve(placement("pod-1", "node-b", [[(0, 10, 1)]]))
+        assert sent == ["EVALSHA", "EVALSHA", "HGET"]  # one script, the claim, node-a's record
+        # the script cache emptied (a restart, a failover): loaded again on first use
+        await server.script_flush()
+        sent.clear()
+        await ledger.reserve(placement("pod-3", "node-a", [[(0, 10, 1)]]))
+        assert sent == ["EVALSHA", "SCRIPT LOAD", "EVALSHA"]
+    finally:
+        await server.aclose()
+
+
+async def test_a_redis_cluster_ledger_reserves_in_three_steps() -> None:
+    led = Ledger(RedisCluster(host="127.0.0.1", port=free_port()))
+    try:
+        assert not led.fast_reserve  # the pod index and the node's keys are in two slots
+    finally:
+        await led.close()
+
+
+async def test_many_reserves_of_one_pod_on_two_nodes_at_once_leave_one(redis_url: str) -> None:
+    ledgers = [
+        Ledger.from_url(redis_url),
+        Ledger.from_url(redis_url),
+        Ledger.from_url(redis_url, fast_reserve=False),  # both kinds at once, as in an upgrade
+    ]
+    nodes = ("node-a", "node-b")
+    try:
+        for node in nodes:
+            await ledgers[0].register_node(make_inventory(node, split_count=1000), rebuilt=True)
+        uids = [f"pod-{i}" for i in range(60)]
+        tries = [(uid, nodes[k % 2], ledgers[k % 3]) for uid in uids for k in range(12)]
+        random.Random(7).shuffle(tries)
+
+        async def attempt(uid: str, node: str, led: Ledger) -> tuple[str, bool] | str:
+            try:
+                reserved, created = await led.reserve_new(placement(uid, node, [[(0, 10, 0)]]))
+            except AlreadyReserved as exc:
+                return exc.node
+            return reserved.node, created
+
+        results = await asyncio.gather(*(attempt(*t) for t in tries))
+        won = dict.fromkeys(nodes, 0)
+        for uid in uids:
+            mine = [r for t, r in zip(tries, results, strict=True) if t[0] == uid]
+            winners = {r[0] for r in mine if isinstance(r, tuple)}
+            assert len(winners) == 1, f"{uid} reserved on {winners}"
+            [winner] = winners
+            assert sum(1 for r in mine if isinstance(r, tuple) and r[1]) == 1  # made once
+            assert all(r == winner for r in mine if isinstance(r, str))  # refusals name it
+            index = await ledgers[0]._get(ledgers[0].pod_index_key(uid))
+            assert index is not None
+            assert index.startswith("live:")
+            assert index.endswith(f":{winner}")
+            won[winner] += 1
+        for node in nodes:
+            live = [p for p in await ledgers[0].node_placements(node) if p.state != "released"]
+            assert len(live) == won[node]
+            held = [(10 * won[node], 0, won[node], None), (0, 0, 0, None)]
+            assert await usage(ledgers[0], node) == held
+            assert await ledgers[0].check_node(node) == []
+    finally:
+        for led in ledgers:
+            await led.close()
+
+
+def _reserve_args(uid: str, footprint: str, record: str | None = None) -> list[str]:
+    if record is None:
+        record = json.dumps({"pod": {"uid": uid}, "node": "node-a", "containers": [], "policy": ""})
+    return [uid, record, footprint, ""]
+
+
+@pytest.mark.parametrize(
+    ("footprint", "record"),
+    [
+        ('[["GPU-node-a-0", 1e30, 0, 1, 0]]', None),
+        ('[["GPU-node-a-0", Infinity, 0, 1, 0]]', None),
+        ('[["GPU-node-a-0", 10, 0, inf, 0]]', None),
+        ('[["GPU-node-a-0", NaN, 0, 1, 0]]', None),
+        ('[["GPU-node-a-0", -0, 0, 1, 0]]', None),  # Lua prints "-0": no integer to Redis
+        ('[["GPU-node-a-0", -1, 0, 1, 0]]', None),
+        ('[["GPU-node-a-0", 1.5, 0, 1, 0]]', None),
+        ('[["GPU-node-a-0", 100000000000000, 0, 1, 0]]', None),  # printed as 1e+14
+        ('[["GPU-node-a-0", "10", 0, 1, 0]]', None),
+        ('[["GPU-node-a-0", 10, 0, 1, 2]]', None),  # exclusive is 0 or 1
+        ('[["GPU-node-a-0", 10, 0, 1, true]]', None),
+        ('[["GPU-node-a-0", 10, 0, 1]]', None),
+        ('[["GPU-node-a-0", 9000, 0, 1, 0], ["GPU-node-a-0", 9000, 0, 1, 0]]', None),
+        ("[]", None),
+        ("{}", None),
+        ('{"GPU-node-a-0": [10, 0, 1, 0]}', None),
+        ("[null]", None),
+        ("[5]", None),
+        ('"GPU-node-a-0"', None),
+        ('[["GPU-node-a-0", 10, 0, 1, 0]]', '"a string"'),
+        ('[["GPU-node-a-0", 10, 0, 1, 0]]', '{"pod": {}}'),  # no containers
+        ('[["GPU-node-a-0", 10, 0, 1, 0]]', "[]"),
+    ],
+)
+@pytest.mark.parametrize("fast", [True, False])
+async def test_a_footprint_or_record_that_cannot_be_read_is_refused_whole(
+    ledger: Ledger, footprint: str, record: str | None, fast: bool
+) -> None:
+    """Never read as no limit, never half written; refused alike in one script or three."""
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    before = await stored(ledger)
+    keys = ledger.node_keys("node-a").all()
+    args = _reserve_args("pod-1", footprint, record)
+    if fast:
+        reply = await ledger._run(
+            "claim_reserve", [*keys, ledger.pod_index_key("pod-1")], [*args, "tok", "node-a"]
+        )
+    else:
+        reply = await ledger._run("reserve", keys, args)
+    assert reply[0] == "fail"
+    assert reply[2] == "InvalidRequest"
+    assert await stored(ledger) == before
+
+
+async def test_a_record_that_is_no_json_changes_nothing(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    before = await stored(ledger)
+    keys = [*ledger.node_keys("node-a").all(), ledger.pod_index_key("pod-1")]
+    args = _reserve_args("pod-1", '[["GPU-node-a-0", 10, 0, 1, 0]]', "{not json")
+    with pytest.raises(ResponseError):
+        await ledger._run("claim_reserve", keys, [*args, "tok", "node-a"])
+    assert await stored(ledger) == before
+
+
+@pytest.mark.parametrize(
+    ("token", "node"),
+    [
+        ("a:b", "node-a"),  # would shift the index value's fields
+        ("", "node-a"),
+        ("tok\n", "node-a"),
+        ("tok", ""),
+        ("tok", "node-a:x"),
+        ("tok", "node-a\n"),
+        ("tok", ".node-a"),
+        ("tok", "nöde-a"),
+    ],
+)
+async def test_one_script_refuses_a_token_or_node_no_reserve_sends(
+    ledger: Ledger, token: str, node: str
+) -> None:
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    before = await stored(ledger)
+    keys = [*ledger.node_keys("node-a").all(), ledger.pod_index_key("pod-1")]
+    args = _reserve_args("pod-1", '[["GPU-node-a-0", 10, 0, 1, 0]]')
+    with pytest.raises(ResponseError, match="not a token and a node name"):
+        await ledger._run("claim_reserve", keys, [*args, token, node])
+    assert await stored(ledger) == before
+
+
+@pytest.mark.parametrize("fast", [True, False])
+async def test_a_node_name_that_is_no_node_s_writes_nothing(redis_url: str, fast: bool) -> None:
+    led = Ledger.from_url(redis_url, fast_reserve=fast)
+    try:
+        for node in ("node-a:1", "node-a\n", "Node-A", "{node-a}"):
+            with pytest.raises(ValueError, match="not a Kubernetes node name"):
+                await led.reserve(placement("pod-1", node, [[(0, 10, 1)]]))
+        assert await led.redis.keys("*") == []
+    finally:
+        await led.close()

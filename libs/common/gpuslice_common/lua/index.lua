@@ -11,13 +11,8 @@
 local op = ARGV[1]
 local cur = redis.call('GET', KEYS[1])
 
-local function parse(v)
-  local s, t, token, n = string.match(v, '^(%a+):(%d+):([%w]*):(.*)$')
-  return s, tonumber(t), token, n
-end
-
 local function age(v)
-  local _, t = parse(v)
+  local _, t = parse_index(v)
   return tostring(now_ms() - (t or 0))
 end
 
@@ -32,7 +27,7 @@ if op == 'claim' then
   if not cur then
     return {'ok', claim_for(node, token), ''}
   end
-  local s, _, their_token, n = parse(cur)
+  local s, _, their_token, n = parse_index(cur)
   if s == 'released' then
     return {'ok', claim_for(node, token), cur}
   end
@@ -53,12 +48,12 @@ elseif op == 'takeover' then
   return {'ok', claim_for(ARGV[3], ARGV[4]), cur}
 elseif op == 'confirm' then
   if cur == ARGV[2] then
-    local _, t, token, n = parse(cur)
+    local _, t, token, n = parse_index(cur)
     redis.call('SET', KEYS[1], 'live:' .. t .. ':' .. token .. ':' .. n)
     return 'ok'
   end
   if cur then
-    local s, _, _, n = parse(cur)
+    local s, _, _, n = parse_index(cur)
     if s == 'live' and n == ARGV[3] then
       return 'ok'
     end
@@ -73,7 +68,7 @@ elseif op == 'release' then
   if cur ~= ARGV[2] then
     return cur or ''
   end
-  local _, _, token, n = parse(cur)
+  local _, _, token, n = parse_index(cur)
   redis.call('SET', KEYS[1], 'released:' .. now_ms() .. ':' .. token .. ':' .. n,
     'EX', tonumber(ARGV[3]))
   return 'ok'

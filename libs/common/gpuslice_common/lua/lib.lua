@@ -49,8 +49,17 @@ local function bump()
   end
 end
 
+-- A whole number Redis takes as one: Lua prints it in plain digits (not -0, inf,
+-- nan, a fraction, nor 1e+14 and up, which it prints with an exponent).
 local function is_count(v)
-  return type(v) == 'number' and v >= 0 and v == math.floor(v)
+  return type(v) == 'number' and string.match(tostring(v), '^%d+$') ~= nil
+end
+
+-- A pod index value "<state>:<ms>:<token>:<node>" (index.lua); all nil when it
+-- is not one.
+local function parse_index(v)
+  local s, t, token, n = string.match(v, '^(%a+):(%d+):([%w]*):(.*)$')
+  return s, tonumber(t), token, n
 end
 
 -- The ledger's epoch: the replication id of the primary running this script.

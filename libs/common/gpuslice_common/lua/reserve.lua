@@ -18,12 +18,22 @@ local restoring = (ARGV[4] or '') ~= ''
 if not restoring and not rebuilt() then
   return {'rebuilding'}
 end
-local fp = cjson.decode(ARGV[3])
+-- both read before anything is written: what cannot be read changes nothing
+local rec, fp = cjson.decode(ARGV[2]), cjson.decode(ARGV[3])
+if type(rec) ~= 'table' or type(rec.containers) ~= 'table' or type(fp) ~= 'table' or #fp == 0 then
+  return {'fail', '', 'InvalidRequest'}
+end
+local seen = {}
 for _, f in ipairs(fp) do
-  local u, mem, cores, slots, excl = f[1], f[2], f[3], f[4], f[5]
-  if type(u) ~= 'string' or not is_count(mem) or not is_count(cores) or not is_count(slots) then
-    return {'fail', tostring(u), 'InvalidRequest'}
+  if type(f) ~= 'table' then
+    return {'fail', '', 'InvalidRequest'}
   end
+  local u, mem, cores, slots, excl = f[1], f[2], f[3], f[4], f[5]
+  if type(u) ~= 'string' or seen[u] or not is_count(mem) or not is_count(cores)
+      or not is_count(slots) or (excl ~= 0 and excl ~= 1) then
+    return {'fail', tostring(u), 'InvalidRequest'}  -- a card listed twice passes each check alone
+  end
+  seen[u] = true
   if gget(u, 'present') ~= '1' then
     return {'fail', u, 'CardNotFound'}
   end
@@ -68,7 +78,6 @@ for _, f in ipairs(fp) do
   end
 end
 
-local rec = cjson.decode(ARGV[2])
 rec.state = 'reserved'
 rec.footprint = fp
 rec.allocated_containers = 0
