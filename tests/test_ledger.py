@@ -810,7 +810,7 @@ async def test_a_reserve_is_one_round_trip_where_every_key_is_on_one_server(
     server = Redis.from_url(redis_url)  # a client of its own, not counted
     try:
         before = await evalsha_calls(server)
-        _, created = await ledger.reserve_new(placement("pod-1", "node-a", [[(0, 10, 1)]]))
+        _, created, _ = await ledger.reserve_new(placement("pod-1", "node-a", [[(0, 10, 1)]]))
         assert created
         assert sent == ["EVALSHA"]
         assert await evalsha_calls(server) - before == 1
@@ -855,7 +855,7 @@ async def test_many_reserves_of_one_pod_on_two_nodes_at_once_leave_one(redis_url
 
         async def attempt(uid: str, node: str, led: Ledger) -> tuple[str, bool] | str:
             try:
-                reserved, created = await led.reserve_new(placement(uid, node, [[(0, 10, 0)]]))
+                reserved, created, _ = await led.reserve_new(placement(uid, node, [[(0, 10, 0)]]))
             except AlreadyReserved as exc:
                 return exc.node
             return reserved.node, created

@@ -240,7 +240,7 @@ async def test_each_redis_user_runs_its_part_of_the_ledger_and_nothing_else(
             assert await scheduler.nodes() == ["node-1", "node-2"]
             assert set(await scheduler.read_nodes(["node-1"])) == {"node-1"}
             assert await scheduler.revisions(["node-1"])
-            _, new = await scheduler.reserve_new(placement("p1", "node-1", [[(0, 100, 1)]]))
+            _, new, _ = await scheduler.reserve_new(placement("p1", "node-1", [[(0, 100, 1)]]))
             assert new
             assert await asyncio.wait_for(changed.get(), 5) == "node-1"
             await scheduler.mark_bound("p1", "node-1")

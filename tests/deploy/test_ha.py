@@ -830,7 +830,7 @@ async def test_the_redis_cluster_component_runs_the_ledger_and_survives_losing_a
         try:
             assert await registered(inventory, nodes)
             assert await scheduler.nodes() == nodes
-            _, new = await scheduler.reserve_new(placement("p1", "node-1", [[(0, 100, 1)]]))
+            _, new, _ = await scheduler.reserve_new(placement("p1", "node-1", [[(0, 100, 1)]]))
             assert new
             await scheduler.mark_bound("p1", "node-1")
             assert await inventory.allocate("node-1", 1, "request-1") is not None

@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from importlib import resources
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
@@ -216,6 +216,14 @@ class NodeCards:
     cards: list[StoredCard]
     rev: int
     rebuilt: bool
+
+
+class Reservation(NamedTuple):
+    """What :meth:`Ledger.reserve_new` did."""
+
+    placement: Placement
+    created: bool  # False: the pod's live reservation on the node, made before
+    rev: int  # the node's revision with the reservation counted; 0 when not created
 
 
 @dataclass(frozen=True)
@@ -844,7 +852,7 @@ class Ledger:
         ReservationConflict when a card cannot take it, AlreadyReserved when the
         pod is reserved, or being reserved, on another node.
         """
-        return (await self.reserve_new(placement))[0]
+        return (await self.reserve_new(placement)).placement
 
     async def restore(self, placement: Placement, running: bool) -> tuple[Placement, bool]:
         """Put back a pod's reservation from its own durable record (after Redis lost
@@ -856,18 +864,17 @@ class Ledger:
         all count; the one refused raises ReservationConflict. Returns the
         placement and whether this call restored it."""
         state = "allocated" if running else "bound"
-        restored, new = await self.reserve_new(placement, restoring=state)
+        restored, new, _ = await self.reserve_new(placement, restoring=state)
         if new and not running:
             restored = await self.mark_bound(placement.pod.uid, placement.node)
         return restored, new
 
     @_gated
-    async def reserve_new(
-        self, placement: Placement, *, restoring: str = ""
-    ) -> tuple[Placement, bool]:
-        """:meth:`reserve`, also saying whether this call made the reservation (True)
-        or found the pod's live one on the node (False). ``restoring`` is for
-        :meth:`restore` only. Raises LedgerRebuilding on a node not stamped rebuilt."""
+    async def reserve_new(self, placement: Placement, *, restoring: str = "") -> Reservation:
+        """:meth:`reserve`, also saying whether this call made the reservation or
+        found the pod's live one on the node, and the node's revision it made.
+        ``restoring`` is for :meth:`restore` only. Raises LedgerRebuilding on a
+        node not stamped rebuilt."""
         uid, node = placement.pod.uid, placement.node
         keys = self.node_keys(node).all()
         footprint = [
@@ -887,7 +894,8 @@ class Ledger:
             raise LedgerRebuilding(node)
         if reply[0] == "fail":
             raise ReservationConflict(node, reply[1], reply[2])
-        return _placement_from_record(reply[1]), reply[0] == "ok"
+        made = reply[0] == "ok"
+        return Reservation(_placement_from_record(reply[1]), made, int(reply[2]) if made else 0)
 
     async def _reserve_in_steps(
         self, uid: str, node: str, keys: list[str], args: list[Any]

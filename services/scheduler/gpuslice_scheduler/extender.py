@@ -309,7 +309,7 @@ class Extender:
                 raise BindError(f"node {args.node} cannot take the pod: {ev.detail[0]}")
             chosen = placement(self.view.cluster, demand, ev, 0)
             try:
-                reserved, created = await self.ledger.reserve_new(chosen)
+                reserved, created, rev = await self.ledger.reserve_new(chosen)
             except ReservationConflict as exc:
                 await self._reread(args.node)
                 if attempt == 0:
@@ -327,7 +327,7 @@ class Extender:
             except LedgerError as exc:
                 raise BindError(f"ledger: {exc}") from None
             if created:
-                self.view.apply(reserved)
+                self.view.apply(reserved, rev)
                 await self._publish(EventType.ALLOC_RESERVED, reserved)
             return reserved, created
         raise BindError(f"node {args.node} keeps changing; try again")  # pragma: no cover

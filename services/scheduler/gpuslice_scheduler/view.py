@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError, NodeCards, StoredCard
 from gpuslice_common.models import Placement
@@ -69,6 +69,9 @@ class ClusterView:
         self.synced = False
         # registered nodes not stamped rebuilt yet: the ledger refuses to reserve there
         self.rebuilding: set[str] = set()
+        # per node, reservations made here and counted before a read showed them:
+        # (the node's revision with the reservation, the placement)
+        self._pending: dict[str, list[tuple[int, Placement]]] = {}
 
     async def sync(self) -> int:
         """Re-read nodes that changed (and new ones); returns how many were re-read.
@@ -94,6 +97,7 @@ class ClusterView:
             self.epochs.pop(node, None)
             self.rebuilding.discard(node)
             self.skipped.pop(node, None)
+            self._pending.pop(node, None)
         if updated or removed or not self.synced:
             self._rebuild(updated, removed)
         self.synced = True
@@ -109,6 +113,7 @@ class ClusterView:
             if isinstance(got, NodeCards):
                 self.rows[node] = [_row(card) for card in got.cards]
                 self.revs[node] = got.rev
+                self._settle({node: got.rev})
                 if got.rebuilt:
                     self.rebuilding.discard(node)
                 else:
@@ -138,6 +143,9 @@ class ClusterView:
                     break
         if not in_place:
             self.cluster = Cluster.from_rows(sorted(self.rows.items()))
+            self._recount(list(self._pending))
+        else:
+            self._recount([n for n in changed if n in self._pending])
 
     def _update_node(self, cluster: Cluster, node: str) -> bool:
         """Overwrite one node's usage in place; False when its card list changed shape."""
@@ -164,12 +172,23 @@ class ClusterView:
         """Indexes of the known nodes among ``names`` (in order), and the unknown names."""
         return self.cluster.lookup(names)
 
-    def apply(self, placement: Placement) -> None:
-        """Count a reservation made by this process at once; the next sync re-reads the node."""
-        cluster = self.cluster
-        node = cluster.node_index.get(placement.node)
-        if node is None:
+    def apply(self, placement: Placement, rev: int) -> None:
+        """Count a reservation this process made, at once; ``rev`` is the node's
+        revision the reservation produced.
+
+        A re-read of the node at that revision or later has counted it already;
+        one from before (in flight while the reservation was made) must not wipe
+        it out: it stays counted over such reads until a read reaches ``rev``.
+        """
+        node = placement.node
+        if (self.revs.get(node) or -1) >= rev or node not in self.cluster.node_index:
             return
+        self._pending.setdefault(node, []).append((rev, placement))
+        self._count(placement)
+
+    def _count(self, placement: Placement) -> None:
+        cluster = self.cluster
+        node = cluster.node_index[placement.node]
         lo, hi = int(cluster.node_start[node]), int(cluster.node_start[node + 1])
         where = {u: lo + k for k, u in enumerate(cluster.uuids[lo:hi])}
         for uuid, fp in placement.footprint().items():
@@ -181,7 +200,20 @@ class ClusterView:
             cluster.used_slots[c] += fp.slots
             cluster.owned[c] |= fp.exclusive
         cluster.touch([node])
-        self.revs[placement.node] = -1
+
+    def _settle(self, read: dict[str, int]) -> None:
+        """Forget the reservations that the reads ``read`` (node -> revision) counted."""
+        for node, rev in read.items():
+            pending = [p for p in self._pending.pop(node, ()) if p[0] > rev]
+            if pending:
+                self._pending[node] = pending
+
+    def _recount(self, nodes: Iterable[str]) -> None:
+        """Count again, over fresh reads of ``nodes``, the reservations they lack."""
+        for node in nodes:
+            for _, placement in self._pending.get(node, ()):
+                if node in self.cluster.node_index:
+                    self._count(placement)
 
     async def refresh(self, nodes: Sequence[str]) -> None:
         """Re-read ``nodes`` now (announced changes, a lost race)."""

@@ -42,11 +42,12 @@ end
 -- node's meta key on <p>:changes, so readers that keep a copy re-read only the
 -- nodes that changed.
 local function bump()
-  redis.call('HINCRBY', META, 'rev', 1)
+  local rev = redis.call('HINCRBY', META, 'rev', 1)
   local prefix = string.match(META, '^(.*):{[^}]*}:meta$')
   if prefix then
     redis.call('PUBLISH', prefix .. ':changes', META)
   end
+  return rev
 end
 
 -- A whole number Redis takes as one: Lua prints it in plain digits (not -0, inf,

@@ -7,7 +7,8 @@
 --         capacity and exclusivity only (not health or cordon: the pod holds the
 --         cards already), so two records that claim more than a card holds never
 --         both count
--- Returns {'ok', record} | {'exists', record} | {'fail', uuid, reason} | {'rebuilding'}
+-- Returns {'ok', record, the node's revision now} | {'exists', record}
+--       | {'fail', uuid, reason} | {'rebuilding'}
 local uid = ARGV[1]
 local existing = load_pod(uid)
 if existing and existing.state ~= 'released' then
@@ -89,5 +90,5 @@ if ARGV[4] == 'allocated' then
   rec.times.allocated = rec.times.reserved
 end
 redis.call('ZREM', RELEASED, uid)
-bump()
-return {'ok', save_pod(uid, rec)}
+local rev = bump()
+return {'ok', save_pod(uid, rec), rev}
