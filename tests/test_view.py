@@ -51,7 +51,8 @@ async def test_a_read_from_before_a_reservation_does_not_wipe_out_its_count(
     view = await synced_view(ledger)
     before = await ledger.read_nodes([NODE])
     made = await ledger.reserve_new(placement("p1", NODE, [[(0, 8000, 50)]]))
-    assert made.created and made.rev > 0
+    assert made.created
+    assert made.rev > 0
     view.apply(made.placement, made.rev)
     assert await used_mem(view) == [8000, 0]
     serve_once(ledger, before)  # landed late
