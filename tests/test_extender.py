@@ -572,6 +572,25 @@ async def test_trace_replay_through_the_live_extender(redis_url: str) -> None:
         await ledger.close()
 
 
+async def test_two_replicas_placing_at_once_never_over_commit_a_card(redis_url: str) -> None:
+    from gpuslice_scheduler.sim import PodClass, TraceNode, arrivals
+    from gpuslice_scheduler.via import replay_via_replicas
+
+    # few cards and many pods: the two schedulers race for the same cards
+    nodes = [TraceNode(f"n{i}", 64000, 262144, 2, "T4") for i in range(3)]
+    pods = [PodClass(1000, 1024, 1, 300, ()), PodClass(1000, 1024, 1, 700, ())]
+    first, second = local_settings(redis_url), local_settings(redis_url)
+    async with running(first, LocalKubeApi()), running(second, LocalKubeApi()):
+        urls = [f"http://127.0.0.1:{s.listen_port}" for s in (first, second)]
+        result = await replay_via_replicas(urls, redis_url, nodes, pods, sample=60)
+    expected = len(arrivals(pods, 6000, 1.3, 42)[:60])
+    assert [r.pods for r in result.replicas] == [(expected + 1) // 2, expected // 2]
+    assert all(r.scheduled_pods > 0 for r in result.replicas)
+    assert result.overcommitted == []
+    assert 0 < result.milli_gpu_allocation_ratio <= 100
+    assert result.extender_pods_per_second > 0
+
+
 async def test_an_unexpected_failure_is_an_error_reply_not_a_500(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -194,36 +194,110 @@ async def replay_via(
     progress: Callable[[float], None] | None = None,
 ) -> ViaResult:
     """Replay ``sample`` pods of the seeded arrival order through the extender at ``url``."""
-    connection = Connection(url)  # checks the URL before anything is registered
+    result = await replay_via_replicas(
+        [url],
+        redis_url,
+        nodes,
+        pods,
+        seed=seed,
+        sample=sample,
+        inflation=inflation,
+        split_count=split_count,
+        ledger_prefix=ledger_prefix,
+        progress=progress,
+    )
+    return result.replicas[0]
+
+
+@dataclass
+class ReplicasResult:
+    """Several schedulers replaying at once, each through its own extender replica."""
+
+    replicas: list[ViaResult]
+    milli_gpu_allocation_ratio: float
+    extender_pods_per_second: float  # all replicas together
+    wall_seconds: float
+    overcommitted: list[str]  # cards holding more than their capacity, and ledger mismatches
+
+
+async def replay_via_replicas(
+    urls: Sequence[str],
+    redis_url: str,
+    nodes: Sequence[TraceNode],
+    pods: Sequence[PodClass],
+    *,
+    seed: int = 42,
+    sample: int = 1000,
+    inflation: float = 1.3,
+    split_count: int = SPLIT_COUNT,
+    ledger_prefix: str = "gpuslice",
+    progress: Callable[[float], None] | None = None,
+) -> ReplicasResult:
+    """Replay the seeded arrival order through the extenders at ``urls`` at once,
+    as that many kube-schedulers would: each takes every len(urls)-th pod, keeps
+    its own view of node CPU and memory, and binds through its own replica, so
+    the replicas race for the same cards in the one ledger. Afterwards every
+    card is checked against its capacity and every node's usage against its
+    reservations."""
+    connections = [Connection(url) for url in urls]  # checks the URLs first
     ledger = Ledger.from_url(redis_url, prefix=ledger_prefix)
     try:
         await register(ledger, nodes, split_count)
-        async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=30.0) as http:
-            await wait_ready(http, sum(1 for n in nodes if n.gpus > 0))
+        for url in urls:
+            async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=30.0) as http:
+                await wait_ready(http, sum(1 for n in nodes if n.gpus > 0))
+        capacity = 1000 * sum(n.gpus for n in nodes)
+        order = arrivals(pods, capacity, inflation, seed)[:sample]
+        started = time.perf_counter()
         try:
-            result = await _drive(connection, nodes, pods, seed, sample, inflation, progress)
+            results = await asyncio.gather(
+                *(
+                    _drive(
+                        c, nodes, pods, order[k :: len(urls)], seed, progress if k == 0 else None
+                    )
+                    for k, c in enumerate(connections)
+                )
+            )
         finally:
-            await connection.close()
-        states = await ledger.nodes_gpus([n.name for n in nodes if n.gpus > 0])
+            for connection in connections:
+                await connection.close()
+        wall = time.perf_counter() - started
+        names = [n.name for n in nodes if n.gpus > 0]
+        states = await ledger.nodes_gpus(names)
+        overcommitted = [
+            f"{g.device.uuid}: {g.used} over {g.capacity}"
+            for s in states.values()
+            for g in s
+            if g.used.memory_mib > g.capacity.memory_mib
+            or g.used.cores > g.capacity.cores
+            or g.used.slots > g.capacity.slots
+        ]
+        for name in names:
+            overcommitted += await ledger.check_node(name)
     finally:
         await ledger.close()
     cores = sum(g.used.cores * 1000 // max(g.capacity.cores, 1) for s in states.values() for g in s)
-    capacity = 1000 * sum(len(s) for s in states.values())
-    result.milli_gpu_allocation_ratio = round(100.0 * cores / max(capacity, 1), 3)
-    return result
+    ratio = round(100.0 * cores / max(1000 * sum(len(s) for s in states.values()), 1), 3)
+    for result in results:
+        result.milli_gpu_allocation_ratio = ratio
+    through = sum(int(r.latency_ms[PER_POD]["count"]) for r in results)
+    return ReplicasResult(
+        replicas=list(results),
+        milli_gpu_allocation_ratio=ratio,
+        extender_pods_per_second=round(through / wall, 1) if wall > 0 else 0.0,
+        wall_seconds=round(wall, 3),
+        overcommitted=overcommitted,
+    )
 
 
 async def _drive(
     http: Connection,
     nodes: Sequence[TraceNode],
     pods: Sequence[PodClass],
+    order: Sequence[int],
     seed: int,
-    sample: int,
-    inflation: float,
     progress: Callable[[float], None] | None,
 ) -> ViaResult:
-    capacity = 1000 * sum(n.gpus for n in nodes)
-    order = arrivals(pods, capacity, inflation, seed)[:sample]
     cpu = np.asarray([n.cpu_milli for n in nodes], dtype=float)
     mem = np.asarray([n.memory_mib for n in nodes], dtype=float)
     gpus = np.asarray([n.gpus for n in nodes])
@@ -256,7 +330,8 @@ async def _drive(
             chosen = int(fits[0]) if fits.size else -1
         else:
             began = time.perf_counter()
-            chosen = await _place(call, pod_json(pod, f"sim-{seed}-{i}"), fits, gpus, names, index)
+            name = f"sim-{seed}-{http.port}-{i}"
+            chosen = await _place(call, pod_json(pod, name), fits, gpus, names, index)
             if chosen >= 0:
                 latency[PER_POD].append(time.perf_counter() - began)
             bind_errors += chosen == -2
