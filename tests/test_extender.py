@@ -944,3 +944,15 @@ async def test_without_node_resources_cpu_is_not_weighed(redis_url: str) -> None
         demand = extender._demand(asking_cpu(gpu_pod("p", mem=1000, cores=10), "64"))
         assert demand is not None
         assert (demand.cpu, demand.memory) == (0.0, 0.0)
+
+
+async def test_a_pods_cpu_is_weighed_once_some_node_is_known(stack: Stack) -> None:
+    pod = asking_cpu(gpu_pod("p", mem=1000, cores=10), "2")
+    demand = stack.extender._demand(pod)
+    assert demand is not None
+    assert demand.cpu == 0.0  # no node's CPU is known: pods stay one kind
+    stack.kube.add_node(k8s_node("node-a", cpu="4"))
+    await free_cpu(stack, "node-a", 4000.0)
+    demand = stack.extender._demand(pod)
+    assert demand is not None
+    assert (demand.cpu, demand.memory) == (2000.0, 0.0)

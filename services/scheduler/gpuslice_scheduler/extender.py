@@ -127,11 +127,17 @@ class Extender:
     def _node_request(self, pod: dict[str, Any]) -> tuple[float, float]:
         """The pod's CPU (milli) and memory (MiB) request, where nodes' are followed.
 
-        Raises :class:`~gpuslice_scheduler.requested.ResourceError` (a
+        While no node's CPU and memory are known (no Node objects yet, or an
+        API without them: the dev stack's), the request changes no answer, and
+        is left out so that pods differing only in it stay one kind for the
+        engine. Raises :class:`~gpuslice_scheduler.requested.ResourceError` (a
         RequestError) when a quantity cannot be read."""
         if self.view.resources is None:
             return 0.0, 0.0
         amount = pod_request(pod)
+        self.view.follow_resources()
+        if not self.view.weighs_resources():
+            return 0.0, 0.0
         return float(amount.cpu), amount.memory_mib
 
     async def close(self) -> None:

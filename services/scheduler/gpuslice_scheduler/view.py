@@ -31,6 +31,8 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError, NodeCards, StoredCard
 from gpuslice_common.models import Placement
 from gpuslice_scheduler.cluster import Cluster, Ints, Row
@@ -208,6 +210,10 @@ class ClusterView:
                 touched.append(i)
         if touched:
             cluster.touch(touched)
+
+    def weighs_resources(self) -> bool:
+        """Whether any node of the copy has a known free CPU and memory."""
+        return bool(np.isfinite(self.cluster.node_cpu_free).any())
 
     def node_indexes(self, names: Sequence[str]) -> tuple[Ints, list[str]]:
         """Indexes of the known nodes among ``names`` (in order), and the unknown names."""
