@@ -10,6 +10,7 @@ until they expire."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -51,10 +52,12 @@ class Recorded:
 @dataclass
 class Stream:
     """A watch's answer: each event a JSON line in its own HTTP chunk, then the
-    response held open ``hold`` seconds (or until the server stops) and ended."""
+    response held open ``hold`` seconds (or until the server stops) and ended;
+    or, with ``cut``, the connection dropped after the events, mid-response."""
 
     events: list[Any]
     hold: float = 0.0
+    cut: bool = False
 
 
 @dataclass
@@ -124,6 +127,10 @@ def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                     line = event if isinstance(event, bytes) else json.dumps(event).encode() + b"\n"
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
                     self.wfile.flush()
+                if stream.cut:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 state.stopping.wait(stream.hold)
                 self.wfile.write(b"0\r\n\r\n")
             except OSError:

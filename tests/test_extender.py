@@ -19,7 +19,7 @@ import pytest
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import SchedulerSettings, load
 from gpuslice_common.events import CloudEvent, EventType
-from gpuslice_common.kube import KubeError, LocalKubeApi
+from gpuslice_common.kube import KubeError, LocalKubeApi, WatchEvent
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import PLACEMENT_ANNOTATION, DeviceSelector, Placement, PlacementState
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
@@ -60,10 +60,22 @@ def gpu_pod(
 
 class FlakyKube(LocalKubeApi):
     """The local API, but Binding creation fails while ``fail_binding`` is set, or
-    succeeds and loses its reply while ``lose_reply`` is set."""
+    succeeds and loses its reply while ``lose_reply`` is set; and pod watches
+    show nothing more while ``pod_events`` is clear."""
 
     fail_binding = False
     lose_reply = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pod_events = asyncio.Event()
+        self.pod_events.set()
+
+    async def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
+        async with contextlib.aclosing(super().watch_pods(resource_version)) as events:
+            async for event in events:
+                await self.pod_events.wait()
+                yield event
 
     async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
         if self.fail_binding:
@@ -845,3 +857,121 @@ async def test_a_huge_body_gets_413_without_the_extender_holding_it(
     assert grown_peak < body // 2
     assert grown < body // 2
     assert "Traceback" not in log.read_text()
+
+
+# ---------------------------------------------------------------- node CPU and memory
+
+
+def k8s_node(name: str, cpu: str, memory: str = "64Gi") -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "status": {"allocatable": {"cpu": cpu, "memory": memory}},
+    }
+
+
+def asking_cpu(pod: dict[str, Any], cpu: str) -> dict[str, Any]:
+    """``pod`` with its container requesting ``cpu``."""
+    pod["spec"]["containers"][0]["resources"]["requests"] = {"cpu": cpu}
+    return pod
+
+
+def plain_pod(name: str, node: str, cpu: str) -> dict[str, Any]:
+    """A pod without GPUs, bound to ``node`` by someone else (kube-scheduler)."""
+    return {
+        "metadata": {"name": name, "namespace": "other", "uid": f"uid-{name}"},
+        "spec": {
+            "nodeName": node,
+            "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}],
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+async def free_cpu(stack: Stack, node: str, milli: float) -> None:
+    """Wait until the extender's follow of nodes and pods says ``node`` has ``milli`` free."""
+    resources = stack.extender.view.resources
+    assert resources is not None
+    for _ in range(500):
+        if resources.free(node)[0] == milli:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{node}: {resources.free(node)[0]} milli-CPU free, not {milli}")
+
+
+async def test_a_node_short_of_cpu_fails_the_filter_and_scores_nothing(stack: Stack) -> None:
+    stack.kube.add_node(k8s_node("node-a", cpu="2"))
+    stack.kube.add_node(k8s_node("node-b", cpu="16"))
+    stack.kube.add_pod(plain_pod("busy", "node-a", "1500m"))
+    await free_cpu(stack, "node-a", 500.0)
+    pod = asking_cpu(gpu_pod("wants-cpu", mem=1000, cores=10), "1")
+    reply = (await stack.post("filter", args(pod, "node-a", "node-b", "node-c"))).json()
+    # node-c: no Node object known, so kube-scheduler's own check decides
+    assert reply["NodeNames"] == ["node-b", "node-c"]
+    assert reply["FailedNodes"] == {"node-a": "node CPU or memory is short"}
+    scores = (await stack.post("prioritize", args(pod, "node-a", "node-b"))).json()
+    assert {s["Host"]: s["Score"] for s in scores} == {"node-a": 0, "node-b": 10}
+    # the busy pod ends: the node takes the pod again
+    stack.kube.set_phase("other", "busy", "Succeeded")
+    await free_cpu(stack, "node-a", 2000.0)
+    reply = (await stack.post("filter", args(pod, "node-a"))).json()
+    assert reply["NodeNames"] == ["node-a"]
+
+
+async def test_a_pod_whose_cpu_cannot_be_read_fails_the_filter_naming_it(stack: Stack) -> None:
+    pod = asking_cpu(gpu_pod("garbled", mem=1000, cores=10), "one")
+    reply = (await stack.post("filter", args(pod, "node-a"))).json()
+    assert reply["Error"].startswith("gpuslice: container 'main': cpu has an invalid value")
+
+
+async def test_a_bind_counts_the_pods_cpu_at_once_and_its_watch_event_not_again(
+    stack: Stack,
+) -> None:
+    stack.kube.add_node(k8s_node("node-a", cpu="4"))
+    stack.kube.add_node(k8s_node("node-b", cpu="8"))
+    await free_cpu(stack, "node-a", 4000.0)
+    pod = await stack.add(asking_cpu(gpu_pod("p", mem=1000, cores=10), "1"))
+    stack.kube.pod_events.clear()  # the watch shows no pod change for now
+    assert (await stack.bind(pod, "node-a")).json() == {"Error": ""}
+    await free_cpu(stack, "node-a", 3000.0)  # counted by the bind itself
+    big = asking_cpu(gpu_pod("big", mem=1000, cores=10), "3500m")
+    assert (await stack.post("filter", args(big, "node-a"))).json()["NodeNames"] == []
+    stack.kube.pod_events.set()
+    # a pod bound after it: once the watch shows that one, it has shown the bind too
+    stack.kube.add_pod(plain_pod("later", "node-b", "1"))
+    await free_cpu(stack, "node-b", 7000.0)
+    await free_cpu(stack, "node-a", 3000.0)
+
+
+async def test_a_failed_bind_takes_its_cpu_back(stack: Stack) -> None:
+    stack.kube.add_node(k8s_node("node-a", cpu="4"))
+    await free_cpu(stack, "node-a", 4000.0)
+    pod = await stack.add(asking_cpu(gpu_pod("p", mem=1000, cores=10), "1"))
+    stack.kube.fail_binding = True
+    assert "binding refused" in (await stack.bind(pod, "node-a")).json()["Error"]
+    await free_cpu(stack, "node-a", 4000.0)
+    plain = await stack.add(asking_cpu(gpu_pod("plain", gpus=0), "2"))
+    assert "binding refused" in (await stack.bind(plain, "node-a")).json()["Error"]
+    await free_cpu(stack, "node-a", 4000.0)
+
+
+async def test_without_node_resources_cpu_is_not_weighed(redis_url: str) -> None:
+    settings = local_settings(redis_url).model_copy(update={"node_resources": False})
+    kube = LocalKubeApi()
+    kube.add_node(k8s_node("node-a", cpu="1"))
+    async with running(settings, kube) as (extender, _):
+        assert extender.view.resources is None
+        demand = extender._demand(asking_cpu(gpu_pod("p", mem=1000, cores=10), "64"))
+        assert demand is not None
+        assert (demand.cpu, demand.memory) == (0.0, 0.0)
+
+
+async def test_a_pods_cpu_is_weighed_once_some_node_is_known(stack: Stack) -> None:
+    pod = asking_cpu(gpu_pod("p", mem=1000, cores=10), "2")
+    demand = stack.extender._demand(pod)
+    assert demand is not None
+    assert demand.cpu == 0.0  # no node's CPU is known: pods stay one kind
+    stack.kube.add_node(k8s_node("node-a", cpu="4"))
+    await free_cpu(stack, "node-a", 4000.0)
+    demand = stack.extender._demand(pod)
+    assert demand is not None
+    assert (demand.cpu, demand.memory) == (2000.0, 0.0)

@@ -222,6 +222,18 @@ def pod_named(name: str, phase: str = "Running", namespace: str = "team-a") -> d
     return {"metadata": {"name": name, "namespace": namespace}, "status": {"phase": phase}}
 
 
+def node_named(name: str, cpu: str = "8", memory: str = "32Gi") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name},
+        "status": {"allocatable": {"cpu": cpu, "memory": memory}},
+    }
+
+
+NODE = node_named("gpu-1")
+
+
 async def test_get_namespace_returns_server_json(server: FakeApiServer, api: KubernetesApi) -> None:
     server.answer("GET", NAMESPACE_PATH, 200, NAMESPACE)
     assert await api.get_namespace("team-a") == NAMESPACE
@@ -298,6 +310,49 @@ async def test_list_all_pods_reads_every_namespace_in_pages(
     pods = await api.list_all_pods()
     assert [pod["metadata"]["name"] for pod in pods] == ["a", "done"]
     assert all("fieldSelector" not in r.query for r in server.requests)  # every phase
+
+
+async def test_list_all_pods_names_the_version_of_its_first_page(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    def pages(query: dict[str, str]) -> dict[str, Any]:
+        if query.get("continue") == "next":
+            return {**a_list("PodList", [pod_named("b")]), "metadata": {"resourceVersion": "99"}}
+        return a_list("PodList", [pod_named("a")], token="next")
+
+    server.answer("GET", "/api/v1/pods", 200, pages)
+    pods = await api.list_all_pods()
+    assert pods.resource_version == "42"  # a watch from it misses nothing
+
+
+async def test_list_without_a_version_names_none(server: FakeApiServer, api: KubernetesApi) -> None:
+    server.answer("GET", "/api/v1/nodes", 200, {"kind": "NodeList", "items": [NODE]})
+    nodes = await api.list_nodes()
+    assert (list(nodes), nodes.resource_version) == ([NODE], "")
+
+
+async def test_list_nodes_reads_every_node_in_pages(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    def pages(query: dict[str, str]) -> dict[str, Any]:
+        if query.get("continue") == "next":
+            return a_list("NodeList", [node_named("b")])
+        return a_list("NodeList", [node_named("a")], token="next")
+
+    server.answer("GET", "/api/v1/nodes", 200, pages)
+    nodes = await api.list_nodes()
+    assert [node["metadata"]["name"] for node in nodes] == ["a", "b"]
+    assert nodes.resource_version == "42"
+    assert [r.query.get("limit") for r in server.requests] == ["500", "500"]
+
+
+async def test_list_nodes_forbidden_is_a_kube_error(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    denied = 'nodes is forbidden: User "x" cannot list resource "nodes"'
+    server.answer("GET", "/api/v1/nodes", 403, status_body(403, "Forbidden", denied))
+    with pytest.raises(KubeError, match="listing the nodes failed: HTTP 403 Forbidden: " + denied):
+        await api.list_nodes()
 
 
 @pytest.mark.parametrize(
@@ -391,6 +446,35 @@ async def test_watch_of_a_gone_version_raises_watch_expired(
     server.answer("GET", "/api/v1/pods", 410, gone)
     with pytest.raises(WatchExpired, match="too old resource version: 41"):
         await first_events(api, 1, "41")
+
+
+async def test_node_watch_streams_events_from_a_version(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    events = [
+        {"type": "ADDED", "object": node_named("a")},
+        {"type": "BOOKMARK", "object": {"kind": "Node", "metadata": {"resourceVersion": "77"}}},
+        {"type": "DELETED", "object": node_named("a")},
+    ]
+    server.answer("GET", "/api/v1/nodes", 200, Stream(events))
+    got = [event async for event in api.watch_nodes("41")]
+    assert got == [(e["type"], e["object"]) for e in events]
+    (request,) = server.requests
+    assert request.path.split("?")[0] == "/api/v1/nodes"
+    assert (request.query["watch"], request.query["resourceVersion"]) == ("true", "41")
+    assert request.query["allowWatchBookmarks"] == "true"
+
+
+async def test_node_watch_of_a_gone_version_raises_watch_expired(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    gone = status_body(410, "Expired", "too old resource version: 41 (900)")
+    server.answer("GET", "/api/v1/nodes", 200, Stream([{"type": "ERROR", "object": gone}]))
+    with pytest.raises(WatchExpired, match="watching the nodes: too old resource version: 41"):
+        await anext(api.watch_nodes("41"))
+    server.answer("GET", "/api/v1/nodes", 410, gone)
+    with pytest.raises(WatchExpired, match="too old resource version: 41"):
+        await anext(api.watch_nodes("41"))
 
 
 @pytest.mark.parametrize(
@@ -733,6 +817,56 @@ async def test_local_watch_resumes_from_a_version_and_refuses_a_gone_one() -> No
         await first_events(api, 1, "not-a-version")
 
 
+async def test_local_nodes_are_listed_as_copies_with_their_version() -> None:
+    api = LocalKubeApi()
+    api.add_node(node_named("a"))
+    api.set_allocatable("a", cpu="4")
+    nodes = await api.list_nodes()
+    assert nodes[0]["status"]["allocatable"] == {"cpu": "4", "memory": "32Gi"}
+    assert nodes.resource_version == api.resource_version == "2"
+    nodes[0]["metadata"]["name"] = "changed-by-caller"
+    assert [n["metadata"]["name"] for n in await api.list_nodes()] == ["a"]
+    with pytest.raises(ValueError, match=r"metadata\.name"):
+        api.add_node({"metadata": {}})
+    with pytest.raises(NotFound, match="node nope"):
+        api.set_allocatable("nope", cpu="1")
+
+
+async def test_local_node_watch_from_now_lists_then_follows_every_change() -> None:
+    api = LocalKubeApi()
+    api.add_node(node_named("a"))
+    events = api.watch_nodes()
+    assert (await anext(events))[0] == "ADDED"
+    api.add_node(node_named("b"))
+    api.set_allocatable("a", memory="16Gi")
+    api.delete_node("b")
+    got = [await anext(events) for _ in range(3)]
+    await events.aclose()
+    assert [(kind, node["metadata"]["name"]) for kind, node in got] == [
+        ("ADDED", "b"),
+        ("MODIFIED", "a"),
+        ("DELETED", "b"),
+    ]
+    assert got[1][1]["status"]["allocatable"]["memory"] == "16Gi"
+
+
+async def test_local_node_watch_resumes_past_pod_changes_and_refuses_a_gone_version() -> None:
+    api = LocalKubeApi()
+    api.add_node(node_named("a"))
+    since = (await api.list_nodes()).resource_version
+    for i in range(1100):  # pod changes fill the pods' history, not the nodes'
+        api.add_pod(pod_named(f"p{i}"))
+    api.set_allocatable("a", cpu="2")
+    events = api.watch_nodes(since)
+    kind, node = await anext(events)
+    await events.aclose()
+    assert (kind, node["status"]["allocatable"]["cpu"]) == ("MODIFIED", "2")
+    for i in range(1100):  # more node changes than the history holds
+        api.set_allocatable("a", cpu=str(i))
+    with pytest.raises(WatchExpired, match="watching nodes: too old resource version"):
+        await anext(api.watch_nodes(since))
+
+
 async def test_local_satisfies_the_interface() -> None:
     api: KubeApi = local_with_pod()
     await api.bind_pod("ns", "name", "uid-1", "node-a")
@@ -740,6 +874,7 @@ async def test_local_satisfies_the_interface() -> None:
     assert await api.list_resource_quotas("ns") == []
     assert [pod["metadata"]["name"] for pod in await api.list_pods("ns")] == ["name"]
     assert [pod["metadata"]["name"] for pod in await api.list_all_pods()] == ["name"]
+    assert await api.list_nodes() == []
     await api.close()
     assert isinstance(api, LocalKubeApi)
     assert api.closed

@@ -1,11 +1,16 @@
 """The scheduler's copy of the ledger (ClusterView) against a real Redis: what a
-reservation made here counts, whatever order the ledger's re-reads land in."""
+reservation made here counts, whatever order the ledger's re-reads land in; and
+each node's free CPU and memory, from NodeResources."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger, NodeCards
+from gpuslice_scheduler.engine import Demand, Evaluator
+from gpuslice_scheduler.resources import NodeResources
 from gpuslice_scheduler.view import ClusterView
 from tests.conftest import make_inventory
 from tests.test_ledger import placement
@@ -110,3 +115,72 @@ async def test_a_re_read_that_finds_the_node_unchanged_keeps_its_evaluations(
     await view.refresh([NODE])
     assert view.cluster.version > version
     assert await used_mem(view) == [0, 0]
+
+
+def k8s_node(name: str, cpu: str) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"allocatable": {"cpu": cpu, "memory": "8Gi"}}}
+
+
+def bound_pod(name: str, node: str, cpu: str) -> dict[str, Any]:
+    container = {"name": "c", "resources": {"requests": {"cpu": cpu}}}
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": name},
+        "spec": {"nodeName": node, "containers": [container]},
+        "status": {"phase": "Running"},
+    }
+
+
+async def test_free_cpu_and_memory_come_from_node_resources_when_the_copy_is_built(
+    ledger: Ledger,
+) -> None:
+    await ledger.register_node(make_inventory(NODE, gpus=1, memory_mib=16384), rebuilt=True)
+    await ledger.register_node(make_inventory("node-b", gpus=1, memory_mib=16384), rebuilt=True)
+    resources = NodeResources(LocalKubeApi())
+    resources.replace_nodes([k8s_node(NODE, "8")])
+    resources.replace_pods([bound_pod("p", NODE, "3")])
+    view = ClusterView(ledger, resources=resources)
+    await view.sync()
+    a, b = view.cluster.node_index[NODE], view.cluster.node_index["node-b"]
+    assert view.cluster.node_cpu_free[a] == 5000.0
+    assert view.cluster.node_mem_free[a] == 8192.0
+    assert math.isinf(view.cluster.node_cpu_free[b])  # no Node object: not tracked
+
+
+async def test_a_change_reported_by_node_resources_redoes_that_nodes_evaluations(
+    ledger: Ledger,
+) -> None:
+    await ledger.register_node(make_inventory(NODE, gpus=1, memory_mib=16384), rebuilt=True)
+    await ledger.register_node(make_inventory("node-b", gpus=1, memory_mib=16384), rebuilt=True)
+    resources = NodeResources(LocalKubeApi())
+    resources.replace_nodes([k8s_node(NODE, "8"), k8s_node("node-b", "8")])
+    view = ClusterView(ledger, resources=resources)
+    await view.sync()
+    a, b = view.cluster.node_index[NODE], view.cluster.node_index["node-b"]
+    evaluator = Evaluator(view.cluster, None)
+    wants = Demand(None, cpu=6000.0)
+    assert evaluator.evaluate(wants).feasible.tolist() == [True, True]
+    resources.apply_pod("ADDED", bound_pod("p", NODE, "3"))
+    changed_b = int(view.cluster.changed[b])
+    view.follow_resources()
+    assert view.cluster.node_cpu_free[a] == 5000.0
+    assert int(view.cluster.changed[b]) == changed_b  # only the node that changed
+    feasible = evaluator.evaluate(wants).feasible
+    assert (bool(feasible[a]), bool(feasible[b])) == (False, True)
+    version = view.cluster.version
+    view.follow_resources()  # nothing new: nothing redone
+    assert view.cluster.version == version
+
+
+async def test_a_whole_rebuild_of_the_copy_keeps_free_cpu(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory(NODE, gpus=1, memory_mib=16384), rebuilt=True)
+    resources = NodeResources(LocalKubeApi())
+    resources.replace_nodes([k8s_node(NODE, "8"), k8s_node("node-b", "4")])
+    view = ClusterView(ledger, resources=resources)
+    await view.sync()
+    resources.apply_pod("ADDED", bound_pod("p", NODE, "1"))
+    # a new node: the copy is built again, with new arrays
+    await ledger.register_node(make_inventory("node-b", gpus=1, memory_mib=16384), rebuilt=True)
+    await view.sync()
+    cluster = view.cluster
+    free = {name: cluster.node_cpu_free[i] for name, i in cluster.node_index.items()}
+    assert free == {NODE: 7000.0, "node-b": 4000.0}

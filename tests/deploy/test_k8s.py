@@ -167,6 +167,11 @@ def test_each_service_has_exactly_the_permissions_it_uses(objects: list[dict[str
         ("", "pods", "get"),
         ("", "pods", "patch"),
         ("", "pods/binding", "create"),
+        # node CPU and memory: a list and a watch of nodes and of pods, cluster-wide
+        ("", "pods", "list"),
+        ("", "pods", "watch"),
+        ("", "nodes", "list"),
+        ("", "nodes", "watch"),
         *(
             ("coordination.k8s.io", "leases", v)
             for v in ("create", "get", "list", "update", "watch")
@@ -186,6 +191,22 @@ def test_each_service_has_exactly_the_permissions_it_uses(objects: list[dict[str
         and b["subjects"][0]["name"] == "gpuslice-scheduler"
     }
     assert {"system:kube-scheduler", "system:volume-scheduler"} <= shipped
+
+
+def test_the_scheduler_follows_nodes_and_pods_cluster_wide(objects: list[dict[str, Any]]) -> None:
+    """Nodes are cluster-scoped and pods of every namespace count on a node: the
+    role that lists and watches them must be bound for the whole cluster."""
+    (binding,) = [
+        b
+        for b in objects
+        if b["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        and b["roleRef"]["name"] == "gpuslice-scheduler"
+    ]
+    assert binding["kind"] == "ClusterRoleBinding"
+    assert binding["roleRef"]["kind"] == "ClusterRole"
+    assert {(s["name"], s["namespace"]) for s in binding["subjects"]} == {
+        ("gpuslice-scheduler", "gpuslice")
+    }
 
 
 def test_every_container_has_probes_and_resources(objects: list[dict[str, Any]]) -> None:

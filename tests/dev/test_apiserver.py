@@ -116,6 +116,35 @@ async def test_a_quiet_watch_still_delivers_later_changes(
     await events.aclose()
 
 
+def node(name: str, cpu: str = "16") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name},
+        "status": {"allocatable": {"cpu": cpu, "memory": "64Gi"}},
+    }
+
+
+async def test_nodes_are_listed_and_watched_through_the_real_client(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    store, _, client = served
+    store.add_node(node("gpu-1"))
+    listed = await client.list_nodes()
+    assert [n["metadata"]["name"] for n in listed] == ["gpu-1"]
+    assert listed.resource_version == store.resource_version
+    events = client.watch_nodes(listed.resource_version)
+    waiting = asyncio.ensure_future(anext(events))
+    store.set_allocatable("gpu-1", cpu="8")
+    store.delete_node("gpu-1")
+    kind, changed = await asyncio.wait_for(waiting, 5)
+    assert (kind, changed["status"]["allocatable"]["cpu"]) == ("MODIFIED", "8")
+    assert (await asyncio.wait_for(anext(events), 5))[0] == "DELETED"
+    await events.aclose()
+    with pytest.raises(WatchExpired, match="nodes"):
+        await anext(client.watch_nodes("999999"))
+
+
 async def test_requests_without_the_token_or_with_bad_bodies_get_a_status(
     served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
 ) -> None:

@@ -292,6 +292,10 @@ class SchedulerSettings(CommonSettings):
     # kube-scheduler's ExtenderArgs: small with nodeCacheCapable (node names), but
     # with full Node objects several MiB for a few thousand nodes
     max_request_body: BodyCap = ByteSize(64 * MIB)
+    # follow every node's allocatable CPU and memory and every pod's requests
+    # (a list and a watch of Nodes and Pods, as kube-scheduler's cache), so that
+    # placements weigh what nodes have free of them; off, they count as unlimited
+    node_resources: bool = True
 
 
 class InventorySettings(CommonSettings):

@@ -2,15 +2,15 @@
 
 :class:`KubeApi` is the interface: read a Pod, merge-patch its annotations, bind it
 to a node; read a Namespace, list a namespace's ResourceQuotas and its pods that
-have not terminated (what admission checks); list every pod, or watch them
-change. Two implementations stand behind it:
+have not terminated (what admission checks); list every pod or every node, or
+watch them change. Two implementations stand behind it:
 
 * :class:`KubernetesApi` speaks to a real API server through the official
   ``kubernetes`` client. The client is blocking, so every call runs in a worker
   thread, under a request timeout. Objects come back as the server's own JSON
   (camelCase keys), never as client model objects; lists are read page by page;
   a watch is one streamed request, read chunk by chunk in a worker thread.
-* :class:`LocalKubeApi` keeps Pods, namespace labels and ResourceQuotas in
+* :class:`LocalKubeApi` keeps Pods, Nodes, namespace labels and ResourceQuotas in
   memory, for the dev stack and for tests of the services that use this interface.
 
 Every failure surfaces as a :class:`KubeError` whose message reads well for an
@@ -31,7 +31,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -46,6 +46,7 @@ __all__ = [
     "KubeApi",
     "KubeError",
     "KubernetesApi",
+    "Listing",
     "LocalKubeApi",
     "NotFound",
     "PodNotFound",
@@ -73,6 +74,16 @@ T = TypeVar("T")
 # One change of a watched object: the type (ADDED, MODIFIED, DELETED, BOOKMARK)
 # and the object as the server sent it.
 WatchEvent = tuple[str, dict[str, Any]]
+
+
+class Listing(list[dict[str, Any]]):
+    """The items of a list (JSON), and the resource version the list was read at:
+    a watch from that version shows every change the list does not ("" when the
+    server named none: a watch from now, which lists again)."""
+
+    def __init__(self, items: Iterable[dict[str, Any]] = (), resource_version: str = "") -> None:
+        super().__init__(items)
+        self.resource_version = resource_version
 
 
 class KubeError(Exception):
@@ -134,8 +145,12 @@ class KubeApi(Protocol):
         """The namespace's pods that have not terminated: phase neither Succeeded nor Failed."""
         ...
 
-    async def list_all_pods(self) -> list[dict[str, Any]]:
+    async def list_all_pods(self) -> Listing:
         """Every pod of every namespace, whatever its phase (reconciliation)."""
+        ...
+
+    async def list_nodes(self) -> Listing:
+        """Every Node, as the server sends it (camelCase JSON)."""
         ...
 
     async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
@@ -149,6 +164,10 @@ class KubeApi(Protocol):
         ADDED for each pod that exists, then the changes), until the server ends
         the watch. BOOKMARK events only carry the resource version reached.
         Raises :class:`WatchExpired` when ``resource_version`` is too old."""
+        ...
+
+    def watch_nodes(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
+        """The changes of every node, as :meth:`watch_pods` gives those of pods."""
         ...
 
     async def close(self) -> None:
@@ -353,7 +372,7 @@ class KubernetesApi:
 
         return await self._list(f"listing pods of namespace {namespace}", page)
 
-    async def list_all_pods(self) -> list[dict[str, Any]]:
+    async def list_all_pods(self) -> Listing:
         def page(token: str | None) -> Any:
             return self._core.list_pod_for_all_namespaces(
                 limit=PAGE_SIZE,
@@ -363,6 +382,17 @@ class KubernetesApi:
             )
 
         return await self._list("listing the pods of every namespace", page)
+
+    async def list_nodes(self) -> Listing:
+        def page(token: str | None) -> Any:
+            return self._core.list_node(
+                limit=PAGE_SIZE,
+                _continue=token,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+
+        return await self._list("listing the nodes", page)
 
     async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
         what = "reviewing a token"
@@ -384,11 +414,24 @@ class KubernetesApi:
         status = self._object(raw, what).get("status")
         return status if isinstance(status, dict) else {}
 
-    async def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
-        what = "watching the pods of every namespace"
+    def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
+        return self._watch(
+            "watching the pods of every namespace",
+            self._core.list_pod_for_all_namespaces,
+            resource_version,
+        )
+
+    def watch_nodes(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
+        return self._watch("watching the nodes", self._core.list_node, resource_version)
+
+    async def _watch(
+        self, what: str, lister: Callable[..., Any], resource_version: str
+    ) -> AsyncIterator[WatchEvent]:
+        """One watch request through ``lister`` (the client's list call), its
+        events as they come."""
 
         def start() -> Any:
-            return self._core.list_pod_for_all_namespaces(
+            return lister(
                 watch=True,
                 allow_watch_bookmarks=True,
                 resource_version=resource_version or None,
@@ -434,9 +477,10 @@ class KubernetesApi:
             raise KubeError(f"{what} failed: HTTP {code}: {message}", code)
         return kind, obj
 
-    async def _list(self, what: str, page: Callable[[str | None], Any]) -> list[dict[str, Any]]:
-        """Every item of a paged list, following ``metadata.continue``."""
-        items: list[dict[str, Any]] = []
+    async def _list(self, what: str, page: Callable[[str | None], Any]) -> Listing:
+        """Every item of a paged list, following ``metadata.continue``; every page
+        is of one snapshot, whose resource version the first names."""
+        items = Listing()
         token: str | None = None
         while True:
             # A 404 here is no missing namespace (that lists as empty) but a
@@ -448,6 +492,9 @@ class KubernetesApi:
                 raise KubeError(f"{what}: the API server at {self.host} sent a list without items")
             items.extend(item for item in found if isinstance(item, dict))
             metadata = body.get("metadata")
+            version = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
+            if not items.resource_version and isinstance(version, str):
+                items.resource_version = version
             token = metadata.get("continue") if isinstance(metadata, dict) else None
             if not isinstance(token, str) or not token:
                 return items
@@ -611,25 +658,75 @@ class ServiceAccountTokens:
         }
 
 
+class _Changes:
+    """One kind's changes as :class:`LocalKubeApi` numbers them: the last
+    WATCH_HISTORY kept for watches that resume from a version, and the watches
+    open now."""
+
+    def __init__(self, what: str, latest: Callable[[], int]) -> None:
+        self.what = what
+        self.latest = latest  # the version of the latest change, of any kind
+        self.history: collections.deque[tuple[int, WatchEvent]] = collections.deque(
+            maxlen=WATCH_HISTORY
+        )
+        self.forgotten = 0  # the version of the newest change no longer kept
+        self.watchers: set[asyncio.Queue[tuple[int, WatchEvent]]] = set()
+
+    def record(self, version: int, kind: str, obj: dict[str, Any]) -> None:
+        """Keep (a copy of) the change and hand it to every open watch."""
+        if len(self.history) == self.history.maxlen:
+            self.forgotten = self.history[0][0]
+        change = (version, (kind, copy.deepcopy(obj)))
+        self.history.append(change)
+        for queue in self.watchers:
+            queue.put_nowait(change)
+
+    async def watch(
+        self, resource_version: str, objects: Iterable[dict[str, Any]]
+    ) -> AsyncIterator[WatchEvent]:
+        """The changes after ``resource_version`` (when empty: an ADDED for each
+        of ``objects`` as they are then, followed by the changes)."""
+        queue: asyncio.Queue[tuple[int, WatchEvent]] = asyncio.Queue()
+        current = self.latest()
+        if not resource_version:
+            for obj in objects:
+                queue.put_nowait((current, ("ADDED", copy.deepcopy(obj))))
+        else:
+            since = int(resource_version) if resource_version.isdigit() else -1
+            if since < 0 or since > current or since < self.forgotten:
+                raise WatchExpired(
+                    f"watching {self.what}: too old resource version: {resource_version}"
+                )
+            for change in self.history:
+                if change[0] > since:
+                    queue.put_nowait(change)
+        self.watchers.add(queue)
+        try:
+            while True:
+                _, event = await queue.get()
+                yield event
+        finally:
+            self.watchers.discard(queue)
+
+
 class LocalKubeApi:
-    """:class:`KubeApi` in memory: Pods and ResourceQuotas held as JSON-shaped
-    dicts, for the dev stack and tests. Every namespace exists, with the labels
-    :meth:`add_namespace` gave it. Callers get copies, never what is held.
-    ``bindings`` and ``patches`` record what was asked, in order."""
+    """:class:`KubeApi` in memory: Pods, Nodes and ResourceQuotas held as
+    JSON-shaped dicts, for the dev stack and tests. Every namespace exists, with
+    the labels :meth:`add_namespace` gave it. Callers get copies, never what is
+    held. ``bindings`` and ``patches`` record what was asked, in order."""
 
     def __init__(self) -> None:
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self._nodes: dict[str, dict[str, Any]] = {}
         self._namespaces: dict[str, dict[str, str]] = {}
         self._quotas: dict[tuple[str, str], dict[str, Any]] = {}
         self.bindings: list[tuple[str, str, str]] = []
         self.patches: list[tuple[str, str, dict[str, str | None]]] = []
         self.closed = False
+        # one numbering for every kind, as etcd's revision
         self._version = 0
-        # The last WATCH_HISTORY pod changes, for watches that resume from a version.
-        self._history: collections.deque[tuple[int, WatchEvent]] = collections.deque(
-            maxlen=WATCH_HISTORY
-        )
-        self._watchers: set[asyncio.Queue[tuple[int, WatchEvent]]] = set()
+        self._pod_changes = _Changes("pods", lambda: self._version)
+        self._node_changes = _Changes("nodes", lambda: self._version)
         self.tokens = ServiceAccountTokens()
 
     @property
@@ -639,12 +736,41 @@ class LocalKubeApi:
 
     def _changed(self, kind: str, pod: dict[str, Any]) -> None:
         """Give the pod a new resource version and tell the watchers."""
+        self._stamp(pod)
+        self._pod_changes.record(self._version, kind, pod)
+
+    def _stamp(self, obj: dict[str, Any]) -> None:
         self._version += 1
-        pod["metadata"]["resourceVersion"] = str(self._version)
-        change = (self._version, (kind, copy.deepcopy(pod)))
-        self._history.append(change)
-        for queue in self._watchers:
-            queue.put_nowait(change)
+        obj["metadata"]["resourceVersion"] = str(self._version)
+
+    def add_node(self, node: Mapping[str, Any]) -> None:
+        """Store (a copy of) ``node``, replacing any node of the same name."""
+        stored = copy.deepcopy(dict(node))
+        name = stored.setdefault("metadata", {}).get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError("a node needs metadata.name")
+        replaced = name in self._nodes
+        self._nodes[name] = stored
+        self._stamp(stored)
+        self._node_changes.record(self._version, "MODIFIED" if replaced else "ADDED", stored)
+
+    def set_allocatable(self, name: str, **resources: str) -> None:
+        """Set some of the node's ``status.allocatable`` (``cpu="8"``, ``memory="32Gi"``),
+        as its kubelet would report them."""
+        node = self._nodes.get(name)
+        if node is None:
+            raise NotFound(f"node {name} not found", 404)
+        status = node.setdefault("status", {})
+        status["allocatable"] = {**(status.get("allocatable") or {}), **resources}
+        self._stamp(node)
+        self._node_changes.record(self._version, "MODIFIED", node)
+
+    def delete_node(self, name: str) -> None:
+        node = self._nodes.pop(name, None)
+        if node is None:
+            raise NotFound(f"node {name} not found", 404)
+        self._stamp(node)
+        self._node_changes.record(self._version, "DELETED", node)
 
     def add_pod(self, pod: Mapping[str, Any]) -> None:
         """Store (a copy of) ``pod``, replacing any pod of the same namespace and name."""
@@ -771,32 +897,22 @@ class LocalKubeApi:
             if ns == namespace and (pod.get("status") or {}).get("phase") not in TERMINATED_PHASES
         ]
 
-    async def list_all_pods(self) -> list[dict[str, Any]]:
-        return [copy.deepcopy(pod) for pod in self._pods.values()]
+    async def list_all_pods(self) -> Listing:
+        pods = (copy.deepcopy(pod) for pod in self._pods.values())
+        return Listing(pods, self.resource_version)
 
     async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
         return self.tokens.review(token, audiences)
 
-    async def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
-        queue: asyncio.Queue[tuple[int, WatchEvent]] = asyncio.Queue()
-        if not resource_version:
-            for pod in self._pods.values():
-                queue.put_nowait((self._version, ("ADDED", copy.deepcopy(pod))))
-        else:
-            since = int(resource_version) if resource_version.isdigit() else -1
-            oldest = self._history[0][0] if self._history else self._version + 1
-            if since < 0 or since > self._version or since + 1 < oldest:
-                raise WatchExpired(f"watching pods: too old resource version: {resource_version}")
-            for change in self._history:
-                if change[0] > since:
-                    queue.put_nowait(change)
-        self._watchers.add(queue)
-        try:
-            while True:
-                _, event = await queue.get()
-                yield event
-        finally:
-            self._watchers.discard(queue)
+    def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
+        return self._pod_changes.watch(resource_version, self._pods.values())
+
+    async def list_nodes(self) -> Listing:
+        nodes = (copy.deepcopy(node) for node in self._nodes.values())
+        return Listing(nodes, self.resource_version)
+
+    def watch_nodes(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
+        return self._node_changes.watch(resource_version, self._nodes.values())
 
     async def close(self) -> None:
         self.closed = True

@@ -4,8 +4,9 @@ The placement engine reads and scores every card at once from these arrays
 instead of looping over cards in Python. Cards of one node are contiguous, in
 the node's index order; ``node_start[n]:node_start[n + 1]`` are node ``n``'s cards.
 
-Node CPU and memory are tracked only where they are known (the trace replay);
-elsewhere they are infinite, because kube-scheduler has already checked them.
+Node CPU and memory are tracked where they are known (the trace replay; the
+service, from a watch of Nodes and Pods); elsewhere they are infinite, because
+kube-scheduler checks them itself.
 """
 
 from __future__ import annotations

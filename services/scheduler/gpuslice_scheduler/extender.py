@@ -17,6 +17,11 @@ A node whose part of the ledger is being rebuilt (Redis lost its data, or the
 node is new) fails filter with ``NodeLedgerRebuilding``, and a bind there is an
 error naming the node, which kube-scheduler retries: nothing is reserved there
 before the placements its pods hold are back.
+
+Where the view follows node CPU and memory (``node_resources``), a pod's own
+CPU and memory request is part of its demand, and a pod this extender binds
+counts on its node at once (:meth:`NodeResources.assume`), taken back if the
+bind fails.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from gpuslice_scheduler.engine import (
 from gpuslice_scheduler.fit import REASONS, CardDemand, Code
 from gpuslice_scheduler.fragmentation import MixLearner, WorkloadMix
 from gpuslice_scheduler.metrics import Metrics
+from gpuslice_scheduler.requested import pod_request
 from gpuslice_scheduler.view import ClusterView
 from gpuslice_scheduler.wire import BindingArgs, ExtenderArgs, PreemptionArgs, filter_error
 
@@ -110,10 +116,29 @@ class Extender:
         request = self._parse(pod)
         if request is None:
             return None
-        demand = Demand.of(request, self.settings.requests.default_gpu_policy)
+        cpu, memory = self._node_request(pod)
+        demand = Demand.of(
+            request, self.settings.requests.default_gpu_policy, cpu=cpu, memory=memory
+        )
         main = max(request.containers, key=lambda c: (c.count, c.cores))
         self.learner.observe(request.pod.uid, CardDemand.of(main), request.selector)
         return demand
+
+    def _node_request(self, pod: dict[str, Any]) -> tuple[float, float]:
+        """The pod's CPU (milli) and memory (MiB) request, where nodes' are followed.
+
+        While no node's CPU and memory are known (no Node objects yet, or an
+        API without them: the dev stack's), the request changes no answer, and
+        is left out so that pods differing only in it stay one kind for the
+        engine. Raises :class:`~gpuslice_scheduler.requested.ResourceError` (a
+        RequestError) when a quantity cannot be read."""
+        if self.view.resources is None:
+            return 0.0, 0.0
+        amount = pod_request(pod)
+        self.view.follow_resources()
+        if not self.view.weighs_resources():
+            return 0.0, 0.0
+        return float(amount.cpu), amount.memory_mib
 
     async def close(self) -> None:
         """Stop background work (a mix being warmed up)."""
@@ -171,6 +196,7 @@ class Extender:
 
     def _evaluate(self, demand: Demand, names: list[str]) -> tuple[Evaluation, list[str]]:
         """Evaluate ``demand`` on the nodes ``names``; also returns the unknown names."""
+        self.view.follow_resources()
         nodes, unknown = self.view.node_indexes(names)
         return self._evaluator().evaluate(demand).subset(nodes), unknown
 
@@ -243,10 +269,12 @@ class Extender:
         except RequestError as exc:
             raise BindError(f"gpuslice: {exc}") from None
         if demand is None:
+            self._assume(pod, args.node)
             try:
                 await self._create_binding(args)
             except KubeError as exc:
                 if not await self._bound_here(args):
+                    self._forget(pod)
                     raise BindError(
                         f"cannot bind {args.pod_namespace}/{args.pod_name}: {exc}"
                     ) from None
@@ -254,7 +282,21 @@ class Extender:
         chosen, created = await self._reserve(args, demand)
         if chosen.state is not PlacementState.RESERVED and bound_to == args.node:
             return  # bound before: nothing left to do
-        await self._record_and_bind(args, chosen, created)
+        self._assume(pod, args.node)
+        try:
+            await self._record_and_bind(args, chosen, created)
+        except BindError:
+            self._forget(pod)
+            raise
+
+    def _assume(self, pod: dict[str, Any], node: str) -> None:
+        """Count the pod's CPU and memory on ``node`` now, as its GPU usage is."""
+        if self.view.resources is not None:
+            self.view.resources.assume(pod, node)
+
+    def _forget(self, pod: dict[str, Any]) -> None:
+        if self.view.resources is not None:
+            self.view.resources.forget(pod)
 
     async def _earlier(self, args: BindingArgs) -> Placement | None:
         """The live reservation an earlier bind of this pod made (kube-scheduler retried)."""
@@ -295,6 +337,8 @@ class Extender:
             ),
             demand.gpu_policy,
             demand.node_policy,
+            demand.cpu,
+            demand.memory,
         )
         for attempt in range(2):
             ev, unknown = self._evaluate(demand, [args.node])

@@ -17,6 +17,7 @@ from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import http_server, plain_http
 from gpuslice_scheduler.app import create_app
 from gpuslice_scheduler.extender import SOURCE, Extender
+from gpuslice_scheduler.resources import NodeResources
 from gpuslice_scheduler.view import ClusterView
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,12 @@ async def running(
     """The extender serving on ``settings.listen_host:listen_port`` until the block ends;
     its events go out on ``bus`` through an outbox (none without a bus)."""
     ledger = Ledger.from_settings(settings)
+    resources = NodeResources(kube) if settings.node_resources else None
     view = ClusterView(
-        ledger, settings.sync_interval.total_seconds(), settings.resync_interval.total_seconds()
+        ledger,
+        settings.sync_interval.total_seconds(),
+        settings.resync_interval.total_seconds(),
+        resources,
     )
     events = Outbox(settings, SOURCE, bus=bus) if bus is not None else None
     if events is not None:
@@ -52,6 +57,9 @@ async def running(
         log.warning("ledger not reachable at start: %s", exc)
     gc.freeze()  # what exists now lives as long as the process: keep it out of collections
     syncing = asyncio.create_task(view.run(), name="ledger-sync")
+    background = [syncing]
+    if resources is not None:
+        background.append(asyncio.create_task(resources.run(), name="node-resources"))
     config = plain_http(
         create_app(extender), settings.listen_host, settings.listen_port, settings.log_level
     )
@@ -64,9 +72,11 @@ async def running(
         ) as (_, serving):
             yield extender, serving
     finally:
-        syncing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await syncing
+        for task in background:
+            task.cancel()
+        for task in background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await extender.close()
         if events is not None:
             await events.close()

@@ -15,6 +15,12 @@ A node whose record cannot be read (a value no gpuslice writes: an older
 version's, or one set by hand) is left out of the copy, as if unregistered, and
 listed in :attr:`ClusterView.skipped` with the reason; every other node stays
 in sync, and the node comes back once its record reads again.
+
+With :class:`~gpuslice_scheduler.resources.NodeResources`, each node's free CPU
+and memory in the copy are what kube-scheduler's cache would say: set for every
+node when the copy is built, and for the nodes it reports changed each time
+:meth:`ClusterView.follow_resources` runs (before every evaluation), whose
+evaluations are then redone. Without it they are infinite.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError, NodeCards, StoredCard
 from gpuslice_common.models import Placement
 from gpuslice_scheduler.cluster import Cluster, Ints, Row
+from gpuslice_scheduler.resources import NodeResources
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +62,15 @@ def _row(card: StoredCard) -> Row:
 class ClusterView:
     """Every registered node's cards as one :class:`Cluster`, refreshed by revision."""
 
-    def __init__(self, ledger: Ledger, interval: float = 1.0, resync: float = 30.0) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        interval: float = 1.0,
+        resync: float = 30.0,
+        resources: NodeResources | None = None,
+    ) -> None:
         self.ledger = ledger
+        self.resources = resources
         self.interval = interval
         self.resync = resync
         self.listening = False
@@ -142,7 +158,9 @@ class ClusterView:
                     in_place = False
                     break
         if not in_place:
-            self.cluster = Cluster.from_rows(sorted(self.rows.items()))
+            nodes = sorted(self.rows.items())
+            cpu, memory = self._free([name for name, _ in nodes])
+            self.cluster = Cluster.from_rows(nodes, cpu, memory)
             self._recount(list(self._pending))
         else:
             self._recount([n for n in changed if n in self._pending])
@@ -167,6 +185,35 @@ class ClusterView:
                 facts |= cluster.set_row(card, row)
             cluster.touch([i], facts=facts)
         return True
+
+    def _free(self, names: Sequence[str]) -> tuple[list[float] | None, list[float] | None]:
+        """Free CPU and memory of ``names`` (None: not followed, infinite)."""
+        if self.resources is None:
+            return None, None
+        self.resources.take_changed()  # every node is read now, changed or not
+        free = [self.resources.free(name) for name in names]
+        return [cpu for cpu, _ in free], [memory for _, memory in free]
+
+    def follow_resources(self) -> None:
+        """Bring the copy's free CPU and memory up to the nodes that changed."""
+        if self.resources is None:
+            return
+        cluster = self.cluster
+        touched: list[int] = []
+        for name in self.resources.take_changed():
+            i = cluster.node_index.get(name)
+            if i is None:
+                continue
+            cpu, memory = self.resources.free(name)
+            if cluster.node_cpu_free[i] != cpu or cluster.node_mem_free[i] != memory:
+                cluster.node_cpu_free[i], cluster.node_mem_free[i] = cpu, memory
+                touched.append(i)
+        if touched:
+            cluster.touch(touched)
+
+    def weighs_resources(self) -> bool:
+        """Whether any node of the copy has a known free CPU and memory."""
+        return bool(np.isfinite(self.cluster.node_cpu_free).any())
 
     def node_indexes(self, names: Sequence[str]) -> tuple[Ints, list[str]]:
         """Indexes of the known nodes among ``names`` (in order), and the unknown names."""

@@ -9,6 +9,7 @@ from a :class:`~gpuslice_common.kube.LocalKubeApi` held by the cluster driver:
 * ``GET /api/v1/namespaces/{name}``, ``GET /api/v1/namespaces/{ns}/resourcequotas``;
 * ``GET /api/v1/namespaces/{ns}/pods`` (``fieldSelector`` for pods that have not
   terminated), ``GET /api/v1/pods`` and its ``watch=true`` stream;
+* ``GET /api/v1/nodes`` and its ``watch=true`` stream (the nodes the driver added);
 * ``POST /apis/authentication.k8s.io/v1/tokenreviews``: the projected
   ServiceAccount tokens the driver minted (``LocalKubeApi.tokens``) are reviewed
   as the API server reviews them (the inventory's auth callout asks).
@@ -195,22 +196,20 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
         timeoutSeconds: int = 300,
     ) -> Response:
         if not watch:
-            items = await kube.list_all_pods()
-            return JSONResponse(a_list("PodList", items, kube.resource_version))
-        # The watch is read by a task of its own into a queue: waiting on the
-        # queue with a timeout never cancels (and so ends) the watch itself.
-        queue: asyncio.Queue[Watched] = asyncio.Queue()
-        pump = asyncio.create_task(_pump(kube.watch_pods(resourceVersion), queue))
-        try:
-            first = await asyncio.wait_for(queue.get(), 0.05)
-        except TimeoutError:
-            first = None
-        if isinstance(first, WatchExpired):
-            pump.cancel()
-            return status(410, "Expired", str(first))
-        return StreamingResponse(
-            _stream(queue, pump, first, timeoutSeconds, watches), media_type="application/json"
-        )
+            listed = await kube.list_all_pods()
+            return JSONResponse(a_list("PodList", listed, listed.resource_version))
+        return await _watch(kube.watch_pods(resourceVersion), timeoutSeconds, watches)
+
+    @app.get("/api/v1/nodes")
+    async def all_nodes(
+        watch: bool = False,
+        resourceVersion: str = "",
+        timeoutSeconds: int = 300,
+    ) -> Response:
+        if not watch:
+            listed = await kube.list_nodes()
+            return JSONResponse(a_list("NodeList", listed, listed.resource_version))
+        return await _watch(kube.watch_nodes(resourceVersion), timeoutSeconds, watches)
 
     @app.post("/apis/authentication.k8s.io/v1/tokenreviews", status_code=201)
     async def review_token(request: Request) -> dict[str, Any]:
@@ -231,6 +230,24 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
         }
 
     return app
+
+
+async def _watch(events: AsyncIterator[WatchEvent], seconds: int, watches: Watches) -> Response:
+    """A watch's answer: a 410 Status for a forgotten version, else the stream."""
+    # The watch is read by a task of its own into a queue: waiting on the
+    # queue with a timeout never cancels (and so ends) the watch itself.
+    queue: asyncio.Queue[Watched] = asyncio.Queue()
+    pump = asyncio.create_task(_pump(events, queue))
+    try:
+        first = await asyncio.wait_for(queue.get(), 0.05)
+    except TimeoutError:
+        first = None
+    if isinstance(first, WatchExpired):
+        pump.cancel()
+        return status(410, "Expired", str(first))
+    return StreamingResponse(
+        _stream(queue, pump, first, seconds, watches), media_type="application/json"
+    )
 
 
 async def _pump(events: AsyncIterator[WatchEvent], queue: asyncio.Queue[Watched]) -> None:
