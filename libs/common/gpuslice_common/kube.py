@@ -803,6 +803,31 @@ class LocalKubeApi:
             return False
         return True
 
+    def learn_node(self, node: Mapping[str, Any]) -> bool:
+        """Store ``node`` unless a node of that name is held with the same labels,
+        spec and status; True if stored.
+
+        The dev stack has no API server: the extender learns nodes from the
+        filter calls that carry full Node objects (kube-scheduler's
+        nodeCacheCapable=false form), which come again with every call.
+        """
+        metadata = node.get("metadata")
+        name = metadata.get("name") if isinstance(metadata, Mapping) else None
+        if not isinstance(name, str) or not name:
+            return False
+        held = self._nodes.get(name)
+        if (
+            held is not None
+            and all(_same_part(held, node, part) for part in ("spec", "status"))
+            and (held.get("metadata") or {}).get("labels") == metadata.get("labels")
+        ):
+            return False
+        try:
+            self.add_node(node)
+        except (ValueError, TypeError):
+            return False
+        return True
+
     def add_namespace(self, name: str, labels: Mapping[str, str] | None = None) -> None:
         """Give a namespace labels (every namespace exists here, unlabelled by default)."""
         self._namespaces[name] = dict(labels or {})
@@ -916,3 +941,7 @@ class LocalKubeApi:
 
     async def close(self) -> None:
         self.closed = True
+
+
+def _same_part(held: Mapping[str, Any], sent: Mapping[str, Any], part: str) -> bool:
+    return held.get(part) == sent.get(part)
