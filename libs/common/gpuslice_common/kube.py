@@ -812,14 +812,16 @@ class LocalKubeApi:
         nodeCacheCapable=false form), which come again with every call.
         """
         metadata = node.get("metadata")
-        name = metadata.get("name") if isinstance(metadata, Mapping) else None
+        if not isinstance(metadata, Mapping):
+            return False
+        name = metadata.get("name")
         if not isinstance(name, str) or not name:
             return False
         held = self._nodes.get(name)
         if (
             held is not None
-            and all(_same_part(held, node, part) for part in ("spec", "status"))
-            and (held.get("metadata") or {}).get("labels") == metadata.get("labels")
+            and all(held.get(part) == node.get(part) for part in ("spec", "status"))
+            and held["metadata"].get("labels") == metadata.get("labels")
         ):
             return False
         try:
@@ -941,7 +943,3 @@ class LocalKubeApi:
 
     async def close(self) -> None:
         self.closed = True
-
-
-def _same_part(held: Mapping[str, Any], sent: Mapping[str, Any], part: str) -> bool:
-    return held.get(part) == sent.get(part)
