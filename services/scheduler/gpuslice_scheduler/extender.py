@@ -227,13 +227,17 @@ class Extender:
         return self._evaluator().evaluate(demand).subset(nodes), unknown
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
-        if isinstance(self.kube, LocalKubeApi):
-            self._learn(args)  # first: the pod's demand weighs the nodes learned
+        local = isinstance(self.kube, LocalKubeApi)
+        if local:
+            self._learn_nodes(args)  # first: the pod's demand weighs the nodes learned
         try:
             demand = self._demand(args.pod)
         except RequestError as exc:
             log.info("filter: %s", exc)
             return filter_error(f"gpuslice: {exc}")
+        if local:  # a pod the parser read: its bind finds it
+            assert isinstance(self.kube, LocalKubeApi)
+            self.kube.learn(args.pod)
         if demand is None or demand.request is None:  # not a GPU pod: every node passes
             return args.filter_reply(args.node_names, {}, {})
         ev, unknown = self._evaluate(demand, args.node_names)
@@ -261,12 +265,11 @@ class Extender:
                 self.metrics.failures.labels("filter", reason or "unknown").inc(count)
         return args.filter_reply(passed, failed, unresolvable)
 
-    def _learn(self, args: ExtenderArgs) -> None:
-        """With the in-memory API (the dev stack, the trace replay), learn the pod
-        and, where kube-scheduler sent full Node objects, the nodes from a filter
-        call, as a cluster's API server and watches would have them."""
+    def _learn_nodes(self, args: ExtenderArgs) -> None:
+        """With the in-memory API (the dev stack, the trace replay), learn the
+        nodes of a filter call that carries full Node objects, as a cluster's API
+        server and watches would have them, counted at once."""
         assert isinstance(self.kube, LocalKubeApi)
-        self.kube.learn(args.pod)
         if args.nodes is None:
             return
         for node in args.nodes.get("items") or ():
