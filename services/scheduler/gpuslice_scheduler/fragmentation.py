@@ -303,7 +303,8 @@ class MixLearner:
     demand (None for a pod without GPUs), type lists, and the CPU (milli) and
     memory (MiB) it asks of the node, as the trace replay's exact mix has them.
     The mix is rebuilt after every ``rebuild_every`` new pods and keeps the
-    ``max_classes`` most common classes.
+    ``max_classes`` most common classes (openb's default trace has 151 of these
+    kinds: the 96 most common hold 99 % of its pods, the 48 most common 94 %).
     """
 
     def __init__(
@@ -311,7 +312,7 @@ class MixLearner:
         prior: WorkloadMix | None = None,
         prior_weight: float = 50.0,
         rebuild_every: int = 256,
-        max_classes: int = 48,
+        max_classes: int = 96,
         remember: int = 20_000,
         shift: float = 0.02,
     ) -> None:
