@@ -28,6 +28,7 @@ from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.fragmentation import MixLearner, WorkloadClass, WorkloadMix
 from gpuslice_scheduler.service import running
 from gpuslice_scheduler.sim import workload_mix
+from gpuslice_scheduler.via import ViaResult
 from gpuslice_scheduler.view import ClusterView
 from tests.conftest import make_inventory
 from tests.rawhttp import post_huge
@@ -592,31 +593,49 @@ async def test_cpu_pods_through_the_live_extender_pack_as_the_offline_replay(
     from gpuslice_scheduler.sim import PodClass, TraceNode, arrivals, replay
     from gpuslice_scheduler.via import replay_via
 
-    # CPU-heavy pods without GPUs beside GPU pods: where they go decides which
-    # nodes keep the CPU that the GPU pods need
-    nodes = [TraceNode(f"n{i}", 16000, 65536, 2, "T4") for i in range(4)]
-    pods = [
-        PodClass(12000, 8192, 0, 0, ()),
-        PodClass(6000, 8192, 1, 1000, ()),
-        PodClass(2000, 4096, 1, 500, ()),
-        PodClass(2000, 4096, 1, 250, ()),
+    # Nodes dense with GPUs have just the CPU their GPU pods need; two nodes
+    # have CPU to spare. A pod without GPUs placed first-fit takes a dense
+    # node's CPU and strands its cards; FGD sends it where it strands none.
+    nodes = [
+        TraceNode("dense-0", 32000, 262144, 8, "T4"),
+        TraceNode("dense-1", 32000, 262144, 8, "T4"),
+        TraceNode("cpu-0", 64000, 262144, 1, "T4"),
+        TraceNode("cpu-1", 64000, 262144, 1, "T4"),
     ]
+    whole = PodClass(4000, 8192, 1, 1000, ())
+    pods = [PodClass(8000, 8192, 0, 0, ()), whole, whole, PodClass(4000, 8192, 1, 500, ())]
     offline = replay(nodes, pods, "fragmentation", 42)
-    settings = local_settings(redis_url).model_copy(update={"score_cpu_pods": True})
-    kube = LocalKubeApi()
-    async with running(settings, kube) as (extender, _):
-        extender.learner = MixLearner(prior=workload_mix(pods))  # the replay's exact mix
-        url = f"http://127.0.0.1:{settings.listen_port}"
-        live = await replay_via(url, redis_url, nodes, pods, sample=1000, cpu_pods=True)
-    assert live.pods == len(arrivals(pods, 8000, 1.3, 42))
-    assert live.bind_errors == 0
+
+    async def live(score: bool, cpu_pods: bool) -> ViaResult:
+        ledger = f"cpu-{score}-{cpu_pods}".lower()  # each run its own empty ledger
+        update = {"score_cpu_pods": score, "ledger_prefix": ledger}
+        settings = local_settings(redis_url).model_copy(update=update)
+        kube = LocalKubeApi()
+        async with running(settings, kube) as (extender, _):
+            # the replay's exact mix (the trace is shorter than a learner's batch)
+            extender.learner = MixLearner(prior=workload_mix(pods))
+            url = f"http://127.0.0.1:{settings.listen_port}"
+            result = await replay_via(
+                url, redis_url, nodes, pods, sample=1000, ledger_prefix=ledger, cpu_pods=cpu_pods
+            )
+        listed = {n["metadata"]["name"] for n in await kube.list_nodes()}
+        assert listed == {n.name for n in nodes}  # learned from the first filter call
+        return result
+
+    scored = await live(score=True, cpu_pods=True)
+    assert scored.pods == len(arrivals(pods, 18_000, 1.3, 42))
+    assert scored.bind_errors == 0
     # every pod went through the extender, CPU-only ones too
-    assert live.latency_ms["bind"]["count"] == live.scheduled_pods
-    assert {n["metadata"]["name"] for n in await kube.list_nodes()} == {n.name for n in nodes}
-    assert offline.failed_gpu_pods > 0  # the cluster is full: placement decides
-    # the same cards taken (the offline replay stops at 130 % arrived GPU demand,
-    # before pods without GPUs that arrive after it, which the live one places)
-    assert live.milli_gpu_allocation_ratio == offline.milli_gpu_allocation_ratio
+    assert scored.latency_ms["bind"]["count"] == scored.scheduled_pods
+    # the same cards taken as offline (which stops at 130 % arrived GPU demand,
+    # before pods without GPUs that arrive after it; the live replay places them)
+    assert offline.milli_gpu_allocation_ratio == pytest.approx(88.889)
+    assert scored.milli_gpu_allocation_ratio == offline.milli_gpu_allocation_ratio
+    # first-fit, or sent through an extender that does not score them: worse
+    first_fit = await live(score=True, cpu_pods=False)
+    assert first_fit.milli_gpu_allocation_ratio < offline.milli_gpu_allocation_ratio - 20
+    unscored = await live(score=False, cpu_pods=True)
+    assert unscored.milli_gpu_allocation_ratio < offline.milli_gpu_allocation_ratio - 20
 
 
 async def test_two_replicas_placing_at_once_never_over_commit_a_card(redis_url: str) -> None:
