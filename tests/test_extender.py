@@ -25,7 +25,10 @@ from gpuslice_common.models import PLACEMENT_ANNOTATION, DeviceSelector, Placeme
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_scheduler.extender import UNKNOWN_NODE, Extender
 from gpuslice_scheduler.fit import CardDemand
+from gpuslice_scheduler.fragmentation import MixLearner, WorkloadClass, WorkloadMix
 from gpuslice_scheduler.service import running
+from gpuslice_scheduler.sim import workload_mix
+from gpuslice_scheduler.via import ViaResult
 from gpuslice_scheduler.view import ClusterView
 from tests.conftest import make_inventory
 from tests.rawhttp import post_huge
@@ -584,6 +587,57 @@ async def test_trace_replay_through_the_live_extender(redis_url: str) -> None:
         await ledger.close()
 
 
+async def test_cpu_pods_through_the_live_extender_pack_as_the_offline_replay(
+    redis_url: str,
+) -> None:
+    from gpuslice_scheduler.sim import PodClass, TraceNode, arrivals, replay
+    from gpuslice_scheduler.via import replay_via
+
+    # Nodes dense with GPUs have just the CPU their GPU pods need; two nodes
+    # have CPU to spare. A pod without GPUs placed first-fit takes a dense
+    # node's CPU and strands its cards; FGD sends it where it strands none.
+    nodes = [
+        TraceNode("dense-0", 32000, 262144, 8, "T4"),
+        TraceNode("dense-1", 32000, 262144, 8, "T4"),
+        TraceNode("cpu-0", 64000, 262144, 1, "T4"),
+        TraceNode("cpu-1", 64000, 262144, 1, "T4"),
+    ]
+    whole = PodClass(4000, 8192, 1, 1000, ())
+    pods = [PodClass(8000, 8192, 0, 0, ()), whole, whole, PodClass(4000, 8192, 1, 500, ())]
+    offline = replay(nodes, pods, "fragmentation", 42)
+
+    async def live(score: bool, cpu_pods: bool) -> ViaResult:
+        ledger = f"cpu-{score}-{cpu_pods}".lower()  # each run its own empty ledger
+        update = {"score_cpu_pods": score, "ledger_prefix": ledger}
+        settings = local_settings(redis_url).model_copy(update=update)
+        kube = LocalKubeApi()
+        async with running(settings, kube) as (extender, _):
+            # the replay's exact mix (the trace is shorter than a learner's batch)
+            extender.learner = MixLearner(prior=workload_mix(pods))
+            url = f"http://127.0.0.1:{settings.listen_port}"
+            result = await replay_via(
+                url, redis_url, nodes, pods, sample=1000, ledger_prefix=ledger, cpu_pods=cpu_pods
+            )
+        listed = {n["metadata"]["name"] for n in await kube.list_nodes()}
+        assert listed == {n.name for n in nodes}  # learned from the first filter call
+        return result
+
+    scored = await live(score=True, cpu_pods=True)
+    assert scored.pods == len(arrivals(pods, 18_000, 1.3, 42))
+    assert scored.bind_errors == 0
+    # every pod went through the extender, CPU-only ones too
+    assert scored.latency_ms["bind"]["count"] == scored.scheduled_pods
+    # the same cards taken as offline (which stops at 130 % arrived GPU demand,
+    # before pods without GPUs that arrive after it; the live replay places them)
+    assert offline.milli_gpu_allocation_ratio == pytest.approx(88.889)
+    assert scored.milli_gpu_allocation_ratio == offline.milli_gpu_allocation_ratio
+    # first-fit, or sent through an extender that does not score them: worse
+    first_fit = await live(score=True, cpu_pods=False)
+    assert first_fit.milli_gpu_allocation_ratio < offline.milli_gpu_allocation_ratio - 20
+    unscored = await live(score=False, cpu_pods=True)
+    assert unscored.milli_gpu_allocation_ratio < offline.milli_gpu_allocation_ratio - 20
+
+
 async def test_two_replicas_placing_at_once_never_over_commit_a_card(redis_url: str) -> None:
     from gpuslice_scheduler.sim import PodClass, TraceNode, arrivals
     from gpuslice_scheduler.via import replay_via_replicas
@@ -774,7 +828,8 @@ async def test_gpuslice_sim_via_prints_json_from_the_live_extender(
     nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nv-0,32000,131072,4,T4\n")
     pods = tmp_path / "pods.csv"
     pods.write_text(
-        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\np1,1000,1024,1,1000\n"
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\n"
+        "p0,1000,1024,1,500\np1,1000,1024,1,1000\np2,2000,2048,0,0\n"
     )
     settings = local_settings(redis_url)
     url = f"http://127.0.0.1:{settings.listen_port}"
@@ -787,6 +842,15 @@ async def test_gpuslice_sim_via_prints_json_from_the_live_extender(
     assert report["scheduled_pods"] + report["failed_pods"] == report["pods"] > 0
     assert report["latency_ms"]["bind"]["count"] >= 1
     assert 0 < report["milli_gpu_allocation_ratio"] <= 100
+    # --cpu-pods: the pods without GPUs are bound through the extender too
+    async with running(settings.model_copy(update={"score_cpu_pods": True}), LocalKubeApi()):
+        code, out, err = await gpuslice(*trace, "--via", url, "--sample", "8", "--cpu-pods")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["latency_ms"]["bind"]["count"] == report["scheduled_pods"] > 0
+    code, _, err = await gpuslice(*trace, "--cpu-pods")
+    assert code == 2
+    assert "--cpu-pods needs --via" in err
     # A URL it cannot use is a one-line error, not a traceback.
     code, _, err = await gpuslice(*trace, "--via", "https://x:1")
     assert code == 2
@@ -975,3 +1039,143 @@ async def test_a_pods_cpu_is_weighed_once_some_node_is_known(stack: Stack) -> No
     demand = stack.extender._demand(pod)
     assert demand is not None
     assert (demand.cpu, demand.memory) == (2000.0, 0.0)
+
+
+# ---------------------------------------------------------------- pods without GPUs
+
+
+def cpu_pod(name: str, cpu: str) -> dict[str, Any]:
+    """A pod without GPUs, not bound yet, asking for ``cpu``."""
+    return {
+        "metadata": {"name": name, "namespace": "team", "uid": f"uid-{name}"},
+        "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}]},
+    }
+
+
+def expect_whole_cards_with_4_cpus(stack: Stack) -> None:
+    """The workload the extender expects from now on: one-card pods asking 4 CPUs."""
+    whole = WorkloadClass(1.0, CardDemand(1, -1, 100, 100, True), cpu=4000.0)
+    stack.extender.learner = MixLearner(prior=WorkloadMix.of([whole]))
+    stack.extender._current = None  # evaluated afresh with it
+
+
+def score_cpu_pods(stack: Stack, on: bool = True) -> None:
+    stack.extender.settings = stack.extender.settings.model_copy(update={"score_cpu_pods": on})
+
+
+async def test_cpu_pods_score_where_they_strand_the_fewest_gpus(stack: Stack) -> None:
+    score_cpu_pods(stack)
+    expect_whole_cards_with_4_cpus(stack)
+    for name, cpu in (("node-a", "8"), ("node-b", "64"), ("node-c", "8")):
+        stack.kube.add_node(k8s_node(name, cpu=cpu))
+        await free_cpu(stack, name, float(cpu) * 1000)
+    pod = cpu_pod("web", "6")
+    names = ("node-a", "node-b", "node-c", "no-gpus")
+    # filter: every node passes (kube-scheduler checked CPU and memory)
+    reply = (await stack.post("filter", args(pod, *names))).json()
+    assert reply["NodeNames"] == list(names)
+    assert reply["FailedNodes"] == {}
+    assert reply["FailedAndUnresolvableNodes"] == {}
+    scores = (await stack.post("prioritize", args(pod, *names))).json()
+    # 6 of 8 CPUs leave node-a's 2 cards and node-c's 1 card without a pod that
+    # could use them; node-b keeps 58 CPUs; a node without GPUs strands none
+    assert [s["Host"] for s in scores] == list(names)
+    by_node = {s["Host"]: s["Score"] for s in scores}
+    assert by_node["no-gpus"] == 10
+    assert by_node["no-gpus"] > by_node["node-b"] > by_node["node-c"] > by_node["node-a"]
+    # off: every node alike, as before
+    score_cpu_pods(stack, on=False)
+    scores = (await stack.post("prioritize", args(pod, *names))).json()
+    assert {s["Score"] for s in scores} == {0}
+
+
+async def test_a_small_cpu_pod_strands_nothing_and_is_scored_by_the_tie_break(
+    stack: Stack,
+) -> None:
+    score_cpu_pods(stack)
+    expect_whole_cards_with_4_cpus(stack)
+    for name in ("node-a", "node-b"):
+        stack.kube.add_node(k8s_node(name, cpu="64"))
+        await free_cpu(stack, name, 64000.0)
+    scores = (await stack.post("prioritize", args(cpu_pod("tiny", "1"), "node-a", "node-b"))).json()
+    # no fragmentation added anywhere: the node with the least free GPU share first
+    assert {s["Host"]: s["Score"] for s in scores} == {"node-a": 10, "node-b": 9}
+
+
+async def test_a_cpu_pod_is_not_scored_while_no_node_cpu_is_known(stack: Stack) -> None:
+    score_cpu_pods(stack)
+    assert stack.extender._demand(cpu_pod("early", "2")) is None
+    scores = (await stack.post("prioritize", args(cpu_pod("early", "2"), "node-a"))).json()
+    assert scores == [{"Host": "node-a", "Score": 0}]
+
+
+async def test_a_cpu_pod_whose_cpu_cannot_be_read_fails_the_filter(stack: Stack) -> None:
+    score_cpu_pods(stack)
+    stack.kube.add_node(k8s_node("node-a", cpu="8"))
+    await free_cpu(stack, "node-a", 8000.0)
+    reply = (await stack.post("filter", args(cpu_pod("garbled", "lots"), "node-a"))).json()
+    assert "cpu has an invalid value" in reply["Error"]
+
+
+async def test_binding_a_scored_cpu_pod_counts_its_cpu_at_once(stack: Stack) -> None:
+    score_cpu_pods(stack)
+    stack.kube.add_node(k8s_node("node-b", cpu="16"))
+    await free_cpu(stack, "node-b", 16000.0)
+    pod = await stack.add(cpu_pod("web", "6"))
+    stack.kube.pod_events.clear()  # the watch shows no pod change for now
+    assert (await stack.bind(pod, "node-b")).json() == {"Error": ""}
+    await free_cpu(stack, "node-b", 10000.0)  # counted by the bind itself
+    assert ("team", "web", "node-b") in stack.kube.bindings
+    assert await stack.ledger.placement("uid-web") is None  # no GPU: nothing reserved
+    stack.kube.pod_events.set()
+
+
+async def test_the_learner_counts_cpu_pods_and_cpu_requests(stack: Stack) -> None:
+    score_cpu_pods(stack)
+    learner = stack.extender.learner
+    learner.rebuild_every, learner.shift = 1, 0.0
+    stack.kube.add_node(k8s_node("node-a", cpu="64"))
+    await free_cpu(stack, "node-a", 64000.0)
+    await stack.post("filter", args(cpu_pod("web", "6"), "node-a"))
+    gpu = asking_cpu(gpu_pod("train", mem=1000, cores=10), "2")
+    await stack.post("filter", args(gpu, "node-a"))
+    learned = {(c.card is None, c.cpu) for c in learner.mix.classes if c.cpu}
+    assert learned == {(True, 6000.0), (False, 2000.0)}
+
+
+async def test_a_filter_with_node_objects_teaches_a_local_api_its_nodes(stack: Stack) -> None:
+    nodes = {"items": [k8s_node("node-a", cpu="4"), k8s_node("node-b", cpu="16")]}
+    pod = asking_cpu(gpu_pod("p", mem=1000, cores=10), "8")
+    reply = (await stack.post("filter", {"Pod": pod, "Nodes": nodes})).json()
+    # learned before this very call was answered: the pod's CPU is weighed at once
+    assert [n["metadata"]["name"] for n in reply["Nodes"]["items"]] == ["node-b"]
+    assert reply["FailedNodes"] == {"node-a": "node CPU or memory is short"}
+    resources = stack.extender.view.resources
+    assert resources is not None
+    assert resources.free("node-a") == (4000.0, 65536.0)
+    listed = {n["metadata"]["name"]: n for n in await stack.kube.list_nodes()}
+    assert set(listed) == {"node-a", "node-b"}
+    # the same nodes again (kube-scheduler sends them with every call): nothing changes
+    version = stack.kube.resource_version
+    await stack.post("filter", {"Pod": pod, "Nodes": nodes})
+    assert stack.kube.resource_version == version
+    # a node whose allocatable changed is learned again
+    grown = {"items": [k8s_node("node-a", cpu="32")]}
+    reply = (await stack.post("filter", {"Pod": pod, "Nodes": grown})).json()
+    assert [n["metadata"]["name"] for n in reply["Nodes"]["items"]] == ["node-a"]
+    assert resources.free("node-a")[0] == 32000.0
+
+
+async def test_a_cluster_api_extender_learns_no_nodes_from_requests(redis_url: str) -> None:
+    settings = local_settings(redis_url)
+    kube = LocalKubeApi()
+    async with running(settings, kube) as (extender, _):
+        extender.kube = object()  # type: ignore[assignment]  # not a LocalKubeApi
+        nodes = {"items": [k8s_node("intruder", cpu="1000")]}
+        body = {"Pod": gpu_pod("p"), "Nodes": nodes}
+        async with httpx.AsyncClient(timeout=5) as http:
+            reply = await http.post(f"http://127.0.0.1:{settings.listen_port}/filter", json=body)
+        assert reply.status_code == 200
+        assert await kube.list_nodes() == []
+        assert extender.view.resources is not None
+        assert extender.view.resources.free("intruder")[0] == float("inf")

@@ -165,3 +165,54 @@ def test_a_learned_mix_close_to_the_current_one_is_not_put_in_place() -> None:
     eager = MixLearner(rebuild_every=1, shift=0.0)
     eager.observe("a", SHARE_60, selector)
     assert eager.mix is not eager.prior
+
+
+def test_mix_learner_learns_cpu_only_pods_and_cpu_and_memory_as_the_replay_does() -> None:
+    from gpuslice_scheduler.sim import PodClass, workload_mix
+
+    learner = MixLearner(rebuild_every=1, max_classes=8, prior_weight=1e-9)
+    trace = [
+        PodClass(6000, 8192, 0, 0, ()),
+        PodClass(6000, 8192, 0, 0, ()),
+        PodClass(2000, 4096, 1, 1000, ()),
+        PodClass(4000, 4096, 1, 1000, ()),  # the same card, another CPU: another class
+    ]
+    for i, pod in enumerate(trace):
+        request = pod.request()
+        card = CardDemand.of(request.containers[0]) if request else None
+        selector = request.selector if request else DeviceSelector()
+        learner.observe(f"p{i}", card, selector, pod.cpu_milli, pod.memory_mib)
+    exact = workload_mix(trace)
+    learned = learner.mix.classes[len(learner.prior.classes) :]
+
+    def shapes(classes: object) -> dict[tuple[object, ...], float]:
+        return {(c.card, c.cpu, c.memory): c.frequency for c in classes}  # type: ignore[attr-defined]
+
+    assert shapes(learned) == shapes(exact.classes)
+    # weighted as the exact mix is (the prior here is worth next to nothing)
+    cpu_only = [
+        w for c, w in zip(learner.mix.classes, learner.mix.weight, strict=True) if not c.card
+    ]
+    exact_cpu_only = [w for c, w in zip(exact.classes, exact.weight, strict=True) if not c.card]
+    assert sum(cpu_only) == pytest.approx(sum(exact_cpu_only), rel=1e-6)
+
+
+def test_mix_learner_skips_pods_that_ask_for_nothing_or_nonsense() -> None:
+    learner = MixLearner(rebuild_every=1)
+    learner.observe("empty", None, DeviceSelector())  # no GPU, no CPU, no memory
+    learner.observe("nan", WHOLE, DeviceSelector(), float("nan"), 0.0)
+    learner.observe("negative", None, DeviceSelector(), -1.0, 0.0)
+    assert learner.counts == {}
+    assert learner.mix is learner.prior
+    # a CPU-only pod's type lists mean nothing: one class whatever they say
+    learner.observe("a", None, DeviceSelector(include_types=("A100",)), 1000.0, 0.0)
+    learner.observe("b", None, DeviceSelector(), 1000.0, 0.0)
+    assert list(learner.counts.values()) == [2]
+
+
+def test_mix_learner_bounds_hold_with_cpu_shapes() -> None:
+    learner = MixLearner(rebuild_every=1, max_classes=2, remember=3)
+    for i in range(10):
+        learner.observe(f"p{i}", None, DeviceSelector(), 1000.0 * (1 + i % 4), 0.0)
+    assert len(learner.seen) == 3
+    assert len(learner.mix.classes) == len(learner.prior.classes) + 2

@@ -66,11 +66,28 @@ def sim(
     ),
     ledger_prefix: str = typer.Option("gpuslice", "--ledger-prefix", help="with --via"),
     sample: int = typer.Option(1000, "--sample", min=1, help="pods to replay with --via"),
+    cpu_pods: bool = typer.Option(
+        False,
+        "--cpu-pods",
+        help="with --via: send pods without GPUs through the extender too, not first-fit",
+    ),
 ) -> None:
     """Replay a trace (FGD's published method) and report milli-GPU allocation."""
+    if cpu_pods and via is None:
+        errors.print("[red]error:[/] --cpu-pods needs --via", soft_wrap=True)
+        raise typer.Exit(2)
     if via is not None:
         replay_live(
-            via, redis_url, ledger_prefix, nodes, pods, seed, sample, inflation, split_count
+            via,
+            redis_url,
+            ledger_prefix,
+            nodes,
+            pods,
+            seed,
+            sample,
+            inflation,
+            split_count,
+            cpu_pods=cpu_pods,
         )
         return
     try:
@@ -170,6 +187,8 @@ def replay_live(
     sample: int,
     inflation: float,
     split_count: int,
+    *,
+    cpu_pods: bool = False,
 ) -> None:
     """``--via``: one seed through a live extender; prints JSON."""
     try:
@@ -184,6 +203,7 @@ def replay_live(
                 inflation=inflation,
                 split_count=split_count,
                 ledger_prefix=ledger_prefix,
+                cpu_pods=cpu_pods,
             )
         )
     except (TraceError, LedgerError, httpx.HTTPError) as exc:

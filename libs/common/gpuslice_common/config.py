@@ -245,6 +245,10 @@ class WebhookSettings(CommonSettings):
     # it unless keep_other_schedulers is false
     scheduler_name: str = "gpuslice-scheduler"
     keep_other_schedulers: bool = True
+    # route pods that ask for no GPU to scheduler_name too (same rules: ignore
+    # labels, keep_other_schedulers), changing nothing else in them, so that
+    # gpuslice places them where they strand the fewest GPUs (score_cpu_pods)
+    route_cpu_pods: bool = False
     # NVIDIA_VISIBLE_DEVICES=none for the containers of a GPU pod that ask for no GPU
     hide_gpus_from_other_containers: bool = True
     # GPU_CORE_UTILIZATION_POLICY given to GPU containers that do not set it;
@@ -296,6 +300,14 @@ class SchedulerSettings(CommonSettings):
     # (a list and a watch of Nodes and Pods, as kube-scheduler's cache), so that
     # placements weigh what nodes have free of them; off, they count as unlimited
     node_resources: bool = True
+    # score pods that ask for no GPU too (prioritize), as FGD does: each goes
+    # where it strands the fewest GPUs (its CPU and memory measured against the
+    # workload mix); off, every node scores 0 for them. Filter passes every node
+    # for such a pod either way (kube-scheduler checked its CPU and memory), and
+    # a bind through gpuslice counts its CPU and memory on the node at once.
+    # kube-scheduler sends them only where the webhook routes them
+    # (GPUSLICE_ROUTE_CPU_PODS) or they name gpuslice's scheduler
+    score_cpu_pods: bool = False
 
 
 class InventorySettings(CommonSettings):

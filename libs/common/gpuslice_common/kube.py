@@ -803,6 +803,33 @@ class LocalKubeApi:
             return False
         return True
 
+    def learn_node(self, node: Mapping[str, Any]) -> bool:
+        """Store ``node`` unless a node of that name is held with the same labels,
+        spec and status; True if stored.
+
+        The dev stack has no API server: the extender learns nodes from the
+        filter calls that carry full Node objects (kube-scheduler's
+        nodeCacheCapable=false form), which come again with every call.
+        """
+        metadata = node.get("metadata")
+        if not isinstance(metadata, Mapping):
+            return False
+        name = metadata.get("name")
+        if not isinstance(name, str) or not name:
+            return False
+        held = self._nodes.get(name)
+        if (
+            held is not None
+            and all(held.get(part) == node.get(part) for part in ("spec", "status"))
+            and held["metadata"].get("labels") == metadata.get("labels")
+        ):
+            return False
+        try:
+            self.add_node(node)
+        except (ValueError, TypeError):
+            return False
+        return True
+
     def add_namespace(self, name: str, labels: Mapping[str, str] | None = None) -> None:
         """Give a namespace labels (every namespace exists here, unlabelled by default)."""
         self._namespaces[name] = dict(labels or {})

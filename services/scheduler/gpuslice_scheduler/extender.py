@@ -22,6 +22,15 @@ Where the view follows node CPU and memory (``node_resources``), a pod's own
 CPU and memory request is part of its demand, and a pod this extender binds
 counts on its node at once (:meth:`NodeResources.assume`), taken back if the
 bind fails.
+
+A pod without GPUs passes filter on every node (kube-scheduler has checked its
+CPU and memory) and scores 0 everywhere, unless ``score_cpu_pods`` is on and
+node CPU and memory are known: then prioritize scores it with the engine as
+the trace replay does (FGD: where it strands the fewest GPUs). Its bind only
+creates the Binding, counting its CPU and memory on the node at once.
+
+With the in-memory API (``kube_api=local``) a filter call teaches the API its
+pod and, when it carries full Node objects, those nodes.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from gpuslice_common.ledger import (
 )
 from gpuslice_common.models import (
     PLACEMENT_ANNOTATION,
+    DeviceSelector,
     Placement,
     PlacementState,
     PodGpuRequest,
@@ -113,16 +123,32 @@ class Extender:
     # ------------------------------------------------------------ reading verbs
 
     def _demand(self, pod: dict[str, Any]) -> Demand | None:
+        """The pod as the engine sees it; None for a pod without GPUs that is not
+        scored (``score_cpu_pods`` off, or no node's CPU and memory known)."""
         request = self._parse(pod)
         if request is None:
-            return None
+            return self._cpu_demand(pod)
         cpu, memory = self._node_request(pod)
         demand = Demand.of(
             request, self.settings.requests.default_gpu_policy, cpu=cpu, memory=memory
         )
         main = max(request.containers, key=lambda c: (c.count, c.cores))
-        self.learner.observe(request.pod.uid, CardDemand.of(main), request.selector)
+        self.learner.observe(request.pod.uid, CardDemand.of(main), request.selector, cpu, memory)
         return demand
+
+    def _cpu_demand(self, pod: dict[str, Any]) -> Demand | None:
+        """A pod without GPUs as the trace replay scores it (request None, its CPU
+        and memory): it goes where it strands the fewest GPUs. Without a known
+        node CPU and memory, or a request of neither, every node is alike."""
+        if not self.settings.score_cpu_pods:
+            return None
+        cpu, memory = self._node_request(pod)
+        if cpu <= 0 and memory <= 0:
+            return None
+        uid = (pod.get("metadata") or {}).get("uid")
+        if isinstance(uid, str) and uid:
+            self.learner.observe(uid, None, DeviceSelector(), cpu, memory)
+        return Demand.of(None, self.settings.requests.default_gpu_policy, cpu=cpu, memory=memory)
 
     def _node_request(self, pod: dict[str, Any]) -> tuple[float, float]:
         """The pod's CPU (milli) and memory (MiB) request, where nodes' are followed.
@@ -201,15 +227,19 @@ class Extender:
         return self._evaluator().evaluate(demand).subset(nodes), unknown
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
+        local = isinstance(self.kube, LocalKubeApi)
+        if local:
+            self._learn_nodes(args)  # first: the pod's demand weighs the nodes learned
         try:
             demand = self._demand(args.pod)
         except RequestError as exc:
             log.info("filter: %s", exc)
             return filter_error(f"gpuslice: {exc}")
-        if demand is None:  # not a GPU pod: every node passes
-            return args.filter_reply(args.node_names, {}, {})
-        if isinstance(self.kube, LocalKubeApi):
+        if local:  # a pod the parser read: its bind finds it
+            assert isinstance(self.kube, LocalKubeApi)
             self.kube.learn(args.pod)
+        if demand is None or demand.request is None:  # not a GPU pod: every node passes
+            return args.filter_reply(args.node_names, {}, {})
         ev, unknown = self._evaluate(demand, args.node_names)
         names = self.view.cluster.names
         passed = names[ev.nodes[ev.feasible]].tolist()  # in the order they were sent
@@ -235,6 +265,19 @@ class Extender:
                 self.metrics.failures.labels("filter", reason or "unknown").inc(count)
         return args.filter_reply(passed, failed, unresolvable)
 
+    def _learn_nodes(self, args: ExtenderArgs) -> None:
+        """With the in-memory API (the dev stack, the trace replay), learn the
+        nodes of a filter call that carries full Node objects, as a cluster's API
+        server and watches would have them, counted at once."""
+        assert isinstance(self.kube, LocalKubeApi)
+        if args.nodes is None:
+            return
+        for node in args.nodes.get("items") or ():
+            if not self.kube.learn_node(node):
+                continue
+            if self.view.resources is not None:  # at once, not at the watch's next turn
+                self.view.resources.apply_node("ADDED", node)
+
     def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]] | bytes:
         """A HostPriorityList: every node sent, scored 0 to 10. Written straight as
         JSON (bytes) from each node's cached opening, where all nodes are known."""
@@ -242,6 +285,13 @@ class Extender:
         if demand is None:
             return [{"Host": n, "Score": 0} for n in args.node_names]
         ev, unknown = self._evaluate(demand, args.node_names)
+        if unknown and demand.request is None:
+            # a node with no GPU registered strands none: the best a pod without
+            # GPUs can do (the engine's score there would be 0, its maximum)
+            hosts = self.view.cluster.names[ev.nodes].tolist()
+            raw = dict(zip(hosts, ev.score.tolist(), strict=True))
+            ranked = normalise(np.asarray([raw.get(n, 0.0) for n in args.node_names]))
+            return [{"Host": n, "Score": s} for n, s in zip(args.node_names, ranked, strict=True)]
         scores = normalise(ev.score)
         if unknown:  # unregistered nodes score 0, in the order they were sent
             hosts = self.view.cluster.names[ev.nodes].tolist()
@@ -268,7 +318,7 @@ class Extender:
             demand = self._demand(pod)
         except RequestError as exc:
             raise BindError(f"gpuslice: {exc}") from None
-        if demand is None:
+        if demand is None or demand.request is None:  # no GPU: nothing to reserve
             self._assume(pod, args.node)
             try:
                 await self._create_binding(args)

@@ -22,6 +22,7 @@ memory, cores, type lists).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -290,12 +291,20 @@ def default_mix() -> WorkloadMix:
     )
 
 
+# what one learned class is: card demand (None: no GPU), type lists, CPU, memory
+ClassKey = tuple[CardDemand | None, DeviceSelector, float, float]
+
+
 class MixLearner:
     """The workload mix the service expects, learned from the pods it is asked to place.
 
     Starts from a prior (:func:`default_mix`) worth ``prior_weight`` pods; every
-    distinct pod counts once toward its class. The mix is rebuilt after every
-    ``rebuild_every`` new pods and keeps the ``max_classes`` most common classes.
+    distinct pod counts once toward its class: its largest GPU container's card
+    demand (None for a pod without GPUs), type lists, and the CPU (milli) and
+    memory (MiB) it asks of the node, as the trace replay's exact mix has them.
+    The mix is rebuilt after every ``rebuild_every`` new pods and keeps the
+    ``max_classes`` most common classes (openb's default trace has 151 of these
+    kinds: the 96 most common hold 99 % of its pods, the 48 most common 94 %).
     """
 
     def __init__(
@@ -303,7 +312,7 @@ class MixLearner:
         prior: WorkloadMix | None = None,
         prior_weight: float = 50.0,
         rebuild_every: int = 256,
-        max_classes: int = 48,
+        max_classes: int = 96,
         remember: int = 20_000,
         shift: float = 0.02,
     ) -> None:
@@ -313,7 +322,7 @@ class MixLearner:
         self.max_classes = max_classes
         self.remember = remember
         self.shift = shift
-        self.counts: dict[tuple[CardDemand, DeviceSelector], int] = {}
+        self.counts: dict[ClassKey, int] = {}
         self.seen: dict[str, None] = {}
         self.pending = 0
         self._mix: WorkloadMix = self.prior
@@ -332,29 +341,49 @@ class MixLearner:
             self.pending = 0
         return self._mix
 
-    def observe(self, pod_uid: str, card: CardDemand, selector: DeviceSelector) -> None:
+    def observe(
+        self,
+        pod_uid: str,
+        card: CardDemand | None,
+        selector: DeviceSelector,
+        cpu: float = 0.0,
+        memory: float = 0.0,
+    ) -> None:
+        """Count a pod once: ``card`` None for a pod that asks for no GPU; ``cpu``
+        and ``memory`` its node request (0 where nodes' are not followed)."""
         if pod_uid in self.seen:
             return
+        if not (math.isfinite(cpu) and math.isfinite(memory) and cpu >= 0 and memory >= 0):
+            return  # not a request a node can be measured against
+        if card is None and cpu == 0 and memory == 0:
+            return  # asks for nothing: it strands no GPU anywhere
         self.seen[pod_uid] = None
         if len(self.seen) > self.remember:
             del self.seen[next(iter(self.seen))]
-        key = (
-            card,
+        kept = (
             DeviceSelector(
                 include_types=selector.include_types, exclude_types=selector.exclude_types
-            ),
+            )
+            if card is not None
+            else DeviceSelector()
         )
+        key = (card, kept, float(cpu), float(memory))
         self.counts[key] = self.counts.get(key, 0) + 1
         self.pending += 1
 
     def _build(self) -> WorkloadMix:
         total = sum(c.frequency for c in self.prior.classes)
         classes = [
-            WorkloadClass(c.frequency / total * self.prior_weight, c.card, c.selector)
+            WorkloadClass(
+                c.frequency / total * self.prior_weight, c.card, c.selector, c.cpu, c.memory
+            )
             for c in self.prior.classes
         ]
         common = sorted(self.counts.items(), key=lambda kv: -kv[1])[: self.max_classes]
-        classes += [WorkloadClass(float(n), card, sel) for (card, sel), n in common]
+        classes += [
+            WorkloadClass(float(n), card, sel, cpu, memory)
+            for (card, sel, cpu, memory), n in common
+        ]
         return WorkloadMix.of(classes, self.prior.size_exponent)
 
 

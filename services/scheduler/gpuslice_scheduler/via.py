@@ -5,8 +5,13 @@ then for each pod of a sample (the same seeded arrival order as the offline
 replay) applies the node CPU/memory fit kube-scheduler's own filters would,
 POSTs ``filter``, ``prioritize`` (when more than one node is left) and ``bind``
 to the extender, and takes the best-scored node. The extender must run with
-``GPUSLICE_KUBE_API=local`` so that it learns each pod from its filter call.
-CPU-only pods never reach an extender; they take the first node that fits.
+``GPUSLICE_KUBE_API=local`` so that it learns each pod from its filter call; the
+first filter call carries the trace's nodes as full Node objects (allocatable
+CPU and memory, kube-scheduler's nodeCacheCapable=false form), from which it
+learns them too; every later call names them. CPU-only pods take the first node
+that fits, or with ``cpu_pods`` go through filter, prioritize and bind as GPU
+pods do (an extender with ``GPUSLICE_SCORE_CPU_PODS=true`` scores them as the
+offline replay does).
 """
 
 from __future__ import annotations
@@ -67,13 +72,22 @@ def inventory(node: TraceNode, split_count: int = SPLIT_COUNT) -> NodeInventory:
     return NodeInventory(node=node.name, devices=devices, split_count=split_count)
 
 
-def pod_json(pod: PodClass, name: str) -> dict[str, Any]:
-    """The trace pod as a HAMi pod spec."""
-    limits: dict[str, str] = {
-        "cpu": f"{pod.cpu_milli}m",
-        "memory": f"{pod.memory_mib}Mi",
-        "nvidia.com/gpu": str(pod.num_gpu),
+def node_json(node: TraceNode) -> dict[str, Any]:
+    """The trace node as a Node object: its allocatable CPU and memory."""
+    allocatable = {"cpu": f"{node.cpu_milli}m", "memory": f"{node.memory_mib}Mi"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": node.name},
+        "status": {"allocatable": allocatable, "capacity": dict(allocatable)},
     }
+
+
+def pod_json(pod: PodClass, name: str) -> dict[str, Any]:
+    """The trace pod as a HAMi pod spec (a CPU-only one asks for no GPU at all)."""
+    limits: dict[str, str] = {"cpu": f"{pod.cpu_milli}m", "memory": f"{pod.memory_mib}Mi"}
+    if pod.num_gpu:
+        limits["nvidia.com/gpu"] = str(pod.num_gpu)
     if 0 < pod.gpu_milli < 1000:
         share = str(math.ceil(pod.gpu_milli / 10))
         limits["nvidia.com/gpucores"] = share
@@ -192,9 +206,12 @@ async def replay_via(
     inflation: float = 1.3,
     split_count: int = SPLIT_COUNT,
     ledger_prefix: str = "gpuslice",
+    cpu_pods: bool = False,
     progress: Callable[[float], None] | None = None,
 ) -> ViaResult:
-    """Replay ``sample`` pods of the seeded arrival order through the extender at ``url``."""
+    """Replay ``sample`` pods of the seeded arrival order through the extender at ``url``.
+
+    ``cpu_pods``: pods without GPUs go through the extender too, not first-fit."""
     result = await replay_via_replicas(
         [url],
         redis_url,
@@ -205,6 +222,7 @@ async def replay_via(
         inflation=inflation,
         split_count=split_count,
         ledger_prefix=ledger_prefix,
+        cpu_pods=cpu_pods,
         progress=progress,
     )
     return result.replicas[0]
@@ -232,6 +250,7 @@ async def replay_via_replicas(
     inflation: float = 1.3,
     split_count: int = SPLIT_COUNT,
     ledger_prefix: str = "gpuslice",
+    cpu_pods: bool = False,
     progress: Callable[[float], None] | None = None,
 ) -> ReplicasResult:
     """Replay the seeded arrival order through the extenders at ``urls`` at once,
@@ -254,7 +273,13 @@ async def replay_via_replicas(
             results = await asyncio.gather(
                 *(
                     _drive(
-                        c, nodes, pods, order[k :: len(urls)], seed, progress if k == 0 else None
+                        c,
+                        nodes,
+                        pods,
+                        order[k :: len(urls)],
+                        seed,
+                        cpu_pods,
+                        progress if k == 0 else None,
                     )
                     for k, c in enumerate(connections)
                 )
@@ -297,6 +322,7 @@ async def _drive(
     pods: Sequence[PodClass],
     order: Sequence[int],
     seed: int,
+    cpu_pods: bool,
     progress: Callable[[float], None] | None,
 ) -> ViaResult:
     cpu = np.asarray([n.cpu_milli for n in nodes], dtype=float)
@@ -306,8 +332,26 @@ async def _drive(
     index = {name: i for i, name in enumerate(names)}
     latency: dict[str, list[float]] = {v: [] for v in (*VERBS, PER_POD)}
     scheduled = failed = bind_errors = 0
+    # the first filter call sends full Node objects, from which the extender learns them
+    node_list: dict[str, Any] | None = {
+        "apiVersion": "v1",
+        "kind": "NodeList",
+        "items": [node_json(n) for n in nodes],
+    }
 
     async def call(verb: str, body: dict[str, Any]) -> Any:
+        nonlocal node_list
+        if verb == "filter" and node_list is not None:
+            # every node, so that the extender knows them all from here on; of
+            # those it passes, the candidates sent are the answer
+            sent = set(body.pop("NodeNames"))
+            body["Nodes"], node_list = node_list, None
+            reply = await call(verb, body)
+            kept = (reply.get("Nodes") or {}).get("items") or ()
+            reply["NodeNames"] = [
+                n["metadata"]["name"] for n in kept if n["metadata"]["name"] in sent
+            ]
+            return reply
         started = time.perf_counter()
         try:
             status, reply = await http.post(f"/{verb}", orjson.dumps(body))
@@ -327,7 +371,7 @@ async def _drive(
     for i, k in enumerate(order):
         pod = pods[k]
         fits = np.flatnonzero((cpu >= pod.cpu_milli) & (mem >= pod.memory_mib))
-        if pod.num_gpu == 0:
+        if pod.num_gpu == 0 and not cpu_pods:
             chosen = int(fits[0]) if fits.size else -1
         else:
             spec = pod_json(pod, f"sim-{seed}-{http.port}-{i}")
@@ -372,8 +416,12 @@ async def _place(
     names: list[str],
     index: dict[str, int],
 ) -> int:
-    """Filter, prioritize and bind one pod; the node index, -1 if none fits, -2 on a bind error."""
-    candidates = [names[i] for i in fits.tolist() if gpus[i] > 0]
+    """Filter, prioritize and bind one pod; the node index, -1 if none fits, -2 on a bind error.
+
+    A GPU pod is offered the nodes with GPUs that fit its CPU and memory, a
+    CPU-only pod every node that fits them."""
+    gpu_pod = "nvidia.com/gpu" in pod["spec"]["containers"][0]["resources"]["limits"]
+    candidates = [names[i] for i in fits.tolist() if gpus[i] > 0 or not gpu_pod]
     if not candidates:
         return -1
     reply = await call("filter", {"Pod": pod, "NodeNames": candidates})

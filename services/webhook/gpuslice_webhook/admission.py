@@ -97,6 +97,8 @@ class Admission:
             reply = answer(review, denial=(400, "BadRequest", "request.object must be the Pod"))
             return "denied", reply
         if not has_gpu_request(pod, self.settings.requests):
+            if self.settings.route_cpu_pods:
+                return await self._route_cpu_pod(review, pod)
             return "skipped", answer(review)
         metadata = pod.get("metadata")
         metadata = metadata if isinstance(metadata, Mapping) else {}
@@ -105,8 +107,11 @@ class Admission:
             if ignored(metadata.get("labels")) or await self._namespace_ignored(namespace):
                 return "ignored", answer(review)
             mutation = self.mutator.mutate(pod, namespace)
-            if mutation is None:
-                return "skipped", answer(review)
+            if mutation is None:  # names a GPU resource but asks for none (nvidia.com/gpu: 0)
+                routed = self.mutator.route(pod) if self.settings.route_cpu_pods else None
+                if routed is None:
+                    return "skipped", answer(review)
+                return "routed", answer(review, patch=routed)
             await self._check_quota(namespace, metadata, mutation)
         except Denied as denied:
             reply = answer(review, denial=(denied.code, denied.reason, denied.message))
@@ -118,6 +123,29 @@ class Admission:
         if not review.dry_run:
             self._publish_admitted(mutation)
         return "admitted", answer(review, patch=mutation.patch, warnings=mutation.warnings)
+
+    async def _route_cpu_pod(self, review: Review, pod: Mapping[str, Any]) -> tuple[str, bytes]:
+        """A pod without GPUs goes to gpuslice's scheduler, under the rules a GPU
+        pod's routing follows; nothing else of it changes and no event is sent.
+
+        Nothing is refused here: where the namespace's labels cannot be read the
+        pod is admitted unchanged (the default scheduler places it as it would
+        without gpuslice), never routed against an ignore label."""
+        metadata = pod.get("metadata")
+        metadata = metadata if isinstance(metadata, Mapping) else {}
+        namespace = review.namespace or str(metadata.get("namespace") or "default")
+        if ignored(metadata.get("labels")):
+            return "ignored", answer(review)
+        try:
+            if await self._namespace_ignored(namespace):
+                return "ignored", answer(review)
+        except Denied as denied:
+            log.warning("pod without GPUs admitted unchanged: %s", denied.message)
+            return "unavailable", answer(review)
+        patch = self.mutator.route(pod)
+        if patch is None:
+            return "skipped", answer(review)
+        return "routed", answer(review, patch=patch)
 
     def _ephemeral(self, review: Review) -> tuple[str, bytes]:
         """Debug containers added to a GPU pod get its GPUs hidden too."""

@@ -6,12 +6,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-# admitted: a GPU pod, changed; denied; skipped: no GPU, or not a pod creation;
+# admitted: a GPU pod, changed; routed: a pod without GPUs given gpuslice's
+# scheduler (route_cpu_pods); denied; skipped: no GPU, or not a pod creation;
 # ignored: labelled to be left alone; unavailable: the Kubernetes API could not be
-# read (answered 503); invalid: not an AdmissionReview (HTTP 400); too_large: a
-# body over the limit (HTTP 413); error: an unexpected failure (answered 500)
+# read (answered 503; a pod without GPUs is admitted unchanged); invalid: not an
+# AdmissionReview (HTTP 400); too_large: a body over the limit (HTTP 413); error:
+# an unexpected failure (answered 500)
 OUTCOMES = (
     "admitted",
+    "routed",
     "denied",
     "skipped",
     "ignored",

@@ -158,6 +158,18 @@ class Mutator:
         warnings = [*request.warnings, *self._route(spec, patch)]
         return Mutation(request=request, patch=patch, warnings=tuple(warnings))
 
+    def route(self, pod: Mapping[str, Any]) -> Patch | None:
+        """For a pod that asks for no GPU (``route_cpu_pods``): point it at
+        gpuslice's scheduler and change nothing else; None where nothing is to
+        change (it names gpuslice's scheduler already, or another one that is
+        kept, or sets spec.nodeName and is not scheduled at all)."""
+        spec = pod.get("spec")
+        if not isinstance(spec, Mapping) or spec.get("nodeName"):
+            return None
+        patch = Patch()
+        self._route(spec, patch)  # its warnings are about GPU containers: none here
+        return patch or None
+
     # ------------------------------------------------------------ reading
 
     def _parse(self, pod: Mapping[str, Any], namespace: str) -> PodGpuRequest | None:
