@@ -211,8 +211,12 @@ def test_mix_learner_skips_pods_that_ask_for_nothing_or_nonsense() -> None:
 
 
 def test_mix_learner_bounds_hold_with_cpu_shapes() -> None:
-    learner = MixLearner(rebuild_every=1, max_classes=2, remember=3)
+    learner = MixLearner(rebuild_every=1, max_classes=2, remember=3, shift=0.0)
     for i in range(10):
         learner.observe(f"p{i}", None, DeviceSelector(), 1000.0 * (1 + i % 4), 0.0)
     assert len(learner.seen) == 3
+    # a forgotten pod leaves the counts: the last three pods' classes only
+    assert learner.counts == {
+        (None, DeviceSelector(), 1000.0 * (1 + i % 4), 0.0): 1 for i in (7, 8, 9)
+    }
     assert len(learner.mix.classes) == len(learner.prior.classes) + 2

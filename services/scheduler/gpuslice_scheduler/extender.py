@@ -428,7 +428,7 @@ class Extender:
 
     async def _reread(self, node: str) -> None:
         """Read ``node`` from the ledger again; if Redis cannot answer, the next
-        sync does (:meth:`ClusterView.apply` marked it)."""
+        sync does (the node's revision moved)."""
         with contextlib.suppress(LedgerError):
             await self.view.refresh_node(node)
 

@@ -298,10 +298,11 @@ ClassKey = tuple[CardDemand | None, DeviceSelector, float, float]
 class MixLearner:
     """The workload mix the service expects, learned from the pods it is asked to place.
 
-    Starts from a prior (:func:`default_mix`) worth ``prior_weight`` pods; every
-    distinct pod counts once toward its class: its largest GPU container's card
-    demand (None for a pod without GPUs), type lists, and the CPU (milli) and
-    memory (MiB) it asks of the node, as the trace replay's exact mix has them.
+    Starts from a prior (:func:`default_mix`) worth ``prior_weight`` pods; each
+    of the last ``remember`` distinct pods counts once toward its class: its
+    largest GPU container's card demand (None for a pod without GPUs), type
+    lists, and the CPU (milli) and memory (MiB) it asks of the node, as the
+    trace replay's exact mix has them.
     The mix is rebuilt after every ``rebuild_every`` new pods and keeps the
     ``max_classes`` most common classes (openb's default trace has 151 of these
     kinds: the 96 most common hold 99 % of its pods, the 48 most common 94 %).
@@ -323,7 +324,9 @@ class MixLearner:
         self.remember = remember
         self.shift = shift
         self.counts: dict[ClassKey, int] = {}
-        self.seen: dict[str, None] = {}
+        # the last ``remember`` pods counted, and their class: a pod forgotten
+        # leaves the counts, so that pods of ever-new requests cannot grow them
+        self.seen: dict[str, ClassKey] = {}
         self.pending = 0
         self._mix: WorkloadMix = self.prior
 
@@ -357,9 +360,6 @@ class MixLearner:
             return  # not a request a node can be measured against
         if card is None and cpu == 0 and memory == 0:
             return  # asks for nothing: it strands no GPU anywhere
-        self.seen[pod_uid] = None
-        if len(self.seen) > self.remember:
-            del self.seen[next(iter(self.seen))]
         kept = (
             DeviceSelector(
                 include_types=selector.include_types, exclude_types=selector.exclude_types
@@ -368,7 +368,15 @@ class MixLearner:
             else DeviceSelector()
         )
         key = (card, kept, float(cpu), float(memory))
+        self.seen[pod_uid] = key
         self.counts[key] = self.counts.get(key, 0) + 1
+        if len(self.seen) > self.remember:
+            oldest = next(iter(self.seen))
+            gone = self.seen.pop(oldest)
+            if self.counts[gone] > 1:
+                self.counts[gone] -= 1
+            else:
+                del self.counts[gone]
         self.pending += 1
 
     def _build(self) -> WorkloadMix:
