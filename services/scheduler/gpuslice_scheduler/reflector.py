@@ -57,8 +57,9 @@ async def reflect(source: Source) -> None:
                 listed, version = True, items.resource_version
                 if failing:
                     log.info("following the %s again", source.what)
-                failing, delay = False, RETRY_FIRST_S
+                failing = False
             version = await _watch(source, version)
+            delay = RETRY_FIRST_S  # the server ended a watch that worked
         except WatchExpired:
             log.info("the %s watch's version %s is gone; listing again", source.what, version)
             listed = False
@@ -70,6 +71,10 @@ async def reflect(source: Source) -> None:
                 else:
                     log.exception("following the %s failed (trying again)", source.what)
             failing = True
+            if loop.time() - started >= RETRY_MAX_S:
+                delay = RETRY_FIRST_S  # it had worked a while: not the same trouble
+            # a list that works and a watch that breaks at once, again and again,
+            # back off as a failing list does: each turn lists every object
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
             continue
