@@ -10,6 +10,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY native/ native/
+# the headers native/ shares with the Python packages that read them through cffi
+COPY libs/common/gpuslice_common/region_layout.h libs/common/gpuslice_common/
+COPY services/scheduler/gpuslice_scheduler/engine_core.h services/scheduler/gpuslice_scheduler/
 RUN make -C native all fakes build/probe
 
 # The Python package, as a wheel.
@@ -26,8 +29,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     GPUSLICE_NATIVE_DIR=/opt/gpuslice
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
-# the device plugin installs libgpuslice.so from here into the node's host directory
-COPY --from=native /src/native/build/libgpuslice.so /src/native/build/probe /opt/gpuslice/
+# the device plugin installs libgpuslice.so from here into the node's host directory;
+# the scheduler loads its placement engine, libgsengine.so, from here
+COPY --from=native /src/native/build/libgpuslice.so /src/native/build/libgsengine.so \
+    /src/native/build/probe /opt/gpuslice/
 COPY --from=native /src/native/build/fake/ /opt/gpuslice/fake/
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin gpuslice
 USER 10001

@@ -10,7 +10,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 	&& { echo $$p; break; }; done)
 
-.PHONY: help deps servers native proto lint test demo bench bench-packing gpu-check clean
+.PHONY: help deps servers engine native proto lint test demo bench bench-packing gpu-check clean
 
 help:
 	@echo "make demo   - install, build the interposer, run the whole stack's demo scenario"
@@ -42,7 +42,12 @@ servers: $(STAMP)
 	@test -x $(BIN)/nats-server || { echo "error: nats-server missing from $(VENV)" >&2; exit 1; }
 	@echo "nats-server $$($(BIN)/nats-server --version | awk '{print $$2}'), $$(redis-server --version | awk '{print $$3}')"
 
-deps: $(STAMP) servers
+# The scheduler's placement engine (C, loaded through cffi): the extender, the
+# trace replay and the benchmarks need it.
+engine:
+	$(MAKE) -C native build/libgsengine.so
+
+deps: $(STAMP) servers engine
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -50,7 +55,8 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# The interposer, its sanitizer build, the fake CUDA driver and NVML, the test programs.
+# The interposer and the placement engine, their sanitizer builds, the fake CUDA
+# driver and NVML, the test programs.
 native:
 	$(MAKE) -C native check
 

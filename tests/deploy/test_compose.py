@@ -127,3 +127,10 @@ def test_the_dockerfile_copies_what_exists_and_builds_what_native_makes() -> Non
     interposer = SETTINGS["gpuslice_deviceplugin"].model_fields["interposer_library"].default
     assert interposer == "/opt/gpuslice/libgpuslice.so"
     assert "/src/native/build/libgpuslice.so" in text
+    assert "/src/native/build/libgsengine.so" in text  # the scheduler's placement engine
+    # the native stage has every header native/ includes from outside it
+    makefile = (ROOT / "native" / "Makefile").read_text()
+    for folder in re.findall(r"-I\$\((\w+)\)", makefile):
+        (value,) = re.findall(rf"^{folder}\s*:?=\s*\.\./(\S+)$", makefile, re.MULTILINE)
+        copied = rf"^COPY {re.escape(value)}/\S+ {re.escape(value)}/$"
+        assert re.search(copied, text, re.MULTILINE), value

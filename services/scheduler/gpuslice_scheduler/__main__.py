@@ -8,12 +8,16 @@ from gpuslice_common.bus import BusError
 from gpuslice_common.config import SchedulerSettings
 from gpuslice_common.kube import KubeError
 from gpuslice_common.service import run_service
+from gpuslice_scheduler.core import CoreError
 from gpuslice_scheduler.service import main
 
 
 def run() -> int:
     return run_service(
-        "gpuslice-scheduler", SchedulerSettings, main, fatal=(BusError, KubeError, OSError)
+        "gpuslice-scheduler",
+        SchedulerSettings,
+        main,
+        fatal=(BusError, KubeError, OSError, CoreError),
     )
 
 

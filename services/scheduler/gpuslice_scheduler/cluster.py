@@ -1,8 +1,8 @@
 """The cluster as NumPy arrays: one row per card, cards grouped by node.
 
-The placement engine reads and scores every card at once from these arrays
-instead of looping over cards in Python. Cards of one node are contiguous, in
-the node's index order; ``node_start[n]:node_start[n + 1]`` are node ``n``'s cards.
+The placement engine's compiled core reads these arrays in place. Cards of one
+node are contiguous, in the node's index order; ``node_start[n]:node_start[n + 1]``
+are node ``n``'s cards.
 
 Node CPU and memory are tracked where they are known (the trace replay; the
 service, from a watch of Nodes and Pods); elsewhere they are infinite, because
@@ -54,9 +54,8 @@ class Cluster:
     node_mem_free: Floats  # MiB; inf when not tracked
     node_index: dict[str, int] = field(init=False)
     names: npt.NDArray[np.object_] = field(init=False)  # node_names as an array, for indexing
-    # Grows with every change to usage or cards; derived values are cached per version.
+    # Grows with every change to usage or cards.
     version: int = field(init=False, default=0)
-    cache: dict[str, Any] = field(init=False, default_factory=dict)
     lookups: dict[str, Any] = field(init=False, default_factory=dict)  # kept: same cards
     # Per node, the version that last changed it (usage or anything), and the one
     # that last changed its facts or capacity (what could ever fit there).
@@ -134,19 +133,23 @@ class Cluster:
         return len(self.uuids)
 
     def lookup(self, names: Sequence[str]) -> tuple[Ints, list[str]]:
-        """Indexes of the known nodes among ``names`` (in order), and the unknown names."""
-        if not names:
-            return np.zeros(0, dtype=np.int64), []
-        if "sorted" not in self.lookups:
-            order = np.argsort(np.asarray(self.node_names, dtype=str), kind="stable")
-            self.lookups["sorted"] = (np.asarray(self.node_names, dtype=str)[order], order)
-        keys, order = self.lookups["sorted"]
-        wanted = np.asarray(names, dtype=str)
-        if keys.size == 0:
-            return np.zeros(0, dtype=np.int64), list(names)
-        at = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
-        found = keys[at] == wanted
-        return order[at[found]].astype(np.int64), wanted[~found].tolist()
+        """Indexes of the known nodes among ``names`` (in order), and the unknown names.
+
+        kube-scheduler sends the same list for many pods in a row (every node
+        that passed its own filters), so the last answer is kept; it is read-only.
+        """
+        last = self.lookups.get("last_lookup")
+        if last is not None and last[0] == names:
+            return last[1], list(last[2])
+        found = list(map(self.node_index.get, names))
+        unknown: list[str] = []
+        if None in found:
+            unknown = [n for n, i in zip(names, found, strict=True) if i is None]
+            found = [i for i in found if i is not None]
+        indexes = np.array(found, dtype=np.int64)
+        indexes.setflags(write=False)
+        self.lookups["last_lookup"] = (list(names), indexes, tuple(unknown))
+        return indexes, unknown
 
     def host_openings(self) -> list[bytes]:
         """Per node, ``{"Host":<its name as JSON>,"Score":``: the extender writes a
@@ -260,7 +263,6 @@ class Cluster:
         self.changed[where] = self.version
         if facts:
             self.reshaped[where] = self.version
-        self.cache.clear()
 
 
 def _row(s: GpuState) -> Row:

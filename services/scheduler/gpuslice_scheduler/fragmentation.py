@@ -15,9 +15,12 @@ for the pods that are harder to place (docs/benchmarks.md compares the two).
 
 Free share is measured in milli-GPU of compute (1000 = a whole free card); a
 card held exclusively, unhealthy, cordoned or absent has none. A class is one
-kind of pod: CPU and
-memory on the node, and a per-card demand for its largest GPU container (count,
-memory, cores, type lists).
+kind of pod: CPU and memory on the node, and a per-card demand for its largest
+GPU container (count, memory, cores, type lists).
+
+This module defines the workload (:class:`WorkloadMix`, learned by
+:class:`MixLearner`); the measure itself is computed by the engine's compiled
+core (``native/engine/engine.c``), for the engine and :func:`node_fragmentation`.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from gpuslice_common.models import DeviceSelector
+from gpuslice_scheduler import core
 from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
-from gpuslice_scheduler.fit import CardDemand, Usage, model_mask, usage_rules
+from gpuslice_scheduler.fit import CardDemand, model_mask
 
 SIZE_EXPONENT = 0.5  # 0 weighs classes by frequency alone, as FGD does
 
@@ -81,6 +85,10 @@ class WorkloadMix:
     part_cores: Ints = field(init=False)
     part_exclusive: Bools = field(init=False)
     _model_ok: dict[tuple[str, ...], Bools] = field(init=False, default_factory=dict)
+    # per list of models: the mix as the compiled core reads it (gpuslice_scheduler.core)
+    core_structs: dict[tuple[str, ...], Any] = field(
+        init=False, default_factory=dict, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.classes:
@@ -121,151 +129,11 @@ class WorkloadMix:
             self._model_ok[key] = cached
         return cached
 
-    # ------------------------------------------------------------ per card
 
-    def usable(self, cluster: Cluster, cards: Ints, usage: Usage) -> Bools:
-        """(cards, parts): could one more container of each part go on each card."""
-        cap_mem = cluster.cap_mem[cards][:, None]
-        need_mem = np.where(
-            self.part_mem_mib >= 0, self.part_mem_mib, cap_mem * self.part_mem_percent // 100
-        )
-        broken = usage_rules(
-            cluster, cards, usage, need_mem, self.part_cores, self.part_exclusive, kinds=True
-        )
-        ok = (
-            cluster.schedulable(cards)[:, None]
-            & self.model_ok(cluster.models)[cluster.model_id[cards]]
-        )
-        for rule in broken:  # the masks broadcast: (cards, 1) or (cards, parts)
-            ok = ok & ~rule
-        return np.asarray(ok, dtype=np.bool_)
-
-    @staticmethod
-    def free_share(cluster: Cluster, cards: Ints, usage: Usage) -> Floats:
-        """Free compute of each card in milli-GPU; 0 where the card takes no new work."""
-        cap = cluster.cap_cores[cards]
-        free = np.maximum(cap - usage.cores, 0) * 1000.0 / np.maximum(cap, 1)
-        return np.where(cluster.schedulable(cards) & ~usage.owned, free, 0.0)
-
-    # ------------------------------------------------------------ per node
-
-    def hosts(self, cpu_free: Floats, mem_free: Floats, count: npt.NDArray[np.int64]) -> Bools:
-        """(nodes, classes): can the node host one pod of the class (count: usable per part)."""
-        return (
-            (cpu_free[:, None] >= self.cpu)
-            & (mem_free[:, None] >= self.memory)
-            & (count[:, self.part] >= self.need)
-        )
-
-    def score(self, host: Bools, unusable: Floats, total: Floats) -> Floats:
-        """Weighted fragmentation from per-part aggregates (rows are nodes or candidates)."""
-        frag = np.where(host, unusable[:, self.part], total[:, None])
-        return np.asarray(frag @ self.weight, dtype=float)
-
-
-@dataclass
-class NodeFragments:
-    """Per-node aggregates of a set of nodes, enough to price a change to one card."""
-
-    count: Ints  # (nodes, parts) cards usable by each part
-    unusable: Floats  # (nodes, parts) free share on cards the part cannot use
-    total: Floats  # (nodes,) free share
-    fragmentation: Floats  # (nodes,)
-
-
-def segment_sums(values: npt.NDArray[np.float64], bounds: Ints) -> npt.NDArray[np.float64]:
-    """Sums of rows between consecutive ``bounds`` (which start at 0), empty segments 0."""
-    shape = (1, *values.shape[1:])
-    acc = np.concatenate([np.zeros(shape), np.cumsum(values, axis=0)])
-    return np.asarray(acc[bounds[1:]] - acc[bounds[:-1]])
-
-
-def node_fragments(
-    mix: WorkloadMix,
-    cluster: Cluster,
-    cards: Ints,
-    bounds: Ints,
-    usage: Usage,
-    cpu_free: Floats,
-    mem_free: Floats,
-) -> tuple[NodeFragments, Bools, Floats]:
-    """Fragmentation of nodes whose cards are ``cards[bounds[i]:bounds[i+1]]``.
-
-    Also returns the per-card usability and free share it was computed from.
-    """
-    usable = mix.usable(cluster, cards, usage)
-    share = mix.free_share(cluster, cards, usage)
-    count = segment_sums(usable.astype(float), bounds).round().astype(np.int64)
-    unusable = segment_sums(np.where(usable, 0.0, share[:, None]), bounds)
-    total = segment_sums(share, bounds)
-    host = mix.hosts(cpu_free, mem_free, count)
-    frag = NodeFragments(count, unusable, total, mix.score(host, unusable, total))
-    return frag, usable, share
-
-
-def _cached_fragments(
-    mix: WorkloadMix, cluster: Cluster
-) -> tuple[NodeFragments, Bools, Floats] | None:
-    cached = cluster.cache.get("fragments")  # one read: another thread may clear the cache
-    if cached is not None and cached[0] is mix and cached[1] == cluster.version:
-        return cached[2]  # type: ignore[no-any-return]
-    return None
-
-
-def has_cluster_fragments(mix: WorkloadMix, cluster: Cluster) -> bool:
-    return _cached_fragments(mix, cluster) is not None
-
-
-def cluster_fragments(mix: WorkloadMix, cluster: Cluster) -> tuple[NodeFragments, Bools, Floats]:
-    """:func:`node_fragments` of every node, cached on the cluster until it changes."""
-    cached = _cached_fragments(mix, cluster)
-    if cached is not None:
-        return cached
-    version = cluster.version  # a change while computing makes the result stale at once
-    cards = np.arange(cluster.card_count, dtype=np.int64)
-    result = node_fragments(
-        mix,
-        cluster,
-        cards,
-        cluster.node_start,
-        Usage.of(cluster, cards),
-        cluster.node_cpu_free,
-        cluster.node_mem_free,
-    )
-    cluster.cache["fragments"] = (mix, version, result)
-    return result
-
-
-def fragmentation_after(
-    mix: WorkloadMix,
-    cluster: Cluster,
-    before: NodeFragments,
-    rows: Ints,
-    node_pos: Ints,
-    cards: Ints,
-    usable: Bools,
-    share: Floats,
-    after: Usage,
-    cpu_after: Floats,
-    mem_after: Floats,
-) -> Floats:
-    """Node fragmentation if one card changed to ``after`` (one candidate per row).
-
-    ``rows`` index the per-card arrays (``usable``, ``share``) of the evaluation;
-    ``cards`` are the cluster's card indexes; ``node_pos`` the node of each row.
-    """
-    new_usable = mix.usable(cluster, cards, after)
-    new_share = mix.free_share(cluster, cards, after)
-    old_usable, old_share = usable[rows], share[rows]
-    count = before.count[node_pos] - old_usable + new_usable
-    unusable = (
-        before.unusable[node_pos]
-        - np.where(old_usable, 0.0, old_share[:, None])
-        + np.where(new_usable, 0.0, new_share[:, None])
-    )
-    total = before.total[node_pos] - old_share + new_share
-    host = mix.hosts(cpu_after[node_pos], mem_after[node_pos], count)
-    return mix.score(host, unusable, total)
+def node_fragmentation(mix: WorkloadMix, cluster: Cluster, nodes: Ints) -> tuple[Floats, Floats]:
+    """Per node of ``nodes``: its fragmentation against ``mix`` as it is now, and its
+    free share (milli-GPU). Computed by the engine's compiled core."""
+    return core.fragmentation(cluster, mix, nodes)
 
 
 def default_mix() -> WorkloadMix:

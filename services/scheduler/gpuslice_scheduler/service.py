@@ -15,6 +15,7 @@ from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import http_server, plain_http
+from gpuslice_scheduler import core
 from gpuslice_scheduler.app import create_app
 from gpuslice_scheduler.extender import SOURCE, Extender
 from gpuslice_scheduler.resources import NodeResources
@@ -39,6 +40,7 @@ async def running(
 ) -> AsyncIterator[tuple[Extender, asyncio.Task[None]]]:
     """The extender serving on ``settings.listen_host:listen_port`` until the block ends;
     its events go out on ``bus`` through an outbox (none without a bus)."""
+    core.load()  # a missing placement engine stops the start, not the first pod
     ledger = Ledger.from_settings(settings)
     resources = NodeResources(kube) if settings.node_resources else None
     view = ClusterView(
