@@ -38,12 +38,20 @@ SETTINGS: dict[str, type[Any]] = {
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """What can be applied: k8s/ (Redis Sentinel), and an overlay of one's own
-    with the Redis Cluster component (docs/install.md)."""
+    """What can be applied: k8s/ (Redis Sentinel), and overlays of one's own
+    with the Redis Cluster component, the component that routes pods without
+    GPUs to gpuslice's scheduler, and both (docs/install.md)."""
     return {
         "k8s": K8S,
         "redis-cluster": overlay(tmp_path_factory.mktemp("overlay"), K8S, "redis-cluster"),
+        "cpu-pods": overlay(tmp_path_factory.mktemp("overlay"), K8S, "cpu-pods"),
+        "cpu-pods+redis-cluster": overlay(
+            tmp_path_factory.mktemp("overlay"), K8S, "cpu-pods", "redis-cluster"
+        ),
     }
+
+
+BUILDS = ["k8s", "redis-cluster", "cpu-pods", "cpu-pods+redis-cluster"]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +81,7 @@ def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, An
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("build", ["k8s", "redis-cluster"])
+@pytest.mark.parametrize("build", BUILDS)
 def test_the_renderer_agrees_with_kubectl_kustomize(builds: dict[str, Path], build: str) -> None:
     out = subprocess.run(
         ["kubectl", "kustomize", str(builds[build])], capture_output=True, text=True, check=True
@@ -86,7 +94,7 @@ def test_the_renderer_agrees_with_kubectl_kustomize(builds: dict[str, Path], bui
     assert {key(d): d for d in theirs} == {key(d): d for d in render(builds[build])}
 
 
-@pytest.mark.parametrize("build", ["k8s", "redis-cluster"])
+@pytest.mark.parametrize("build", BUILDS)
 def test_every_object_is_valid_against_the_kubernetes_schemas(
     builds: dict[str, Path], build: str
 ) -> None:
@@ -236,7 +244,7 @@ def test_replicated_deployments_have_disruption_budgets(objects: list[dict[str, 
         assert covering, f"no PodDisruptionBudget for {obj['metadata']['name']}"
 
 
-@pytest.mark.parametrize("build", ["k8s", "redis-cluster"])
+@pytest.mark.parametrize("build", BUILDS)
 def test_every_gpuslice_variable_is_a_setting_of_its_service(
     builds: dict[str, Path], build: str
 ) -> None:
@@ -618,3 +626,89 @@ def test_the_redis_cluster_bus_is_open_between_members_only(
         (16379,): ["gpuslice-redis"],
         (6379,): ["gpuslice-redis-cluster-create"],
     }
+
+
+# ---------------------------------------------------------------- pods without GPUs
+
+
+def env_of(objects: list[dict[str, Any]], deployment: str, container: str) -> dict[str, Any]:
+    spec = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+    (found,) = [c for c in spec["containers"] if c["name"] == container]
+    return {e["name"]: e.get("value") for e in found.get("env", [])}
+
+
+def test_pods_without_gpus_are_left_to_the_default_scheduler_unless_asked(
+    objects: list[dict[str, Any]],
+) -> None:
+    # k8s/ alone: the webhook is called for GPU pods only and routes nothing else
+    (hook,) = find(objects, "MutatingWebhookConfiguration", "gpuslice")["webhooks"]
+    assert hook["name"] == "pods.gpuslice.io"
+    assert "GPUSLICE_ROUTE_CPU_PODS" not in env_of(objects, "gpuslice-webhook", "webhook")
+    assert "GPUSLICE_SCORE_CPU_PODS" not in env_of(objects, "gpuslice-scheduler", "extender")
+    assert WebhookSettings.model_fields["route_cpu_pods"].default is False
+    assert SchedulerSettings.model_fields["score_cpu_pods"].default is False
+
+
+@pytest.mark.parametrize("build", ["cpu-pods", "cpu-pods+redis-cluster"])
+def test_the_cpu_pods_component_adds_a_fail_open_entry_and_both_switches(
+    builds: dict[str, Path],
+    objects: list[dict[str, Any]],
+    cluster_objects: list[dict[str, Any]],
+    build: str,
+) -> None:
+    routed = render(builds[build])
+    (base,) = find(objects, "MutatingWebhookConfiguration", "gpuslice")["webhooks"]
+    gpu, cpu = find(routed, "MutatingWebhookConfiguration", "gpuslice")["webhooks"]
+    assert gpu == base  # GPU pods' entry unchanged
+    assert cpu["name"] == "cpu-pods.gpuslice.io"
+    assert cpu["failurePolicy"] == "Ignore"
+    assert cpu["sideEffects"] == "None"  # no event is published for these pods
+    assert cpu["clientConfig"] == base["clientConfig"]
+    assert [(r["operations"], r["resources"]) for r in cpu["rules"]] == [(["CREATE"], ["pods"])]
+    assert cpu["timeoutSeconds"] <= base["timeoutSeconds"]
+    assert cpu["objectSelector"] == base["objectSelector"]
+    expressions = cpu["namespaceSelector"]["matchExpressions"]
+    assert expressions[1:] == base["namespaceSelector"]["matchExpressions"]
+    assert expressions[0] == {
+        "key": "kubernetes.io/metadata.name",
+        "operator": "NotIn",
+        "values": ["kube-system", "gpuslice"],
+    }
+    (condition,) = cpu["matchConditions"]
+    assert condition["name"] == "names-no-gpu-resource"
+    # the webhook routes them, the extender scores them
+    assert env_of(routed, "gpuslice-webhook", "webhook")["GPUSLICE_ROUTE_CPU_PODS"] == "true"
+    assert env_of(routed, "gpuslice-scheduler", "extender")["GPUSLICE_SCORE_CPU_PODS"] == "true"
+    # and nothing else of k8s/'s (or the Redis Cluster component's) settings changes
+    before = cluster_objects if build.endswith("+redis-cluster") else objects
+    webhook_env = env_of(routed, "gpuslice-webhook", "webhook")
+    extender_env = env_of(routed, "gpuslice-scheduler", "extender")
+    del webhook_env["GPUSLICE_ROUTE_CPU_PODS"], extender_env["GPUSLICE_SCORE_CPU_PODS"]
+    assert webhook_env == env_of(before, "gpuslice-webhook", "webhook")
+    assert extender_env == env_of(before, "gpuslice-scheduler", "extender")
+
+
+@pytest.mark.parametrize("build", ["cpu-pods", "cpu-pods+redis-cluster"])
+def test_the_cpu_pods_component_sends_every_pod_to_the_extender(
+    builds: dict[str, Path], objects: list[dict[str, Any]], build: str
+) -> None:
+    """kube-scheduler calls an extender that lists managedResources only for pods
+    that ask for one of them: with the component the extender lists none, and
+    the GPU resources kube-scheduler must not count itself move to
+    NodeResourcesFit's ignoredResources (what ignoredByScheduler sets)."""
+    base = yaml.safe_load(find(objects, "ConfigMap", "gpuslice-scheduler")["data"]["config.yaml"])
+    routed = yaml.safe_load(
+        find(render(builds[build]), "ConfigMap", "gpuslice-scheduler")["data"]["config.yaml"]
+    )
+    (extender,) = routed["extenders"]
+    assert "managedResources" not in extender
+    (profile,) = routed["profiles"]
+    (fit,) = profile.pop("pluginConfig")
+    assert fit == {
+        "name": "NodeResourcesFit",
+        "args": {"ignoredResources": list(ResourceNames().all())},
+    }
+    (managed,) = [e.pop("managedResources") for e in base["extenders"]]
+    assert all(r["ignoredByScheduler"] for r in managed)
+    assert [r["name"] for r in managed] == fit["args"]["ignoredResources"]
+    assert routed == base  # everything else as k8s/ has it

@@ -6,6 +6,7 @@ read against the pods they select."""
 from __future__ import annotations
 
 import copy
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,19 @@ from hypothesis import strategies as st
 from gpuslice_common.config import RequestSettings
 from gpuslice_common.models import PLACEMENT_ANNOTATION
 from gpuslice_common.requests import has_gpu_request
-from tests.deploy.kustomize import render
+from tests.deploy.kustomize import overlay, render
 
 ROOT = Path(__file__).resolve().parents[2]
 OBJECTS = render(ROOT / "k8s")
+
+
+def _with_cpu_pods() -> list[dict[str, Any]]:
+    """k8s/ with the component that routes pods without GPUs (k8s/cpu-pods)."""
+    with tempfile.TemporaryDirectory() as directory:
+        return render(overlay(Path(directory), ROOT / "k8s", "cpu-pods"))
+
+
+CPU_PODS_OBJECTS = _with_cpu_pods()
 SCHEDULER_SA = "system:serviceaccount:gpuslice:gpuslice-scheduler"
 
 
@@ -105,6 +115,180 @@ def test_hami_s_example_pods_are_sent_and_others_are_not() -> None:
     assert run(MATCH, object=init_only)
     assert not run(MATCH, object=plain)
     assert not run(MATCH, object=bare)
+
+
+# ---------------------------------------------------------------- pods without GPUs
+# With k8s/cpu-pods the webhook has a second entry, cpu-pods.gpuslice.io, for
+# the pods the first one does not send: every pod created reaches the webhook
+# through exactly one of them (outside kube-system and gpuslice).
+
+
+def entries() -> tuple[dict[str, Any], dict[str, Any]]:
+    for obj in CPU_PODS_OBJECTS:
+        if obj["kind"] == "MutatingWebhookConfiguration" and obj["metadata"]["name"] == "gpuslice":
+            gpu, cpu = obj["webhooks"]
+            return gpu, cpu
+    raise AssertionError("no MutatingWebhookConfiguration gpuslice")
+
+
+GPU_ENTRY, CPU_ENTRY = entries()
+(CPU_CONDITION,) = CPU_ENTRY["matchConditions"]
+CPU_MATCH = program(CPU_CONDITION["expression"])
+
+
+def test_the_cpu_entry_s_condition_is_the_gpu_entry_s_negated() -> None:
+    (gpu_condition,) = GPU_ENTRY["matchConditions"]
+    assert gpu_condition["name"] == "names-a-gpu-resource"
+    assert CPU_CONDITION["name"] == "names-no-gpu-resource"
+    # the same parse tree as !(first), whatever the layout
+    env = celpy.Environment()
+    negated = env.compile("!(" + gpu_condition["expression"] + ")")
+    assert env.compile(CPU_CONDITION["expression"]) == negated
+    assert CPU_ENTRY["failurePolicy"] == "Ignore"
+
+
+def test_the_conditions_list_exactly_the_resources_the_webhook_reads() -> None:
+    # HAMi's five names, each in the limits and the requests of containers and
+    # init containers; renamed ones (GPUSLICE_REQUESTS__RESOURCES__*) go here too
+    listed = '["' + '", "'.join(RequestSettings().resources.all()) + '"]'
+    for entry in (GPU_ENTRY, CPU_ENTRY):
+        expression = entry["matchConditions"][0]["expression"]
+        assert expression.count(listed) == 4
+        assert expression.count("[") == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(pod=pods)
+def test_every_pod_is_sent_through_exactly_one_entry(pod: dict[str, Any]) -> None:
+    gpu = run(MATCH, object=pod)
+    assert run(CPU_MATCH, object=pod) is not gpu
+    assert gpu == has_gpu_request(pod)
+
+
+def container(name: str, **resources: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "resources": resources}
+
+
+SAMPLES = {
+    # GPU pods: whole cards, and HAMi's shares without nvidia.com/gpu (the
+    # webhook adds the default count)
+    "whole card": [container("c", limits={"nvidia.com/gpu": "1"})],
+    "gpu in requests": [container("c", requests={"nvidia.com/gpu": "2"})],
+    "gpumem": [container("c", limits={"nvidia.com/gpumem": "3000"})],
+    "gpumem-percentage": [container("c", limits={"nvidia.com/gpumem-percentage": "50"})],
+    "gpucores": [container("c", limits={"nvidia.com/gpucores": "30", "cpu": "1"})],
+    "priority": [container("c", limits={"nvidia.com/priority": "0"})],
+    "gpu: 0": [container("c", limits={"nvidia.com/gpu": "0"})],  # the webhook decides
+    "second container": [container("a"), container("b", limits={"nvidia.com/gpu": "1"})],
+    # pods without GPUs
+    "no resources": [{"name": "c"}],
+    "empty resources": [container("c")],
+    "cpu only": [container("c", requests={"cpu": "500m"}, limits={"cpu": "1"})],
+    "cpu and memory": [container("c", limits={"cpu": "1", "memory": "1Gi"})],
+    "another vendor": [container("c", limits={"amd.com/gpu": "1"})],
+    "a MIG profile": [container("c", limits={"nvidia.com/mig-1g.5gb": "1"})],
+    "storage": [container("c", limits={"ephemeral-storage": "1Gi", "hugepages-2Mi": "2Mi"})],
+}
+GPU_SAMPLES = {
+    "whole card",
+    "gpu in requests",
+    "gpumem",
+    "gpumem-percentage",
+    "gpucores",
+    "priority",
+    "gpu: 0",
+    "second container",
+}
+INIT_SAMPLES = {
+    # a GPU in an init container (a sidecar too) makes a GPU pod
+    "gpu init container": (
+        [container("i", limits={"nvidia.com/gpumem": "1000"})],
+        [container("c", limits={"cpu": "1"})],
+        True,
+    ),
+    "gpu sidecar": (
+        [{**container("s", limits={"nvidia.com/gpu": "1"}), "restartPolicy": "Always"}],
+        [{"name": "c"}],
+        True,
+    ),
+    "cpu init container": (
+        [container("i", requests={"cpu": "100m"})],
+        [container("c", limits={"cpu": "1"})],
+        False,
+    ),
+    "no init containers": ([], [{"name": "c"}], False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_sample_pods_are_sent_through_the_entry_for_their_kind(name: str) -> None:
+    pod = {"spec": {"containers": SAMPLES[name]}}
+    expected = name in GPU_SAMPLES
+    assert (run(MATCH, object=pod), run(CPU_MATCH, object=pod)) == (expected, not expected)
+    assert has_gpu_request(pod) is expected
+
+
+@pytest.mark.parametrize("name", sorted(INIT_SAMPLES))
+def test_init_containers_count_for_the_entry(name: str) -> None:
+    init, containers, expected = INIT_SAMPLES[name]
+    pod = {"spec": {"initContainers": init, "containers": containers}}
+    assert (run(MATCH, object=pod), run(CPU_MATCH, object=pod)) == (expected, not expected)
+    assert has_gpu_request(pod) is expected
+
+
+def admits(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A webhook's label selector (matchLabels, matchExpressions) against ``labels``."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator = expression["key"], expression["operator"]
+        values = expression.get("values") or []
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+        if operator not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            raise AssertionError(f"not a selector operator: {operator}")
+    return True
+
+
+def called(pod: dict[str, Any], namespace: str, labels: dict[str, str]) -> list[str]:
+    """The entries the API server calls the webhook through for ``pod`` created
+    in ``namespace`` (whose labels the API server completes with its name)."""
+    labels = {**labels, "kubernetes.io/metadata.name": namespace}
+    pod_labels = pod.get("metadata", {}).get("labels") or {}
+    return [
+        entry["name"]
+        for entry, match in ((GPU_ENTRY, MATCH), (CPU_ENTRY, CPU_MATCH))
+        if admits(entry["namespaceSelector"], labels)
+        and admits(entry["objectSelector"], pod_labels)
+        and run(match, object=pod)
+    ]
+
+
+def test_pods_in_kube_system_gpuslice_and_ignored_namespaces_are_never_routed() -> None:
+    gpuslice_labels = next(
+        o["metadata"]["labels"]
+        for o in CPU_PODS_OBJECTS
+        if o["kind"] == "Namespace" and o["metadata"]["name"] == "gpuslice"
+    )
+    gpu_pod = {"spec": {"containers": SAMPLES["whole card"]}}
+    cpu_pod = {"spec": {"containers": SAMPLES["cpu only"]}}
+    ignored_pod = {"metadata": {"labels": {"hami.io/webhook": "ignore"}}, **cpu_pod}
+    assert called(gpu_pod, "team-a", {}) == ["pods.gpuslice.io"]
+    assert called(cpu_pod, "team-a", {}) == ["cpu-pods.gpuslice.io"]
+    assert called(ignored_pod, "team-a", {}) == []
+    assert called(cpu_pod, "kube-system", {}) == []
+    assert called(gpu_pod, "kube-system", {}) == ["pods.gpuslice.io"]  # as without the component
+    assert called(cpu_pod, "gpuslice", gpuslice_labels) == []
+    assert called(cpu_pod, "gpuslice", {}) == []  # even without its label
+    for label in ("hami.io/webhook", "gpuslice.io/webhook"):
+        assert called(cpu_pod, "team-b", {label: "ignore"}) == []
+        assert called(gpu_pod, "team-b", {label: "ignore"}) == []
 
 
 # ---------------------------------------------------------------- scheduler

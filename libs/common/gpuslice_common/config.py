@@ -305,8 +305,9 @@ class SchedulerSettings(CommonSettings):
     # workload mix); off, every node scores 0 for them. Filter passes every node
     # for such a pod either way (kube-scheduler checked its CPU and memory), and
     # a bind through gpuslice counts its CPU and memory on the node at once.
-    # kube-scheduler sends them only where the webhook routes them
-    # (GPUSLICE_ROUTE_CPU_PODS) or they name gpuslice's scheduler
+    # kube-scheduler sends them only where they name gpuslice's scheduler (the
+    # webhook's GPUSLICE_ROUTE_CPU_PODS) and the extender lists no
+    # managedResources: k8s/cpu-pods does both, and turns this on
     score_cpu_pods: bool = False
 
 
