@@ -57,6 +57,19 @@ typedef struct {
     int64_t row;
 } ranked_t;
 
+/* The classes' weights as one node sees them, for its CPU and memory free: per
+ * part p and number c of cards usable by it (0 to the node's card count), the
+ * weight of the classes of part p the node hosts with c such cards, and of those
+ * it does not. Built once per node, it prices a card in one pass over the parts
+ * instead of one over the classes. */
+typedef struct {
+    double *hosted;   /* (parts, width) */
+    double *stranded; /* (parts, width) */
+    int64_t width;    /* cards of the node + 1 */
+    int built;        /* for these: nodes alike in them share the tables */
+    double cpu, mem;
+} hosting_t;
+
 typedef struct {
     usage_t *base, *now;
     int8_t *statics, *codes;
@@ -64,6 +77,7 @@ typedef struct {
     double *card_score, *card_frag, *card_total;
     ranked_t *ranked;
     fragments_t before, after, one;
+    hosting_t host_before, host_after; /* with the node's CPU and memory free before, after */
 } scratch_t;
 
 static int64_t floor_div(int64_t a, int64_t b)
@@ -120,21 +134,54 @@ static double card_share(const gs_cluster_t *c, int64_t card, const usage_t *u)
     return (double)free * 1000.0 / (double)at_least_one(cap);
 }
 
-static double mix_score(const gs_mix_t *m, double cpu, double mem, const int64_t *count,
+static void hosting_build(const gs_mix_t *m, double cpu, double mem, int64_t k, hosting_t *h)
+{
+    int64_t width = k + 1, cells = m->parts * width;
+    if (h->built && h->width == width && h->cpu == cpu && h->mem == mem)
+        return;
+    h->built = 1;
+    h->cpu = cpu;
+    h->mem = mem;
+    h->width = width;
+    for (int64_t i = 0; i < cells; i++)
+        h->hosted[i] = h->stranded[i] = 0.0;
+    /* first the weight that starts being hosted at each count, and each part's total */
+    for (int64_t cl = 0; cl < m->classes; cl++) {
+        int64_t row = m->part[cl] * width, need = m->need[cl];
+        h->stranded[row] += m->weight[cl];
+        if (cpu >= m->cpu[cl] && mem >= m->memory[cl] && need <= k)
+            h->hosted[row + (need > 0 ? need : 0)] += m->weight[cl];
+    }
+    for (int64_t p = 0; p < m->parts; p++) {
+        double *hosted = h->hosted + p * width, *stranded = h->stranded + p * width;
+        double all = stranded[0];
+        for (int64_t c = 0; c < width; c++) {
+            if (c > 0)
+                hosted[c] += hosted[c - 1];
+            stranded[c] = all - hosted[c];
+        }
+    }
+}
+
+/* A node's fragmentation: a class it hosts finds the free share of the cards it
+ * cannot use stranded, one it does not host all of the node's free share. */
+static double mix_score(const gs_mix_t *m, const hosting_t *h, const int64_t *count,
                         const double *unusable, double total)
 {
     double score = 0.0;
-    for (int64_t k = 0; k < m->classes; k++) {
-        int64_t p = m->part[k];
-        int host = cpu >= m->cpu[k] && mem >= m->memory[k] && count[p] >= m->need[k];
-        score += (host ? unusable[p] : total) * m->weight[k];
+    for (int64_t p = 0; p < m->parts; p++) {
+        int64_t c = count[p] < h->width ? count[p] : h->width - 1;
+        if (c < 0)
+            c = 0;
+        score += unusable[p] * h->hosted[p * h->width + c] +
+                 total * h->stranded[p * h->width + c];
     }
     return score;
 }
 
 /* Fragmentation of the node whose cards start at `first`, with usage `u`. */
 static void node_fragments(const gs_cluster_t *c, const gs_mix_t *m, int64_t first, int64_t k,
-                           const usage_t *u, double cpu, double mem, fragments_t *f)
+                           const usage_t *u, const hosting_t *h, fragments_t *f)
 {
     int64_t parts = m->parts;
     memset(f->count, 0, (size_t)parts * sizeof *f->count);
@@ -154,14 +201,14 @@ static void node_fragments(const gs_cluster_t *c, const gs_mix_t *m, int64_t fir
                 f->unusable[p] += share;
         }
     }
-    f->frag = mix_score(m, cpu, mem, f->count, f->unusable, f->total);
+    f->frag = mix_score(m, h, f->count, f->unusable, f->total);
 }
 
 /* The node's fragmentation if card row `j` changed from `before`'s usage to `u`;
  * `one` is scratch for that card. Sets *total to the node's free share then. */
 static double fragmentation_after(const gs_cluster_t *c, const gs_mix_t *m, int64_t first,
                                   int64_t j, const usage_t *u, const fragments_t *before,
-                                  fragments_t *one, double cpu, double mem, double *total)
+                                  fragments_t *one, const hosting_t *h, double *total)
 {
     int64_t parts = m->parts;
     const uint8_t *old_usable = before->usable + j * parts;
@@ -174,7 +221,7 @@ static double fragmentation_after(const gs_cluster_t *c, const gs_mix_t *m, int6
                            (one->usable[p] ? 0.0 : new_share);
     }
     *total = before->total - old_share + new_share;
-    return mix_score(m, cpu, mem, one->count, one->unusable, *total);
+    return mix_score(m, h, one->count, one->unusable, *total);
 }
 
 /* ---------------------------------------------------------------- fit */
@@ -344,6 +391,10 @@ static void scratch_free(scratch_t *s)
     fragments_free(&s->before);
     fragments_free(&s->after);
     fragments_free(&s->one);
+    free(s->host_before.hosted);
+    free(s->host_before.stranded);
+    free(s->host_after.hosted);
+    free(s->host_after.stranded);
 }
 
 static int scratch_alloc(scratch_t *s, int64_t cards, int64_t parts)
@@ -366,6 +417,13 @@ static int scratch_alloc(scratch_t *s, int64_t cards, int64_t parts)
     ok = fragments_alloc(&s->before, cards, parts) && ok;
     ok = fragments_alloc(&s->after, cards, parts) && ok;
     ok = fragments_alloc(&s->one, 1, parts) && ok;
+    size_t cells = (size_t)(parts > 0 ? parts : 1) * (size_t)(cards + 1);
+    hosting_t *hosts[] = {&s->host_before, &s->host_after};
+    for (int i = 0; i < 2; i++) {
+        hosts[i]->hosted = calloc(cells, sizeof(double));
+        hosts[i]->stranded = calloc(cells, sizeof(double));
+        ok = ok && hosts[i]->hosted && hosts[i]->stranded;
+    }
     return ok;
 }
 
@@ -416,8 +474,9 @@ int gs_fragmentation(const gs_cluster_t *cluster, const gs_mix_t *mix, const int
         int64_t first = cluster->node_start[nodes[i]];
         int64_t k = cluster->node_start[nodes[i] + 1] - first;
         load_usage(cluster, first, k, s.base);
-        node_fragments(cluster, mix, first, k, s.base, cluster->cpu_free[nodes[i]],
-                       cluster->mem_free[nodes[i]], &s.before);
+        hosting_build(mix, cluster->cpu_free[nodes[i]], cluster->mem_free[nodes[i]], k,
+                      &s.host_before);
+        node_fragments(cluster, mix, first, k, s.base, &s.host_before, &s.before);
         fragmentation[i] = s.before.frag;
         total[i] = s.before.total;
     }
@@ -457,8 +516,11 @@ static void evaluate_node(const plan_t *plan, scratch_t *s, int64_t i, int64_t n
     }
     load_usage(c, first, k, s->base);
     memcpy(s->now, s->base, (size_t)k * sizeof *s->now);
-    if (plan->use_fragments)
-        node_fragments(c, m, first, k, s->base, cpu_free, mem_free, &s->before);
+    if (plan->use_fragments) {
+        hosting_build(m, cpu_free, mem_free, k, &s->host_before);
+        hosting_build(m, cpu_after, mem_after, k, &s->host_after);
+        node_fragments(c, m, first, k, s->base, &s->host_before, &s->before);
+    }
 
     for (int64_t j = 0; j < k && d->containers > 0; j++)
         s->statics[j] = static_code(c, d, first + j);
@@ -485,7 +547,7 @@ static void evaluate_node(const plan_t *plan, scratch_t *s, int64_t i, int64_t n
                 after.owned = after.owned || ct->exclusive;
                 double total;
                 double frag = fragmentation_after(c, m, first, j, &after, &s->before, &s->one,
-                                                  cpu_after, mem_after, &total);
+                                                  &s->host_after, &total);
                 s->card_score[j] = -(frag - s->before.frag) + 1e-6 * hami;
                 s->card_frag[j] = frag;
                 s->card_total[j] = total;
@@ -524,7 +586,7 @@ static void evaluate_node(const plan_t *plan, scratch_t *s, int64_t i, int64_t n
         r->score[i] = -(s->card_frag[j] - s->before.frag) - 1e-9 * s->card_total[j];
     } else {
         /* Less added fragmentation first; among equals, the node left with less free. */
-        node_fragments(c, m, first, k, s->now, cpu_after, mem_after, &s->after);
+        node_fragments(c, m, first, k, s->now, &s->host_after, &s->after);
         r->score[i] = -(s->after.frag - s->before.frag) - 1e-9 * s->after.total;
     }
 }
