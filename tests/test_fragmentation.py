@@ -7,14 +7,13 @@ import pytest
 
 from gpuslice_common.models import DeviceSelector
 from gpuslice_scheduler.cluster import Cluster
-from gpuslice_scheduler.fit import CardDemand, Usage
+from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.fragmentation import (
     MixLearner,
     WorkloadClass,
     WorkloadMix,
-    cluster_fragments,
     default_mix,
-    node_fragments,
+    node_fragmentation,
 )
 from tests.test_engine import busy, gpu
 
@@ -24,17 +23,9 @@ TWO_WHOLE = CardDemand(count=2, mem_mib=-1, mem_percent=100, cores=100, exclusiv
 
 
 def fragmentation(cluster: Cluster, mix: WorkloadMix) -> list[float]:
-    cards = np.arange(cluster.card_count)
-    frag, _, _ = node_fragments(
-        mix,
-        cluster,
-        cards,
-        cluster.node_start,
-        Usage.of(cluster, cards),
-        cluster.node_cpu_free,
-        cluster.node_mem_free,
-    )
-    return frag.fragmentation.tolist()
+    frag, _ = node_fragmentation(mix, cluster, np.arange(cluster.node_count))
+    result: list[float] = frag.tolist()
+    return result
 
 
 def test_free_share_a_class_cannot_use_is_a_fragment() -> None:
@@ -108,11 +99,11 @@ def test_an_empty_mix_is_refused() -> None:
         WorkloadMix.of([WorkloadClass(0, WHOLE)])
 
 
-def test_cluster_fragments_are_cached_until_the_cluster_changes() -> None:
+def test_node_fragmentation_reads_the_cluster_as_it_is_now() -> None:
     c = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])])
     mix = default_mix()
-    first = cluster_fragments(mix, c)
-    assert cluster_fragments(mix, c) is first
+    first, total = node_fragmentation(mix, c, np.asarray([0]))
+    assert total[0] == pytest.approx(2000.0)  # two whole free cards
     c.take(
         np.asarray([0]),
         np.asarray([5000]),
@@ -121,9 +112,9 @@ def test_cluster_fragments_are_cached_until_the_cluster_changes() -> None:
         np.asarray([False]),
         node=0,
     )
-    second = cluster_fragments(mix, c)
-    assert second is not first
-    assert second[0].total[0] == pytest.approx(1500.0)
+    second, total = node_fragmentation(mix, c, np.asarray([0]))
+    assert total[0] == pytest.approx(1500.0)
+    assert second[0] > first[0]  # half a card no whole-card class can use
 
 
 def test_mix_learner_counts_each_pod_once_and_rebuilds_in_batches() -> None:
