@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -789,6 +790,20 @@ async def test_a_new_mix_is_warmed_before_it_serves(stack: Stack) -> None:
     assert current is not None
     assert current.mix is learner.mix
     assert current.entries  # the kinds seen last were evaluated with the new mix
+
+
+async def test_the_warm_up_thread_yields_the_cores_to_the_verbs(stack: Stack) -> None:
+    """The compiled core releases the GIL: the thread that evaluates a new mix runs
+    at the lowest priority, so it takes only what the verbs leave."""
+
+    def niceness() -> tuple[int, int]:
+        return threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    loop = asyncio.get_running_loop()
+    tid, nice = await loop.run_in_executor(stack.extender._warmer, niceness)
+    assert tid != threading.get_native_id()
+    assert nice == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # not the loop's
 
 
 async def test_a_binding_whose_reply_was_lost_keeps_its_reservation(stack: Stack) -> None:

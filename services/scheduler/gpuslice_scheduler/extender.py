@@ -38,6 +38,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -93,6 +96,16 @@ REBUILDING = (
 SCORE_CLOSINGS = [b"%d}" % score for score in range(11)]
 
 
+def _lower_priority() -> None:
+    """Make the calling thread the last to get a core (Linux: niceness is per thread).
+
+    A new workload mix is evaluated in a thread while requests are answered; the
+    compiled core releases the GIL, so that thread competes for the cores with
+    the verbs, Redis and NATS unless it yields to them."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no setpriority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 class BindError(Exception):
     """A bind that did not happen; the message is what kube-scheduler shows."""
 
@@ -118,6 +131,8 @@ class Extender:
         self._current: Evaluator | None = None
         self._ceiling = Ceiling(view.cluster)
         self._warming: asyncio.Task[None] | None = None
+        # one thread, at the lowest CPU priority: the verbs come first
+        self._warmer = ThreadPoolExecutor(1, "mix-warm-up", initializer=_lower_priority)
         self._parsed: dict[tuple[str, str], PodGpuRequest | None] = {}
 
     # ------------------------------------------------------------ reading verbs
@@ -172,6 +187,7 @@ class Extender:
             self._warming.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._warming
+        self._warmer.shutdown(wait=False, cancel_futures=True)
 
     def _parse(self, pod: dict[str, Any]) -> PodGpuRequest | None:
         """The pod's GPU request; kube-scheduler sends one pod to three verbs, so keep a few.
@@ -212,7 +228,9 @@ class Extender:
         fresh = Evaluator(current.cluster, mix)
         try:
             for demand in current.recent(WARM_KINDS):
-                await asyncio.to_thread(fresh.evaluate, demand)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._warmer, fresh.evaluate, demand
+                )
             if self._current is current:
                 self._current = fresh
         except Exception:  # the old mix keeps serving; the next change tries again
