@@ -21,6 +21,7 @@ from gpuslice_common.models import (
 )
 from gpuslice_common.requests import (
     ANNOTATIONS,
+    QuantityTooLarge,
     RequestError,
     has_gpu_request,
     parse_container,
@@ -860,6 +861,36 @@ def test_parse_quantity_rejects(value: object) -> None:
     with pytest.raises(RequestError):
         parse_quantity(value)
     assert time.perf_counter() - started < 0.1
+
+
+@pytest.mark.parametrize(
+    ("value", "too_large"),
+    [
+        ("1e31", True),
+        (10**31, True),
+        ("1e999999999", True),
+        ("1e" + "9" * 20, True),
+        ("9" * 129, True),
+        ("1" + "0" * 200 + "Ei", True),  # the API server's canonical form of a huge one
+        ("0" * 129, False),
+        ("0." + "0" * 130 + "1", False),
+        ("0.00000001e65", True),  # 1e57
+        ("0." + "0" * 70 + "1e65", False),  # 1e-6, only its exponent out of range
+        ("1e-999999999", False),
+        ("0e999999999", False),
+        ("-1e31", False),
+        (-(10**31), False),
+        ("-" + "9" * 129, False),
+        ("1x" + "0" * 200, False),
+    ],
+    ids=lambda v: repr(v)[:20],
+)
+def test_a_quantity_too_large_to_read_is_told_from_one_unreadable(
+    value: object, too_large: bool
+) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse_quantity(value)
+    assert isinstance(caught.value, QuantityTooLarge) is too_large
 
 
 def test_an_init_container_that_restarts_always_is_a_sidecar() -> None:
