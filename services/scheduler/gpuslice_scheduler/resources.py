@@ -16,8 +16,12 @@ the watch shows the Binding; the watch's event for it then takes its place
 A node nobody reported, or one whose allocatable cannot be read (missing,
 unparsable, absurd), or one holding a pod whose request cannot be read, is
 *unknown*: free CPU and memory are infinite, as where nothing is tracked
-(kube-scheduler checks fit itself). What cannot be read is logged once per
-object, and again only if the problem changes.
+(kube-scheduler checks fit itself). A pod's request above the sanity bound (a
+million cores, an exbibyte) that is otherwise a quantity counts as that bound,
+not as unknown: the node then looks full, never emptier than it is, so that no
+pod bound straight to a node (``spec.nodeName``) can make it look free. What
+cannot be read, or is so counted, is logged once per object, and again only if
+the problem changes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from typing import Any, Final
 from gpuslice_common.kube import TERMINATED_PHASES, KubeApi
 from gpuslice_scheduler.reflector import Source, reflect
 from gpuslice_scheduler.requested import (
+    MAX_CPU_MILLI,
+    MAX_MEMORY,
     Amount,
     ResourceError,
     node_allocatable,
@@ -230,17 +236,27 @@ class NodeResources:
         return Held(node, self._request(key, pod))
 
     def _request(self, key: str, pod: Mapping[str, Any]) -> Amount | None:
+        """What the pod requests; one above the bound counts as the bound (its
+        node looks full), one that cannot be read is None (its node is unknown)."""
+        where = _bound_node(pod) or "no node yet"
         try:
-            amount = pod_request(pod)
+            amount = pod_request(pod, clamp=True)
         except ResourceError as exc:
-            where = _bound_node(pod) or "no node yet"
             self._problem(
                 f"pod {key}",
                 f"pod {_pod_name(pod)} (on {where}): {exc}; "
                 "that node's free CPU and memory count as unknown",
             )
             return None
-        self._problems.pop(f"pod {key}", None)
+        if amount.cpu >= MAX_CPU_MILLI or amount.memory >= MAX_MEMORY:
+            self._problem(
+                f"pod {key}",
+                f"pod {_pod_name(pod)} (on {where}) requests more CPU or memory than any "
+                "node has (a quantity above the bound counts as the bound); "
+                "that node looks full",
+            )
+        else:
+            self._problems.pop(f"pod {key}", None)
         return amount
 
     def _allocatable_of(self, name: str, node: Mapping[str, Any]) -> Amount | None:
