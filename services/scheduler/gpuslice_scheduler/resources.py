@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpuslice_common.kube import TERMINATED_PHASES, KubeApi
+from gpuslice_common.kube import KubeApi, object_uid, pod_node, pod_terminated
 from gpuslice_scheduler.reflector import Source, reflect
 from gpuslice_scheduler.requested import (
     MAX_CPU_MILLI,
@@ -83,10 +83,10 @@ def _metadata(obj: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def pod_key(pod: Mapping[str, Any]) -> str:
     """The pod's UID, else its namespace/name (for a pod from a hand-made source)."""
-    metadata = _metadata(pod)
-    uid = metadata.get("uid")
-    if isinstance(uid, str) and uid:
+    uid = object_uid(pod)
+    if uid:
         return uid
+    metadata = _metadata(pod)
     name, namespace = metadata.get("name"), metadata.get("namespace")
     return f"{namespace}/{name}" if isinstance(name, str) and name else ""
 
@@ -94,17 +94,6 @@ def pod_key(pod: Mapping[str, Any]) -> str:
 def _pod_name(pod: Mapping[str, Any]) -> str:
     metadata = _metadata(pod)
     return f"{metadata.get('namespace') or 'default'}/{metadata.get('name')}"
-
-
-def _bound_node(pod: Mapping[str, Any]) -> str:
-    spec = pod.get("spec")
-    node = spec.get("nodeName") if isinstance(spec, Mapping) else None
-    return node if isinstance(node, str) else ""
-
-
-def _terminated(pod: Mapping[str, Any]) -> bool:
-    status = pod.get("status")
-    return isinstance(status, Mapping) and status.get("phase") in TERMINATED_PHASES
 
 
 class NodeResources:
@@ -187,7 +176,7 @@ class NodeResources:
             held = self._held(key, pod)
             if held is not None:
                 fresh[key] = held
-            elif key and not _terminated(pod):
+            elif key and not pod_terminated(pod):
                 waiting.add(key)
         for key, held in self._pods.items():
             if held.assumed and key in waiting:
@@ -206,7 +195,7 @@ class NodeResources:
             return
         held = self._held(key, pod)
         old = self._pods.get(key)
-        if held is None and old is not None and old.assumed and not _terminated(pod):
+        if held is None and old is not None and old.assumed and not pod_terminated(pod):
             return  # an event from before the Binding: the bind's count stands
         self._set(key, held)
 
@@ -230,15 +219,15 @@ class NodeResources:
 
     def _held(self, key: str, pod: Mapping[str, Any]) -> Held | None:
         """What the pod holds, or None when it holds nothing (not bound, ended)."""
-        node = _bound_node(pod)
-        if not key or not node or _terminated(pod):
+        node = pod_node(pod)
+        if not key or not node or pod_terminated(pod):
             return None
         return Held(node, self._request(key, pod))
 
     def _request(self, key: str, pod: Mapping[str, Any]) -> Amount | None:
         """What the pod requests; one above the bound counts as the bound (its
         node looks full), one that cannot be read is None (its node is unknown)."""
-        where = _bound_node(pod) or "no node yet"
+        where = pod_node(pod) or "no node yet"
         try:
             amount = pod_request(pod, clamp=True)
         except ResourceError as exc:
