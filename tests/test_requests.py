@@ -23,6 +23,7 @@ from gpuslice_common.requests import (
     ANNOTATIONS,
     QuantityTooLarge,
     RequestError,
+    asks_for_gpus,
     has_gpu_request,
     parse_container,
     parse_pod,
@@ -781,6 +782,37 @@ def test_has_gpu_request(
     manifest: dict[str, Any], settings: RequestSettings, expected: bool
 ) -> None:
     assert has_gpu_request(manifest, settings) is expected
+
+
+@pytest.mark.parametrize(
+    ("manifest", "expected"),
+    [
+        pytest.param(pod(ctr(limits={GPU: 1})), True, id="count"),
+        pytest.param(pod(ctr(requests={CORES: 30})), True, id="cores-alone"),
+        pytest.param(pod(ctr(limits={MEM: 0})), True, id="gpumem-0-brings-the-default-count"),
+        pytest.param(pod(ctr(limits={"cpu": 1})), False, id="no-gpu"),
+        pytest.param(pod(ctr(limits={GPU: 0})), False, id="gpu-zero"),
+        pytest.param(pod(ctr(limits={GPU: "0"}, requests={GPU: "0m"})), False, id="gpu-zero-both"),
+        pytest.param(
+            pod(ctr(limits={GPU: 0}), init=(ctr("i", requests={GPU: "0"}),)),
+            False,
+            id="gpu-zero-everywhere",
+        ),
+        pytest.param(
+            pod(ctr(limits={GPU: 0}, requests={"cpu": 1}), annotations={"x": 1}),
+            False,
+            id="gpu-zero-annotations-unread",
+        ),
+        pytest.param(pod(ctr(limits={GPU: 0}), ctr("b", limits={GPU: 1})), True, id="one-of-two"),
+        # rejected by parse_pod: the caller reads it and says why
+        pytest.param(pod(ctr(limits={GPU: 0, MEM: 100})), True, id="gpu-zero-with-gpumem"),
+        pytest.param(pod(ctr(limits={GPU: 0}, requests={GPU: 1})), True, id="gpu-zero-differs"),
+        pytest.param(pod(ctr(limits={GPU: "lots"})), True, id="gpu-unreadable"),
+        pytest.param(pod(ctr(limits={PRIO: 0})), True, id="priority-alone"),
+    ],
+)
+def test_asks_for_gpus(manifest: dict[str, Any], expected: bool) -> None:
+    assert asks_for_gpus(manifest) is expected
 
 
 def test_annotation_keys_cover_both_forms() -> None:

@@ -75,6 +75,7 @@ __all__ = [
     "AnnotationKeys",
     "QuantityTooLarge",
     "RequestError",
+    "asks_for_gpus",
     "has_gpu_request",
     "parse_container",
     "parse_pod",
@@ -636,3 +637,19 @@ def has_gpu_request(pod: Mapping[str, Any], settings: RequestSettings = DEFAULT_
                 if isinstance(amounts, Mapping) and any(name in amounts for name in names):
                     return True
     return False
+
+
+def asks_for_gpus(pod: Mapping[str, Any], settings: RequestSettings = DEFAULT_SETTINGS) -> bool:
+    """Does the pod ask for a GPU, as :func:`parse_pod` reads it?
+
+    False for a pod that names no GPU resource, and for one that names them only
+    to ask for none (``nvidia.com/gpu: 0``): both are pods without GPUs. True for
+    a pod whose request :func:`parse_pod` rejects, so that the caller reads it
+    and reports why. Never raises.
+    """
+    if not has_gpu_request(pod, settings):
+        return False
+    try:
+        return parse_pod(pod, settings) is not None
+    except RequestError:
+        return True
