@@ -994,6 +994,8 @@ async def test_a_pod_bound_straight_there_asking_absurd_cpu_makes_the_node_full(
     reply = (await stack.post("filter", args(pod, "node-a", "node-b"))).json()
     assert reply["NodeNames"] == ["node-b"]
     assert reply["FailedNodes"] == {"node-a": "node CPU or memory is short"}
+    scores = (await stack.post("prioritize", args(pod, "node-a", "node-b"))).json()
+    assert {s["Host"]: s["Score"] for s in scores} == {"node-a": 0, "node-b": 10}
 
 
 async def test_a_pod_whose_cpu_cannot_be_read_fails_the_filter_naming_it(stack: Stack) -> None:
