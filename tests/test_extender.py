@@ -996,6 +996,23 @@ async def test_a_node_short_of_cpu_fails_the_filter_and_scores_nothing(stack: St
     assert reply["NodeNames"] == ["node-a"]
 
 
+async def test_a_pod_bound_straight_there_asking_absurd_cpu_makes_the_node_full(
+    stack: Stack,
+) -> None:
+    stack.kube.add_node(k8s_node("node-a", cpu="64"))
+    stack.kube.add_node(k8s_node("node-b", cpu="64"))
+    await free_cpu(stack, "node-b", 64000.0)
+    # not through the extender: spec.nodeName set by its owner, a request no node has
+    stack.kube.add_pod(plain_pod("hostile", "node-a", "1e40"))
+    await free_cpu(stack, "node-a", 64000.0 - 10**9)  # the bound, not unknown (infinite)
+    pod = asking_cpu(gpu_pod("wants-cpu", mem=1000, cores=10), "1")
+    reply = (await stack.post("filter", args(pod, "node-a", "node-b"))).json()
+    assert reply["NodeNames"] == ["node-b"]
+    assert reply["FailedNodes"] == {"node-a": "node CPU or memory is short"}
+    scores = (await stack.post("prioritize", args(pod, "node-a", "node-b"))).json()
+    assert {s["Host"]: s["Score"] for s in scores} == {"node-a": 0, "node-b": 10}
+
+
 async def test_a_pod_whose_cpu_cannot_be_read_fails_the_filter_naming_it(stack: Stack) -> None:
     pod = asking_cpu(gpu_pod("garbled", mem=1000, cores=10), "one")
     reply = (await stack.post("filter", args(pod, "node-a"))).json()
@@ -1143,6 +1160,35 @@ async def test_binding_a_scored_cpu_pod_counts_its_cpu_at_once(stack: Stack) -> 
     assert ("team", "web", "node-b") in stack.kube.bindings
     assert await stack.ledger.placement("uid-web") is None  # no GPU: nothing reserved
     stack.kube.pod_events.set()
+
+
+async def test_a_pod_asking_for_zero_gpus_is_a_pod_without_gpus(stack: Stack) -> None:
+    policy = {"hami.io/gpu-scheduler-policy": "bogus"}  # what a GPU pod is refused for
+    refused = (
+        await stack.post("filter", args(gpu_pod("gpu", annotations=policy), "node-a"))
+    ).json()
+    assert "unknown GPU policy 'bogus'" in refused["Error"]
+    score_cpu_pods(stack)
+    expect_whole_cards_with_4_cpus(stack)
+    for name, cpu in (("node-a", "8"), ("node-b", "64")):
+        stack.kube.add_node(k8s_node(name, cpu=cpu))
+        await free_cpu(stack, name, float(cpu) * 1000)
+    zero = cpu_pod("zero", "6")
+    zero["metadata"]["annotations"] = policy
+    zero["spec"]["containers"][0]["resources"]["limits"] = {"nvidia.com/gpu": "0"}
+    names = ("node-a", "node-b", "no-gpus")
+    reply = (await stack.post("filter", args(zero, *names))).json()
+    assert reply["Error"] == ""
+    assert reply["NodeNames"] == list(names)
+    # scored as the same pod without the GPU resource
+    scores = (await stack.post("prioritize", args(zero, *names))).json()
+    plain = (await stack.post("prioritize", args(cpu_pod("web", "6"), *names))).json()
+    assert scores == plain
+    assert len({s["Score"] for s in scores}) > 1
+    await stack.add(zero)
+    assert (await stack.bind(zero, "node-b")).json() == {"Error": ""}
+    assert ("team", "zero", "node-b") in stack.kube.bindings
+    assert await stack.ledger.placement("uid-zero") is None  # no GPU: nothing reserved
 
 
 async def test_the_learner_counts_cpu_pods_and_cpu_requests(stack: Stack) -> None:

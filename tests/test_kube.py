@@ -25,6 +25,11 @@ from gpuslice_common.kube import (
     PodNotFound,
     WatchEvent,
     WatchExpired,
+    object_uid,
+    pod_node,
+    pod_phase,
+    pod_terminated,
+    resource_version,
 )
 from tests.kubeapi import FakeApiServer, Stream, fake_api_server, status_body
 
@@ -73,6 +78,55 @@ def closed_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
+
+
+# --- reading objects' fields ------------------------------------------------------
+
+
+def test_the_readers_give_each_field_of_a_pod_as_the_server_sends_it() -> None:
+    pod = {
+        "metadata": {"uid": "u-1", "resourceVersion": "42"},
+        "spec": {"nodeName": "node-a"},
+        "status": {"phase": "Running"},
+    }
+    assert object_uid(pod) == "u-1"
+    assert resource_version(pod) == "42"
+    assert pod_node(pod) == "node-a"
+    assert pod_phase(pod) == "Running"
+    assert pod_terminated(pod) is False
+
+
+@pytest.mark.parametrize(
+    ("phase", "ended"),
+    [
+        ("Succeeded", True),
+        ("Failed", True),
+        ("Pending", False),
+        ("Unknown", False),
+        ("succeeded", False),
+    ],
+)
+def test_a_pod_has_terminated_only_in_phase_succeeded_or_failed(phase: str, ended: bool) -> None:
+    assert pod_terminated({"status": {"phase": phase}}) is ended
+
+
+@pytest.mark.parametrize(
+    "pod",
+    [
+        {},
+        {"metadata": None, "spec": None, "status": None},
+        {"metadata": [], "spec": "x", "status": 1},
+        {
+            "metadata": {"uid": 7, "resourceVersion": None},
+            "spec": {"nodeName": ["a"]},
+            "status": {"phase": {"p": 1}},
+        },
+    ],
+    ids=["missing", "null", "not-objects", "not-strings"],
+)
+def test_a_field_missing_or_of_another_type_reads_as_empty(pod: dict[str, Any]) -> None:
+    assert object_uid(pod) == resource_version(pod) == pod_node(pod) == pod_phase(pod) == ""
+    assert pod_terminated(pod) is False
 
 
 # --- KubernetesApi: reading pods ---------------------------------------------------

@@ -21,7 +21,9 @@ from gpuslice_common.models import (
 )
 from gpuslice_common.requests import (
     ANNOTATIONS,
+    QuantityTooLarge,
     RequestError,
+    asks_for_gpus,
     has_gpu_request,
     parse_container,
     parse_pod,
@@ -782,6 +784,37 @@ def test_has_gpu_request(
     assert has_gpu_request(manifest, settings) is expected
 
 
+@pytest.mark.parametrize(
+    ("manifest", "expected"),
+    [
+        pytest.param(pod(ctr(limits={GPU: 1})), True, id="count"),
+        pytest.param(pod(ctr(requests={CORES: 30})), True, id="cores-alone"),
+        pytest.param(pod(ctr(limits={MEM: 0})), True, id="gpumem-0-brings-the-default-count"),
+        pytest.param(pod(ctr(limits={"cpu": 1})), False, id="no-gpu"),
+        pytest.param(pod(ctr(limits={GPU: 0})), False, id="gpu-zero"),
+        pytest.param(pod(ctr(limits={GPU: "0"}, requests={GPU: "0m"})), False, id="gpu-zero-both"),
+        pytest.param(
+            pod(ctr(limits={GPU: 0}), init=(ctr("i", requests={GPU: "0"}),)),
+            False,
+            id="gpu-zero-everywhere",
+        ),
+        pytest.param(
+            pod(ctr(limits={GPU: 0}, requests={"cpu": 1}), annotations={"x": 1}),
+            False,
+            id="gpu-zero-annotations-unread",
+        ),
+        pytest.param(pod(ctr(limits={GPU: 0}), ctr("b", limits={GPU: 1})), True, id="one-of-two"),
+        # rejected by parse_pod: the caller reads it and says why
+        pytest.param(pod(ctr(limits={GPU: 0, MEM: 100})), True, id="gpu-zero-with-gpumem"),
+        pytest.param(pod(ctr(limits={GPU: 0}, requests={GPU: 1})), True, id="gpu-zero-differs"),
+        pytest.param(pod(ctr(limits={GPU: "lots"})), True, id="gpu-unreadable"),
+        pytest.param(pod(ctr(limits={PRIO: 0})), True, id="priority-alone"),
+    ],
+)
+def test_asks_for_gpus(manifest: dict[str, Any], expected: bool) -> None:
+    assert asks_for_gpus(manifest) is expected
+
+
 def test_annotation_keys_cover_both_forms() -> None:
     assert ANNOTATIONS.gpu_policy.hami == "hami.io/gpu-scheduler-policy"
     assert ANNOTATIONS.gpu_policy.gpuslice == "gpuslice.io/gpu-scheduler-policy"
@@ -860,6 +893,36 @@ def test_parse_quantity_rejects(value: object) -> None:
     with pytest.raises(RequestError):
         parse_quantity(value)
     assert time.perf_counter() - started < 0.1
+
+
+@pytest.mark.parametrize(
+    ("value", "too_large"),
+    [
+        ("1e31", True),
+        (10**31, True),
+        ("1e999999999", True),
+        ("1e" + "9" * 20, True),
+        ("9" * 129, True),
+        ("1" + "0" * 200 + "Ei", True),  # the API server's canonical form of a huge one
+        ("0" * 129, False),
+        ("0." + "0" * 130 + "1", False),
+        ("0.00000001e65", True),  # 1e57
+        ("0." + "0" * 70 + "1e65", False),  # 1e-6, only its exponent out of range
+        ("1e-999999999", False),
+        ("0e999999999", False),
+        ("-1e31", False),
+        (-(10**31), False),
+        ("-" + "9" * 129, False),
+        ("1x" + "0" * 200, False),
+    ],
+    ids=lambda v: repr(v)[:20],
+)
+def test_a_quantity_too_large_to_read_is_told_from_one_unreadable(
+    value: object, too_large: bool
+) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse_quantity(value)
+    assert isinstance(caught.value, QuantityTooLarge) is too_large
 
 
 def test_an_init_container_that_restarts_always_is_a_sidecar() -> None:

@@ -18,6 +18,8 @@ import pytest
 from gpuslice_cli.dev.apiserver import DevApiServer
 from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_scheduler.requested import (
+    MAX_CPU_MILLI,
+    MAX_MEMORY,
     MIB,
     Amount,
     ResourceError,
@@ -152,6 +154,49 @@ def test_a_request_that_cannot_be_read_is_an_error_naming_it(
         pod_request(target)
 
 
+@pytest.mark.parametrize(
+    ("cpu", "memory", "expected", "unclamped"),
+    [
+        ("2000000", "1Gi", Amount(MAX_CPU_MILLI, GI * MIB), "cpu must be between 0 and"),
+        ("1", "2Ei", Amount(1000, MAX_MEMORY), "memory must be between 0 and"),
+        ("1e40", "1e40", Amount(MAX_CPU_MILLI, MAX_MEMORY), "cpu must be between"),  # past 1e30
+        (  # the API server's canonical form of a huge request
+            "1" + "0" * 200 + "E",
+            "1" + "0" * 200 + "Ei",
+            Amount(MAX_CPU_MILLI, MAX_MEMORY),
+            "cpu must be between",
+        ),
+        ("1000000", "1Ei", Amount(MAX_CPU_MILLI, MAX_MEMORY), None),  # at the bound: as it is
+    ],
+)
+def test_clamped_a_request_above_the_bound_counts_as_the_bound(
+    cpu: str, memory: str, expected: Amount, unclamped: str | None
+) -> None:
+    target = pod("p", "a", box("main", cpu, memory))
+    assert pod_request(target, clamp=True) == expected
+    if unclamped is None:
+        assert pod_request(target) == expected
+    else:
+        with pytest.raises(ResourceError, match=unclamped):
+            pod_request(target)
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        (pod("p", None, box("main", "lots")), "cpu has an invalid value"),
+        (pod("p", None, box("main", "1", "-1Gi")), "memory must be between 0"),
+        (pod("p", None, box("main", "-1e40")), "cpu has an invalid value"),
+        (pod("p", None, box("main", "1x" + "0" * 200)), "cpu has an invalid value"),
+    ],
+)
+def test_clamped_a_request_that_cannot_be_read_is_still_an_error(
+    target: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(ResourceError, match=says):
+        pod_request(target, clamp=True)
+
+
 def test_a_node_has_its_allocatable() -> None:
     assert node_allocatable(node("a", "7910m", "30Gi")) == Amount(7910, 30 * GI * MIB)
 
@@ -273,6 +318,27 @@ def test_a_pod_whose_request_cannot_be_read_makes_its_node_unknown_logged_once(
     assert "pod team/bad (on a): container 'm': cpu has an invalid value" in record.message
     resources.apply_pod("DELETED", bad)
     assert resources.free("a") == (8000.0, 32 * GI)
+
+
+@pytest.mark.parametrize("huge", ["2000000", "1e40"])
+def test_a_pod_bound_there_asking_above_the_bound_makes_its_node_full_not_unknown(
+    huge: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    resources = resources_with(node("a"), node("b"))
+    hostile = pod("hostile", "a", box("m", huge, "1e40"))  # bound straight, not through us
+    with caplog.at_level(logging.WARNING, logger="gpuslice_scheduler.resources"):
+        resources.replace_pods([hostile, pod("fine", "a", box("m", "1", "1Gi"))])
+        resources.apply_pod("MODIFIED", hostile)
+    cpu, memory = resources.free("a")
+    assert cpu == 8000.0 - MAX_CPU_MILLI - 1000
+    assert memory == 32 * GI - MAX_MEMORY / MIB - GI
+    assert cpu < 0  # full: nothing fits there, not infinitely free
+    assert memory < 0
+    assert resources.free("b") == (8000.0, 32 * GI)
+    (record,) = caplog.records
+    assert "pod team/hostile (on a) requests more CPU or memory than any node" in record.message
+    resources.apply_pod("DELETED", hostile)
+    assert resources.free("a") == (7000.0, 31 * GI)
 
 
 def test_a_node_whose_allocatable_cannot_be_read_is_unknown_logged_once(

@@ -377,6 +377,7 @@ async def test_the_grafana_dashboard_names_only_metrics_that_exist(
     wanted = {name for expr in exprs for name in re.findall(r"gpuslice_[a-z_]+", expr)}
     config = settings_for(nats_server, redis_url, prefix)
     async with running(config, bus, serve_http=False) as state:
+        await until(lambda: state.lease.held)  # only the lease holder exports the cluster
         await state.cluster.refresh()
         exposed = generate_latest(state.registry).decode()
     exposed += generate_latest(WebhookMetrics().registry).decode()

@@ -327,6 +327,26 @@ async def test_an_unreachable_api_server_denies_gpu_pods_with_503() -> None:
     assert plain["allowed"] is True  # pods without GPUs never need the API
 
 
+async def test_a_pod_asking_for_zero_gpus_is_a_pod_without_gpus_even_with_the_api_down() -> None:
+    api = KubernetesApi.connect(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+    zero = pod(
+        container("m", {GPU: "0", "cpu": "1"}), container("n", resources={"requests": {GPU: 0}})
+    )
+    try:
+        alone = await admit_with(review(zero), api)
+        routed = await admit_with(review(zero), api, route_cpu_pods=True)
+        refused = await admit_with(review(pod(container("m", {GPU: "0", MEM: "100"}))), api)
+    finally:
+        await api.close()
+    assert alone["allowed"] is True
+    assert "patch" not in alone
+    assert routed["allowed"] is True  # as any pod without GPUs: unrouted, never refused
+    assert "patch" not in routed
+    # a count of 0 beside another GPU resource is still a GPU request (a bad one)
+    assert refused["allowed"] is False
+    assert refused["status"]["code"] == 503
+
+
 # ---------------------------------------------------------------- the cache
 
 

@@ -53,6 +53,11 @@ __all__ = [
     "ServiceAccountTokens",
     "WatchEvent",
     "WatchExpired",
+    "object_uid",
+    "pod_node",
+    "pod_phase",
+    "pod_terminated",
+    "resource_version",
 ]
 
 DEFAULT_TIMEOUT = 5.0
@@ -74,6 +79,47 @@ T = TypeVar("T")
 # One change of a watched object: the type (ADDED, MODIFIED, DELETED, BOOKMARK)
 # and the object as the server sent it.
 WatchEvent = tuple[str, dict[str, Any]]
+
+
+# ---------------------------------------------------------------- reading objects
+# One reader per field of an object as the server sends it (JSON): a field that
+# is missing or of another type reads as empty, never raises.
+
+
+def _part(obj: Mapping[str, Any], part: str) -> Mapping[str, Any]:
+    value = obj.get(part)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _text(part: Mapping[str, Any], key: str) -> str:
+    value = part.get(key)
+    return value if isinstance(value, str) else ""
+
+
+def object_uid(obj: Mapping[str, Any]) -> str:
+    """``metadata.uid``; "" when there is none."""
+    return _text(_part(obj, "metadata"), "uid")
+
+
+def resource_version(obj: Mapping[str, Any]) -> str:
+    """``metadata.resourceVersion`` of an object, or of a list; "" when there is none."""
+    return _text(_part(obj, "metadata"), "resourceVersion")
+
+
+def pod_phase(pod: Mapping[str, Any]) -> str:
+    """``status.phase`` (Pending, Running, Succeeded, Failed, Unknown); "" when there is none."""
+    return _text(_part(pod, "status"), "phase")
+
+
+def pod_terminated(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod has ended for good (phase Succeeded or Failed): it holds
+    nothing on its node any more."""
+    return pod_phase(pod) in TERMINATED_PHASES
+
+
+def pod_node(pod: Mapping[str, Any]) -> str:
+    """The node the pod is bound to (``spec.nodeName``); "" while it is not bound."""
+    return _text(_part(pod, "spec"), "nodeName")
 
 
 class Listing(list[dict[str, Any]]):
@@ -921,7 +967,7 @@ class LocalKubeApi:
         return [
             copy.deepcopy(pod)
             for (ns, _), pod in self._pods.items()
-            if ns == namespace and (pod.get("status") or {}).get("phase") not in TERMINATED_PHASES
+            if ns == namespace and not pod_terminated(pod)
         ]
 
     async def list_all_pods(self) -> Listing:

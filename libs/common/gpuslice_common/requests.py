@@ -73,7 +73,9 @@ __all__ = [
     "MAX_GPU_MEMORY_MIB",
     "AnnotationKey",
     "AnnotationKeys",
+    "QuantityTooLarge",
     "RequestError",
+    "asks_for_gpus",
     "has_gpu_request",
     "parse_container",
     "parse_pod",
@@ -88,6 +90,12 @@ MAX_GPU_MEMORY_MIB: Final = 2**31
 
 class RequestError(ValueError):
     """A pod's GPU request is malformed or out of range; the message says where and why."""
+
+
+class QuantityTooLarge(RequestError):
+    """A well-formed, positive quantity too large for :func:`parse_quantity` to work
+    with (above 1e30, or a positive exponent beyond 64): it reads as more than any
+    bound a caller sets."""
 
 
 # ---------------------------------------------------------------- annotation keys
@@ -155,6 +163,8 @@ _DECIMAL_SUFFIXES: Final = {
 _MAX_QUANTITY_LENGTH: Final = 128
 _MAX_EXPONENT: Final = 64
 _MAX_MAGNITUDE: Final = 10**30
+_MAX_MAGNITUDE_DIGITS: Final = 30  # the power of ten of _MAX_MAGNITUDE
+_MAX_EXPONENT_DIGITS: Final = 9
 # Wide enough that scaling a <=128-digit mantissa by 1024**6 is always exact.
 _EXACT: Final = decimal.Context(prec=512)
 
@@ -166,36 +176,60 @@ def parse_quantity(value: object) -> Decimal:
     binary suffix (Ki Mi Gi Ti Pi Ei), decimal suffix (n u m k M G T P E) or
     exponent (``e``/``E`` and an integer). Magnitudes above 1e30, exponents beyond
     +-64 and strings over 128 characters are refused, so the arithmetic stays
-    small. Raises :class:`RequestError` without naming a container.
+    small. Raises :class:`RequestError` without naming a container
+    (:class:`QuantityTooLarge` for a positive one above those limits).
     """
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise RequestError(f"quantity must be a string or an integer, got {_type_name(value)}")
     if isinstance(value, int):
         if abs(value) > _MAX_MAGNITUDE:
-            raise RequestError("quantity is too large (limit 1e30)")
+            error = QuantityTooLarge if value > 0 else RequestError
+            raise error("quantity is too large (limit 1e30)")
         return Decimal(value)
     if len(value) > _MAX_QUANTITY_LENGTH:
-        raise RequestError(f"quantity is longer than {_MAX_QUANTITY_LENGTH} characters")
+        match = _QUANTITY.fullmatch(value)
+        error = QuantityTooLarge if match is not None and _huge(match) else RequestError
+        raise error(f"quantity is longer than {_MAX_QUANTITY_LENGTH} characters")
     match = _QUANTITY.fullmatch(value)
     if match is None:
         raise RequestError(f"not a Kubernetes quantity: {_clip(value)}")
-    result = _scale(Decimal(match["number"]), match["exponent"], match["suffix"], value)
+    if match["exponent"] is not None and abs(int(match["exponent"])) > _MAX_EXPONENT:
+        error = QuantityTooLarge if _huge(match) else RequestError
+        raise error(f"quantity exponent is out of range: {_clip(value)}")
+    result = _scale(Decimal(match["number"]), match["exponent"], match["suffix"])
     if abs(result) > _MAX_MAGNITUDE:
-        raise RequestError(f"quantity is too large (limit 1e30): {_clip(value)}")
+        error = QuantityTooLarge if result > 0 else RequestError
+        raise error(f"quantity is too large (limit 1e30): {_clip(value)}")
     return result
 
 
-def _scale(number: Decimal, exponent: str | None, suffix: str | None, text: str) -> Decimal:
+def _scale(number: Decimal, exponent: str | None, suffix: str | None) -> Decimal:
     if exponent is not None:
-        power = int(exponent)
-        if abs(power) > _MAX_EXPONENT:
-            raise RequestError(f"quantity exponent is out of range: {_clip(text)}")
-        return _EXACT.scaleb(number, Decimal(power))
+        return _EXACT.scaleb(number, Decimal(int(exponent)))
     if suffix is None:
         return number
     if suffix in _BINARY_SUFFIXES:
         return _EXACT.multiply(number, Decimal(1024 ** _BINARY_SUFFIXES[suffix]))
     return _EXACT.scaleb(number, Decimal(_DECIMAL_SUFFIXES[suffix]))
+
+
+def _huge(match: re.Match[str]) -> bool:
+    """Whether a quantity past the length or exponent limits is positive and above
+    1e30 all the same: its leading digit's power of ten, scaled, is beyond 30."""
+    number = Decimal(match["number"])
+    if number <= 0:
+        return False
+    exponent, suffix = match["exponent"], match["suffix"]
+    if exponent is not None:
+        digits = exponent.lstrip("+-").lstrip("0")
+        if len(digits) > _MAX_EXPONENT_DIGITS:  # beyond any digit count of a mantissa
+            return not exponent.startswith("-")
+        power = int(exponent)
+    elif suffix in _BINARY_SUFFIXES:
+        power = 3 * _BINARY_SUFFIXES[suffix]  # 1024**k is above 10**(3k)
+    else:
+        power = _DECIMAL_SUFFIXES.get(suffix or "", 0)
+    return number.adjusted() + power > _MAX_MAGNITUDE_DIGITS
 
 
 # ---------------------------------------------------------------- small shape helpers
@@ -603,3 +637,19 @@ def has_gpu_request(pod: Mapping[str, Any], settings: RequestSettings = DEFAULT_
                 if isinstance(amounts, Mapping) and any(name in amounts for name in names):
                     return True
     return False
+
+
+def asks_for_gpus(pod: Mapping[str, Any], settings: RequestSettings = DEFAULT_SETTINGS) -> bool:
+    """Does the pod ask for a GPU, as :func:`parse_pod` reads it?
+
+    False for a pod that names no GPU resource, and for one that names them only
+    to ask for none (``nvidia.com/gpu: 0``): both are pods without GPUs. True for
+    a pod whose request :func:`parse_pod` rejects, so that the caller reads it
+    and reports why. Never raises.
+    """
+    if not has_gpu_request(pod, settings):
+        return False
+    try:
+        return parse_pod(pod, settings) is not None
+    except RequestError:
+        return True

@@ -21,7 +21,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuslice_common.kube import KubeApi, KubeError, WatchExpired
+from gpuslice_common.kube import (
+    KubeApi,
+    KubeError,
+    WatchExpired,
+    object_uid,
+    pod_phase,
+    resource_version,
+)
 from gpuslice_common.ledger import LedgerError
 from gpuslice_common.models import PodEnded
 from gpuslice_common.service import check_cancelled
@@ -36,24 +43,6 @@ ENDED = {**TERMINATED, "Deleted": DELETED}
 
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
-
-
-def pod_uid(pod: Mapping[str, Any]) -> str:
-    metadata = pod.get("metadata")
-    uid = metadata.get("uid") if isinstance(metadata, Mapping) else None
-    return uid if isinstance(uid, str) else ""
-
-
-def pod_phase(pod: Mapping[str, Any]) -> str:
-    status = pod.get("status")
-    phase = status.get("phase") if isinstance(status, Mapping) else None
-    return phase if isinstance(phase, str) else ""
-
-
-def _resource_version(pod: Mapping[str, Any]) -> str:
-    metadata = pod.get("metadata")
-    version = metadata.get("resourceVersion") if isinstance(metadata, Mapping) else None
-    return version if isinstance(version, str) else ""
 
 
 def end_reason(kind: str, pod: Mapping[str, Any]) -> str | None:
@@ -124,9 +113,9 @@ class PodWatcher:
         replica stops being active."""
         async for kind, pod in self.kube.watch_pods(self.version):
             self.stats.events += 1
-            version = _resource_version(pod)
+            version = resource_version(pod)
             reason = end_reason(kind, pod)
-            uid = pod_uid(pod)
+            uid = object_uid(pod)
             if reason is not None and uid:
                 await self.upkeep.release(uid, reason)
             if version:

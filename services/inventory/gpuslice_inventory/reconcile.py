@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from gpuslice_common.kube import KubeApi
+from gpuslice_common.kube import KubeApi, object_uid, pod_node, pod_phase, pod_terminated
 from gpuslice_common.ledger import (
     BadRecord,
     Ledger,
@@ -46,7 +46,7 @@ from gpuslice_common.ledger import (
     ReservationConflict,
 )
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
-from gpuslice_inventory.lifecycle import DELETED, TERMINATED, pod_phase, pod_uid
+from gpuslice_inventory.lifecycle import DELETED, TERMINATED
 from gpuslice_inventory.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
@@ -81,15 +81,9 @@ def _record(pod: Mapping[str, Any]) -> Placement | None:
     try:
         placement = Placement.from_annotation(raw)
     except ValueError:
-        log.warning("pod %s: unreadable %s annotation", pod_uid(pod), PLACEMENT_ANNOTATION)
+        log.warning("pod %s: unreadable %s annotation", object_uid(pod), PLACEMENT_ANNOTATION)
         return None
-    return placement if placement.pod.uid == pod_uid(pod) else None
-
-
-def _node(pod: Mapping[str, Any]) -> str:
-    spec = pod.get("spec")
-    node = spec.get("nodeName") if isinstance(spec, Mapping) else None
-    return node if isinstance(node, str) else ""
+    return placement if placement.pod.uid == object_uid(pod) else None
 
 
 class Reconciler:
@@ -116,14 +110,14 @@ class Reconciler:
         # before the pods were listed, so the list has every pod bound to it.
         nodes = await self.ledger.rebuild_status()
         held, unreadable = await self._held()
-        pods = {uid: pod for pod in await self.kube.list_all_pods() if (uid := pod_uid(pod))}
+        pods = {uid: pod for pod in await self.kube.list_all_pods() if (uid := object_uid(pod))}
         to_restore = [
             (uid, pod)
             for uid, pod in pods.items()
             if uid not in held
-            and pod_phase(pod) not in TERMINATED
-            and _node(pod)
-            and _node(pod) not in unreadable
+            and not pod_terminated(pod)
+            and pod_node(pod)
+            and pod_node(pod) not in unreadable
         ]
         to_release: list[tuple[str, str]] = []
         for uid, placement in held.items():
@@ -197,8 +191,8 @@ class Reconciler:
         restored, conflict, failed or ''."""
         uid, pod = item
         record = _record(pod)
-        if record is None or record.node != _node(pod):
-            return _node(pod), ""
+        if record is None or record.node != pod_node(pod):
+            return pod_node(pod), ""
         try:
             _, new = await self.ledger.restore(record, running=pod_phase(pod) == "Running")
         except ReservationConflict as exc:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpuslice_common.kube import KubeError, Listing, WatchEvent, WatchExpired
+from gpuslice_common.kube import KubeError, Listing, WatchEvent, WatchExpired, resource_version
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,6 @@ class Source:
     watch: Callable[[str], AsyncIterator[WatchEvent]]
     replace: Callable[[Listing], None]  # everything there is, after a list
     apply: Callable[[str, dict[str, Any]], None]  # one change (ADDED, MODIFIED, DELETED)
-
-
-def resource_version(obj: Mapping[str, Any]) -> str:
-    metadata = obj.get("metadata")
-    version = metadata.get("resourceVersion") if isinstance(metadata, Mapping) else None
-    return version if isinstance(version, str) else ""
 
 
 async def reflect(source: Source) -> None:

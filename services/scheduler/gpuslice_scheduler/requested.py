@@ -16,7 +16,10 @@ as Kubernetes rounds quantities, so sums stay exact.
 
 Every quantity must read as a Kubernetes quantity between 0 and a bound no node
 comes near (a million cores, an exbibyte); anything else raises
-:class:`ResourceError`, whose message names the container and resource.
+:class:`ResourceError`, whose message names the container and resource. Where a
+request above the bound is still a request (a pod already on a node, whose
+request counts against it), ``pod_request(pod, clamp=True)`` counts it as the
+bound instead: more than its node has, never less.
 """
 
 from __future__ import annotations
@@ -27,9 +30,17 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final
 
-from gpuslice_common.requests import RequestError, parse_quantity
+from gpuslice_common.requests import QuantityTooLarge, RequestError, parse_quantity
 
-__all__ = ["MIB", "Amount", "ResourceError", "node_allocatable", "pod_request"]
+__all__ = [
+    "MAX_CPU_MILLI",
+    "MAX_MEMORY",
+    "MIB",
+    "Amount",
+    "ResourceError",
+    "node_allocatable",
+    "pod_request",
+]
 
 MIB: Final = 1 << 20
 MAX_CPU_MILLI: Final = 10**9  # a million cores
@@ -82,14 +93,23 @@ def _list(value: object, where: str) -> Sequence[Any]:
     return value
 
 
-def _whole(raw: object, resource: str, where: str) -> int:
-    """One quantity as whole milli-CPU or bytes, rounded up, within bounds."""
+def _whole(raw: object, resource: str, where: str, clamp: bool = False) -> int:
+    """One quantity as whole milli-CPU or bytes, rounded up, within bounds (with
+    ``clamp``, one above the bound is the bound)."""
+    bound = MAX_CPU_MILLI if resource == "cpu" else MAX_MEMORY
     try:
         value = parse_quantity(raw)
+    except QuantityTooLarge:
+        if clamp:
+            return bound
+        raise ResourceError(
+            f"{where}: {resource} must be between 0 and {_bound(resource)}"
+        ) from None
     except RequestError as exc:
         raise ResourceError(f"{where}: {resource} has an invalid value ({exc})") from None
     scaled = value * 1000 if resource == "cpu" else value
-    bound = MAX_CPU_MILLI if resource == "cpu" else MAX_MEMORY
+    if clamp and scaled > bound:
+        return bound
     if not Decimal(0) <= scaled <= bound:
         raise ResourceError(f"{where}: {resource} must be between 0 and {_bound(resource)}")
     return math.ceil(scaled)
@@ -99,13 +119,15 @@ def _bound(resource: str) -> str:
     return f"{MAX_CPU_MILLI // 1000} cores" if resource == "cpu" else f"{MAX_MEMORY} bytes"
 
 
-def _amount(resources: Mapping[str, Any], where: str) -> Amount:
+def _amount(resources: Mapping[str, Any], where: str, clamp: bool = False) -> Amount:
     """CPU and memory of a resource list (absent: 0)."""
-    cpu, memory = (_whole(resources[r], r, where) if r in resources else 0 for r in RESOURCES)
+    cpu, memory = (
+        _whole(resources[r], r, where, clamp) if r in resources else 0 for r in RESOURCES
+    )
     return Amount(cpu, memory)
 
 
-def _container(container: object, kind: str) -> Amount:
+def _container(container: object, kind: str, clamp: bool) -> Amount:
     """What one container requests: its requests, else its limits, per resource."""
     if not isinstance(container, Mapping):
         raise ResourceError(f"each {kind} must be an object")
@@ -114,26 +136,29 @@ def _container(container: object, kind: str) -> Amount:
     resources = _mapping(container.get("resources"), f"{label}: resources")
     limits = _mapping(resources.get("limits"), f"{label}: resources.limits")
     requests = _mapping(resources.get("requests"), f"{label}: resources.requests")
-    return _amount({**limits, **requests}, label)
+    return _amount({**limits, **requests}, label, clamp)
 
 
-def pod_request(pod: Mapping[str, Any]) -> Amount:
-    """The pod's CPU and memory request, as kube-scheduler fits it on a node."""
+def pod_request(pod: Mapping[str, Any], *, clamp: bool = False) -> Amount:
+    """The pod's CPU and memory request, as kube-scheduler fits it on a node.
+
+    With ``clamp``, a quantity above the bound (a well-formed one, however large)
+    counts as the bound rather than raising :class:`ResourceError`."""
     spec = _mapping(pod.get("spec"), "spec")
     total = ZERO
     for container in _list(spec.get("containers"), "spec.containers"):
-        total += _container(container, "container")
+        total += _container(container, "container", clamp)
     sidecars = ZERO  # restartable init containers started so far
     init_peak = ZERO
     for container in _list(spec.get("initContainers"), "spec.initContainers"):
-        need = _container(container, "init container")
+        need = _container(container, "init container", clamp)
         if isinstance(container, Mapping) and container.get("restartPolicy") == "Always":
             total += need
             sidecars += need
             init_peak = init_peak.most(sidecars)
         else:
             init_peak = init_peak.most(need + sidecars)
-    overhead = _amount(_mapping(spec.get("overhead"), "spec.overhead"), "spec.overhead")
+    overhead = _amount(_mapping(spec.get("overhead"), "spec.overhead"), "spec.overhead", clamp)
     return total.most(init_peak) + overhead
 
 

@@ -16,8 +16,12 @@ the watch shows the Binding; the watch's event for it then takes its place
 A node nobody reported, or one whose allocatable cannot be read (missing,
 unparsable, absurd), or one holding a pod whose request cannot be read, is
 *unknown*: free CPU and memory are infinite, as where nothing is tracked
-(kube-scheduler checks fit itself). What cannot be read is logged once per
-object, and again only if the problem changes.
+(kube-scheduler checks fit itself). A pod's request above the sanity bound (a
+million cores, an exbibyte) that is otherwise a quantity counts as that bound,
+not as unknown: the node then looks full, never emptier than it is, so that no
+pod bound straight to a node (``spec.nodeName``) can make it look free. What
+cannot be read, or is so counted, is logged once per object, and again only if
+the problem changes.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpuslice_common.kube import TERMINATED_PHASES, KubeApi
+from gpuslice_common.kube import KubeApi, object_uid, pod_node, pod_terminated
 from gpuslice_scheduler.reflector import Source, reflect
 from gpuslice_scheduler.requested import (
+    MAX_CPU_MILLI,
+    MAX_MEMORY,
     Amount,
     ResourceError,
     node_allocatable,
@@ -77,10 +83,10 @@ def _metadata(obj: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def pod_key(pod: Mapping[str, Any]) -> str:
     """The pod's UID, else its namespace/name (for a pod from a hand-made source)."""
-    metadata = _metadata(pod)
-    uid = metadata.get("uid")
-    if isinstance(uid, str) and uid:
+    uid = object_uid(pod)
+    if uid:
         return uid
+    metadata = _metadata(pod)
     name, namespace = metadata.get("name"), metadata.get("namespace")
     return f"{namespace}/{name}" if isinstance(name, str) and name else ""
 
@@ -88,17 +94,6 @@ def pod_key(pod: Mapping[str, Any]) -> str:
 def _pod_name(pod: Mapping[str, Any]) -> str:
     metadata = _metadata(pod)
     return f"{metadata.get('namespace') or 'default'}/{metadata.get('name')}"
-
-
-def _bound_node(pod: Mapping[str, Any]) -> str:
-    spec = pod.get("spec")
-    node = spec.get("nodeName") if isinstance(spec, Mapping) else None
-    return node if isinstance(node, str) else ""
-
-
-def _terminated(pod: Mapping[str, Any]) -> bool:
-    status = pod.get("status")
-    return isinstance(status, Mapping) and status.get("phase") in TERMINATED_PHASES
 
 
 class NodeResources:
@@ -181,7 +176,7 @@ class NodeResources:
             held = self._held(key, pod)
             if held is not None:
                 fresh[key] = held
-            elif key and not _terminated(pod):
+            elif key and not pod_terminated(pod):
                 waiting.add(key)
         for key, held in self._pods.items():
             if held.assumed and key in waiting:
@@ -200,7 +195,7 @@ class NodeResources:
             return
         held = self._held(key, pod)
         old = self._pods.get(key)
-        if held is None and old is not None and old.assumed and not _terminated(pod):
+        if held is None and old is not None and old.assumed and not pod_terminated(pod):
             return  # an event from before the Binding: the bind's count stands
         self._set(key, held)
 
@@ -224,23 +219,33 @@ class NodeResources:
 
     def _held(self, key: str, pod: Mapping[str, Any]) -> Held | None:
         """What the pod holds, or None when it holds nothing (not bound, ended)."""
-        node = _bound_node(pod)
-        if not key or not node or _terminated(pod):
+        node = pod_node(pod)
+        if not key or not node or pod_terminated(pod):
             return None
         return Held(node, self._request(key, pod))
 
     def _request(self, key: str, pod: Mapping[str, Any]) -> Amount | None:
+        """What the pod requests; one above the bound counts as the bound (its
+        node looks full), one that cannot be read is None (its node is unknown)."""
+        where = pod_node(pod) or "no node yet"
         try:
-            amount = pod_request(pod)
+            amount = pod_request(pod, clamp=True)
         except ResourceError as exc:
-            where = _bound_node(pod) or "no node yet"
             self._problem(
                 f"pod {key}",
                 f"pod {_pod_name(pod)} (on {where}): {exc}; "
                 "that node's free CPU and memory count as unknown",
             )
             return None
-        self._problems.pop(f"pod {key}", None)
+        if amount.cpu >= MAX_CPU_MILLI or amount.memory >= MAX_MEMORY:
+            self._problem(
+                f"pod {key}",
+                f"pod {_pod_name(pod)} (on {where}) requests more CPU or memory than any "
+                "node has (a quantity above the bound counts as the bound); "
+                "that node looks full",
+            )
+        else:
+            self._problems.pop(f"pod {key}", None)
         return amount
 
     def _allocatable_of(self, name: str, node: Mapping[str, Any]) -> Amount | None:

@@ -2,7 +2,8 @@
 
 Order of decisions for a pod being created:
 
-1. no container mentions a GPU resource -> allowed unchanged;
+1. no container asks for a GPU (none names a GPU resource, or only to ask for
+   none: ``nvidia.com/gpu: 0``) -> allowed unchanged, as any pod without GPUs;
 2. the pod, then its namespace, is labelled ``gpuslice.io/webhook: ignore`` or
    ``hami.io/webhook: ignore`` -> allowed unchanged;
 3. :class:`~gpuslice_webhook.mutation.Mutator` checks the request and builds the patch;
@@ -31,7 +32,7 @@ from gpuslice_common.config import WebhookSettings
 from gpuslice_common.events import EventError, EventType, PodAdmitted, PodDenied, make_event
 from gpuslice_common.kube import KubeError, NotFound
 from gpuslice_common.models import PodRef
-from gpuslice_common.requests import RequestError, has_gpu_request, pod_ref
+from gpuslice_common.requests import RequestError, asks_for_gpus, pod_ref
 from gpuslice_webhook.metrics import Metrics
 from gpuslice_webhook.mutation import Denied, Mutation, Mutator, ignored
 from gpuslice_webhook.namespaces import NamespaceCache
@@ -96,7 +97,7 @@ class Admission:
         if pod is None:
             reply = answer(review, denial=(400, "BadRequest", "request.object must be the Pod"))
             return "denied", reply
-        if not has_gpu_request(pod, self.settings.requests):
+        if not asks_for_gpus(pod, self.settings.requests):
             if self.settings.route_cpu_pods:
                 return await self._route_cpu_pod(review, pod)
             return "skipped", answer(review)
@@ -107,7 +108,7 @@ class Admission:
             if ignored(metadata.get("labels")) or await self._namespace_ignored(namespace):
                 return "ignored", answer(review)
             mutation = self.mutator.mutate(pod, namespace)
-            if mutation is None:  # names a GPU resource but asks for none (nvidia.com/gpu: 0)
+            if mutation is None:  # asks for no GPU after all (asks_for_gpus said it does)
                 routed = self.mutator.route(pod) if self.settings.route_cpu_pods else None
                 if routed is None:
                     return "skipped", answer(review)
