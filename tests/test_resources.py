@@ -303,7 +303,7 @@ def test_a_list_replaces_everything_known_before() -> None:
     assert resources.take_changed() == {"a", "gone"}
 
 
-def test_a_pod_whose_request_cannot_be_read_makes_its_node_unknown_logged_once(
+def test_a_pod_whose_request_cannot_be_read_makes_its_node_full_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     resources = resources_with(node("a"), node("b"))
@@ -312,10 +312,13 @@ def test_a_pod_whose_request_cannot_be_read_makes_its_node_unknown_logged_once(
         resources.apply_pod("ADDED", bad)
         resources.apply_pod("MODIFIED", bad)
         resources.apply_pod("ADDED", pod("fine", "b", box("m", "1", "1Gi")))
-    assert resources.free("a") == UNKNOWN
+    cpu, memory = resources.free("a")
+    assert cpu < 0  # full: a tenant cannot make its node look empty with a bad quantity
+    assert memory < 0
     assert resources.free("b") == (7000.0, 31 * GI)
     (record,) = caplog.records
     assert "pod team/bad (on a): container 'm': cpu has an invalid value" in record.message
+    assert "looks full" in record.message
     resources.apply_pod("DELETED", bad)
     assert resources.free("a") == (8000.0, 32 * GI)
 

@@ -14,14 +14,13 @@ the watch shows the Binding; the watch's event for it then takes its place
 (:meth:`NodeResources.forget`).
 
 A node nobody reported, or one whose allocatable cannot be read (missing,
-unparsable, absurd), or one holding a pod whose request cannot be read, is
-*unknown*: free CPU and memory are infinite, as where nothing is tracked
-(kube-scheduler checks fit itself). A pod's request above the sanity bound (a
-million cores, an exbibyte) that is otherwise a quantity counts as that bound,
-not as unknown: the node then looks full, never emptier than it is, so that no
-pod bound straight to a node (``spec.nodeName``) can make it look free. What
-cannot be read, or is so counted, is logged once per object, and again only if
-the problem changes.
+unparsable, absurd), is *unknown*: free CPU and memory are infinite, as where
+nothing is tracked (kube-scheduler checks fit itself). A pod's request that
+cannot be read, or is above the sanity bound (a million cores, an exbibyte),
+counts as that bound: the node then looks full, never emptier than it is, so
+that no pod bound straight to a node (``spec.nodeName``) can make it look free.
+What cannot be read, or is so counted, is logged once per object, and again
+only if the problem changes.
 """
 
 from __future__ import annotations
@@ -51,10 +50,10 @@ UNKNOWN: Final = (math.inf, math.inf)
 
 @dataclass(frozen=True)
 class Held:
-    """What one pod holds on its node; ``amount`` None when its request cannot be read."""
+    """What one pod holds on its node."""
 
     node: str
-    amount: Amount | None
+    amount: Amount
     assumed: bool = False  # counted by this scheduler's bind, not seen bound yet
 
 
@@ -65,15 +64,11 @@ class _Use:
     cpu: int = 0
     memory: int = 0
     pods: int = 0
-    unknown: int = 0  # pods whose request cannot be read
 
     def count(self, held: Held, sign: int) -> None:
         self.pods += sign
-        if held.amount is None:
-            self.unknown += sign
-        else:
-            self.cpu += sign * held.amount.cpu
-            self.memory += sign * held.amount.memory
+        self.cpu += sign * held.amount.cpu
+        self.memory += sign * held.amount.memory
 
 
 def _metadata(obj: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -118,8 +113,6 @@ class NodeResources:
         use = self._used.get(node)
         if use is None:
             return float(allocatable.cpu), allocatable.memory_mib
-        if use.unknown:
-            return UNKNOWN
         left = allocatable - Amount(use.cpu, use.memory)
         return float(left.cpu), left.memory_mib
 
@@ -224,19 +217,19 @@ class NodeResources:
             return None
         return Held(node, self._request(key, pod))
 
-    def _request(self, key: str, pod: Mapping[str, Any]) -> Amount | None:
-        """What the pod requests; one above the bound counts as the bound (its
-        node looks full), one that cannot be read is None (its node is unknown)."""
+    def _request(self, key: str, pod: Mapping[str, Any]) -> Amount:
+        """What the pod requests; one above the bound, or one that cannot be read,
+        counts as the bound: its node looks full, never freer than it is."""
         where = pod_node(pod) or "no node yet"
         try:
             amount = pod_request(pod, clamp=True)
         except ResourceError as exc:
             self._problem(
                 f"pod {key}",
-                f"pod {_pod_name(pod)} (on {where}): {exc}; "
-                "that node's free CPU and memory count as unknown",
+                f"pod {_pod_name(pod)} (on {where}): {exc}; that node looks full until "
+                "the pod ends or its request can be read",
             )
-            return None
+            return Amount(MAX_CPU_MILLI, MAX_MEMORY)
         if amount.cpu >= MAX_CPU_MILLI or amount.memory >= MAX_MEMORY:
             self._problem(
                 f"pod {key}",
