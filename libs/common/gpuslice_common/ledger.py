@@ -808,8 +808,12 @@ class Ledger:
             pipe.hgetall(keys.gpus)
             pipe.hmget(keys.meta, ["devices", "rev", "rebuilt", "epoch"])
             metas.append(keys.meta)
+        # one server: its epoch in the same round trip; a cluster: one INFO per primary
+        single = not isinstance(self.redis, RedisCluster) and bool(nodes)
+        if single:
+            pipe.info("replication")
         replies = await pipe.execute()
-        epochs = await self._epochs(metas)
+        epochs = [_replid(replies[-1])] * len(nodes) if single else await self._epochs(metas)
         result: dict[str, NodeCards | BadRecord] = dict(bad)
         for i, node in enumerate(nodes):
             fields = cast(dict[str, str], replies[2 * i])
