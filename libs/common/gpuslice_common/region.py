@@ -74,6 +74,7 @@ __all__ = [
     "Region",
     "RegionError",
     "ffi",
+    "header_ffi",
     "layout_cdef",
 ]
 
@@ -103,15 +104,17 @@ def layout_cdef(header: str) -> tuple[str, dict[str, int]]:
     return "\n".join(kept), defines
 
 
-def _load() -> tuple[Any, dict[str, int]]:
-    text = resources.files("gpuslice_common").joinpath(HEADER).read_text(encoding="utf-8")
+def header_ffi(package: str, header: str) -> tuple[Any, dict[str, int]]:
+    """An FFI that knows the C header ``header`` shipped in ``package``, and the
+    header's integer ``#define``\\ s (see :func:`layout_cdef`)."""
+    text = resources.files(package).joinpath(header).read_text(encoding="utf-8")
     source, defines = layout_cdef(text)
-    layout = FFI()
-    layout.cdef(source)
-    return layout, defines
+    ffi = FFI()
+    ffi.cdef(source)
+    return ffi, defines
 
 
-_LOADED = _load()
+_LOADED = header_ffi("gpuslice_common", HEADER)
 ffi: Final[Any] = _LOADED[0]
 _DEFINES: Final = _LOADED[1]
 

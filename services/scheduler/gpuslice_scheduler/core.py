@@ -18,15 +18,13 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
-from cffi import FFI
 
 from gpuslice_common.models import ContainerGpuRequest, DeviceSelector, GpuPolicy, NodePolicy
-from gpuslice_common.region import layout_cdef
+from gpuslice_common.region import header_ffi
 from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
 from gpuslice_scheduler.fit import model_mask
 
@@ -41,15 +39,7 @@ class CoreError(RuntimeError):
     """The compiled core cannot be loaded or refused a call; the message says why."""
 
 
-def _interface() -> tuple[Any, dict[str, int]]:
-    text = resources.files("gpuslice_scheduler").joinpath(HEADER).read_text(encoding="utf-8")
-    source, defines = layout_cdef(text)
-    ffi = FFI()
-    ffi.cdef(source)
-    return ffi, defines
-
-
-ffi, _DEFINES = _interface()
+ffi, _DEFINES = header_ffi("gpuslice_scheduler", HEADER)
 CODE_COUNT: Final = _DEFINES["GS_CODE_COUNT"]
 FAIL_NONE: Final = _DEFINES["GS_FAIL_NONE"]
 FAIL_NODE_SHORT: Final = _DEFINES["GS_FAIL_NODE_SHORT"]
