@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from gpuslice_common.models import GpuPolicy, NodePolicy
+from gpuslice_common.models import DeviceSelector, GpuPolicy, NodePolicy
 from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
 from gpuslice_scheduler.engine import NO_CARD, Demand, Evaluation
 from gpuslice_scheduler.fit import CODE_COUNT, REASONS, CardDemand, Code, model_mask
@@ -35,7 +35,7 @@ Codes = npt.NDArray[np.int8]
 # ---------------------------------------------------------------- HAMi's fit rules
 
 
-def static_codes(cluster: Cluster, cards: Ints, selector: Any) -> Codes:
+def static_codes(cluster: Cluster, cards: Ints, selector: DeviceSelector) -> Codes:
     """Rules 1-3 (without NUMA): presence, health, cordon, type, UUID lists."""
     conditions = [
         ~cluster.present[cards],

@@ -248,6 +248,12 @@ def assert_scores(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any]) -> None
     assert not bad, f"scores differ (row, compiled, reference): {bad}"
 
 
+def usage_of(cluster: Cluster) -> list[list[Any]]:
+    """What an evaluation must leave as it was: the cards' usage, the nodes' CPU and memory."""
+    arrays = (cluster.used_mem, cluster.used_cores, cluster.used_slots, cluster.owned)
+    return [a.tolist() for a in (*arrays, cluster.node_cpu_free, cluster.node_mem_free)]
+
+
 def outcome(run: Callable[[], Evaluation]) -> Evaluation | type[Exception]:
     try:
         return run()
@@ -261,7 +267,9 @@ def compare(
     """Both engines on ``nodes``; fails where they disagree (see the module's docstring).
     Returns the reference's evaluation, None where both refused the pod."""
     want = outcome(lambda: reference.evaluate(cluster, demand, nodes, mix))
+    before = usage_of(cluster)
     got = outcome(lambda: evaluate(cluster, demand, nodes.copy(), mix))
+    assert usage_of(cluster) == before, "evaluate changed the cluster"
     if not isinstance(want, Evaluation) or not isinstance(got, Evaluation):
         assert got is want, f"compiled {got!r}, reference {want!r}"
         return None
@@ -319,7 +327,7 @@ def both_scopes(
 
 @pytest.mark.parametrize("node_policy", NODE_POLICIES)
 @pytest.mark.parametrize("gpu_policy", list(GpuPolicy))
-@examples(25)
+@examples(40)
 @given(data=st.data(), cluster=clusters(), mix=st.one_of(st.none(), MIXES, MIXES))
 def test_gpu_pods_are_placed_as_the_reference_places_them(
     data: st.DataObject,
@@ -501,7 +509,7 @@ def test_the_reference_node_fragmentation_is_the_engines() -> None:
 def test_node_fragmentation_is_the_references() -> None:
     """The product's per-node fragmentation and free share, which replaced node_fragments."""
     # Imported first, so that a product without it fails at once rather than in each example.
-    from gpuslice_scheduler.fragmentation import node_fragmentation  # type: ignore[attr-defined]
+    from gpuslice_scheduler.fragmentation import node_fragmentation
 
     @examples(60)
     @given(data=st.data(), cluster=clusters(), mix=MIXES)
