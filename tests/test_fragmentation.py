@@ -23,9 +23,15 @@ TWO_WHOLE = CardDemand(count=2, mem_mib=-1, mem_percent=100, cores=100, exclusiv
 
 
 def fragmentation(cluster: Cluster, mix: WorkloadMix) -> list[float]:
-    frag, _ = node_fragmentation(mix, cluster, np.arange(cluster.node_count))
-    result: list[float] = frag.tolist()
-    return result
+    """Every node's fragmentation, in node order."""
+    frag, _ = node_fragmentation(mix, cluster, np.arange(cluster.node_count, dtype=np.int64))
+    return [float(f) for f in frag]
+
+
+def free_share(cluster: Cluster, mix: WorkloadMix) -> list[float]:
+    """Every node's free share (milli-GPU), in node order."""
+    _, total = node_fragmentation(mix, cluster, np.arange(cluster.node_count, dtype=np.int64))
+    return [float(t) for t in total]
 
 
 def test_free_share_a_class_cannot_use_is_a_fragment() -> None:
@@ -72,7 +78,9 @@ def test_unschedulable_and_exclusive_cards_have_no_free_share() -> None:
             )
         ]
     )
-    assert fragmentation(c, WorkloadMix.of([WorkloadClass(1, SHARE_60)])) == [0.0]
+    mix = WorkloadMix.of([WorkloadClass(1, SHARE_60)])
+    assert fragmentation(c, mix) == [0.0]
+    assert free_share(c, mix) == [0.0]
 
 
 @pytest.mark.parametrize(
@@ -99,11 +107,11 @@ def test_an_empty_mix_is_refused() -> None:
         WorkloadMix.of([WorkloadClass(0, WHOLE)])
 
 
-def test_node_fragmentation_reads_the_cluster_as_it_is_now() -> None:
+def test_node_fragmentation_follows_the_cluster_as_it_changes() -> None:
     c = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])])
     mix = default_mix()
-    first, total = node_fragmentation(mix, c, np.asarray([0]))
-    assert total[0] == pytest.approx(2000.0)  # two whole free cards
+    assert free_share(c, mix) == [2000.0]
+    before = fragmentation(c, mix)
     c.take(
         np.asarray([0]),
         np.asarray([5000]),
@@ -112,9 +120,20 @@ def test_node_fragmentation_reads_the_cluster_as_it_is_now() -> None:
         np.asarray([False]),
         node=0,
     )
-    second, total = node_fragmentation(mix, c, np.asarray([0]))
-    assert total[0] == pytest.approx(1500.0)
-    assert second[0] > first[0]  # half a card no whole-card class can use
+    assert free_share(c, mix) == [pytest.approx(1500.0)]
+    assert fragmentation(c, mix) != before  # the half card is a fragment for whole-card pods
+
+
+def test_node_fragmentation_answers_for_the_nodes_asked_in_their_order() -> None:
+    c = Cluster.build(
+        [("n0", [busy("n0", 0, 50), gpu("n0", 1)]), ("n1", []), ("n2", [gpu("n2", 0)])]
+    )
+    mix = WorkloadMix.of([WorkloadClass(1, WHOLE)])
+    frag, total = node_fragmentation(mix, c, np.asarray([2, 1, 0], dtype=np.int64))
+    assert [float(f) for f in frag] == [0.0, 0.0, 500.0]
+    assert [float(t) for t in total] == [1000.0, 0.0, 1500.0]
+    frag, total = node_fragmentation(mix, c, np.zeros(0, dtype=np.int64))
+    assert len(frag) == len(total) == 0
 
 
 def test_mix_learner_counts_each_pod_once_and_rebuilds_in_batches() -> None:
