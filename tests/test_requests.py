@@ -670,7 +670,20 @@ ERROR_CASES: list[tuple[str, dict[str, Any], RequestSettings, tuple[str, ...]]] 
         RequestSettings(),
         ("metadata.uid", "must be a string"),
     ),
+    (
+        "too-many-gpus-over-the-containers",
+        {"spec": {"containers": [ctr(f"c{i}", limits={GPU: 32, MEM: 1000}) for i in range(3)]}},
+        RequestSettings(),
+        ("containers ask for 96 GPUs together", "more than 64"),
+    ),
 ]
+
+
+def test_a_pod_may_ask_for_64_gpus_over_its_containers() -> None:
+    manifest = {"spec": {"containers": [ctr(f"c{i}", limits={GPU: 32, MEM: 1000}) for i in (0, 1)]}}
+    request = parse_pod(manifest)
+    assert request is not None
+    assert sum(c.count for c in request.containers) == 64
 
 
 @pytest.mark.parametrize(

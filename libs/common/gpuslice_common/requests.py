@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_SETTINGS",
     "MAX_GPU_COUNT",
     "MAX_GPU_MEMORY_MIB",
+    "MAX_POD_GPU_COUNT",
     "AnnotationKey",
     "AnnotationKeys",
     "QuantityTooLarge",
@@ -85,6 +86,9 @@ __all__ = [
 
 DEFAULT_SETTINGS: Final = RequestSettings()
 MAX_GPU_COUNT: Final = 64
+# the cards a pod asks for over all its containers: each container's are placed
+# (and kept, per node, for every kind of pod the scheduler has seen) separately
+MAX_POD_GPU_COUNT: Final = 64
 MAX_GPU_MEMORY_MIB: Final = 2**31
 
 
@@ -589,6 +593,11 @@ def parse_pod(
                 containers.append(request)
     if not containers:
         return None
+    total = sum(c.count for c in containers)
+    if total > MAX_POD_GPU_COUNT:
+        raise RequestError(
+            f"the pod's containers ask for {total} GPUs together, more than {MAX_POD_GPU_COUNT}"
+        )
 
     metadata = _mapping(pod.get("metadata"), "metadata")
     annotations = _annotations(metadata)
