@@ -13,9 +13,19 @@ from pathlib import Path
 from tests.native.probe import Native, asan_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
-# the example-based tests, and the differential ones against the NumPy reference
-NO_CACHE = ("-p", "no:cacheprovider")
-SUITES = ("tests/test_engine.py", "tests/test_engine_compiled.py", "tests/test_fragmentation.py")
+# the example-based tests, and of the differential ones against the NumPy
+# reference a few that together reach every path of the core
+COMPILED = "tests/test_engine_compiled.py::test_"
+SUITES = (
+    "tests/test_engine.py",
+    "tests/test_fragmentation.py",
+    f"{COMPILED}pods_placed_one_after_another_are_placed_as_the_reference_places_them",
+    f"{COMPILED}pods_on_nodes_short_of_cpu_or_memory_are_placed_as_the_reference_places_them[None]",
+    f"{COMPILED}gpu_pods_are_placed_as_the_reference_places_them[fragmentation-None]",
+    f"{COMPILED}gpu_pods_are_placed_as_the_reference_places_them[binpack-spread]",
+    f"{COMPILED}gpu_pods_are_placed_as_the_reference_places_them[spread-binpack]",
+    f"{COMPILED}node_fragmentation_is_the_references",
+)
 
 
 def _sanitized_env(native: Native) -> dict[str, str]:
