@@ -291,7 +291,12 @@ static int by_rank(const void *pa, const void *pb)
     const ranked_t *a = pa, *b = pb;
     if (a->group != b->group)
         return a->group < b->group ? -1 : 1;
-    if (a->score != b->score)
+    /* higher first, NaN last: a total order even where a score is NaN (a mix of
+     * non-finite weights), which qsort needs */
+    int a_nan = isnan(a->score), b_nan = isnan(b->score);
+    if (a_nan != b_nan)
+        return a_nan ? 1 : -1;
+    if (!a_nan && a->score != b->score)
         return a->score > b->score ? -1 : 1;
     return a->row < b->row ? -1 : (a->row > b->row);
 }

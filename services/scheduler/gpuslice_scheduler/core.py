@@ -123,31 +123,63 @@ _CLUSTER_FIELDS: Final = (
 _C_NAMES: Final = {"node_cpu_free": "cpu_free", "node_mem_free": "mem_free"}
 
 
-def _cluster(cluster: Cluster) -> Any:
+_KINDS: Final = {"int64_t[]": "i", "uint8_t[]": "bu", "double[]": "f"}
+
+
+def _check_shape(cluster: Cluster, arrays: tuple[Any, ...]) -> None:
+    """What the core trusts: node_start runs from 0 to the card count without going
+    back, every card array has a row per card and every node array one per node, and
+    model indexes are rows of the model table. Checked once per set of arrays."""
+    start, nodes, cards = arrays[0], cluster.node_count, cluster.card_count
+    if (
+        start.shape != (nodes + 1,)
+        or start[0] != 0
+        or start[-1] != cards
+        or bool((np.diff(start) < 0).any())
+    ):
+        raise CoreError("the cluster's node_start does not divide its cards among its nodes")
+    for (name, _), array in zip(_CLUSTER_FIELDS[1:], arrays[1:], strict=True):
+        rows = nodes if name.startswith("node_") else cards
+        if array.shape != (rows,):
+            raise CoreError(f"the cluster's {name} has shape {array.shape}, not ({rows},)")
+    model_id = arrays[1]
+    if model_id.size and (model_id.min() < 0 or model_id.max() >= len(cluster.models)):
+        raise CoreError("the cluster's model_id indexes past its models")
+
+
+def _cluster(cluster: Cluster) -> tuple[Any, Any, list[Any]]:
     """The cluster's arrays as a ``gs_cluster_t``, made once per cluster: the core reads
-    them in place, so changes to the arrays need no rebuild (replacing one does)."""
+    them in place, so changes to the arrays need no rebuild (replacing one does).
+
+    Returns the whole cache entry (arrays, struct, keep-alives): the caller holds it
+    for the length of its call, so that another thread replacing the entry (a rebuild,
+    or a build of its own at the same time) cannot free buffers the call reads."""
     arrays = tuple(getattr(cluster, name) for name, _ in _CLUSTER_FIELDS)
     cached = cluster.lookups.get("core")
     if cached is not None and all(a is b for a, b in zip(cached[0], arrays, strict=True)):
-        return cached[1]
+        return cached  # type: ignore[no-any-return]
+    _check_shape(cluster, arrays)
     keep: list[Any] = []
     struct = ffi.new("gs_cluster_t *")
     struct.node_count = cluster.node_count
     for (name, kind), array in zip(_CLUSTER_FIELDS, arrays, strict=True):
         if not (array.flags.c_contiguous and array.dtype.itemsize == ffi.sizeof(kind[:-2])):
             raise CoreError(f"the cluster's {name} is not a contiguous array of {kind[:-2]}")
+        if array.dtype.kind not in _KINDS[kind]:
+            raise CoreError(f"the cluster's {name} is {array.dtype}, not {kind[:-2]}")
         setattr(struct, _C_NAMES.get(name, name), _pointer(kind, array, keep))
-    cluster.lookups["core"] = (arrays, struct, keep)
-    return struct
+    entry = (arrays, struct, keep)
+    cluster.lookups["core"] = entry
+    return entry
 
 
-def _mix(mix: WorkloadMix, models: list[str]) -> Any:
+def _mix(mix: WorkloadMix, models: list[str]) -> tuple[Any, list[Any]]:
     """A workload mix as a ``gs_mix_t`` for
     clusters of these models, made once per mix and list of models."""
     key = tuple(models)
     cached = mix.core_structs.get(key)
     if cached is not None:
-        return cached[0]
+        return cached  # type: ignore[no-any-return]
     keep: list[Any] = []
     struct = ffi.new("gs_mix_t *")
     struct.classes = len(mix.classes)
@@ -162,8 +194,8 @@ def _mix(mix: WorkloadMix, models: list[str]) -> Any:
     if model_ok.shape != (len(models), len(mix.parts)):
         raise CoreError("the mix's model table does not match the cluster's models")
     struct.model_ok = _pointer("uint8_t[]", model_ok, keep)
-    mix.core_structs[key] = (struct, keep)
-    return struct
+    # of two threads building at once, both use the first stored (and hold it)
+    return mix.core_structs.setdefault(key, (struct, keep))  # type: ignore[no-any-return]
 
 
 MASKS_KEPT: Final = 256  # distinct type or UUID lists remembered per cluster
@@ -273,9 +305,12 @@ def evaluate(
     result.chosen = _pointer("int64_t[]", flat, keep)
     result.failed = _pointer("int32_t[]", failed, keep)
     result.counts = _pointer("int32_t[]", counts, keep)
-    c_mix = ffi.NULL if mix is None else _mix(mix, cluster.models)
+    mix_entry = None if mix is None else _mix(mix, cluster.models)
+    c_mix = ffi.NULL if mix_entry is None else mix_entry[0]
     c_nodes = _pointer("int64_t[]", nodes, keep)
-    _check(lib.gs_evaluate(_cluster(cluster), demand, c_mix, c_nodes, n, result))
+    cluster_entry = _cluster(cluster)  # held through the call: see _cluster
+    _check(lib.gs_evaluate(cluster_entry[1], demand, c_mix, c_nodes, n, result))
+    del cluster_entry, mix_entry
     chosen, start = [], 0
     for count in counts_per:
         chosen.append(flat[start : start + n * count].reshape(n, count))
@@ -290,10 +325,11 @@ def fragmentation(cluster: Cluster, mix: WorkloadMix, nodes: Ints) -> tuple[Floa
     keep: list[Any] = []
     frag = np.empty(nodes.size, dtype=np.float64)
     total = np.empty(nodes.size, dtype=np.float64)
+    cluster_entry, mix_entry = _cluster(cluster), _mix(mix, cluster.models)  # held: see _cluster
     _check(
         lib.gs_fragmentation(
-            _cluster(cluster),
-            _mix(mix, cluster.models),
+            cluster_entry[1],
+            mix_entry[0],
             _pointer("int64_t[]", nodes, keep),
             int(nodes.size),
             _pointer("double[]", frag, keep),

@@ -94,8 +94,10 @@ class WorkloadMix:
         if not self.classes:
             raise ValueError("a workload mix needs at least one class")
         weights = [c.weight(self.size_exponent) for c in self.classes]
+        if not all(math.isfinite(w) and w >= 0 for w in weights):
+            raise ValueError("a workload mix needs finite, non-negative class weights")
         total = sum(weights)
-        if total <= 0:
+        if not (math.isfinite(total) and total > 0):
             raise ValueError("a workload mix needs a positive total weight")
         index: dict[tuple[CardDemand, DeviceSelector], int] = {}
         cpu_only = CardDemand(count=1, mem_mib=0, mem_percent=-1, cores=0, exclusive=False)
