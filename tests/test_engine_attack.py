@@ -11,11 +11,87 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gpuslice_common.models import (
+    ContainerGpuRequest,
+    DeviceSelector,
+    GpuPolicy,
+    MemoryRequest,
+    PodGpuRequest,
+    PodRef,
+)
 from gpuslice_scheduler import core
-from gpuslice_scheduler.engine import evaluate
+from gpuslice_scheduler.cluster import Cluster
+from gpuslice_scheduler.engine import Demand, evaluate
 from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.fragmentation import WorkloadClass, WorkloadMix, default_mix
-from tests.attack.common import big_mix, cluster, demand
+
+MODELS = ("NVIDIA A100-SXM4-80GB", "Tesla T4")
+
+
+def cluster(nodes: int, cards: int, used_mem: int = 0) -> Cluster:
+    rows = []
+    for n in range(nodes):
+        rows.append(
+            (
+                f"node-{n}",
+                [
+                    (
+                        f"GPU-{n}-{c}",
+                        MODELS[c % 2],
+                        c % 2,
+                        81920,
+                        100,
+                        10,
+                        used_mem,
+                        0,
+                        0,
+                        False,
+                        True,
+                        True,
+                        False,
+                    )
+                    for c in range(cards)
+                ],
+            )
+        )
+    return Cluster.from_rows(rows)
+
+
+def big_mix(classes: int) -> WorkloadMix:
+    """A mix with many distinct parts (distinct MiB amounts), so that its arrays are
+    large enough for NumPy to hand them to free() (its small-block cache keeps < 1 KiB)."""
+    return WorkloadMix.of(
+        [
+            WorkloadClass(
+                1.0 + i,
+                CardDemand(1, 100 + i, -1, 10, False),
+                DeviceSelector(include_types=("a100",) if i % 2 else ()),
+            )
+            for i in range(classes)
+        ]
+    )
+
+
+def demand(
+    count: int = 1,
+    containers: int = 1,
+    mib: int = 1000,
+    cores: int = 10,
+    policy: GpuPolicy = GpuPolicy.FRAGMENTATION,
+    numa: bool = False,
+) -> Demand:
+    req = PodGpuRequest(
+        pod=PodRef(uid="p"),
+        containers=tuple(
+            ContainerGpuRequest(
+                name=f"c{i}", count=count, memory=MemoryRequest(mib=mib), cores=cores
+            )
+            for i in range(containers)
+        ),
+        selector=DeviceSelector(numa_bind=numa),
+        gpu_policy=policy,
+    )
+    return Demand.of(req)
 
 
 def test_a_mix_built_by_another_thread_meanwhile_is_the_one_used() -> None:
@@ -98,3 +174,14 @@ def test_the_core_is_never_handed_a_cluster_whose_arrays_disagree(case: str) -> 
         c = dataclasses.replace(c, used_mem=c.used_mem[:3].copy())
     with pytest.raises(core.CoreError):
         evaluate(c, demand(count=1), np.arange(2), default_mix())
+
+
+def test_a_memory_demand_near_the_integer_limit_never_wraps_into_a_fit() -> None:
+    """``used + demand`` past INT64_MAX would wrap negative and fit; the core compares
+    the demand with what is left instead."""
+    c = cluster(1, 2, used_mem=1)
+    huge = demand(count=1, mib=2**63 - 1, policy=GpuPolicy.BINPACK)
+    e = evaluate(c, huge, np.arange(1))
+    assert e.feasible.tolist() == [False]
+    assert e.chosen[0].tolist() == [[-1]]
+    assert "CardInsufficientMemory" in e.detail[0]

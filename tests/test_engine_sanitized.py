@@ -19,6 +19,7 @@ COMPILED = "tests/test_engine_compiled.py::test_"
 SUITES = (
     "tests/test_engine.py",
     "tests/test_fragmentation.py",
+    "tests/test_engine_attack.py",
     f"{COMPILED}pods_placed_one_after_another_are_placed_as_the_reference_places_them",
     f"{COMPILED}pods_on_nodes_short_of_cpu_or_memory_are_placed_as_the_reference_places_them[None]",
     f"{COMPILED}gpu_pods_are_placed_as_the_reference_places_them[fragmentation-None]",

@@ -107,7 +107,7 @@ static void card_usable(const gs_cluster_t *c, const gs_mix_t *m, int64_t card,
     const uint8_t *model_ok = m->model_ok + c->model_id[card] * m->parts;
     int sched = schedulable(c, card);
     int64_t cap_mem = c->cap_mem[card], cap_cores = c->cap_cores[card];
-    int slots_full = u->slots + 1 > c->cap_slots[card];
+    int slots_full = u->slots >= c->cap_slots[card];
     for (int64_t p = 0; p < m->parts; p++) {
         if (!sched || !model_ok[p] || slots_full || u->owned) {
             out[p] = 0;
@@ -117,7 +117,7 @@ static void card_usable(const gs_cluster_t *c, const gs_mix_t *m, int64_t card,
                                ? m->part_mem_mib[p]
                                : floor_div(cap_mem * m->part_mem_percent[p], 100);
         int64_t cores = m->part_cores[p];
-        int broken = u->mem + need_mem > cap_mem || u->cores + cores > cap_cores ||
+        int broken = need_mem > cap_mem - u->mem || cores > cap_cores - u->cores ||
                      (m->part_exclusive[p] && u->slots > 0) ||
                      (cores == 0 && u->cores >= cap_cores);
         out[p] = !broken;
@@ -244,11 +244,12 @@ static int8_t static_code(const gs_cluster_t *c, const gs_demand_t *d, int64_t c
 static int8_t usage_code(const gs_cluster_t *c, int64_t card, const usage_t *u,
                          const gs_container_t *ct, int64_t mem)
 {
-    if (u->slots + 1 > c->cap_slots[card])
+    /* as differences from the capacity: a demand near INT64_MAX cannot wrap into a fit */
+    if (u->slots >= c->cap_slots[card])
         return SLOTS_EXHAUSTED;
-    if (u->mem + mem > c->cap_mem[card])
+    if (mem > c->cap_mem[card] - u->mem)
         return INSUFFICIENT_MEMORY;
-    if (u->cores + ct->cores > c->cap_cores[card])
+    if (ct->cores > c->cap_cores[card] - u->cores)
         return INSUFFICIENT_CORE;
     if (u->owned || (ct->exclusive && u->slots > 0))
         return EXCLUSIVE_CONFLICT;
