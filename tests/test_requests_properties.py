@@ -5,12 +5,13 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuslice_common.config import RequestDefaults, RequestSettings
 from gpuslice_common.models import PodGpuRequest
-from gpuslice_common.requests import RequestError, parse_pod, parse_quantity
+from gpuslice_common.requests import MAX_POD_GPU_COUNT, RequestError, parse_pod, parse_quantity
 
 NAMES = RequestSettings().resources
 GPU_RESOURCES = NAMES.all()
@@ -156,13 +157,22 @@ def test_valid_requests_keep_invariants(
         "metadata": {"namespace": "ns", "name": "p"},
         "spec": {"initContainers": init, "containers": app},
     }
-    result = parse_pod(pod, config)
 
     def asked(container: dict[str, Any]) -> bool:
         (amounts,) = container["resources"].values()
         return bool(amounts)
 
+    def cards(container: dict[str, Any]) -> int:
+        (amounts,) = container["resources"].values()
+        return int(amounts.get(NAMES.gpu, config.defaults.gpu_count))
+
     expected_names = [c["name"] for c in init + app if asked(c)]
+    total = sum(cards(c) for c in init + app if asked(c))
+    if total > MAX_POD_GPU_COUNT:  # valid containers, but too many cards for one pod
+        with pytest.raises(RequestError, match=f"ask for {total} GPUs together"):
+            parse_pod(pod, config)
+        return
+    result = parse_pod(pod, config)
     if not expected_names:
         assert result is None
         return
