@@ -46,6 +46,7 @@ from gpuslice_scheduler.engine import NO_CARD, Demand, Evaluation, evaluate
 from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.fragmentation import WorkloadClass, WorkloadMix, default_mix
 from tests import engine_reference as reference
+from tests.test_engine_properties import containers
 
 TOLERANCE = 1e-9
 MODELS = ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "Tesla T4")
@@ -133,22 +134,6 @@ def clusters(draw: st.DrawFn, max_nodes: int = 6, tight: bool = False) -> Cluste
         cpu = draw(st.one_of(st.none(), st.lists(FREE, min_size=size, max_size=size)))
         mem = draw(st.one_of(st.none(), st.lists(FREE, min_size=size, max_size=size)))
     return Cluster.from_rows(nodes, cpu, mem)
-
-
-@st.composite
-def containers(draw: st.DrawFn, name: str, kind: str) -> ContainerGpuRequest:
-    if draw(st.booleans()):
-        memory = MemoryRequest(mib=draw(st.one_of(st.integers(0, 4000), st.integers(0, 24000))))
-    else:
-        memory = MemoryRequest(percent=draw(st.integers(0, 100)))
-    return ContainerGpuRequest(
-        name=name,
-        init=kind != "app",
-        sidecar=kind == "sidecar",
-        count=draw(st.sampled_from([1, 1, 1, 1, 2, 2, 3, 4])),
-        memory=memory,
-        cores=draw(st.one_of(st.sampled_from([0, 10, 25, 50, 75, 99, 100]), st.integers(0, 100))),
-    )
 
 
 def type_lists() -> st.SearchStrategy[tuple[str, ...]]:

@@ -497,7 +497,6 @@ typedef struct {
     int use_fragments; /* the mix prices cards or nodes */
     int single;        /* one card for one container: the node's price is that card's */
     int64_t *offset;   /* per container: where its picks start in result->chosen */
-    int64_t n;
 } plan_t;
 
 /* Row i of the result: node `node`, whose picks are still all -1. */
@@ -633,7 +632,6 @@ int gs_evaluate(const gs_cluster_t *cluster, const gs_demand_t *demand, const gs
         .single = containers == 1 && d->container[0].count == 1 && !d->container[0].init &&
                   d->gpu_policy == GS_POLICY_FRAGMENTATION,
         .offset = offset,
-        .n = n,
     };
     scratch_t s;
     if (!scratch_alloc(&s, largest, mix ? mix->parts : 0)) {
