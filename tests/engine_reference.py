@@ -182,10 +182,28 @@ def hosts(
     )
 
 
-def mix_score(mix: WorkloadMix, host: Bools, unusable: Floats, total: Floats) -> Floats:
-    """Weighted fragmentation from per-part aggregates (rows are nodes or candidates)."""
+def starved(feed: tuple[float, float], total: Floats, cpu_free: Floats, mem_free: Floats) -> Floats:
+    """Free share that the free CPU and memory cannot feed at the mix's ratios."""
+    out = np.zeros_like(total)
+    for ratio, have in zip(feed, (cpu_free, mem_free), strict=True):
+        if ratio > 0:
+            out = np.maximum(out, total - np.maximum(have, 0) / ratio)
+    return np.asarray(np.minimum(out, total))
+
+
+def mix_score(
+    mix: WorkloadMix,
+    host: Bools,
+    unusable: Floats,
+    total: Floats,
+    feed: tuple[float, float],
+    cpu_free: Floats,
+    mem_free: Floats,
+) -> Floats:
+    """Weighted fragmentation from per-part aggregates (rows are nodes or candidates),
+    and the share the nodes' CPU and memory cannot feed."""
     frag = np.where(host, unusable[:, mix.part], total[:, None])
-    return np.asarray(frag @ mix.weight, dtype=float)
+    return np.asarray(frag @ mix.weight + starved(feed, total, cpu_free, mem_free), dtype=float)
 
 
 @dataclass
@@ -224,7 +242,8 @@ def node_fragments(
     unusable = segment_sums(np.where(use, 0.0, share[:, None]), bounds)
     total = segment_sums(share, bounds)
     host = hosts(mix, cpu_free, mem_free, count)
-    frag = NodeFragments(count, unusable, total, mix_score(mix, host, unusable, total))
+    score = mix_score(mix, host, unusable, total, mix.feed_ratios(cluster), cpu_free, mem_free)
+    frag = NodeFragments(count, unusable, total, score)
     return frag, use, share
 
 
@@ -256,8 +275,9 @@ def fragmentation_after(
         + np.where(new_usable, 0.0, new_share[:, None])
     )
     total = before.total[node_pos] - old_share + new_share
-    host = hosts(mix, cpu_after[node_pos], mem_after[node_pos], count)
-    return mix_score(mix, host, unusable, total)
+    cpu, mem = cpu_after[node_pos], mem_after[node_pos]
+    host = hosts(mix, cpu, mem, count)
+    return mix_score(mix, host, unusable, total, mix.feed_ratios(cluster), cpu, mem)
 
 
 def node_fragmentation(mix: WorkloadMix, cluster: Cluster, nodes: Ints) -> tuple[Floats, Floats]:

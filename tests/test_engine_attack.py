@@ -104,11 +104,11 @@ def test_a_mix_built_by_another_thread_meanwhile_is_the_one_used() -> None:
 
     def meanwhile(models: list[str]) -> Any:  # another thread stores its build first
         mix.model_ok = real  # type: ignore[method-assign]
-        other.append(core._mix(mix, models))
+        other.append(core._mix(mix, c))
         return real(models)
 
     mix.model_ok = meanwhile  # type: ignore[method-assign]
-    mine = core._mix(mix, c.models)
+    mine = core._mix(mix, c)
     assert mine is other[0]
     assert mix.core_structs[tuple(c.models)] is other[0]
 

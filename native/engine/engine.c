@@ -13,6 +13,11 @@
  * Fragmentation follows FGD: for each class of the expected workload, the free
  * share of the cards it cannot use is a fragment, or all of the node's free
  * share when the node cannot host the class at all; classes are weighted.
+ * To that it adds the free share the node's CPU or memory cannot feed: FGD asks
+ * only whether one more pod fits, so a node whose CPU is nearly gone looks
+ * sound until the last pod that fits has come, and its remaining cards are
+ * lost then. Fed at the mix's own ratio of CPU (memory) to GPU share, a node
+ * with C free CPU can use C / ratio of its free share; the rest is starved.
  * Sums run in card order, so results match the NumPy formulation to rounding. */
 #include "engine_core.h"
 
@@ -163,8 +168,27 @@ static void hosting_build(const gs_mix_t *m, double cpu, double mem, int64_t k, 
     }
 }
 
+/* Free share (of `total`) that free CPU `cpu` and memory `mem` cannot feed at the
+ * mix's ratios (0 where it has none): at most `total`, also for a node whose CPU
+ * or memory is overcommitted. */
+static double starved(const gs_mix_t *m, double total, double cpu, double mem)
+{
+    double out = 0.0;
+    const double ratio[2] = {m->cpu_per_share, m->mem_per_share};
+    const double have[2] = {cpu, mem};
+    for (int i = 0; i < 2; i++) {
+        if (!(ratio[i] > 0.0))
+            continue;
+        double unfed = total - (have[i] > 0.0 ? have[i] : 0.0) / ratio[i];
+        if (unfed > out)
+            out = unfed;
+    }
+    return out < total ? out : total;
+}
+
 /* A node's fragmentation: a class it hosts finds the free share of the cards it
- * cannot use stranded, one it does not host all of the node's free share. */
+ * cannot use stranded, one it does not host all of the node's free share; and
+ * the share its CPU and memory cannot feed. */
 static double mix_score(const gs_mix_t *m, const hosting_t *h, const int64_t *count,
                         const double *unusable, double total)
 {
@@ -176,7 +200,7 @@ static double mix_score(const gs_mix_t *m, const hosting_t *h, const int64_t *co
         score += unusable[p] * h->hosted[p * h->width + c] +
                  total * h->stranded[p * h->width + c];
     }
-    return score;
+    return score + starved(m, total, h->cpu, h->mem);
 }
 
 /* Fragmentation of the node whose cards start at `first`, with usage `u`. */

@@ -19,6 +19,7 @@ from gpuslice_common.ledger import LedgerError
 from gpuslice_scheduler.sim import (
     POLICIES,
     SPLIT_COUNT,
+    Derivation,
     RunResult,
     TraceError,
     load_nodes,
@@ -54,6 +55,16 @@ def sim(
         SPLIT_COUNT, "--split-count", min=1, max=1024, help="pods per card (deviceSplitCount)"
     ),
     jobs: int = typer.Option(1, "--jobs", min=1, max=256, help="runs in parallel processes"),
+    sharing: float | None = typer.Option(
+        None,
+        "--sharing",
+        min=0.0,
+        max=1.0,
+        help="derive a workload: sharing pods hold this share of the GPU demand (e.g. 0.8)",
+    ),
+    cpu_scale: float = typer.Option(
+        1.0, "--cpu-scale", min=0.01, max=100.0, help="derive a workload: pods' CPU x this"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     plot: Path | None = typer.Option(
         None, "--plot", help="draw allocation vs arrived demand into this PNG"
@@ -76,6 +87,9 @@ def sim(
     if cpu_pods and via is None:
         errors.print("[red]error:[/] --cpu-pods needs --via", soft_wrap=True)
         raise typer.Exit(2)
+    if via is not None and (sharing is not None or cpu_scale != 1.0):
+        errors.print("[red]error:[/] --sharing and --cpu-scale derive offline replays only")
+        raise typer.Exit(2)
     if via is not None:
         replay_live(
             via,
@@ -91,6 +105,9 @@ def sim(
         )
         return
     try:
+        derivation = (
+            Derivation(sharing, cpu_scale) if sharing is not None or cpu_scale != 1.0 else None
+        )
         seed_list = parse_seeds(seeds) if seeds is not None else [seed]
         show = console.is_terminal and not as_json
         total = len(policy) * len(seed_list)
@@ -103,7 +120,7 @@ def sim(
             disable=not (show or errors.is_terminal),
             transient=True,
         ) as bar:
-            task = bar.add_task(trace_name(pods), total=total)
+            task = bar.add_task(trace_name(pods, derivation), total=total)
             results = replay_many(
                 nodes,
                 pods,
@@ -112,6 +129,7 @@ def sim(
                 inflation=inflation,
                 split_count=split_count,
                 jobs=jobs,
+                derivation=derivation,
                 progress=lambda done: bar.update(task, completed=done),
             )
         if plot is not None:
@@ -120,7 +138,7 @@ def sim(
         errors.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     report = {
-        "trace": trace_name(pods),
+        "trace": trace_name(pods, derivation),
         "inflation": inflation,
         "runs": [r.as_dict() for r in results],
         "mean": summarise(results),

@@ -173,9 +173,11 @@ def _cluster(cluster: Cluster) -> tuple[Any, Any, list[Any]]:
     return entry
 
 
-def _mix(mix: WorkloadMix, models: list[str]) -> tuple[Any, list[Any]]:
+def _mix(mix: WorkloadMix, cluster: Cluster) -> tuple[Any, list[Any]]:
     """A workload mix as a ``gs_mix_t`` for
     clusters of these models, made once per mix and list of models."""
+    models = cluster.models
+    feed = mix.feed_ratios(cluster)
     key = tuple(models)
     cached = mix.core_structs.get(key)
     if cached is not None:
@@ -194,6 +196,7 @@ def _mix(mix: WorkloadMix, models: list[str]) -> tuple[Any, list[Any]]:
     if model_ok.shape != (len(models), len(mix.parts)):
         raise CoreError("the mix's model table does not match the cluster's models")
     struct.model_ok = _pointer("uint8_t[]", model_ok, keep)
+    struct.cpu_per_share, struct.mem_per_share = feed
     # of two threads building at once, both use the first stored (and hold it)
     return mix.core_structs.setdefault(key, (struct, keep))  # type: ignore[no-any-return]
 
@@ -305,10 +308,10 @@ def evaluate(
     result.chosen = _pointer("int64_t[]", flat, keep)
     result.failed = _pointer("int32_t[]", failed, keep)
     result.counts = _pointer("int32_t[]", counts, keep)
-    mix_entry = None if mix is None else _mix(mix, cluster.models)
+    cluster_entry = _cluster(cluster)  # checked first; held through the call: see _cluster
+    mix_entry = None if mix is None else _mix(mix, cluster)
     c_mix = ffi.NULL if mix_entry is None else mix_entry[0]
     c_nodes = _pointer("int64_t[]", nodes, keep)
-    cluster_entry = _cluster(cluster)  # held through the call: see _cluster
     _check(lib.gs_evaluate(cluster_entry[1], demand, c_mix, c_nodes, n, result))
     del cluster_entry, mix_entry
     chosen, start = [], 0
@@ -325,7 +328,7 @@ def fragmentation(cluster: Cluster, mix: WorkloadMix, nodes: Ints) -> tuple[Floa
     keep: list[Any] = []
     frag = np.empty(nodes.size, dtype=np.float64)
     total = np.empty(nodes.size, dtype=np.float64)
-    cluster_entry, mix_entry = _cluster(cluster), _mix(mix, cluster.models)  # held: see _cluster
+    cluster_entry, mix_entry = _cluster(cluster), _mix(mix, cluster)  # held: see _cluster
     _check(
         lib.gs_fragmentation(
             cluster_entry[1],

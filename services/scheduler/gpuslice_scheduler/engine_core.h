@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#define GS_ENGINE_ABI 1
+#define GS_ENGINE_ABI 2
 #define GS_CODE_COUNT 13
 
 /* GPU and node policies */
@@ -61,6 +61,10 @@ typedef struct {
     const int64_t *part_cores;
     const uint8_t *part_exclusive;
     const uint8_t *model_ok; /* (models, parts), row-major */
+    /* CPU (milli) and memory (MiB) the mix asks per milli-GPU it asks; 0: not
+     * priced (a node's free share its CPU or memory cannot feed, see engine.c) */
+    double cpu_per_share;
+    double mem_per_share;
 } gs_mix_t;
 
 typedef struct {

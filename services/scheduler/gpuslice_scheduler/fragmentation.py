@@ -13,6 +13,14 @@ class is times the square root of the share of a card it needs (0.1 to 1):
 FGD weighs by frequency alone; weighing bigger shares a little more keeps room
 for the pods that are harder to place (docs/benchmarks.md compares the two).
 
+To that is added the node's *starved* share: the free share its free CPU or
+memory cannot feed at the ratio the mix asks them in (:meth:`WorkloadMix.feed_ratios`).
+FGD asks only whether one more pod of a class fits, so a node whose CPU is
+nearly gone looks sound until the last pod that fits has come, and its other
+cards are lost then; the starved share sees them coming, and sends pods that
+ask much CPU for little GPU where CPU is plentiful (docs/benchmarks.md
+measures it: ahead of FGD's measure on every openb trace and derived mix).
+
 Free share is measured in milli-GPU of compute (1000 = a whole free card); a
 card held exclusively, unhealthy, cordoned or absent has none. A class is one
 kind of pod: CPU and memory on the node, and a per-card demand for its largest
@@ -74,6 +82,7 @@ class WorkloadMix:
 
     classes: tuple[WorkloadClass, ...]
     size_exponent: float = SIZE_EXPONENT
+    starvation: bool = True  # price the share a node's CPU or memory cannot feed
     weight: Floats = field(init=False)
     cpu: Floats = field(init=False)
     memory: Floats = field(init=False)
@@ -84,6 +93,9 @@ class WorkloadMix:
     part_mem_percent: Ints = field(init=False)
     part_cores: Ints = field(init=False)
     part_exclusive: Bools = field(init=False)
+    # per milli-GPU the mix asks: CPU and memory its GPU pods ask, and its pods without
+    demand_ratios: tuple[float, float, float, float] = field(init=False)
+    _feed: tuple[float, float] | None = field(init=False, default=None, repr=False)
     _model_ok: dict[tuple[str, ...], Bools] = field(init=False, default_factory=dict)
     # per list of models: the mix as the compiled core reads it (gpuslice_scheduler.core)
     core_structs: dict[tuple[str, ...], Any] = field(
@@ -115,12 +127,57 @@ class WorkloadMix:
         self.part_mem_percent = np.asarray([d.mem_percent for d, _ in self.parts], np.int64)
         self.part_cores = np.asarray([d.cores for d, _ in self.parts], dtype=np.int64)
         self.part_exclusive = np.asarray([d.exclusive for d, _ in self.parts], dtype=np.bool_)
+        self.demand_ratios = self._demand_ratios()
+
+    def _demand_ratios(self) -> tuple[float, float, float, float]:
+        """Per milli-GPU the mix asks (by frequency): the CPU and memory its GPU pods
+        ask, and those its pods without GPUs ask; zeros where it asks no GPU."""
+        freq = np.asarray([c.frequency for c in self.classes], dtype=float)
+        gpu = float(freq @ np.asarray([c.gpu_milli for c in self.classes], dtype=float))
+        if not (math.isfinite(gpu) and gpu > 0):
+            return 0.0, 0.0, 0.0, 0.0
+        with_gpu = self.need > 0
+        ratios = tuple(
+            float(freq[rows] @ values[rows]) / gpu
+            for values in (self.cpu, self.memory)
+            for rows in (with_gpu, ~with_gpu)
+        )
+        if not all(math.isfinite(r) and r >= 0 for r in ratios):
+            raise ValueError("a workload mix needs finite, non-negative CPU and memory")
+        cpu_gpu, cpu_none, mem_gpu, mem_none = ratios
+        return cpu_gpu, cpu_none, mem_gpu, mem_none
+
+    def feed_ratios(self, cluster: Cluster) -> tuple[float, float]:
+        """CPU (milli) and memory (MiB) a node must have per milli-GPU of free share to
+        feed it with the pods the mix brings; (0, 0) where not priced.
+
+        The GPU pods' own ratio, raised where the pods without GPUs ask more than the
+        cluster's spare: those pods take the spare first (CPU and memory beyond
+        what the GPU pods need, over the cluster's free share), and only what they
+        need past it comes out of the GPU pods' share. Fixed when the mix is first
+        priced against a cluster, so that every node of an evaluation, and of the
+        evaluations kept for later, is priced alike.
+        """
+        if self._feed is None:
+            feed = (0.0, 0.0)
+            if self.starvation:
+                cpu_gpu, cpu_none, mem_gpu, mem_none = self.demand_ratios
+                cpu_spare, mem_spare = spare_ratios(cluster)
+                feed = (
+                    cpu_gpu + max(0.0, cpu_none - (cpu_spare - cpu_gpu)),
+                    mem_gpu + max(0.0, mem_none - (mem_spare - mem_gpu)),
+                )
+            self._feed = feed
+        return self._feed
 
     @classmethod
     def of(
-        cls, classes: Sequence[WorkloadClass], size_exponent: float = SIZE_EXPONENT
+        cls,
+        classes: Sequence[WorkloadClass],
+        size_exponent: float = SIZE_EXPONENT,
+        starvation: bool = True,
     ) -> WorkloadMix:
-        return cls(tuple(classes), size_exponent)
+        return cls(tuple(classes), size_exponent, starvation)
 
     def model_ok(self, models: list[str]) -> Bools:
         """(models, parts): may a part's type lists use a model."""
@@ -130,6 +187,23 @@ class WorkloadMix:
             cached = np.stack([model_mask(s, models) for _, s in self.parts], axis=1)
             self._model_ok[key] = cached
         return cached
+
+
+def spare_ratios(cluster: Cluster) -> tuple[float, float]:
+    """The cluster's free CPU (milli) and memory (MiB) per milli-GPU of free share, over
+    the nodes whose CPU and memory are followed; inf where none are, or none has a
+    free share."""
+    cap = np.maximum(cluster.cap_cores, 1)
+    free = np.maximum(cluster.cap_cores - cluster.used_cores, 0) * 1000.0 / cap
+    usable = cluster.present & cluster.healthy & ~cluster.cordoned & ~cluster.owned
+    acc = np.concatenate([[0.0], np.cumsum(np.where(usable, free, 0.0))])
+    share = acc[cluster.node_start[1:]] - acc[cluster.node_start[:-1]]
+    out = []
+    for resource in (cluster.node_cpu_free, cluster.node_mem_free):
+        known = np.isfinite(resource)
+        total = float(share[known].sum())
+        out.append(float(np.maximum(resource[known], 0).sum()) / total if total > 0 else math.inf)
+    return out[0], out[1]
 
 
 def node_fragmentation(mix: WorkloadMix, cluster: Cluster, nodes: Ints) -> tuple[Floats, Floats]:
@@ -262,7 +336,7 @@ class MixLearner:
             WorkloadClass(float(n), card, sel, cpu, memory)
             for (card, sel, cpu, memory), n in common
         ]
-        return WorkloadMix.of(classes, self.prior.size_exponent)
+        return WorkloadMix.of(classes, self.prior.size_exponent, self.prior.starvation)
 
 
 def _distance(a: WorkloadMix, b: WorkloadMix) -> float:

@@ -28,7 +28,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +59,14 @@ class SimPolicy:
     gpu: GpuPolicy
     node: NodePolicy | None = None
     size_exponent: float = SIZE_EXPONENT
+    starvation: bool = True
 
 
 POLICIES: dict[str, SimPolicy] = {
     "fragmentation": SimPolicy(GpuPolicy.FRAGMENTATION),
-    # FGD as published: classes weighted by frequency alone (a baseline in the same run).
-    "fgd": SimPolicy(GpuPolicy.FRAGMENTATION, size_exponent=0.0),
+    # FGD as published (a baseline in the same run): classes weighted by frequency
+    # alone, and no price on the share a node's CPU or memory cannot feed.
+    "fgd": SimPolicy(GpuPolicy.FRAGMENTATION, size_exponent=0.0, starvation=False),
     "binpack": SimPolicy(GpuPolicy.BINPACK, NodePolicy.BINPACK),
     "spread": SimPolicy(GpuPolicy.SPREAD, NodePolicy.SPREAD),
     "hami-default": SimPolicy(GpuPolicy.SPREAD, NodePolicy.BINPACK),
@@ -200,7 +202,9 @@ def build_cluster(nodes: Sequence[TraceNode], split_count: int = SPLIT_COUNT) ->
     )
 
 
-def workload_mix(pods: Sequence[PodClass], size_exponent: float = SIZE_EXPONENT) -> WorkloadMix:
+def workload_mix(
+    pods: Sequence[PodClass], size_exponent: float = SIZE_EXPONENT, starvation: bool = True
+) -> WorkloadMix:
     """The trace's own pod distribution: what the fragmentation policy expects to come."""
     classes = []
     for pod, count in Counter(pods).items():
@@ -208,7 +212,71 @@ def workload_mix(pods: Sequence[PodClass], size_exponent: float = SIZE_EXPONENT)
         card = CardDemand.of(request.containers[0]) if request else None
         selector = request.selector if request else DeviceSelector()
         classes.append(WorkloadClass(count, card, selector, pod.cpu_milli, pod.memory_mib))
-    return WorkloadMix.of(classes, size_exponent)
+    return WorkloadMix.of(classes, size_exponent, starvation)
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """A workload made from a trace the way openb's variants were made from its default.
+
+    ``sharing``: sharing pods (one card, less than all of it) are to hold this share
+    of the GPU demand; GPU pods that do not share, drawn at random, are replaced by
+    sharing pods drawn from the trace's own until they do (the pod count stays).
+    ``cpu_scale``: every pod's CPU request is multiplied by this.
+    """
+
+    sharing: float | None = None
+    cpu_scale: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sharing is not None and not (
+            math.isfinite(self.sharing) and 0.0 <= self.sharing <= 1.0
+        ):
+            raise TraceError(f"sharing share must be between 0 and 1, not {self.sharing}")
+        if not (math.isfinite(self.cpu_scale) and 0.0 < self.cpu_scale <= 100.0):
+            raise TraceError(f"CPU scale must be above 0 and at most 100, not {self.cpu_scale}")
+
+    @property
+    def suffix(self) -> str:
+        """How a derived trace is named after its source: ``default-share60-cpu2.5x``."""
+        parts = [] if self.sharing is None else [f"share{round(100 * self.sharing)}"]
+        if self.cpu_scale != 1.0:
+            parts.append(f"cpu{self.cpu_scale:g}x")
+        return "".join(f"-{p}" for p in parts)
+
+    def apply(self, pods: Sequence[PodClass]) -> list[PodClass]:
+        out = list(pods)
+        if self.sharing is not None:
+            out = _raise_sharing(out, self.sharing, self.seed)
+        if self.cpu_scale != 1.0:
+            out = [
+                replace(p, cpu_milli=math.ceil(p.cpu_milli * self.cpu_scale - 1e-9)) for p in out
+            ]
+        return out
+
+
+def _sharing(pod: PodClass) -> bool:
+    return pod.num_gpu == 1 and 0 < pod.gpu_milli < 1000
+
+
+def _raise_sharing(pods: list[PodClass], share: float, seed: int) -> list[PodClass]:
+    sharing = [p for p in pods if _sharing(p)]
+    if not sharing:
+        raise TraceError("the trace has no sharing pods to raise their share with")
+    rng = np.random.default_rng(seed)
+    total = sum(p.gpu_demand for p in pods)
+    shared = sum(p.gpu_demand for p in sharing)
+    others = [i for i, p in enumerate(pods) if p.num_gpu > 0 and not _sharing(p)]
+    for k in rng.permutation(len(others)).tolist():
+        if shared >= share * total:
+            break
+        i = others[k]
+        new = sharing[int(rng.integers(len(sharing)))]
+        total += new.gpu_demand - pods[i].gpu_demand
+        shared += new.gpu_demand
+        pods[i] = new
+    return pods
 
 
 def arrivals(pods: Sequence[PodClass], capacity: int, inflation: float, seed: int) -> list[int]:
@@ -266,7 +334,9 @@ def replay(
     chosen = POLICIES[policy]
     gpu_policy, node_policy = chosen.gpu, chosen.node
     mix = (
-        workload_mix(pods, chosen.size_exponent) if gpu_policy is GpuPolicy.FRAGMENTATION else None
+        workload_mix(pods, chosen.size_exponent, chosen.starvation)
+        if gpu_policy is GpuPolicy.FRAGMENTATION
+        else None
     )
     classes = list(dict.fromkeys(pods))
     class_of = {c: i for i, c in enumerate(classes)}
@@ -356,25 +426,27 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def _run_one(
-    args: tuple[Path, Path, str, int, float, int],
-    progress: Callable[[float], None] | None = None,
-) -> RunResult:
-    nodes_path, pods_path, policy, seed, inflation, split_count = args
+RunArgs = tuple[Path, Path, str, int, float, int, "Derivation | None"]
+
+
+def _run_one(args: RunArgs, progress: Callable[[float], None] | None = None) -> RunResult:
+    nodes_path, pods_path, policy, seed, inflation, split_count, derivation = args
+    pods = load_pods(pods_path)
     return replay(
         load_nodes(nodes_path),
-        load_pods(pods_path),
+        derivation.apply(pods) if derivation else pods,
         policy,
         seed,
-        trace=trace_name(pods_path),
+        trace=trace_name(pods_path, derivation),
         inflation=inflation,
         split_count=split_count,
         progress=progress,
     )
 
 
-def trace_name(pods_path: Path) -> str:
-    return pods_path.stem.removeprefix("openb_pod_list_")
+def trace_name(pods_path: Path, derivation: Derivation | None = None) -> str:
+    name = pods_path.stem.removeprefix("openb_pod_list_")
+    return name + derivation.suffix if derivation else name
 
 
 def replay_many(
@@ -386,17 +458,27 @@ def replay_many(
     inflation: float = 1.3,
     split_count: int = SPLIT_COUNT,
     jobs: int = 1,
+    derivation: Derivation | None = None,
     progress: Callable[[float], None] | None = None,
 ) -> list[RunResult]:
-    """Every (policy, seed) run, in parallel processes when ``jobs`` > 1.
+    """Every (policy, seed) run, in parallel processes when ``jobs`` > 1; the pods
+    derived by ``derivation`` when given.
 
     ``progress`` gets the number of runs done so far (fractional while one runs alone).
     """
     for policy in policies:
         if policy not in POLICIES:
             raise TraceError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
-    load_nodes(nodes_path), load_pods(pods_path)  # report a bad file before forking
-    work = [(nodes_path, pods_path, p, s, inflation, split_count) for p in policies for s in seeds]
+    load_nodes(nodes_path)  # report a bad file or derivation before forking
+    if derivation is not None:
+        derivation.apply(load_pods(pods_path))
+    else:
+        load_pods(pods_path)
+    work: list[RunArgs] = [
+        (nodes_path, pods_path, p, s, inflation, split_count, derivation)
+        for p in policies
+        for s in seeds
+    ]
     results: list[RunResult] = []
     if jobs <= 1 or len(work) == 1:
         for i, item in enumerate(work):
