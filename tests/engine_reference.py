@@ -203,7 +203,8 @@ def mix_score(
     """Weighted fragmentation from per-part aggregates (rows are nodes or candidates),
     and the share the nodes' CPU and memory cannot feed."""
     frag = np.where(host, unusable[:, mix.part], total[:, None])
-    return np.asarray(frag @ mix.weight + starved(feed, total, cpu_free, mem_free), dtype=float)
+    hungry = mix.starved_weight * starved(feed, total, cpu_free, mem_free)
+    return np.asarray(frag @ mix.weight + hungry, dtype=float)
 
 
 @dataclass

@@ -17,7 +17,9 @@
  * only whether one more pod fits, so a node whose CPU is nearly gone looks
  * sound until the last pod that fits has come, and its remaining cards are
  * lost then. Fed at the mix's own ratio of CPU (memory) to GPU share, a node
- * with C free CPU can use C / ratio of its free share; the rest is starved.
+ * with C free CPU can use C / ratio of its free share; the rest is starved,
+ * and weighs more than a fragment: it is lost to every pod to come, a fragment
+ * only to those that cannot use it.
  * Sums run in card order, so results match the NumPy formulation to rounding. */
 #include "engine_core.h"
 
@@ -200,7 +202,7 @@ static double mix_score(const gs_mix_t *m, const hosting_t *h, const int64_t *co
         score += unusable[p] * h->hosted[p * h->width + c] +
                  total * h->stranded[p * h->width + c];
     }
-    return score + starved(m, total, h->cpu, h->mem);
+    return score + m->starved_weight * starved(m, total, h->cpu, h->mem);
 }
 
 /* Fragmentation of the node whose cards start at `first`, with usage `u`. */

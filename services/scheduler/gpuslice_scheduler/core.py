@@ -197,6 +197,7 @@ def _mix(mix: WorkloadMix, cluster: Cluster) -> tuple[Any, list[Any]]:
         raise CoreError("the mix's model table does not match the cluster's models")
     struct.model_ok = _pointer("uint8_t[]", model_ok, keep)
     struct.cpu_per_share, struct.mem_per_share = feed
+    struct.starved_weight = mix.starved_weight
     # of two threads building at once, both use the first stored (and hold it)
     return mix.core_structs.setdefault(key, (struct, keep))  # type: ignore[no-any-return]
 

@@ -61,10 +61,12 @@ typedef struct {
     const int64_t *part_cores;
     const uint8_t *part_exclusive;
     const uint8_t *model_ok; /* (models, parts), row-major */
-    /* CPU (milli) and memory (MiB) the mix asks per milli-GPU it asks; 0: not
-     * priced (a node's free share its CPU or memory cannot feed, see engine.c) */
+    /* A node's free share its CPU or memory cannot feed (see engine.c): the CPU
+     * (milli) and memory (MiB) it needs per milli-GPU of free share, 0 for not
+     * priced, and the weight of that share against the fragments. */
     double cpu_per_share;
     double mem_per_share;
+    double starved_weight;
 } gs_mix_t;
 
 typedef struct {

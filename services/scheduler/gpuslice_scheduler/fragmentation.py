@@ -18,7 +18,9 @@ memory cannot feed at the ratio the mix asks them in (:meth:`WorkloadMix.feed_ra
 FGD asks only whether one more pod of a class fits, so a node whose CPU is
 nearly gone looks sound until the last pod that fits has come, and its other
 cards are lost then; the starved share sees them coming, and sends pods that
-ask much CPU for little GPU where CPU is plentiful (docs/benchmarks.md
+ask much CPU for little GPU where CPU is plentiful. A starved share is lost to
+every pod to come, a fragment only to the classes that cannot use it, so the
+starved share weighs :data:`STARVED_WEIGHT` times as much (docs/benchmarks.md
 measures it: ahead of FGD's measure on every openb trace and derived mix).
 
 Free share is measured in milli-GPU of compute (1000 = a whole free card); a
@@ -46,6 +48,9 @@ from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
 from gpuslice_scheduler.fit import CardDemand, model_mask
 
 SIZE_EXPONENT = 0.5  # 0 weighs classes by frequency alone, as FGD does
+# A starved share is lost to every pod to come, a fragment only to the classes that
+# cannot use it: starved milli-GPU weigh this many fragment milli-GPU (docs/benchmarks.md)
+STARVED_WEIGHT = 10.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class WorkloadMix:
     classes: tuple[WorkloadClass, ...]
     size_exponent: float = SIZE_EXPONENT
     starvation: bool = True  # price the share a node's CPU or memory cannot feed
+    starved_weight: float = field(default=STARVED_WEIGHT, init=False)
     weight: Floats = field(init=False)
     cpu: Floats = field(init=False)
     memory: Floats = field(init=False)
