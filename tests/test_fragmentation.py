@@ -14,12 +14,17 @@ from gpuslice_scheduler.fragmentation import (
     WorkloadMix,
     default_mix,
     node_fragmentation,
+    spare_ratios,
 )
-from tests.test_engine import busy, gpu
+from tests.test_engine import MEM, busy, gpu
 
 SHARE_60 = CardDemand(count=1, mem_mib=-1, mem_percent=60, cores=60, exclusive=False)
 WHOLE = CardDemand(count=1, mem_mib=-1, mem_percent=100, cores=100, exclusive=True)
 TWO_WHOLE = CardDemand(count=2, mem_mib=-1, mem_percent=100, cores=100, exclusive=True)
+HALF = CardDemand(count=1, mem_mib=-1, mem_percent=50, cores=50, exclusive=False)
+QUARTER = CardDemand(count=1, mem_mib=-1, mem_percent=25, cores=25, exclusive=False)
+# 500 milli-GPU for 4000 milli-CPU and 2000 MiB: 8 milli-CPU and 4 MiB per milli-GPU
+FED_HALF = WorkloadClass(1, HALF, cpu=4000, memory=2000)
 
 
 def fragmentation(cluster: Cluster, mix: WorkloadMix) -> list[float]:
@@ -32,6 +37,25 @@ def free_share(cluster: Cluster, mix: WorkloadMix) -> list[float]:
     """Every node's free share (milli-GPU), in node order."""
     _, total = node_fragmentation(mix, cluster, np.arange(cluster.node_count, dtype=np.int64))
     return [float(t) for t in total]
+
+
+def starved(cluster: Cluster, classes: list[WorkloadClass]) -> list[float]:
+    """Every node's starved share: its fragmentation with starvation priced, less FGD's
+    part alone (the same mix unpriced). Fresh mixes, so priced against ``cluster`` as
+    it is now."""
+    on = fragmentation(cluster, WorkloadMix.of(classes))
+    off = fragmentation(cluster, WorkloadMix.of(classes, starvation=False))
+    return [a - b for a, b in zip(on, off, strict=True)]
+
+
+def two_free_cards(cpu: float, mem: float = np.inf) -> Cluster:
+    """n0: two free cards (2000 milli free) with ``cpu`` and ``mem`` free; n1: no card
+    and CPU and memory to spare, so that the cluster's spare covers the GPU pods'."""
+    return Cluster.build(
+        [("n0", [gpu("n0", 0), gpu("n0", 1)]), ("n1", [])],
+        node_cpu=[cpu, 10**7],
+        node_mem=[mem, 10**7],
+    )
 
 
 def test_free_share_a_class_cannot_use_is_a_fragment() -> None:
@@ -230,3 +254,148 @@ def test_mix_learner_bounds_hold_with_cpu_shapes() -> None:
         (None, DeviceSelector(), 1000.0 * (1 + i % 4), 0.0): 1 for i in (7, 8, 9)
     }
     assert len(learner.mix.classes) == len(learner.prior.classes) + 2
+
+
+def test_a_gpu_its_cpu_cannot_feed_is_stranded_and_starved() -> None:
+    # Three nodes of two free cards (2000 milli each): no free CPU, 3000 (short of the
+    # 4000 one pod asks) and plenty. The cluster's spare, 103000 / 6000 = 17.2
+    # milli-CPU per milli-GPU, covers the GPU pods' 8: the feed ratio is 8.
+    c = Cluster.build(
+        [(n, [gpu(n, 0), gpu(n, 1)]) for n in ("n0", "n1", "n2")],
+        node_cpu=[0, 3000, 100_000],
+    )
+    classes = [WorkloadClass(1, HALF, cpu=4000)]
+    # FGD's part: a node that cannot host one pod has all its free share as fragment.
+    assert fragmentation(c, WorkloadMix.of(classes, starvation=False)) == [2000.0, 2000.0, 0.0]
+    # Starved: n0 feeds nothing (2000); n1 feeds 3000 / 8 = 375 of its 2000 (1625);
+    # n2 feeds 100000 / 8 = 12500 > 2000 (none).
+    assert fragmentation(c, WorkloadMix.of(classes)) == [
+        pytest.approx(2000 + 2000),
+        pytest.approx(2000 + 1625),
+        0.0,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("cpu", "mem", "expected"),
+    [
+        (12_000, np.inf, 500),  # 12000 / 8 = 1500 of 2000 fed
+        (8_000, np.inf, 1000),  # less CPU, more starved
+        (4_000, np.inf, 1500),
+        (16_000, np.inf, 0),  # exactly enough
+        (40_000, np.inf, 0),  # more than enough
+        (np.inf, 4_000, 1000),  # memory: 4000 / 4 = 1000 fed
+        (np.inf, 6_000, 500),
+        (np.inf, 20_000, 0),
+        (12_000, 4_000, 1000),  # CPU starves 500, memory 1000: the larger
+        (4_000, 6_000, 1500),  # CPU starves 1500, memory 500
+        (0, np.inf, 2000),  # nothing fed: the whole free share, no more
+        (-8_000, np.inf, 2000),  # overcommitted: still the whole free share, no more
+        (16_000, -1, 2000),
+    ],
+)
+def test_the_starved_share_is_the_free_share_cpu_and_memory_cannot_feed(
+    cpu: float, mem: float, expected: float
+) -> None:
+    c = two_free_cards(cpu, mem)
+    mix = WorkloadMix.of([FED_HALF])
+    assert mix.feed_ratios(c) == (8.0, 4.0)  # the GPU pods' own ratio: the spare covers it
+    assert starved(c, [FED_HALF]) == [pytest.approx(expected), 0.0]
+
+
+def test_pods_without_gpus_take_the_spare_first() -> None:
+    classes = [
+        WorkloadClass(1, HALF, cpu=4000, memory=1000),  # per milli-GPU: 8 CPU, 2 MiB
+        WorkloadClass(1, None, cpu=6000, memory=3000),  # 12 CPU, 6 MiB per milli-GPU asked
+    ]
+    assert WorkloadMix.of(classes).demand_ratios == (8.0, 12.0, 2.0, 6.0)
+
+    def feed(cpu: float, mem: float) -> tuple[float, float]:
+        c = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])], node_cpu=[cpu], node_mem=[mem])
+        return WorkloadMix.of(classes).feed_ratios(c)
+
+    # Spare 50000 / 2000 = 25 CPU and 20000 / 2000 = 10 MiB per milli-GPU: past the GPU
+    # pods' 8 and 2 that leaves 17 >= 12 and 8 >= 6, so the GPU pods' ratio stands.
+    assert feed(50_000, 20_000) == (8.0, 2.0)
+    # Spare 15 CPU and 6 MiB: 7 and 4 past the GPU pods', short of 12 and 6 by 5 and 2.
+    assert feed(30_000, 12_000) == pytest.approx((8 + 5, 2 + 2))
+    # Either resource alone.
+    assert feed(30_000, 20_000) == pytest.approx((13.0, 2.0))
+
+
+def test_the_spare_counts_only_nodes_whose_cpu_and_memory_are_followed() -> None:
+    # n0 followed: 2000 milli free, 30000 CPU, 8000 MiB; n1 not followed (inf), 1000 free;
+    # n2 followed with overcommitted CPU (counts as 0) and 500 milli free.
+    c = Cluster.build(
+        [("n0", [gpu("n0", 0), gpu("n0", 1)]), ("n1", [gpu("n1", 0)]), ("n2", [busy("n2", 0, 50)])],
+        node_cpu=[30_000, np.inf, -5_000],
+        node_mem=[8_000, np.inf, 2_000],
+    )
+    assert spare_ratios(c) == pytest.approx((30_000 / 2500, 10_000 / 2500))
+    unfollowed = Cluster.build([("n0", [gpu("n0", 0)])])
+    assert spare_ratios(unfollowed) == (np.inf, np.inf)
+
+
+def test_a_fractional_class_weighs_the_share_it_consumes() -> None:
+    assert WorkloadClass(1, QUARTER).gpu_milli == 250
+    assert WorkloadClass(1, TWO_WHOLE).gpu_milli == 2000
+    assert WorkloadClass(1, CardDemand(1, -1, 30, 0, False)).gpu_milli == 300  # memory only
+
+    def cpu_per_milli(card: CardDemand) -> float:
+        return WorkloadMix.of([WorkloadClass(1, card, cpu=4000)]).demand_ratios[0]
+
+    # The same 4000 milli-CPU over 250, 500, 1000 and 2000 milli-GPU: a quarter card asks
+    # twice the CPU per milli-GPU a half card does, not as much as a whole card.
+    assert cpu_per_milli(QUARTER) == 16.0
+    assert cpu_per_milli(HALF) == 8.0
+    assert cpu_per_milli(WHOLE) == 4.0
+    assert cpu_per_milli(TWO_WHOLE) == 2.0
+    # By frequency: three quarter-card pods and one whole-card pod ask 4 x 4000 CPU
+    # for 3 x 250 + 1000 milli-GPU.
+    mix = WorkloadMix.of([WorkloadClass(3, QUARTER, cpu=4000), WorkloadClass(1, WHOLE, cpu=4000)])
+    assert mix.demand_ratios[0] == pytest.approx(16_000 / 1750)
+
+
+def test_unpriced_mixes_and_clusters_starve_nothing() -> None:
+    # n0 hosts exactly one pod (4000 CPU): FGD's part is 0, the starved share 1500.
+    c = two_free_cards(4000, 2000)
+    assert fragmentation(c, WorkloadMix.of([FED_HALF])) == [pytest.approx(1500), 0.0]
+    unpriced = WorkloadMix.of([FED_HALF], starvation=False)
+    assert unpriced.feed_ratios(c) == (0.0, 0.0)
+    assert fragmentation(c, unpriced) == [0.0, 0.0]
+    # CPU and memory not followed: no spare to measure, no node to starve.
+    unfollowed = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])])
+    assert starved(unfollowed, [FED_HALF]) == [0.0]
+    # A mix that asks no GPU prices nothing, whatever the CPU.
+    cpu_only = WorkloadMix.of([WorkloadClass(1, None, cpu=4000, memory=2000)])
+    assert cpu_only.demand_ratios == (0.0, 0.0, 0.0, 0.0)
+    assert cpu_only.feed_ratios(two_free_cards(0, 0)) == (0.0, 0.0)
+
+
+def test_the_feed_ratio_is_fixed_at_first_pricing() -> None:
+    classes = [
+        WorkloadClass(1, HALF, cpu=4000),  # 8 CPU per milli-GPU
+        WorkloadClass(1, None, cpu=6000),  # 12 more
+    ]
+    c = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])], node_cpu=[50_000])
+    mix = WorkloadMix.of(classes)
+    assert mix.feed_ratios(c) == (8.0, 0.0)  # spare 25: 17 past the GPU pods' 8, >= 12
+    # Half a card and 30000 CPU taken: 1500 milli and 20000 CPU free, spare 40/3.
+    c.take(
+        np.asarray([0]),
+        np.asarray([MEM // 2]),
+        np.asarray([50]),
+        np.asarray([1]),
+        np.asarray([False]),
+        node=0,
+        cpu=30_000,
+    )
+    assert spare_ratios(c)[0] == pytest.approx(40 / 3)
+    assert mix.feed_ratios(c) == (8.0, 0.0)
+    # The mix keeps pricing at 8: 20000 / 8 = 2500 feeds all 1500 free.
+    on, off = fragmentation(c, mix), fragmentation(c, WorkloadMix.of(classes, starvation=False))
+    assert on == off
+    # Priced afresh, 8 + 12 - (40/3 - 8) = 44/3: 20000 / (44/3) = 15000/11 fed of 1500.
+    fresh = WorkloadMix.of(classes)
+    assert fresh.feed_ratios(c)[0] == pytest.approx(44 / 3)
+    assert starved(c, classes) == [pytest.approx(1500 - 15000 / 11)]

@@ -10,10 +10,13 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ from gpuslice_common.models import GpuPolicy
 from gpuslice_scheduler import sim
 from gpuslice_scheduler.cluster import Cluster
 from gpuslice_scheduler.engine import Demand, evaluate
-from gpuslice_scheduler.sim import PodClass, RunResult, TraceError, TraceNode
+from gpuslice_scheduler.sim import Derivation, PodClass, RunResult, TraceError, TraceNode
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_HEADER = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
@@ -580,6 +583,131 @@ def test_summarise_means_over_seeds() -> None:
     assert summary["spread"]["milli_gpu_allocation_ratio"] == 80.0
 
 
+# ---------------------------------------------------------------- derived workloads
+
+
+def is_sharing(pod: PodClass) -> bool:
+    return pod.num_gpu == 1 and 0 < pod.gpu_milli < 1000
+
+
+def sharing_share(pods: Sequence[PodClass]) -> float:
+    """Share of the GPU demand that sharing pods hold."""
+    return sum(p.gpu_demand for p in pods if is_sharing(p)) / sum(p.gpu_demand for p in pods)
+
+
+@pytest.mark.parametrize("share", [0.7, 0.8, 0.95])
+def test_sharing_replaces_gpu_pods_that_do_not_share(share: float) -> None:
+    before = list(MIXED)
+    assert sharing_share(MIXED) < 0.7  # every share asked here is a raise
+    derived = Derivation(sharing=share, seed=3).apply(MIXED)
+    assert before == MIXED  # the source is left alone
+    assert len(derived) == len(MIXED)
+    assert sharing_share(derived) >= share
+    trace_sharing = {p for p in MIXED if is_sharing(p)}
+    changed = [(old, new) for old, new in zip(MIXED, derived, strict=True) if old != new]
+    assert changed
+    for old, new in changed:
+        assert old.num_gpu > 0  # CPU-only pods stay
+        assert not is_sharing(old)  # and so do sharing pods
+        assert new in trace_sharing  # a copy of one of the trace's own sharing pods
+
+
+def test_sharing_depends_on_the_seed() -> None:
+    derived = Derivation(sharing=0.8, seed=3).apply(MIXED)
+    assert Derivation(sharing=0.8, seed=3).apply(MIXED) == derived
+    others = [Derivation(sharing=0.8, seed=s).apply(MIXED) for s in (4, 5, 6)]
+    assert any(o != derived for o in others)
+
+
+def test_sharing_already_met_changes_nothing_and_all_leaves_none_unshared() -> None:
+    met = math.floor(100 * sharing_share(MIXED)) / 100
+    for share in (0.0, met):
+        assert Derivation(sharing=share).apply(MIXED) == MIXED
+    everything = Derivation(sharing=1.0).apply(MIXED)
+    assert sharing_share(everything) == 1.0
+    assert all(is_sharing(p) for p in everything if p.num_gpu > 0)
+    # the CPU-only pods are still there
+    assert [p for p in everything if not p.num_gpu] == [p for p in MIXED if not p.num_gpu]
+
+
+@pytest.mark.parametrize("scale", [2.5, 1.1, 0.3333, 100])
+def test_cpu_scale_multiplies_every_pods_cpu_rounded_up(scale: float) -> None:
+    pods = [*MIXED, PodClass(1, 1, 1, 100, ()), PodClass(0, 1, 0, 0, ())]
+    derived = Derivation(cpu_scale=scale).apply(pods)
+    # Exact decimal arithmetic: 1000 x 1.1 is 1100, not one milli more.
+    expected = [replace(p, cpu_milli=math.ceil(p.cpu_milli * Fraction(str(scale)))) for p in pods]
+    assert derived == expected
+    assert derived != pods
+
+
+def test_sharing_and_cpu_scale_combine() -> None:
+    shared = Derivation(sharing=0.8, seed=5).apply(MIXED)
+    both = Derivation(sharing=0.8, cpu_scale=2.0, seed=5).apply(MIXED)
+    assert both == [replace(p, cpu_milli=2 * p.cpu_milli) for p in shared]
+
+
+@pytest.mark.parametrize(
+    ("sharing", "cpu_scale", "named"),
+    [
+        (-0.1, 1.0, "sharing share must be between 0 and 1, not -0.1"),
+        (1.5, 1.0, "sharing share must be between 0 and 1, not 1.5"),
+        (math.nan, 1.0, "sharing share must be between 0 and 1, not nan"),
+        (None, 0.0, "CPU scale must be above 0 and at most 100, not 0.0"),
+        (None, -1.0, "CPU scale must be above 0 and at most 100, not -1.0"),
+        (None, math.inf, "CPU scale must be above 0 and at most 100, not inf"),
+        (None, math.nan, "CPU scale must be above 0 and at most 100, not nan"),
+        (0.5, 100.5, "CPU scale must be above 0 and at most 100, not 100.5"),
+    ],
+)
+def test_bad_derivations_are_refused(sharing: float | None, cpu_scale: float, named: str) -> None:
+    with pytest.raises(TraceError, match=re.escape(named)):
+        Derivation(sharing, cpu_scale)
+
+
+def test_raising_sharing_needs_sharing_pods(trace: tuple[Path, Path], tmp_path: Path) -> None:
+    whole = [PodClass(8000, 16_384, 1, 1000, ()), PodClass(4000, 4096, 0, 0, ())]
+    with pytest.raises(TraceError, match="no sharing pods"):
+        Derivation(sharing=0.5).apply(whole)
+    Derivation(cpu_scale=2).apply(whole)  # scaling CPU alone needs none
+    pods = write_csv(tmp_path / "whole.csv", POD_HEADER, pod_rows(whole))
+    with pytest.raises(TraceError, match="no sharing pods"):  # before any run
+        sim.replay_many(trace[0], pods, ["binpack"], [42], derivation=Derivation(sharing=0.5))
+
+
+@pytest.mark.parametrize(
+    ("derivation", "suffix"),
+    [
+        (Derivation(), ""),
+        (Derivation(sharing=0.6), "-share60"),
+        (Derivation(sharing=1.0), "-share100"),
+        (Derivation(cpu_scale=2.5), "-cpu2.5x"),
+        (Derivation(cpu_scale=2), "-cpu2x"),
+        (Derivation(sharing=0.6, cpu_scale=2.5), "-share60-cpu2.5x"),
+    ],
+)
+def test_derived_trace_names(derivation: Derivation, suffix: str) -> None:
+    assert derivation.suffix == suffix
+    path = Path("traces/openb_pod_list_default.csv")
+    assert sim.trace_name(path) == "default"
+    assert sim.trace_name(path, derivation) == "default" + suffix
+
+
+def test_replay_many_replays_the_derived_pods(trace: tuple[Path, Path]) -> None:
+    derivation = Derivation(sharing=0.8, cpu_scale=2.0, seed=1)
+    derived = derivation.apply(MIXED)
+    assert derived != MIXED
+    results = sim.replay_many(*trace, ["fragmentation", "binpack"], [42], derivation=derivation)
+    assert [r.trace for r in results] == ["synth-share80-cpu2x"] * 2
+    for r in results:
+        direct = sim.replay(NODES, derived, r.policy, 42)
+        assert (r.milli_gpu_allocation_ratio, r.failed_pods, r.curve) == (
+            direct.milli_gpu_allocation_ratio,
+            direct.failed_pods,
+            direct.curve,
+        )
+        assert r.arrived_pods == direct.arrived_pods
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -693,3 +821,36 @@ def test_sim_unknown_policy_and_bad_seeds(trace: tuple[Path, Path]) -> None:
     assert_one_line_error(result, "unknown policy 'nope[bold]'", "choose from", "fragmentation")
     result = gpuslice("sim", *trace_args(trace), "--seeds", "9-1", "--json")
     assert_one_line_error(result, "bad seed range: '9-1'")
+
+
+def test_sim_derives_a_workload(trace: tuple[Path, Path]) -> None:
+    args = [*trace_args(trace), "--sharing", "0.8", "--cpu-scale", "2", "--json"]
+    result = gpuslice("sim", *args)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["trace"] == "synth-share80-cpu2x"
+    (run,) = report["runs"]
+    assert run["trace"] == "synth-share80-cpu2x"
+    derived = Derivation(sharing=0.8, cpu_scale=2.0).apply(MIXED)
+    direct = sim.replay(NODES, derived, "fragmentation", 42)
+    assert run["milli_gpu_allocation_ratio"] == direct.milli_gpu_allocation_ratio
+    assert run["failed_pods"] == direct.failed_pods
+
+
+def test_sim_refuses_bad_derivations(trace: tuple[Path, Path], tmp_path: Path) -> None:
+    # Out of range: Typer's own usage error (a box, not one line) names the option.
+    result = gpuslice("sim", *trace_args(trace), "--sharing", "2", "--json")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "--sharing" in result.stderr
+    assert "Traceback" not in result.stderr
+    # A trace with no sharing pods to raise.
+    whole = write_csv(
+        tmp_path / "whole.csv", POD_HEADER, pod_rows([PodClass(8000, 16_384, 1, 1000, ())])
+    )
+    result = gpuslice("sim", "--nodes", str(trace[0]), "--pods", str(whole), "--sharing", "0.5")
+    assert_one_line_error(result, "no sharing pods")
+    # Derivations are for offline replays only.
+    for derive in (["--sharing", "0.5"], ["--cpu-scale", "2"]):
+        result = gpuslice("sim", *trace_args(trace), "--via", "http://127.0.0.1:1", *derive)
+        assert_one_line_error(result, "--sharing and --cpu-scale derive offline replays only")
