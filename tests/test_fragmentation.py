@@ -9,6 +9,7 @@ from gpuslice_common.models import DeviceSelector
 from gpuslice_scheduler.cluster import Cluster
 from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.fragmentation import (
+    STARVED_WEIGHT,
     MixLearner,
     WorkloadClass,
     WorkloadMix,
@@ -41,11 +42,11 @@ def free_share(cluster: Cluster, mix: WorkloadMix) -> list[float]:
 
 def starved(cluster: Cluster, classes: list[WorkloadClass]) -> list[float]:
     """Every node's starved share: its fragmentation with starvation priced, less FGD's
-    part alone (the same mix unpriced). Fresh mixes, so priced against ``cluster`` as
-    it is now."""
+    part alone (the same mix unpriced), over the weight a starved milli-GPU has there.
+    Fresh mixes, so priced against ``cluster`` as it is now."""
     on = fragmentation(cluster, WorkloadMix.of(classes))
     off = fragmentation(cluster, WorkloadMix.of(classes, starvation=False))
-    return [a - b for a, b in zip(on, off, strict=True)]
+    return [(a - b) / STARVED_WEIGHT for a, b in zip(on, off, strict=True)]
 
 
 def two_free_cards(cpu: float, mem: float = np.inf) -> Cluster:
@@ -270,8 +271,8 @@ def test_a_gpu_its_cpu_cannot_feed_is_stranded_and_starved() -> None:
     # Starved: n0 feeds nothing (2000); n1 feeds 3000 / 8 = 375 of its 2000 (1625);
     # n2 feeds 100000 / 8 = 12500 > 2000 (none).
     assert fragmentation(c, WorkloadMix.of(classes)) == [
-        pytest.approx(2000 + 2000),
-        pytest.approx(2000 + 1625),
+        pytest.approx(2000 + STARVED_WEIGHT * 2000),
+        pytest.approx(2000 + STARVED_WEIGHT * 1625),
         0.0,
     ]
 
@@ -321,6 +322,16 @@ def test_pods_without_gpus_take_the_spare_first() -> None:
     assert feed(30_000, 12_000) == pytest.approx((8 + 5, 2 + 2))
     # Either resource alone.
     assert feed(30_000, 20_000) == pytest.approx((13.0, 2.0))
+    # Spare 4 CPU: short of the GPU pods' own 8, none left for the pods without GPUs,
+    # whose 12 all come out of the GPU pods' share; memory likewise (spare 1 MiB).
+    assert feed(8_000, 2_000) == pytest.approx((8 + 12, 2 + 6))
+
+
+def test_a_cluster_short_of_cpu_for_its_gpu_pods_alone_keeps_their_ratio() -> None:
+    # No pods without GPUs: whatever the spare, the GPU pods' own ratio feeds the cards.
+    c = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])], node_cpu=[8_000], node_mem=[0])
+    assert spare_ratios(c) == (4.0, 0.0)
+    assert WorkloadMix.of([FED_HALF]).feed_ratios(c) == (8.0, 4.0)
 
 
 def test_the_spare_counts_only_nodes_whose_cpu_and_memory_are_followed() -> None:
@@ -359,7 +370,10 @@ def test_a_fractional_class_weighs_the_share_it_consumes() -> None:
 def test_unpriced_mixes_and_clusters_starve_nothing() -> None:
     # n0 hosts exactly one pod (4000 CPU): FGD's part is 0, the starved share 1500.
     c = two_free_cards(4000, 2000)
-    assert fragmentation(c, WorkloadMix.of([FED_HALF])) == [pytest.approx(1500), 0.0]
+    assert fragmentation(c, WorkloadMix.of([FED_HALF])) == [
+        pytest.approx(STARVED_WEIGHT * 1500),
+        0.0,
+    ]
     unpriced = WorkloadMix.of([FED_HALF], starvation=False)
     assert unpriced.feed_ratios(c) == (0.0, 0.0)
     assert fragmentation(c, unpriced) == [0.0, 0.0]

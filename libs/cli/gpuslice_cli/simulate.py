@@ -88,7 +88,10 @@ def sim(
         errors.print("[red]error:[/] --cpu-pods needs --via", soft_wrap=True)
         raise typer.Exit(2)
     if via is not None and (sharing is not None or cpu_scale != 1.0):
-        errors.print("[red]error:[/] --sharing and --cpu-scale derive offline replays only")
+        errors.print(
+            "[red]error:[/] --sharing and --cpu-scale derive offline replays only",
+            soft_wrap=True,
+        )
         raise typer.Exit(2)
     if via is not None:
         replay_live(

@@ -170,8 +170,8 @@ class WorkloadMix:
                 cpu_gpu, cpu_none, mem_gpu, mem_none = self.demand_ratios
                 cpu_spare, mem_spare = spare_ratios(cluster)
                 feed = (
-                    cpu_gpu + max(0.0, cpu_none - (cpu_spare - cpu_gpu)),
-                    mem_gpu + max(0.0, mem_none - (mem_spare - mem_gpu)),
+                    cpu_gpu + max(0.0, cpu_none - max(0.0, cpu_spare - cpu_gpu)),
+                    mem_gpu + max(0.0, mem_none - max(0.0, mem_spare - mem_gpu)),
                 )
             self._feed = feed
         return self._feed

@@ -262,11 +262,13 @@ def _sharing(pod: PodClass) -> bool:
 
 def _raise_sharing(pods: list[PodClass], share: float, seed: int) -> list[PodClass]:
     sharing = [p for p in pods if _sharing(p)]
+    total = sum(p.gpu_demand for p in pods)
+    shared = sum(p.gpu_demand for p in sharing)
+    if shared >= share * total:
+        return pods
     if not sharing:
         raise TraceError("the trace has no sharing pods to raise their share with")
     rng = np.random.default_rng(seed)
-    total = sum(p.gpu_demand for p in pods)
-    shared = sum(p.gpu_demand for p in sharing)
     others = [i for i, p in enumerate(pods) if p.num_gpu > 0 and not _sharing(p)]
     for k in rng.permutation(len(others)).tolist():
         if shared >= share * total:
