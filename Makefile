@@ -16,7 +16,7 @@ help:
 	@echo "make demo   - install, build the interposer, run the whole stack's demo scenario"
 	@echo "make test   - install, lint, type-check, check import contracts, run the tests"
 	@echo "make bench  - run the ledger, extender, interposer, device plugin, webhook and inventory benchmarks (a few minutes)"
-	@echo "make bench-packing - replay the openb traces with every policy (about 30 minutes)"
+	@echo "make bench-packing - replay the openb traces and derived workloads with every policy (minutes)"
 	@echo "make gpu-check - the interposer's GPU kit (needs an NVIDIA GPU and driver)"
 	@echo "make clean  - remove the virtualenv and caches"
 

@@ -36,6 +36,7 @@ core (``native/engine/engine.c``), for the engine and :func:`node_fragmentation`
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ from gpuslice_scheduler import core
 from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
 from gpuslice_scheduler.fit import CardDemand, model_mask
 
+_FEED_LOCK = threading.Lock()
 SIZE_EXPONENT = 0.5  # 0 weighs classes by frequency alone, as FGD does
 # A starved share is lost to every pod to come, a fragment only to the classes that
 # cannot use it: starved milli-GPU weigh this many fragment milli-GPU (docs/benchmarks.md)
@@ -164,17 +166,18 @@ class WorkloadMix:
         priced against a cluster, so that every node of an evaluation, and of the
         evaluations kept for later, is priced alike.
         """
-        if self._feed is None:
-            feed = (0.0, 0.0)
-            if self.starvation:
-                cpu_gpu, cpu_none, mem_gpu, mem_none = self.demand_ratios
-                cpu_spare, mem_spare = spare_ratios(cluster)
-                feed = (
-                    cpu_gpu + max(0.0, cpu_none - max(0.0, cpu_spare - cpu_gpu)),
-                    mem_gpu + max(0.0, mem_none - max(0.0, mem_spare - mem_gpu)),
-                )
-            self._feed = feed
-        return self._feed
+        with _FEED_LOCK:  # the service evaluates a new mix in a second thread
+            if self._feed is None:
+                feed = (0.0, 0.0)
+                if self.starvation:
+                    cpu_gpu, cpu_none, mem_gpu, mem_none = self.demand_ratios
+                    cpu_spare, mem_spare = spare_ratios(cluster)
+                    feed = (
+                        cpu_gpu + max(0.0, cpu_none - max(0.0, cpu_spare - cpu_gpu)),
+                        mem_gpu + max(0.0, mem_none - max(0.0, mem_spare - mem_gpu)),
+                    )
+                self._feed = feed
+            return self._feed
 
     @classmethod
     def of(
