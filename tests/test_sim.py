@@ -11,6 +11,7 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -854,3 +855,51 @@ def test_sim_refuses_bad_derivations(trace: tuple[Path, Path], tmp_path: Path) -
     for derive in (["--sharing", "0.5"], ["--cpu-scale", "2"]):
         result = gpuslice("sim", *trace_args(trace), "--via", "http://127.0.0.1:1", *derive)
         assert_one_line_error(result, "--sharing and --cpu-scale derive offline replays only")
+
+
+# ---------------------------------------------------------------- the packing bench
+
+BENCH = ROOT / "bench" / "packing_bench.py"
+
+
+def test_bench_prints_each_workload_with_the_margin_over_fgd(
+    trace: tuple[Path, Path], tmp_path: Path
+) -> None:
+    nodes, pods = trace
+    shutil.copy(pods, nodes.parent / "openb_pod_list_default.csv")
+    workloads = ["default", "default-share80", "default-cpu2x"]
+    result = subprocess.run(
+        [sys.executable, str(BENCH), "--traces", str(nodes.parent), "--seeds", "42", "--jobs", "1"]
+        + [a for w in workloads for a in ("--trace", w)]
+        + ["--policy", "fragmentation", "--policy", "fgd", "--plot", str(tmp_path / "plots")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")]
+    header, body = [c.strip() for c in rows[0]], rows[1:]
+    assert header[:3] == ["workload", "fragmentation", "fgd"]
+    assert "fragmentation - fgd" in header
+    assert [r[0].strip() for r in body] == workloads
+    # each row is the replay of its workload: derived ones from the trace's pods
+    loaded = sim.load_pods(nodes.parent / "openb_pod_list_default.csv")
+    derived = {
+        "default": loaded,
+        "default-share80": sim.Derivation(sharing=0.8).apply(loaded),
+        "default-cpu2x": sim.Derivation(cpu_scale=2.0).apply(loaded),
+    }
+    for row in body:
+        name = row[0].strip()
+        ratio = {}
+        for column, policy in ((1, "fragmentation"), (2, "fgd")):
+            run = sim.replay(sim.load_nodes(nodes), derived[name], policy, 42)
+            ratio[policy] = run.milli_gpu_allocation_ratio
+            assert row[column].strip() == f"{ratio[policy]:.2f}"
+        margin = row[header.index("fragmentation - fgd")].strip()
+        assert margin == f"{ratio['fragmentation'] - ratio['fgd']:+.2f}"
+        assert row[header.index("published FGD")].strip() == ("95.39" if name == "default" else "-")
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
+        f"{w}.png" for w in workloads
+    )
