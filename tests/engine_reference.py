@@ -187,7 +187,10 @@ def starved(feed: tuple[float, float], total: Floats, cpu_free: Floats, mem_free
     out = np.zeros_like(total)
     for ratio, have in zip(feed, (cpu_free, mem_free), strict=True):
         if ratio > 0:
-            out = np.maximum(out, total - np.maximum(have, 0) / ratio)
+            # as the core: NaN free CPU or memory is none; a NaN shortfall (inf / inf) none
+            with np.errstate(over="ignore", invalid="ignore"):
+                unfed = total - np.where(have > 0, have, 0.0) / ratio
+            out = np.fmax(out, unfed)
     return np.asarray(np.minimum(out, total))
 
 

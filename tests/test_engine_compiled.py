@@ -506,3 +506,33 @@ def test_node_fragmentation_is_the_references() -> None:
             assert_scores(np.asarray(total, dtype=float), want_total)
 
     matches()
+
+
+def test_odd_node_cpu_and_memory_starve_alike_in_both() -> None:
+    """A node's free CPU or memory that is NaN counts as none (as the fit reads it),
+    and inf, negative or huge ones are priced alike: the core and the reference
+    agree, and neither gives a NaN score."""
+    from gpuslice_scheduler.fragmentation import node_fragmentation
+
+    idle = ("GPU-0", "Tesla T4", 0, 16000, 100, 10, 0, 0, 0, False, True, True, False)
+    half = ("GPU-1", "Tesla T4", 0, 16000, 100, 10, 8000, 50, 1, False, True, True, False)
+    rows = [("n0", [idle, half]), ("n1", [idle]), ("n2", [idle, idle])]
+    nodes = np.arange(3, dtype=np.int64)
+    clusters = [
+        ([math.nan, 1000.0, 2000.0], [1e4] * 3),
+        ([1000.0] * 3, [math.nan, 1.0, 2.0]),
+        ([math.inf, -5000.0, -math.inf], [math.inf, 1e4, 1e308]),
+    ]
+    shares = CardDemand(1, -1, 50, 50, False)
+    for cpu, mem in clusters:
+        cluster = Cluster.from_rows(rows, cpu, mem)
+        for classes in (
+            [WorkloadClass(1, shares, cpu=500.0, memory=1000.0)],
+            [WorkloadClass(1, shares, cpu=1e308, memory=1e308)],
+            [WorkloadClass(1, shares, cpu=1e308), WorkloadClass(1, None, cpu=1e308)],
+        ):
+            frag, total = node_fragmentation(WorkloadMix.of(classes), cluster, nodes.copy())
+            want, want_total = reference.node_fragmentation(WorkloadMix.of(classes), cluster, nodes)
+            assert not np.isnan(frag).any()
+            assert_scores(np.asarray(frag, dtype=float), want)
+            assert_scores(np.asarray(total, dtype=float), want_total)

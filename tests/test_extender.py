@@ -630,7 +630,7 @@ async def test_cpu_pods_through_the_live_extender_pack_as_the_offline_replay(
     assert scored.latency_ms["bind"]["count"] == scored.scheduled_pods
     # the same cards taken as offline (which stops at 130 % arrived GPU demand,
     # before pods without GPUs that arrive after it; the live replay places them)
-    assert offline.milli_gpu_allocation_ratio == pytest.approx(88.889)
+    assert offline.milli_gpu_allocation_ratio == pytest.approx(94.444)
     assert scored.milli_gpu_allocation_ratio == offline.milli_gpu_allocation_ratio
     # first-fit, or sent through an extender that does not score them: worse
     first_fit = await live(score=True, cpu_pods=False)

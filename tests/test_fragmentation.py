@@ -413,3 +413,24 @@ def test_the_feed_ratio_is_fixed_at_first_pricing() -> None:
     fresh = WorkloadMix.of(classes)
     assert fresh.feed_ratios(c)[0] == pytest.approx(44 / 3)
     assert starved(c, classes) == [pytest.approx(1500 - 15000 / 11)]
+
+
+def test_a_mix_first_priced_where_no_share_is_free_is_priced_again() -> None:
+    """Against a cluster with no free share (every card full, exclusive or unhealthy;
+    or no cards yet) the spare is unmeasurable and no node can starve, whatever the
+    ratio: the mix is priced when a cluster first has free share, not frozen at the
+    GPU pods' ratio (the service prices a learned mix on whatever the cluster is then)."""
+    classes = [
+        WorkloadClass(1, HALF, cpu=4000),  # 8 CPU per milli-GPU
+        WorkloadClass(1, None, cpu=6000),  # 12 more
+    ]
+    full = Cluster.build([("n0", [busy("n0", 0, 100), busy("n0", 1, 100)])], node_cpu=[8_000])
+    bare = Cluster.build([("n0", [])], node_cpu=[8_000])
+    free = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])], node_cpu=[8_000])
+    want = WorkloadMix.of(classes).feed_ratios(free)
+    assert want == (20.0, 0.0)  # spare 4 < 8: all 12 come out of the GPU pods' share
+    for first in (full, bare):
+        mix = WorkloadMix.of(classes)
+        assert fragmentation(first, mix) == [0.0]
+        assert mix.feed_ratios(free) == want
+        assert fragmentation(free, mix) == fragmentation(free, WorkloadMix.of(classes))

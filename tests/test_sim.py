@@ -693,6 +693,20 @@ def test_derived_trace_names(derivation: Derivation, suffix: str) -> None:
     assert sim.trace_name(path, derivation) == "default" + suffix
 
 
+def test_different_derivations_are_named_apart() -> None:
+    """A name stands for one workload: a share or scale the short form would round away
+    (to the source's, or to another's) is written out in full."""
+    named = {
+        Derivation(cpu_scale=1.0000001).suffix: "-cpu1.0000001x",
+        Derivation(cpu_scale=2.5000001).suffix: "-cpu2.5000001x",
+        Derivation(sharing=0.004).suffix: "-share0.4",
+        Derivation(sharing=0.805).suffix: "-share80.5",
+        Derivation(sharing=0.07).suffix: "-share7",
+    }
+    assert list(named) == list(named.values())
+    assert Derivation(cpu_scale=1.0000001).apply(MIXED) != MIXED  # not the source's workload
+
+
 def test_replay_many_replays_the_derived_pods(trace: tuple[Path, Path]) -> None:
     derivation = Derivation(sharing=0.8, cpu_scale=2.0, seed=1)
     derived = derivation.apply(MIXED)

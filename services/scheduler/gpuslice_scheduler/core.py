@@ -198,6 +198,8 @@ def _mix(mix: WorkloadMix, cluster: Cluster) -> tuple[Any, list[Any]]:
     struct.model_ok = _pointer("uint8_t[]", model_ok, keep)
     struct.cpu_per_share, struct.mem_per_share = feed
     struct.starved_weight = mix.starved_weight
+    if mix.fixed_feed != feed:  # priced for this cluster only (see feed_ratios): not kept
+        return struct, keep
     # of two threads building at once, both use the first stored (and hold it)
     return mix.core_structs.setdefault(key, (struct, keep))  # type: ignore[no-any-return]
 

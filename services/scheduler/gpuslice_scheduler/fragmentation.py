@@ -164,20 +164,35 @@ class WorkloadMix:
         what the GPU pods need, over the cluster's free share), and only what they
         need past it comes out of the GPU pods' share. Fixed when the mix is first
         priced against a cluster, so that every node of an evaluation, and of the
-        evaluations kept for later, is priced alike.
+        evaluations kept for later, is priced alike; but not by a cluster whose
+        followed nodes have no free share (cards all full, or none yet), whose spare
+        cannot be measured: no node of it can starve, so the ratio it gets is used
+        for nothing, and the mix is priced again on the next cluster.
         """
         with _FEED_LOCK:  # the service evaluates a new mix in a second thread
-            if self._feed is None:
-                feed = (0.0, 0.0)
-                if self.starvation:
-                    cpu_gpu, cpu_none, mem_gpu, mem_none = self.demand_ratios
-                    cpu_spare, mem_spare = spare_ratios(cluster)
-                    feed = (
-                        cpu_gpu + max(0.0, cpu_none - max(0.0, cpu_spare - cpu_gpu)),
-                        mem_gpu + max(0.0, mem_none - max(0.0, mem_spare - mem_gpu)),
-                    )
+            if self._feed is not None:
+                return self._feed
+            feed = (0.0, 0.0)
+            final = True
+            if self.starvation:
+                cpu_gpu, cpu_none, mem_gpu, mem_none = self.demand_ratios
+                cpu_spare, mem_spare = spare_ratios(cluster)
+                final = not (
+                    (cpu_none > 0 and math.isinf(cpu_spare))
+                    or (mem_none > 0 and math.isinf(mem_spare))
+                )
+                feed = (
+                    cpu_gpu + max(0.0, cpu_none - max(0.0, cpu_spare - cpu_gpu)),
+                    mem_gpu + max(0.0, mem_none - max(0.0, mem_spare - mem_gpu)),
+                )
+            if final:
                 self._feed = feed
-            return self._feed
+            return feed
+
+    @property
+    def fixed_feed(self) -> tuple[float, float] | None:
+        """The feed ratios once fixed (:meth:`feed_ratios`); None before."""
+        return self._feed
 
     @classmethod
     def of(

@@ -240,9 +240,10 @@ class Derivation:
     @property
     def suffix(self) -> str:
         """How a derived trace is named after its source: ``default-share60-cpu2.5x``."""
-        parts = [] if self.sharing is None else [f"share{round(100 * self.sharing)}"]
+        # enough digits that two workloads are never one name (60.00000000000001 is 60)
+        parts = [] if self.sharing is None else [f"share{100 * self.sharing:.12g}"]
         if self.cpu_scale != 1.0:
-            parts.append(f"cpu{self.cpu_scale:g}x")
+            parts.append(f"cpu{self.cpu_scale:.12g}x")
         return "".join(f"-{p}" for p in parts)
 
     def apply(self, pods: Sequence[PodClass]) -> list[PodClass]:
