@@ -323,14 +323,14 @@ def test_pods_without_gpus_take_the_spare_first() -> None:
     # Either resource alone.
     assert feed(30_000, 20_000) == pytest.approx((13.0, 2.0))
     # Spare 4 CPU: short of the GPU pods' own 8, none left for the pods without GPUs,
-    # whose 12 all come out of the GPU pods' share; memory likewise (spare 1 MiB).
-    assert feed(8_000, 2_000) == pytest.approx((8 + 12, 2 + 6))
+    # whose 12 all come out of the GPU pods' share; memory likewise (spare 1.5 MiB).
+    assert feed(8_000, 3_000) == pytest.approx((8 + 12, 2 + 6))
 
 
 def test_a_cluster_short_of_cpu_for_its_gpu_pods_alone_keeps_their_ratio() -> None:
     # No pods without GPUs: whatever the spare, the GPU pods' own ratio feeds the cards.
-    c = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])], node_cpu=[8_000], node_mem=[0])
-    assert spare_ratios(c) == (4.0, 0.0)
+    c = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])], node_cpu=[8_000], node_mem=[2_000])
+    assert spare_ratios(c) == (4.0, 1.0)
     assert WorkloadMix.of([FED_HALF]).feed_ratios(c) == (8.0, 4.0)
 
 
@@ -434,3 +434,32 @@ def test_a_mix_first_priced_where_no_share_is_free_is_priced_again() -> None:
         assert fragmentation(first, mix) == [0.0]
         assert mix.feed_ratios(free) == want
         assert fragmentation(free, mix) == fragmentation(free, WorkloadMix.of(classes))
+
+
+def test_pods_no_node_could_take_do_not_move_the_feed_ratio() -> None:
+    # 1000 pods of half a card asking 4000 CPU (8 per milli-GPU), and 30 asking more
+    # CPU, or more memory, than any node has: they could never be fed, so they count
+    # for nothing (without the bound they would have raised the ratio ~50,000x).
+    c = two_free_cards(100_000, 100_000)
+    fair = WorkloadClass(1000, HALF, cpu=4000, memory=2000)
+    for absurd in (
+        WorkloadClass(30, HALF, cpu=1e9),
+        WorkloadClass(30, None, cpu=1e9),
+        WorkloadClass(30, HALF, memory=1e9),
+    ):
+        assert WorkloadMix.of([fair, absurd]).feed_ratios(c) == (8.0, 4.0)
+    # A class the largest node could take still counts.
+    big = WorkloadMix.of([fair, WorkloadClass(1000, HALF, cpu=100_000, memory=2000)])
+    assert big.feed_ratios(c)[0] == pytest.approx((4000 + 100_000) / 1000)
+
+
+def test_a_mix_priced_while_no_gpu_class_fits_anywhere_is_priced_again() -> None:
+    # Every node's CPU is taken: no class fits, nothing can be measured; once CPU is
+    # free again the mix gets its ratio and keeps it.
+    c = Cluster.build([("n0", [gpu("n0", 0), gpu("n0", 1)])], node_cpu=[0], node_mem=[100_000])
+    mix = WorkloadMix.of([FED_HALF])
+    assert mix.feed_ratios(c) == (0.0, 0.0)
+    assert mix.fixed_feed is None
+    c.node_cpu_free[:] = 100_000
+    assert mix.feed_ratios(c) == (8.0, 4.0)
+    assert mix.fixed_feed == (8.0, 4.0)

@@ -137,10 +137,13 @@ class WorkloadMix:
         self.part_exclusive = np.asarray([d.exclusive for d, _ in self.parts], dtype=np.bool_)
         self.demand_ratios = self._demand_ratios()
 
-    def _demand_ratios(self) -> tuple[float, float, float, float]:
+    def _demand_ratios(self, hostable: Bools | None = None) -> tuple[float, float, float, float]:
         """Per milli-GPU the mix asks (by frequency): the CPU and memory its GPU pods
-        ask, and those its pods without GPUs ask; zeros where it asks no GPU."""
+        ask, and those its pods without GPUs ask; zeros where it asks no GPU.
+        Only the ``hostable`` classes count, when given."""
         freq = np.asarray([c.frequency for c in self.classes], dtype=float)
+        if hostable is not None:
+            freq = np.where(hostable, freq, 0.0)
         gpu = float(freq @ np.asarray([c.gpu_milli for c in self.classes], dtype=float))
         if not (math.isfinite(gpu) and gpu > 0):
             return 0.0, 0.0, 0.0, 0.0
@@ -162,7 +165,9 @@ class WorkloadMix:
         The GPU pods' own ratio, raised where the pods without GPUs ask more than the
         cluster's spare: those pods take the spare first (CPU and memory beyond
         what the GPU pods need, over the cluster's free share), and only what they
-        need past it comes out of the GPU pods' share. Fixed when the mix is first
+        need past it comes out of the GPU pods' share. Classes no node could take now
+        (asking more CPU or memory than any node has free) count for nothing, so
+        that pods asking absurd amounts cannot move the ratio. Fixed when the mix is first
         priced against a cluster, so that every node of an evaluation, and of the
         evaluations kept for later, is priced alike; but not by a cluster whose
         followed nodes have no free share (cards all full, or none yet), whose spare
@@ -175,11 +180,17 @@ class WorkloadMix:
             feed = (0.0, 0.0)
             final = True
             if self.starvation:
-                cpu_gpu, cpu_none, mem_gpu, mem_none = self.demand_ratios
+                # pods no node could take bring no demand: a tenant asking absurd CPU
+                # or memory cannot move the ratio past what the largest node offers
+                cpu_max, mem_max = largest_free(cluster)
+                hostable = (self.cpu <= cpu_max) & (self.memory <= mem_max)
+                cpu_gpu, cpu_none, mem_gpu, mem_none = self._demand_ratios(hostable)
                 cpu_spare, mem_spare = spare_ratios(cluster)
                 final = not (
                     (cpu_none > 0 and math.isinf(cpu_spare))
                     or (mem_none > 0 and math.isinf(mem_spare))
+                    # no GPU class fits any node now (all full): nothing to measure
+                    or (bool(np.any(self.need > 0)) and not np.any(hostable & (self.need > 0)))
                 )
                 feed = (
                     cpu_gpu + max(0.0, cpu_none - max(0.0, cpu_spare - cpu_gpu)),
@@ -211,6 +222,15 @@ class WorkloadMix:
             cached = np.stack([model_mask(s, models) for _, s in self.parts], axis=1)
             self._model_ok[key] = cached
         return cached
+
+
+def largest_free(cluster: Cluster) -> tuple[float, float]:
+    """The most free CPU (milli) and memory (MiB) on one node; inf where some node's
+    are not followed (or there is no node), which bounds nothing."""
+    out = []
+    for resource in (cluster.node_cpu_free, cluster.node_mem_free):
+        out.append(float(np.max(resource)) if resource.size else math.inf)
+    return out[0], out[1]
 
 
 def spare_ratios(cluster: Cluster) -> tuple[float, float]:
