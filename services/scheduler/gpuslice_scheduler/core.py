@@ -177,11 +177,11 @@ def _mix(mix: WorkloadMix, cluster: Cluster) -> tuple[Any, list[Any]]:
     """A workload mix as a ``gs_mix_t`` for
     clusters of these models, made once per mix and list of models."""
     models = cluster.models
-    feed = mix.feed_ratios(cluster)
     key = tuple(models)
-    cached = mix.core_structs.get(key)
+    cached = mix.core_structs.get(key)  # kept only once its feed ratios are fixed
     if cached is not None:
         return cached  # type: ignore[no-any-return]
+    feed = mix.feed_ratios(cluster)
     keep: list[Any] = []
     struct = ffi.new("gs_mix_t *")
     struct.classes = len(mix.classes)

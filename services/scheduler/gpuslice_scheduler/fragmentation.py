@@ -239,7 +239,7 @@ def spare_ratios(cluster: Cluster) -> tuple[float, float]:
     free share."""
     cap = np.maximum(cluster.cap_cores, 1)
     free = np.maximum(cluster.cap_cores - cluster.used_cores, 0) * 1000.0 / cap
-    usable = cluster.present & cluster.healthy & ~cluster.cordoned & ~cluster.owned
+    usable = cluster.schedulable(np.arange(cluster.card_count)) & ~cluster.owned
     acc = np.concatenate([[0.0], np.cumsum(np.where(usable, free, 0.0))])
     share = acc[cluster.node_start[1:]] - acc[cluster.node_start[:-1]]
     out = []

@@ -473,10 +473,9 @@ def replay_many(
         if policy not in POLICIES:
             raise TraceError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
     load_nodes(nodes_path)  # report a bad file or derivation before forking
+    pods = load_pods(pods_path)
     if derivation is not None:
-        derivation.apply(load_pods(pods_path))
-    else:
-        load_pods(pods_path)
+        derivation.apply(pods)
     work: list[RunArgs] = [
         (nodes_path, pods_path, p, s, inflation, split_count, derivation)
         for p in policies
