@@ -20,6 +20,7 @@ FROM python:3.11-slim-bookworm AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY libs/ libs/
+COPY apps/ apps/
 COPY services/ services/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
