@@ -133,6 +133,9 @@ class BusSettings(BaseSettings):
     ] = timedelta(seconds=10)
     log_level: str = "INFO"
     requests: RequestSettings = RequestSettings()
+    # export HAMi's metric names beside gpuslice's, so that HAMi's dashboards and
+    # alerts keep working (docs/migrating-from-hami.md)
+    hami_metrics: bool = True
 
     @field_validator("nats_url")
     @classmethod
@@ -236,6 +239,9 @@ class WebhookSettings(CommonSettings):
 
     listen_host: str = "0.0.0.0"
     listen_port: Annotated[int, Field(ge=1, le=65535)] = 8443
+    # plain HTTP for Prometheus (/metrics) beside the HTTPS the API server calls
+    metrics_host: str = "0.0.0.0"
+    metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9091
     # HTTPS from mounted files, re-read when they change; neither set: plain HTTP
     # (the local stack only: the API server calls webhooks over HTTPS)
     tls_cert_file: str | None = None
@@ -286,6 +292,10 @@ class WebhookSettings(CommonSettings):
 class SchedulerSettings(CommonSettings):
     listen_host: str = "0.0.0.0"
     listen_port: Annotated[int, Field(ge=1, le=65535)] = 8888
+    # plain HTTP for Prometheus (/metrics): the extender itself may listen on
+    # 127.0.0.1 only (kube-scheduler calls it from the same pod)
+    metrics_host: str = "0.0.0.0"
+    metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9092
     # where the Kubernetes API is: "cluster" (in-cluster or kubeconfig) or "local"
     # (an in-memory API for the dev stack)
     kube_api: Literal["cluster", "local"] = "cluster"
