@@ -3,9 +3,10 @@
 
 Usage: release_version.py vX.Y.Z
 
-The tag must be `v` followed by pyproject's version, and k8s/kustomization.yaml
-must install that version of the image. Prints the version; exits 1 with the
-reason otherwise.
+The tag must be `v` followed by pyproject's version, and k8s/ must install that
+version of the image (its `images:` entry named gpuslice, in k8s/kustomization.yaml
+or a directory it includes). Prints the version; exits 1 with the reason
+otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +22,29 @@ ROOT = Path(__file__).resolve().parent.parent
 TAG = re.compile(r"v(\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?)")
 
 
+def k8s_images(root: Path = ROOT) -> list[tuple[str, str]]:
+    """Every (newName, newTag) k8s/ gives the image `gpuslice`, from its
+    kustomization and the directories under k8s/ it includes."""
+    k8s = (root / "k8s").resolve()
+    found: list[tuple[str, str]] = []
+    seen: set[Path] = set()
+    todo = [k8s]
+    while todo:
+        directory = todo.pop()
+        if directory in seen or not (directory / "kustomization.yaml").is_file():
+            continue
+        seen.add(directory)
+        doc = yaml.safe_load((directory / "kustomization.yaml").read_text()) or {}
+        for image in doc.get("images") or []:
+            if image.get("name") == "gpuslice":
+                found.append((str(image.get("newName")), str(image.get("newTag"))))
+        for entry in [*(doc.get("resources") or []), *(doc.get("components") or [])]:
+            included = (directory / str(entry)).resolve()
+            if included.is_relative_to(k8s) and included.is_dir():
+                todo.append(included)
+    return found
+
+
 def check(tag: str, root: Path = ROOT) -> str:
     match = TAG.fullmatch(tag)
     if match is None:
@@ -32,16 +56,11 @@ def check(tag: str, root: Path = ROOT) -> str:
             f"tag {tag!r} names version {version} but pyproject.toml says {project}: "
             "change pyproject's version (and the CHANGELOG) and tag again"
         )
-    kustomization = yaml.safe_load((root / "k8s" / "kustomization.yaml").read_text())
-    tags = [
-        str(image.get("newTag"))
-        for image in kustomization.get("images") or []
-        if image.get("name") == "gpuslice"
-    ]
+    tags = [tag for _, tag in k8s_images(root)]
     if tags != [version]:
         raise ValueError(
-            f"k8s/kustomization.yaml installs the gpuslice image at {tags or 'no tag'}, "
-            f"not {version}: set its newTag to {version!r}"
+            f"k8s/ installs the gpuslice image at {tags or 'no tag'}, not {version}: "
+            f"set the newTag of its images: entry named gpuslice to {version!r}"
         )
     return version
 

@@ -20,6 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
+def _load_release_version() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "release_version", ROOT / ".ci" / "release_version.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+release_version = _load_release_version()
+
+
 def make(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["make", "--no-print-directory", "-C", str(ROOT), *args],
@@ -30,9 +44,9 @@ def make(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def kustomization_image() -> str:
-    doc = yaml.safe_load((ROOT / "k8s" / "kustomization.yaml").read_text())
-    (image,) = [i for i in doc["images"] if i["name"] == "gpuslice"]
-    return str(image["newName"])
+    """The registry and repository k8s/ installs the gpuslice image from."""
+    ((name, _tag),) = release_version.k8s_images(ROOT)
+    return str(name)
 
 
 def workflow(name: str) -> dict[Any, Any]:
@@ -177,18 +191,6 @@ def test_ci_runs_the_test_command_on_push_and_pull_request() -> None:
 # the version check
 
 
-@pytest.fixture(scope="module")
-def release_version() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "release_version", ROOT / ".ci" / "release_version.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_check(tag: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(ROOT / ".ci" / "release_version.py"), tag],
@@ -212,22 +214,31 @@ def test_a_tag_that_is_not_the_version_fails_the_check(tag: str) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_the_check_fails_when_k8s_installs_another_version(
-    release_version: ModuleType, tmp_path: Path
-) -> None:
-    (tmp_path / "k8s").mkdir()
+IMAGES = "images:\n  - name: gpuslice\n    newName: ghcr.io/gpuslice/gpuslice\n    newTag: '{}'\n"
+
+
+@pytest.mark.parametrize("where", ["k8s", "k8s/images"])
+def test_the_check_fails_when_k8s_installs_another_version(tmp_path: Path, where: str) -> None:
     (tmp_path / "pyproject.toml").write_text('[project]\nversion = "1.2.3"\n')
-    kustomization = tmp_path / "k8s" / "kustomization.yaml"
-    kustomization.write_text(
-        "images:\n  - name: gpuslice\n    newName: ghcr.io/gpuslice/gpuslice\n    newTag: '1.2.2'\n"
-    )
+    (tmp_path / where).mkdir(parents=True, exist_ok=True)
+    images = tmp_path / where / "kustomization.yaml"
+    if where != "k8s":
+        # the image set in a component k8s/ includes
+        (tmp_path / "k8s" / "kustomization.yaml").write_text("components: [images, ../outside]\n")
+    images.write_text(IMAGES.format("1.2.2"))
     with pytest.raises(ValueError, match=r"installs the gpuslice image at \['1.2.2'\], not 1.2.3"):
         release_version.check("v1.2.3", tmp_path)
-    kustomization.write_text(kustomization.read_text().replace("1.2.2", "1.2.3"))
+    images.write_text(IMAGES.format("1.2.3"))
     assert release_version.check("v1.2.3", tmp_path) == "1.2.3"
 
 
+def test_the_check_fails_when_k8s_names_no_gpuslice_image(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[project]\nversion = "1.2.3"\n')
+    (tmp_path / "k8s").mkdir()
+    (tmp_path / "k8s" / "kustomization.yaml").write_text("resources: [namespace.yaml]\n")
+    with pytest.raises(ValueError, match="installs the gpuslice image at no tag"):
+        release_version.check("v1.2.3", tmp_path)
+
+
 def test_k8s_installs_the_version_being_built() -> None:
-    doc = yaml.safe_load((ROOT / "k8s" / "kustomization.yaml").read_text())
-    (image,) = [i for i in doc["images"] if i["name"] == "gpuslice"]
-    assert str(image["newTag"]) == VERSION
+    assert [tag for _, tag in release_version.k8s_images(ROOT)] == [VERSION]
