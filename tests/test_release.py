@@ -164,6 +164,13 @@ def test_release_tags_version_minor_and_commit() -> None:
     assert any(t.startswith("type=sha") for t in tags)
 
 
+def test_release_pushes_only_what_passed_the_tests() -> None:
+    jobs = workflow("release.yml")["jobs"]
+    assert jobs["image"]["needs"] == "test"
+    assert any(s.get("run") == ".ci/run" for s in jobs["test"]["steps"])
+    assert jobs["test"]["permissions"] == {"contents": "read"}
+
+
 def test_release_checks_the_tag_before_anything_is_pushed() -> None:
     doc = workflow("release.yml")
     names = [str(s.get("uses") or s.get("run")) for s in steps(doc)]
