@@ -12,10 +12,11 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 
 .PHONY: help deps servers engine native proto lint test demo bench bench-packing gpu-check image push docker-check clean
 
-# The image every service runs (k8s/kustomization.yaml names it); the tag is
-# pyproject's version unless VERSION is given: make image VERSION=0.2.0-rc1
-IMAGE   ?= ghcr.io/gpuslice/gpuslice
-VERSION ?= $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml | head -n 1)
+# The image every service runs (k8s/ installs it); the tag is pyproject's
+# version. Only the command line changes them (make image VERSION=0.2.0-rc1),
+# not a variable of the same name in the environment.
+IMAGE   := ghcr.io/gpuslice/gpuslice
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml | head -n 1)
 DOCKER  ?= docker
 
 help:

@@ -4,6 +4,7 @@ check that a release tag names the version pyproject and k8s/ carry."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -34,12 +35,13 @@ def _load_release_version() -> ModuleType:
 release_version = _load_release_version()
 
 
-def make(*args: str) -> subprocess.CompletedProcess[str]:
+def make(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["make", "--no-print-directory", "-C", str(ROOT), *args],
         capture_output=True,
         text=True,
         check=False,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -85,6 +87,13 @@ def test_make_image_takes_image_and_version_from_the_command_line() -> None:
     lines = result.stdout.splitlines()
     assert "docker build -t registry.example.com/team/gpuslice:0.9.1-rc1 ." in lines
     assert not any(VERSION in line and "docker build" in line for line in lines)
+
+
+def test_make_image_ignores_image_and_version_in_the_environment() -> None:
+    # a shell's VERSION or IMAGE meant for something else never tags the image
+    result = make("-n", "image", env={"VERSION": "9.9.9", "IMAGE": "elsewhere/x"})
+    assert result.returncode == 0, result.stderr
+    assert f"docker build -t {kustomization_image()}:{VERSION} ." in result.stdout.splitlines()
 
 
 def test_make_push_builds_then_pushes_the_same_tag() -> None:
