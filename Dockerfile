@@ -18,7 +18,7 @@ RUN make -C native all fakes build/probe
 # The Python package, as a wheel.
 FROM python:3.11-slim-bookworm AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY libs/ libs/
 COPY apps/ apps/
 COPY services/ services/

@@ -10,7 +10,14 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 	&& { echo $$p; break; }; done)
 
-.PHONY: help deps servers engine native proto lint test demo bench bench-packing gpu-check clean
+.PHONY: help deps servers engine native proto lint test demo bench bench-packing gpu-check image push docker-check clean
+
+# The image every service runs (k8s/ installs it); the tag is pyproject's
+# version. Only the command line changes them (make image VERSION=0.2.0-rc1),
+# not a variable of the same name in the environment.
+IMAGE   := ghcr.io/gpuslice/gpuslice
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml | head -n 1)
+DOCKER  ?= docker
 
 help:
 	@echo "make demo   - install, build the interposer, run the whole stack's demo scenario"
@@ -18,6 +25,8 @@ help:
 	@echo "make bench  - run the ledger, extender, interposer, device plugin, webhook and inventory benchmarks (a few minutes)"
 	@echo "make bench-packing - replay the openb traces and derived workloads with every policy (minutes)"
 	@echo "make gpu-check - the interposer's GPU kit (needs an NVIDIA GPU and driver)"
+	@echo "make image  - build the image $(IMAGE):$(VERSION) with Docker (IMAGE=..., VERSION=... to change)"
+	@echo "make push   - build the image and push it to its registry (docker login first)"
 	@echo "make clean  - remove the virtualenv and caches"
 
 $(STAMP): pyproject.toml
@@ -90,6 +99,21 @@ gpu-check:
 
 bench-packing: deps
 	$(BIN)/python bench/packing_bench.py --traces $(TRACES)
+
+# Docker present and its daemon answering, or a clear error saying which.
+docker-check:
+	@test -n "$(VERSION)" || { echo "error: no version: pyproject.toml has no 'version = \"...\"' line; give VERSION=..." >&2; exit 1; }
+	@[[ "$(VERSION)" =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$$ ]] || { echo "error: VERSION '$(VERSION)' is not an image tag (letters, digits, '_', '.', '-'; at most 128)" >&2; exit 1; }
+	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "error: '$(DOCKER)' not found: install Docker (or set DOCKER=podman) to build the image" >&2; exit 1; }
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "error: the Docker daemon is not running or not reachable ('$(DOCKER) info' fails): start it, or check your access to its socket" >&2; exit 1; }
+
+image: docker-check
+	@echo "building $(IMAGE):$(VERSION)"
+	$(DOCKER) build -t $(IMAGE):$(VERSION) .
+
+push: image
+	@echo "pushing $(IMAGE):$(VERSION)"
+	$(DOCKER) push $(IMAGE):$(VERSION)
 
 clean:
 	$(MAKE) -C native clean
