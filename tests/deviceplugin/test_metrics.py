@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -43,9 +44,12 @@ HAMI_NAMES = (
 Labels = tuple[tuple[str, str], ...]
 
 
-def samples(text: str) -> dict[str, dict[Labels, float]]:
+Samples = dict[str, dict[Labels, float]]
+
+
+def samples(text: str) -> Samples:
     """Sample name -> (sorted labels -> value)."""
-    out: dict[str, dict[Labels, float]] = {}
+    out: Samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
@@ -62,8 +66,16 @@ def gpu(node: str, uuid: str, index: int, model: str, **extra: str) -> Labels:
     )
 
 
-async def scrape_until(port: int, name: str, count: int, timeout: float = 20) -> str:
-    """/metrics once ``name`` has ``count`` samples."""
+TOTAL = "gpuslice_gpu_nvml_memory_total_bytes"
+
+
+def showing(count: int) -> Callable[[Samples], bool]:
+    """Whether a scrape shows the memory total of ``count`` cards."""
+    return lambda got: len(got.get(TOTAL, {})) == count
+
+
+async def scrape_until(port: int, done: Callable[[Samples], bool], timeout: float = 20) -> str:
+    """/metrics once ``done`` holds for its samples."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         while True:
@@ -71,16 +83,18 @@ async def scrape_until(port: int, name: str, count: int, timeout: float = 20) ->
                 text = (await http.get("/metrics")).text
             except httpx.ConnectError:  # the agent's process is still starting
                 text = ""
-            if len(samples(text).get(name, {})) >= count:
+            if done(samples(text)):
                 return text
-            assert time.monotonic() < deadline, f"no {count} samples of {name}:\n{text}"
+            assert time.monotonic() < deadline, f"not there yet:\n{text}"
             await asyncio.sleep(0.1)
 
 
 async def test_nvml_figures_per_gpu_and_what_a_card_cannot_give_is_left_out(
-    agent_process: Callable[..., subprocess.Popen[str]],
+    agent_process: Callable[..., subprocess.Popen[str]], tmp_path: Path
 ) -> None:
+    lost = tmp_path / "lost"
     proc = agent_process(
+        FAKENVML_LOST_FILE=str(lost),
         FAKENVML_USED="3g",
         FAKENVML_GPU_UTIL="37,5",
         FAKENVML_MEM_UTIL="12,1",
@@ -91,10 +105,12 @@ async def test_nvml_figures_per_gpu_and_what_a_card_cannot_give_is_left_out(
         GPUSLICE_HEALTH_INTERVAL="100ms",
     )
     port = proc.port  # type: ignore[attr-defined]
-    text = await scrape_until(port, "gpuslice_gpu_nvml_memory_total_bytes", 2)
+    text = await scrape_until(port, showing(2))
     await asyncio.sleep(0.5)  # several more readings: a refusal is still logged once
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         text = (await http.get("/metrics")).text
+    lost.write_text("1\n")  # device 1 falls off the bus: its figures go, device 0's stay
+    after = await scrape_until(port, showing(1))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out
@@ -122,6 +138,10 @@ async def test_nvml_figures_per_gpu_and_what_a_card_cannot_give_is_left_out(
     assert got["gpuslice_gpu_active_containers"] == {g0: 0, g1: 0}
     assert len(re.findall(r"GPU 1 \(\S+\): NVML gives no temperature", out)) == 1, out
     assert len(re.findall(r"NVML gives no uncorrected ECC errors", out)) == 1, out
+    later = samples(after)
+    assert later["gpuslice_gpu_nvml_memory_total_bytes"] == {g0: 16 * GiB}
+    assert later["gpuslice_gpu_nvml_power_watts"] == {g0: pytest.approx(123.456)}
+    assert later["gpuslice_gpu_active_containers"] == {g0: 0, g1: 0}  # still a known card
 
     # HAMi's names, on by default, with HAMi's labels and units
     legacy = {"nodeid": "node-e2e", "deviceidx": "0", "deviceuuid": FAKE[0]}
@@ -145,7 +165,7 @@ async def test_simulated_gpus_have_figures_and_hami_names_follow_the_setting(
     port = free_port()
     settings = make_settings(metrics_port=port, listen_host="127.0.0.1", hami_metrics=hami)
     async with running(settings, bus=bus, timing=FAST):
-        text = await scrape_until(port, "gpuslice_gpu_nvml_memory_total_bytes", 2)
+        text = await scrape_until(port, showing(2))
     got = samples(text)
     model = "NVIDIA A100-SXM4-40GB"  # the test configuration's simulated cards
     cards = [gpu(NODE, simulated_uuid(NODE, i), i, model) for i in range(2)]
