@@ -387,9 +387,10 @@ def _labels(node: str, state: ContainerState, device: DeviceState) -> list[str]:
 
 
 def _hami_gpu_labels(names: tuple[str, ...], node: str, f: GpuFigures) -> list[str]:
+    """HAMi's values for ``names``: the node first where HAMi names it (not on every series)."""
     d = f.device
     values = [str(d.index), d.uuid, f"NVIDIA-{d.model}", HAMI_ZONE]
-    return values if len(names) == len(values) else [node, *values]
+    return [node, *values] if names[0] in ("node", "nodeid") else values
 
 
 class NodeCollector(Collector):
