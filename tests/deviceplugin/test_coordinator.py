@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuslice_common.models import GpuDevice
 from gpuslice_common.region import Region
 from gpuslice_deviceplugin.containers import REGION_FILE, ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import (
@@ -28,7 +29,8 @@ from gpuslice_deviceplugin.coordinator import (
     CoordinatorSnapshot,
     DeviceState,
 )
-from gpuslice_deviceplugin.metrics import RegionCollector, registry_with
+from gpuslice_deviceplugin.metrics import NodeCollector, NodeView, registry_with
+from gpuslice_deviceplugin.physical import BusyMeter, GpuFigures, Load, simulated_figures
 from tests.deviceplugin.conftest import FAKE_MEMORY, make_grant
 from tests.native.probe import ProbeProcess, ProbeSpawner
 
@@ -416,8 +418,14 @@ def test_metrics_show_the_region(
     )
     proc.wait_for("hold")
     latest: list[CoordinatorSnapshot | None] = [None]
-    registry = registry_with(RegionCollector(lambda: latest[0]))
-    assert samples(generate_latest(registry).decode()) == {}  # no snapshot yet
+    card = GpuDevice(uuid=gpu(0), index=0, model="Fake GPU", memory_mib=FAKE_MEMORY // MiB)
+    registry = registry_with(
+        NodeCollector(lambda: NodeView("node-a", latest[0], (GpuFigures(device=card),)), hami=False)
+    )
+    assert all(  # no snapshot yet: the GPU shows, no container on it
+        name == "gpuslice_gpu_active_containers" and value == 0
+        for (name, _), value in samples(generate_latest(registry).decode()).items()
+    )
 
     snap = latest[0] = coordinator.tick()
     device = state(snap, "a")
@@ -425,6 +433,7 @@ def test_metrics_show_the_region(
     labels = (
         ("container", "main"),
         ("namespace", "team"),
+        ("node", "node-a"),
         ("pod", "pod-a"),
         ("pod_uid", "a"),
         ("uuid", gpu(0)),
@@ -449,10 +458,87 @@ def test_metrics_show_the_region(
     assert value("gpuslice_container_throttled_seconds_total") == pytest.approx(
         device.usage.throttled_ns / 1e9
     )
-    assert got[("gpuslice_gpu_active_containers", (("uuid", gpu(0)),))] == 1
+    gpu_labels = (("index", "0"), ("model", "Fake GPU"), ("node", "node-a"), ("uuid", gpu(0)))
+    assert got[("gpuslice_gpu_active_containers", gpu_labels)] == 1
+    assert not any(name.startswith("gpuslice_gpu_nvml_") for name, _ in got)  # none read
     families = {
         f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
     }
     assert families["gpuslice_container_denied_allocations"].type == "counter"
     assert families["gpuslice_container_memory_used_bytes"].type == "gauge"
     assert "memory limit" in families["gpuslice_container_denied_allocations"].documentation
+
+
+def test_simulated_figures_and_hami_series_come_from_the_regions(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    region = prepare(host, "a", memory=1 << 30, sm=25, policy="force")
+    proc = spawn_probe("init", "ctx", "alloc", "64m", "run", 0.3, 1000, "hold", env=env(region))
+    meter = BusyMeter()
+    proc.wait_for("alloc")
+    first = coordinator.tick()
+    assert meter.update(first) == {}  # a container seen once has no busy share yet
+    proc.wait_for("hold")
+    snap = coordinator.tick()
+    busy = meter.update(snap)
+    assert set(busy) == {("a", "main", gpu(0))}
+    assert 0 < busy["a", "main", gpu(0)] <= 100
+    card = GpuDevice(uuid=gpu(0), index=0, model="NVIDIA A100-SXM4-80GB", memory_mib=81920)
+    other = GpuDevice(uuid=gpu(1), index=1, model="NVIDIA A100-SXM4-80GB", memory_mib=81920)
+    figures = simulated_figures([card, other], Load.of(snap, busy))
+    mine, idle = figures
+    assert mine.memory_used_bytes == 64 * MiB  # what the container holds, nothing else
+    assert mine.memory_total_bytes == 81920 * MiB
+    assert mine.utilization_percent == busy["a", "main", gpu(0)]
+    assert idle.memory_used_bytes == idle.utilization_percent == 0
+    assert idle.power_watts is not None
+    assert mine.power_watts is not None
+    assert idle.power_watts < mine.power_watts <= 400
+    assert (mine.ecc_corrected, mine.ecc_uncorrected) == (0, 0)
+    assert mine.memory_utilization_percent is None
+
+    view = NodeView("node-a", snap, tuple(figures), busy)
+    text = generate_latest(registry_with(NodeCollector(lambda: view, hami=True))).decode()
+    got = samples(text)
+    legacy = (
+        ("ctrname", "main"),
+        ("deviceuuid", gpu(0)),
+        ("podname", "pod-a"),
+        ("podnamespace", "team"),
+        ("vdeviceid", "0"),
+        ("zone", "vGPU"),
+    )
+    assert got[("vGPU_device_memory_usage_in_bytes", legacy)] == 64 * MiB
+    assert got[("vGPU_device_memory_limit_in_bytes", legacy)] == 1 << 30
+    assert got[("Device_utilization_desc_of_container", legacy)] == busy["a", "main", gpu(0)]
+    current = (
+        ("container", "main"),
+        ("device_uuid", gpu(0)),
+        ("namespace", "team"),
+        ("pod", "pod-a"),
+        ("vdevice_index", "0"),
+        ("zone", "vGPU"),
+    )
+    assert got[("hami_vgpu_memory_used_bytes", current)] == 64 * MiB
+    assert got[("hami_vgpu_memory_limit_bytes", current)] == 1 << 30
+    assert got[("hami_container_device_memory_bytes", current)] == 64 * MiB
+    host_labels = (
+        ("deviceidx", "0"),
+        ("devicetype", "NVIDIA-NVIDIA A100-SXM4-80GB"),
+        ("deviceuuid", gpu(0)),
+        ("nodeid", "node-a"),
+        ("zone", "vGPU"),
+    )
+    assert got[("HostGPUMemoryUsage", host_labels)] == 64 * MiB
+    gpu_labels = (
+        ("index", "0"),
+        ("model", "NVIDIA A100-SXM4-80GB"),
+        ("node", "node-a"),
+        ("uuid", gpu(0)),
+    )
+    assert got[("gpuslice_gpu_nvml_memory_used_bytes", gpu_labels)] == 64 * MiB
+    assert got[("gpuslice_gpu_active_containers", gpu_labels)] == 1
+    off = generate_latest(registry_with(NodeCollector(lambda: view, hami=False))).decode()
+    assert "zone=" not in off
+    assert "vGPU" not in off
+    assert ("gpuslice_gpu_nvml_memory_used_bytes", gpu_labels) in samples(off)

@@ -37,6 +37,19 @@
  *                     entries still apply; duplicates are not checked). Set it
  *                     to the same list as FAKECUDA_UUIDS for the two to agree:
  *                     this variable is not derived from that one.
+ *   FAKENVML_GPU_UTIL, FAKENVML_MEM_UTIL  "n,n,...": device i's GPU and memory
+ *                     utilisation in percent (nvmlDeviceGetUtilizationRates),
+ *                     entries as for FAKENVML_NUMA; 0 where there is none
+ *   FAKENVML_TEMPERATURE  "n,n,...": device i's GPU temperature in degrees C
+ *                     (nvmlDeviceGetTemperature, NVML_TEMPERATURE_GPU; any other
+ *                     sensor is NOT_SUPPORTED)
+ *   FAKENVML_POWER    "n,n,...": device i's power draw in milliwatts
+ *                     (nvmlDeviceGetPowerUsage)
+ *   FAKENVML_ECC_CORRECTED, FAKENVML_ECC_UNCORRECTED  "n,n,...": device i's
+ *                     ECC error count of that type (nvmlDeviceGetTotalEccErrors,
+ *                     the same for the volatile and the aggregate counter)
+ *                     For these four, a device with no entry (as for
+ *                     FAKENVML_NUMA) answers NVML_ERROR_NOT_SUPPORTED.
  * A size that does not parse is taken as unset (the default applies); nothing
  * is ever printed.
  *
@@ -45,7 +58,7 @@
  * unless FAKENVML_UUIDS gives it one. nvmlDeviceGetUUID prints UUIDs with
  * lower-case hex, as NVML does (an upper-case FAKENVML_UUIDS entry comes back
  * lower-cased); nvmlDeviceGetHandleByUUID takes the hex in either case.
- * Minor number and index are i, utilisation 0 %, and
+ * Minor number and index are i, and
  * nvmlDeviceGetProcessUtilization has no samples (NVML_ERROR_NOT_FOUND).
  * There is no event API (nvmlEventSet*, nvmlDeviceRegisterEvents) and no
  * nvmlDeviceGetPciInfo*: callers find the symbols missing.
@@ -135,6 +148,12 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
                                                  FakeProcessUtilizationSample *utilization,
                                                  unsigned int *processSamplesCount,
                                                  unsigned long long lastSeenTimeStamp);
+API nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, unsigned int sensorType,
+                                          unsigned int *temp);
+API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power);
+API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned int errorType,
+                                             unsigned int counterType,
+                                             unsigned long long *eccCounts);
 
 /* ------------------------------------------------------------------ state */
 struct fdev {
@@ -153,6 +172,9 @@ static struct {
     } procs[FAKE_MAX_PROCS];
     char name[FAKE_NAME_LEN + 1];
     int numa[FAKE_MAX_DEVICES], mig[FAKE_MAX_DEVICES]; /* FAKE_UNSET: not supported */
+    int gpu_util[FAKE_MAX_DEVICES], mem_util[FAKE_MAX_DEVICES]; /* FAKE_UNSET: 0 */
+    int temperature[FAKE_MAX_DEVICES], power[FAKE_MAX_DEVICES]; /* FAKE_UNSET: not supported */
+    int ecc[2][FAKE_MAX_DEVICES]; /* [corrected, uncorrected]; FAKE_UNSET: not supported */
     char lost_file[PATH_MAX];                         /* "" when unset */
     char uuid[FAKE_MAX_DEVICES][FAKE_UUID_LEN + 1];   /* lower-case hex */
 } g_cfg;
@@ -254,6 +276,12 @@ static void load_config(void) {
     snprintf(g_cfg.name, sizeof g_cfg.name, "%s", name && *name ? name : "Fake GPU");
     parse_per_device(getenv("FAKENVML_NUMA"), g_cfg.numa);
     parse_per_device(getenv("FAKENVML_MIG"), g_cfg.mig);
+    parse_per_device(getenv("FAKENVML_GPU_UTIL"), g_cfg.gpu_util);
+    parse_per_device(getenv("FAKENVML_MEM_UTIL"), g_cfg.mem_util);
+    parse_per_device(getenv("FAKENVML_TEMPERATURE"), g_cfg.temperature);
+    parse_per_device(getenv("FAKENVML_POWER"), g_cfg.power);
+    parse_per_device(getenv("FAKENVML_ECC_CORRECTED"), g_cfg.ecc[0]);
+    parse_per_device(getenv("FAKENVML_ECC_UNCORRECTED"), g_cfg.ecc[1]);
     const char *lost = getenv("FAKENVML_LOST_FILE");
     if (!lost || snprintf(g_cfg.lost_file, sizeof g_cfg.lost_file, "%s", lost) >= PATH_MAX)
         g_cfg.lost_file[0] = '\0';
@@ -559,9 +587,42 @@ API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, FakeUtilizat
     if (!utilization) {
         rc = NVML_ERROR_INVALID_ARGUMENT;
     } else {
-        utilization->gpu = 0;
-        utilization->memory = 0;
+        int gpu = g_cfg.gpu_util[d->index], mem = g_cfg.mem_util[d->index];
+        utilization->gpu = gpu == FAKE_UNSET ? 0 : (unsigned int)gpu;
+        utilization->memory = mem == FAKE_UNSET ? 0 : (unsigned int)mem;
     }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, unsigned int sensorType,
+                                          unsigned int *temp) {
+    if (sensorType != 0) { /* NVML_TEMPERATURE_GPU */
+        nvmlReturn_t rc;
+        if (!enter(device, &rc)) return rc;
+        pthread_mutex_unlock(&g_mu);
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    return device_uint(device, temp, g_cfg.temperature);
+}
+
+API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power) {
+    return device_uint(device, power, g_cfg.power);
+}
+
+API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned int errorType,
+                                             unsigned int counterType,
+                                             unsigned long long *eccCounts) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    rc = NVML_SUCCESS;
+    if (!eccCounts || errorType > 1 || counterType > 1) /* corrected/uncorrected, volatile/aggregate */
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    else if (g_cfg.ecc[errorType][d->index] == FAKE_UNSET)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    else
+        *eccCounts = (unsigned long long)g_cfg.ecc[errorType][d->index];
     pthread_mutex_unlock(&g_mu);
     return rc;
 }

@@ -60,6 +60,11 @@ class NodeAgent:
     def config(self) -> NodeConfig:
         return self._config
 
+    @property
+    def devices(self) -> list[GpuDevice]:
+        """The GPUs the node offers, as last discovered (``filterDevices`` applied)."""
+        return self._devices
+
     def inventory(self) -> NodeInventory:
         return self._config.inventory(self.settings.node_name, self._devices)
 

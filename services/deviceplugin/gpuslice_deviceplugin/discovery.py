@@ -3,7 +3,8 @@
 A backend's ``devices()`` is the current view, health included. It is polled
 every few seconds from a worker thread and reports a sick card as
 ``healthy=False`` rather than failing; only a failure of the whole backend
-raises :class:`DiscoveryError`.
+raises :class:`DiscoveryError`. Its ``figures()`` gives the cards' physical
+readings (:mod:`gpuslice_deviceplugin.physical`) and never raises.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pynvml  # type: ignore[import-untyped]
 
 from gpuslice_common.models import GpuDevice
 from gpuslice_deviceplugin.nodeconfig import FilterDevices, NodeConfig, SimulatedGpus
+from gpuslice_deviceplugin.physical import GpuFigures, Load, NvmlFigures, simulated_figures
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ class Backend(Protocol):
 
     def devices(self) -> list[GpuDevice]:
         """Every GPU with its health now; raises DiscoveryError only if the backend fails."""
+        ...
+
+    def figures(self, devices: Sequence[GpuDevice], load: Load) -> list[GpuFigures]:
+        """The physical readings of ``devices`` now; what a card cannot give is None."""
         ...
 
     def close(self) -> None: ...
@@ -90,6 +96,9 @@ class SimulatedBackend:
             for i in range(gpus.count)
         ]
 
+    def figures(self, devices: Sequence[GpuDevice], load: Load) -> list[GpuFigures]:
+        return simulated_figures(devices, load)
+
     def close(self) -> None:
         pass
 
@@ -128,6 +137,7 @@ class NvmlBackend:
         self._events: Any = None
         self._event_devices: dict[int, int] = {}  # handle address -> index
         self._closed = False
+        self._figures = NvmlFigures()
         self._watch_xids()
 
     # ------------------------------------------------------------------ events
@@ -247,6 +257,12 @@ class NvmlBackend:
             numa=_numa(handle),
             mig=_mig(handle),
         )
+
+    def figures(self, devices: Sequence[GpuDevice], load: Load) -> list[GpuFigures]:
+        with self._lock:
+            if self._closed:
+                return [GpuFigures(device=d) for d in devices]
+            return self._figures.read(devices)
 
     def close(self) -> None:
         with self._lock:

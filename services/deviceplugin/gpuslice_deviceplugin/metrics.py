@@ -1,19 +1,26 @@
 """Prometheus metrics of the node agent.
 
 :class:`PluginMetrics` counts what the agent itself does (kubelet registration,
-allocations, inventory). :class:`RegionCollector` exports the GPU containers of
-the node from the latest :class:`CoordinatorSnapshot`, built into metric
-families at scrape time: nothing is kept between scrapes, so a container that is
-gone disappears from the output. Per container and GPU the labels are
-``namespace, pod, pod_uid, container, uuid``; per GPU only ``uuid``. Its counters
-are the interposer's own cumulative counts in the region file, which outlives
-restarts of the container's processes and of this agent.
+allocations, inventory). :class:`NodeCollector` exports, at scrape time, the GPU
+containers of the node from the latest :class:`CoordinatorSnapshot` and the
+GPUs' physical figures from the latest reading (:mod:`gpuslice_deviceplugin.physical`):
+nothing is kept between scrapes, so a container that is gone disappears from
+the output. Per container and GPU the labels are ``node, namespace, pod,
+pod_uid, container, uuid``; per GPU ``node, uuid, index, model``. Its container
+counters are the interposer's own cumulative counts in the region file, which
+outlives restarts of the container's processes and of this agent. A physical
+figure a card cannot give is left out for that card.
+
+With ``hami_metrics`` on it also exports HAMi's vGPUmonitor series, under both
+HAMi's current names (``hami_*``) and its legacy ones (``HostGPUMemoryUsage``,
+``vGPU_device_memory_usage_in_bytes``, ...), with HAMi's labels (plus
+``zone="vGPU"``, as HAMi's monitor adds), so HAMi dashboards keep working.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Final
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -21,11 +28,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpuslice_deviceplugin.coordinator import ContainerState, CoordinatorSnapshot, DeviceState
+from gpuslice_deviceplugin.physical import ContainerKey, GpuFigures
 
-__all__ = ["CONTAINER_LABELS", "GPU_LABELS", "PluginMetrics", "RegionCollector", "registry_with"]
+__all__ = [
+    "CONTAINER_LABELS",
+    "GPU_LABELS",
+    "NodeCollector",
+    "NodeView",
+    "PluginMetrics",
+    "registry_with",
+]
 
-CONTAINER_LABELS: Final = ("namespace", "pod", "pod_uid", "container", "uuid")
-GPU_LABELS: Final = ("uuid",)
+CONTAINER_LABELS: Final = ("node", "namespace", "pod", "pod_uid", "container", "uuid")
+GPU_LABELS: Final = ("node", "uuid", "index", "model")
 ALLOCATE_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -156,52 +171,284 @@ _GPU_ACTIVE: Final = (
 )
 
 
+@dataclass(frozen=True)
+class _GpuSpec:
+    name: str
+    help: str
+    value: Callable[[GpuFigures], float | None]
+
+
+_NVML_METRICS: Final = (
+    _GpuSpec(
+        "gpuslice_gpu_nvml_memory_used_bytes",
+        "Device memory in use on the GPU by anything, as NVML reports it.",
+        lambda f: f.memory_used_bytes,
+    ),
+    _GpuSpec(
+        "gpuslice_gpu_nvml_memory_total_bytes",
+        "Device memory of the GPU, as NVML reports it.",
+        lambda f: f.memory_total_bytes,
+    ),
+    _GpuSpec(
+        "gpuslice_gpu_nvml_utilization_percent",
+        "Percent of the last sample period in which a kernel ran on the GPU (NVML).",
+        lambda f: f.utilization_percent,
+    ),
+    _GpuSpec(
+        "gpuslice_gpu_nvml_memory_utilization_percent",
+        "Percent of the last sample period in which device memory was read or written (NVML).",
+        lambda f: f.memory_utilization_percent,
+    ),
+    _GpuSpec(
+        "gpuslice_gpu_nvml_temperature_celsius",
+        "Temperature of the GPU die in degrees Celsius (NVML, GPU sensor).",
+        lambda f: f.temperature_celsius,
+    ),
+    _GpuSpec(
+        "gpuslice_gpu_nvml_power_watts",
+        "Power the GPU draws in watts (NVML).",
+        lambda f: f.power_watts,
+    ),
+)
+
+_NVML_ECC: Final = (
+    "gpuslice_gpu_nvml_ecc_errors_total",
+    "ECC memory errors of the GPU by type (corrected, uncorrected): NVML's volatile "
+    "counts, since the driver last loaded.",
+)
+
+# HAMi's vGPUmonitor: its zone label, and its label sets per GPU and per container.
+HAMI_ZONE: Final = "vGPU"
+_HAMI_GPU: Final = ("node", "device_index", "device_uuid", "device_type", "zone")
+_HAMI_GPU_NO_NODE: Final = ("device_index", "device_uuid", "device_type", "zone")
+_HAMI_GPU_LEGACY: Final = ("nodeid", "deviceidx", "deviceuuid", "devicetype", "zone")
+_HAMI_CONTAINER: Final = ("namespace", "pod", "container", "vdevice_index", "device_uuid", "zone")
+_HAMI_CONTAINER_LEGACY: Final = (
+    "podnamespace",
+    "podname",
+    "ctrname",
+    "vdeviceid",
+    "deviceuuid",
+    "zone",
+)
+
+
+@dataclass(frozen=True)
+class _HamiGpu:
+    name: str
+    help: str
+    labels: tuple[str, ...]
+    value: Callable[[GpuFigures], float | None]
+
+
+_HAMI_GPU_METRICS: Final = (
+    _HamiGpu(
+        "hami_host_gpu_memory_used_bytes",
+        "GPU device memory usage in bytes (HAMi's name).",
+        _HAMI_GPU,
+        lambda f: f.memory_used_bytes,
+    ),
+    _HamiGpu(
+        "hami_host_gpu_utilization_ratio",
+        "GPU core utilization ratio (0-100) (HAMi's name).",
+        _HAMI_GPU,
+        lambda f: f.utilization_percent,
+    ),
+    _HamiGpu(
+        "hami_host_gpu_memory_controller_utilization_ratio",
+        "GPU memory controller utilization ratio (0-100) (HAMi's name).",
+        _HAMI_GPU_NO_NODE,
+        lambda f: f.memory_utilization_percent,
+    ),
+    _HamiGpu(
+        "HostGPUMemoryUsage",
+        "GPU device memory usage in bytes (HAMi's legacy name).",
+        _HAMI_GPU_LEGACY,
+        lambda f: f.memory_used_bytes,
+    ),
+    _HamiGpu(
+        "HostCoreUtilization",
+        "GPU core utilization in percent (HAMi's legacy name).",
+        _HAMI_GPU_LEGACY,
+        lambda f: f.utilization_percent,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class _HamiContainer:
+    name: str
+    help: str
+    labels: tuple[str, ...]
+    value: Callable[[DeviceState, float | None], float | None]  # (record, busy percent)
+
+
+_HAMI_CONTAINER_METRICS: Final = (
+    _HamiContainer(
+        "hami_vgpu_memory_used_bytes",
+        "vGPU device memory usage in bytes (HAMi's name).",
+        _HAMI_CONTAINER,
+        lambda d, _: d.usage.used_bytes,
+    ),
+    _HamiContainer(
+        "hami_vgpu_memory_limit_bytes",
+        "vGPU device memory limit in bytes, 0 for none (HAMi's name).",
+        _HAMI_CONTAINER,
+        lambda d, _: d.usage.limit_bytes,
+    ),
+    _HamiContainer(
+        "hami_container_device_memory_bytes",
+        "Container device memory usage in bytes (HAMi's name).",
+        _HAMI_CONTAINER,
+        lambda d, _: d.usage.used_bytes,
+    ),
+    _HamiContainer(
+        "hami_container_device_utilization_ratio",
+        "Container device SM utilization in percent (0-100): its kernels' busy time "
+        "under a compute limit (HAMi's name).",
+        _HAMI_CONTAINER,
+        lambda _, busy: busy,
+    ),
+    _HamiContainer(
+        "vGPU_device_memory_usage_in_bytes",
+        "vGPU device memory usage in bytes (HAMi's legacy name).",
+        _HAMI_CONTAINER_LEGACY,
+        lambda d, _: d.usage.used_bytes,
+    ),
+    _HamiContainer(
+        "vGPU_device_memory_limit_in_bytes",
+        "vGPU device memory limit in bytes, 0 for none (HAMi's legacy name).",
+        _HAMI_CONTAINER_LEGACY,
+        lambda d, _: d.usage.limit_bytes,
+    ),
+    _HamiContainer(
+        "Device_utilization_desc_of_container",
+        "Container device SM utilization in percent: its kernels' busy time under a "
+        "compute limit (HAMi's legacy name).",
+        _HAMI_CONTAINER_LEGACY,
+        lambda _, busy: busy,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What a scrape exports: the latest snapshot, physical figures and busy shares."""
+
+    node: str
+    snapshot: CoordinatorSnapshot | None = None
+    figures: Sequence[GpuFigures] = ()
+    busy: Mapping[ContainerKey, float] = field(default_factory=dict)
+
+
 Family = CounterMetricFamily | GaugeMetricFamily
 
 
-def _family(name: str, documentation: str, labels: tuple[str, ...], counter: bool) -> Family:
+def _family(name: str, documentation: str, labels: Sequence[str], counter: bool) -> Family:
     if counter:
         return CounterMetricFamily(name, documentation, labels=labels)
     return GaugeMetricFamily(name, documentation, labels=labels)
 
 
-def _families() -> tuple[list[Family], Family]:
-    per_container = [
-        _family(s.name, s.help, CONTAINER_LABELS, s.counter) for s in _CONTAINER_METRICS
-    ]
-    return per_container, _family(*_GPU_ACTIVE, GPU_LABELS, False)
+@dataclass
+class _Families:
+    container: list[Family]
+    active: Family
+    nvml: list[Family]
+    ecc: Family
+    hami_gpu: list[Family]
+    hami_container: list[Family]
+
+    @classmethod
+    def new(cls, hami: bool) -> _Families:
+        return cls(
+            [_family(s.name, s.help, CONTAINER_LABELS, s.counter) for s in _CONTAINER_METRICS],
+            _family(*_GPU_ACTIVE, GPU_LABELS, False),
+            [_family(s.name, s.help, GPU_LABELS, False) for s in _NVML_METRICS],
+            _family(*_NVML_ECC, (*GPU_LABELS, "type"), True),
+            [_family(s.name, s.help, s.labels, False) for s in _HAMI_GPU_METRICS] if hami else [],
+            [_family(s.name, s.help, s.labels, False) for s in _HAMI_CONTAINER_METRICS]
+            if hami
+            else [],
+        )
+
+    def all(self) -> Iterator[Family]:
+        yield from self.container
+        yield self.active
+        yield from self.nvml
+        yield self.ecc
+        yield from self.hami_gpu
+        yield from self.hami_container
 
 
-def _labels(state: ContainerState, device: DeviceState) -> list[str]:
+def _labels(node: str, state: ContainerState, device: DeviceState) -> list[str]:
     o = state.owner
-    return [o.namespace, o.pod_name, o.pod_uid, o.container, device.usage.uuid]
+    return [node, o.namespace, o.pod_name, o.pod_uid, o.container, device.usage.uuid]
 
 
-class RegionCollector(Collector):
-    """Exports the snapshot ``latest()`` returns (nothing while it returns None)."""
+def _hami_gpu_labels(names: tuple[str, ...], node: str, f: GpuFigures) -> list[str]:
+    """HAMi's values for ``names``: the node first where HAMi names it (not on every series)."""
+    d = f.device
+    values = [str(d.index), d.uuid, f"NVIDIA-{d.model}", HAMI_ZONE]
+    return [node, *values] if names[0] in ("node", "nodeid") else values
 
-    def __init__(self, latest: Callable[[], CoordinatorSnapshot | None]) -> None:
-        self._latest = latest
+
+class NodeCollector(Collector):
+    """Exports what ``view()`` returns; HAMi's series too when ``hami`` is set."""
+
+    def __init__(self, view: Callable[[], NodeView], *, hami: bool) -> None:
+        self._view = view
+        self._hami = hami
 
     def describe(self) -> Iterator[Metric]:
         """The families, without samples: lets a registry detect clashing names."""
-        per_container, per_gpu = _families()
-        yield from per_container
-        yield per_gpu
+        yield from _Families.new(self._hami).all()
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self._latest()
-        per_container, per_gpu = _families()
-        if snapshot is not None:
-            for state in snapshot.containers:
-                for device in state.devices:
-                    labels = _labels(state, device)
-                    for spec, family in zip(_CONTAINER_METRICS, per_container, strict=True):
-                        family.add_metric(labels, spec.value(device))
-            for gpu in snapshot.gpus:
-                per_gpu.add_metric([gpu.uuid], gpu.active_containers)
-        yield from per_container
-        yield per_gpu
+        view = self._view()
+        families = _Families.new(self._hami)
+        self._containers(view, families)
+        self._gpus(view, families)
+        yield from families.all()
+
+    def _containers(self, view: NodeView, families: _Families) -> None:
+        if view.snapshot is None:
+            return
+        for state in view.snapshot.containers:
+            o = state.owner
+            for vindex, device in enumerate(state.devices):
+                labels = _labels(view.node, state, device)
+                for spec, family in zip(_CONTAINER_METRICS, families.container, strict=True):
+                    family.add_metric(labels, spec.value(device))
+                uuid = device.usage.uuid
+                if not uuid:
+                    continue  # HAMi leaves out devices not named yet
+                busy = view.busy.get((o.pod_uid, o.container, uuid))
+                hami = [o.namespace, o.pod_name, o.container, str(vindex), uuid, HAMI_ZONE]
+                for hspec, family in zip(
+                    _HAMI_CONTAINER_METRICS, families.hami_container, strict=False
+                ):
+                    value = hspec.value(device, busy)
+                    if value is not None:
+                        family.add_metric(hami, value)
+
+    def _gpus(self, view: NodeView, families: _Families) -> None:
+        active = {g.uuid: g.active_containers for g in view.snapshot.gpus} if view.snapshot else {}
+        for f in view.figures:
+            d = f.device
+            labels = [view.node, d.uuid, str(d.index), d.model]
+            families.active.add_metric(labels, active.get(d.uuid, 0))
+            for spec, family in zip(_NVML_METRICS, families.nvml, strict=True):
+                value = spec.value(f)
+                if value is not None:
+                    family.add_metric(labels, value)
+            for kind, count in (("corrected", f.ecc_corrected), ("uncorrected", f.ecc_uncorrected)):
+                if count is not None:
+                    families.ecc.add_metric([*labels, kind], count)
+            for hspec, family in zip(_HAMI_GPU_METRICS, families.hami_gpu, strict=False):
+                value = hspec.value(f)
+                if value is not None:
+                    family.add_metric(_hami_gpu_labels(hspec.labels, view.node, f), value)
 
 
 def registry_with(*collectors: Collector) -> CollectorRegistry:

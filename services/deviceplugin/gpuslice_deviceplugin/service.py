@@ -2,8 +2,9 @@
 
 Parts: the kubelet link (plugin socket and registration), the node agent
 (discovery, configuration reload, inventory heartbeat), the coordinator (region
-flags and heartbeat), the clean-up of container directories, and an HTTP
-server for ``/healthz``, ``/readyz`` and ``/metrics``.
+flags and heartbeat), the GPUs' physical figures (read every health interval),
+the clean-up of container directories, and an HTTP server for ``/healthz``,
+``/readyz`` and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
 from gpuslice_deviceplugin.discovery import open_backend
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.kubelet import KubeletLink, LinkTiming
-from gpuslice_deviceplugin.metrics import PluginMetrics, RegionCollector
+from gpuslice_deviceplugin.metrics import NodeCollector, NodeView, PluginMetrics
 from gpuslice_deviceplugin.nodeconfig import NodeConfig, load_node_config
+from gpuslice_deviceplugin.physical import BusyMeter, ContainerKey, GpuFigures, Load
 from gpuslice_deviceplugin.plugin import DevicePlugin
 
 log = logging.getLogger(__name__)
@@ -66,10 +68,26 @@ class Running:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     snapshot: CoordinatorSnapshot | None = None
     gone: frozenset[str] = frozenset()  # pods with a directory here known to have ended
+    figures: tuple[GpuFigures, ...] = ()  # the GPUs' physical figures, last read
+    busy: dict[ContainerKey, float] = field(default_factory=dict)  # percent, last read
+    meter: BusyMeter = field(default_factory=BusyMeter)
 
     async def coordinate(self) -> None:
         """One coordination pass (also run every ``coordinate_interval``)."""
         self.snapshot = await asyncio.to_thread(self.coordinator.tick, self.gone)
+
+    async def read_figures(self) -> None:
+        """Read the GPUs' physical figures (also run every ``health_interval``): in a
+        worker thread, as an NVML call may take long, so a scrape never waits on one."""
+        snapshot = self.snapshot
+        self.busy = self.meter.update(snapshot)
+        load = Load.of(snapshot, self.busy)
+        devices = list(self.agent.devices)
+        self.figures = tuple(await asyncio.to_thread(self.agent.backend.figures, devices, load))
+
+    def view(self) -> NodeView:
+        """What ``/metrics`` exports now."""
+        return NodeView(self.settings.node_name, self.snapshot, self.figures, self.busy)
 
     async def refresh_gone(self) -> tuple[frozenset[str], frozenset[str]]:
         """(pods with a directory here, those known to have ended).
@@ -190,7 +208,7 @@ async def running(
     state = Running(
         settings, agent, plugin, link, Coordinator(host), host, gateway, registry, kube=kube
     )
-    registry.register(RegionCollector(lambda: state.snapshot))
+    registry.register(NodeCollector(state.view, hami=settings.hami_metrics))
     http = contextlib.AsyncExitStack()
     try:
         await agent.refresh()
@@ -201,12 +219,16 @@ async def running(
             backend.name,
             agent.config.split_count,
         )
+        await state.read_figures()
         coordinate = settings.coordinate_interval.total_seconds()
         state.tasks = [
             asyncio.create_task(link.run(), name="kubelet-link"),
             asyncio.create_task(agent.run(), name="node-agent"),
             asyncio.create_task(
                 every(coordinate, state.coordinate, "coordination", expected=(NodeRequestError,))
+            ),
+            asyncio.create_task(
+                every(settings.health_interval.total_seconds(), state.read_figures, "GPU figures")
             ),
             asyncio.create_task(
                 every(CLEANUP_INTERVAL_S, state.clean_up, "clean-up", expected=(NodeRequestError,))

@@ -114,7 +114,7 @@ class NodeSpec:
     name: str
     gpus: int = 2
     model: str = "NVIDIA A100-SXM4-80GB"
-    memory_mib: int = 40960
+    memory_mib: int = 81920
     split_count: int = 4
     known_uuids: tuple[str, ...] = ()  # as the node registered them, when learnt
     real: bool = False  # this machine's own GPUs (NVML), not simulated ones
@@ -127,7 +127,7 @@ class NodeSpec:
 
 
 DEFAULT_NODES = (
-    NodeSpec("gpu-node-1", gpus=2, model="NVIDIA A100-SXM4-80GB", memory_mib=40960),
+    NodeSpec("gpu-node-1", gpus=2, model="NVIDIA A100-SXM4-80GB", memory_mib=81920),
     NodeSpec("gpu-node-2", gpus=2, model="Tesla T4", memory_mib=15360),
 )
 
