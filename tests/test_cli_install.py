@@ -282,8 +282,8 @@ def test_the_ca_is_rotated_before_it_expires_with_both_in_the_bundle(
     assert trusted(kube_api_server)
 
 
-def put_tls(server: FakeApiServer, labels: dict[str, str]) -> None:
-    garbage = base64.b64encode(b"not a certificate").decode()
+def put_tls(server: FakeApiServer, labels: dict[str, str], garbage: str = "") -> None:
+    garbage = garbage or base64.b64encode(b"not a certificate").decode()
     server.put(
         SECRETS,
         {
@@ -305,6 +305,8 @@ def test_a_foreign_secret_is_refused_by_name_and_left_alone(
     with pytest.raises(InstallError, match="Secret gpuslice/gpuslice-webhook-tls was not made by"):
         ensure_webhook_cert(api, now=NOW)
     assert kube_api_server.objects[f"{SECRETS}/gpuslice-webhook-tls"] == before
+    # nothing else written either: no CA of its own, the caBundle untouched
+    assert writes(kube_api_server) == []
 
 
 @pytest.mark.usefixtures("webhook_configuration")
@@ -314,6 +316,16 @@ def test_an_unreadable_secret_of_ours_is_reported_and_replaced(
     put_tls(kube_api_server, {MANAGED_BY: MANAGER})
     ensure_webhook_cert(api, now=NOW)
     assert "Secret gpuslice/gpuslice-webhook-tls: cannot parse" in capsys.readouterr().err
+    assert trusted(kube_api_server)
+
+
+@pytest.mark.usefixtures("webhook_configuration")
+def test_a_secret_of_ours_that_is_not_even_base64_is_replaced(
+    kube_api_server: FakeApiServer, api: k8s.ApiClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    put_tls(kube_api_server, {MANAGED_BY: MANAGER}, garbage="%%%")
+    ensure_webhook_cert(api, now=NOW)
+    assert "key tls.crt is not base64: replacing it" in capsys.readouterr().err
     assert trusted(kube_api_server)
 
 

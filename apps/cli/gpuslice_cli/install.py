@@ -412,6 +412,16 @@ def _read_managed(store: Secrets, name: str) -> tuple[dict[str, Any] | None, Iss
         return secret, None
 
 
+def _holds(secret: Mapping[str, Any] | None, data: Mapping[str, bytes]) -> bool:
+    """Whether ``secret`` exists and holds exactly ``data`` (unreadable data does not)."""
+    if secret is None:
+        return False
+    try:
+        return secret_data(secret) == data
+    except InstallError:
+        return False
+
+
 def _write(
     store: Secrets, name: str, secret: dict[str, Any] | None, data: dict[str, bytes]
 ) -> None:
@@ -436,7 +446,9 @@ def ensure_webhook_cert(
     store = Secrets(api, target.namespace)
     outcome = CertOutcome()
 
+    # both Secrets read, and refused if foreign, before anything is written
     ca_secret, ca = _read_managed(store, target.ca_secret)
+    tls_secret, serving = _read_managed(store, target.tls_secret)
     # an unreadable CA is replaced outright: what it signed is replaced too
     previous = (
         _load_certs(secret_data(ca_secret).get("previous.crt", b"")) if ca and ca_secret else []
@@ -452,7 +464,7 @@ def ensure_webhook_cert(
         "tls.key": ca.key_pem,
         "previous.crt": b"".join(c.public_bytes(serialization.Encoding.PEM) for c in previous),
     }
-    if ca_secret is None or secret_data(ca_secret) != ca_data:
+    if not _holds(ca_secret, ca_data):
         _write(store, target.ca_secret, ca_secret, ca_data)
 
     bundle = ca.cert_pem + ca_data["previous.crt"]
@@ -461,7 +473,6 @@ def ensure_webhook_cert(
             f"set the caBundle of MutatingWebhookConfiguration {target.configuration}"
         )
 
-    tls_secret, serving = _read_managed(store, target.tls_secret)
     if (
         serving is None
         or not _signed_by(serving.cert, ca.cert)
@@ -475,7 +486,7 @@ def ensure_webhook_cert(
             f"{serving.cert.not_valid_after_utc:%Y-%m-%d}"
         )
     tls_data = {"tls.crt": serving.cert_pem, "tls.key": serving.key_pem, "ca.crt": ca.cert_pem}
-    if tls_secret is None or secret_data(tls_secret) != tls_data:
+    if not _holds(tls_secret, tls_data):
         _write(store, target.tls_secret, tls_secret, tls_data)
     return outcome
 
