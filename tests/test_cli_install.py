@@ -339,3 +339,16 @@ def test_without_the_webhook_configuration_the_run_fails_and_says_so(
 def test_lifetimes_that_would_leave_a_gap_are_refused() -> None:
     with pytest.raises(ValueError, match="ca_renew_before"):
         CertPolicy(ca_renew_before=timedelta(days=10))
+
+
+def test_an_api_server_that_does_not_answer_is_an_error_naming_the_step() -> None:
+    configuration = k8s.Configuration()
+    configuration.host = "http://127.0.0.1:9"  # discard: nothing listens
+    configuration.retries = 0
+    with (
+        k8s.ApiClient(configuration) as client,
+        pytest.raises(
+            InstallError, match="reading Secret gpuslice/gpuslice-credentials: cannot reach"
+        ),
+    ):
+        ensure_credentials(client)

@@ -29,6 +29,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import typer
+import urllib3
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
@@ -117,8 +118,9 @@ def _call(what: str, call: Callable[[], Any]) -> dict[str, Any] | None:
         if error.status == 404:
             return None
         raise InstallError(f"{what}: {_problem(error)}") from None
-    except OSError as error:
-        raise InstallError(f"{what}: {error}") from None
+    except (OSError, urllib3.exceptions.HTTPError) as error:
+        detail = " ".join(str(error).split()) or type(error).__name__
+        raise InstallError(f"{what}: cannot reach the API server ({detail})") from None
     body = json.loads(response.data or b"{}")
     if not isinstance(body, dict):
         raise InstallError(f"{what}: the API server answered {type(body).__name__}, not an object")
