@@ -944,3 +944,14 @@ def test_every_hami_knob_is_one_documented_line_of_the_hami_settings_overlay(
         spec = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
         (found,) = [c for c in spec["containers"] if c["name"] == container]
         assert {"configMapRef": {"name": "gpuslice-settings"}} in found["envFrom"], deployment
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_no_build_carries_a_secret(builds: dict[str, Path], build: str) -> None:
+    """Passwords and keys are made in the cluster (gpuslice install), never shipped."""
+    objects = render(builds[build])
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Secret"] == []
+    for _, container in containers(objects):
+        for entry in container.get("env", []):
+            if "PASSWORD" in entry["name"] or entry["name"].endswith(("_SEED", "_AUTH")):
+                assert "valueFrom" in entry, f"{container['name']}: {entry['name']} is a literal"
