@@ -73,6 +73,46 @@ class FakeApiServer:
     stopping: threading.Event = field(default_factory=threading.Event)
     tokens: ServiceAccountTokens = field(default_factory=ServiceAccountTokens)
     review_delay: float = 0.0  # seconds each TokenReview takes (unless routed otherwise)
+    # collections (e.g. "/api/v1/namespaces/ns/secrets") whose objects are kept:
+    # POST creates one, GET reads it, PUT replaces it if its resourceVersion is
+    # the stored one (else 409, as the API server answers a stale update)
+    collections: set[str] = field(default_factory=set)
+    objects: dict[str, dict[str, Any]] = field(default_factory=dict)  # by object path
+    versions: int = 0
+
+    def keep(self, collection: str) -> None:
+        self.collections.add(collection.rstrip("/"))
+
+    def put(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store ``obj`` in ``collection`` (kept from now on), with a new resourceVersion."""
+        self.keep(collection)
+        self.versions += 1
+        stored = json.loads(json.dumps(obj))
+        stored.setdefault("metadata", {})["resourceVersion"] = str(self.versions)
+        self.objects[f"{collection.rstrip('/')}/{stored['metadata']['name']}"] = stored
+        return stored
+
+    def stored(self, method: str, path: str, body: Any) -> tuple[int, Any] | None:
+        """The answer for a kept collection's object, or None if ``path`` is not one."""
+        parent, _, name = path.rpartition("/")
+        if method == "POST" and path in self.collections:
+            name = str((body or {}).get("metadata", {}).get("name", ""))
+            if f"{path}/{name}" in self.objects:
+                return 409, status_body(409, "AlreadyExists", f"{name} already exists")
+            return 201, self.put(path, body)
+        if parent not in self.collections:
+            return None
+        current = self.objects.get(path)
+        if current is None:
+            return 404, status_body(404, "NotFound", f"{name} not found")
+        if method == "GET":
+            return 200, current
+        if method == "PUT":
+            version = (body or {}).get("metadata", {}).get("resourceVersion")
+            if version != current["metadata"]["resourceVersion"]:
+                return 409, status_body(409, "Conflict", f"{name} has been modified")
+            return 200, self.put(parent, body)
+        return None
 
     def answer(self, method: str, path: str, status: int, body: Any, delay: float = 0.0) -> None:
         self.routes[(method, path)] = (status, body, delay)
@@ -99,7 +139,8 @@ def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             default = (404, status_body(404, "NotFound", "the server could not find it"), 0.0)
             if route == ("POST", TOKEN_REVIEWS) and route not in state.routes:
                 default = (201, review(state.tokens, body), state.review_delay)
-            status, answer, delay = state.routes.get(route, default)
+            kept = None if route in state.routes else state.stored(*route, body)
+            status, answer, delay = (*kept, 0.0) if kept else state.routes.get(route, default)
             if callable(answer):
                 answer = answer(recorded.query)
             if delay:
@@ -136,7 +177,7 @@ def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             except OSError:
                 pass  # the client went away
 
-        do_GET = do_POST = do_PATCH = _serve
+        do_GET = do_POST = do_PATCH = do_PUT = _serve
 
     return Handler
 

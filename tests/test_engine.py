@@ -738,6 +738,23 @@ def test_policy_annotations_reach_the_demand() -> None:
     assert plain.policy_name == "gpu=fragmentation,node=fragmentation"
 
 
+def test_the_default_node_policy_applies_to_pods_without_the_annotation() -> None:
+    """nodeSchedulerPolicy as a setting (requests.default_node_policy): the pod's
+    annotation wins; without either, the GPU policy decides as before."""
+    plain = hami_pod([limits("app", gpu=1, gpumem=1000)])
+    spread = Demand.of(plain, GpuPolicy.SPREAD, default_node_policy=NodePolicy.SPREAD)
+    assert (spread.gpu_policy, spread.node_policy) == (GpuPolicy.SPREAD, NodePolicy.SPREAD)
+    assert Demand.of(plain, GpuPolicy.SPREAD).node_policy is NodePolicy.BINPACK
+    annotated = hami_pod(
+        [limits("app", gpu=1, gpumem=1000)],
+        annotations={"hami.io/node-scheduler-policy": "binpack"},
+    )
+    assert (
+        Demand.of(annotated, default_node_policy=NodePolicy.SPREAD).node_policy
+        is NodePolicy.BINPACK
+    )
+
+
 # ---------------------------------------------------------------- NUMA
 
 

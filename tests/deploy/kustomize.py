@@ -1,6 +1,7 @@
 """What ``kubectl kustomize`` does with a kustomization.yaml, for the features
-gpuslice's use (resources, bases by directory, components, labels, images, and
-patches: JSON 6902 ones, and strategic-merge ones that delete an object), so
+gpuslice's use (resources, bases by directory, components, labels, images,
+ConfigMap generators without a name hash, and patches: JSON 6902 ones, and
+strategic-merge ones that delete an object), so
 the manifests can be checked on machines without kubectl; where kubectl exists
 the tests compare the two."""
 
@@ -20,13 +21,14 @@ POD_SPEC_PATHS = {
     "DaemonSet": ("spec", "template", "spec"),
     "StatefulSet": ("spec", "template", "spec"),
     "Job": ("spec", "template", "spec"),
+    "CronJob": ("spec", "jobTemplate", "spec", "template", "spec"),
 }
 
 
 def render(directory: Path) -> list[dict[str, Any]]:
     """The objects ``directory``'s kustomization makes: its resources (files, or
     directories with a kustomization of their own) in order, then its
-    components, then its patches, labels and images."""
+    components, its ConfigMap generators, then its patches, labels and images."""
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     if kustomization.get("kind", "Kustomization") != "Kustomization":
         raise ValueError(f"{directory} is a {kustomization['kind']}: include it as a component")
@@ -36,7 +38,16 @@ def render(directory: Path) -> list[dict[str, Any]]:
 def _build(
     directory: Path, kustomization: dict[str, Any], out: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    allowed = {"apiVersion", "kind", "labels", "resources", "images", "patches", "components"}
+    allowed = {
+        "apiVersion",
+        "kind",
+        "labels",
+        "resources",
+        "images",
+        "patches",
+        "components",
+        "configMapGenerator",
+    }
     unknown = set(kustomization) - allowed
     if unknown:
         raise ValueError(f"kustomization features not rendered here: {sorted(unknown)}")
@@ -51,8 +62,13 @@ def _build(
         if component.get("kind") != "Component":
             raise ValueError(f"{directory / name} is not a Component")
         out = _build(directory / name, component, out)
+    for generator in kustomization.get("configMapGenerator") or []:
+        out = _generate(out, generator, directory)
     for patch in kustomization.get("patches") or []:
         out = _patch(out, patch, directory)
+    for doc in out:  # kustomize drops what a patch left empty
+        if doc.get("metadata", {}).get("annotations") == {}:
+            del doc["metadata"]["annotations"]
     labels: dict[str, str] = {}
     for group in kustomization.get("labels") or []:
         labels.update(group.get("pairs") or {})
@@ -69,6 +85,47 @@ def _build(
             for container in spec.get("containers", []) + spec.get("initContainers", []):
                 _retag(container, images)
     return out
+
+
+def _generate(
+    objects: list[dict[str, Any]], generator: dict[str, Any], directory: Path
+) -> list[dict[str, Any]]:
+    """A configMapGenerator: a new ConfigMap (``behavior: create``, with its name
+    hash turned off), or one already built merged into or replaced."""
+    unknown = set(generator) - {"name", "namespace", "behavior", "literals", "files", "options"}
+    if unknown:
+        raise ValueError(f"configMapGenerator features not rendered here: {sorted(unknown)}")
+    data: dict[str, str] = {}
+    for literal in generator.get("literals") or []:
+        key, sep, value = literal.partition("=")
+        if not sep:
+            raise ValueError(f"a literal without '=': {literal!r}")
+        data[key] = value
+    for entry in generator.get("files") or []:
+        key, sep, path = entry.partition("=")
+        if not sep:
+            key, path = Path(entry).name, entry
+        data[key] = (directory / path).read_text()
+    name, namespace = generator["name"], generator.get("namespace")
+    behavior = generator.get("behavior", "create")
+    if behavior == "create":
+        if not (generator.get("options") or {}).get("disableNameSuffixHash"):
+            raise ValueError(f"ConfigMap {name}: a name hash suffix is not rendered here")
+        meta: dict[str, Any] = {"name": name}
+        if namespace is not None:
+            meta["namespace"] = namespace
+        return [*objects, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}]
+    target = {"kind": "ConfigMap", "name": name, "namespace": namespace}
+    (existing,) = [o for o in objects if _matches(o, target)] or [None]
+    if existing is None:
+        raise ValueError(f"configMapGenerator {behavior}: no ConfigMap {name} to {behavior}")
+    if behavior == "merge":
+        existing["data"] = {**(existing.get("data") or {}), **data}
+    elif behavior == "replace":
+        existing["data"] = data
+    else:
+        raise ValueError(f"configMapGenerator behavior not rendered here: {behavior}")
+    return objects
 
 
 def _retag(container: dict[str, Any], images: dict[str, dict[str, str]]) -> None:

@@ -3,6 +3,7 @@ Kubernetes schemas, and wired the way the services read their settings."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from gpuslice_cli.dev.natsauth import AUTHORIZATION, NatsAuth
 from gpuslice_common.config import (
@@ -36,22 +38,31 @@ SETTINGS: dict[str, type[Any]] = {
 }
 
 
+OVERLAYS = ROOT / "overlays"
+# the components combined in overlays of one's own (docs/install.md)
+COMBINATIONS = [
+    ("cpu-pods", "redis-cluster"),
+    ("without-cert-manager", "redis-cluster"),
+    ("without-cert-manager", "cpu-pods", "redis-cluster"),
+]
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """What can be applied: k8s/ (Redis Sentinel), and overlays of one's own
-    with the Redis Cluster component, the component that routes pods without
-    GPUs to gpuslice's scheduler, and both (docs/install.md)."""
-    return {
-        "k8s": K8S,
-        "redis-cluster": overlay(tmp_path_factory.mktemp("overlay"), K8S, "redis-cluster"),
-        "cpu-pods": overlay(tmp_path_factory.mktemp("overlay"), K8S, "cpu-pods"),
-        "cpu-pods+redis-cluster": overlay(
-            tmp_path_factory.mktemp("overlay"), K8S, "cpu-pods", "redis-cluster"
-        ),
-    }
+    """What can be applied: k8s/ (Redis Sentinel), each overlay of overlays/,
+    and overlays of one's own combining k8s/'s components (docs/install.md)."""
+    found: dict[str, Path] = {"k8s": K8S}
+    found.update((d.name, d) for d in sorted(OVERLAYS.iterdir()) if d.is_dir())
+    for components in COMBINATIONS:
+        found["+".join(components)] = overlay(tmp_path_factory.mktemp("overlay"), K8S, *components)
+    return found
 
 
-BUILDS = ["k8s", "redis-cluster", "cpu-pods", "cpu-pods+redis-cluster"]
+BUILDS = [
+    "k8s",
+    *sorted(d.name for d in OVERLAYS.iterdir() if d.is_dir()),
+    *("+".join(c) for c in COMBINATIONS),
+]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +119,9 @@ def test_every_object_is_valid_against_the_kubernetes_schemas(
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
             raise AssertionError(f"{obj['kind']} {obj['metadata']['name']}: {exc}") from None
-    assert sorted(custom) == ["Certificate", "Issuer"]
+    # cert-manager's, unless gpuslice's own Jobs keep the webhook's certificate
+    expected = [] if "without-cert-manager" in build else ["Certificate", "Issuer"]
+    assert sorted(custom) == expected
     names = [(o["kind"], o["metadata"]["name"]) for o in objects]
     assert len(names) == len(set(names))
 
@@ -244,12 +257,29 @@ def test_replicated_deployments_have_disruption_budgets(objects: list[dict[str, 
         assert covering, f"no PodDisruptionBudget for {obj['metadata']['name']}"
 
 
+def settings_env(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    """The GPUSLICE_ variables a container gets: its ConfigMaps' (envFrom), then
+    its own env, which wins (values from Secrets left out, the pod's own fields
+    as a name)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        config = find(objects, "ConfigMap", source["configMapRef"]["name"])
+        env.update(config.get("data") or {})
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        elif "fieldRef" in entry.get("valueFrom", {}):
+            env[entry["name"]] = "gpu-node-1"
+    return {k: v for k, v in env.items() if k.startswith("GPUSLICE_")}
+
+
 @pytest.mark.parametrize("build", BUILDS)
 def test_every_gpuslice_variable_is_a_setting_of_its_service(
-    builds: dict[str, Path], build: str
+    builds: dict[str, Path], build: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     objects = render(builds[build])
     seen = set()
+    shared: dict[str, set[str]] = {}  # a shared ConfigMap's variable -> services that know it
     for name, spec in pod_specs(objects):
         for container in spec["containers"]:
             command = container.get("command") or []
@@ -262,7 +292,25 @@ def test_every_gpuslice_variable_is_a_setting_of_its_service(
                 if env["name"].startswith("GPUSLICE_"):
                     field = env["name"].removeprefix("GPUSLICE_").lower()
                     assert field in settings.model_fields, f"{name}: {env['name']} is unknown"
+            values = settings_env(objects, container)
+            for key in values:
+                field = key.removeprefix("GPUSLICE_").lower().split("__")[0]
+                shared.setdefault(key, set())
+                if field in settings.model_fields:
+                    shared[key].add(command[2])
+            # the service starts with these: each value parses as its setting
+            with monkeypatch.context() as patched:
+                for key in [k for k in os.environ if k.startswith("GPUSLICE_")]:
+                    patched.delenv(key)
+                for key, value in values.items():
+                    patched.setenv(key, value)
+                try:
+                    settings()
+                except ValidationError as error:
+                    raise AssertionError(f"{name}: {error}") from None
     assert seen == set(SETTINGS)
+    # the settings ConfigMap holds no variable that no service reads (a misspelling)
+    assert {key for key, services in shared.items() if not services} == set()
 
 
 def test_the_scheduler_configuration_hands_gpu_pods_to_the_extender(
@@ -712,3 +760,198 @@ def test_the_cpu_pods_component_sends_every_pod_to_the_extender(
     assert all(r["ignoredByScheduler"] for r in managed)
     assert [r["name"] for r in managed] == fit["args"]["ignoredResources"]
     assert routed == base  # everything else as k8s/ has it
+
+
+# ---------------------------------------------------------------- install without hand work
+
+
+def containers(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(object name, container) for every container of every workload, Jobs included."""
+    for obj in objects:
+        spec = obj.get("spec", {})
+        if obj["kind"] == "CronJob":
+            spec = spec["jobTemplate"]["spec"]
+        elif obj["kind"] not in POD_SPEC_KINDS:
+            continue
+        pod = spec["template"]["spec"]
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            yield obj["metadata"]["name"], container
+
+
+# name:1.2.3 (a suffix such as -alpine allowed), v1.2.3, or a digest
+PINNED = re.compile(r"^[a-z0-9./-]+(:v?\d+\.\d+\.\d+(-[a-z0-9.]+)?)?(@sha256:[0-9a-f]{64})?$")
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_image_is_pinned_to_an_exact_version(builds: dict[str, Path], build: str) -> None:
+    images = {c["image"] for _, c in containers(render(builds[build]))}
+    for image in images:
+        assert PINNED.match(image), image
+        assert ":" in image.rsplit("/", 1)[-1] or "@sha256:" in image, f"{image}: no tag"
+    names = {image.rsplit(":", 1)[0] for image in images}
+    assert {"nats", "redis", "registry.k8s.io/kube-scheduler", "ghcr.io/gpuslice/gpuslice"} <= (
+        names
+    )
+    assert len(names) == len(images), f"two versions of one image: {sorted(images)}"
+
+
+def test_compose_runs_the_servers_k8s_pins() -> None:
+    pins = {
+        i["name"]: i["newTag"]
+        for i in yaml.safe_load((K8S / "images" / "kustomization.yaml").read_text())["images"]
+    }
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    images = {s["image"] for s in compose["services"].values()}
+    assert f"nats:{pins['nats']}" in images
+    assert f"redis:{pins['redis']}" in images
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.31", "1.33"])
+def test_a_kube_scheduler_overlay_sets_the_cluster_s_minor_version(
+    builds: dict[str, Path], version: str
+) -> None:
+    objects = render(builds[f"kube-scheduler-{version}"])
+    spec = find(objects, "Deployment", "gpuslice-scheduler")["spec"]["template"]["spec"]
+    (scheduler,) = [c for c in spec["containers"] if c["name"] == "kube-scheduler"]
+    assert scheduler["image"].startswith(f"registry.k8s.io/kube-scheduler:v{version}.")
+    # nothing else differs from k8s/
+    base = render(K8S)
+    scheduler["image"] = next(
+        c["image"]
+        for _, c in containers(base)
+        if c["image"].startswith("registry.k8s.io/kube-scheduler:")
+    )
+    assert objects == base
+
+
+def test_the_bootstrap_job_makes_the_credentials_with_no_more_rights_than_that(
+    objects: list[dict[str, Any]],
+) -> None:
+    job = find(objects, "Job", "gpuslice-bootstrap")
+    spec = job["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["command"][:3] == ["gpuslice", "install", "secrets"]
+    assert spec["serviceAccountName"] == "gpuslice-bootstrap"
+    assert rules_of(objects, "gpuslice-bootstrap") == {
+        ("", "secrets", "get"),
+        ("", "secrets", "update"),
+        ("", "secrets", "create"),
+    }
+    (role,) = [
+        o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == "gpuslice-bootstrap"
+    ]
+    for rule in role["rules"]:
+        if set(rule["verbs"]) & {"get", "update"}:
+            assert rule["resourceNames"] == ["gpuslice-credentials"]
+    bindings = [o for o in objects if o["kind"] == "ClusterRoleBinding"]
+    assert not [b for b in bindings if b["subjects"][0]["name"] == "gpuslice-bootstrap"]
+    # a Job finished long ago is gone, so the next apply runs it again
+    assert job["spec"]["ttlSecondsAfterFinished"] <= 3600
+
+
+def test_without_cert_manager_gpuslice_s_jobs_keep_the_secret_the_webhook_mounts(
+    builds: dict[str, Path],
+) -> None:
+    from gpuslice_cli.install import WebhookTarget
+
+    objects = render(builds["without-cert-manager"])
+    assert not [o for o in objects if o["apiVersion"].startswith("cert-manager.io/")]
+    config = find(objects, "MutatingWebhookConfiguration", "gpuslice")
+    assert "annotations" not in config["metadata"]
+    target = WebhookTarget()
+    assert config["metadata"]["name"] == target.configuration
+    service = config["webhooks"][0]["clientConfig"]["service"]
+    assert (service["name"], service["namespace"]) == (target.service, target.namespace)
+    spec = find(objects, "Deployment", "gpuslice-webhook")["spec"]["template"]["spec"]
+    (volume,) = spec["volumes"]
+    assert volume["secret"]["secretName"] == target.tls_secret
+    job = find(objects, "Job", "gpuslice-webhook-cert")["spec"]["template"]["spec"]
+    cron = find(objects, "CronJob", "gpuslice-webhook-cert")
+    renewal = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    for pod in (job, renewal):
+        (container,) = pod["containers"]
+        assert container["command"][:3] == ["gpuslice", "install", "webhook-cert"]
+        assert container["image"] == "ghcr.io/gpuslice/gpuslice:0.1.0"
+        assert pod["serviceAccountName"] == "gpuslice-webhook-cert"
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    # the two Secrets, and the one webhook configuration's caBundle: nothing else
+    assert rules_of(objects, "gpuslice-webhook-cert") == {
+        ("", "secrets", "get"),
+        ("", "secrets", "update"),
+        ("", "secrets", "create"),
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "get"),
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "update"),
+    }
+    for kind in ("Role", "ClusterRole"):
+        role = find(objects, kind, "gpuslice-webhook-cert")
+        for rule in role["rules"]:
+            if set(rule["verbs"]) & {"get", "update"}:
+                assert set(rule["resourceNames"]) <= {
+                    target.tls_secret,
+                    target.ca_secret,
+                    target.configuration,
+                }
+
+
+# HAMi's knobs (its Helm values and device-plugin configuration), each a line
+# of overlays/hami-settings
+HAMI_KNOBS = [
+    "defaultMem",
+    "defaultCores",
+    "defaultGPUNum",
+    "nodeSchedulerPolicy",
+    "gpuSchedulerPolicy",
+    "resourceName",
+    "resourceMem",
+    "resourceMemPercentage",
+    "resourceCores",
+    "resourcePriority",
+    "schedulerName",
+    "deviceSplitCount",
+    "deviceMemoryScaling",
+    "deviceCoreScaling",
+    "gpuCorePolicy",
+    "libCudaLogLevel",
+]
+
+
+def test_every_hami_knob_is_one_documented_line_of_the_hami_settings_overlay(
+    builds: dict[str, Path],
+) -> None:
+    from gpuslice_deviceplugin.nodeconfig import parse_node_config
+
+    directory = OVERLAYS / "hami-settings"
+    text = (directory / "kustomization.yaml").read_text() + (
+        directory / "node-config.yaml"
+    ).read_text()
+    for knob in HAMI_KNOBS:
+        assert re.search(rf"\b{knob}\b", text), f"{knob} is not in overlays/hami-settings"
+    objects = render(builds["hami-settings"])
+    data = find(objects, "ConfigMap", "gpuslice-settings")["data"]
+    # HAMi's GPU policy: spread (gpuslice's default is fragmentation)
+    assert data["GPUSLICE_REQUESTS__DEFAULT_GPU_POLICY"] == "spread"
+    assert data["GPUSLICE_LOG_LEVEL"] == "INFO"  # k8s/'s own settings kept (merged)
+    # the node configuration parses as the device plugin reads it
+    node = find(objects, "ConfigMap", "gpuslice-node-config")["data"]["config.yaml"]
+    config = parse_node_config(node, "gpu-node-1")
+    assert (config.split_count, config.memory_scaling, config.core_scaling) == (10, 1.0, 1.0)
+    # the services load the settings: the ones HAMi's knobs change
+    for deployment, container in [
+        ("gpuslice-webhook", "webhook"),
+        ("gpuslice-scheduler", "extender"),
+        ("gpuslice-inventory", "inventory"),
+    ]:
+        spec = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+        (found,) = [c for c in spec["containers"] if c["name"] == container]
+        assert {"configMapRef": {"name": "gpuslice-settings"}} in found["envFrom"], deployment
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_no_build_carries_a_secret(builds: dict[str, Path], build: str) -> None:
+    """Passwords and keys are made in the cluster (gpuslice install), never shipped."""
+    objects = render(builds[build])
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Secret"] == []
+    for _, container in containers(objects):
+        for entry in container.get("env", []):
+            if "PASSWORD" in entry["name"] or entry["name"].endswith(("_SEED", "_AUTH")):
+                assert "valueFrom" in entry, f"{container['name']}: {entry['name']} is a literal"

@@ -12,6 +12,7 @@ from rich.console import Console
 import gpuslice_common
 from gpuslice_cli.audit import audit
 from gpuslice_cli.dev.up import driver, up
+from gpuslice_cli.install import install
 from gpuslice_cli.simulate import sim
 from gpuslice_cli.smoke import run_scenario
 from gpuslice_cli.status import status
@@ -28,6 +29,7 @@ dev.command("driver")(driver)
 app.command("sim")(sim)
 app.command("status")(status)
 app.add_typer(audit, name="audit")
+app.add_typer(install, name="install")
 console = Console()
 errors = Console(stderr=True)
 

@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from gpuslice_common.models import GpuPolicy
+from gpuslice_common.models import GpuPolicy, NodePolicy
 
 ENV_PREFIX = "GPUSLICE_"
 NESTED_DELIMITER = "__"
@@ -99,7 +99,10 @@ class RequestSettings(BaseModel):
 
     resources: ResourceNames = ResourceNames()
     defaults: RequestDefaults = RequestDefaults()
-    default_gpu_policy: GpuPolicy = GpuPolicy.FRAGMENTATION
+    default_gpu_policy: GpuPolicy = GpuPolicy.FRAGMENTATION  # gpuSchedulerPolicy
+    # nodeSchedulerPolicy for pods without the annotation; unset: the GPU policy's
+    # own ranking (fragmentation), or binpack with a binpack or spread GPU policy
+    default_node_policy: NodePolicy | None = None
 
 
 class BusSettings(BaseSettings):

@@ -68,9 +68,10 @@ class Demand:
         default_policy: GpuPolicy = GpuPolicy.FRAGMENTATION,
         cpu: float = 0.0,
         memory: float = 0.0,
+        default_node_policy: NodePolicy | None = None,
     ) -> Demand:
         gpu_policy = (request.gpu_policy if request else None) or default_policy
-        node_policy = request.node_policy if request else None
+        node_policy = (request.node_policy if request else None) or default_node_policy
         if node_policy is None and gpu_policy is not GpuPolicy.FRAGMENTATION:
             node_policy = NodePolicy.BINPACK  # HAMi's default node policy
         return cls(request, gpu_policy, node_policy, cpu, memory)

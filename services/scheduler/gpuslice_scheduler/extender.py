@@ -145,7 +145,11 @@ class Extender:
             return self._cpu_demand(pod)
         cpu, memory = self._node_request(pod)
         demand = Demand.of(
-            request, self.settings.requests.default_gpu_policy, cpu=cpu, memory=memory
+            request,
+            self.settings.requests.default_gpu_policy,
+            cpu=cpu,
+            memory=memory,
+            default_node_policy=self.settings.requests.default_node_policy,
         )
         main = max(request.containers, key=lambda c: (c.count, c.cores))
         self.learner.observe(request.pod.uid, CardDemand.of(main), request.selector, cpu, memory)
