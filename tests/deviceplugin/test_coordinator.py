@@ -29,7 +29,7 @@ from gpuslice_deviceplugin.coordinator import (
     CoordinatorSnapshot,
     DeviceState,
 )
-from gpuslice_deviceplugin.metrics import NodeCollector, NodeView, registry_with
+from gpuslice_deviceplugin.metrics import HamiNames, NodeCollector, NodeView, registry_with
 from gpuslice_deviceplugin.physical import BusyMeter, GpuFigures, Load, simulated_figures
 from tests.deviceplugin.conftest import FAKE_MEMORY, make_grant
 from tests.native.probe import ProbeProcess, ProbeSpawner
@@ -420,7 +420,10 @@ def test_metrics_show_the_region(
     latest: list[CoordinatorSnapshot | None] = [None]
     card = GpuDevice(uuid=gpu(0), index=0, model="Fake GPU", memory_mib=FAKE_MEMORY // MiB)
     registry = registry_with(
-        NodeCollector(lambda: NodeView("node-a", latest[0], (GpuFigures(device=card),)), hami=False)
+        NodeCollector(
+            lambda: NodeView("node-a", latest[0], (GpuFigures(device=card),)),
+            hami=HamiNames(current=False),
+        )
     )
     assert all(  # no snapshot yet: the GPU shows, no container on it
         name == "gpuslice_gpu_active_containers" and value == 0
@@ -498,7 +501,9 @@ def test_simulated_figures_and_hami_series_come_from_the_regions(
     assert mine.memory_utilization_percent is None
 
     view = NodeView("node-a", snap, tuple(figures), busy)
-    text = generate_latest(registry_with(NodeCollector(lambda: view, hami=True))).decode()
+    text = generate_latest(
+        registry_with(NodeCollector(lambda: view, hami=HamiNames(legacy=True)))
+    ).decode()
     got = samples(text)
     legacy = (
         ("ctrname", "main"),
@@ -538,7 +543,20 @@ def test_simulated_figures_and_hami_series_come_from_the_regions(
     )
     assert got[("gpuslice_gpu_nvml_memory_used_bytes", gpu_labels)] == 64 * MiB
     assert got[("gpuslice_gpu_active_containers", gpu_labels)] == 1
-    off = generate_latest(registry_with(NodeCollector(lambda: view, hami=False))).decode()
+    default = samples(
+        generate_latest(registry_with(NodeCollector(lambda: view, hami=HamiNames()))).decode()
+    )
+    assert got[("hami_vgpu_memory_used_bytes", current)] == 64 * MiB
+    assert {name for name, _ in default} == {name for name, _ in got} - {
+        "HostGPUMemoryUsage",
+        "HostCoreUtilization",
+        "vGPU_device_memory_usage_in_bytes",
+        "vGPU_device_memory_limit_in_bytes",
+        "Device_utilization_desc_of_container",
+    }  # HAMi's legacy names only when asked for
+    off = generate_latest(
+        registry_with(NodeCollector(lambda: view, hami=HamiNames(current=False)))
+    ).decode()
     assert "zone=" not in off
     assert "vGPU" not in off
     assert ("gpuslice_gpu_nvml_memory_used_bytes", gpu_labels) in samples(off)

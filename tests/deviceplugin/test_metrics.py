@@ -103,6 +103,7 @@ async def test_nvml_figures_per_gpu_and_what_a_card_cannot_give_is_left_out(
         FAKENVML_ECC_CORRECTED="3,0",
         FAKENVML_ECC_UNCORRECTED="1",  # device 1: not supported
         GPUSLICE_HEALTH_INTERVAL="100ms",
+        GPUSLICE_HAMI_LEGACY_METRICS="true",
     )
     port = proc.port  # type: ignore[attr-defined]
     text = await scrape_until(port, showing(2))
@@ -143,7 +144,7 @@ async def test_nvml_figures_per_gpu_and_what_a_card_cannot_give_is_left_out(
     assert later["gpuslice_gpu_nvml_power_watts"] == {g0: pytest.approx(123.456)}
     assert later["gpuslice_gpu_active_containers"] == {g0: 0, g1: 0}  # still a known card
 
-    # HAMi's names, on by default, with HAMi's labels and units
+    # HAMi's names (its legacy ones asked for), with HAMi's labels and units
     legacy = {"nodeid": "node-e2e", "deviceidx": "0", "deviceuuid": FAKE[0]}
     legacy |= {"devicetype": "NVIDIA-Fake GPU", "zone": "vGPU"}
     assert got["HostGPUMemoryUsage"][tuple(sorted(legacy.items()))] == 3 * GiB
@@ -158,12 +159,17 @@ async def test_nvml_figures_per_gpu_and_what_a_card_cannot_give_is_left_out(
     }
 
 
-@pytest.mark.parametrize("hami", [True, False])
+@pytest.mark.parametrize(("hami", "legacy"), [(True, False), (True, True), (False, True)])
 async def test_simulated_gpus_have_figures_and_hami_names_follow_the_setting(
-    make_settings: Callable[..., DevicePluginSettings], bus: Bus, hami: bool
+    make_settings: Callable[..., DevicePluginSettings], bus: Bus, hami: bool, legacy: bool
 ) -> None:
     port = free_port()
-    settings = make_settings(metrics_port=port, listen_host="127.0.0.1", hami_metrics=hami)
+    settings = make_settings(
+        metrics_port=port,
+        listen_host="127.0.0.1",
+        hami_metrics=hami,
+        hami_legacy_metrics=legacy,
+    )
     async with running(settings, bus=bus, timing=FAST):
         text = await scrape_until(port, showing(2))
     got = samples(text)
@@ -180,8 +186,9 @@ async def test_simulated_gpus_have_figures_and_hami_names_follow_the_setting(
     names = {f.name for f in text_string_to_metric_families(text)}
     hami_families = {n for n in names if n in HAMI_NAMES}
     if hami:
-        assert {"HostGPUMemoryUsage", "HostCoreUtilization"} <= hami_families
         assert "hami_host_gpu_memory_used_bytes" in hami_families
+        old = {"HostGPUMemoryUsage", "HostCoreUtilization"} & hami_families
+        assert old == ({"HostGPUMemoryUsage", "HostCoreUtilization"} if legacy else set())
     else:
         assert hami_families == set()
         assert not [line for line in text.splitlines() if "zone=" in line]

@@ -11,17 +11,20 @@ counters are the interposer's own cumulative counts in the region file, which
 outlives restarts of the container's processes and of this agent. A physical
 figure a card cannot give is left out for that card.
 
-With ``hami_metrics`` on it also exports HAMi's vGPUmonitor series, under both
-HAMi's current names (``hami_*``) and its legacy ones (``HostGPUMemoryUsage``,
-``vGPU_device_memory_usage_in_bytes``, ...), with HAMi's labels (plus
-``zone="vGPU"``, as HAMi's monitor adds), so HAMi dashboards keep working.
+With ``hami_metrics`` on it also exports HAMi's vGPUmonitor series under HAMi's
+current names (``hami_*``), and with ``hami_legacy_metrics`` under its names
+before 2.9 too (``HostGPUMemoryUsage``, ``vGPU_device_memory_usage_in_bytes``,
+...), with HAMi's labels (plus ``zone="vGPU"``, as HAMi's monitor adds), so HAMi
+dashboards keep working. HAMi itself exports the legacy names only with
+``--legacy-metrics``; Prometheus's naming rules (``promtool check metrics``)
+flag them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,6 +36,7 @@ from gpuslice_deviceplugin.physical import ContainerKey, GpuFigures
 __all__ = [
     "CONTAINER_LABELS",
     "GPU_LABELS",
+    "HamiNames",
     "NodeCollector",
     "NodeView",
     "PluginMetrics",
@@ -350,26 +354,48 @@ def _family(name: str, documentation: str, labels: Sequence[str], counter: bool)
     return GaugeMetricFamily(name, documentation, labels=labels)
 
 
+@dataclass(frozen=True)
+class HamiNames:
+    """Which of HAMi's names are exported: ``current`` (``hami_*``), and
+    ``legacy`` (HAMi's names before 2.9) as well when both are set."""
+
+    current: bool = True
+    legacy: bool = False
+
+
+_Hami = TypeVar("_Hami", _HamiGpu, _HamiContainer)
+
+
+def _hami_specs(specs: Sequence[_Hami], hami: HamiNames) -> list[_Hami]:
+    """HAMi's series ``hami`` asks for: its current ``hami_*`` names, and its
+    legacy ones too with ``legacy``."""
+    return [s for s in specs if s.name.startswith("hami_") or hami.legacy] if hami.current else []
+
+
 @dataclass
 class _Families:
     container: list[Family]
     active: Family
     nvml: list[Family]
     ecc: Family
+    hami_gpu_specs: list[_HamiGpu]
     hami_gpu: list[Family]
+    hami_container_specs: list[_HamiContainer]
     hami_container: list[Family]
 
     @classmethod
-    def new(cls, hami: bool) -> _Families:
+    def new(cls, hami: HamiNames) -> _Families:
+        gpu_specs = _hami_specs(_HAMI_GPU_METRICS, hami)
+        container_specs = _hami_specs(_HAMI_CONTAINER_METRICS, hami)
         return cls(
             [_family(s.name, s.help, CONTAINER_LABELS, s.counter) for s in _CONTAINER_METRICS],
             _family(*_GPU_ACTIVE, GPU_LABELS, False),
             [_family(s.name, s.help, GPU_LABELS, False) for s in _NVML_METRICS],
             _family(*_NVML_ECC, (*GPU_LABELS, "type"), True),
-            [_family(s.name, s.help, s.labels, False) for s in _HAMI_GPU_METRICS] if hami else [],
-            [_family(s.name, s.help, s.labels, False) for s in _HAMI_CONTAINER_METRICS]
-            if hami
-            else [],
+            gpu_specs,
+            [_family(s.name, s.help, s.labels, False) for s in gpu_specs],
+            container_specs,
+            [_family(s.name, s.help, s.labels, False) for s in container_specs],
         )
 
     def all(self) -> Iterator[Family]:
@@ -394,9 +420,9 @@ def _hami_gpu_labels(names: tuple[str, ...], node: str, f: GpuFigures) -> list[s
 
 
 class NodeCollector(Collector):
-    """Exports what ``view()`` returns; HAMi's series too when ``hami`` is set."""
+    """Exports what ``view()`` returns, and HAMi's series ``hami`` names."""
 
-    def __init__(self, view: Callable[[], NodeView], *, hami: bool) -> None:
+    def __init__(self, view: Callable[[], NodeView], *, hami: HamiNames) -> None:
         self._view = view
         self._hami = hami
 
@@ -426,7 +452,7 @@ class NodeCollector(Collector):
                 busy = view.busy.get((o.pod_uid, o.container, uuid))
                 hami = [o.namespace, o.pod_name, o.container, str(vindex), uuid, HAMI_ZONE]
                 for hspec, family in zip(
-                    _HAMI_CONTAINER_METRICS, families.hami_container, strict=False
+                    families.hami_container_specs, families.hami_container, strict=True
                 ):
                     value = hspec.value(device, busy)
                     if value is not None:
@@ -445,7 +471,7 @@ class NodeCollector(Collector):
             for kind, count in (("corrected", f.ecc_corrected), ("uncorrected", f.ecc_uncorrected)):
                 if count is not None:
                     families.ecc.add_metric([*labels, kind], count)
-            for hspec, family in zip(_HAMI_GPU_METRICS, families.hami_gpu, strict=False):
+            for hspec, family in zip(families.hami_gpu_specs, families.hami_gpu, strict=True):
                 value = hspec.value(f)
                 if value is not None:
                     family.add_metric(_hami_gpu_labels(hspec.labels, view.node, f), value)

@@ -33,7 +33,7 @@ from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
 from gpuslice_deviceplugin.discovery import open_backend
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.kubelet import KubeletLink, LinkTiming
-from gpuslice_deviceplugin.metrics import NodeCollector, NodeView, PluginMetrics
+from gpuslice_deviceplugin.metrics import HamiNames, NodeCollector, NodeView, PluginMetrics
 from gpuslice_deviceplugin.nodeconfig import NodeConfig, load_node_config
 from gpuslice_deviceplugin.physical import BusyMeter, ContainerKey, GpuFigures, Load
 from gpuslice_deviceplugin.plugin import DevicePlugin
@@ -208,7 +208,12 @@ async def running(
     state = Running(
         settings, agent, plugin, link, Coordinator(host), host, gateway, registry, kube=kube
     )
-    registry.register(NodeCollector(state.view, hami=settings.hami_metrics))
+    registry.register(
+        NodeCollector(
+            state.view,
+            hami=HamiNames(settings.hami_metrics, settings.hami_legacy_metrics),
+        )
+    )
     http = contextlib.AsyncExitStack()
     try:
         await agent.refresh()
