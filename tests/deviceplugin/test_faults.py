@@ -223,6 +223,13 @@ async def test_an_allocate_while_the_node_is_being_rebuilt_waits_for_it(
             ):
                 plugin = await kubelet.registration()
                 await plugin.list_after(0)
+                # the agent's first inventory is in the ledger (stamped) before Redis
+                # restarts: arriving after, it would stamp the new, empty ledger
+                for _ in range(300):
+                    if NODE in await ledger.nodes():
+                        break
+                    await asyncio.sleep(0.1)
+                assert NODE in await ledger.nodes()
                 await asyncio.to_thread(server.kill)
                 await asyncio.to_thread(server.start)
                 await ledger.register_node(state.agent.inventory())  # not stamped
