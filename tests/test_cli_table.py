@@ -15,7 +15,13 @@ from rich.console import Console
 from rich.table import Table
 
 from gpuslice_cli.dev.driver import ContainerRun, PodOutcome
-from gpuslice_cli.dev.up import failures, foreign_output_to, nats_url_with_login, pods_table
+from gpuslice_cli.dev.up import (
+    View,
+    failures,
+    foreign_output_to,
+    nats_url_with_login,
+    pods_table,
+)
 from gpuslice_cli.table import plain_lines, shorten, show
 
 LONG = "0/2 nodes are available: gpu-node-1: CardInsufficientMemory; gpu-node-2: TooManyCores"
@@ -104,3 +110,14 @@ def test_what_libraries_write_goes_to_the_log_and_only_our_own_messages_out(
     assert "a C library's line" in kept
     assert "a library's warning" in kept
     assert "our own message" not in kept
+
+
+def test_names_and_reasons_that_look_like_markup_are_shown_as_they_are() -> None:
+    """A pod's name, a reason or an event comes from outside: never read as markup."""
+    pod = PodOutcome("[bold]x[/]", "ns", "uid", "Denied", "bad [/] value [red]")
+    view = View(pods=[pod], steps=[("a [/] step", False, "detail [/x]")])
+    view.events.append("12:00:00 allocated ns/[/]pod")
+    out = io.StringIO()
+    Console(file=out, width=200, force_terminal=True, color_system=None).print(view.render())
+    for text in ("ns/[bold]x[/]", "bad [/] value [red]", "a [/] step", "detail [/x]", "ns/[/]pod"):
+        assert text in out.getvalue()

@@ -84,7 +84,7 @@ class View:
             parts.append(self.status)
         events = Table(title="events", show_header=False, expand=False)
         for line in self.events:
-            events.add_row(line)
+            events.add_row(escape(line))
         parts.append(events)
         if self.pods:
             parts.append(pods_table(self.pods, REASON_WIDTH))
@@ -134,7 +134,7 @@ def steps_table(steps: Sequence[tuple[str, bool, str]]) -> Table:
     table.add_column("result")
     table.add_column("detail")
     for what, ok, detail in steps:
-        table.add_row(what, "[green]ok[/]" if ok else "[red]FAIL[/]", detail)
+        table.add_row(escape(what), "[green]ok[/]" if ok else "[red]FAIL[/]", escape(detail))
     return table
 
 
