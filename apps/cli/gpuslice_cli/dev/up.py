@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import faulthandler
 import logging
 import os
 import shlex
@@ -401,6 +402,9 @@ def foreign_output_to(path: Path) -> Iterator[None]:
     own = os.fdopen(os.dup(saved), "w", buffering=1, encoding="utf-8", errors="replace")
     previous = sys.stderr
     sys.stderr = own
+    dumps = faulthandler.is_enabled()  # PYTHONFAULTHANDLER: stack dumps stay on the terminal
+    if dumps:
+        faulthandler.enable(own)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
@@ -411,9 +415,11 @@ def foreign_output_to(path: Path) -> Iterator[None]:
         root.removeHandler(handler)
         handler.close()
         sys.stderr = previous
-        own.close()
         os.dup2(saved, 2)
         os.close(saved)
+        if dumps:
+            faulthandler.enable(previous)
+        own.close()
 
 
 def _run(stack: Stack, demo_: bool, pods: Sequence[Path] | None, plain: bool) -> None:
