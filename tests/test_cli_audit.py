@@ -107,12 +107,12 @@ async def cli(settings: CommonSettings, *args: str) -> Result:
 
 
 def rows(output: str) -> list[list[str]]:
-    """The body rows of the tail table, as lists of stripped cells."""
-    return [
-        [c.strip() for c in line.strip("│").split("│")]
-        for line in output.splitlines()
-        if line.startswith("│")
-    ]
+    """The body rows of the tail table as written to a pipe (tab-separated
+    lines after its title and header), as lists of cells."""
+    lines = [line for line in output.splitlines() if not line.startswith("# ")]
+    if not lines or lines[0] != "time\ttype\tpod\tnode\tdetail":  # no table
+        return []
+    return [line.split("\t") for line in lines[1:]]
 
 
 async def publish(bus: Bus, events: list[CloudEvent]) -> None:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
+import pty
+import re
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +21,14 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from gpuslice_cli.main import app
-from gpuslice_cli.status import CardStatus, NodeStatus, gather_status, table_columns, table_rows
+from gpuslice_cli.status import (
+    CardStatus,
+    NodeStatus,
+    gather_status,
+    table_columns,
+    table_rows,
+    without_password,
+)
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
 from gpuslice_common.servers import free_port
@@ -52,13 +64,16 @@ async def cli(redis_url: str, *args: str) -> Result:
     return await asyncio.to_thread(CliRunner().invoke, app, list(args), env=env)
 
 
-def cells(output: str) -> list[list[str]]:
-    """The header and body rows of a rich table, as lists of stripped cells."""
-    rows = []
+def cells(output: str, title: str = "gpuslice ledger") -> list[list[str]]:
+    """The header and body rows of the table ``title`` as written to a pipe
+    (tab-separated), as lists of cells."""
+    rows: list[list[str]] = []
+    inside = False
     for line in output.splitlines():
-        for bar in ("┃", "│"):
-            if line.startswith(bar):
-                rows.append([c.strip() for c in line.strip(bar).split(bar)])
+        if line.startswith("# "):
+            inside = line == f"# {title}"
+        elif inside:
+            rows.append(line.split("\t"))
     return rows
 
 
@@ -129,8 +144,9 @@ async def test_json_document(cluster: Ledger, redis_url: str) -> None:
     result = await cli(redis_url, "status", "--json", "--node", "node-a")
     assert result.exit_code == 0, result.output
 
-    def pod(uid: str, state: str) -> dict[str, str]:
-        return {"uid": uid, "namespace": "ns", "name": f"name-{uid}", "state": state}
+    def pod(uid: str, state: str, memory: int, cores: int) -> dict[str, Any]:
+        named = {"uid": uid, "namespace": "ns", "name": f"name-{uid}", "state": state}
+        return named | {"memory_mib": memory, "cores": cores}
 
     def card(index: int, **values: Any) -> dict[str, Any]:
         return {
@@ -164,7 +180,7 @@ async def test_json_document(cluster: Ledger, redis_url: str) -> None:
                         cores_allocated=60,
                         slots_used=3,
                         pod_count=2,
-                        pods=[pod("pod-1", "reserved"), pod("pod-2", "bound")],
+                        pods=[pod("pod-1", "reserved", 5000, 40), pod("pod-2", "bound", 3000, 20)],
                     ),
                     card(
                         1,
@@ -172,7 +188,7 @@ async def test_json_document(cluster: Ledger, redis_url: str) -> None:
                         cores_allocated=0,
                         slots_used=1,
                         pod_count=1,
-                        pods=[pod("pod-1", "reserved")],
+                        pods=[pod("pod-1", "reserved", 2000, 0)],
                     ),
                 ],
                 "totals": {
@@ -271,7 +287,7 @@ async def test_unknown_node_is_a_one_line_error(cluster: Ledger, redis_url: str)
 
 async def test_empty_ledger(redis_url: str) -> None:
     result = await cli(redis_url, "status")
-    assert (result.exit_code, result.stdout) == (0, "no GPU nodes in the ledger\n")
+    assert (result.exit_code, result.stdout) == (0, f"no GPU nodes in the ledger at {redis_url}\n")
     result = await cli(redis_url, "status", "--json")
     assert json.loads(result.stdout) == {"version": 1, "skipped": {}, "nodes": []}
 
@@ -328,3 +344,129 @@ def test_bad_redis_url_names_the_variable() -> None:
     assert result.exit_code == 2
     assert "GPUSLICE_REDIS_URL" in result.stderr
     assert result.stdout == ""
+
+
+async def test_pods_option_lists_each_pod_on_each_card_with_its_grant(
+    cluster: Ledger, redis_url: str
+) -> None:
+    result = await cli(redis_url, "status", "--pods")
+    assert result.exit_code == 0, result.output
+    # pod-1's two containers on card 0: 4000 + 1000 MiB, 30 + 10 cores; pod-3 is released
+    assert cells(result.stdout, "pods by card") == [
+        ["node", "gpu", "pod", "state", "memory MiB", "cores"],
+        ["node-a", "0", "ns/name-pod-1", "reserved", "5000", "40"],
+        ["node-a", "0", "ns/name-pod-2", "bound", "3000", "20"],
+        ["node-a", "1", "ns/name-pod-1", "reserved", "2000", "0"],
+        ["node-b", "0", "ns/name-pod-4", "reserved", "8000", "100"],
+    ]
+    plain = await cli(redis_url, "status")
+    assert "# pods by card" not in plain.stdout
+
+
+async def test_status_names_the_redis_it_read(cluster: Ledger, redis_url: str) -> None:
+    result = await cli(redis_url, "status")
+    assert result.stdout.splitlines()[-1] == f"# read from {redis_url}"
+    assert result.stderr == ""
+
+
+def test_a_password_in_the_redis_url_is_never_printed(redis_url: str) -> None:
+    assert without_password("redis://user:s3cret@host:6379/0") == "redis://user@host:6379/0"
+    assert without_password("rediss://:s3cret@host:6380/1") == "rediss://host:6380/1"
+    assert without_password("redis://host:6379/0") == "redis://host:6379/0"
+    # what the command says names the server, not the password
+    with_password = redis_url.replace("redis://", "redis://:s3cret@")
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuslice_cli.main", "status", "--redis-url", with_password],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=command_env(),
+        cwd=ROOT,
+        check=False,
+    )
+    assert redis_url in result.stdout + result.stderr
+    assert "s3cret" not in result.stdout + result.stderr
+
+
+def command_env(**more: str) -> dict[str, str]:
+    """The environment without any setting of the terminal or of gpuslice."""
+    skip = ("GPUSLICE_", "COLUMNS", "LINES", "TTY_", "FORCE_COLOR", "TERM")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(skip)}
+    return env | more
+
+
+def test_the_default_redis_is_named_with_a_warning() -> None:
+    """Nothing names a Redis: the command says it reads the built-in default."""
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuslice_cli.main", "status", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=command_env(),
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.stderr.splitlines()[0] == (
+        "warning: no --redis-url or GPUSLICE_REDIS_URL: reading the default"
+        " redis://127.0.0.1:6379/0"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def in_terminal(args: list[str], env: dict[str, str], columns: int) -> str:
+    """What ``gpuslice`` writes to a terminal ``columns`` wide (a pseudo-terminal),
+    without colour codes."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuslice_cli.main", *args],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=env | {"TERM": "xterm", "NO_COLOR": "1"},
+        cwd=ROOT,
+    )
+    os.close(follower)
+    said = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the command ended and closed the terminal
+            break
+        if not chunk:
+            break
+        said += chunk
+    os.close(leader)
+    assert proc.wait(60) == 0, said
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", said.decode()).replace("\r", "")
+
+
+async def test_tables_fit_the_terminal_and_are_plain_columns_in_a_pipe(
+    cluster: Ledger, redis_url: str
+) -> None:
+    env = command_env(GPUSLICE_REDIS_URL=redis_url, GPUSLICE_LEDGER_PREFIX="gpuslice")
+    args = ["status", "--pods"]
+    piped = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "gpuslice_cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
+    assert piped.returncode == 0, piped.stderr
+    # whole cells, no drawing, one row a line
+    for drawing in ("┃", "│", "…"):
+        assert drawing not in piped.stdout
+    assert {MODEL, "1 healthy, 1 unhealthy"} <= {c for row in cells(piped.stdout) for c in row}
+    for columns in (70, 160):
+        drawn = await asyncio.to_thread(in_terminal, args, env, columns)
+        lines = drawn.splitlines()
+        assert any("┃" in line for line in lines), drawn
+        assert max(len(line) for line in lines) <= columns, drawn
+        assert "\t" not in drawn
+        # room enough: the widest cells whole; too narrow: cut or wrapped, in the width
+        assert (MODEL in drawn) is (columns == 160), drawn
+        assert ("1 healthy, 1 unhealthy" in drawn) is (columns == 160), drawn

@@ -3,10 +3,16 @@ process of the stack behind."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import re
+import shlex
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -55,7 +61,7 @@ def test_the_demo_passes_and_leaves_nothing_running(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo passed" in result.stdout
-    assert result.stdout.count(" ok ") >= 4  # every step of the scenario
+    assert result.stdout.count("\tok\t") >= 4  # every step of the scenario, piped: plain columns
     assert "Traceback" not in result.stdout + result.stderr
     assert survivors(workdir) == []
 
@@ -84,12 +90,26 @@ def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path)
         # it says where the servers are and how to read the audit as the auditor
         env_file = workdir / "gpuslice.env"
         assert str(env_file) in said
-        assert "NATS at nats://" in said
+        assert "NATS at nats://auditor:" in said
         assert "Redis at redis://" in said
-        audit = audit_tail(env_file)
+        # the export line it prints, pasted, reaches the stack as the env file does
+        exported = exports(said)
+        assert exported == env_variables(env_file)
+        audit = audit_tail(exported)
         assert audit.returncode == 0, audit.stdout + audit.stderr
+        status = subprocess.run(
+            [GPUSLICE, "status"],
+            env=dev_env() | exported,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert status.stderr == ""  # not the default Redis
+        assert f"# read from {exported['GPUSLICE_REDIS_URL']}" in status.stdout
+        assert "gpu-node-1\t0\t" in status.stdout
         # NATS wants a login: the same command without the credential is refused
-        anonymous = audit_tail(env_file, login=False)
+        anonymous = audit_tail(exported, login=False)
         assert anonymous.returncode == 1, anonymous.stdout + anonymous.stderr
         assert "cannot connect to NATS" in anonymous.stderr
         proc.send_signal(signal.SIGINT)
@@ -109,14 +129,27 @@ def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path)
     assert survivors(workdir) == []
 
 
-def audit_tail(env_file: Path, login: bool = True) -> subprocess.CompletedProcess[str]:
-    """``gpuslice audit tail`` with the variables of the stack's env file."""
-    env = dev_env()
+def env_variables(env_file: Path) -> dict[str, str]:
+    variables = {}
     for line in env_file.read_text().splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.partition("=")
-            if login or name not in ("GPUSLICE_NATS_USER", "GPUSLICE_NATS_PASSWORD"):
-                env[name] = value
+            variables[name] = value
+    return variables
+
+
+def exports(said: str) -> dict[str, str]:
+    """The variables of the ``export`` line ``gpuslice dev up`` printed."""
+    [line] = [line for line in said.splitlines() if line.startswith("export ")]
+    return dict(word.partition("=")[::2] for word in shlex.split(line)[1:])
+
+
+def audit_tail(variables: dict[str, str], login: bool = True) -> subprocess.CompletedProcess[str]:
+    """``gpuslice audit tail`` with the stack's variables."""
+    env = dev_env()
+    for name, value in variables.items():
+        if login or name not in ("GPUSLICE_NATS_USER", "GPUSLICE_NATS_PASSWORD"):
+            env[name] = value
     return subprocess.run(
         [GPUSLICE, "audit", "tail", "--since", "1h"],
         env=env,
@@ -191,3 +224,130 @@ def test_sigterm_stops_the_stack_cleanly(native: Native, tmp_path: Path) -> None
     assert proc.returncode == 0, rest
     assert "Traceback" not in rest
     assert until_gone(workdir) == []
+
+
+POD_FILE = """
+metadata: {name: hami-pod}
+spec:
+  schedulerName: hami-scheduler
+  containers:
+  - {name: main, image: cuda, command: [probe, init],
+     resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 1000}}}
+---
+metadata: {name: fine}
+spec:
+  containers:
+  - {name: main, image: cuda, command: [probe, init],
+     resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 1000}}}
+---
+metadata: {name: too-many-cores}
+spec:
+  containers:
+  - {name: main, image: cuda, command: [probe, init],
+     resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpucores: 200}}}
+---
+metadata: {name: failing}
+spec:
+  containers:
+  - {name: main, image: cuda,
+     command: [sh, -c, "for i in $(seq 1 30); do echo line $i; done; exit 3"],
+     resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 1000}}}
+"""
+
+# a line as absl and gRPC's C core write it: "W1124 18:54:26.513183 20092 log.cc:110] ..."
+ABSL_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)
+GRPC_DEBUG_LINE = "Log level DEBUG is not suitable for production"
+
+
+def test_pods_that_do_not_run_are_reported_with_why_and_fail_the_run(
+    native: Native, tmp_path: Path
+) -> None:
+    """A pod for another scheduler stays Pending and the run goes on; a denied
+    pod and a failed one are named with why, the failed one with the end of
+    its output and where the whole is; the exit is non-zero. gRPC's own log
+    lines (made plentiful here) stay out of the output, in the stack's log."""
+    workdir = tmp_path / "dev"
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(POD_FILE)
+    result = subprocess.run(
+        [GPUSLICE, "dev", "up", "--gpu", "fake", "--workdir", str(workdir), str(pods)],
+        env=dev_env() | {"GRPC_VERBOSITY": "debug"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    said = result.stdout + result.stderr
+    assert result.returncode == 1, said
+    assert "Traceback" not in said
+    rows = {line.split("\t")[0]: line.split("\t") for line in result.stdout.splitlines()}
+    assert rows["default/hami-pod"][1:] == [
+        "Pending",
+        "-",
+        "-",
+        "names scheduler hami-scheduler, which this stack does not run",
+    ]
+    assert rows["default/fine"][1:3] == ["Succeeded", "gpu-node-1"]
+    # the whole reason, not cut
+    assert rows["default/too-many-cores"][1] == "Denied"
+    assert rows["default/too-many-cores"][4].endswith("must be between 0 and 100, got 200")
+    assert rows["default/failing"][1:2] == ["Failed"]
+    assert rows["default/failing"][4] == "containers failed: main (exit 3)"
+    lines = result.stdout.splitlines()
+    assert "pod default/hami-pod: Pending: names scheduler hami-scheduler," in result.stdout
+    assert any(line.startswith("pod default/too-many-cores: Denied: ") for line in lines)
+    [failing_log] = (workdir / "pods" / "default").glob("failing-*/main.log")
+    assert failing_log.read_text().splitlines() == [f"line {i}" for i in range(1, 31)]
+    said_where = f"  container main exited 3; its output ({failing_log}) ends:"
+    at = lines.index(said_where)
+    assert lines[at + 1 : at + 21] == [f"    line {i}" for i in range(11, 31)]
+    assert "3 of 4 pods did not succeed" in result.stdout
+    # every container that ran kept its output
+    assert [p.parent.name.rsplit("-", 1)[0] for p in sorted(workdir.glob("pods/*/*/*.log"))] == [
+        "failing",
+        "fine",
+    ]
+    assert ABSL_LINE.search(said) is None, said
+    assert GRPC_DEBUG_LINE in (workdir / "gpuslice-dev.log").read_text()
+    assert survivors(workdir) == []
+
+
+def in_terminal(argv: list[str], env: dict[str, str], columns: int) -> tuple[int, str]:
+    """Run ``argv`` on a pseudo-terminal ``columns`` wide: its exit code and
+    what it drew, escape sequences removed."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # it ended and closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(leader)
+    code = proc.wait(60)
+    return code, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn.decode(errors="replace"))
+
+
+def test_the_live_view_on_a_terminal_exits_0_when_every_pod_succeeds(
+    native: Native, tmp_path: Path
+) -> None:
+    workdir = tmp_path / "dev"
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(POD_FILE.split("---")[1])  # the pod that runs
+    env = dev_env() | {"GRPC_VERBOSITY": "debug", "TERM": "xterm", "NO_COLOR": "1"}
+    for name in ("COLUMNS", "LINES", "TTY_COMPATIBLE", "FORCE_COLOR"):
+        env.pop(name, None)
+    argv = [GPUSLICE, "dev", "up", "--gpu", "fake", "--workdir", str(workdir), str(pods)]
+    code, drawn = in_terminal(argv, env, 150)
+    assert code == 0, drawn
+    assert "┃" in drawn  # the live view and the summary, drawn
+    assert "default/fine" in drawn
+    assert "Succeeded" in drawn
+    assert "did not succeed" not in drawn
+    assert ABSL_LINE.search(drawn) is None, drawn
+    assert GRPC_DEBUG_LINE in (workdir / "gpuslice-dev.log").read_text()
+    assert survivors(workdir) == []

@@ -35,6 +35,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from gpuslice_cli.status import cli_settings, fail
+from gpuslice_cli.table import show
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import CommonSettings, parse_duration
 from gpuslice_common.events import (
@@ -439,7 +440,7 @@ def tail(
             console.print(f"no events since {format_time(start)}")
             return
         title = f"{len(events)} event{'s' if len(events) != 1 else ''} since {format_time(start)}"
-        console.print(events_table(events, title=title))
+        show(console, events_table(events, title=title))
 
     _run_or_fail(settings, run)
 

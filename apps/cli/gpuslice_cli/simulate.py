@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gpuslice_cli.table import show as show_table
 from gpuslice_common.ledger import LedgerError
 from gpuslice_scheduler.sim import (
     POLICIES,
@@ -163,7 +164,7 @@ def sim(
             f"{row['failed_pods']:.0f}",
             f"{row['wall_seconds']:.1f}",
         )
-    console.print(table)
+    show_table(console, table)
 
 
 def draw(results: Sequence[RunResult], path: Path, inflation: float) -> None:

@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
 
 import typer
 from redis.exceptions import RedisError
@@ -20,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gpuslice_cli.table import show
 from gpuslice_common.config import CommonSettings, ConfigError, load
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError
 from gpuslice_common.models import GpuState, Placement, PlacementState
@@ -51,6 +53,32 @@ def cli_settings(nats_url: str | None = None, redis_url: str | None = None) -> C
         fail(str(exc), 2)
 
 
+def without_password(url: str) -> str:
+    """``url`` with its password, if any, left out (the user stays)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "(an unreadable URL)"
+    if password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}" if user else host))
+
+
+def ledger_source(settings: CommonSettings) -> tuple[str, bool]:
+    """Where the ledger is read, for people (no password), and whether that is
+    only the built-in default because nothing named a Redis."""
+    if settings.redis_sentinels:
+        where = (
+            f"Redis service {settings.redis_sentinel_service} through the sentinels"
+            f" at {settings.redis_sentinels}"
+        )
+        return where, False
+    return without_password(settings.redis_url), "redis_url" not in settings.model_fields_set
+
+
 # ---------------------------------------------------------------- data
 
 
@@ -60,6 +88,8 @@ class PodOnCard:
     namespace: str
     name: str
     state: str
+    memory_mib: int = 0  # what the pod's containers were granted on this card
+    cores: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,15 +144,19 @@ class UnknownNode(LookupError):
 
 def card_status(gpu: GpuState, placements: Sequence[Placement]) -> CardStatus:
     """A card with the live placements among ``placements`` that use it."""
-    pods = sorted(
-        (
-            PodOnCard(p.pod.uid, p.pod.namespace, p.pod.name, p.state.value)
-            for p in placements
-            if p.state is not PlacementState.RELEASED
-            and any(d.uuid == gpu.device.uuid for c in p.containers for d in c.devices)
-        ),
-        key=lambda pod: pod.uid,
-    )
+    pods = []
+    for placement in placements:
+        if placement.state is PlacementState.RELEASED:
+            continue
+        grants = [d for c in placement.containers for d in c.devices if d.uuid == gpu.device.uuid]
+        if grants:
+            pod = placement.pod
+            memory = sum(d.memory_mib for d in grants)
+            cores = sum(d.cores for d in grants)
+            pods.append(
+                PodOnCard(pod.uid, pod.namespace, pod.name, placement.state.value, memory, cores)
+            )
+    pods.sort(key=lambda pod: pod.uid)
     return CardStatus(
         node=gpu.node,
         index=gpu.device.index,
@@ -268,6 +302,37 @@ def status_table(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> Tab
     return table
 
 
+POD_COLUMNS = ("node", "gpu", "pod", "state", "memory MiB", "cores")
+
+
+def pod_rows(nodes: Sequence[NodeStatus]) -> list[list[str]]:
+    """One row per pod and card it uses: what it was granted there."""
+    return [
+        [
+            node.node,
+            str(card.index),
+            f"{pod.namespace}/{pod.name}",
+            pod.state,
+            str(pod.memory_mib),
+            str(pod.cores),
+        ]
+        for node in readable(nodes)
+        for card in node.gpus
+        for pod in sorted(card.pods, key=lambda p: (p.namespace, p.name, p.uid))
+    ]
+
+
+def pods_table(nodes: Sequence[NodeStatus]) -> Table:
+    table = Table(title="pods by card")
+    for name in POD_COLUMNS:
+        table.add_column(
+            name, justify="right" if name in ("gpu", "memory MiB", "cores") else "left"
+        )
+    for row in pod_rows(nodes):
+        table.add_row(*(escape(cell) for cell in row))
+    return table
+
+
 def _card_document(card: CardStatus, usage: Usage | None) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "index": card.index,
@@ -287,7 +352,14 @@ def _card_document(card: CardStatus, usage: Usage | None) -> dict[str, Any]:
         "exclusive_owner": card.exclusive_owner,
         "pod_count": len(card.pods),
         "pods": [
-            {"uid": p.uid, "namespace": p.namespace, "name": p.name, "state": p.state}
+            {
+                "uid": p.uid,
+                "namespace": p.namespace,
+                "name": p.name,
+                "state": p.state,
+                "memory_mib": p.memory_mib,
+                "cores": p.cores,
+            }
             for p in card.pods
         ],
     }
@@ -357,6 +429,7 @@ def status(
     redis_url: str | None = typer.Option(
         None, "--redis-url", help="the ledger's Redis (default: GPUSLICE_REDIS_URL)"
     ),
+    pods: bool = typer.Option(False, "--pods", help="also list the pods on each card"),
 ) -> None:
     """Show nodes and GPUs as the ledger holds them.
 
@@ -368,7 +441,13 @@ def status(
     and its health (healthy, cordoned, unhealthy, or
     missing from the node's inventory). A bold row per node gives its totals.
     A node whose record in the ledger cannot be read (a value no gpuslice
-    writes) is left out, with a warning on stderr saying why.
+    writes) is left out, with a warning on stderr saying why. --pods adds a
+    table of the pods on each card with the memory (MiB) and cores they were
+    granted there. The Redis read is named under the table (without its
+    password); stderr warns when it is the built-in default 127.0.0.1:6379
+    because neither --redis-url nor GPUSLICE_REDIS_URL named one. On a
+    terminal the tables fit its width; piped, they are tab-separated columns
+    with whole cells.
 
     --json prints {"version": 1, "skipped": {...}, "nodes": [...]} instead;
     "skipped" maps each node left out to why; each node is
@@ -377,7 +456,7 @@ def status(
     "cores_capacity", "cores_allocated", "slots_total", "slots_used", "health",
     "healthy", "cordoned", "present", "exclusive_owner", "pod_count", "pods",
     "used_bytes", "sm_percent"} (the last two null without telemetry), each
-    pod {"uid", "namespace", "name", "state"} sorted by uid, and totals
+    pod {"uid", "namespace", "name", "state", "memory_mib", "cores"} sorted by uid, and totals
     {"gpus", "memory_total_mib", "memory_allocated_mib", "cores_capacity",
     "cores_allocated", "slots_total", "slots_used", "pod_count"} (pods counted once
     per node). Nodes are sorted by name, cards by index.
@@ -385,17 +464,24 @@ def status(
     Exit 1 when Redis cannot be read or --node is unknown, 2 on bad settings.
     """
     settings = cli_settings(redis_url=redis_url)
+    source, by_default = ledger_source(settings)
+    warnings = Console(stderr=True, highlight=False)
+    if by_default:
+        warnings.print(
+            f"[yellow]warning:[/] no --redis-url or GPUSLICE_REDIS_URL: reading the"
+            f" default {escape(source)}",
+            soft_wrap=True,
+        )
     try:
         nodes, usage = asyncio.run(_read_status(settings, node))
     except UnknownNode as exc:
         fail(str(exc), 1)
     except (LedgerError, RedisError, OSError) as exc:
-        fail(f"cannot read the ledger at {settings.redis_url}: {exc}", 1)
+        fail(f"cannot read the ledger at {source}: {exc}", 1)
     if as_json:
         typer.echo(json.dumps(status_document(nodes, usage), indent=2))
         return
     console = Console()
-    warnings = Console(stderr=True, highlight=False)
     for name, problem in skipped(nodes).items():
         shown = name if name.isprintable() else repr(name)
         warnings.print(
@@ -404,7 +490,11 @@ def status(
             soft_wrap=True,
         )
     if not nodes:
-        console.print("no GPU nodes in the ledger")
+        console.print(f"no GPU nodes in the ledger at {escape(source)}", soft_wrap=True)
         return
     if readable(nodes):
-        console.print(status_table(nodes, usage))
+        table = status_table(nodes, usage)
+        table.caption = f"read from {escape(source)}"
+        show(console, table)
+        if pods:
+            show(console, pods_table(nodes))

@@ -8,7 +8,10 @@ For each pod spec, :meth:`ClusterDriver.run_pod`:
 2. stores the pod in the API server (``Pending``);
 3. calls the extender's ``filter``, ``prioritize`` and ``bind`` as
    kube-scheduler does (``nodeCacheCapable``: node names only), and takes the
-   best-scored node; the bind goes through the API server. Where the extender
+   best-scored node; the bind goes through the API server (a pod that names
+   another scheduler, which this stack does not run, stays ``Pending`` and is
+   reported so; one for kube-scheduler's default goes to the first node). Where
+   the extender
    runs as several replicas, the calls are spread over them in turn, as a
    Service in front of them does, and a call that finds one down goes to the
    next;
@@ -20,7 +23,8 @@ For each pod spec, :meth:`ClusterDriver.run_pod`:
    path (a value under a mount's container path points at its host path), the
    interposer preloaded as ``/etc/ld.so.preload`` names it, and, on a simulated
    node, the fake CUDA driver and NVML showing its GPUs (a node on this
-   machine's real GPUs uses the real driver);
+   machine's real GPUs uses the real driver); each container's output is kept
+   in ``<log dir>/<namespace>/<pod>-<uid>/<container>.log``;
 6. when every container has ended, sets the phase (``Succeeded`` or ``Failed``),
    gives the replicas back to the kubelet, deletes the pod and says so on the bus
    (:class:`~gpuslice_common.models.PodEnded`).
@@ -35,11 +39,12 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
-import tempfile
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -56,6 +61,8 @@ from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 log = logging.getLogger(__name__)
 
 GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_SCHEDULER = "default-scheduler"
+GPUSLICE_SCHEDULER = "gpuslice-scheduler"
 PRELOAD = "/etc/ld.so.preload"
 CONTAINER_TIMEOUT_S = 120.0
 # how long a step is tried again while a component restarts
@@ -83,6 +90,11 @@ class ContainerRun:
     output: str = ""
     env: dict[str, str] = field(default_factory=dict)  # what Allocate gave
     devices: tuple[str, ...] = ()  # kubelet's replica IDs
+    log_path: Path | None = None  # its output, kept once it has run
+
+    def tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of its output."""
+        return "\n".join(self.output.splitlines()[-lines:])
 
 
 @dataclass
@@ -92,7 +104,7 @@ class PodOutcome:
     name: str
     namespace: str
     uid: str
-    phase: str  # Denied, Unschedulable, Succeeded, Failed
+    phase: str  # Denied, Pending (another scheduler's), Unschedulable, Succeeded, Failed
     reason: str = ""
     node: str = ""
     warnings: tuple[str, ...] = ()
@@ -146,6 +158,12 @@ def _rewrite(value: str, mounts: Sequence[pb.Mount]) -> str:
     return value
 
 
+def _file_name(text: str) -> str:
+    """``text`` as one safe path component (names come from pod files)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:100].lstrip(".")
+    return name or "_"
+
+
 class Retry(Exception):
     """A step that a real cluster would try again (a component restarting)."""
 
@@ -155,11 +173,14 @@ Admission = tuple[dict[str, Any] | None, str, tuple[str, ...]]
 
 
 class ClusterDriver:
-    """Drives pods through the stack; ``bus`` (optional) carries the pod-ended reports."""
+    """Drives pods through the stack; ``bus`` (optional) carries the pod-ended
+    reports; containers' output is kept under ``log_dir`` (default: the
+    stack's ``pods`` directory)."""
 
-    def __init__(self, stack: Stack, bus: Bus | None = None) -> None:
+    def __init__(self, stack: Stack, bus: Bus | None = None, log_dir: Path | None = None) -> None:
         self.stack = stack
         self.bus = bus
+        self.log_dir = log_dir or stack.workdir / "pods"
         self.http = httpx.AsyncClient(timeout=15)
         self._node_locks: dict[str, asyncio.Lock] = {}
         self._next_replica = 0  # the replica the next call to replicas goes to
@@ -282,7 +303,10 @@ class ClusterDriver:
     async def schedule(self, pod: dict[str, Any]) -> tuple[str, str]:
         """(node, "") once bound, or ("", why not)."""
         names = [node.name for node in self.stack.nodes]
-        if pod["spec"].get("schedulerName", "default-scheduler") != "gpuslice-scheduler":
+        scheduler = pod["spec"].get("schedulerName") or DEFAULT_SCHEDULER
+        if scheduler not in (DEFAULT_SCHEDULER, GPUSLICE_SCHEDULER):
+            return "", f"names scheduler {scheduler}, which this stack does not run"
+        if scheduler == DEFAULT_SCHEDULER:
             node = names[0]
             meta = pod["metadata"]
             await self._node_locks.setdefault(node, asyncio.Lock()).acquire()
@@ -398,15 +422,29 @@ class ClusterDriver:
         env.setdefault("GPUSLICE_TELEMETRY_INTERVAL", "200ms")
         return env
 
+    def log_path(self, pod: Mapping[str, Any], container: str) -> Path:
+        """Where a container's output is kept: one directory per pod (its uid
+        keeps a pod run twice apart), one file per container."""
+        meta = pod["metadata"]
+        where = self.log_dir / _file_name(meta["namespace"])
+        where /= f"{_file_name(meta['name'])}-{meta['uid'][:8]}"
+        return where / f"{_file_name(container)}.log"
+
     async def run_container(
-        self, container: Mapping[str, Any], env: dict[str, str], run: ContainerRun
+        self,
+        container: Mapping[str, Any],
+        env: dict[str, str],
+        run: ContainerRun,
+        log_path: Path,
     ) -> None:
         argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not argv:
             raise DriverError(f"container {run.name} has no command to run")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        run.log_path = log_path
         # Output goes to a file, not a pipe: a background process of the
         # container holding a pipe open would keep its end waiting.
-        with tempfile.TemporaryFile() as output:
+        with log_path.open("w+b") as output:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 env=env,
@@ -426,8 +464,10 @@ class ClusterDriver:
                     os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
                 run.returncode = proc.returncode
+                if note:
+                    output.write(note.encode())
                 output.seek(0)
-                run.output = output.read().decode(errors="replace") + note
+                run.output = output.read().decode(errors="replace")
 
     # ------------------------------------------------------------ a whole pod
 
@@ -451,7 +491,9 @@ class ClusterDriver:
         try:
             node, why = await self._schedule_retrying(admitted)
             if not node:
-                outcome.phase, outcome.reason = "Unschedulable", why
+                scheduler = admitted["spec"].get("schedulerName") or DEFAULT_SCHEDULER
+                ours = scheduler in (DEFAULT_SCHEDULER, GPUSLICE_SCHEDULER)
+                outcome.phase, outcome.reason = "Unschedulable" if ours else "Pending", why
                 return outcome
             outcome.node = node
             unlock.append(self._node_locks[node].release)  # taken by schedule
@@ -499,13 +541,13 @@ class ClusterDriver:
             pairs = list(zip(containers, envs, outcome.containers, strict=True))
             for (kind, container), env, run in pairs:
                 if kind == "init":
-                    await self.run_container(container, env, run)
+                    await self.run_container(container, env, run, self.log_path(pod, run.name))
                     if run.returncode != 0:
                         break
             else:
                 await asyncio.gather(
                     *(
-                        self.run_container(container, env, run)
+                        self.run_container(container, env, run, self.log_path(pod, run.name))
                         for (kind, container), env, run in pairs
                         if kind == "app"
                     )
@@ -513,7 +555,11 @@ class ClusterDriver:
             ok = all(run.returncode == 0 for run in outcome.containers)
             outcome.phase = "Succeeded" if ok else "Failed"
             if not ok:
-                failed = [r.name for r in outcome.containers if r.returncode != 0]
+                failed = [
+                    f"{r.name} (exit {r.returncode})"
+                    for r in outcome.containers
+                    if r.returncode not in (0, None)  # None: not run after a failed init
+                ]
                 outcome.reason = f"containers failed: {', '.join(failed)}"
             self.stack.kube.set_phase(meta["namespace"], meta["name"], outcome.phase)
         finally:

@@ -5,8 +5,16 @@ from telemetry, used), the latest audited events and what became of each pod;
 at the end a summary. ``--demo`` runs a scripted scenario and exits non-zero if
 any step misbehaves: two pods sharing one card, an allocation past its limit
 refused inside the running process, a pod refused for its namespace's quota,
-and every device released at the end. Without ``--demo`` or pod files, the
-stack stays up until Ctrl-C. Ctrl-C always stops every child process.
+and every device released at the end. Given pod files, it runs them in order
+and exits 0 only when every pod succeeded; the summary says which did not and
+why, with the end of a failed container's output and where the whole is kept.
+Without ``--demo`` or pod files, the stack stays up until Ctrl-C. Ctrl-C
+always stops every child process.
+
+At the start it prints where its NATS and Redis are and an ``export`` line
+that lets ``gpuslice status`` and ``gpuslice audit tail`` reach them. What
+libraries write on their own (gRPC's core, Python loggers) goes to
+``gpuslice-dev.log`` in the stack's directory, not into the view.
 """
 
 from __future__ import annotations
@@ -14,10 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import faulthandler
+import logging
+import os
+import shlex
 import signal
+import sys
 import tempfile
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +40,7 @@ import yaml
 from redis.exceptions import RedisError
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from gpuslice_cli.dev.driver import ClusterDriver, DriverError, PodOutcome
@@ -39,6 +53,7 @@ from gpuslice_cli.dev.stack import (
     nvidia_gpus,
 )
 from gpuslice_cli.status import gather_status, gather_usage, status_table
+from gpuslice_cli.table import shorten, show
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import CommonSettings, ConfigError, load
 from gpuslice_common.events import CloudEvent
@@ -48,6 +63,11 @@ from gpuslice_common.servers import ServerError
 from gpuslice_common.service import every
 
 QUOTA_NAMESPACE = "team-a"
+# how much of a reason the live view shows, and of a failed container's output the summary
+REASON_WIDTH = 70
+TAIL_LINES = 20
+# where what libraries write on their own goes, in the stack's directory
+FOREIGN_LOG = "gpuslice-dev.log"
 
 
 @dataclass
@@ -65,16 +85,18 @@ class View:
             parts.append(self.status)
         events = Table(title="events", show_header=False, expand=False)
         for line in self.events:
-            events.add_row(line)
+            events.add_row(escape(line))
         parts.append(events)
         if self.pods:
-            parts.append(pods_table(self.pods))
+            parts.append(pods_table(self.pods, REASON_WIDTH))
         if self.steps:
             parts.append(steps_table(self.steps))
         return Group(*parts)
 
 
-def pods_table(pods: Sequence[PodOutcome]) -> Table:
+def pods_table(pods: Sequence[PodOutcome], reason_width: int | None = None) -> Table:
+    """What became of each pod; reasons cut to ``reason_width`` (with an
+    ellipsis) when given, whole otherwise."""
     table = Table(title="pods")
     for name in ("pod", "phase", "node", "GPUs", "reason"):
         table.add_column(name)
@@ -83,8 +105,28 @@ def pods_table(pods: Sequence[PodOutcome]) -> Table:
         if pod.placement is not None:
             grants = {g.uuid[-8:] for c in pod.placement.containers for g in c.devices}
             uuids = ",".join(sorted(grants))
-        table.add_row(pod.ref, pod.phase, pod.node or "-", uuids or "-", pod.reason[:70])
+        reason = pod.reason if reason_width is None else shorten(pod.reason, reason_width)
+        table.add_row(
+            escape(pod.ref), pod.phase, escape(pod.node or "-"), uuids or "-", escape(reason)
+        )
     return table
+
+
+def failures(pods: Sequence[PodOutcome]) -> list[str]:
+    """For each pod that did not succeed: which and why; for each of its
+    containers that failed, the end of its output and where the whole is."""
+    lines: list[str] = []
+    for pod in pods:
+        if pod.phase == "Succeeded":
+            continue
+        lines.append(f"pod {pod.ref}: {pod.phase}: {pod.reason or 'no reason given'}")
+        for run in pod.containers:
+            if run.returncode in (0, None):
+                continue
+            where = f" ({run.log_path})" if run.log_path is not None else ""
+            lines.append(f"  container {run.name} exited {run.returncode}; its output{where} ends:")
+            lines += [f"    {line}" for line in run.tail(TAIL_LINES).splitlines()]
+    return lines
 
 
 def steps_table(steps: Sequence[tuple[str, bool, str]]) -> Table:
@@ -93,7 +135,7 @@ def steps_table(steps: Sequence[tuple[str, bool, str]]) -> Table:
     table.add_column("result")
     table.add_column("detail")
     for what, ok, detail in steps:
-        table.add_row(what, "[green]ok[/]" if ok else "[red]FAIL[/]", detail)
+        table.add_row(escape(what), "[green]ok[/]" if ok else "[red]FAIL[/]", escape(detail))
     return table
 
 
@@ -161,7 +203,7 @@ async def demo(driver: ClusterDriver, ledger: Ledger, view: View) -> None:
     step(
         "a pod over its namespace's GPU memory quota is refused",
         greedy.phase == "Denied" and "exceeded quota" in greedy.reason,
-        greedy.reason[:90],
+        shorten(greedy.reason, 90),
     )
 
     left = -1
@@ -254,22 +296,55 @@ async def run_up(
     return view
 
 
+def client_variables(stack: Stack) -> dict[str, str]:
+    """The variables of the stack's env file: its servers and the auditor's login."""
+    variables = {}
+    for line in stack.env_file.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            variables[name] = value
+    return variables
+
+
+def nats_url_with_login(url: str, user: str, password: str) -> str:
+    """``url`` (one or more comma-separated servers) with the login in each."""
+    return ",".join(
+        f"{scheme}://{user}:{password}@{rest}" if rest else server
+        for server in url.split(",")
+        for scheme, _, rest in [server.partition("://")]
+    )
+
+
 def where(stack: Stack, console: Console) -> None:
-    """Where the servers are, and how to read them as an auditor."""
+    """Where the servers are (with the auditor's login where NATS has users),
+    and the variables that let gpuslice status and audit reach them."""
+    variables = client_variables(stack)
+    nats = variables.get("GPUSLICE_NATS_URL", "")
+    user, password = variables.get("GPUSLICE_NATS_USER"), variables.get("GPUSLICE_NATS_PASSWORD")
+    if user and password:
+        nats = nats_url_with_login(nats, user, password)
     if stack.redis_sentinels:
-        console.print(
-            f"gpuslice dev: NATS cluster at {stack.nats_url}, Redis through the sentinels"
-            f" at {stack.redis_sentinels} (service {stack.redis_sentinel_service});"
-            f" two replicas each of the extender and the inventory",
-            soft_wrap=True,
+        redis = (
+            f"Redis through the sentinels at {stack.redis_sentinels}"
+            f" (service {stack.redis_sentinel_service})"
         )
+        more = "; two replicas each of the extender and the inventory"
     else:
-        console.print(f"gpuslice dev: NATS at {stack.nats_url}, Redis at {stack.redis_url}")
-    login = "the auditor's NATS credential and " if stack.nats_auth is not None else ""
+        redis, more = f"Redis at {variables.get('GPUSLICE_REDIS_URL', '')}", ""
+    say = f"gpuslice dev: NATS at {nats}, {redis}{more}"
+    console.print(say, soft_wrap=True, markup=False, highlight=False)
+    exports = " ".join(f"{name}={shlex.quote(value)}" for name, value in variables.items())
     console.print(
-        f"gpuslice dev: {login}the URLs are in {stack.env_file}; for gpuslice status"
-        f" and gpuslice audit tail:  set -a; . {stack.env_file}; set +a",
+        "gpuslice dev: for gpuslice status and gpuslice audit tail, paste:",
+        markup=False,
+        highlight=False,
+    )
+    console.print(f"export {exports}", soft_wrap=True, markup=False, highlight=False)
+    console.print(
+        f"gpuslice dev: (or:  set -a; . {stack.env_file}; set +a)",
         soft_wrap=True,
+        markup=False,
+        highlight=False,
     )
 
 
@@ -304,36 +379,89 @@ def _work(demo_: bool, pods: Sequence[Path] | None) -> Callable[..., Any] | None
 
     async def run_files(driver: ClusterDriver, _: Ledger, view: View) -> None:
         for spec in specs_to_run:
-            namespace = str((spec.get("metadata") or {}).get("namespace") or "default")
-            view.pods.append(await driver.run_pod(spec, namespace=namespace))
+            meta = spec.get("metadata") or {}
+            namespace = str(meta.get("namespace") or "default")
+            try:
+                view.pods.append(await driver.run_pod(spec, namespace=namespace))
+            except DriverError as exc:  # this pod cannot run; the others still do
+                name = str(meta.get("name") or "-")
+                view.pods.append(PodOutcome(name, namespace, "", "Failed", str(exc)))
 
     return run_files
+
+
+@contextlib.contextmanager
+def foreign_output_to(path: Path) -> Iterator[None]:
+    """While the block runs, whatever is written to file descriptor 2 (gRPC's
+    C core, absl) and Python's log records go to ``path``; this program's own
+    messages to stderr still reach the terminal."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with path.open("ab") as log_file:
+        os.dup2(log_file.fileno(), 2)
+    own = os.fdopen(os.dup(saved), "w", buffering=1, encoding="utf-8", errors="replace")
+    previous = sys.stderr
+    sys.stderr = own
+    dumps = faulthandler.is_enabled()  # PYTHONFAULTHANDLER: stack dumps stay on the terminal
+    if dumps:
+        faulthandler.enable(own)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        sys.stderr = previous
+        os.dup2(saved, 2)
+        os.close(saved)
+        if dumps:
+            faulthandler.enable(previous)
+        own.close()
 
 
 def _run(stack: Stack, demo_: bool, pods: Sequence[Path] | None, plain: bool) -> None:
     """Run the stack with its work and print the summary; exit as the outcome says."""
     console = Console()
-    console.print(f"gpuslice dev: logs under {stack.workdir}")
+    errors = Console(stderr=True)
     try:
         work = _work(demo_, pods)
-        view = asyncio.run(run_up(stack, work, console, live=not plain and console.is_terminal))
+        stack.workdir.mkdir(parents=True, exist_ok=True)
+    except (DriverError, OSError) as exc:
+        errors.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    console.print(f"gpuslice dev: logs under {stack.workdir}", soft_wrap=True, highlight=False)
+    try:
+        with foreign_output_to(stack.workdir / FOREIGN_LOG):
+            live = not plain and console.is_terminal
+            view = asyncio.run(run_up(stack, work, console, live=live))
     except (KeyboardInterrupt, asyncio.CancelledError):
         console.print("stopped: every process of the stack has been shut down")
         return
     except (StackError, DriverError, ServerError, BusError, LedgerError, OSError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        errors.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     if view.status is not None:
-        console.print(view.status)
+        show(console, view.status)
     if view.pods:
-        console.print(pods_table(view.pods))
+        show(console, pods_table(view.pods))
     if view.steps:
-        console.print(steps_table(view.steps))
+        show(console, steps_table(view.steps))
         if not all(ok for _, ok, _ in view.steps):
             console.print("[bold red]the demo misbehaved[/]")
             raise typer.Exit(1)
         console.print("[bold green]demo passed[/]")
-    elif view.pods and any(p.phase not in ("Succeeded", "Denied") for p in view.pods):
+        return
+    lines = failures(view.pods)
+    if lines:
+        for line in lines:
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
+        failed = sum(p.phase != "Succeeded" for p in view.pods)
+        console.print(
+            f"[bold red]{failed} of {len(view.pods)} pods did not succeed[/]", highlight=False
+        )
         raise typer.Exit(1)
 
 
