@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuslice_cli.dev.driver import ClusterDriver
@@ -83,10 +82,10 @@ async def scrape_until(stack: Stack, ready: Any, timeout: float = 60) -> dict[st
             await asyncio.sleep(0.5)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian: prometheus)")
 async def test_every_service_is_scraped_and_the_dashboard_reads_only_exported_series(
     up: tuple[Stack, ClusterDriver, Bus, Ledger],
 ) -> None:
+    assert shutil.which("promtool"), "promtool is missing: `make servers` installs it"
     stack, driver, _, _ = up
     stack.kube.add_resource_quota(
         "team",
