@@ -12,6 +12,7 @@ from contextlib import AsyncExitStack
 import httpx
 import pytest
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from gpuslice_common.bus import Bus
@@ -364,3 +365,45 @@ async def test_the_leader_reconciles_at_start_and_after_redis_loses_its_data(
 
         await until(released)
         assert state.upkeep.stats.released["pod succeeded"] == 1
+
+
+@pytest.mark.parametrize("hami", [True, False])
+async def test_hami_s_scheduler_names_follow_the_setting(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, hami: bool
+) -> None:
+    """With GPUSLICE_HAMI_METRICS on, HAMi's names carry the ledger's figures in
+    HAMi's units (bytes, percent, a 0-1 ratio); off, only gpuslice's names."""
+    config = settings_for(nats_server, redis_url, prefix, hami_metrics=hami)
+    async with running(config, bus, serve_http=False) as state:
+        await announce(bus, make_inventory("gpu-1", gpus=2, memory_mib=40960))
+        await until(lambda: state.work.registrations == 1)
+        await state.ledger.reserve(placement("p1", "gpu-1", [[(1, 3000, 25)], [(1, 1000, 5)]]))
+        await until(lambda: state.lease.held)
+        await state.cluster.refresh()
+        families = {
+            f.name: f
+            for f in text_string_to_metric_families(generate_latest(state.registry).decode())
+        }
+
+    def value(name: str, **labels: str) -> float:
+        found = [s.value for s in families[name].samples if labels.items() <= s.labels.items()]
+        assert len(found) == 1, (name, labels, found)
+        return found[0]
+
+    card = {"nodeid": "gpu-1", "deviceuuid": "GPU-gpu-1-1", "deviceidx": "1", "zone": "vGPU"}
+    assert value("gpuslice_gpu_memory_allocated_mib", uuid="GPU-gpu-1-1") == 4000
+    if not hami:
+        assert not [name for name in families if not name.startswith("gpuslice_")]
+        return
+    assert value("GPUDeviceMemoryAllocated", **card) == 4000 * 2**20
+    assert value("GPUDeviceMemoryLimit", **card) == 40960 * 2**20
+    assert value("GPUDeviceCoreAllocated", **card) == 30
+    assert value("GPUDeviceCoreLimit", **card) == 100
+    assert value("GPUDeviceSharedNum", **card) == 2
+    assert value("nodeGPUMemoryPercentage", **card) == pytest.approx(4000 / 40960)
+    assert value("nodeGPUOverview", **card, devicememorylimit="40960") == 4000 * 2**20
+    second = {"podnamespace": "ns", "podname": "p1", "nodename": "gpu-1", "containeridx": "1"}
+    assert value("vGPUMemoryAllocated", **second) == 1000 * 2**20
+    assert value("vGPUCoreAllocated", **second) == 5
+    assert value("vGPUPodsDeviceAllocated", **second, deviceusedcore="5") == 1000 * 2**20
+    assert value("GPUDeviceMemoryAllocated", deviceuuid="GPU-gpu-1-0") == 0

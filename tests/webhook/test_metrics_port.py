@@ -9,9 +9,11 @@ import logging
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuslice_common.servers import free_port
+from gpuslice_webhook.metrics import Metrics
 from gpuslice_webhook.service import running
 from tests.rawhttp import post_huge
 from tests.webhook.conftest import CORES, GPU, MEM, V1, container, pod, review, settings
@@ -76,3 +78,19 @@ async def test_a_taken_metrics_port_stops_the_start_with_an_os_error() -> None:
         with pytest.raises(OSError, match=f"cannot serve HTTP on 127.0.0.1:{state.metrics_port}"):
             async with running(clash, None, None):
                 pass
+
+
+@pytest.mark.parametrize("hami", [True, False])
+def test_quota_use_has_gpuslice_s_name_and_hami_s_while_the_setting_is_on(hami: bool) -> None:
+    metrics = Metrics(hami=hami)
+    metrics.quota("team", "gpu", "limits.nvidia.com/gpumem", 3000, 20000)
+    text = generate_latest(metrics.registry).decode()
+    labels = 'namespace="team",quota="gpu",resource="nvidia.com/gpumem"'
+    assert f"gpuslice_quota_used{{{labels}}} 3000.0" in text
+    assert f"gpuslice_quota_limit{{{labels}}} 20000.0" in text
+    hami_line = (
+        'QuotaUsed{limit="20000",quotaName="nvidia.com/gpumem",quotanamespace="team",zone="vGPU"}'
+        " 3000.0"
+    )
+    assert (hami_line in text) is hami
+    assert ("QuotaUsed" in text) is hami
