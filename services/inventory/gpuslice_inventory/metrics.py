@@ -6,6 +6,8 @@ and served from that snapshot, so a scrape never waits on Redis. Counters of the
 inventory's own work are read from its parts' stats at scrape time. A node whose
 record in the ledger cannot be read is left out of the snapshot, logged once
 and counted in ``gpuslice_ledger_unreadable_nodes``; the other nodes are not.
+With ``hami_metrics`` on, the snapshot carries HAMi's scheduler names too
+(:class:`HamiFamilies`), from the same read.
 """
 
 from __future__ import annotations
