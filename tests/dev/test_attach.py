@@ -89,8 +89,13 @@ def test_the_driver_runs_the_demo_against_services_started_apart(
         )
         assert init.returncode == 0, init.stdout + init.stderr
         assert f"audit stream {prefix}_audit" in init.stdout
-        start("webhook", "gpuslice_webhook", GPUSLICE_LISTEN_PORT=str(ports["webhook"]))
-        start("scheduler", "gpuslice_scheduler", GPUSLICE_LISTEN_PORT=str(ports["scheduler"]))
+        for name, module in (("webhook", "gpuslice_webhook"), ("scheduler", "gpuslice_scheduler")):
+            start(
+                name,
+                module,
+                GPUSLICE_LISTEN_PORT=str(ports[name]),
+                GPUSLICE_METRICS_PORT=str(free_port()),
+            )
         start(
             "inventory",
             "gpuslice_inventory",

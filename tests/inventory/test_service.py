@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from contextlib import AsyncExitStack
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from gpuslice_common.bus import Bus
@@ -24,7 +23,6 @@ from gpuslice_common.models import PLACEMENT_ANNOTATION, PlacementState
 from gpuslice_common.servers import NatsServer
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.service import Running, running
-from gpuslice_webhook.metrics import Metrics as WebhookMetrics
 from tests.conftest import make_inventory
 from tests.inventory.conftest import announce, settings_for, until
 from tests.rawhttp import post_huge
@@ -267,7 +265,7 @@ async def test_metrics_and_readiness_over_http(
 
             async def allocated_shows() -> bool:
                 text = (await client.get("/metrics")).text
-                return 'gpu="GPU-gpu-1-1",index="1"' in text and "3000.0" in text
+                return 'node="gpu-1",uuid="GPU-gpu-1-1"' in text and "3000.0" in text
 
             await until(allocated_shows)
             text = (await client.get("/metrics")).text
@@ -277,7 +275,7 @@ async def test_metrics_and_readiness_over_http(
             dead = await client.get("/healthz")
             assert dead.status_code == 503
             assert dead.json() == {"status": "failed", "stopped": ["metrics"]}
-    labels = 'gpu="GPU-gpu-1-1",index="1",model="NVIDIA A100-SXM4-80GB",node="gpu-1"'
+    labels = 'index="1",model="NVIDIA A100-SXM4-80GB",node="gpu-1",uuid="GPU-gpu-1-1"'
     assert f"gpuslice_gpu_memory_allocated_mib{{{labels}}} 3000.0" in text
     assert f"gpuslice_gpu_cores_allocated_percent{{{labels}}} 25.0" in text
     assert f"gpuslice_gpu_memory_capacity_mib{{{labels}}} 40960.0" in text
@@ -311,7 +309,7 @@ async def test_the_metrics_job_skips_an_unreadable_node_and_counts_it(
         def exported() -> str:
             return generate_latest(state.registry).decode()
 
-        await until(lambda: 'gpuslice_gpu_healthy{gpu="GPU-gpu-1-0"' in exported())
+        await until(lambda: 'node="gpu-1",uuid="GPU-gpu-1-0"' in exported())
         text = exported()
         assert state.cluster.skipped.keys() == {"gpu-2", "gpu-3"}
     assert "gpuslice_ledger_unreadable_nodes 2.0" in text
@@ -369,19 +367,43 @@ async def test_the_leader_reconciles_at_start_and_after_redis_loses_its_data(
         assert state.upkeep.stats.released["pod succeeded"] == 1
 
 
-async def test_the_grafana_dashboard_names_only_metrics_that_exist(
-    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+@pytest.mark.parametrize("hami", [True, False])
+async def test_hami_s_scheduler_names_follow_the_setting(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, hami: bool
 ) -> None:
-    dashboard = json.loads((Path(__file__).parents[2] / "k8s/grafana-dashboard.json").read_text())
-    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    wanted = {name for expr in exprs for name in re.findall(r"gpuslice_[a-z_]+", expr)}
-    config = settings_for(nats_server, redis_url, prefix)
+    """With GPUSLICE_HAMI_METRICS on, HAMi's names carry the ledger's figures in
+    HAMi's units (bytes, percent, a 0-1 ratio); off, only gpuslice's names."""
+    config = settings_for(nats_server, redis_url, prefix, hami_metrics=hami)
     async with running(config, bus, serve_http=False) as state:
-        await until(lambda: state.lease.held)  # only the lease holder exports the cluster
+        await announce(bus, make_inventory("gpu-1", gpus=2, memory_mib=40960))
+        await until(lambda: state.work.registrations == 1)
+        await state.ledger.reserve(placement("p1", "gpu-1", [[(1, 3000, 25)], [(1, 1000, 5)]]))
+        await until(lambda: state.lease.held)
         await state.cluster.refresh()
-        exposed = generate_latest(state.registry).decode()
-    exposed += generate_latest(WebhookMetrics().registry).decode()
-    names = set(re.findall(r"^# TYPE (\S+) ", exposed, re.MULTILINE))
-    names |= {f"{name}_total" for name in names}  # counters are sampled as <name>_total
-    assert wanted
-    assert wanted <= names, sorted(wanted - names)
+        families = {
+            f.name: f
+            for f in text_string_to_metric_families(generate_latest(state.registry).decode())
+        }
+
+    def value(name: str, **labels: str) -> float:
+        found = [s.value for s in families[name].samples if labels.items() <= s.labels.items()]
+        assert len(found) == 1, (name, labels, found)
+        return found[0]
+
+    card = {"nodeid": "gpu-1", "deviceuuid": "GPU-gpu-1-1", "deviceidx": "1", "zone": "vGPU"}
+    assert value("gpuslice_gpu_memory_allocated_mib", uuid="GPU-gpu-1-1") == 4000
+    if not hami:
+        assert not [name for name in families if not name.startswith("gpuslice_")]
+        return
+    assert value("GPUDeviceMemoryAllocated", **card) == 4000 * 2**20
+    assert value("GPUDeviceMemoryLimit", **card) == 40960 * 2**20
+    assert value("GPUDeviceCoreAllocated", **card) == 30
+    assert value("GPUDeviceCoreLimit", **card) == 100
+    assert value("GPUDeviceSharedNum", **card) == 2
+    assert value("nodeGPUMemoryPercentage", **card) == pytest.approx(4000 / 40960)
+    assert value("nodeGPUOverview", **card, devicememorylimit="40960") == 4000 * 2**20
+    second = {"podnamespace": "ns", "podname": "p1", "nodename": "gpu-1", "containeridx": "1"}
+    assert value("vGPUMemoryAllocated", **second) == 1000 * 2**20
+    assert value("vGPUCoreAllocated", **second) == 5
+    assert value("vGPUPodsDeviceAllocated", **second, deviceusedcore="5") == 1000 * 2**20
+    assert value("GPUDeviceMemoryAllocated", deviceuuid="GPU-gpu-1-0") == 0

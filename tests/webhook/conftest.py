@@ -35,7 +35,12 @@ PRIORITY = "nvidia.com/priority"
 
 def settings(**overrides: Any) -> WebhookSettings:
     """Webhook settings for tests: no Kubernetes API, plain HTTP on loopback."""
-    values: dict[str, Any] = {"kube_api": "none", "listen_host": "127.0.0.1"}
+    values: dict[str, Any] = {
+        "kube_api": "none",
+        "listen_host": "127.0.0.1",
+        "metrics_host": "127.0.0.1",
+        "metrics_port": free_port(),
+    }
     values.update(overrides)
     return WebhookSettings(**values)
 

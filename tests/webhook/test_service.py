@@ -149,8 +149,8 @@ async def test_certificate_rotation_without_restart(
     assert https_webhook.tls.stats.reloads == 1
     # the open keep-alive client goes on working across the swap
     metrics = (await client.get("/metrics")).text
-    assert "gpuslice_webhook_tls_reloads 1.0" in metrics
-    assert "gpuslice_webhook_tls_reload_failures 0.0" in metrics
+    assert "gpuslice_webhook_tls_reloads_total 1.0" in metrics
+    assert "gpuslice_webhook_tls_reload_failures_total 0.0" in metrics
 
 
 async def test_a_broken_certificate_keeps_the_old_one(
@@ -252,7 +252,14 @@ async def test_openapi_describes_the_admission_review(client: httpx.AsyncClient)
 
 def webhook_env(**values: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
-    env.update({"GPUSLICE_KUBE_API": "none", "GPUSLICE_LISTEN_HOST": "127.0.0.1"})
+    env.update(
+        {
+            "GPUSLICE_KUBE_API": "none",
+            "GPUSLICE_LISTEN_HOST": "127.0.0.1",
+            "GPUSLICE_METRICS_HOST": "127.0.0.1",
+            "GPUSLICE_METRICS_PORT": str(free_port()),
+        }
+    )
     env.update(values)
     return env
 

@@ -260,3 +260,60 @@ async def every(
             log.exception("%s failed", what)
         check_cancelled()
         await asyncio.sleep(seconds)
+
+
+class MetricsEndpoint:
+    """A bare ASGI app for a service's plain-HTTP metrics port: ``GET /metrics``
+    answers ``render()`` as Prometheus text, ``GET /healthz`` answers ok; any
+    other path is 404 and any other method 405, each with a one-line JSON error.
+    Put it behind :func:`http_server` with ``max_body=0`` so that a request with
+    a body is refused (413) before it is read."""
+
+    def __init__(self, render: Callable[[], bytes]) -> None:
+        self.render = render
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; websockets are not served
+        path, method = scope["path"], scope["method"]
+        if path not in ("/metrics", "/healthz"):
+            status, body, kind = 404, b'{"error": "not found: only /metrics and /healthz"}', JSON
+        elif method not in ("GET", "HEAD"):
+            status, body, kind = 405, b'{"error": "method not allowed: use GET"}', JSON
+        elif path == "/healthz":
+            status, body, kind = 200, b'{"status": "ok"}', JSON
+        else:
+            status, body, kind = 200, self.render(), PROMETHEUS_TEXT
+        headers = [(b"content-type", kind), (b"content-length", b"%d" % len(body))]
+        if status == 405:
+            headers.append((b"allow", b"GET, HEAD"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
+
+
+JSON = b"application/json"
+PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+@contextlib.asynccontextmanager
+async def metrics_server(
+    render: Callable[[], bytes],
+    host: str,
+    port: int,
+    name: str,
+    *,
+    log_level: str = "warning",
+) -> AsyncIterator[int]:
+    """:class:`MetricsEndpoint` serving on ``host:port`` until the block ends;
+    yields the port bound. Raises OSError when it cannot listen."""
+    config = plain_http(MetricsEndpoint(render), host, port, log_level)
+    async with http_server(config, name, max_body=0, handle_signals=False) as (server, _):
+        yield bound_port(server, port)
+
+
+def bound_port(server: uvicorn.Server, default: int) -> int:
+    """The port ``server`` actually listens on (0 in its settings picks a free one)."""
+    for listener in server.servers:
+        for sock in listener.sockets:
+            return int(sock.getsockname()[1])
+    return default

@@ -6,6 +6,8 @@ and served from that snapshot, so a scrape never waits on Redis. Counters of the
 inventory's own work are read from its parts' stats at scrape time. A node whose
 record in the ledger cannot be read is left out of the snapshot, logged once
 and counted in ``gpuslice_ledger_unreadable_nodes``; the other nodes are not.
+With ``hami_metrics`` on, the snapshot carries HAMi's scheduler names too
+(:class:`HamiFamilies`), from the same read.
 """
 
 from __future__ import annotations
@@ -20,13 +22,25 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gpuslice_common.ledger import BadRecord, Ledger
-from gpuslice_common.models import PlacementState
+from gpuslice_common.models import GpuState, Placement, PlacementState
 from gpuslice_inventory.telemetry import TelemetryStore
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
-GPU_LABELS = ("node", "gpu", "index", "model")
-CONTAINER_LABELS = ("node", "gpu", "pod_uid", "container")
+GPU_LABELS = ("node", "uuid", "index", "model")
+# the device plugin's per-container label set: pod namespace and name beside the UID
+CONTAINER_LABELS = ("node", "namespace", "pod", "pod_uid", "container", "uuid")
+# HAMi's scheduler metrics (its label names; memory in bytes, cores in percent of a card)
+HAMI_ZONE = "vGPU"
+HAMI_GPU_LABELS = ("nodeid", "deviceuuid", "deviceidx", "zone")
+HAMI_CONTAINER_LABELS = (
+    "podnamespace",
+    "nodename",
+    "podname",
+    "containeridx",
+    "deviceuuid",
+    "zone",
+)
 
 
 @dataclass
@@ -55,12 +69,15 @@ class ClusterMetrics(Collector):
         ledger: Ledger,
         telemetry: TelemetryStore | None,
         active: Callable[[], bool] = lambda: True,
+        *,
+        hami: bool = True,
     ) -> None:
         """Only while ``active()`` (the replica holding the lease) is anything
         exported, so replicas scraped together never count a GPU twice."""
         self.ledger = ledger
         self.telemetry = telemetry
         self.active = active
+        self.hami = hami  # HAMi's scheduler names too
         self._snapshot: list[Metric] = []
         self.skipped: dict[str, str] = {}  # node -> why its record cannot be read
 
@@ -128,16 +145,6 @@ class ClusterMetrics(Collector):
             ["node"],
         )
         pods = _gauge("gpuslice_pods", "Pods in the ledger by placement state.", ["state"])
-        used = _gauge(
-            "gpuslice_container_memory_used_bytes",
-            "Device memory a container uses on a GPU (telemetry), bytes.",
-            CONTAINER_LABELS,
-        )
-        limit = _gauge(
-            "gpuslice_container_memory_limit_bytes",
-            "Device memory limit of a container on a GPU (telemetry), bytes.",
-            CONTAINER_LABELS,
-        )
         sm = _gauge(
             "gpuslice_container_sm_percent",
             "Compute a container uses on a GPU (telemetry), percent.",
@@ -149,6 +156,7 @@ class ClusterMetrics(Collector):
             "gpuslice_ledger_unreadable_nodes",
             "Registered nodes whose record in the ledger cannot be read, left out here.",
         )
+        hami = HamiFamilies() if self.hami else None
         nodes = await self.ledger.nodes()
         all_cards = await self.ledger.read_gpus(nodes)
         all_liveness = await self.ledger.read_liveness(nodes)
@@ -170,6 +178,8 @@ class ClusterMetrics(Collector):
             usage = await self.telemetry.gpu_usage(node) if self.telemetry else {}
             for card in cards:
                 labels = [node, card.device.uuid, str(card.device.index), card.device.model]
+                if hami is not None:
+                    hami.card(node, card)
                 real = usage.get(card.device.uuid)
                 values = {
                     "memory_capacity": card.capacity.memory_mib,
@@ -188,14 +198,20 @@ class ClusterMetrics(Collector):
             node_up.add_metric([node], 0 if alive.unavailable_since else 1)
             if alive.heartbeat is not None:
                 heartbeat_age.add_metric([node], (now - alive.heartbeat).total_seconds())
+            pods_here: dict[str, Placement] = {}
             for placement in placements:
                 if placement.state is not PlacementState.RELEASED:
                     states[placement.state.value] += 1
+                    pods_here[placement.pod.uid] = placement
+                    if hami is not None:
+                        hami.placement(placement)
             if self.telemetry is not None:
                 for c in await self.telemetry.container_usage(node):
-                    labels = [node, c.uuid, c.pod_uid, c.container]
-                    used.add_metric(labels, c.used_bytes)
-                    limit.add_metric(labels, c.limit_bytes)
+                    placed = pods_here.get(c.pod_uid)
+                    if placed is None:  # released since the sample: no name to give it
+                        continue
+                    ref = placed.pod
+                    labels = [node, ref.namespace, ref.name, c.pod_uid, c.container, c.uuid]
                     sm.add_metric(labels, c.sm_percent)
         for state, count in sorted(states.items()):
             pods.add_metric([state], count)
@@ -206,10 +222,109 @@ class ClusterMetrics(Collector):
             node_up,
             heartbeat_age,
             pods,
-            used,
-            limit,
             sm,
             unreadable,
+            *(hami.families() if hami is not None else ()),
+        ]
+
+
+class HamiFamilies:
+    """HAMi's scheduler metrics (``GPUDevice*``, ``nodeGPU*``, ``vGPU*``) with
+    HAMi's names, labels and units, from the same ledger read, so that HAMi's
+    dashboards and alerts keep working."""
+
+    def __init__(self) -> None:
+        gpu = HAMI_GPU_LABELS
+        self.core_limit = _gauge("GPUDeviceCoreLimit", "Device core limit for a certain GPU", gpu)
+        self.memory_limit = _gauge(
+            "GPUDeviceMemoryLimit", "Device memory limit for a certain GPU", gpu
+        )
+        self.core_allocated = _gauge(
+            "GPUDeviceCoreAllocated", "Device core allocated for a certain GPU", gpu
+        )
+        self.memory_allocated = _gauge(
+            "GPUDeviceMemoryAllocated",
+            "Device memory allocated for a certain GPU",
+            (*gpu[:3], "devicecores", "zone"),
+        )
+        self.shared = _gauge("GPUDeviceSharedNum", "Number of containers sharing this GPU", gpu)
+        self.overview = _gauge(
+            "nodeGPUOverview",
+            "GPU overview on a certain node",
+            (
+                *gpu[:3],
+                "devicecores",
+                "sharedcontainers",
+                "devicememorylimit",
+                "devicetype",
+                "zone",
+            ),
+        )
+        self.memory_percentage = _gauge(
+            "nodeGPUMemoryPercentage", "GPU Memory Allocated Percentage on a certain GPU", gpu
+        )
+        ctr = HAMI_CONTAINER_LABELS
+        self.pods_allocated = _gauge(
+            "vGPUPodsDeviceAllocated",
+            "vGPU Allocated from pods",
+            (*ctr[:5], "deviceusedcore", "zone"),
+        )
+        self.container_memory = _gauge(
+            "vGPUMemoryAllocated", "vGPU memory allocated from a container", ctr
+        )
+        self.container_cores = _gauge(
+            "vGPUCoreAllocated", "vGPU core allocated from a container", ctr
+        )
+
+    def card(self, node: str, card: GpuState) -> None:
+        uuid, index = card.device.uuid, str(card.device.index)
+        cap, used = card.capacity, card.used
+        labels = [node, uuid, index, HAMI_ZONE]
+        self.core_limit.add_metric(labels, cap.cores)
+        self.memory_limit.add_metric(labels, cap.memory_mib * MIB)
+        self.core_allocated.add_metric(labels, used.cores)
+        self.shared.add_metric(labels, used.slots)
+        self.memory_allocated.add_metric(
+            [node, uuid, index, str(cap.cores), HAMI_ZONE], used.memory_mib * MIB
+        )
+        self.overview.add_metric(
+            [
+                node,
+                uuid,
+                index,
+                str(cap.cores),
+                str(used.slots),
+                str(cap.memory_mib),
+                f"NVIDIA-{card.device.model}",
+                HAMI_ZONE,
+            ],
+            used.memory_mib * MIB,
+        )
+        if cap.memory_mib > 0:
+            self.memory_percentage.add_metric(labels, used.memory_mib / cap.memory_mib)
+
+    def placement(self, placement: Placement) -> None:
+        pod = placement.pod
+        for index, container in enumerate(placement.containers):
+            for grant in container.devices:
+                base = [pod.namespace, placement.node, pod.name, str(index), grant.uuid]
+                memory = grant.memory_mib * MIB
+                self.pods_allocated.add_metric([*base, str(grant.cores), HAMI_ZONE], memory)
+                self.container_memory.add_metric([*base, HAMI_ZONE], memory)
+                self.container_cores.add_metric([*base, HAMI_ZONE], grant.cores)
+
+    def families(self) -> list[Metric]:
+        return [
+            self.core_limit,
+            self.memory_limit,
+            self.core_allocated,
+            self.memory_allocated,
+            self.shared,
+            self.overview,
+            self.memory_percentage,
+            self.pods_allocated,
+            self.container_memory,
+            self.container_cores,
         ]
 
 

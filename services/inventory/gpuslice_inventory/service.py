@@ -292,7 +292,9 @@ async def running(
         int(settings.lease_ttl.total_seconds() * 1000),
         holder=name,
     )
-    cluster = ClusterMetrics(ledger, telemetry, active=lambda: lease.held)
+    cluster = ClusterMetrics(
+        ledger, telemetry, active=lambda: lease.held, hami=settings.hami_metrics
+    )
     callout = None
     if settings.callout_issuer_seed:
         callout = AuthCallout(

@@ -130,7 +130,6 @@ def create_app(extender: Extender) -> AsgiApp:
     """The extender's HTTP face: the verbs (:class:`Verbs`) before a FastAPI app
     serving the probes and metrics."""
     app = FastAPI(title="gpuslice scheduler extender", docs_url=None, redoc_url=None)
-    metrics = extender.metrics
     for verb in ("filter", "prioritize", "bind", "preempt"):
         # reached only by another method than POST: FastAPI answers 405
         app.add_api_route(f"/{verb}", _unreachable, methods=["POST"], name=verb)
@@ -161,11 +160,18 @@ def create_app(extender: Extender) -> AsgiApp:
 
     @app.get("/metrics")
     async def metrics_() -> Response:
-        metrics.nodes.set(extender.view.cluster.node_count)
-        metrics.skipped_nodes.set(len(extender.view.skipped))
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        """As on the plain-HTTP ``metrics_port``, the one Prometheus scrapes."""
+        return Response(render_metrics(extender), media_type=CONTENT_TYPE_LATEST)
 
     return Verbs(extender, app)
+
+
+def render_metrics(extender: Extender) -> bytes:
+    """The extender's metrics as Prometheus text, its copy's node counts read now."""
+    metrics = extender.metrics
+    metrics.nodes.set(extender.view.cluster.node_count)
+    metrics.skipped_nodes.set(len(extender.view.skipped))
+    return generate_latest(metrics.registry)
 
 
 async def _unreachable() -> None:  # pragma: no cover - Verbs answers every POST

@@ -14,9 +14,9 @@ from gpuslice_common.config import SchedulerSettings
 from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.outbox import Outbox
-from gpuslice_common.service import http_server, plain_http
+from gpuslice_common.service import http_server, metrics_server, plain_http
 from gpuslice_scheduler import core
-from gpuslice_scheduler.app import create_app
+from gpuslice_scheduler.app import create_app, render_metrics
 from gpuslice_scheduler.extender import SOURCE, Extender
 from gpuslice_scheduler.resources import NodeResources
 from gpuslice_scheduler.view import ClusterView
@@ -66,12 +66,21 @@ async def running(
         create_app(extender), settings.listen_host, settings.listen_port, settings.log_level
     )
     try:
-        async with http_server(
-            config,
-            "extender-http",
-            max_body=settings.max_request_body,
-            handle_signals=handle_signals,
-        ) as (_, serving):
+        async with (
+            http_server(
+                config,
+                "extender-http",
+                max_body=settings.max_request_body,
+                handle_signals=handle_signals,
+            ) as (_, serving),
+            metrics_server(
+                lambda: render_metrics(extender),
+                settings.metrics_host,
+                settings.metrics_port,
+                "extender-metrics",
+                log_level=settings.log_level,
+            ),
+        ):
             yield extender, serving
     finally:
         for task in background:
@@ -96,6 +105,9 @@ async def main(settings: SchedulerSettings) -> None:
     try:
         async with running(settings, kube, bus=bus, handle_signals=False) as (_, serving):
             log.info("extender listening on %s:%d", settings.listen_host, settings.listen_port)
+            log.info(
+                "metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port
+            )
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait([serving, stopping], return_when=asyncio.FIRST_COMPLETED)
             stopping.cancel()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import orjson
@@ -36,7 +36,14 @@ from gpuslice_common.requests import RequestError, asks_for_gpus, pod_ref
 from gpuslice_webhook.metrics import Metrics
 from gpuslice_webhook.mutation import Denied, Mutation, Mutator, ignored
 from gpuslice_webhook.namespaces import NamespaceCache
-from gpuslice_webhook.quota import check, gpu_limits, namespace_usage, request_demand
+from gpuslice_webhook.quota import (
+    Demand,
+    QuotaLimit,
+    check,
+    gpu_limits,
+    namespace_usage,
+    request_demand,
+)
 from gpuslice_webhook.review import Review, ReviewError, answer, parse_review
 
 if TYPE_CHECKING:
@@ -205,7 +212,27 @@ class Admission:
         pods = await self._within_deadline(self.namespaces.pods(namespace), what)
         name = metadata.get("name")
         used = namespace_usage(pods, requests, skip=name if isinstance(name, str) else "")
-        check(limits, request_demand(mutation.request.containers), used, namespace, requests)
+        wanted = request_demand(mutation.request.containers)
+        try:
+            check(limits, wanted, used, namespace, requests)
+        except Denied:
+            self._record_quota(namespace, limits, used)
+            raise
+        self._record_quota(namespace, limits, used, wanted)
+
+    def _record_quota(
+        self,
+        namespace: str,
+        limits: Sequence[QuotaLimit],
+        used: Demand,
+        added: Demand | None = None,
+    ) -> None:
+        """The namespace's use of each GPU quota, this pod counted when it is admitted."""
+        for limit in limits:
+            amount = used.amount(limit.resource)
+            if added is not None:
+                amount += added.amount(limit.resource)
+            self.metrics.quota(namespace, limit.quota, limit.key, amount, limit.hard)
 
     # ------------------------------------------------------------ events
 

@@ -71,13 +71,7 @@ def create_app(admission: Admission, tls: ReloadingTls | None = None) -> FastAPI
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_() -> Response:
-        outbox = admission.outbox
-        if outbox is not None:
-            metrics.events_pending.set(outbox.pending)
-            metrics.events_dropped.set(outbox.stats.dropped)
-        if tls is not None:
-            metrics.tls_reloads.set(tls.stats.reloads)
-            metrics.tls_failures.set(tls.stats.failures)
+        """As on the plain-HTTP ``metrics_port``, the one Prometheus scrapes."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     original_openapi = app.openapi

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuslice_common.outbox import Outbox
+from gpuslice_webhook.tls import ReloadingTls
 
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -26,7 +33,7 @@ OUTCOMES = (
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, hami: bool = True) -> None:
         self.registry = registry or CollectorRegistry()
         self.admissions = Counter(
             "gpuslice_webhook_admissions",
@@ -42,23 +49,67 @@ class Metrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
-        self.events_pending = Gauge(
+        self.readings = Readings()
+        self.registry.register(self.readings)
+        quota_labels = ["namespace", "quota", "resource"]
+        self.quota_used = Gauge(
+            "gpuslice_quota_used",
+            "GPU use of a namespace against a ResourceQuota (memory MiB, cores percent of "
+            "a card), as of the last pod checked there.",
+            quota_labels,
+            registry=self.registry,
+        )
+        self.quota_limit = Gauge(
+            "gpuslice_quota_limit",
+            "GPU limit of a namespace's ResourceQuota (memory MiB, cores percent of a card).",
+            quota_labels,
+            registry=self.registry,
+        )
+        self.hami_quota_used: Gauge | None = None
+        if hami:
+            # HAMi's scheduler name, labels and units: memory in MiB, the limit a label
+            self.hami_quota_used = Gauge(
+                "QuotaUsed",
+                "resourcequota usage for a certain device",
+                ["quotanamespace", "quotaName", "limit", "zone"],
+                registry=self.registry,
+            )
+
+    def quota(self, namespace: str, quota: str, key: str, used: int, limit: int) -> None:
+        """Record a namespace's use of one ResourceQuota key (``limits.<resource>``)."""
+        resource = key.removeprefix("limits.")
+        self.quota_used.labels(namespace, quota, resource).set(used)
+        self.quota_limit.labels(namespace, quota, resource).set(limit)
+        if self.hami_quota_used is not None:
+            self.hami_quota_used.labels(namespace, resource, str(limit), "vGPU").set(used)
+
+
+class Readings(Collector):
+    """What the outbox and the certificate counted, read at scrape time."""
+
+    def __init__(self) -> None:
+        self.outbox: Outbox | None = None
+        self.tls: ReloadingTls | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        outbox, tls = self.outbox, self.tls
+        yield GaugeMetricFamily(
             "gpuslice_webhook_events_pending",
             "Admission events waiting to be published to NATS.",
-            registry=self.registry,
+            value=outbox.pending if outbox else 0,
         )
-        self.events_dropped = Gauge(
+        yield CounterMetricFamily(
             "gpuslice_webhook_events_dropped",
             "Admission events dropped since start because the queue for NATS was full.",
-            registry=self.registry,
+            value=outbox.stats.dropped if outbox else 0,
         )
-        self.tls_reloads = Gauge(
+        yield CounterMetricFamily(
             "gpuslice_webhook_tls_reloads",
             "Times the serving certificate was reloaded since start.",
-            registry=self.registry,
+            value=tls.stats.reloads if tls else 0,
         )
-        self.tls_failures = Gauge(
+        yield CounterMetricFamily(
             "gpuslice_webhook_tls_reload_failures",
             "Changed certificate files that could not be used (the old pair stayed).",
-            registry=self.registry,
+            value=tls.stats.failures if tls else 0,
         )

@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import uvicorn
+from prometheus_client import generate_latest
 
 from gpuslice_common.config import WebhookSettings
 from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_common.outbox import Outbox
-from gpuslice_common.service import http_server
+from gpuslice_common.service import bound_port, http_server, metrics_server
 from gpuslice_webhook.admission import SOURCE, Admission
 from gpuslice_webhook.app import create_app
 from gpuslice_webhook.metrics import Metrics
@@ -42,15 +43,13 @@ class Running:
     tls: ReloadingTls | None
     server: uvicorn.Server
     serving: asyncio.Task[None]
+    metrics_port: int  # plain HTTP: /metrics for Prometheus
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
     def port(self) -> int:
         """The port actually bound (``listen_port`` 0 picks a free one)."""
-        for server in self.server.servers:
-            for sock in server.sockets:
-                return int(sock.getsockname()[1])
-        return self.settings.listen_port
+        return bound_port(self.server, self.settings.listen_port)
 
 
 @contextlib.asynccontextmanager
@@ -61,7 +60,7 @@ async def running(
 
     Raises TlsError for unusable certificate files and OSError when the port is taken.
     """
-    metrics = Metrics()
+    metrics = Metrics(hami=settings.hami_metrics)
     tls = None
     if settings.tls_cert_file is not None and settings.tls_key_file is not None:
         tls = ReloadingTls(settings.tls_cert_file, settings.tls_key_file)
@@ -71,6 +70,7 @@ async def running(
     if kube is not None:
         namespaces = NamespaceCache(kube, settings.kube_cache_ttl.total_seconds())
     admission = Admission(settings, metrics, namespaces=namespaces, outbox=outbox)
+    metrics.readings.outbox, metrics.readings.tls = outbox, tls
     config = uvicorn.Config(
         create_app(admission, tls),
         host=settings.listen_host,
@@ -90,7 +90,16 @@ async def running(
                 on_refused=metrics.admissions.labels("too_large").inc,
             )
         )
-        state = Running(settings, admission, tls, server, serving)
+        metrics_port = await stack.enter_async_context(
+            metrics_server(
+                lambda: generate_latest(metrics.registry),
+                settings.metrics_host,
+                settings.metrics_port,
+                "webhook-metrics",
+                log_level=settings.log_level,
+            )
+        )
+        state = Running(settings, admission, tls, server, serving, metrics_port)
         if tls is not None:
             interval = settings.tls_reload_interval.total_seconds()
             watching = asyncio.create_task(tls.watch(interval), name="tls-watch")
@@ -120,6 +129,7 @@ async def main(settings: WebhookSettings) -> None:
         async with running(settings, kube, outbox) as state:
             scheme = "https" if state.tls else "http"
             log.info("webhook listening on %s://%s:%d", scheme, settings.listen_host, state.port)
+            log.info("metrics on http://%s:%d/metrics", settings.metrics_host, state.metrics_port)
             await state.serving  # uvicorn returns on SIGINT/SIGTERM
             log.info("stopping")
     finally:

@@ -296,6 +296,22 @@ class Stack:
         return [f"http://127.0.0.1:{self.ports[name]}" for name in self.replicas("inventory")]
 
     @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each process's plain-HTTP metrics endpoint, by name (none when attached):
+        the webhook's and the extenders' own metrics ports, the inventories'
+        HTTP port, the node agents' metrics ports."""
+        if self.attached is not None:
+            return {}
+        names = ["webhook", *self.replicas("scheduler")]
+        urls = {name: f"http://127.0.0.1:{self.ports[name + '-metrics']}/metrics" for name in names}
+        for name, url in zip(self.replicas("inventory"), self.inventory_urls, strict=True):
+            urls[name] = f"{url}/metrics"
+        for node in self.nodes:
+            if node.name in self.ports:
+                urls[node.name] = f"http://127.0.0.1:{self.ports[node.name]}/metrics"
+        return urls
+
+    @property
     def service_urls(self) -> list[str]:
         """Every service replica's URL: the webhook, the extenders, the inventories."""
         return [self.webhook_url, *self.extender_urls, *self.inventory_urls]
@@ -562,18 +578,28 @@ class Stack:
         names = ["webhook", *self.replicas("scheduler"), *self.replicas("inventory")]
         for name in names:
             self.ports[name] = free_port()
+        for name in ("webhook", *self.replicas("scheduler")):  # their plain metrics ports
+            self.ports[name + "-metrics"] = free_port()
         heartbeat = f"{self.heartbeat_s}s"
+
+        def listen(name: str) -> dict[str, str]:
+            return {
+                "GPUSLICE_LISTEN_PORT": str(self.ports[name]),
+                "GPUSLICE_METRICS_HOST": "127.0.0.1",
+                "GPUSLICE_METRICS_PORT": str(self.ports[name + "-metrics"]),
+            }
+
         self._service(
             "webhook",
             "gpuslice_webhook",
-            {**env, **self._login("webhook"), "GPUSLICE_LISTEN_PORT": str(self.ports["webhook"])},
+            {**env, **self._login("webhook"), **listen("webhook")},
             f"{self.webhook_url}/readyz",
         )
         for name, url in zip(self.replicas("scheduler"), self.extender_urls, strict=True):
             self._service(
                 name,
                 "gpuslice_scheduler",
-                {**env, **self._login("scheduler"), "GPUSLICE_LISTEN_PORT": str(self.ports[name])},
+                {**env, **self._login("scheduler"), **listen(name)},
                 f"{url}/readyz",
             )
         for name, url in zip(self.replicas("inventory"), self.inventory_urls, strict=True):
