@@ -81,7 +81,6 @@ COMMON_FIELDS: dict[str, tuple[str, Any]] = {
     "connect_wait": ("750ms", timedelta(milliseconds=750)),
     "redis_cluster": ("true", True),
     "log_level": ("debug", "DEBUG"),
-    "hami_metrics": ("false", False),
     "audit_replicas": ("3", 3),
     "hami_metrics": ("false", False),
     "hami_legacy_metrics": ("true", True),
