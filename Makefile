@@ -52,10 +52,10 @@ servers: $(STAMP)
 		else echo "error: install redis-server (Redis >= 6.2) and re-run" >&2; exit 1; fi; \
 	fi
 	@if ! command -v promtool >/dev/null 2>&1; then \
-		echo "promtool not found (the metrics tests check every service's output with it): installing the system package prometheus"; \
+		echo "make: promtool not found (the metrics tests check every service's output with it): installing the system package prometheus"; \
 		sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
 		if command -v apt-get >/dev/null 2>&1; then \
-			$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+			$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 		elif command -v brew >/dev/null 2>&1; then brew install prometheus; \
 		else echo "error: install promtool (Prometheus) and re-run" >&2; exit 1; fi; \
 	fi
