@@ -83,7 +83,6 @@ COMMON_FIELDS: dict[str, tuple[str, Any]] = {
     "log_level": ("debug", "DEBUG"),
     "audit_replicas": ("3", 3),
     "hami_metrics": ("false", False),
-    "hami_legacy_metrics": ("true", True),
 }
 # The Redis Sentinel fields (they exclude redis_cluster, so they load apart).
 SENTINEL_FIELDS: dict[str, tuple[str, Any]] = {

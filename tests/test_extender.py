@@ -442,6 +442,26 @@ async def test_health_readiness_and_metrics(stack: Stack) -> None:
     assert "gpuslice_scheduler_request_seconds_bucket" in text
 
 
+@pytest.mark.parametrize("hami", [True, False])
+async def test_metrics_hami_is_empty_on_both_ports_while_on_and_404_while_off(
+    redis_url: str, hami: bool
+) -> None:
+    """HAMi's scheduler names come from the inventory: the extender has none."""
+    settings = local_settings(redis_url).model_copy(update={"hami_metrics": hami})
+    async with running(settings, LocalKubeApi()), httpx.AsyncClient(timeout=5) as http:
+        for port in (settings.listen_port, settings.metrics_port):
+            answer = await http.get(f"http://127.0.0.1:{port}/metrics/hami")
+            if hami:
+                assert answer.status_code == 200
+                assert answer.headers["content-type"].startswith("text/plain; version=0.0.4")
+                assert answer.text == ""
+            else:
+                assert answer.status_code == 404
+                assert "GPUSLICE_HAMI_METRICS is false" in answer.json()["error"]
+            plain = await http.get(f"http://127.0.0.1:{port}/metrics")
+            assert "gpuslice_scheduler_known_nodes" in plain.text
+
+
 async def test_new_nodes_and_usage_reach_the_copy_by_revision(stack: Stack) -> None:
     await stack.ledger.register_node(make_inventory("node-d", gpus=1), rebuilt=True)
     for _ in range(100):

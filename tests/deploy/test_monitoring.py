@@ -1,5 +1,6 @@
 """The Prometheus Operator component (k8s/monitoring): each monitor selects
-objects that exist and names a port those objects really carry; the base k8s/
+objects that exist and names a port those objects really carry, scraped on
+/metrics and on /metrics/hami (HAMi's camelCase names); the base k8s/
 needs none of the operator's kinds; every scrape annotation names a port the
 pod declares."""
 
@@ -78,7 +79,9 @@ def test_the_service_monitor_reaches_each_service_s_metrics_port(
     monitor = next(o for o in monitored if o["kind"] == "ServiceMonitor")
     spec = monitor["spec"]
     ports = {e["port"] for e in spec["endpoints"]}
+    assert ports == {"metrics"}
     assert all(e.get("honorLabels") for e in spec["endpoints"])
+    assert sorted(e["path"] for e in spec["endpoints"]) == ["/metrics", "/metrics/hami"]
     services = [
         o
         for o in monitored
@@ -131,6 +134,8 @@ def test_the_pod_monitor_reaches_every_node_agent_s_metrics_port(
     for endpoint in spec["podMetricsEndpoints"]:
         assert endpoint.get("honorLabels")
         assert declared[endpoint["port"]] == METRICS_PORTS["gpuslice-deviceplugin"]
+    paths = sorted(e["path"] for e in spec["podMetricsEndpoints"])
+    assert paths == ["/metrics", "/metrics/hami"]  # HAMi's camelCase names on the second
 
 
 def test_scrape_annotations_name_the_metrics_port_each_pod_declares() -> None:

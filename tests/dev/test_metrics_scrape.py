@@ -1,8 +1,9 @@
 """Every service scraped as Prometheus would: the local stack with a pod
-running, each process's plain-HTTP metrics port read over HTTP, each body
-checked by ``promtool check metrics``, each series name exported by one kind
-of service with one label set, and every query of the Grafana dashboard
-naming only series some service exports."""
+running, each process's plain-HTTP metrics port read over HTTP on ``/metrics``
+and ``/metrics/hami``, each ``/metrics`` body passing ``promtool check metrics``
+(HAMi's camelCase names, which it flags, are on ``/metrics/hami`` alone), each
+series name exported by one kind of service with one label set, and every
+query of the Grafana dashboard naming only series some service exports."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ PROMQL = {
     "histogram_quantile", "vector", "le", "topk", "bottomk", "irate", "delta", "abs",
 }  # fmt: skip
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+PATHS = ("/metrics", "/metrics/hami")
+Scraped = dict[tuple[str, str], str]  # (process, path) -> body
 
 
 def kind_of(name: str, stack: Stack) -> str:
@@ -43,14 +46,14 @@ def kind_of(name: str, stack: Stack) -> str:
     return "scheduler" if name.startswith("scheduler") else name.rstrip("-0123456789")
 
 
-def promtool(body: str) -> list[str]:
-    """``promtool check metrics`` on ``body``: the problems it finds. A body it
-    cannot parse fails at once; the lint problems are returned."""
+def promtool(body: str) -> tuple[int, list[str]]:
+    """``promtool check metrics`` on ``body``: its exit code and the problems it
+    finds (3: lint problems only)."""
     checked = subprocess.run(
         ["promtool", "check", "metrics"], input=body, capture_output=True, text=True, check=False
     )
-    assert checked.returncode in (0, 3), checked.stdout + checked.stderr  # 3: lint problems only
-    return [line for line in (checked.stdout + checked.stderr).splitlines() if line.strip()]
+    problems = [line for line in (checked.stdout + checked.stderr).splitlines() if line.strip()]
+    return checked.returncode, problems
 
 
 def queried_names(expr: str) -> set[str]:
@@ -64,18 +67,19 @@ def queried_names(expr: str) -> set[str]:
     return {w for w in words if w not in PROMQL and not w.startswith("$")}
 
 
-async def scrape_until(stack: Stack, ready: Any, timeout: float = 60) -> dict[str, str]:
-    """Every process's metrics, once ``ready(bodies)`` holds."""
+async def scrape_until(stack: Stack, ready: Any, timeout: float = 60) -> Scraped:
+    """Every process's metrics on both paths, once ``ready(bodies)`` holds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     async with httpx.AsyncClient(timeout=5) as client:
         while True:
             bodies = {}
             for name, url in stack.metrics_urls.items():
-                answer = await client.get(url)
-                assert answer.status_code == 200, (name, answer.text)
-                assert answer.headers["content-type"].startswith("text/plain"), name
-                bodies[name] = answer.text
+                for path in PATHS:
+                    answer = await client.get(url.removesuffix("/metrics") + path)
+                    assert answer.status_code == 200, (name, path, answer.text)
+                    assert answer.headers["content-type"].startswith("text/plain"), (name, path)
+                    bodies[name, path] = answer.text
             if ready(bodies):
                 return bodies
             assert loop.time() < deadline, "the series never appeared"
@@ -97,13 +101,15 @@ async def test_every_service_is_scraped_and_the_dashboard_reads_only_exported_se
     quota_outcome = await driver.run_pod(quoted, namespace="team")
     assert quota_outcome.phase == "Succeeded", quota_outcome.reason
 
-    def labelled(bodies: dict[str, str]) -> bool:
+    def labelled(bodies: Scraped) -> bool:
         text = "\n".join(bodies.values())
         return (
             "gpuslice_container_memory_used_bytes{" in text
             and 'pod="busy"' in text
-            and 'podname="busy"' in text  # the inventory's HAMi names, from the ledger
+            # the inventory's HAMi names, from the ledger
+            and re.search(r'^vGPUMemoryAllocated\{[^}]*podname="busy"', text, re.M) is not None
             and "gpuslice_gpu_memory_capacity_mib{" in text
+            and "QuotaUsed{" in text
         )
 
     try:
@@ -111,25 +117,37 @@ async def test_every_service_is_scraped_and_the_dashboard_reads_only_exported_se
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
-    kinds = {kind_of(name, stack) for name in bodies}
+    kinds = {kind_of(name, stack) for name, _ in bodies}
     assert kinds == {"webhook", "scheduler", "inventory", "deviceplugin"}
 
-    # promtool: no problem but HAMi's own names, which are camelCase on purpose
-    hami: set[str] = set()
-    for name, body in bodies.items():
-        for problem in promtool(body):
-            metric = problem.split()[0]
+    # promtool: /metrics passes; /metrics/hami holds HAMi's names, flagged only
+    # for being camelCase, as HAMi writes them
+    flagged: set[str] = set()
+    for (name, path), body in bodies.items():
+        code, problems = promtool(body)
+        if path == "/metrics":
+            assert (code, problems) == (0, []), (name, problems)
+            continue
+        assert code in (0, 3), (name, problems)
+        for problem in problems:
             assert "camelCase" in problem, (name, problem)
-            assert not metric.startswith("gpuslice_"), (name, problem)
-            hami.add(metric)
-    assert {"GPUDeviceMemoryAllocated", "QuotaUsed"} <= hami
+            flagged.add(problem.split()[0])
+    hami_names = {
+        family.name
+        for (name, path), body in bodies.items()
+        if path == "/metrics/hami"
+        for family in text_string_to_metric_families(body)
+    }
+    assert {"GPUDeviceMemoryAllocated", "QuotaUsed", "HostGPUMemoryUsage"} <= hami_names
+    assert {"GPUDeviceMemoryAllocated", "QuotaUsed"} <= flagged
+    assert not [n for n in hami_names if n.startswith(("gpuslice_", "hami_"))], hami_names
 
     # one name, one label set, one kind of service; counters as counters
     owners: dict[str, set[str]] = defaultdict(set)
     label_sets: dict[str, set[frozenset[str]]] = defaultdict(set)
     exported: set[str] = set()
     samples: dict[str, list[Any]] = defaultdict(list)
-    for name, body in bodies.items():
+    for (name, _), body in bodies.items():
         for family in text_string_to_metric_families(body):
             owners[family.name].add(kind_of(name, stack))
             if family.type == "gauge":
@@ -190,6 +208,8 @@ async def test_every_service_is_scraped_and_the_dashboard_reads_only_exported_se
     } <= wanted
     missing = sorted(wanted - exported)
     assert not missing, missing
+    # ... and only gpuslice's names: HAMi's are for HAMi's own dashboards
+    assert not [name for name in wanted if not name.startswith("gpuslice_")], wanted
     # ... and by the labels it names: containers by namespace, pod and container
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):

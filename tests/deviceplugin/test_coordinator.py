@@ -29,7 +29,7 @@ from gpuslice_deviceplugin.coordinator import (
     CoordinatorSnapshot,
     DeviceState,
 )
-from gpuslice_deviceplugin.metrics import HamiNames, NodeCollector, NodeView, registry_with
+from gpuslice_deviceplugin.metrics import Names, NodeCollector, NodeView, registry_with
 from gpuslice_deviceplugin.physical import BusyMeter, GpuFigures, Load, simulated_figures
 from tests.deviceplugin.conftest import FAKE_MEMORY, make_grant
 from tests.native.probe import ProbeProcess, ProbeSpawner
@@ -422,7 +422,7 @@ def test_metrics_show_the_region(
     registry = registry_with(
         NodeCollector(
             lambda: NodeView("node-a", latest[0], (GpuFigures(device=card),)),
-            hami=HamiNames(current=False),
+            names=Names.GPUSLICE,
         )
     )
     assert all(  # no snapshot yet: the GPU shows, no container on it
@@ -501,10 +501,14 @@ def test_simulated_figures_and_hami_series_come_from_the_regions(
     assert mine.memory_utilization_percent is None
 
     view = NodeView("node-a", snap, tuple(figures), busy)
-    text = generate_latest(
-        registry_with(NodeCollector(lambda: view, hami=HamiNames(legacy=True)))
-    ).decode()
-    got = samples(text)
+
+    def scraped(names: Names) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return samples(
+            generate_latest(registry_with(NodeCollector(lambda: view, names=names))).decode()
+        )
+
+    got = scraped(Names.GPUSLICE_AND_HAMI)
+    old = scraped(Names.HAMI_LEGACY)
     legacy = (
         ("ctrname", "main"),
         ("deviceuuid", gpu(0)),
@@ -513,9 +517,9 @@ def test_simulated_figures_and_hami_series_come_from_the_regions(
         ("vdeviceid", "0"),
         ("zone", "vGPU"),
     )
-    assert got[("vGPU_device_memory_usage_in_bytes", legacy)] == 64 * MiB
-    assert got[("vGPU_device_memory_limit_in_bytes", legacy)] == 1 << 30
-    assert got[("Device_utilization_desc_of_container", legacy)] == busy["a", "main", gpu(0)]
+    assert old[("vGPU_device_memory_usage_in_bytes", legacy)] == 64 * MiB
+    assert old[("vGPU_device_memory_limit_in_bytes", legacy)] == 1 << 30
+    assert old[("Device_utilization_desc_of_container", legacy)] == busy["a", "main", gpu(0)]
     current = (
         ("container", "main"),
         ("device_uuid", gpu(0)),
@@ -534,7 +538,7 @@ def test_simulated_figures_and_hami_series_come_from_the_regions(
         ("nodeid", "node-a"),
         ("zone", "vGPU"),
     )
-    assert got[("HostGPUMemoryUsage", host_labels)] == 64 * MiB
+    assert old[("HostGPUMemoryUsage", host_labels)] == 64 * MiB
     gpu_labels = (
         ("index", "0"),
         ("model", "NVIDIA A100-SXM4-80GB"),
@@ -543,20 +547,16 @@ def test_simulated_figures_and_hami_series_come_from_the_regions(
     )
     assert got[("gpuslice_gpu_nvml_memory_used_bytes", gpu_labels)] == 64 * MiB
     assert got[("gpuslice_gpu_active_containers", gpu_labels)] == 1
-    default = samples(
-        generate_latest(registry_with(NodeCollector(lambda: view, hami=HamiNames()))).decode()
-    )
-    assert got[("hami_vgpu_memory_used_bytes", current)] == 64 * MiB
-    assert {name for name, _ in default} == {name for name, _ in got} - {
+    # HAMi's camelCase names alone in their set (/metrics/hami), never beside gpuslice's
+    assert {name for name, _ in old} == {
         "HostGPUMemoryUsage",
         "HostCoreUtilization",
         "vGPU_device_memory_usage_in_bytes",
         "vGPU_device_memory_limit_in_bytes",
         "Device_utilization_desc_of_container",
-    }  # HAMi's legacy names only when asked for
-    off = generate_latest(
-        registry_with(NodeCollector(lambda: view, hami=HamiNames(current=False)))
-    ).decode()
-    assert "zone=" not in off
-    assert "vGPU" not in off
-    assert ("gpuslice_gpu_nvml_memory_used_bytes", gpu_labels) in samples(off)
+    }
+    assert all(name.startswith(("gpuslice_", "hami_")) for name, _ in got)
+    off = scraped(Names.GPUSLICE)
+    assert {name for name, _ in off} == {n for n, _ in got if n.startswith("gpuslice_")}
+    assert not [labels for _, labels in off if ("zone", "vGPU") in labels]
+    assert off[("gpuslice_gpu_nvml_memory_used_bytes", gpu_labels)] == 64 * MiB

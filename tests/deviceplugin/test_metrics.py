@@ -103,13 +103,13 @@ async def test_nvml_figures_per_gpu_and_what_a_card_cannot_give_is_left_out(
         FAKENVML_ECC_CORRECTED="3,0",
         FAKENVML_ECC_UNCORRECTED="1",  # device 1: not supported
         GPUSLICE_HEALTH_INTERVAL="100ms",
-        GPUSLICE_HAMI_LEGACY_METRICS="true",
     )
     port = proc.port  # type: ignore[attr-defined]
     text = await scrape_until(port, showing(2))
     await asyncio.sleep(0.5)  # several more readings: a refusal is still logged once
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         text = (await http.get("/metrics")).text
+        hami_text = (await http.get("/metrics/hami")).text
     lost.write_text("1\n")  # device 1 falls off the bus: its figures go, device 0's stay
     after = await scrape_until(port, showing(1))
     proc.send_signal(signal.SIGTERM)
@@ -144,11 +144,14 @@ async def test_nvml_figures_per_gpu_and_what_a_card_cannot_give_is_left_out(
     assert later["gpuslice_gpu_nvml_power_watts"] == {g0: pytest.approx(123.456)}
     assert later["gpuslice_gpu_active_containers"] == {g0: 0, g1: 0}  # still a known card
 
-    # HAMi's names (its legacy ones asked for), with HAMi's labels and units
+    # HAMi's names with HAMi's labels and units: its camelCase ones on /metrics/hami
     legacy = {"nodeid": "node-e2e", "deviceidx": "0", "deviceuuid": FAKE[0]}
     legacy |= {"devicetype": "NVIDIA-Fake GPU", "zone": "vGPU"}
-    assert got["HostGPUMemoryUsage"][tuple(sorted(legacy.items()))] == 3 * GiB
-    assert got["HostCoreUtilization"][tuple(sorted(legacy.items()))] == 37
+    old = samples(hami_text)
+    assert old["HostGPUMemoryUsage"][tuple(sorted(legacy.items()))] == 3 * GiB
+    assert old["HostCoreUtilization"][tuple(sorted(legacy.items()))] == 37
+    assert "HostGPUMemoryUsage" not in got
+    assert not [name for name in old if name.startswith(("gpuslice_", "hami_"))]
     current = {"node": "node-e2e", "device_index": "1", "device_uuid": FAKE[1]}
     current |= {"device_type": "NVIDIA-Fake GPU", "zone": "vGPU"}
     assert got["hami_host_gpu_utilization_ratio"][tuple(sorted(current.items()))] == 5
@@ -159,19 +162,16 @@ async def test_nvml_figures_per_gpu_and_what_a_card_cannot_give_is_left_out(
     }
 
 
-@pytest.mark.parametrize(("hami", "legacy"), [(True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("hami", [True, False])
 async def test_simulated_gpus_have_figures_and_hami_names_follow_the_setting(
-    make_settings: Callable[..., DevicePluginSettings], bus: Bus, hami: bool, legacy: bool
+    make_settings: Callable[..., DevicePluginSettings], bus: Bus, hami: bool
 ) -> None:
     port = free_port()
-    settings = make_settings(
-        metrics_port=port,
-        listen_host="127.0.0.1",
-        hami_metrics=hami,
-        hami_legacy_metrics=legacy,
-    )
+    settings = make_settings(metrics_port=port, listen_host="127.0.0.1", hami_metrics=hami)
     async with running(settings, bus=bus, timing=FAST):
         text = await scrape_until(port, showing(2))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            hami_answer = await http.get("/metrics/hami")
     got = samples(text)
     model = "NVIDIA A100-SXM4-40GB"  # the test configuration's simulated cards
     cards = [gpu(NODE, simulated_uuid(NODE, i), i, model) for i in range(2)]
@@ -185,13 +185,17 @@ async def test_simulated_gpus_have_figures_and_hami_names_follow_the_setting(
     assert "gpuslice_gpu_nvml_memory_utilization_percent" not in got  # not simulated
     names = {f.name for f in text_string_to_metric_families(text)}
     hami_families = {n for n in names if n in HAMI_NAMES}
-    if hami:
-        assert "hami_host_gpu_memory_used_bytes" in hami_families
-        old = {"HostGPUMemoryUsage", "HostCoreUtilization"} & hami_families
-        assert old == ({"HostGPUMemoryUsage", "HostCoreUtilization"} if legacy else set())
+    if hami:  # HAMi's snake_case names on /metrics, its camelCase ones on /metrics/hami
+        assert hami_families == {n for n in HAMI_NAMES if n.startswith("hami_")}
+        assert hami_answer.status_code == 200
+        old = {f.name for f in text_string_to_metric_families(hami_answer.text)}
+        assert old == {n for n in HAMI_NAMES if not n.startswith("hami_")}
+        assert samples(hami_answer.text)["HostGPUMemoryUsage"]  # the cards' figures
     else:
         assert hami_families == set()
         assert not [line for line in text.splitlines() if "zone=" in line]
+        assert hami_answer.status_code == 404
+        assert "GPUSLICE_HAMI_METRICS" in hami_answer.json()["error"]
 
 
 def test_simulated_cards_have_the_memory_their_model_names() -> None:

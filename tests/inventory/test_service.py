@@ -368,6 +368,31 @@ async def test_the_leader_reconciles_at_start_and_after_redis_loses_its_data(
 
 
 @pytest.mark.parametrize("hami", [True, False])
+async def test_hami_s_names_are_served_on_metrics_hami_while_the_setting_is_on(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, hami: bool
+) -> None:
+    config = settings_for(nats_server, redis_url, prefix, hami_metrics=hami)
+    async with running(config, bus) as state:
+        await announce(bus, make_inventory("gpu-1", gpus=1, memory_mib=40960))
+        await until(lambda: state.work.registrations == 1)
+        await until(lambda: state.lease.held)
+        await state.cluster.refresh()
+        base = f"http://127.0.0.1:{config.listen_port}"
+        async with httpx.AsyncClient(base_url=base, timeout=5) as client:
+            answer = await client.get("/metrics/hami")
+            plain = (await client.get("/metrics")).text
+    assert "GPUDeviceMemoryLimit" not in plain
+    assert 'gpuslice_gpu_memory_capacity_mib{index="0"' in plain
+    if hami:
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert 'GPUDeviceMemoryLimit{deviceidx="0",deviceuuid="GPU-gpu-1-0"' in answer.text
+    else:
+        assert answer.status_code == 404
+        assert "GPUSLICE_HAMI_METRICS is false" in answer.json()["error"]
+
+
+@pytest.mark.parametrize("hami", [True, False])
 async def test_hami_s_scheduler_names_follow_the_setting(
     nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, hami: bool
 ) -> None:
@@ -380,20 +405,37 @@ async def test_hami_s_scheduler_names_follow_the_setting(
         await state.ledger.reserve(placement("p1", "gpu-1", [[(1, 3000, 25)], [(1, 1000, 5)]]))
         await until(lambda: state.lease.held)
         await state.cluster.refresh()
-        families = {
+        plain = {
             f.name: f
             for f in text_string_to_metric_families(generate_latest(state.registry).decode())
         }
+        hami_registry = state.hami_registry
+        assert (hami_registry is not None) is hami
+        if hami_registry is None:
+            families = plain
+        else:
+            families = {
+                f.name: f
+                for f in text_string_to_metric_families(generate_latest(hami_registry).decode())
+            }
+            # camelCase: apart from gpuslice's names, for /metrics to pass promtool
+            assert not [name for name in families if name.startswith("gpuslice_")]
+            state.cluster.active = lambda: False  # another replica holds the lease
+            assert generate_latest(hami_registry) == b""
 
     def value(name: str, **labels: str) -> float:
-        found = [s.value for s in families[name].samples if labels.items() <= s.labels.items()]
+        found = [
+            s.value
+            for s in (families.get(name) or plain[name]).samples
+            if labels.items() <= s.labels.items()
+        ]
         assert len(found) == 1, (name, labels, found)
         return found[0]
 
     card = {"nodeid": "gpu-1", "deviceuuid": "GPU-gpu-1-1", "deviceidx": "1", "zone": "vGPU"}
     assert value("gpuslice_gpu_memory_allocated_mib", uuid="GPU-gpu-1-1") == 4000
+    assert not [name for name in plain if not name.startswith("gpuslice_")]
     if not hami:
-        assert not [name for name in families if not name.startswith("gpuslice_")]
         return
     assert value("GPUDeviceMemoryAllocated", **card) == 4000 * 2**20
     assert value("GPUDeviceMemoryLimit", **card) == 40960 * 2**20

@@ -48,10 +48,10 @@ async def test_metrics_are_served_on_their_own_plain_port(
         assert (await client.get(f"{base}/healthz")).json() == {"status": "ok"}
 
         # the admission paths are not on this port, nor any other path
-        for path in ("/mutate", "/readyz", "/openapi.json", "/metrics/x"):
+        for path in ("/mutate", "/readyz", "/openapi.json", "/metrics/x", "/metrics/hami/x"):
             refused = await client.get(f"{base}{path}")
             assert refused.status_code == 404
-            assert "only /metrics and /healthz" in refused.json()["error"]
+            assert "only /metrics, /metrics/hami and /healthz" in refused.json()["error"]
         wrong = await client.post(f"{base}/metrics")
         assert wrong.status_code == 405
         assert wrong.headers["allow"] == "GET, HEAD"
@@ -81,16 +81,50 @@ async def test_a_taken_metrics_port_stops_the_start_with_an_os_error() -> None:
 
 
 @pytest.mark.parametrize("hami", [True, False])
-def test_quota_use_has_gpuslice_s_name_and_hami_s_while_the_setting_is_on(hami: bool) -> None:
+def test_quota_use_has_gpuslice_s_name_and_hami_s_apart_while_the_setting_is_on(
+    hami: bool,
+) -> None:
     metrics = Metrics(hami=hami)
     metrics.quota("team", "gpu", "limits.nvidia.com/gpumem", 3000, 20000)
     text = generate_latest(metrics.registry).decode()
     labels = 'namespace="team",quota="gpu",resource="nvidia.com/gpumem"'
     assert f"gpuslice_quota_used{{{labels}}} 3000.0" in text
     assert f"gpuslice_quota_limit{{{labels}}} 20000.0" in text
-    hami_line = (
-        'QuotaUsed{limit="20000",quotaName="nvidia.com/gpumem",quotanamespace="team",zone="vGPU"}'
-        " 3000.0"
-    )
-    assert (hami_line in text) is hami
-    assert ("QuotaUsed" in text) is hami
+    assert "QuotaUsed" not in text  # camelCase: on /metrics/hami only
+    render = metrics.render_hami()
+    assert (render is not None) is hami
+    if render is not None:
+        hami_line = (
+            'QuotaUsed{limit="20000",quotaName="nvidia.com/gpumem",quotanamespace="team",'
+            'zone="vGPU"} 3000.0'
+        )
+        assert hami_line in render().decode()
+
+
+@pytest.mark.parametrize("hami", [True, False])
+async def test_hami_s_names_are_on_metrics_hami_of_both_ports_while_the_setting_is_on(
+    hami: bool,
+) -> None:
+    config = settings(listen_port=free_port(), hami_metrics=hami)
+    async with (
+        running(config, None, None) as state,
+        httpx.AsyncClient(timeout=5) as client,
+    ):
+        state.admission.metrics.quota("team", "gpu", "limits.nvidia.com/gpumem", 3000, 20000)
+        for port in (state.metrics_port, state.port):
+            answer = await client.get(f"http://127.0.0.1:{port}/metrics/hami")
+            if hami:
+                assert answer.status_code == 200
+                assert answer.headers["content-type"].startswith("text/plain; version=0.0.4")
+                names = {f.name for f in text_string_to_metric_families(answer.text)}
+                assert names == {"QuotaUsed"}
+            else:
+                assert answer.status_code == 404
+                assert answer.json() == {
+                    "error": "HAMi's metric names are off: GPUSLICE_HAMI_METRICS is false"
+                }
+            posted = await client.post(f"http://127.0.0.1:{port}/metrics/hami")
+            assert posted.status_code == 405
+            plain = await client.get(f"http://127.0.0.1:{port}/metrics")
+            assert "QuotaUsed" not in plain.text
+            assert "gpuslice_quota_used{" in plain.text

@@ -137,11 +137,10 @@ class BusSettings(BaseSettings):
     log_level: str = "INFO"
     requests: RequestSettings = RequestSettings()
     # export HAMi's metric names beside gpuslice's, so that HAMi's dashboards and
-    # alerts keep working (docs/migrating-from-hami.md): its current hami_* names,
-    # and with hami_legacy_metrics its names before 2.9 (HostGPUMemoryUsage, ...,
-    # HAMi's --legacy-metrics), which Prometheus's naming rules flag
+    # alerts keep working (docs/migrating-from-hami.md): its snake_case hami_* names
+    # on /metrics, its camelCase ones (GPUDeviceMemoryAllocated, QuotaUsed,
+    # HostGPUMemoryUsage, ...), which Prometheus's naming rules flag, on /metrics/hami
     hami_metrics: bool = True
-    hami_legacy_metrics: bool = False
 
     @field_validator("nats_url")
     @classmethod

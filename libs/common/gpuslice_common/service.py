@@ -264,24 +264,30 @@ async def every(
 
 class MetricsEndpoint:
     """A bare ASGI app for a service's plain-HTTP metrics port: ``GET /metrics``
-    answers ``render()`` as Prometheus text, ``GET /healthz`` answers ok; any
-    other path is 404 and any other method 405, each with a one-line JSON error.
-    Put it behind :func:`http_server` with ``max_body=0`` so that a request with
-    a body is refused (413) before it is read."""
+    answers ``render()`` as Prometheus text, ``GET /metrics/hami`` HAMi's names
+    (:func:`hami_answer`), ``GET /healthz`` answers ok; any other path is 404 and
+    any other method 405, each with a one-line JSON error. Put it behind
+    :func:`http_server` with ``max_body=0`` so that a request with a body is
+    refused (413) before it is read."""
 
-    def __init__(self, render: Callable[[], bytes]) -> None:
+    def __init__(
+        self, render: Callable[[], bytes], hami: Callable[[], bytes] | None = None
+    ) -> None:
         self.render = render
+        self.hami = hami
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are not served
         path, method = scope["path"], scope["method"]
-        if path not in ("/metrics", "/healthz"):
-            status, body, kind = 404, b'{"error": "not found: only /metrics and /healthz"}', JSON
+        if path not in ("/metrics", HAMI_PATH, "/healthz"):
+            status, body, kind = 404, NOT_FOUND, JSON
         elif method not in ("GET", "HEAD"):
             status, body, kind = 405, b'{"error": "method not allowed: use GET"}', JSON
         elif path == "/healthz":
             status, body, kind = 200, b'{"status": "ok"}', JSON
+        elif path == HAMI_PATH:
+            status, body, kind = hami_answer(self.hami)
         else:
             status, body, kind = 200, self.render(), PROMETHEUS_TEXT
         headers = [(b"content-type", kind), (b"content-length", b"%d" % len(body))]
@@ -291,8 +297,25 @@ class MetricsEndpoint:
         await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
 
 
+def hami_answer(render: Callable[[], bytes] | None) -> tuple[int, bytes, bytes]:
+    """What ``GET /metrics/hami`` answers, as (status, body, content type).
+
+    HAMi's metric names (``GPUDeviceMemoryAllocated``, ``QuotaUsed``, ...) are
+    camelCase, which Prometheus's naming rules flag, so each service serves them
+    on this path of its metrics port, apart from ``/metrics``, which then passes
+    ``promtool check metrics``. ``render`` is None while ``hami_metrics`` is off:
+    404, naming the setting. A service with no HAMi names renders an empty text.
+    """
+    if render is None:
+        return 404, HAMI_OFF, JSON
+    return 200, render(), PROMETHEUS_TEXT
+
+
 JSON = b"application/json"
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
+HAMI_PATH = "/metrics/hami"
+NOT_FOUND = b'{"error": "not found: only /metrics, /metrics/hami and /healthz"}'
+HAMI_OFF = b'{"error": "HAMi\'s metric names are off: GPUSLICE_HAMI_METRICS is false"}'
 
 
 @contextlib.asynccontextmanager
@@ -302,11 +325,13 @@ async def metrics_server(
     port: int,
     name: str,
     *,
+    hami: Callable[[], bytes] | None = None,
     log_level: str = "warning",
 ) -> AsyncIterator[int]:
-    """:class:`MetricsEndpoint` serving on ``host:port`` until the block ends;
-    yields the port bound. Raises OSError when it cannot listen."""
-    config = plain_http(MetricsEndpoint(render), host, port, log_level)
+    """:class:`MetricsEndpoint` serving on ``host:port`` until the block ends
+    (``hami`` renders ``/metrics/hami``; None: the setting is off); yields the
+    port bound. Raises OSError when it cannot listen."""
+    config = plain_http(MetricsEndpoint(render, hami), host, port, log_level)
     async with http_server(config, name, max_body=0, handle_signals=False) as (server, _):
         yield bound_port(server, port)
 

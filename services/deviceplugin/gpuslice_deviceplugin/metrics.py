@@ -11,19 +11,20 @@ counters are the interposer's own cumulative counts in the region file, which
 outlives restarts of the container's processes and of this agent. A physical
 figure a card cannot give is left out for that card.
 
-With ``hami_metrics`` on it also exports HAMi's vGPUmonitor series under HAMi's
-current names (``hami_*``), and with ``hami_legacy_metrics`` under its names
-before 2.9 too (``HostGPUMemoryUsage``, ``vGPU_device_memory_usage_in_bytes``,
-...), with HAMi's labels (plus ``zone="vGPU"``, as HAMi's monitor adds), so HAMi
-dashboards keep working. HAMi itself exports the legacy names only with
-``--legacy-metrics``; Prometheus's naming rules (``promtool check metrics``)
-flag them.
+With ``hami_metrics`` on it also exports HAMi's vGPUmonitor series with HAMi's
+labels (plus ``zone="vGPU"``, as HAMi's monitor adds), so HAMi dashboards keep
+working: under HAMi's current names (``hami_*``) beside gpuslice's on
+``/metrics``, and under its names before 2.9 (``HostGPUMemoryUsage``,
+``vGPU_device_memory_usage_in_bytes``, ...) on ``/metrics/hami``, since
+Prometheus's naming rules (``promtool check metrics``) flag those. Which of the
+sets a :class:`NodeCollector` exports is its :class:`Names`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Final, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -36,7 +37,7 @@ from gpuslice_deviceplugin.physical import ContainerKey, GpuFigures
 __all__ = [
     "CONTAINER_LABELS",
     "GPU_LABELS",
-    "HamiNames",
+    "Names",
     "NodeCollector",
     "NodeView",
     "PluginMetrics",
@@ -354,26 +355,29 @@ def _family(name: str, documentation: str, labels: Sequence[str], counter: bool)
     return GaugeMetricFamily(name, documentation, labels=labels)
 
 
-@dataclass(frozen=True)
-class HamiNames:
-    """Which of HAMi's names are exported: ``current`` (``hami_*``), and
-    ``legacy`` (HAMi's names before 2.9) as well when both are set."""
+class Names(Enum):
+    """The names a :class:`NodeCollector` exports."""
 
-    current: bool = True
-    legacy: bool = False
+    GPUSLICE = "gpuslice's names"  # /metrics with hami_metrics off
+    GPUSLICE_AND_HAMI = "gpuslice's names and HAMi's hami_* names"  # /metrics
+    HAMI_LEGACY = "HAMi's names before 2.9"  # /metrics/hami
 
 
 _Hami = TypeVar("_Hami", _HamiGpu, _HamiContainer)
 
 
-def _hami_specs(specs: Sequence[_Hami], hami: HamiNames) -> list[_Hami]:
-    """HAMi's series ``hami`` asks for: its current ``hami_*`` names, and its
-    legacy ones too with ``legacy``."""
-    return [s for s in specs if s.name.startswith("hami_") or hami.legacy] if hami.current else []
+def _hami_specs(specs: Sequence[_Hami], names: Names) -> list[_Hami]:
+    """HAMi's series in ``names``: its current ``hami_*`` ones beside
+    gpuslice's, its legacy ones alone."""
+    if names is Names.GPUSLICE:
+        return []
+    legacy = names is Names.HAMI_LEGACY
+    return [s for s in specs if s.name.startswith("hami_") is not legacy]
 
 
 @dataclass
 class _Families:
+    gpuslice: bool  # gpuslice's own series
     container: list[Family]
     active: Family
     nvml: list[Family]
@@ -384,10 +388,11 @@ class _Families:
     hami_container: list[Family]
 
     @classmethod
-    def new(cls, hami: HamiNames) -> _Families:
-        gpu_specs = _hami_specs(_HAMI_GPU_METRICS, hami)
-        container_specs = _hami_specs(_HAMI_CONTAINER_METRICS, hami)
+    def new(cls, names: Names) -> _Families:
+        gpu_specs = _hami_specs(_HAMI_GPU_METRICS, names)
+        container_specs = _hami_specs(_HAMI_CONTAINER_METRICS, names)
         return cls(
+            names is not Names.HAMI_LEGACY,
             [_family(s.name, s.help, CONTAINER_LABELS, s.counter) for s in _CONTAINER_METRICS],
             _family(*_GPU_ACTIVE, GPU_LABELS, False),
             [_family(s.name, s.help, GPU_LABELS, False) for s in _NVML_METRICS],
@@ -399,10 +404,11 @@ class _Families:
         )
 
     def all(self) -> Iterator[Family]:
-        yield from self.container
-        yield self.active
-        yield from self.nvml
-        yield self.ecc
+        if self.gpuslice:
+            yield from self.container
+            yield self.active
+            yield from self.nvml
+            yield self.ecc
         yield from self.hami_gpu
         yield from self.hami_container
 
@@ -420,19 +426,19 @@ def _hami_gpu_labels(names: tuple[str, ...], node: str, f: GpuFigures) -> list[s
 
 
 class NodeCollector(Collector):
-    """Exports what ``view()`` returns, and HAMi's series ``hami`` names."""
+    """Exports what ``view()`` returns under ``names``."""
 
-    def __init__(self, view: Callable[[], NodeView], *, hami: HamiNames) -> None:
+    def __init__(self, view: Callable[[], NodeView], *, names: Names) -> None:
         self._view = view
-        self._hami = hami
+        self._names = names
 
     def describe(self) -> Iterator[Metric]:
         """The families, without samples: lets a registry detect clashing names."""
-        yield from _Families.new(self._hami).all()
+        yield from _Families.new(self._names).all()
 
     def collect(self) -> Iterator[Metric]:
         view = self._view()
-        families = _Families.new(self._hami)
+        families = _Families.new(self._names)
         self._containers(view, families)
         self._gpus(view, families)
         yield from families.all()
@@ -443,9 +449,10 @@ class NodeCollector(Collector):
         for state in view.snapshot.containers:
             o = state.owner
             for vindex, device in enumerate(state.devices):
-                labels = _labels(view.node, state, device)
-                for spec, family in zip(_CONTAINER_METRICS, families.container, strict=True):
-                    family.add_metric(labels, spec.value(device))
+                if families.gpuslice:
+                    labels = _labels(view.node, state, device)
+                    for spec, family in zip(_CONTAINER_METRICS, families.container, strict=True):
+                        family.add_metric(labels, spec.value(device))
                 uuid = device.usage.uuid
                 if not uuid:
                     continue  # HAMi leaves out devices not named yet
@@ -461,20 +468,25 @@ class NodeCollector(Collector):
     def _gpus(self, view: NodeView, families: _Families) -> None:
         active = {g.uuid: g.active_containers for g in view.snapshot.gpus} if view.snapshot else {}
         for f in view.figures:
-            d = f.device
-            labels = [view.node, d.uuid, str(d.index), d.model]
-            families.active.add_metric(labels, active.get(d.uuid, 0))
-            for spec, family in zip(_NVML_METRICS, families.nvml, strict=True):
-                value = spec.value(f)
-                if value is not None:
-                    family.add_metric(labels, value)
-            for kind, count in (("corrected", f.ecc_corrected), ("uncorrected", f.ecc_uncorrected)):
-                if count is not None:
-                    families.ecc.add_metric([*labels, kind], count)
+            if families.gpuslice:
+                self._gpu(view.node, f, active.get(f.device.uuid, 0), families)
             for hspec, family in zip(families.hami_gpu_specs, families.hami_gpu, strict=True):
                 value = hspec.value(f)
                 if value is not None:
                     family.add_metric(_hami_gpu_labels(hspec.labels, view.node, f), value)
+
+    @staticmethod
+    def _gpu(node: str, f: GpuFigures, active: int, families: _Families) -> None:
+        d = f.device
+        labels = [node, d.uuid, str(d.index), d.model]
+        families.active.add_metric(labels, active)
+        for spec, family in zip(_NVML_METRICS, families.nvml, strict=True):
+            value = spec.value(f)
+            if value is not None:
+                family.add_metric(labels, value)
+        for kind, count in (("corrected", f.ecc_corrected), ("uncorrected", f.ecc_uncorrected)):
+            if count is not None:
+                families.ecc.add_metric([*labels, kind], count)
 
 
 def registry_with(*collectors: Collector) -> CollectorRegistry:

@@ -25,7 +25,7 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
 from gpuslice_common.models import PlacementState
 from gpuslice_common.nodeapi import NodeRequestError
-from gpuslice_common.service import every, http_server, plain_http
+from gpuslice_common.service import HAMI_PATH, every, hami_answer, http_server, plain_http
 from gpuslice_common.subjects import Subjects
 from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
@@ -33,7 +33,13 @@ from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
 from gpuslice_deviceplugin.discovery import open_backend
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.kubelet import KubeletLink, LinkTiming
-from gpuslice_deviceplugin.metrics import HamiNames, NodeCollector, NodeView, PluginMetrics
+from gpuslice_deviceplugin.metrics import (
+    Names,
+    NodeCollector,
+    NodeView,
+    PluginMetrics,
+    registry_with,
+)
 from gpuslice_deviceplugin.nodeconfig import NodeConfig, load_node_config
 from gpuslice_deviceplugin.physical import BusyMeter, ContainerKey, GpuFigures, Load
 from gpuslice_deviceplugin.plugin import DevicePlugin
@@ -65,6 +71,7 @@ class Running:
     gateway: InventoryGateway
     registry: CollectorRegistry
     kube: KubeApi | None = None
+    hami_registry: CollectorRegistry | None = None  # /metrics/hami; None while off
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     snapshot: CoordinatorSnapshot | None = None
     gone: frozenset[str] = frozenset()  # pods with a directory here known to have ended
@@ -163,6 +170,13 @@ def create_app(running: Running) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(running.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get(HAMI_PATH)
+    async def hami_metrics() -> Response:
+        """HAMi's names before 2.9 (``HostGPUMemoryUsage``, ...); 404 while off."""
+        hami = running.hami_registry
+        status, body, kind = hami_answer(None if hami is None else lambda: generate_latest(hami))
+        return Response(body, status_code=status, media_type=kind.decode())
+
     return app
 
 
@@ -208,12 +222,10 @@ async def running(
     state = Running(
         settings, agent, plugin, link, Coordinator(host), host, gateway, registry, kube=kube
     )
-    registry.register(
-        NodeCollector(
-            state.view,
-            hami=HamiNames(settings.hami_metrics, settings.hami_legacy_metrics),
-        )
-    )
+    names = Names.GPUSLICE_AND_HAMI if settings.hami_metrics else Names.GPUSLICE
+    registry.register(NodeCollector(state.view, names=names))
+    if settings.hami_metrics:
+        state.hami_registry = registry_with(NodeCollector(state.view, names=Names.HAMI_LEGACY))
     http = contextlib.AsyncExitStack()
     try:
         await agent.refresh()

@@ -6,8 +6,10 @@ and served from that snapshot, so a scrape never waits on Redis. Counters of the
 inventory's own work are read from its parts' stats at scrape time. A node whose
 record in the ledger cannot be read is left out of the snapshot, logged once
 and counted in ``gpuslice_ledger_unreadable_nodes``; the other nodes are not.
-With ``hami_metrics`` on, the snapshot carries HAMi's scheduler names too
-(:class:`HamiFamilies`), from the same read.
+With ``hami_metrics`` on, the same read makes HAMi's scheduler names too
+(:class:`HamiFamilies`), kept in a snapshot of their own that :class:`HamiMetrics`
+exports on ``/metrics/hami``: they are camelCase, which Prometheus's naming rules
+flag, so ``/metrics`` holds only gpuslice's names.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class ClusterMetrics(Collector):
         self.active = active
         self.hami = hami  # HAMi's scheduler names too
         self._snapshot: list[Metric] = []
+        self.hami_snapshot: list[Metric] = []  # HAMi's names, exported by HamiMetrics
         self.skipped: dict[str, str] = {}  # node -> why its record cannot be read
 
     def collect(self) -> Iterator[Metric]:
@@ -224,8 +227,19 @@ class ClusterMetrics(Collector):
             pods,
             sm,
             unreadable,
-            *(hami.families() if hami is not None else ()),
         ]
+        self.hami_snapshot = hami.families() if hami is not None else []
+
+
+class HamiMetrics(Collector):
+    """HAMi's scheduler names from the last :meth:`ClusterMetrics.refresh`, while
+    that replica holds the lease, as the rest of the cluster's figures."""
+
+    def __init__(self, cluster: ClusterMetrics) -> None:
+        self.cluster = cluster
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.cluster.hami_snapshot if self.cluster.active() else [])
 
 
 class HamiFamilies:

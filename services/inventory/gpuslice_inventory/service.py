@@ -33,13 +33,19 @@ from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import NodeInventory, PodEnded
 from gpuslice_common.nkeys import KeyPair, Role
 from gpuslice_common.outbox import Outbox
-from gpuslice_common.service import every, http_server, plain_http
+from gpuslice_common.service import HAMI_PATH, every, hami_answer, http_server, plain_http
 from gpuslice_common.subjects import node_from_token
 from gpuslice_inventory.authcallout import AuthCallout
 from gpuslice_inventory.gateway import NodeGateway, TokenIssuer
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.lifecycle import PodWatcher, WatchStats, release_ended
-from gpuslice_inventory.metrics import ClusterMetrics, WorkMetrics, WorkStats, registry_for
+from gpuslice_inventory.metrics import (
+    ClusterMetrics,
+    HamiMetrics,
+    WorkMetrics,
+    WorkStats,
+    registry_for,
+)
 from gpuslice_inventory.reconcile import Reconciler
 from gpuslice_inventory.telemetry import TelemetryStore
 from gpuslice_inventory.upkeep import SOURCE, Upkeep
@@ -63,6 +69,7 @@ class Running:
     cluster: ClusterMetrics
     registry: CollectorRegistry
     gateway: NodeGateway
+    hami_registry: CollectorRegistry | None = None  # /metrics/hami; None while off
     reconciler: Reconciler | None = None
     watcher: PodWatcher | None = None
     callout: AuthCallout | None = None
@@ -245,6 +252,13 @@ def create_app(state: Running) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get(HAMI_PATH)
+    async def hami_metrics() -> Response:
+        """HAMi's scheduler names (``GPUDeviceMemoryAllocated``, ...); 404 while off."""
+        hami = state.hami_registry
+        status, body, kind = hami_answer(None if hami is None else lambda: generate_latest(hami))
+        return Response(body, status_code=status, media_type=kind.decode())
+
     return app
 
 
@@ -312,6 +326,9 @@ async def running(
     )
     state.callout = callout
     state.registry = registry_for(cluster, WorkMetrics(state.work_values))
+    if settings.hami_metrics:
+        state.hami_registry = CollectorRegistry()
+        state.hami_registry.register(HamiMetrics(cluster))
     if kube is not None:
         state.reconciler = Reconciler(ledger, kube, upkeep, settings.reconcile_grace)
         state.watcher = PodWatcher(kube, upkeep, lambda: lease.held)

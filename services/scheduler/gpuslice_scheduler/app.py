@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuslice_common.ledger import LedgerError
 from gpuslice_common.requests import RequestError
-from gpuslice_common.service import AsgiApp, Receive, Scope, Send
+from gpuslice_common.service import HAMI_PATH, AsgiApp, Receive, Scope, Send, hami_answer
 from gpuslice_scheduler.extender import BindError, Extender
 from gpuslice_scheduler.wire import (
     BindingArgs,
@@ -163,6 +163,12 @@ def create_app(extender: Extender) -> AsgiApp:
         """As on the plain-HTTP ``metrics_port``, the one Prometheus scrapes."""
         return Response(render_metrics(extender), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get(HAMI_PATH)
+    async def hami_metrics() -> Response:
+        """As on the plain-HTTP ``metrics_port``."""
+        status, body, kind = hami_answer(render_hami(extender))
+        return Response(body, status_code=status, media_type=kind.decode())
+
     return Verbs(extender, app)
 
 
@@ -172,6 +178,13 @@ def render_metrics(extender: Extender) -> bytes:
     metrics.nodes.set(extender.view.cluster.node_count)
     metrics.skipped_nodes.set(len(extender.view.skipped))
     return generate_latest(metrics.registry)
+
+
+def render_hami(extender: Extender) -> Callable[[], bytes] | None:
+    """What renders ``/metrics/hami``: HAMi's scheduler names come from the
+    inventory, which holds the ledger, so the extender has none (an empty text);
+    None while ``hami_metrics`` is off."""
+    return (lambda: b"") if extender.settings.hami_metrics else None
 
 
 async def _unreachable() -> None:  # pragma: no cover - Verbs answers every POST

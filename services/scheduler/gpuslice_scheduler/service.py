@@ -16,7 +16,7 @@ from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import http_server, metrics_server, plain_http
 from gpuslice_scheduler import core
-from gpuslice_scheduler.app import create_app, render_metrics
+from gpuslice_scheduler.app import create_app, render_hami, render_metrics
 from gpuslice_scheduler.extender import SOURCE, Extender
 from gpuslice_scheduler.resources import NodeResources
 from gpuslice_scheduler.view import ClusterView
@@ -78,6 +78,7 @@ async def running(
                 settings.metrics_host,
                 settings.metrics_port,
                 "extender-metrics",
+                hami=render_hami(extender),
                 log_level=settings.log_level,
             ),
         ):

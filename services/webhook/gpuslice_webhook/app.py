@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gpuslice_common.service import HAMI_PATH, hami_answer
 from gpuslice_webhook.admission import Admission
 from gpuslice_webhook.review import AdmissionReviewRequest, AdmissionReviewResponse, Problem
 from gpuslice_webhook.tls import ReloadingTls
@@ -73,6 +74,12 @@ def create_app(admission: Admission, tls: ReloadingTls | None = None) -> FastAPI
     async def metrics_() -> Response:
         """As on the plain-HTTP ``metrics_port``, the one Prometheus scrapes."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(HAMI_PATH, response_class=PlainTextResponse)
+    async def hami_metrics() -> Response:
+        """HAMi's names, as on the plain-HTTP ``metrics_port``."""
+        status, body, kind = hami_answer(metrics.render_hami())
+        return Response(body, status_code=status, media_type=kind.decode())
 
     original_openapi = app.openapi
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -33,8 +33,12 @@ OUTCOMES = (
 
 
 class Metrics:
+    """gpuslice's names on ``registry`` (``/metrics``); while ``hami`` is on, HAMi's
+    ``QuotaUsed`` on ``hami_registry`` (``/metrics/hami``), else that is None."""
+
     def __init__(self, registry: CollectorRegistry | None = None, *, hami: bool = True) -> None:
         self.registry = registry or CollectorRegistry()
+        self.hami_registry = CollectorRegistry() if hami else None
         self.admissions = Counter(
             "gpuslice_webhook_admissions",
             "Admission reviews answered, by outcome.",
@@ -66,13 +70,13 @@ class Metrics:
             registry=self.registry,
         )
         self.hami_quota_used: Gauge | None = None
-        if hami:
+        if self.hami_registry is not None:
             # HAMi's scheduler name, labels and units: memory in MiB, the limit a label
             self.hami_quota_used = Gauge(
                 "QuotaUsed",
                 "resourcequota usage for a certain device",
                 ["quotanamespace", "quotaName", "limit", "zone"],
-                registry=self.registry,
+                registry=self.hami_registry,
             )
 
     def quota(self, namespace: str, quota: str, key: str, used: int, limit: int) -> None:
@@ -82,6 +86,11 @@ class Metrics:
         self.quota_limit.labels(namespace, quota, resource).set(limit)
         if self.hami_quota_used is not None:
             self.hami_quota_used.labels(namespace, resource, str(limit), "vGPU").set(used)
+
+    def render_hami(self) -> Callable[[], bytes] | None:
+        """What renders ``/metrics/hami``: None while HAMi's names are off."""
+        hami = self.hami_registry
+        return None if hami is None else lambda: generate_latest(hami)
 
 
 class Readings(Collector):

@@ -96,6 +96,7 @@ async def running(
                 settings.metrics_host,
                 settings.metrics_port,
                 "webhook-metrics",
+                hami=metrics.render_hami(),
                 log_level=settings.log_level,
             )
         )
@@ -129,7 +130,8 @@ async def main(settings: WebhookSettings) -> None:
         async with running(settings, kube, outbox) as state:
             scheme = "https" if state.tls else "http"
             log.info("webhook listening on %s://%s:%d", scheme, settings.listen_host, state.port)
-            log.info("metrics on http://%s:%d/metrics", settings.metrics_host, state.metrics_port)
+            where = f"http://{settings.metrics_host}:{state.metrics_port}"
+            log.info("metrics on %s/metrics, HAMi's names on %s/metrics/hami", where, where)
             await state.serving  # uvicorn returns on SIGINT/SIGTERM
             log.info("stopping")
     finally:
