@@ -30,14 +30,21 @@ from collections.abc import (
 )
 from typing import Any, TypeVar, cast
 
+import h11
 import uvicorn
 from pydantic_settings import BaseSettings
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gpuslice_common.config import ConfigError, load
 
 S = TypeVar("S", bound=BaseSettings)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 STOP_TIMEOUT_S = 5.0
+# A request head (request line and headers) larger than this is answered 400
+# and the connection closed; one not whole this long after the connection
+# opened, or after the last answer on it, has its connection closed.
+MAX_HEAD_BYTES = 64 * 1024
+HEAD_TIMEOUT_S = 10.0
 
 
 def run_service(
@@ -171,6 +178,41 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head: a client
+    that opens connections and sends nothing, or a header line now and then
+    (slowloris), holds each for at most :data:`HEAD_TIMEOUT_S`. uvicorn has no
+    such deadline of its own; its httptools protocol also holds a request head
+    of any size in memory, which :func:`http_server` stops by using this one
+    with an h11 buffer of :data:`MAX_HEAD_BYTES`."""
+
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._start_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _start_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_overdue)
+
+    def _head_overdue(self) -> None:
+        # IDLE: no whole request head since the deadline started (a request
+        # being answered has moved on to SEND_BODY or DONE)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
 class _QuietServer(uvicorn.Server):
     """uvicorn without signal handling of its own: the service handles SIGTERM."""
 
@@ -198,11 +240,15 @@ async def http_server(
 ) -> AsyncIterator[tuple[uvicorn.Server, asyncio.Task[None]]]:
     """uvicorn serving ``config`` until the block ends: (server, its task).
 
-    Request bodies over ``max_body`` bytes are answered 413 (:class:`BodyLimit`).
+    Request bodies over ``max_body`` bytes are answered 413 (:class:`BodyLimit`),
+    request heads over :data:`MAX_HEAD_BYTES` 400, and a connection without a
+    whole request head for :data:`HEAD_TIMEOUT_S` is closed (:class:`BoundedH11`).
     With ``handle_signals`` uvicorn stops on SIGINT/SIGTERM and the task ends;
     without, the service handles them. Raises OSError if it cannot listen.
     """
     config.app = BodyLimit(cast(AsgiApp, config.app), max_body, on_refused)
+    config.http = BoundedH11
+    config.h11_max_incomplete_event_size = MAX_HEAD_BYTES
     server = uvicorn.Server(config) if handle_signals else _QuietServer(config)
     serving = asyncio.create_task(_serve(server), name=name)
     try:
