@@ -37,7 +37,7 @@ from rich.table import Column, Table
 from gpuslice_cli.status import cli_settings, fail
 from gpuslice_cli.table import printable, show
 from gpuslice_common.bus import Bus, BusError
-from gpuslice_common.config import CommonSettings, parse_duration
+from gpuslice_common.config import CommonSettings, parse_duration, without_password
 from gpuslice_common.events import (
     AllocationEvent,
     CloudEvent,
@@ -401,7 +401,7 @@ def _run_or_fail(settings: CommonSettings, what: Callable[[], None]) -> None:
     try:
         what()
     except AuditStreamMissing as exc:
-        where = f"NATS at {settings.nats_url}"
+        where = f"NATS at {without_password(settings.nats_url)}"
         fail(str(AuditStreamMissing(exc.stream, exc.prefix, where)), 1)
     except BusError as exc:
         fail(str(exc), 1)
