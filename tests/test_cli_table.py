@@ -171,3 +171,20 @@ def test_audit_follow_lines_hold_no_control_characters_nor_line_breaks() -> None
     assert _unsafe(line) == []
     assert "\n" not in line
     assert "evil" in line
+
+
+def test_warnings_and_errors_from_events_and_the_ledger_show_no_control_characters(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A malformed event's or an unreadable record's text can quote what a node sent."""
+    import typer
+
+    from gpuslice_cli.audit import _warn
+    from gpuslice_cli.status import fail
+
+    _warn(f"stream sequence 7: bad node {HOSTILE}")
+    with pytest.raises(typer.Exit):
+        fail(f"node {HOSTILE} is not in the ledger", 1)
+    err = capsys.readouterr().err
+    assert "evil" in err
+    assert _unsafe(err) == []

@@ -324,7 +324,8 @@ def _options(
 
 def _warn(message: str) -> None:
     Console(stderr=True, highlight=False).print(
-        f"[yellow]warning:[/] skipped a malformed event: {escape(message)}", soft_wrap=True
+        f"[yellow]warning:[/] skipped a malformed event: {escape(printable(message))}",
+        soft_wrap=True,
     )
 
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gpuslice_cli.table import show
+from gpuslice_cli.table import printable, show
 from gpuslice_common.config import CommonSettings, ConfigError, load, without_password
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError
 from gpuslice_common.models import GpuState, Placement, PlacementState
@@ -39,7 +39,9 @@ MIB = 1024 * 1024
 
 def fail(message: str, code: int) -> NoReturn:
     """Print ``error: message`` as one line on stderr and exit with ``code``."""
-    Console(stderr=True, highlight=False).print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    Console(stderr=True, highlight=False).print(
+        f"[red]error:[/] {escape(printable(message))}", soft_wrap=True
+    )
     raise typer.Exit(code)
 
 
@@ -471,7 +473,7 @@ def status(
         shown = name if name.isprintable() else repr(name)
         warnings.print(
             f"[yellow]warning:[/] node {escape(shown)} left out, "
-            f"its record cannot be read: {escape(problem)}",
+            f"its record cannot be read: {escape(printable(problem))}",
             soft_wrap=True,
         )
     if not nodes:
