@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections import deque
 from collections.abc import (
     AsyncIterator,
@@ -306,6 +307,36 @@ async def every(
             log.exception("%s failed", what)
         check_cancelled()
         await asyncio.sleep(seconds)
+
+
+class SharedCheck:
+    """An async check (a readiness probe's) whose answer callers share for
+    ``ttl`` seconds, and whose run in progress concurrent callers wait on: a
+    probe that anyone in the cluster network can call in a loop costs what it
+    checks (the inventory, Redis) at most one check per ``ttl``. A check that
+    raises fails the callers waiting on it and is not kept."""
+
+    def __init__(self, check: Callable[[], Awaitable[bool]], ttl: float = 1.0) -> None:
+        self.check = check
+        self.ttl = ttl
+        self._answer: tuple[float, bool] | None = None  # (when, what)
+        self._running: asyncio.Future[bool] | None = None
+
+    async def __call__(self) -> bool:
+        answer = self._answer
+        if answer is not None and time.monotonic() - answer[0] < self.ttl:
+            return answer[1]
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._run())
+        return await asyncio.shield(self._running)
+
+    async def _run(self) -> bool:
+        try:
+            value = await self.check()
+            self._answer = (time.monotonic(), value)
+            return value
+        finally:
+            self._running = None
 
 
 class MetricsEndpoint:
