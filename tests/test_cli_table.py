@@ -188,3 +188,32 @@ def test_warnings_and_errors_from_events_and_the_ledger_show_no_control_characte
     err = capsys.readouterr().err
     assert "evil" in err
     assert _unsafe(err) == []
+
+
+@pytest.mark.parametrize(
+    ("namespace", "name", "containers"),
+    [
+        ("..", "../../etc", ["../passwd", "a/b", "a_b"]),
+        ("/abs", "x\x00y", ["\x00", ".", "..", ".hidden"]),
+        ("ns", "p" * 5000, ["c" * 5000, "c" * 4999 + "d"]),
+        ("ns", "p", ["main", "m.a.i.n", "m_a_i_n", "m/a/i/n"]),
+    ],
+)
+def test_container_logs_stay_in_the_log_directory_one_file_per_container(
+    tmp_path: Path, namespace: str, name: str, containers: list[str]
+) -> None:
+    """Names come from pod files: none leaves the log directory, and two
+    containers of a pod never share (and truncate) one file."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from gpuslice_cli.dev.driver import ClusterDriver
+
+    driver = cast(Any, SimpleNamespace(log_dir=tmp_path / "pods"))
+    pod = {"metadata": {"namespace": namespace, "name": name, "uid": "0123456789abcdef"}}
+    paths = [ClusterDriver.log_path(driver, pod, c) for c in containers]
+    assert len(set(paths)) == len(paths)
+    for path in paths:
+        assert path.resolve().is_relative_to((tmp_path / "pods").resolve())
+        assert path.parent.parent.parent == tmp_path / "pods"
+        assert all(len(part) <= 120 and "\x00" not in part for part in path.parts)
