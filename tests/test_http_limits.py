@@ -1,7 +1,7 @@
 """Every gpuslice HTTP server (metrics ports, probes, the webhook, the
 extender) against a client that reaches it from anywhere in the cluster: a
-request head that never ends, or one of hundreds of megabytes, holds neither a
-connection nor memory for long; the server keeps serving."""
+request head or body that never ends, or a head of hundreds of megabytes,
+holds neither a connection nor memory for long; the server keeps serving."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ async def _closed(reader: asyncio.StreamReader, within: float) -> bool:
 
 
 async def test_a_request_head_that_never_ends_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(service, "REQUEST_TIMEOUT_S", 0.5)
     async with metrics_server(lambda: b"up 1\n", "127.0.0.1", 0, "test-metrics") as port:
         idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
         slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
@@ -96,3 +96,17 @@ async def test_a_huge_request_head_is_refused_before_it_is_held() -> None:
             await writer.wait_closed()
         async with httpx.AsyncClient() as client:
             assert (await client.get(f"http://127.0.0.1:{port}/metrics")).status_code == 200
+
+
+async def test_a_request_body_that_never_ends_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service, "REQUEST_TIMEOUT_S", 0.5)
+    async with metrics_server(lambda: b"up 1\n", "127.0.0.1", 0, "test-metrics") as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        started = time.monotonic()
+        assert await _closed(reader, 3.0)
+        assert time.monotonic() - started < 3.0
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()

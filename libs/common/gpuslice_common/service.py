@@ -42,10 +42,11 @@ S = TypeVar("S", bound=BaseSettings)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 STOP_TIMEOUT_S = 5.0
 # A request head (request line and headers) larger than this is answered 400
-# and the connection closed; one not whole this long after the connection
-# opened, or after the last answer on it, has its connection closed.
+# and the connection closed; a request (head and body) not whole this long
+# after the connection opened, or after the last answer on it, has its
+# connection closed.
 MAX_HEAD_BYTES = 64 * 1024
-HEAD_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 10.0
 
 
 def run_service(
@@ -180,37 +181,39 @@ class BodyLimit:
 
 
 class BoundedH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request head: a client
-    that opens connections and sends nothing, or a header line now and then
-    (slowloris), holds each for at most :data:`HEAD_TIMEOUT_S`. uvicorn has no
-    such deadline of its own; its httptools protocol also holds a request head
-    of any size in memory, which :func:`http_server` stops by using this one
-    with an h11 buffer of :data:`MAX_HEAD_BYTES`."""
+    """uvicorn's h11 protocol with a deadline on each request: a client that
+    opens connections and sends nothing, a header line now and then
+    (slowloris), or a body that never ends, holds each for at most
+    :data:`REQUEST_TIMEOUT_S`. uvicorn has no such deadline of its own; its
+    httptools protocol also holds a request head of any size in memory, which
+    :func:`http_server` stops by using this one with an h11 buffer of
+    :data:`MAX_HEAD_BYTES`."""
 
-    _head_deadline: asyncio.TimerHandle | None = None
+    _deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._start_head_deadline()
+        self._start_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._start_head_deadline()
+        self._start_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
+        if self._deadline is not None:
+            self._deadline.cancel()
         super().connection_lost(exc)
 
-    def _start_head_deadline(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_overdue)
+    def _start_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(REQUEST_TIMEOUT_S, self._request_overdue)
 
-    def _head_overdue(self) -> None:
-        # IDLE: no whole request head since the deadline started (a request
-        # being answered has moved on to SEND_BODY or DONE)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+    def _request_overdue(self) -> None:
+        # IDLE: no whole request head since the deadline started; SEND_BODY:
+        # its body not whole (a request being answered has moved on to DONE)
+        waiting = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+        if waiting and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -243,7 +246,7 @@ async def http_server(
 
     Request bodies over ``max_body`` bytes are answered 413 (:class:`BodyLimit`),
     request heads over :data:`MAX_HEAD_BYTES` 400, and a connection without a
-    whole request head for :data:`HEAD_TIMEOUT_S` is closed (:class:`BoundedH11`).
+    whole request for :data:`REQUEST_TIMEOUT_S` is closed (:class:`BoundedH11`).
     With ``handle_signals`` uvicorn stops on SIGINT/SIGTERM and the task ends;
     without, the service handles them. Raises OSError if it cannot listen.
     """
