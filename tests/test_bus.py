@@ -316,3 +316,15 @@ async def test_reading_a_subject_with_no_events_returns_at_once(bus: Bus) -> Non
     assert await bus.read_audit(subject=bus.subjects.event(EventType.ALLOC_FAILED)) == []
     assert loop.time() - started < 1.0
     assert len(await bus.read_audit(subject=bus.subjects.event(t))) == 1
+
+
+async def test_the_connect_error_names_the_servers_without_the_password() -> None:
+    port = free_port()
+    url = f"nats://auditor:hunter2secret@127.0.0.1:{port},nats://u:pw2secret@127.0.0.1:{port}"
+    with pytest.raises(BusError) as raised:
+        await Bus.connect(
+            settings_for(url, "x"), "test", connect_timeout=0.2, first_connect_wait=0.3
+        )
+    assert "hunter2secret" not in str(raised.value)
+    assert "pw2secret" not in str(raised.value)
+    assert f"nats://auditor@127.0.0.1:{port}" in str(raised.value)

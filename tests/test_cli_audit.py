@@ -312,6 +312,18 @@ async def test_missing_stream_is_a_clean_error(settings: CommonSettings) -> None
         )
 
 
+async def test_the_missing_stream_error_names_nats_without_the_password(
+    settings: CommonSettings,
+) -> None:
+    """A URL with a login (as dev up prints it) is named without its password."""
+    host = settings.nats_url.removeprefix("nats://")
+    with_login = settings.model_copy(update={"nats_url": f"nats://auditor:hunter2secret@{host}"})
+    result = await cli(with_login, "audit", "tail")
+    assert result.exit_code == 1, result.output
+    assert f"NATS at nats://auditor@{host} " in result.stderr
+    assert "hunter2secret" not in result.output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

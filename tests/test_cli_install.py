@@ -143,6 +143,46 @@ def test_a_credentials_secret_that_cannot_be_completed_is_refused(
     assert writes(kube_api_server) == []
 
 
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (b"", "empty"),  # Redis: `user scheduler on >` and `masterauth` with nothing
+        (b"x1y2z3", "shorter than 12"),
+        (b"secret-value-long\n", "whitespace"),  # kubectl --from-file keeps the newline
+        (b"pw1234567890 resetkeys ~* +@all", "whitespace"),  # a config line of its own
+        (b"pw1234567890\nuser default on nopass", "whitespace"),
+        (b"pass/word@evil:6379", "'/'"),  # redis://scheduler:$(PASSWORD)@host: another host
+        (b"pass%41word1234", "'%'"),
+        (b"pass\x1bword1234", "a control character"),
+    ],
+)
+def test_a_password_an_operator_set_that_is_unsafe_is_refused_by_key_not_shown(
+    kube_api_server: FakeApiServer, api: k8s.ApiClient, value: bytes, why: str
+) -> None:
+    """The passwords go into Redis's and NATS's configuration files and into
+    URLs: one that would break them, or change what they say, is refused
+    naming its key (never its value) and nothing is written."""
+    encoded = {"redis-scheduler": base64.b64encode(value).decode()}
+    kube_api_server.put(SECRETS, {"metadata": {"name": CREDENTIALS}, "data": encoded})
+    with pytest.raises(InstallError, match="redis-scheduler") as raised:
+        ensure_credentials(api)
+    assert why in str(raised.value)
+    if value:
+        assert value.decode(errors="replace") not in str(raised.value)
+    assert writes(kube_api_server) == []
+
+
+def test_generated_passwords_are_long_and_safe_in_urls_and_config_files(
+    kube_api_server: FakeApiServer, api: k8s.ApiClient
+) -> None:
+    ensure_credentials(api)
+    data = stored(kube_api_server, CREDENTIALS)
+    for key in KEYS:
+        if key.startswith("nats-callout"):
+            continue
+        assert re.fullmatch(rb"[0-9a-f]{48}", data[key]), key  # 192 random bits
+
+
 def test_the_command_reports_what_it_added_and_fails_cleanly(
     kube_api_server: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

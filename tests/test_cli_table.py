@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from gpuslice_cli.dev.driver import ContainerRun, PodOutcome
 from gpuslice_cli.dev.up import (
@@ -121,3 +122,98 @@ def test_names_and_reasons_that_look_like_markup_are_shown_as_they_are() -> None
     Console(file=out, width=200, force_terminal=True, color_system=None).print(view.render())
     for text in ("ns/[bold]x[/]", "bad [/] value [red]", "a [/] step", "detail [/x]", "ns/[/]pod"):
         assert text in out.getvalue()
+
+
+# what a tenant's annotation, a compromised node's inventory or event, or a pod
+# file can put in a name or a reason: escape sequences (clear the screen, set
+# the title, rewrite the line), C1 controls, and bidi overrides
+HOSTILE = "evil\x1b[2J\x1b]0;owned\x1b\\\x9b31m\u202etxt.exe\x07\rX"
+
+
+def _unsafe(text: str) -> list[str]:
+    return [c for c in text if c in "\x1b\x9b\u202e\x07\r"]
+
+
+def test_control_characters_in_cells_never_reach_the_terminal_or_the_pipe() -> None:
+    table = Table(title=f"t {HOSTILE}", caption=HOSTILE)
+    table.add_column("pod")
+    table.add_column("reason")
+    table.add_row(HOSTILE, Text(HOSTILE, style="red"))
+    pod = PodOutcome(HOSTILE, HOSTILE, "uid", "Denied", HOSTILE, node=HOSTILE)
+    for drawn_table in (table, pods_table([pod]), pods_table([pod], reason_width=30)):
+        out = io.StringIO()
+        show(Console(file=out, width=200, force_terminal=True, color_system=None), drawn_table)
+        assert _unsafe(out.getvalue()) == []
+        assert "evil" in out.getvalue()
+        out = io.StringIO()
+        show(Console(file=out, width=200), drawn_table)  # piped (into less -R, say)
+        assert _unsafe(out.getvalue()) == []
+        assert "evil" in out.getvalue()
+
+
+def test_the_live_view_and_the_summary_show_no_control_characters() -> None:
+    pod = PodOutcome(HOSTILE, "ns", "uid", "Failed", HOSTILE)
+    pod.containers.append(ContainerRun(HOSTILE, 3, f"{HOSTILE}\n"))
+    view = View(pods=[pod], steps=[(HOSTILE, False, HOSTILE)])
+    view.events.append(f"12:00:00 allocated ns/{HOSTILE}")
+    out = io.StringIO()
+    Console(file=out, width=200, force_terminal=True, color_system=None).print(view.render())
+    assert _unsafe(out.getvalue()) == []
+    for line in failures([pod]):
+        assert _unsafe(line) == []
+        assert "\n" not in line
+
+
+def test_audit_follow_lines_hold_no_control_characters_nor_line_breaks() -> None:
+    from gpuslice_cli.audit import follow_line
+
+    line = follow_line(["12:00:00", "allocated", f"ns/{HOSTILE}", HOSTILE, f"a\n{HOSTILE}"])
+    assert _unsafe(line) == []
+    assert "\n" not in line
+    assert "evil" in line
+
+
+def test_warnings_and_errors_from_events_and_the_ledger_show_no_control_characters(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A malformed event's or an unreadable record's text can quote what a node sent."""
+    import typer
+
+    from gpuslice_cli.audit import _warn
+    from gpuslice_cli.status import fail
+
+    _warn(f"stream sequence 7: bad node {HOSTILE}")
+    with pytest.raises(typer.Exit):
+        fail(f"node {HOSTILE} is not in the ledger", 1)
+    err = capsys.readouterr().err
+    assert "evil" in err
+    assert _unsafe(err) == []
+
+
+@pytest.mark.parametrize(
+    ("namespace", "name", "containers"),
+    [
+        ("..", "../../etc", ["../passwd", "a/b", "a_b"]),
+        ("/abs", "x\x00y", ["\x00", ".", "..", ".hidden"]),
+        ("ns", "p" * 5000, ["c" * 5000, "c" * 4999 + "d"]),
+        ("ns", "p", ["main", "m.a.i.n", "m_a_i_n", "m/a/i/n"]),
+    ],
+)
+def test_container_logs_stay_in_the_log_directory_one_file_per_container(
+    tmp_path: Path, namespace: str, name: str, containers: list[str]
+) -> None:
+    """Names come from pod files: none leaves the log directory, and two
+    containers of a pod never share (and truncate) one file."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from gpuslice_cli.dev.driver import ClusterDriver
+
+    driver = cast(Any, SimpleNamespace(log_dir=tmp_path / "pods"))
+    pod = {"metadata": {"namespace": namespace, "name": name, "uid": "0123456789abcdef"}}
+    paths = [ClusterDriver.log_path(driver, pod, c) for c in containers]
+    assert len(set(paths)) == len(paths)
+    for path in paths:
+        assert path.resolve().is_relative_to((tmp_path / "pods").resolve())
+        assert path.parent.parent.parent == tmp_path / "pods"
+        assert all(len(part) <= 120 and "\x00" not in part for part in path.parts)

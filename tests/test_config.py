@@ -23,6 +23,7 @@ from gpuslice_common.config import (
     load,
     parse_duration,
     sentinel_addresses,
+    without_password,
 )
 from gpuslice_common.models import GpuPolicy
 
@@ -574,3 +575,31 @@ def test_each_http_service_caps_request_bodies_and_the_cap_is_a_setting(
         monkeypatch.setenv("GPUSLICE_MAX_REQUEST_BODY", bad)
         with pytest.raises(ConfigError, match="GPUSLICE_MAX_REQUEST_BODY"):
             load(SchedulerSettings)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("GPUSLICE_REDIS_URL", "http://scheduler:hunter2secret@redis:6379/0"),
+        ("GPUSLICE_REDIS_URL", "redis//:hunter2secret@redis:6379/0"),
+        ("GPUSLICE_NATS_URL", "nats://h:4222,nats//auditor:hunter2secret@h:4222"),
+        ("GPUSLICE_NATS_URL", "http://auditor:hunter2secret@h:4222"),
+    ],
+)
+def test_a_bad_url_is_named_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """The message goes to a pod's log or a terminal: the URL's password stays out."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as raised:
+        load(CommonSettings)
+    assert variable in str(raised.value)
+    assert "hunter2secret" not in str(raised.value)
+
+
+def test_without_password_keeps_the_user_and_every_server() -> None:
+    assert without_password("redis://u:pw@h:1/0") == "redis://u@h:1/0"
+    assert without_password("redis://:pw@h:1/0") == "redis://h:1/0"
+    assert without_password("redis://h:1/0") == "redis://h:1/0"
+    assert without_password("nats://a:p@h:1,nats://b:q@g:2") == "nats://a@h:1,nats://b@g:2"
+    assert without_password("redis//:pw@h") == "(a URL, not shown: it may hold a password)"

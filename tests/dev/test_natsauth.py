@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from pathlib import Path
 
 import nats
+import pytest
 
 from gpuslice_cli.dev.natsauth import (
     AUTHORIZATION,
@@ -73,3 +75,26 @@ async def test_node_agent_tokens_are_minted_for_their_node_and_renewed(tmp_path:
     renewed = path.read_text()
     assert renewed != first
     assert (await kube.review_token(renewed, [NODE_AGENT_AUDIENCE]))["authenticated"] is True
+
+
+def test_a_token_file_is_never_readable_by_others_not_even_while_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a --workdir others may list, a file made with the umask's mode and
+    narrowed after could be opened (and kept open) by them meanwhile: it is
+    made 0600 from the start."""
+    modes: list[int] = []
+    real_replace = Path.replace
+
+    def replace(self: Path, target: Path) -> Path:
+        modes.append(self.stat().st_mode & 0o777)  # as it was before it took its name
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace)
+    monkeypatch.setattr(Path, "chmod", lambda self, mode: None)  # no narrowing after
+    old = os.umask(0)
+    try:
+        AgentTokens(LocalKubeApi(), ttl_s=60).write("gpu-node-1", tmp_path / "token")
+    finally:
+        os.umask(old)
+    assert modes == [0o600]

@@ -35,9 +35,9 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from gpuslice_cli.status import cli_settings, fail
-from gpuslice_cli.table import show
+from gpuslice_cli.table import printable, show
 from gpuslice_common.bus import Bus, BusError
-from gpuslice_common.config import CommonSettings, parse_duration
+from gpuslice_common.config import CommonSettings, parse_duration, without_password
 from gpuslice_common.events import (
     AllocationEvent,
     CloudEvent,
@@ -297,7 +297,10 @@ FOLLOW_WIDTHS = (24, 14, 24, 12)  # time, type, pod, node: padded to, never cut
 def follow_line(cells: Sequence[str]) -> str:
     """One event (or the header) on one line, for --follow: each new event is
     printed as it comes and a line per event suits grep. The first columns are
-    padded so that lines of ordinary widths line up; nothing is cut."""
+    padded so that lines of ordinary widths line up; nothing is cut. Events
+    come from nodes and pods: no cell breaks the line or reaches the terminal
+    with a character it would act on (:func:`printable`)."""
+    cells = [printable(" ".join(cell.split("\n"))) for cell in cells]
     padded = [cell.ljust(width) for cell, width in zip(cells, FOLLOW_WIDTHS, strict=False)]
     return "  ".join([*padded, *cells[len(FOLLOW_WIDTHS) :]]).rstrip()
 
@@ -321,7 +324,8 @@ def _options(
 
 def _warn(message: str) -> None:
     Console(stderr=True, highlight=False).print(
-        f"[yellow]warning:[/] skipped a malformed event: {escape(message)}", soft_wrap=True
+        f"[yellow]warning:[/] skipped a malformed event: {escape(printable(message))}",
+        soft_wrap=True,
     )
 
 
@@ -398,7 +402,7 @@ def _run_or_fail(settings: CommonSettings, what: Callable[[], None]) -> None:
     try:
         what()
     except AuditStreamMissing as exc:
-        where = f"NATS at {settings.nats_url}"
+        where = f"NATS at {without_password(settings.nats_url)}"
         fail(str(AuditStreamMissing(exc.stream, exc.prefix, where)), 1)
     except BusError as exc:
         fail(str(exc), 1)

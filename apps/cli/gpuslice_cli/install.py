@@ -22,6 +22,7 @@ import base64
 import binascii
 import json
 import os
+import re
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -198,9 +199,43 @@ def ours(secret: Mapping[str, Any]) -> bool:
 # ---------------------------------------------------------------- credentials
 
 
+MIN_PASSWORD = 12
+# what a password may hold: it goes into URLs (redis://user:PASSWORD@host) and,
+# substituted as it is, into Redis's and NATS's configuration files
+_PASSWORD_CHARS = re.compile(rb"[A-Za-z0-9._~+=-]*")
+
+
+def unsafe_password(value: bytes) -> str | None:
+    """Why ``value`` cannot be used as a password as it is, or None. The
+    answer never quotes the value."""
+    if not value:
+        return "it is empty"
+    if len(value) < MIN_PASSWORD:
+        return f"it is shorter than {MIN_PASSWORD} characters"
+    if _PASSWORD_CHARS.fullmatch(value):
+        return None
+    if any(c in b" \t\r\n\v\f" for c in value):
+        return "it holds whitespace, which ends a line or word of a configuration file"
+    if any(c < 0x20 or c >= 0x7F for c in value):
+        return "it holds a control character or a byte outside ASCII"
+    bad = sorted({chr(c) for c in value if not _PASSWORD_CHARS.fullmatch(bytes([c]))})
+    return (
+        f"it holds {', '.join(repr(c) for c in bad)}, which a URL or a configuration "
+        "file reads otherwise (use letters, digits and . _ ~ + = -)"
+    )
+
+
 def missing_credentials(present: Mapping[str, bytes]) -> dict[str, bytes]:
     """The keys ``present`` lacks, made up: hex passwords, and the auth callout's
-    account key pair (its issuer derived from a seed already there)."""
+    account key pair (its issuer derived from a seed already there). A password
+    already there that :func:`unsafe_password` refuses is an InstallError
+    naming its key: it is not changed, nor used."""
+    for key in PASSWORDS:
+        if key in present and (why := unsafe_password(present[key])):
+            raise InstallError(
+                f"Secret {CREDENTIALS}: key {key} is not a usable password: {why}; "
+                f"set another, or remove the key to have one made"
+            )
     made = {key: secrets.token_hex(24).encode() for key in PASSWORDS if key not in present}
     seed, issuer = present.get(CALLOUT_SEED), present.get(CALLOUT_ISSUER)
     if seed is None and issuer is not None:

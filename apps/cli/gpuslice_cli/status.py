@@ -13,7 +13,6 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import typer
 from redis.exceptions import RedisError
@@ -21,8 +20,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gpuslice_cli.table import show
-from gpuslice_common.config import CommonSettings, ConfigError, load
+from gpuslice_cli.table import printable, show
+from gpuslice_common.config import CommonSettings, ConfigError, load, without_password
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError
 from gpuslice_common.models import GpuState, Placement, PlacementState
 from gpuslice_inventory.telemetry import TelemetryStore
@@ -40,7 +39,9 @@ MIB = 1024 * 1024
 
 def fail(message: str, code: int) -> NoReturn:
     """Print ``error: message`` as one line on stderr and exit with ``code``."""
-    Console(stderr=True, highlight=False).print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    Console(stderr=True, highlight=False).print(
+        f"[red]error:[/] {escape(printable(message))}", soft_wrap=True
+    )
     raise typer.Exit(code)
 
 
@@ -51,20 +52,6 @@ def cli_settings(nats_url: str | None = None, redis_url: str | None = None) -> C
         return load(CommonSettings, **{k: v for k, v in overrides.items() if v is not None})
     except ConfigError as exc:
         fail(str(exc), 2)
-
-
-def without_password(url: str) -> str:
-    """``url`` with its password, if any, left out (the user stays)."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "(an unreadable URL)"
-    if password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}" if user else host))
 
 
 def ledger_source(settings: CommonSettings) -> tuple[str, bool]:
@@ -486,7 +473,7 @@ def status(
         shown = name if name.isprintable() else repr(name)
         warnings.print(
             f"[yellow]warning:[/] node {escape(shown)} left out, "
-            f"its record cannot be read: {escape(problem)}",
+            f"its record cannot be read: {escape(printable(problem))}",
             soft_wrap=True,
         )
     if not nodes:

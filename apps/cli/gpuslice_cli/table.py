@@ -8,11 +8,47 @@ every cell whole, so ``cut``, ``awk`` and ``grep`` read it.
 
 from __future__ import annotations
 
+import re
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 ELLIPSIS = "…"
+# Characters a terminal acts on rather than shows: C0 controls but tab and
+# newline (ESC starts the sequences that clear the screen, set the title or
+# write a hyperlink), DEL, the C1 controls (\x9b is a one-byte CSI), and the
+# bidi controls that show text in another order than it is.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+REPLACEMENT = "\ufffd"
+
+
+def printable(text: str) -> str:
+    """``text`` with each character a terminal would act on shown as U+FFFD
+    (one for one, so that styled spans keep their places). Names, reasons and
+    events come from pod files, tenants' pods and nodes: never raw to a terminal."""
+    return _CONTROL.sub(REPLACEMENT, text)
+
+
+def _printable_cell(cell: object) -> object:
+    if isinstance(cell, Text):
+        clean = cell.copy()
+        clean.plain = printable(cell.plain)
+        return clean
+    if isinstance(cell, str):
+        return printable(cell)
+    return cell
+
+
+def make_printable(table: Table) -> Table:
+    """``table`` (changed in place) with no character a terminal would act on
+    in its title, caption, headers or cells."""
+    table.title = _printable_cell(table.title)  # type: ignore[assignment]
+    table.caption = _printable_cell(table.caption)  # type: ignore[assignment]
+    for column in table.columns:
+        column.header = _printable_cell(column.header)  # type: ignore[assignment]
+        column._cells[:] = [_printable_cell(cell) for cell in column._cells]  # type: ignore[misc]
+    return table
 
 
 def shorten(text: str, width: int) -> str:
@@ -44,7 +80,9 @@ def plain_lines(table: Table) -> list[str]:
 
 
 def show(console: Console, table: Table) -> None:
-    """Draw ``table`` on a terminal, or write it as plain columns elsewhere."""
+    """Draw ``table`` on a terminal, or write it as plain columns elsewhere;
+    either way without control characters (:func:`printable`)."""
+    make_printable(table)
     if console.is_terminal:
         console.print(table)
         return

@@ -37,7 +37,7 @@ from nats.js.api import (
 from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
-from gpuslice_common.config import BusSettings
+from gpuslice_common.config import BusSettings, without_password
 from gpuslice_common.events import CloudEvent, EventError, parse_event
 from gpuslice_common.subjects import Subjects
 
@@ -144,7 +144,7 @@ class Bus:
             if stats.closing:
                 return
             stats.disconnects += 1
-            log.warning("nats: disconnected from %s", settings.nats_url)
+            log.warning("nats: disconnected from %s", without_password(settings.nats_url))
 
         async def on_reconnect() -> None:
             stats.reconnects += 1
@@ -175,7 +175,9 @@ class Bus:
         try:
             nc = await nats.connect(servers, **options)
         except (TimeoutError, OSError, NatsError) as exc:
-            raise BusError(f"cannot connect to NATS at {settings.nats_url}: {exc!r}") from None
+            raise BusError(
+                f"cannot connect to NATS at {without_password(settings.nats_url)}: {exc!r}"
+            ) from None
         nc.options["max_reconnect_attempts"] = -1
         return cls(nc, Subjects(settings.subject_prefix), source=f"/gpuslice/{name}", stats=stats)
 

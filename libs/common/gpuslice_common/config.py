@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -147,7 +148,9 @@ class BusSettings(BaseSettings):
     def _nats_scheme(cls, value: str) -> str:
         for url in value.split(","):
             if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+", url.strip()):
-                raise ValueError(f"not a NATS URL: {url.strip()!r} (expected nats://host:port)")
+                raise ValueError(
+                    f"not a NATS URL: {without_password(url)!r} (expected nats://host:port)"
+                )
         return value
 
     @field_validator("subject_prefix")
@@ -162,6 +165,32 @@ class BusSettings(BaseSettings):
         if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError(f"unknown log level {value!r}")
         return level
+
+
+HIDDEN_URL = "(a URL, not shown: it may hold a password)"
+
+
+def without_password(url: str) -> str:
+    """``url`` (one or more comma-separated servers) for a message or a log:
+    each server's password, if any, left out (the user stays). A server that
+    cannot be read as a URL but may hold a login is not shown at all."""
+    shown = []
+    for server in url.split(","):
+        try:
+            parts = urlsplit(server.strip())
+            netloc = parts.netloc
+        except ValueError:
+            shown.append(HIDDEN_URL)
+            continue
+        if "@" in netloc:
+            login, _, host = netloc.rpartition("@")
+            user = login.partition(":")[0]
+            shown.append(urlunsplit(parts._replace(netloc=f"{user}@{host}" if user else host)))
+        elif "@" in server:  # a login, but where is not clear
+            shown.append(HIDDEN_URL)
+        else:
+            shown.append(server.strip())
+    return ",".join(shown)
 
 
 def _one_token(value: str) -> str:
@@ -188,7 +217,9 @@ class CommonSettings(BusSettings):
     @classmethod
     def _redis_scheme(cls, value: str) -> str:
         if not re.match(r"^(redis|rediss|unix)://", value):
-            raise ValueError(f"not a Redis URL: {value!r} (expected redis://host:port/db)")
+            raise ValueError(
+                f"not a Redis URL: {without_password(value)!r} (expected redis://host:port/db)"
+            )
         return value
 
     @field_validator("ledger_prefix")

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections import deque
 from collections.abc import (
     AsyncIterator,
@@ -30,14 +31,22 @@ from collections.abc import (
 )
 from typing import Any, TypeVar, cast
 
+import h11
 import uvicorn
 from pydantic_settings import BaseSettings
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gpuslice_common.config import ConfigError, load
 
 S = TypeVar("S", bound=BaseSettings)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 STOP_TIMEOUT_S = 5.0
+# A request head (request line and headers) larger than this is answered 400
+# and the connection closed; a request (head and body) not whole this long
+# after the connection opened, or after the last answer on it, has its
+# connection closed.
+MAX_HEAD_BYTES = 64 * 1024
+REQUEST_TIMEOUT_S = 10.0
 
 
 def run_service(
@@ -171,6 +180,43 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request: a client that
+    opens connections and sends nothing, a header line now and then
+    (slowloris), or a body that never ends, holds each for at most
+    :data:`REQUEST_TIMEOUT_S`. uvicorn has no such deadline of its own; its
+    httptools protocol also holds a request head of any size in memory, which
+    :func:`http_server` stops by using this one with an h11 buffer of
+    :data:`MAX_HEAD_BYTES`."""
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._start_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _start_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(REQUEST_TIMEOUT_S, self._request_overdue)
+
+    def _request_overdue(self) -> None:
+        # IDLE: no whole request head since the deadline started; SEND_BODY:
+        # its body not whole (a request being answered has moved on to DONE)
+        waiting = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+        if waiting and not self.transport.is_closing():
+            self.transport.close()
+
+
 class _QuietServer(uvicorn.Server):
     """uvicorn without signal handling of its own: the service handles SIGTERM."""
 
@@ -198,11 +244,15 @@ async def http_server(
 ) -> AsyncIterator[tuple[uvicorn.Server, asyncio.Task[None]]]:
     """uvicorn serving ``config`` until the block ends: (server, its task).
 
-    Request bodies over ``max_body`` bytes are answered 413 (:class:`BodyLimit`).
+    Request bodies over ``max_body`` bytes are answered 413 (:class:`BodyLimit`),
+    request heads over :data:`MAX_HEAD_BYTES` 400, and a connection without a
+    whole request for :data:`REQUEST_TIMEOUT_S` is closed (:class:`BoundedH11`).
     With ``handle_signals`` uvicorn stops on SIGINT/SIGTERM and the task ends;
     without, the service handles them. Raises OSError if it cannot listen.
     """
     config.app = BodyLimit(cast(AsgiApp, config.app), max_body, on_refused)
+    config.http = BoundedH11
+    config.h11_max_incomplete_event_size = MAX_HEAD_BYTES
     server = uvicorn.Server(config) if handle_signals else _QuietServer(config)
     serving = asyncio.create_task(_serve(server), name=name)
     try:
@@ -260,6 +310,36 @@ async def every(
             log.exception("%s failed", what)
         check_cancelled()
         await asyncio.sleep(seconds)
+
+
+class SharedCheck:
+    """An async check (a readiness probe's) whose answer callers share for
+    ``ttl`` seconds, and whose run in progress concurrent callers wait on: a
+    probe that anyone in the cluster network can call in a loop costs what it
+    checks (the inventory, Redis) at most one check per ``ttl``. A check that
+    raises fails the callers waiting on it and is not kept."""
+
+    def __init__(self, check: Callable[[], Awaitable[bool]], ttl: float = 1.0) -> None:
+        self.check = check
+        self.ttl = ttl
+        self._answer: tuple[float, bool] | None = None  # (when, what)
+        self._running: asyncio.Future[bool] | None = None
+
+    async def __call__(self) -> bool:
+        answer = self._answer
+        if answer is not None and time.monotonic() - answer[0] < self.ttl:
+            return answer[1]
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._run())
+        return await asyncio.shield(self._running)
+
+    async def _run(self) -> bool:
+        try:
+            value = await self.check()
+            self._answer = (time.monotonic(), value)
+            return value
+        finally:
+            self._running = None
 
 
 class MetricsEndpoint:

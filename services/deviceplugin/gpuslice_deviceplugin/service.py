@@ -25,7 +25,14 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
 from gpuslice_common.models import PlacementState
 from gpuslice_common.nodeapi import NodeRequestError
-from gpuslice_common.service import HAMI_PATH, every, hami_answer, http_server, plain_http
+from gpuslice_common.service import (
+    HAMI_PATH,
+    SharedCheck,
+    every,
+    hami_answer,
+    http_server,
+    plain_http,
+)
 from gpuslice_common.subjects import Subjects
 from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
@@ -48,6 +55,7 @@ log = logging.getLogger(__name__)
 
 CLEANUP_INTERVAL_S = 60.0
 GONE_PODS_INTERVAL_S = 2.0
+READY_CHECK_TTL_S = 1.0  # how long callers of /readyz share the inventory's answer
 
 
 def kube_api(settings: DevicePluginSettings) -> KubeApi | None:
@@ -78,6 +86,12 @@ class Running:
     figures: tuple[GpuFigures, ...] = ()  # the GPUs' physical figures, last read
     busy: dict[ContainerKey, float] = field(default_factory=dict)  # percent, last read
     meter: BusyMeter = field(default_factory=BusyMeter)
+    # /readyz is open to the cluster network with /metrics: its inventory
+    # ping is shared by the callers of a second
+    inventory_answers: SharedCheck = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inventory_answers = SharedCheck(self._ping_inventory, ttl=READY_CHECK_TTL_S)
 
     async def coordinate(self) -> None:
         """One coordination pass (also run every ``coordinate_interval``)."""
@@ -144,6 +158,9 @@ class Running:
         name over would end that stream), and the inventory answering for its ledger."""
         if not (self.link.registered.is_set() and self.plugin.watching > 0):
             return False
+        return await self.inventory_answers()
+
+    async def _ping_inventory(self) -> bool:
         try:
             await self.gateway.ping()
         except NodeRequestError as exc:

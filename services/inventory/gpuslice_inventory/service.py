@@ -33,7 +33,14 @@ from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import NodeInventory, PodEnded
 from gpuslice_common.nkeys import KeyPair, Role
 from gpuslice_common.outbox import Outbox
-from gpuslice_common.service import HAMI_PATH, every, hami_answer, http_server, plain_http
+from gpuslice_common.service import (
+    HAMI_PATH,
+    SharedCheck,
+    every,
+    hami_answer,
+    http_server,
+    plain_http,
+)
 from gpuslice_common.subjects import node_from_token
 from gpuslice_inventory.authcallout import AuthCallout
 from gpuslice_inventory.gateway import NodeGateway, TokenIssuer
@@ -53,6 +60,7 @@ from gpuslice_inventory.upkeep import SOURCE, Upkeep
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 5.0
 READY_TIMEOUT_S = 1.0
+READY_CHECK_TTL_S = 1.0  # how long callers of /readyz share the ledger's answer
 AUDIT_STREAM_RETRY_S = 2.0
 
 
@@ -229,6 +237,16 @@ def _report_stopped(task: asyncio.Task[None]) -> None:
 def create_app(state: Running) -> FastAPI:
     app = FastAPI(title="gpuslice inventory", docs_url=None, redoc_url=None)
 
+    async def ledger_answers() -> bool:
+        try:
+            # the ledger's own retries would outlast a probe's timeout
+            return bool(await asyncio.wait_for(state.ledger.ping(), READY_TIMEOUT_S))
+        except (LedgerError, TimeoutError):
+            return False
+
+    # /readyz is open to the cluster network with /metrics: one Redis ping a second
+    ledger_ping = SharedCheck(ledger_answers, ttl=READY_CHECK_TTL_S)
+
     @app.get("/healthz")
     async def healthz() -> Response:
         dead = [t.get_name() for t in state.tasks if t.done()]
@@ -238,11 +256,7 @@ def create_app(state: Running) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        try:
-            # the ledger's own retries would outlast a probe's timeout
-            ok = await asyncio.wait_for(state.ledger.ping(), READY_TIMEOUT_S)
-        except (LedgerError, TimeoutError):
-            ok = False
+        ok = await ledger_ping()
         if not ok or not state.bus.connected:
             why = "ledger unreachable" if not ok else "NATS unreachable"
             return JSONResponse({"status": "not ready", "reason": why}, status_code=503)

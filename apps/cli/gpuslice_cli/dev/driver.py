@@ -36,6 +36,7 @@ import asyncio
 import base64
 import collections
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -159,9 +160,16 @@ def _rewrite(value: str, mounts: Sequence[pb.Mount]) -> str:
 
 
 def _file_name(text: str) -> str:
-    """``text`` as one safe path component (names come from pod files)."""
+    """``text`` as one safe path component (names come from pod files): a
+    name that had to be changed (cut, characters replaced, leading dots
+    dropped) ends in a hash of the original, so two names never share one
+    file (a container's log opened after another's would truncate it)."""
+    text = str(text)
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:100].lstrip(".")
-    return name or "_"
+    if name == text:
+        return name
+    digest = hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:8]
+    return f"{name or '_'}-{digest}"
 
 
 class Retry(Exception):

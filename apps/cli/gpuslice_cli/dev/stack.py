@@ -198,6 +198,18 @@ class Child:
         return proc.returncode
 
 
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` whole, in a file only its owner may read
+    from the moment it exists (made 0600, not narrowed after: a --workdir that
+    others may list would let them open it meanwhile)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    partial.replace(path)
+
+
 @dataclass
 class AgentTokens:
     """The node agents' projected ServiceAccount tokens, as kubelet keeps them:
@@ -218,10 +230,7 @@ class AgentTokens:
             audiences=(NODE_AGENT_AUDIENCE,),
             ttl_s=self.ttl_s,
         )
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(token)
-        partial.chmod(0o600)
-        partial.replace(path)
+        write_private(path, token)
         self.files[node] = path
         return path
 
@@ -511,10 +520,7 @@ class Stack:
                 f"GPUSLICE_NATS_USER={auditor.nats_user}",
                 f"GPUSLICE_NATS_PASSWORD={auditor.nats_password}",
             ]
-        partial = self.env_file.with_name(f".{self.env_file.name}.partial")
-        partial.write_text("\n".join(lines) + "\n")
-        partial.chmod(0o600)
-        partial.replace(self.env_file)
+        write_private(self.env_file, "\n".join(lines) + "\n")
 
     def base_env(self, kubeconfig: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSLICE_", "FAKE"))}

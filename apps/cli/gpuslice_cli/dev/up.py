@@ -53,7 +53,7 @@ from gpuslice_cli.dev.stack import (
     nvidia_gpus,
 )
 from gpuslice_cli.status import gather_status, gather_usage, status_table
-from gpuslice_cli.table import shorten, show
+from gpuslice_cli.table import make_printable, printable, shorten, show
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import CommonSettings, ConfigError, load
 from gpuslice_common.events import CloudEvent
@@ -91,6 +91,8 @@ class View:
             parts.append(pods_table(self.pods, REASON_WIDTH))
         if self.steps:
             parts.append(steps_table(self.steps))
+        for part in parts:
+            make_printable(part)
         return Group(*parts)
 
 
@@ -114,7 +116,8 @@ def pods_table(pods: Sequence[PodOutcome], reason_width: int | None = None) -> T
 
 def failures(pods: Sequence[PodOutcome]) -> list[str]:
     """For each pod that did not succeed: which and why; for each of its
-    containers that failed, the end of its output and where the whole is."""
+    containers that failed, the end of its output and where the whole is. No
+    line holds a newline or a character a terminal acts on (:func:`printable`)."""
     lines: list[str] = []
     for pod in pods:
         if pod.phase == "Succeeded":
@@ -126,7 +129,8 @@ def failures(pods: Sequence[PodOutcome]) -> list[str]:
             where = f" ({run.log_path})" if run.log_path is not None else ""
             lines.append(f"  container {run.name} exited {run.returncode}; its output{where} ends:")
             lines += [f"    {line}" for line in run.tail(TAIL_LINES).splitlines()]
-    return lines
+    # names and reasons come from pod files, the output from the containers
+    return [printable(line.replace("\n", " ")) for line in lines]
 
 
 def steps_table(steps: Sequence[tuple[str, bool, str]]) -> Table:
