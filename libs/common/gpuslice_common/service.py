@@ -31,10 +31,9 @@ from collections.abc import (
 )
 from typing import Any, TypeVar, cast
 
-import h11
 import uvicorn
 from pydantic_settings import BaseSettings
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gpuslice_common.config import ConfigError, load
 
@@ -180,20 +179,46 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class BoundedH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request: a client that
-    opens connections and sends nothing, a header line now and then
-    (slowloris), or a body that never ends, holds each for at most
-    :data:`REQUEST_TIMEOUT_S`. uvicorn has no such deadline of its own; its
-    httptools protocol also holds a request head of any size in memory, which
-    :func:`http_server` stops by using this one with an h11 buffer of
-    :data:`MAX_HEAD_BYTES`."""
+class BoundedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol with two bounds it lacks. A request head
+    (request line and headers) over :data:`MAX_HEAD_BYTES` is answered 400 and
+    the connection closed, before more of it is held in memory. A connection
+    without a whole request (head and body) :data:`REQUEST_TIMEOUT_S` after it
+    opened or after its last answer is closed: a client that sends nothing, a
+    header line now and then (slowloris), or a body that never ends holds a
+    connection that long at most. A request being answered is never cut."""
 
     _deadline: asyncio.TimerHandle | None = None
+    _head_bytes = 0  # of the request head being received, counted by whole reads
+    _in_head = True  # bytes now received belong to a request head
+    _steps = 0  # heads and messages completed on this connection
+    _whole = False  # a whole request arrived since the deadline was set
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._start_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        steps = self._steps
+        super().data_received(data)
+        # a read in which no head or message completed was all head: counted
+        # after the parser had it, so at most one read is held beyond the bound
+        if self._in_head and self._steps == steps and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.send_400_response("Request head too large.")
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._steps += 1
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._whole = True
+        self._in_head = True  # what comes next is the next request's head
+        self._steps += 1
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -207,13 +232,11 @@ class BoundedH11(H11Protocol):
     def _start_deadline(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
+        self._whole = False
         self._deadline = self.loop.call_later(REQUEST_TIMEOUT_S, self._request_overdue)
 
     def _request_overdue(self) -> None:
-        # IDLE: no whole request head since the deadline started; SEND_BODY:
-        # its body not whole (a request being answered has moved on to DONE)
-        waiting = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
-        if waiting and not self.transport.is_closing():
+        if not self._whole and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -246,13 +269,12 @@ async def http_server(
 
     Request bodies over ``max_body`` bytes are answered 413 (:class:`BodyLimit`),
     request heads over :data:`MAX_HEAD_BYTES` 400, and a connection without a
-    whole request for :data:`REQUEST_TIMEOUT_S` is closed (:class:`BoundedH11`).
+    whole request for :data:`REQUEST_TIMEOUT_S` is closed (:class:`BoundedHttpTools`).
     With ``handle_signals`` uvicorn stops on SIGINT/SIGTERM and the task ends;
     without, the service handles them. Raises OSError if it cannot listen.
     """
     config.app = BodyLimit(cast(AsgiApp, config.app), max_body, on_refused)
-    config.http = BoundedH11
-    config.h11_max_incomplete_event_size = MAX_HEAD_BYTES
+    config.http = BoundedHttpTools
     server = uvicorn.Server(config) if handle_signals else _QuietServer(config)
     serving = asyncio.create_task(_serve(server), name=name)
     try:
