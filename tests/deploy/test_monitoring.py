@@ -153,3 +153,31 @@ def test_scrape_annotations_name_the_metrics_port_each_pod_declares() -> None:
         assert notes.get("prometheus.io/path", "/metrics") == "/metrics"
         found[workload["metadata"]["name"]] = port
     assert found == METRICS_PORTS
+
+
+SCRAPER = {"gpuslice.io/scrape-metrics": "true"}
+
+
+def reachable_from(policy: dict[str, Any], port: int, namespace_labels: dict[str, str]) -> bool:
+    """Whether ``policy`` lets a pod of a namespace labelled ``namespace_labels`` in
+    on ``port`` (rules with ipBlock peers, such as the webhook's 8443, are not
+    for metrics and are left out)."""
+    for rule in policy["spec"].get("ingress") or []:
+        if port not in {p["port"] for p in rule.get("ports") or []}:
+            continue
+        for peer in rule.get("from") or []:
+            if "namespaceSelector" in peer and matches(peer["namespaceSelector"], namespace_labels):
+                return True
+    return False
+
+
+@pytest.mark.parametrize(("name", "port"), sorted(METRICS_PORTS.items()))
+def test_metrics_ports_admit_the_scraper_s_namespace_and_no_tenant(name: str, port: int) -> None:
+    """The series name every tenant's pods and their GPU use: a tenant's
+    namespace may not read them, the namespace labelled for Prometheus may."""
+    policy = next(
+        o for o in render(K8S) if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == name
+    )
+    tenant = {"kubernetes.io/metadata.name": "team-a"}
+    assert not reachable_from(policy, port, tenant)
+    assert reachable_from(policy, port, {**tenant, **SCRAPER})
