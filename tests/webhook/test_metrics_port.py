@@ -128,3 +128,18 @@ async def test_hami_s_names_are_on_metrics_hami_of_both_ports_while_the_setting_
             plain = await client.get(f"http://127.0.0.1:{port}/metrics")
             assert "QuotaUsed" not in plain.text
             assert "gpuslice_quota_used{" in plain.text
+
+
+def test_a_changed_quota_limit_replaces_hami_s_series_rather_than_adding_one() -> None:
+    """HAMi's QuotaUsed carries the limit as a label: the series of the old limit goes."""
+    metrics = Metrics(hami=True)
+    metrics.quota("team", "gpu", "limits.nvidia.com/gpumem", 1000, 20000)
+    metrics.quota("team", "gpu", "limits.nvidia.com/gpumem", 3000, 30000)
+    metrics.quota("other", "gpu", "limits.nvidia.com/gpumem", 5, 20000)
+    assert metrics.hami_registry is not None
+    series = [
+        (s.labels["quotanamespace"], s.labels["limit"], s.value)
+        for family in metrics.hami_registry.collect()
+        for s in family.samples
+    ]
+    assert sorted(series) == [("other", "20000", 5), ("team", "30000", 3000)]

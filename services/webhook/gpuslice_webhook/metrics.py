@@ -70,6 +70,7 @@ class Metrics:
             registry=self.registry,
         )
         self.hami_quota_used: Gauge | None = None
+        self._hami_limits: dict[tuple[str, str], str] = {}  # (namespace, resource) -> limit
         if self.hami_registry is not None:
             # HAMi's scheduler name, labels and units: memory in MiB, the limit a label
             self.hami_quota_used = Gauge(
@@ -85,6 +86,11 @@ class Metrics:
         self.quota_used.labels(namespace, quota, resource).set(used)
         self.quota_limit.labels(namespace, quota, resource).set(limit)
         if self.hami_quota_used is not None:
+            # HAMi's limit is a label: a changed limit replaces the series, not adds one
+            old = self._hami_limits.get((namespace, resource))
+            if old is not None and old != str(limit):
+                self.hami_quota_used.remove(namespace, resource, old, "vGPU")
+            self._hami_limits[namespace, resource] = str(limit)
             self.hami_quota_used.labels(namespace, resource, str(limit), "vGPU").set(used)
 
     def render_hami(self) -> Callable[[], bytes] | None:
