@@ -30,7 +30,12 @@ def post_huge(
             if answered:
                 break
             n = min(chunk, size - sent)
-            sock.sendall(f"{n:x}\r\n".encode() + block[:n] + b"\r\n" if chunked else block[:n])
+            try:
+                sock.sendall(f"{n:x}\r\n".encode() + block[:n] + b"\r\n" if chunked else block[:n])
+            except (BrokenPipeError, ConnectionResetError):
+                # the server answered and closed between the check and this send:
+                # its answer is what is read next
+                break
             sent += n
         if chunked and sent == size:
             sock.sendall(b"0\r\n\r\n")

@@ -63,7 +63,7 @@ async def bus(nats_server: NatsServer, prefix: str) -> AsyncIterator[Bus]:
     await b.close()
 
 
-async def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+async def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"

@@ -84,6 +84,7 @@ COMMON_FIELDS: dict[str, tuple[str, Any]] = {
     "log_level": ("debug", "DEBUG"),
     "audit_replicas": ("3", 3),
     "hami_metrics": ("false", False),
+    "device_config": ("/etc/gpuslice/device-config.yaml", "/etc/gpuslice/device-config.yaml"),
 }
 # The Redis Sentinel fields (they exclude redis_cluster, so they load apart).
 SENTINEL_FIELDS: dict[str, tuple[str, Any]] = {

@@ -55,7 +55,7 @@ def events(n: int, start: int = 0) -> list[CloudEvent]:
     return made
 
 
-async def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+async def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"

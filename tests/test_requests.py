@@ -17,6 +17,7 @@ from gpuslice_common.models import (
     NodePolicy,
     PodGpuRequest,
     PodRef,
+    ScoringWeights,
     VgpuMode,
 )
 from gpuslice_common.requests import (
@@ -150,10 +151,76 @@ SUCCESS_CASES: list[tuple[str, dict[str, Any], RequestSettings, PodGpuRequest]] 
         want(req(count=2, memory=MemoryRequest(percent=50))),
     ),
     (
-        "percentage-zero-is-honoured",
+        "percentage-zero-means-unset",
         pod(ctr(limits={GPU: 1, PCT: 0, CORES: 10})),
         RequestSettings(),
-        want(req(memory=MemoryRequest(percent=0), cores=10)),
+        want(req(cores=10)),
+    ),
+    (
+        "percentage-zero-takes-default-mem",
+        pod(ctr(limits={GPU: 1, PCT: 0, CORES: 10})),
+        SITE_DEFAULTS,
+        want(req(memory=MemoryRequest(mib=4096), cores=10, priority=0)),
+    ),
+    (
+        "percentage-zero-with-count-is-not-exclusive",
+        pod(ctr(limits={GPU: 1, PCT: 0})),
+        RequestSettings(),
+        want(req()),
+    ),
+    (
+        "gpumem-and-percentage-zero-take-default-mem",
+        pod(ctr(limits={GPU: 1, MEM: 0, PCT: 0})),
+        SITE_DEFAULTS,
+        want(req(memory=MemoryRequest(mib=4096), cores=30, priority=0)),
+    ),
+    (
+        "percentage-zero-alone-gets-default-count",
+        pod(ctr(requests={PCT: "0"})),
+        RequestSettings(),
+        want(req()),
+    ),
+    (
+        "percentage-100-without-cores-is-exclusive",
+        pod(ctr(limits={GPU: 2, PCT: 100})),
+        RequestSettings(),
+        want(req(count=2, cores=100)),
+    ),
+    (
+        "percentage-100-alone-is-exclusive-with-default-count",
+        pod(ctr(limits={PCT: 100})),
+        SITE_DEFAULTS,
+        want(req(count=2, cores=100, priority=0)),
+    ),
+    (
+        "percentage-100-keeps-its-cores",
+        pod(ctr(limits={GPU: 1, PCT: 100, CORES: 30})),
+        RequestSettings(),
+        want(req(cores=30)),
+    ),
+    (
+        "percentage-100-keeps-cores-zero",
+        pod(ctr(limits={GPU: 1, PCT: 100, CORES: 0})),
+        RequestSettings(),
+        want(req()),
+    ),
+    (
+        "percentage-100-with-gpumem-is-exclusive",
+        pod(ctr(limits={GPU: 1, MEM: 2048, PCT: 100})),
+        RequestSettings(),
+        want(
+            req(memory=MemoryRequest(mib=2048), cores=100),
+            warnings=(
+                "container 'train': nvidia.com/gpumem-percentage is ignored "
+                "because nvidia.com/gpumem is set",
+            ),
+        ),
+    ),
+    (
+        "percentage-99-is-not-exclusive",
+        pod(ctr(limits={GPU: 1, PCT: 99})),
+        SITE_DEFAULTS,
+        want(req(memory=MemoryRequest(percent=99), cores=30, priority=0)),
     ),
     (
         "cores-only-gets-default-count",
@@ -174,10 +241,10 @@ SUCCESS_CASES: list[tuple[str, dict[str, Any], RequestSettings, PodGpuRequest]] 
         want(req(cores=20)),
     ),
     (
-        "gpumem-zero-with-count-is-count-only",
+        "gpumem-zero-with-count-is-not-exclusive",
         pod(ctr(limits={GPU: 1, MEM: 0})),
-        RequestSettings(),
-        want(req(cores=100)),
+        SITE_DEFAULTS,
+        want(req(memory=MemoryRequest(mib=4096), cores=30, priority=0)),
     ),
     (
         "gpumem-wins-over-percentage",
@@ -429,6 +496,42 @@ SUCCESS_CASES: list[tuple[str, dict[str, Any], RequestSettings, PodGpuRequest]] 
         want(req(cores=100), vgpu_mode=VgpuMode.HAMI_CORE),
     ),
     (
+        "scoring-weights-hami",
+        pod(
+            ctr(limits={GPU: 1}),
+            annotations={"hami.io/device-scoring-weights": "slot=1,core=1,memory=3"},
+        ),
+        RequestSettings(),
+        want(req(cores=100), scoring_weights=ScoringWeights(slot=1, core=1, memory=3)),
+    ),
+    (
+        "scoring-weights-any-order-spaces-and-zeros",
+        pod(
+            ctr(limits={GPU: 1}),
+            annotations={"hami.io/device-scoring-weights": " memory = 0 , slot=+2,core=0 "},
+        ),
+        RequestSettings(),
+        want(req(cores=100), scoring_weights=ScoringWeights(slot=2, core=0, memory=0)),
+    ),
+    (
+        "scoring-weights-gpuslice-wins",
+        pod(
+            ctr(limits={GPU: 1}),
+            annotations={
+                "hami.io/device-scoring-weights": "bogus",
+                "gpuslice.io/device-scoring-weights": "slot=0,core=5,memory=1",
+            },
+        ),
+        RequestSettings(),
+        want(req(cores=100), scoring_weights=ScoringWeights(slot=0, core=5, memory=1)),
+    ),
+    (
+        "scoring-weights-blank-is-unset",
+        pod(ctr(limits={GPU: 1}), annotations={"hami.io/device-scoring-weights": "  "}),
+        RequestSettings(),
+        want(req(cores=100)),
+    ),
+    (
         "unrelated-annotations-ignored",
         pod(ctr(limits={GPU: 1}), annotations={"kubectl.kubernetes.io/restartedAt": "now"}),
         RequestSettings(),
@@ -474,7 +577,87 @@ def test_pod_without_gpu(manifest: dict[str, Any], settings: RequestSettings) ->
 
 # ---------------------------------------------------------------- rejected pods
 
+
+def weights(value: str) -> dict[str, Any]:
+    return pod(ctr(limits={GPU: 1}), annotations={"hami.io/device-scoring-weights": value})
+
+
+SCORING = "annotation hami.io/device-scoring-weights="
+
 ERROR_CASES: list[tuple[str, dict[str, Any], RequestSettings, tuple[str, ...]]] = [
+    (
+        "weights-two-parts",
+        weights("slot=1,core=1"),
+        RequestSettings(),
+        (SCORING, "expected slot, core and memory weights"),
+    ),
+    (
+        "weights-four-parts",
+        weights("slot=1,core=1,memory=1,slot=1"),
+        RequestSettings(),
+        (SCORING, "expected slot, core and memory weights"),
+    ),
+    ("weights-no-equals", weights("slot=1,core,memory=1"), RequestSettings(), ("key=value",)),
+    (
+        "weights-unknown-key",
+        weights("slot=1,cores=1,memory=1"),
+        RequestSettings(),
+        (SCORING, "unknown weight 'cores'"),
+    ),
+    (
+        "weights-duplicate",
+        weights("slot=1,slot=2,memory=1"),
+        RequestSettings(),
+        (SCORING, "duplicate 'slot' weight"),
+    ),
+    (
+        "weights-not-integer",
+        weights("slot=1,core=1.5,memory=1"),
+        RequestSettings(),
+        (SCORING, "'core' weight must be a whole number"),
+    ),
+    (
+        "weights-unicode-digits",
+        weights("slot=1,core=\u0661,memory=1"),
+        RequestSettings(),
+        (SCORING, "'core' weight must be a whole number"),
+    ),
+    (
+        "weights-negative",
+        weights("slot=1,core=1,memory=-1"),
+        RequestSettings(),
+        (SCORING, "'memory' weight must be between 0 and 1000000000"),
+    ),
+    (
+        "weights-huge",
+        weights("slot=1,core=1,memory=99999999999"),
+        RequestSettings(),
+        (SCORING, "'memory' weight must be between 0 and 1000000000"),
+    ),
+    (
+        "weights-exponent",
+        weights("slot=1e999,core=1,memory=1"),
+        RequestSettings(),
+        (SCORING, "'slot' weight must be a whole number"),
+    ),
+    (
+        "weights-not-a-number",
+        weights("slot=1,core=nan,memory=inf"),
+        RequestSettings(),
+        (SCORING, "'core' weight must be a whole number"),
+    ),
+    (
+        "weights-all-zero",
+        weights("slot=0,core=0,memory=0"),
+        RequestSettings(),
+        (SCORING, "at least one weight must be positive"),
+    ),
+    (
+        "weights-endless",
+        weights("slot=1,core=1,memory=" + "9" * 5000),
+        RequestSettings(),
+        (SCORING, "'memory' weight must be a whole number"),
+    ),
     ("negative-gpu", pod(ctr(limits={GPU: -1})), RequestSettings(), ("'train'", GPU, "negative")),
     (
         "negative-gpumem",
@@ -642,9 +825,9 @@ ERROR_CASES: list[tuple[str, dict[str, Any], RequestSettings, tuple[str, ...]]] 
     ),
     (
         "vgpu-mode-unknown",
-        pod(ctr(limits={GPU: 1}), annotations={"nvidia.com/vgpu-mode": "mps"}),
+        pod(ctr(limits={GPU: 1}), annotations={"nvidia.com/vgpu-mode": "vulkan"}),
         RequestSettings(),
-        ("nvidia.com/vgpu-mode", "'mps'", "hami-core", "mig"),
+        ("nvidia.com/vgpu-mode", "'vulkan'", "hami-core", "mig", "mps"),
     ),
     (
         "gpu-policy-unknown",

@@ -195,23 +195,33 @@ def test_valid_requests_keep_invariants(
             assert request.count == given_amounts[NAMES.gpu]
         if NAMES.cores in given_amounts:
             assert request.cores == given_amounts[NAMES.cores]
-        if given_amounts.get(NAMES.memory, 0) > 0:
-            assert request.memory.mib == given_amounts[NAMES.memory]
-        elif NAMES.memory_percentage in given_amounts:
-            assert request.memory.percent == given_amounts[NAMES.memory_percentage]
-        shares_given = (
-            given_amounts.get(NAMES.memory, 0) > 0
-            or NAMES.memory_percentage in given_amounts
-            or NAMES.cores in given_amounts
+        mib, percent = (
+            given_amounts.get(NAMES.memory, 0),
+            given_amounts.get(NAMES.memory_percentage, 0),
         )
-        if NAMES.gpu in given_amounts and not shares_given:
+        if mib > 0:
+            assert request.memory.mib == mib
+        elif percent > 0:
+            assert request.memory.percent == percent
+        else:  # 0 is "not set": a default, never a limit of 0 MiB (no limit)
+            whole = request.memory.percent == 100
+            assert whole or request.memory.mib == config.defaults.memory_mib > 0
+        memory_named = NAMES.memory in given_amounts or NAMES.memory_percentage in given_amounts
+        if NAMES.cores not in given_amounts:  # HAMi's webhook: whole memory, or none named
+            exclusive = (
+                given_amounts.get(NAMES.memory_percentage) == 100
+                if NAMES.memory_percentage in given_amounts
+                else NAMES.memory not in given_amounts
+            )
+            assert request.exclusive == exclusive or request.cores == config.defaults.cores == 100
+        if NAMES.gpu in given_amounts and not memory_named and NAMES.cores not in given_amounts:
             assert request.exclusive
             assert request.memory.percent == 100
     both = sum(
         1
         for request in result.containers
-        if sources[request.name].get(NAMES.memory) not in (None, 0, "0")
-        and NAMES.memory_percentage in sources[request.name]
+        if int(sources[request.name].get(NAMES.memory, 0)) > 0
+        and int(sources[request.name].get(NAMES.memory_percentage, 0)) > 0
     )
     assert len(result.warnings) == both
 

@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ByteSize,
+    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -23,7 +24,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from gpuslice_common.models import GpuPolicy, NodePolicy
+from gpuslice_common.models import NVIDIA, VENDOR_PATTERN, GpuPolicy, NodePolicy
 
 ENV_PREFIX = "GPUSLICE_"
 NESTED_DELIMITER = "__"
@@ -95,15 +96,59 @@ class RequestDefaults(BaseModel):
     priority: Annotated[int, Field(ge=0, le=1)] = 1
 
 
+class VendorResources(BaseModel):
+    """How a pod asks for another vendor's cards (from HAMi's device configuration):
+    a count resource, and optionally a memory and a cores resource. Memory a pod asks
+    for, times ``memory_factor``, is MiB."""
+
+    model_config = ConfigDict(frozen=True)
+
+    vendor: Annotated[str, Field(pattern=VENDOR_PATTERN, max_length=32)]
+    count: str
+    memory: str | None = None
+    cores: str | None = None
+    memory_factor: Annotated[int, Field(ge=1, le=1 << 20)] = 1
+    # HAMi's name of the device type and the word of its pod annotations
+    # (hami.io/<allocate_key>-devices-to-allocate): what the vendor's plugin reads
+    device_type: Annotated[str, Field(pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")]
+    allocate_key: Annotated[str, Field(pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,40}[A-Za-z0-9])?$")]
+
+    @field_validator("count", "memory", "cores")
+    @classmethod
+    def _valid_name(cls, value: str | None) -> str | None:
+        if value is not None and not _RESOURCE_NAME.fullmatch(value):
+            raise ValueError(f"not a Kubernetes resource name: {value!r}")
+        return value
+
+    def all(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.count, self.memory, self.cores) if n)
+
+
 class RequestSettings(BaseModel):
     """How pods' GPU requests are read; shared by the webhook and the scheduler."""
 
     resources: ResourceNames = ResourceNames()
+    # other vendors whose cards the ledger holds (set from GPUSLICE_DEVICE_CONFIG)
+    vendors: tuple[VendorResources, ...] = ()
     defaults: RequestDefaults = RequestDefaults()
     default_gpu_policy: GpuPolicy = GpuPolicy.FRAGMENTATION  # gpuSchedulerPolicy
     # nodeSchedulerPolicy for pods without the annotation; unset: the GPU policy's
     # own ranking (fragmentation), or binpack with a binpack or spread GPU policy
     default_node_policy: NodePolicy | None = None
+
+    @model_validator(mode="after")
+    def _vendors_apart(self) -> RequestSettings:
+        seen = dict.fromkeys(self.resources.all(), NVIDIA)
+        vendors = {NVIDIA}
+        for v in self.vendors:
+            if v.vendor in vendors:
+                raise ValueError(f"vendor {v.vendor!r} is named twice")
+            vendors.add(v.vendor)
+            for name in v.all():
+                if name in seen:
+                    raise ValueError(f"resource {name} is both {seen[name]}'s and {v.vendor}'s")
+                seen[name] = v.vendor
+        return self
 
 
 class BusSettings(BaseSettings):
@@ -201,6 +246,10 @@ def _one_token(value: str) -> str:
 
 class CommonSettings(BusSettings):
     """Settings every control-plane service reads: where the bus and the ledger are."""
+
+    # HAMi's device-config.yaml: "" reads none. The webhook and the scheduler read
+    # its vendors' resources into requests.vendors; the inventory registers their cards
+    device_config: str = ""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
@@ -384,6 +433,12 @@ class InventorySettings(CommonSettings):
     reconcile_interval: Duration = timedelta(seconds=60)
     # a reservation this young is never released for a pod missing from the list
     reconcile_grace: Duration = timedelta(seconds=30)
+    # (device_config, in CommonSettings: with the Kubernetes API, other vendors'
+    # cards are read from the node annotations of HAMi's vendor device plugins
+    # every vendor_interval and registered)
+    vendor_interval: Duration = timedelta(seconds=30)
+    # a vendor plugin's "Reported_" handshake older than this: its cards are gone
+    vendor_report_timeout: Duration = timedelta(minutes=5)
     # NATS auth callout (node agents and GPU containers prove who they are):
     # runs when the account seed is set (python -m gpuslice_common.nkeys makes
     # one; NATS's auth_callout.issuer is its public key)

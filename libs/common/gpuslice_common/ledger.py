@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -68,20 +69,29 @@ from gpuslice_common.models import (
     MAX_CAPACITY_MIB,
     MAX_DEVICE_MEMORY_MIB,
     MAX_DEVICES,
+    MAX_MIG_SLICES,
     MAX_NAME_LENGTH,
     MAX_NUMA_NODE,
     MAX_SPLIT_COUNT,
+    NVIDIA,
     PRINTABLE_PATTERN,
+    VENDOR_PATTERN,
     DeviceGrant,
     GpuCapacity,
     GpuDevice,
     GpuState,
     GpuUsage,
+    MigInstance,
+    MigPlacement,
+    MigProfile,
     NodeInventory,
     Placement,
     PlacementState,
+    VgpuMode,
 )
 from gpuslice_common.subjects import node_from_token, node_token
+
+log = logging.getLogger(__name__)
 
 
 class LedgerError(Exception):
@@ -206,6 +216,9 @@ class StoredCard:
     owner: str  # the pod holding it exclusively, or ""
     present: bool
     cordoned: bool
+    vendor: str = NVIDIA
+    mode: VgpuMode = VgpuMode.HAMI_CORE
+    mig_state: StoredMig | None = None  # mode mig: its profiles, instances and masks
 
 
 @dataclass(frozen=True)
@@ -614,7 +627,7 @@ class Ledger:
         inventory without the Kubernetes API, tests, simulations).
         """
         devices = []
-        for d in inventory.devices:
+        for d in inventory.devices:  # one vendor's (NodeInventory checks)
             cap = inventory.capacity(d)
             devices.append(
                 {
@@ -628,6 +641,7 @@ class Ledger:
                     "cap_mem": cap.memory_mib,
                     "cap_cores": cap.cores,
                     "cap_slots": cap.slots,
+                    **_mig_fields(d),
                 }
             )
         config = {
@@ -635,9 +649,22 @@ class Ledger:
             "memory_scaling": inventory.memory_scaling,
             "core_scaling": inventory.core_scaling,
         }
-        payload = json.dumps({"devices": devices, "config": config})
+        payload = json.dumps({"vendor": inventory.vendor, "devices": devices, "config": config})
         keys = self.node_keys(inventory.node).all()
-        [count] = await self._run("register", keys, [payload])
+        outcome = await self._run("register", keys, [payload])
+        if outcome[0] == "taken":
+            raise LedgerError(
+                f"cannot register {inventory.vendor} cards on {inventory.node}: "
+                f"card {outcome[1]} is a {outcome[2]} card there"
+            )
+        count, waiting = outcome
+        if waiting:
+            log.warning(
+                "node %s: card(s) %s listed by the node agent are another vendor's cards in "
+                "use there (a vendor annotation named their UUIDs): registered once released",
+                inventory.node,
+                waiting,
+            )
         await self.redis.sadd(self.nodes_key, inventory.node)
         if rebuilt:
             await self._run("rebuilt", keys, [""])
@@ -764,25 +791,29 @@ class Ledger:
         members = await self.redis.smembers(self.nodes_key)
         return sorted(_text(m) for m in members)
 
-    async def node_gpus(self, node: str) -> list[GpuState]:
+    async def node_gpus(self, node: str, vendor: str | None = NVIDIA) -> list[GpuState]:
         """A node's cards with capacity and usage, read in one round trip.
 
         Raises BadRecord when the node's record cannot be read.
         """
-        return (await self.nodes_gpus([node]))[node]
+        return (await self.nodes_gpus([node], vendor))[node]
 
-    async def nodes_gpus(self, nodes: Sequence[str]) -> dict[str, list[GpuState]]:
+    async def nodes_gpus(
+        self, nodes: Sequence[str], vendor: str | None = NVIDIA
+    ) -> dict[str, list[GpuState]]:
         """Several nodes' cards in one round trip (unknown nodes map to []).
 
         Raises BadRecord for the first node whose record cannot be read; readers
         of many nodes use :meth:`read_gpus` and skip that one.
         """
-        return _all_read(await self.read_gpus(nodes))
+        return _all_read(await self.read_gpus(nodes, vendor))
 
-    async def read_gpus(self, nodes: Sequence[str]) -> dict[str, list[GpuState] | BadRecord]:
+    async def read_gpus(
+        self, nodes: Sequence[str], vendor: str | None = NVIDIA
+    ) -> dict[str, list[GpuState] | BadRecord]:
         """:meth:`nodes_gpus`, with a node whose record cannot be read as its BadRecord."""
         result: dict[str, list[GpuState] | BadRecord] = {}
-        for node, read in (await self.read_nodes(nodes)).items():
+        for node, read in (await self.read_nodes(nodes, vendor)).items():
             if isinstance(read, BadRecord):
                 result[node] = read
                 continue
@@ -793,9 +824,15 @@ class Ledger:
         return result
 
     @_gated
-    async def read_nodes(self, nodes: Sequence[str]) -> dict[str, NodeCards | BadRecord]:
+    async def read_nodes(
+        self, nodes: Sequence[str], vendor: str | None = NVIDIA
+    ) -> dict[str, NodeCards | BadRecord]:
         """Per node, its cards as stored (numbers checked, see :func:`stored_cards`) and
         its revision; a node whose record cannot be read maps to its BadRecord.
+
+        Only ``vendor``'s cards (None: every vendor's). The scheduler reads
+        NVIDIA's, the default, so it never places a GPU request on another
+        vendor's accelerator.
 
         One round trip; for readers that build their own arrays (the scheduler)
         without a model object per card.
@@ -821,9 +858,10 @@ class Ledger:
             # stamped in this epoch, as the scripts check it
             trusted = rebuilt is not None and _text(stamp_epoch or "") == epochs[i]
             try:
-                result[node] = NodeCards(
-                    stored_cards(node, devices, fields), _stored_rev(node, rev), trusted
-                )
+                cards = stored_cards(node, devices, fields)
+                if vendor is not None:
+                    cards = [c for c in cards if c.vendor == vendor]
+                result[node] = NodeCards(cards, _stored_rev(node, rev), trusted)
             except BadRecord as exc:
                 result[node] = exc
         return result
@@ -882,7 +920,7 @@ class Ledger:
         uid, node = placement.pod.uid, placement.node
         keys = self.node_keys(node).all()
         footprint = [
-            [u, fp.memory_mib, fp.cores, fp.slots, int(fp.exclusive)]
+            [u, fp.memory_mib, fp.cores, fp.slots, int(fp.exclusive), fp.mig_mask]
             for u, fp in sorted(placement.footprint().items())
         ]
         record = placement.model_dump(mode="json", include={"pod", "node", "containers", "policy"})
@@ -1075,17 +1113,22 @@ class Ledger:
         problems = await self._index_mismatches(node, pods)
         expected: dict[str, list[int]] = {}
         owners: dict[str, str] = {}
+        slices: dict[str, int] = {}
         for uid, raw in pods.items():
             rec = json.loads(raw)
             if rec["state"] == PlacementState.RELEASED:
                 continue
-            for u, mem, cores, slots, excl in rec["footprint"]:
+            for u, mem, cores, slots, excl, *mig in rec["footprint"]:
                 acc = expected.setdefault(u, [0, 0, 0])
                 acc[0] += mem
                 acc[1] += cores
                 acc[2] += slots
                 if excl:
                     owners[u] = uid
+                mask = mig[0] if mig else 0
+                if slices.get(u, 0) & mask:
+                    problems.append(f"{node}/{u}: two reservations hold the same MIG slices")
+                slices[u] = slices.get(u, 0) | mask
         uuids = {k.split("|", 1)[0] for k in gpus}
         for u in sorted(uuids | set(expected)):
             used = [int(gpus.get(f"{u}|{f}", 0)) for f in ("mem", "cores", "slots")]
@@ -1099,6 +1142,8 @@ class Ledger:
                 problems.append(f"{node}/{u}: usage {used} exceeds capacity {caps}")
             if gpus.get(f"{u}|owner", "") != owners.get(u, ""):
                 problems.append(f"{node}/{u}: exclusive owner differs from reservations")
+            if int(gpus.get(f"{u}|mig_used", 0)) != slices.get(u, 0):
+                problems.append(f"{node}/{u}: MIG slices in use differ from reservations")
         return problems
 
     async def _index_mismatches(self, node: str, pods: dict[str, str]) -> list[str]:
@@ -1159,6 +1204,7 @@ _CARD_NUMBERS: dict[str, int] = {
 _USAGE = ("mem", "cores", "slots")  # absent reads as 0: a card registered, never used
 _UUID = re.compile(DEVICE_UUID_PATTERN)
 _PRINTABLE = re.compile(PRINTABLE_PATTERN)
+_VENDOR = re.compile(VENDOR_PATTERN)
 
 
 def stored_number(node: str, what: str, value: Any, high: int) -> int:
@@ -1223,6 +1269,10 @@ def stored_cards(node: str, devices: Any, fields: dict[str, str]) -> list[Stored
         if len(model) > MAX_NAME_LENGTH or not _PRINTABLE.fullmatch(model):
             raise BadRecord(node, f"card {u} model {model[:32]!r} is not one a node reports")
         numa = fields.get(f"{u}|numa", "")
+        vendor = fields.get(f"{u}|vendor", NVIDIA)
+        if len(vendor) > 32 or not _VENDOR.fullmatch(vendor):
+            raise BadRecord(node, f"card {u} vendor {vendor[:32]!r} is not one gpuslice writes")
+        mode = _stored_mode(node, u, fields)
         cards.append(
             StoredCard(
                 uuid=u,
@@ -1243,9 +1293,132 @@ def stored_cards(node: str, devices: Any, fields: dict[str, str]) -> list[Stored
                 owner=fields.get(f"{u}|owner", ""),
                 present=fields.get(f"{u}|present") == "1",
                 cordoned=fields.get(f"{u}|cordoned") == "1",
+                vendor=vendor,
+                mode=mode,
+                mig_state=stored_mig(node, u, fields) if mode is VgpuMode.MIG else None,
             )
         )
     return cards
+
+
+# MIG facts of a card, stored compactly (``mig_profiles``, ``mig_instances``: JSON
+# lists) with the masks the scripts check reservations against (``mig_slices``,
+# ``mig_static``; ``mig_used`` is the reservations' own). Bounded as the models
+# bound them: at most MAX_MIG_PROFILES profiles of MAX_MIG_SLICES placements each.
+MAX_MIG_JSON = 16384
+_MIG_MASK_HIGH = (1 << MAX_MIG_SLICES) - 1
+
+
+def _mig_fields(device: GpuDevice) -> dict[str, Any]:
+    """A card's MIG facts as register.lua stores them ("" where the card is not in mode mig)."""
+    if device.mode is not VgpuMode.MIG:
+        return {
+            "mode": device.mode.value,
+            "mig_profiles": "",
+            "mig_instances": "",
+            "mig_slices": 0,
+            "mig_static": 0,
+        }
+    profiles = [
+        [p.name, p.memory_mib, p.cores, p.slices, [[q.start, q.size] for q in p.placements]]
+        for p in device.mig_profiles
+    ]
+    instances = [
+        [i.uuid, i.profile, i.placement.start, i.placement.size] for i in device.mig_instances
+    ]
+    return {
+        "mode": device.mode.value,
+        "mig_profiles": json.dumps(profiles, separators=(",", ":")),
+        "mig_instances": json.dumps(instances, separators=(",", ":")),
+        "mig_slices": device.mig_slice_mask,
+        "mig_static": device.mig_static_mask,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMig:
+    """A card's MIG facts and use as stored, checked (:func:`stored_mig`)."""
+
+    profiles: tuple[MigProfile, ...]
+    instances: tuple[MigInstance, ...]
+    slices: int  # every slice of the card
+    static: int  # taken by the static instances
+    used: int  # taken by gpuslice's reservations
+
+
+def _mig_json(node: str, u: str, what: str, fields: dict[str, str]) -> list[Any]:
+    raw = fields.get(f"{u}|{what}", "")
+    if len(raw) > MAX_MIG_JSON:
+        raise BadRecord(node, f"card {u} {what} is {len(raw)} characters long")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, list):
+        raise BadRecord(node, f"card {u} {what} is not a JSON list")
+    return value
+
+
+def stored_mig(node: str, u: str, fields: dict[str, str]) -> StoredMig:
+    """The MIG facts of card ``u`` (mode mig): every profile, instance and mask is
+    checked as the models check a node's report, and the stored masks must be the
+    ones the profiles and instances make. Raises BadRecord."""
+    profiles = _mig_json(node, u, "mig_profiles", fields)
+    instances = _mig_json(node, u, "mig_instances", fields)
+    try:
+        device = GpuDevice(
+            uuid=u,
+            index=0,
+            model="mig",
+            memory_mib=1,
+            mode=VgpuMode.MIG,
+            mig_profiles=tuple(
+                MigProfile(
+                    name=name,
+                    memory_mib=mem,
+                    cores=cores,
+                    slices=slices,
+                    placements=tuple(MigPlacement(start=a, size=b) for a, b in places),
+                )
+                for name, mem, cores, slices, places in profiles
+            ),
+            mig_instances=tuple(
+                MigInstance(uuid=iu, profile=name, placement=MigPlacement(start=a, size=b))
+                for iu, name, a, b in instances
+            ),
+        )
+    except (ValueError, TypeError) as exc:  # ValidationError is a ValueError
+        problem = str(exc).splitlines()
+        detail = problem[-2].strip() if len(problem) > 1 else str(exc)
+        raise BadRecord(node, f"card {u} MIG facts: {detail[:200]}") from None
+    masks = {
+        name: stored_number(
+            node, f"card {u} {name}", fields.get(f"{u}|{name}", "0"), _MIG_MASK_HIGH
+        )
+        for name in ("mig_slices", "mig_static", "mig_used")
+    }
+    if (
+        masks["mig_slices"] != device.mig_slice_mask
+        or masks["mig_static"] != device.mig_static_mask
+    ):
+        raise BadRecord(node, f"card {u}: its MIG masks are not its profiles' and instances'")
+    if masks["mig_used"] & ~device.mig_slice_mask:
+        raise BadRecord(node, f"card {u}: MIG slices in use lie outside the card")
+    return StoredMig(
+        device.mig_profiles,
+        device.mig_instances,
+        masks["mig_slices"],
+        masks["mig_static"],
+        masks["mig_used"],
+    )
+
+
+def _stored_mode(node: str, u: str, fields: dict[str, str]) -> VgpuMode:
+    raw = fields.get(f"{u}|mode", VgpuMode.HAMI_CORE.value)  # absent: written before modes
+    try:
+        return VgpuMode(raw)
+    except ValueError:
+        raise BadRecord(node, f"card {u} mode {raw[:32]!r} is no sharing mode") from None
 
 
 def _all_read(read: dict[str, T | BadRecord]) -> dict[str, T]:
@@ -1268,6 +1441,10 @@ def _gpu_state(node: str, card: StoredCard) -> GpuState:
                 numa=card.numa,
                 healthy=card.healthy,
                 mig=card.mig,
+                vendor=card.vendor,
+                mode=card.mode,
+                mig_profiles=card.mig_state.profiles if card.mig_state else (),
+                mig_instances=card.mig_state.instances if card.mig_state else (),
             ),
             capacity=GpuCapacity(
                 memory_mib=card.cap_mem, cores=card.cap_cores, slots=card.cap_slots
@@ -1277,6 +1454,7 @@ def _gpu_state(node: str, card: StoredCard) -> GpuState:
                 cores=card.used_cores,
                 slots=card.used_slots,
                 exclusive_owner=card.owner or None,
+                mig_mask=card.mig_state.used if card.mig_state else 0,
             ),
             present=card.present,
             cordoned=card.cordoned,
@@ -1303,6 +1481,8 @@ __all__ = [
     "Release",
     "ReservationConflict",
     "StoredCard",
+    "StoredMig",
     "stored_cards",
+    "stored_mig",
     "stored_number",
 ]

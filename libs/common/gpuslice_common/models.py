@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NonNegInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
 Percent = Annotated[int, Field(ge=0, le=100)]
 
 # Bounds of what a node agent may report. Generous beyond any real card, but
@@ -34,7 +35,19 @@ NodeName = Annotated[str, Field(min_length=1, max_length=253, pattern=NODE_NAME_
 # Printable ASCII without leading or trailing blanks: no line breaks or escapes in logs.
 PRINTABLE_PATTERN = r"^[!-~]([ -~]*[!-~])?$"
 DEVICE_UUID_PATTERN = r"^[A-Za-z0-9_.:/-]+$"
+# A card of another vendor, whose UUID HAMi's plugins read back from pod annotations
+# where "," ":" and ";" separate cards: none of those.
+VENDOR_CARD_UUID_PATTERN = r"^[A-Za-z0-9][-A-Za-z0-9_./]*$"
 MAX_NAME_LENGTH = 128  # a device's UUID and model name
+# Whose accelerator a card is, as the ledger stores it ("nvidia", "hygon", "ascend910b3"):
+# lower case, digits and inner dashes. Types come from HAMi's device configuration.
+VENDOR_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$"
+NVIDIA = "nvidia"
+Vendor = Annotated[str, Field(min_length=1, max_length=32, pattern=VENDOR_PATTERN)]
+
+
+def _is_nvidia(vendor: str) -> bool:
+    return vendor == NVIDIA
 
 
 class Frozen(BaseModel):
@@ -50,8 +63,77 @@ def utcnow() -> datetime:
 # ---------------------------------------------------------------- devices and nodes
 
 
+class VgpuMode(enum.StrEnum):
+    """How a card is shared (HAMi's per-node ``operatingmode``, a pod's ``vgpu-mode``).
+
+    ``hami-core``: the interposer enforces each container's memory and compute
+    share. ``mig``: each container gets a MIG instance the device plugin makes at
+    Allocate, at the placement the scheduler chose. ``mps``: NVIDIA's MPS server
+    enforces the limits (``CUDA_MPS_*``) instead of the interposer.
+    """
+
+    HAMI_CORE = "hami-core"
+    MIG = "mig"
+    MPS = "mps"
+
+
+# A MIG profile name as NVIDIA prints it: "1g.10gb", "3g.40gb", "1g.10gb+me", "1c.3g.40gb".
+MIG_PROFILE_PATTERN = r"^([1-9][0-9]?c\.)?[1-9][0-9]?g\.[1-9][0-9]{0,4}gb(\+[a-z]{1,8})?$"
+MAX_MIG_SLICES = 16  # memory slices of one card (8 on an A100/H100): a mask fits 16 bits
+MAX_MIG_PROFILES = 32
+MigProfileName = Annotated[str, Field(min_length=1, max_length=32, pattern=MIG_PROFILE_PATTERN)]
+MigMask = Annotated[int, Field(ge=0, lt=1 << MAX_MIG_SLICES)]  # slices, one bit each
+
+
+class MigPlacement(Frozen):
+    """Where a GPU instance sits on its card, in memory slices (NVML's start and size)."""
+
+    start: Annotated[int, Field(ge=0, lt=MAX_MIG_SLICES)]
+    size: Annotated[int, Field(ge=1, le=MAX_MIG_SLICES)]
+
+    @model_validator(mode="after")
+    def _inside_card(self) -> MigPlacement:
+        if self.start + self.size > MAX_MIG_SLICES:
+            raise ValueError(
+                f"MIG placement {self.start}+{self.size} ends past slice {MAX_MIG_SLICES}"
+            )
+        return self
+
+    @property
+    def mask(self) -> int:
+        """The slices it covers, one bit each (bit 0 is slice 0)."""
+        return ((1 << self.size) - 1) << self.start
+
+
+class MigProfile(Frozen):
+    """A GPU instance profile a card can make, with every placement NVML allows for it."""
+
+    name: MigProfileName
+    memory_mib: Annotated[int, Field(gt=0, le=MAX_DEVICE_MEMORY_MIB)]
+    cores: Annotated[int, Field(ge=1, le=100)]  # the instance's share of the card's SMs, percent
+    slices: Annotated[int, Field(ge=1, le=MAX_MIG_SLICES)]  # compute slices (the "3" of 3g)
+    placements: Annotated[tuple[MigPlacement, ...], Field(min_length=1, max_length=MAX_MIG_SLICES)]
+
+
+class MigInstance(Frozen):
+    """A MIG instance that exists on a card and that gpuslice did not make (static MIG):
+    its slices are taken for as long as the node agent reports it."""
+
+    uuid: Annotated[
+        str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=DEVICE_UUID_PATTERN)
+    ]
+    profile: MigProfileName
+    placement: MigPlacement
+
+
 class GpuDevice(Frozen):
-    """One physical GPU as the node agent discovered it."""
+    """One physical GPU as the node agent discovered it.
+
+    ``mig`` is the card's MIG mode as NVML reports it. ``mode`` is how gpuslice
+    shares it: a card in ``mig`` mode lists in ``mig_profiles`` the instances the
+    scheduler may have made on it, and in ``mig_instances`` those that already
+    exist and are not gpuslice's.
+    """
 
     uuid: Annotated[
         str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=DEVICE_UUID_PATTERN)
@@ -64,6 +146,47 @@ class GpuDevice(Frozen):
     numa: Annotated[int, Field(ge=0, le=MAX_NUMA_NODE)] | None = None
     healthy: bool = True
     mig: bool = False
+    mode: VgpuMode = VgpuMode.HAMI_CORE
+    mig_profiles: Annotated[tuple[MigProfile, ...], Field(max_length=MAX_MIG_PROFILES)] = ()
+    mig_instances: Annotated[tuple[MigInstance, ...], Field(max_length=MAX_MIG_SLICES)] = ()
+    vendor: Vendor = NVIDIA
+
+    @property
+    def mig_slice_mask(self) -> int:
+        """Every slice some profile's placement covers: the card's MIG slices."""
+        mask = 0
+        for profile in self.mig_profiles:
+            for placement in profile.placements:
+                mask |= placement.mask
+        return mask
+
+    @property
+    def mig_static_mask(self) -> int:
+        """The slices the static instances (not gpuslice's) take."""
+        mask = 0
+        for instance in self.mig_instances:
+            mask |= instance.placement.mask
+        return mask
+
+    @model_validator(mode="after")
+    def _mig_consistent(self) -> GpuDevice:
+        if self.vendor != NVIDIA and (self.mig or self.mode is not VgpuMode.HAMI_CORE):
+            raise ValueError(f"a {self.vendor} card has neither MIG nor MPS")
+        if (self.mode is VgpuMode.MIG) != bool(self.mig_profiles):
+            raise ValueError("a card has MIG profiles exactly when its mode is mig")
+        names = [p.name for p in self.mig_profiles]
+        if len(set(names)) != len(names):
+            raise ValueError("a MIG profile listed twice")
+        taken = 0
+        for instance in self.mig_instances:
+            if taken & instance.placement.mask:
+                raise ValueError(f"MIG instance {instance.uuid} overlaps another")
+            taken |= instance.placement.mask
+        # on a mig card, static instances lie among the slices its profiles cover;
+        # a hami-core card with MIG on (static MIG) has no profiles to check them by
+        if self.mode is VgpuMode.MIG and taken & ~self.mig_slice_mask:
+            raise ValueError("a static MIG instance lies outside the card's MIG slices")
+        return self
 
 
 class NodeInventory(Frozen):
@@ -79,9 +202,13 @@ class NodeInventory(Frozen):
     memory_scaling: Annotated[float, Field(gt=0, le=MAX_SCALING, allow_inf_nan=False)] = 1.0
     core_scaling: Annotated[float, Field(gt=0, le=MAX_SCALING, allow_inf_nan=False)] = 1.0
     sent_at: datetime = Field(default_factory=utcnow)
+    # The vendor whose cards this lists: registering it leaves other vendors' cards be.
+    vendor: Vendor = NVIDIA
 
     @model_validator(mode="after")
     def _unique_devices(self) -> NodeInventory:
+        if any(d.vendor != self.vendor for d in self.devices):
+            raise ValueError(f"an inventory of {self.vendor} cards lists another vendor's card")
         uuids = [d.uuid for d in self.devices]
         if len(set(uuids)) != len(uuids):
             raise ValueError("device UUIDs must be unique within a node")
@@ -112,6 +239,7 @@ class GpuUsage(Frozen):
     cores: NonNegInt = 0
     slots: NonNegInt = 0
     exclusive_owner: str | None = None
+    mig_mask: MigMask = 0  # the MIG slices gpuslice's instances take (mode mig)
 
 
 class GpuState(Frozen):
@@ -141,10 +269,14 @@ class GpuState(Frozen):
 
 
 class MemoryRequest(Frozen):
-    """Device memory per GPU: an exact amount or a share of the card."""
+    """Device memory per GPU: an exact amount or a share of the card.
 
-    mib: NonNegInt | None = None
-    percent: Percent | None = None
+    Never 0: a container's limit of 0 MiB reads as "no limit" inside it, so an
+    unset amount is a default (see :mod:`gpuslice_common.requests`), not 0.
+    """
+
+    mib: PositiveInt | None = None
+    percent: Annotated[int, Field(ge=1, le=100)] | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> MemoryRequest:
@@ -153,11 +285,12 @@ class MemoryRequest(Frozen):
         return self
 
     def on_card(self, card_memory_mib: int) -> int:
-        """MiB this request takes on a card with the given schedulable memory."""
+        """MiB this request takes on a card with the given schedulable memory: a
+        percentage rounds down, but to no less than 1 MiB (0 would be no limit)."""
         if self.mib is not None:
             return self.mib
         assert self.percent is not None
-        return card_memory_mib * self.percent // 100
+        return max(card_memory_mib * self.percent // 100, 1)
 
 
 class ContainerGpuRequest(Frozen):
@@ -170,6 +303,9 @@ class ContainerGpuRequest(Frozen):
     memory: MemoryRequest
     cores: Percent = 0
     priority: Literal[0, 1] = 1
+    # whose cards: another vendor's only from its own resources (left out of the
+    # JSON for NVIDIA, whose records stay as they were)
+    vendor: Annotated[Vendor, Field(exclude_if=_is_nvidia)] = NVIDIA
 
     @property
     def exclusive(self) -> bool:
@@ -190,11 +326,6 @@ class NodePolicy(enum.StrEnum):
 
     BINPACK = "binpack"
     SPREAD = "spread"
-
-
-class VgpuMode(enum.StrEnum):
-    HAMI_CORE = "hami-core"
-    MIG = "mig"
 
 
 class DeviceSelector(Frozen):
@@ -223,6 +354,24 @@ class PodRef(Frozen):
     name: str = ""
 
 
+MAX_SCORING_WEIGHT = 10**9
+
+
+class ScoringWeights(Frozen):
+    """How much slots, cores and memory in use count in HAMi's card score (the
+    ``binpack`` and ``spread`` GPU policies); HAMi's default weighs them alike."""
+
+    slot: Annotated[int, Field(ge=0, le=MAX_SCORING_WEIGHT)] = 1
+    core: Annotated[int, Field(ge=0, le=MAX_SCORING_WEIGHT)] = 1
+    memory: Annotated[int, Field(ge=0, le=MAX_SCORING_WEIGHT)] = 1
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> ScoringWeights:
+        if self.slot == 0 and self.core == 0 and self.memory == 0:
+            raise ValueError("at least one scoring weight must be positive")
+        return self
+
+
 class PodGpuRequest(Frozen):
     """Everything the control plane needs to know about a pod's GPU demand."""
 
@@ -231,8 +380,14 @@ class PodGpuRequest(Frozen):
     selector: DeviceSelector = DeviceSelector()
     gpu_policy: GpuPolicy | None = None
     node_policy: NodePolicy | None = None
-    vgpu_mode: VgpuMode = VgpuMode.HAMI_CORE
+    vgpu_mode: VgpuMode | None = None  # None: a card of any mode will do, as in HAMi
+    scoring_weights: ScoringWeights = ScoringWeights()
     warnings: tuple[str, ...] = ()
+
+    @property
+    def vendor(self) -> str:
+        """The vendor whose cards every container asks for (parse_pod keeps it one)."""
+        return self.containers[0].vendor if self.containers else NVIDIA
 
     @property
     def init_containers(self) -> tuple[ContainerGpuRequest, ...]:
@@ -246,18 +401,28 @@ class PodGpuRequest(Frozen):
 # ---------------------------------------------------------------- placements
 
 
+class MigGrant(Frozen):
+    """The MIG instance a grant on a ``mig`` card stands for: the device plugin makes
+    this profile at this placement at Allocate."""
+
+    profile: MigProfileName
+    placement: MigPlacement
+
+
 class DeviceGrant(Frozen):
     """One card given to one container, with the share it may use."""
 
     uuid: str
     memory_mib: NonNegInt
     cores: Percent
+    mig: MigGrant | None = None
 
 
 class ContainerAssignment(Frozen):
     name: str
     init: bool = False
     sidecar: bool = False
+    vendor: Annotated[Vendor, Field(exclude_if=_is_nvidia)] = NVIDIA  # as the request's
     devices: tuple[DeviceGrant, ...]
     priority: Literal[0, 1] = 1
 
@@ -286,15 +451,25 @@ class FitReason(enum.StrEnum):
     EXCLUSIVE_DEVICE_ALLOCATE_CONFLICT = "ExclusiveDeviceAllocateConflict"
     CARD_COMPUTE_UNITS_EXHAUSTED = "CardComputeUnitsExhausted"
     ALLOCATED_CARDS_INSUFFICIENT_REQUEST = "AllocatedCardsInsufficientRequest"
+    CARD_MIG_TOPOLOGY_INFEASIBLE = "CardMigTopologyInfeasible"
+    NODE_INSUFFICIENT_DEVICE = "NodeInsufficientDevice"
 
 
 class DeviceFootprint(Frozen):
-    """What one pod holds on one card at its peak."""
+    """What one pod holds on one card at its peak.
+
+    ``mig_mask`` is the MIG slices its instances take on the card: every
+    container's, init containers' included, at once. kubelet asks the device
+    plugin to allocate every container of a pod when it admits the pod, before
+    the first init container starts, so an init container's instance exists
+    beside the app containers' instances: they never share slices.
+    """
 
     memory_mib: NonNegInt = 0
     cores: NonNegInt = 0
     slots: NonNegInt = 0
     exclusive: bool = False
+    mig_mask: MigMask = 0
 
     def peak(self, other: DeviceFootprint) -> DeviceFootprint:
         return DeviceFootprint(
@@ -302,6 +477,7 @@ class DeviceFootprint(Frozen):
             cores=max(self.cores, other.cores),
             slots=max(self.slots, other.slots),
             exclusive=self.exclusive or other.exclusive,
+            mig_mask=self.mig_mask | other.mig_mask,
         )
 
     def plus(self, grant: DeviceGrant) -> DeviceFootprint:
@@ -310,6 +486,7 @@ class DeviceFootprint(Frozen):
             cores=self.cores + grant.cores,
             slots=self.slots + 1,
             exclusive=self.exclusive or grant.cores == 100,
+            mig_mask=self.mig_mask | (grant.mig.placement.mask if grant.mig else 0),
         )
 
 
@@ -346,6 +523,18 @@ class Placement(Frozen):
         names = [c.name for c in self.containers]
         if len(set(names)) != len(names):
             raise ValueError("container names in a placement must be unique")
+        taken: dict[str, int] = {}  # a pod's MIG instances all exist at once: see DeviceFootprint
+        for container in self.containers:
+            for grant in container.devices:
+                if grant.mig is None:
+                    continue
+                mask = grant.mig.placement.mask
+                if taken.get(grant.uuid, 0) & mask:
+                    raise ValueError(
+                        f"container {container.name!r}: MIG instance on {grant.uuid} "
+                        "overlaps another of the pod's"
+                    )
+                taken[grant.uuid] = taken.get(grant.uuid, 0) | mask
         return self
 
     def to_annotation(self) -> str:
@@ -389,6 +578,7 @@ class Placement(Frozen):
                 cores=base.cores + fp.cores,
                 slots=base.slots + fp.slots,
                 exclusive=base.exclusive or fp.exclusive,
+                mig_mask=base.mig_mask | fp.mig_mask,
             )
         observe(together)
         return peak

@@ -18,13 +18,17 @@ Rules applied to each container (init containers included):
   ``defaults.gpu_count`` cards (HAMi's ``defaultGPUNum``). A count of 0 together with
   any other GPU resource is an error; a count of 0 alone asks for nothing. Priority
   without any GPU is an error (no node advertises the priority resource).
-* A count alone (no memory, no cores) takes whole cards exclusively: 100 % cores and
-  100 % memory. ``gpumem: 0`` is "not set" for memory, though its presence still
-  brings in the default count; ``gpumem-percentage: 0`` is an explicit 0 %.
-* ``gpumem`` wins over ``gpumem-percentage``; the pod gets a warning. Without either,
-  memory is ``defaults.memory_mib`` MiB when that is positive (``defaultMem``), else
-  the whole card. Cores default to ``defaults.cores``, priority to
-  ``defaults.priority``.
+* ``gpumem: 0`` and ``gpumem-percentage: 0`` are "not set" for memory (a limit of
+  0 would read as no limit in the container), though their presence still brings
+  in the default count.
+* Without cores, a container takes whole cards exclusively (100 % cores) when it
+  asks ``gpumem-percentage: 100``, or sets neither memory resource at all (a count
+  alone: 100 % memory too), as HAMi's webhook does. Any other memory resource
+  present, even a 0, leaves cores to ``defaults.cores``.
+* ``gpumem`` wins over ``gpumem-percentage``; the pod gets a warning. Without
+  either (or with only zeros), memory is ``defaults.memory_mib`` MiB when that is
+  positive (``defaultMem``), else the whole card. Cores default to
+  ``defaults.cores``, priority to ``defaults.priority``.
 * Container names are non-empty and unique across init and app containers. The
   result lists init containers first, then app containers, each in spec order. An
   init container with ``restartPolicy: Always`` (a native sidecar) is flagged
@@ -36,6 +40,17 @@ values must be strings; a blank value counts as unset. Annotations are read only
 when some container asks for a GPU, so a pod without GPUs never fails here. HAMi's
 GPU policies ``topology-aware``, ``mutex`` and ``numa`` are accepted with a warning
 and mean the default policy (``numa`` also binds each container to one NUMA node).
+``device-scoring-weights`` is HAMi's ``slot=<n>,core=<n>,memory=<n>``: all three
+keys once each, whole numbers from 0 to 10**9, not all 0; it weighs the card score
+of the ``binpack`` and ``spread`` policies (the ``fragmentation`` policy has no use
+for it).
+
+Other vendors (``settings.vendors``, from HAMi's device configuration): a
+container naming a vendor's resources asks for that vendor's cards, as HAMi's
+plugins read them: the count resource is required; memory times the vendor's
+memory factor is MiB, unset or 0 the whole card; cores unset are 100. A
+container naming two vendors' resources (NVIDIA's included), or a pod whose
+containers ask for different vendors' cards, is refused.
 
 Every problem is reported as :class:`RequestError`, whose message names the
 container and the resource (or the annotation) at fault.
@@ -54,8 +69,10 @@ from typing import Any, Final, Literal, TypeVar
 
 from pydantic import ValidationError
 
-from gpuslice_common.config import RequestSettings, ResourceNames
+from gpuslice_common.config import RequestSettings, ResourceNames, VendorResources
 from gpuslice_common.models import (
+    MAX_SCORING_WEIGHT,
+    NVIDIA,
     ContainerGpuRequest,
     DeviceSelector,
     GpuPolicy,
@@ -63,6 +80,7 @@ from gpuslice_common.models import (
     NodePolicy,
     PodGpuRequest,
     PodRef,
+    ScoringWeights,
     VgpuMode,
 )
 
@@ -136,6 +154,9 @@ class AnnotationKeys:
     )
     node_policy: AnnotationKey = AnnotationKey(
         "hami.io/node-scheduler-policy", "gpuslice.io/node-scheduler-policy"
+    )
+    scoring_weights: AnnotationKey = AnnotationKey(
+        "hami.io/device-scoring-weights", "gpuslice.io/device-scoring-weights"
     )
 
 
@@ -387,16 +408,18 @@ def _build_container(
             )
         return None, []
 
-    mib = amounts.get(names.memory) or None  # gpumem 0 means "not set"
-    percent = amounts.get(names.memory_percentage)
+    mib = amounts.get(names.memory) or None  # 0 means "not set" for both
+    percent = amounts.get(names.memory_percentage) or None
     cores = amounts.get(names.cores)
     warnings: list[str] = []
     if mib is not None and percent is not None:
         warnings.append(
             f"{label}: {names.memory_percentage} is ignored because {names.memory} is set"
         )
-    if count is not None and mib is None and percent is None and cores is None:
-        memory, cores = MemoryRequest(percent=100), 100  # a count alone: whole cards, alone
+    if cores is None and _exclusive_without_cores(amounts, names):
+        cores = 100
+    if count is not None and not shares:
+        memory = MemoryRequest(percent=100)  # a count alone: whole cards, alone
     elif mib is not None:
         memory = MemoryRequest(mib=mib)
     elif percent is not None:
@@ -418,13 +441,107 @@ def _build_container(
     return request, warnings
 
 
+def _exclusive_without_cores(amounts: Mapping[str, int], names: ResourceNames) -> bool:
+    """HAMi's webhook makes a container without cores exclusive when it asks for 100 %
+    memory, or names no memory resource at all; a memory resource present with any
+    other value (0 included) leaves its cores to the default."""
+    if names.memory_percentage in amounts:
+        return amounts[names.memory_percentage] == 100
+    return names.memory not in amounts
+
+
+def _named(container: Mapping[Any, Any], names: Sequence[str]) -> list[str]:
+    """Which of ``names`` the container's limits or requests mention."""
+    resources = container.get("resources")
+    found: list[str] = []
+    if isinstance(resources, Mapping):
+        for part in ("limits", "requests"):
+            amounts = resources.get(part)
+            if isinstance(amounts, Mapping):
+                found += [n for n in names if n in amounts and n not in found]
+    return found
+
+
+def _vendor_of(
+    container: Mapping[Any, Any], label: str, settings: RequestSettings
+) -> VendorResources | None:
+    """The other vendor a container asks for, or None for NVIDIA (or nothing); asking
+    for two vendors' cards is refused, naming a resource of each."""
+    if not settings.vendors:
+        return None
+    asked: list[tuple[str, str, VendorResources | None]] = [
+        (NVIDIA, n, None) for n in _named(container, settings.resources.all())[:1]
+    ]
+    for v in settings.vendors:
+        asked += [(v.vendor, n, v) for n in _named(container, v.all())[:1]]
+    if len(asked) > 1:
+        (first, a, _), (second, b, _) = asked[:2]
+        raise RequestError(
+            f"{label}: asks for {first} ({a}) and {second} ({b}) cards; "
+            "a container uses one vendor's cards"
+        )
+    return asked[0][2] if asked else None
+
+
+def _build_vendor_container(
+    name: str, init: bool, sidecar: bool, vendor: VendorResources, amounts: Mapping[str, int]
+) -> ContainerGpuRequest | None:
+    """Another vendor's request, as HAMi reads it: the count is required; memory
+    (times the memory factor) unset or 0 is the whole card; cores unset are 100."""
+    label = f"container {name!r}"
+    count = amounts.get(vendor.count)
+    shares = [r for r in (vendor.memory, vendor.cores) if r is not None and r in amounts]
+    if not count:
+        if shares:
+            why = "is 0" if count == 0 else "is not set"
+            raise RequestError(f"{label}: {vendor.count} {why} but {_set_together(shares)}")
+        return None
+    units = amounts.get(vendor.memory) if vendor.memory is not None else None
+    memory = (
+        MemoryRequest(mib=units * vendor.memory_factor) if units else MemoryRequest(percent=100)
+    )
+    cores = amounts.get(vendor.cores) if vendor.cores is not None else None
+    return ContainerGpuRequest(
+        name=name,
+        init=init,
+        sidecar=sidecar,
+        count=count,
+        memory=memory,
+        cores=100 if cores is None else cores,
+        vendor=vendor.vendor,
+    )
+
+
+def _vendor_amounts(
+    container: Mapping[Any, Any], label: str, vendor: VendorResources
+) -> dict[str, int]:
+    resources = _mapping(container.get("resources"), f"{label}: resources")
+    limits = _mapping(resources.get("limits"), f"{label}: resources.limits")
+    requests = _mapping(resources.get("requests"), f"{label}: resources.requests")
+    bounds = [(vendor.count, MAX_GPU_COUNT)]
+    if vendor.memory is not None:
+        bounds.append((vendor.memory, MAX_GPU_MEMORY_MIB // vendor.memory_factor))
+    if vendor.cores is not None:
+        bounds.append((vendor.cores, 100))
+    found: dict[str, int] = {}
+    for resource, high in bounds:
+        value = _amount(label, resource, limits, requests, 0, high)
+        if value is not None:
+            found[resource] = value
+    return found
+
+
 def _parse_named_container(
     container: Mapping[Any, Any], name: str, init: bool, settings: RequestSettings
 ) -> tuple[ContainerGpuRequest | None, list[str]]:
     label = f"container {name!r}"
-    amounts = _amounts(container, label, settings.resources)
     sidecar = init and container.get("restartPolicy") == "Always"
+    vendor = _vendor_of(container, label, settings)
     try:
+        if vendor is not None:
+            amounts = _vendor_amounts(container, label, vendor)
+            return _build_vendor_container(name, init, sidecar, vendor, amounts), []
+        amounts = _amounts(container, label, settings.resources)
         return _build_container(name, init, sidecar, amounts, settings)
     except ValidationError as exc:
         raise RequestError(f"{label}: invalid GPU request ({_first_error(exc)})") from None
@@ -503,9 +620,8 @@ def _choice(
         ) from None
 
 
-def _vgpu_mode(annotations: Mapping[str, str]) -> VgpuMode:
-    mode = _choice(annotations, ANNOTATIONS.vgpu_mode, VgpuMode, "vGPU mode")
-    return VgpuMode.HAMI_CORE if mode is None else mode
+def _vgpu_mode(annotations: Mapping[str, str]) -> VgpuMode | None:
+    return _choice(annotations, ANNOTATIONS.vgpu_mode, VgpuMode, "vGPU mode")
 
 
 def _gpu_policy(annotations: Mapping[str, str]) -> tuple[GpuPolicy | None, bool, list[str]]:
@@ -528,6 +644,47 @@ def _gpu_policy(annotations: Mapping[str, str]) -> tuple[GpuPolicy | None, bool,
 
 def _node_policy(annotations: Mapping[str, str]) -> NodePolicy | None:
     return _choice(annotations, ANNOTATIONS.node_policy, NodePolicy, "node policy")
+
+
+_WEIGHT_KEYS: Final = ("slot", "core", "memory")
+_WEIGHT: Final = re.compile(r"[+-]?[0-9]{1,12}")
+
+
+def _scoring_weights(annotations: Mapping[str, str]) -> ScoringWeights:
+    """HAMi's ``slot=<n>,core=<n>,memory=<n>``, each key once, in any order."""
+    found = _annotation(annotations, ANNOTATIONS.scoring_weights)
+    if found is None:
+        return ScoringWeights()
+    key, value = found
+    where = f"annotation {key}={_clip(value)}"
+    parts = value.split(",")
+    if len(parts) != len(_WEIGHT_KEYS):
+        raise RequestError(
+            f"{where}: expected slot, core and memory weights, as slot=1,core=1,memory=1"
+        )
+    weights: dict[str, int] = {}
+    for part in parts:
+        name, equals, number = part.partition("=")
+        name, number = name.strip(), number.strip()
+        if not equals:
+            raise RequestError(f"{where}: expected key=value entries")
+        if name not in _WEIGHT_KEYS:
+            raise RequestError(
+                f"{where}: unknown weight {_clip(name)}; accepted: slot, core, memory"
+            )
+        if name in weights:
+            raise RequestError(f"{where}: duplicate {name!r} weight")
+        if _WEIGHT.fullmatch(number) is None:
+            raise RequestError(f"{where}: {name!r} weight must be a whole number")
+        weight = int(number)
+        if not 0 <= weight <= MAX_SCORING_WEIGHT:
+            raise RequestError(
+                f"{where}: {name!r} weight must be between 0 and {MAX_SCORING_WEIGHT}"
+            )
+        weights[name] = weight
+    if not any(weights.values()):
+        raise RequestError(f"{where}: at least one weight must be positive")
+    return ScoringWeights(**weights)
 
 
 # ---------------------------------------------------------------- pods
@@ -593,6 +750,13 @@ def parse_pod(
                 containers.append(request)
     if not containers:
         return None
+    vendors = {c.vendor: c.name for c in containers}
+    if len(vendors) > 1:
+        (first, a), (second, b) = list(vendors.items())[:2]
+        raise RequestError(
+            f"container {a!r} asks for {first} cards and container {b!r} for {second} "
+            "cards; a pod's containers use one vendor's cards"
+        )
     total = sum(c.count for c in containers)
     if total > MAX_POD_GPU_COUNT:
         raise RequestError(
@@ -617,6 +781,7 @@ def parse_pod(
             gpu_policy=gpu_policy,
             node_policy=_node_policy(annotations),
             vgpu_mode=_vgpu_mode(annotations),
+            scoring_weights=_scoring_weights(annotations),
             warnings=(*warnings, *policy_warnings),
         )
     except ValidationError as exc:
@@ -629,7 +794,7 @@ def has_gpu_request(pod: Mapping[str, Any], settings: RequestSettings = DEFAULT_
     Never raises; malformed parts are skipped. It may say True for a pod that
     :func:`parse_pod` maps to None (``nvidia.com/gpu: 0``) or rejects.
     """
-    names = settings.resources.all()
+    names = (*settings.resources.all(), *(n for v in settings.vendors for n in v.all()))
     spec = pod.get("spec") if isinstance(pod, Mapping) else None
     if not isinstance(spec, Mapping):
         return False

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,11 +38,38 @@ class ServerError(RuntimeError):
     """A server binary is missing or did not come up."""
 
 
+# Ports handed out for servers to bind later are drawn below the kernel's
+# ephemeral range: a port the kernel chose for bind(0) and that was let go can
+# be the next outgoing connection's own port (or another process's bind(0))
+# before the server binds it, which several test workers made happen.
+_LOWEST_PORT = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+@functools.cache
+def _ephemeral_start() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A loopback TCP port nothing listens on now, for a server to bind soon."""
+    top = _ephemeral_start()
+    for _ in range(200) if top - _LOWEST_PORT > 1000 else ():
+        # not random: pytest-randomly seeds it alike in every test worker
+        port = _LOWEST_PORT + secrets.randbelow(top - _LOWEST_PORT)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 def find_binary(name: str, env_var: str) -> str:

@@ -23,6 +23,16 @@
  *   FAKENVML_MIG      "m,m,...": device i's current and pending MIG mode
  *                     (0 disabled, 1 enabled), entries as for FAKENVML_NUMA;
  *                     otherwise nvmlDeviceGetMigMode is NOT_SUPPORTED
+ *   FAKENVML_MIG_GEOMETRY  "g,g,...": device i's MIG geometry, "a100-40gb" or
+ *                     "h100-80gb" (entries as for FAKENVML_NUMA); a device with
+ *                     no entry takes h100-80gb when FAKECUDA_MEMORY is 64g or
+ *                     more, else a100-40gb. Only devices with a FAKENVML_MIG
+ *                     entry answer the MIG calls (NOT_SUPPORTED otherwise).
+ *   FAKENVML_MIG_FILE  where the MIG instances live: read before and written
+ *                     (atomically) after every MIG call, so they outlive the
+ *                     process as a card's instances outlive the agent, and a
+ *                     test may write instances made "by someone else". Unset:
+ *                     in memory, cleared by the first nvmlInit. Format below.
  *   FAKENVML_LOST_FILE  a file naming lost devices: while it exists and lists
  *                     index i (decimal, separated by whitespace or commas),
  *                     every call on device i's handle returns
@@ -62,6 +72,24 @@
  * nvmlDeviceGetProcessUtilization has no samples (NVML_ERROR_NOT_FOUND).
  * There is no event API (nvmlEventSet*, nvmlDeviceRegisterEvents) and no
  * nvmlDeviceGetPciInfo*: callers find the symbols missing.
+ *
+ * MIG (NVML's calls as pynvml makes them): GPU instance profiles 0 (1g), 1 (2g),
+ * 2 (3g), 3 (4g), 4 (7g) and 9 (1g with two memory slices) with an A100-40GB's
+ * or H100-80GB's memory, SMs and placements (profile info v1 and v2, whose name
+ * is NVIDIA's "MIG 1g.5gb"); possible placements; GPU instances created at a
+ * placement (INVALID_ARGUMENT for a placement the profile lacks,
+ * INSUFFICIENT_RESOURCES where it overlaps an instance) or anywhere free,
+ * listed, found by id, described and destroyed (IN_USE while a compute
+ * instance is on it); one compute instance per GPU instance, of the CI profile
+ * with the GI's slice count (0..4 for 1, 2, 3, 4, 7 slices), covering it; and
+ * the MIG devices those make, index i being the i-th GPU instance (by id)
+ * with a compute instance: UUID "MIG-<serial>-...", memory (the profile's),
+ * parent device, GI and CI ids. MIG calls on a device whose FAKENVML_MIG
+ * entry is 0 fail NOT_SUPPORTED, as they do on a card with MIG off.
+ * FAKENVML_MIG_FILE lines: "serial <n>" (MIG UUIDs made so far) and
+ * "gi <device> <GI id 1..14> <profile id> <start slice> <CI: 0 or -1> <MIG UUID or ->";
+ * lines that do not parse are skipped.
+ *
  * nvmlInit* calls are counted and nvmlShutdown undoes one; every device
  * call made while uninitialised returns NVML_ERROR_UNINITIALIZED.
  */
@@ -177,7 +205,13 @@ static struct {
     int ecc[2][FAKE_MAX_DEVICES]; /* [corrected, uncorrected]; FAKE_UNSET: not supported */
     char lost_file[PATH_MAX];                         /* "" when unset */
     char uuid[FAKE_MAX_DEVICES][FAKE_UUID_LEN + 1];   /* lower-case hex */
+    int geometry[FAKE_MAX_DEVICES];                   /* 0: A100-40GB, 1: H100-80GB */
+    char mig_file[PATH_MAX];                          /* "" when unset */
 } g_cfg;
+static void mig_reset(void);
+static bool is_mig_handle(nvmlDevice_t device);
+static nvmlReturn_t mig_device_uuid(nvmlDevice_t device, char *uuid, unsigned int length);
+static nvmlReturn_t mig_device_memory(nvmlDevice_t device, unsigned long long *total);
 static struct fdev g_devs[FAKE_MAX_DEVICES];
 
 static uint64_t env_size(const char *name, uint64_t dflt) {
@@ -265,6 +299,22 @@ static bool is_lost(unsigned int index) {
     return false;
 }
 
+/* FAKENVML_MIG_GEOMETRY "g,g,...": entry i names device i's MIG geometry,
+ * "a100-40gb" or "h100-80gb"; otherwise it follows the card's memory. */
+static void parse_geometry(const char *s) {
+    for (unsigned int i = 0; i < FAKE_MAX_DEVICES; i++) {
+        const char *comma = s ? strchr(s, ',') : NULL;
+        size_t len = s ? (comma ? (size_t)(comma - s) : strlen(s)) : 0;
+        if (len == 9 && strncasecmp(s, "h100-80gb", 9) == 0)
+            g_cfg.geometry[i] = 1;
+        else if (len == 9 && strncasecmp(s, "a100-40gb", 9) == 0)
+            g_cfg.geometry[i] = 0;
+        else
+            g_cfg.geometry[i] = g_cfg.memory >= ((uint64_t)64 << 30);
+        s = comma ? comma + 1 : NULL;
+    }
+}
+
 static void load_config(void) {
     uint64_t n = env_size("FAKECUDA_DEVICES", 1);
     g_cfg.devices = n > FAKE_MAX_DEVICES ? FAKE_MAX_DEVICES : (unsigned int)n;
@@ -290,6 +340,11 @@ static void load_config(void) {
         snprintf(g_cfg.uuid[i], sizeof g_cfg.uuid[i], "GPU-facefeed-0000-4000-8000-0000000000%02x", i);
     }
     parse_uuids(getenv("FAKENVML_UUIDS"), g_cfg.uuid);
+    parse_geometry(getenv("FAKENVML_MIG_GEOMETRY"));
+    const char *mig_file = getenv("FAKENVML_MIG_FILE");
+    if (!mig_file || snprintf(g_cfg.mig_file, sizeof g_cfg.mig_file, "%s", mig_file) >= PATH_MAX)
+        g_cfg.mig_file[0] = '\0';
+    mig_reset();
 }
 
 /* The device a handle names, or NULL; takes g_mu and keeps it when a device
@@ -370,6 +425,8 @@ API const char *nvmlErrorString(nvmlReturn_t result) {
     case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
     case FAKE_NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
     case FAKE_NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+    case 19: return "In use by another client";
+    case 23: return "Insufficient resources";
     default: return "Unknown Error";
     }
 }
@@ -445,6 +502,7 @@ API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *devic
 }
 
 API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    if (is_mig_handle(device)) return mig_device_uuid(device, uuid, length);
     nvmlReturn_t rc;
     struct fdev *d = enter(device, &rc);
     if (!d) return rc;
@@ -494,6 +552,12 @@ API nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node
 }
 
 API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    if (is_mig_handle(device)) {
+        unsigned long long total = 0;
+        nvmlReturn_t rc = memory ? mig_device_memory(device, &total) : NVML_ERROR_INVALID_ARGUMENT;
+        if (rc == NVML_SUCCESS) *memory = (nvmlMemory_t){.total = total, .free = total, .used = 0};
+        return rc;
+    }
     nvmlReturn_t rc;
     struct fdev *d = enter(device, &rc);
     if (!d) return rc;
@@ -656,4 +720,721 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
     if (processSamplesCount) *processSamplesCount = 0;
     pthread_mutex_unlock(&g_mu);
     return rc;
+}
+
+/* ------------------------------------------------------------------- MIG
+ * GPU instances (GI), one compute instance (CI) covering each, and the MIG
+ * devices they make. Handles are addresses in fixed tables indexed by
+ * (device, GI id), so they stay valid while the state is read again. */
+#define FAKE_MAX_GI 14        /* GI ids 1..14 */
+#define FAKE_MIG_SLICES 8     /* memory slices of a card */
+#define FAKE_MIG_UUID_LEN 40  /* "MIG-" + 36 */
+
+struct fgeom_profile {
+    unsigned int id, slices, count, sms, start0, step, size;
+    unsigned long long memory_mib;
+};
+/* A100-40GB: 108 SMs (98 in MIG mode); H100-80GB: 132 SMs. Placements are
+ * start0, start0+step, ... (count of them), each `size` memory slices. */
+static const struct fgeom_profile FAKE_A100_40GB[] = {
+    {0, 1, 7, 14, 0, 1, 1, 4864},  {9, 1, 4, 14, 0, 2, 2, 9856}, {1, 2, 3, 28, 0, 2, 2, 9856},
+    {2, 3, 2, 42, 0, 4, 4, 19968}, {3, 4, 1, 56, 0, 4, 4, 19968}, {4, 7, 1, 98, 0, 8, 8, 40192},
+};
+static const struct fgeom_profile FAKE_H100_80GB[] = {
+    {0, 1, 7, 16, 0, 1, 1, 9984},  {9, 1, 4, 16, 0, 2, 2, 20096}, {1, 2, 3, 32, 0, 2, 2, 20096},
+    {2, 3, 2, 60, 0, 4, 4, 40320}, {3, 4, 1, 64, 0, 4, 4, 40320}, {4, 7, 1, 132, 0, 8, 8, 80896},
+};
+#define FAKE_GEOM_PROFILES 6
+
+enum {
+    FAKE_NVML_ERROR_IN_USE = 19,
+    FAKE_NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
+    FAKE_DEVICE_MIG_ENABLE = 1,
+};
+
+typedef struct {
+    unsigned int start, size;
+} FakeGiPlacement;
+typedef struct { /* nvmlGpuInstanceProfileInfo_t */
+    unsigned int id, isP2pSupported, sliceCount, instanceCount, multiprocessorCount,
+        copyEngineCount, decoderCount, encoderCount, jpegCount, ofaCount;
+    unsigned long long memorySizeMB;
+} FakeGiProfileInfo;
+typedef struct { /* nvmlGpuInstanceProfileInfo_v2_t */
+    unsigned int version, id, isP2pSupported, sliceCount, instanceCount, multiprocessorCount,
+        copyEngineCount, decoderCount, encoderCount, jpegCount, ofaCount;
+    unsigned long long memorySizeMB;
+    char name[96];
+} FakeGiProfileInfoV2;
+#define FAKE_GI_PROFILE_INFO_V2 0x02000098u
+typedef struct { /* nvmlComputeInstanceProfileInfo_v2_t */
+    unsigned int version, id, sliceCount, instanceCount, multiprocessorCount, sharedCopyEngineCount,
+        sharedDecoderCount, sharedEncoderCount, sharedJpegCount, sharedOfaCount;
+    char name[96];
+} FakeCiProfileInfoV2;
+#define FAKE_CI_PROFILE_INFO_V2 0x02000088u
+struct fhandle {
+    unsigned int dev, gi;
+};
+typedef struct fhandle *FakeGpuInstance;
+typedef struct fhandle *FakeComputeInstance;
+typedef struct { /* nvmlGpuInstanceInfo_t */
+    nvmlDevice_t device;
+    unsigned int id, profileId;
+    FakeGiPlacement placement;
+} FakeGiInfo;
+typedef struct { /* nvmlComputeInstanceInfo_t */
+    nvmlDevice_t device;
+    FakeGpuInstance gpuInstance;
+    unsigned int id, profileId;
+    FakeGiPlacement placement;
+} FakeCiInfo;
+
+struct fgi {
+    bool used, ci;
+    unsigned int profile, start;
+    char uuid[FAKE_MIG_UUID_LEN + 1]; /* the MIG device's, "" without a CI */
+};
+static struct {
+    struct fgi gi[FAKE_MAX_DEVICES][FAKE_MAX_GI + 1]; /* [dev][id], id 0 unused */
+    unsigned long serial;                             /* MIG UUIDs made so far */
+} g_mig;
+static struct fhandle g_gi_h[FAKE_MAX_DEVICES][FAKE_MAX_GI + 1];
+static struct fhandle g_ci_h[FAKE_MAX_DEVICES][FAKE_MAX_GI + 1];
+static struct fhandle g_migdev_h[FAKE_MAX_DEVICES][FAKE_MAX_GI + 1];
+
+/* MIG calls (defined below) */
+API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, unsigned int profile,
+                                                     FakeGiProfileInfo *info);
+API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, unsigned int profile,
+                                                      FakeGiProfileInfoV2 *info);
+API nvmlReturn_t nvmlDeviceGetGpuInstancePossiblePlacements_v2(nvmlDevice_t device, unsigned int profileId,
+                                                               FakeGiPlacement *placements,
+                                                               unsigned int *count);
+API nvmlReturn_t nvmlDeviceCreateGpuInstance(nvmlDevice_t device, unsigned int profileId,
+                                             FakeGpuInstance *gpuInstance);
+API nvmlReturn_t nvmlDeviceCreateGpuInstanceWithPlacement(nvmlDevice_t device, unsigned int profileId,
+                                                          const FakeGiPlacement *placement,
+                                                          FakeGpuInstance *gpuInstance);
+API nvmlReturn_t nvmlGpuInstanceDestroy(FakeGpuInstance gpuInstance);
+API nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t device, unsigned int profileId,
+                                           FakeGpuInstance *gpuInstances, unsigned int *count);
+API nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id,
+                                              FakeGpuInstance *gpuInstance);
+API nvmlReturn_t nvmlGpuInstanceGetInfo(FakeGpuInstance gpuInstance, FakeGiInfo *info);
+API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(FakeGpuInstance gpuInstance, unsigned int profile,
+                                                               unsigned int engProfile,
+                                                               FakeCiProfileInfoV2 *info);
+API nvmlReturn_t nvmlGpuInstanceCreateComputeInstance(FakeGpuInstance gpuInstance, unsigned int profileId,
+                                                      FakeComputeInstance *computeInstance);
+API nvmlReturn_t nvmlGpuInstanceGetComputeInstances(FakeGpuInstance gpuInstance, unsigned int profileId,
+                                                    FakeComputeInstance *computeInstances,
+                                                    unsigned int *count);
+API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(FakeGpuInstance gpuInstance, unsigned int id,
+                                                       FakeComputeInstance *computeInstance);
+API nvmlReturn_t nvmlComputeInstanceGetInfo_v2(FakeComputeInstance computeInstance, FakeCiInfo *info);
+API nvmlReturn_t nvmlComputeInstanceDestroy(FakeComputeInstance computeInstance);
+API nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count);
+API nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                     nvmlDevice_t *migDevice);
+API nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice);
+API nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice, nvmlDevice_t *device);
+API nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id);
+API nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id);
+
+static void mig_reset(void) {
+    memset(&g_mig, 0, sizeof g_mig);
+    for (unsigned int d = 0; d < FAKE_MAX_DEVICES; d++)
+        for (unsigned int id = 0; id <= FAKE_MAX_GI; id++) {
+            g_gi_h[d][id] = g_ci_h[d][id] = g_migdev_h[d][id] = (struct fhandle){d, id};
+        }
+}
+
+static const struct fgeom_profile *geometry(unsigned int dev) {
+    return g_cfg.geometry[dev] ? FAKE_H100_80GB : FAKE_A100_40GB;
+}
+
+static const struct fgeom_profile *geom_profile(unsigned int dev, unsigned int id) {
+    const struct fgeom_profile *g = geometry(dev);
+    for (unsigned int i = 0; i < FAKE_GEOM_PROFILES; i++)
+        if (g[i].id == id) return &g[i];
+    return NULL;
+}
+
+/* "MIG <slices>g.<GB>gb", NVIDIA's name for a profile: its share of the card's
+ * memory rounded up to eighths, times the card's size in whole GB. */
+static void profile_name(const struct fgeom_profile *p, char *out, size_t len) {
+    unsigned long long total_mib = g_cfg.memory >> 20, total_gb = (total_mib + 1023) / 1024;
+    if (total_mib == 0) total_mib = 1;
+    unsigned long long eighths = (p->memory_mib * 8 + total_mib - 1) / total_mib;
+    snprintf(out, len, "MIG %ug.%llugb", p->slices, (eighths * total_gb + 4) / 8);
+}
+
+/* FAKENVML_MIG_FILE: the instances, read before and written after each MIG
+ * call, so that they outlive the process as a card's do. Lines:
+ *   serial <n>
+ *   gi <dev> <id> <profile id> <start> <ci: 0 or -1> <MIG uuid or ->
+ * Lines that do not parse, or name an unknown device, profile or id, are skipped. */
+static void mig_load(void) {
+    if (!g_cfg.mig_file[0]) return;
+    FILE *f = fopen(g_cfg.mig_file, "r");
+    memset(&g_mig, 0, sizeof g_mig);
+    if (!f) return;
+    char line[256];
+    while (fgets(line, sizeof line, f)) {
+        unsigned int dev, id, profile, start;
+        int ci;
+        char uuid[64];
+        unsigned long serial;
+        if (sscanf(line, "serial %lu", &serial) == 1) {
+            g_mig.serial = serial;
+        } else if (sscanf(line, "gi %u %u %u %u %d %63s", &dev, &id, &profile, &start, &ci, uuid) == 6 &&
+                   dev < FAKE_MAX_DEVICES && id >= 1 && id <= FAKE_MAX_GI && geom_profile(dev, profile) &&
+                   start < FAKE_MIG_SLICES && (ci == 0 || ci == -1)) {
+            struct fgi *gi = &g_mig.gi[dev][id];
+            gi->used = true;
+            gi->profile = profile;
+            gi->start = start;
+            gi->ci = ci == 0;
+            bool good = strlen(uuid) == FAKE_MIG_UUID_LEN && strncmp(uuid, "MIG-", 4) == 0;
+            snprintf(gi->uuid, sizeof gi->uuid, "%.40s", gi->ci && good ? uuid : "");
+            if (gi->ci && !gi->uuid[0]) gi->ci = false;
+        }
+    }
+    fclose(f);
+}
+
+static nvmlReturn_t mig_save(void) {
+    if (!g_cfg.mig_file[0]) return NVML_SUCCESS;
+    char tmp[PATH_MAX + 8];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp", g_cfg.mig_file) >= (int)sizeof tmp) return NVML_ERROR_UNKNOWN;
+    FILE *f = fopen(tmp, "w");
+    if (!f) return NVML_ERROR_UNKNOWN;
+    fprintf(f, "serial %lu\n", g_mig.serial);
+    for (unsigned int d = 0; d < FAKE_MAX_DEVICES; d++)
+        for (unsigned int id = 1; id <= FAKE_MAX_GI; id++) {
+            const struct fgi *gi = &g_mig.gi[d][id];
+            if (gi->used)
+                fprintf(f, "gi %u %u %u %u %d %s\n", d, id, gi->profile, gi->start, gi->ci ? 0 : -1,
+                        gi->ci ? gi->uuid : "-");
+        }
+    bool ok = fclose(f) == 0;
+    if (!ok || rename(tmp, g_cfg.mig_file) != 0) return NVML_ERROR_UNKNOWN;
+    return NVML_SUCCESS;
+}
+
+/* A device handle with MIG enabled, g_mu held and the instances read (the
+ * caller unlocks); NULL and *rc otherwise. `enabled`: MIG mode must be on. */
+static struct fdev *enter_mig(nvmlDevice_t device, nvmlReturn_t *rc, bool enabled) {
+    struct fdev *d = enter(device, rc);
+    if (!d) return NULL;
+    int mode = g_cfg.mig[d->index];
+    if (mode == FAKE_UNSET || (enabled && mode != FAKE_DEVICE_MIG_ENABLE)) {
+        *rc = NVML_ERROR_NOT_SUPPORTED;
+        pthread_mutex_unlock(&g_mu);
+        return NULL;
+    }
+    mig_load();
+    return d;
+}
+
+/* An instance handle of `table` that names a live GI (with a CI when `ci`),
+ * g_mu held (the caller unlocks); NULL and *rc otherwise. */
+static struct fgi *enter_instance(const struct fhandle *h, struct fhandle table[][FAKE_MAX_GI + 1],
+                                  bool ci, nvmlReturn_t *rc, unsigned int *dev) {
+    pthread_mutex_lock(&g_mu);
+    *rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (g_refs == 0) {
+        *rc = NVML_ERROR_UNINITIALIZED;
+    } else {
+        uintptr_t p = (uintptr_t)h, base = (uintptr_t)&table[0][0];
+        size_t span = sizeof(struct fhandle) * FAKE_MAX_DEVICES * (FAKE_MAX_GI + 1);
+        if (h && p >= base && p < base + span && (p - base) % sizeof *h == 0 && h->dev < g_cfg.devices &&
+            g_cfg.mig[h->dev] == FAKE_DEVICE_MIG_ENABLE) {
+            mig_load();
+            struct fgi *gi = &g_mig.gi[h->dev][h->gi];
+            if (is_lost(h->dev)) {
+                *rc = FAKE_NVML_ERROR_GPU_IS_LOST;
+            } else if (gi->used && (!ci || gi->ci)) {
+                *dev = h->dev;
+                return gi;
+            } else {
+                *rc = NVML_ERROR_NOT_FOUND;
+            }
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return NULL;
+}
+
+static void fill_profile_info(const struct fgeom_profile *p, FakeGiProfileInfo *info) {
+    memset(info, 0, sizeof *info);
+    info->id = p->id;
+    info->sliceCount = p->slices;
+    info->instanceCount = p->count;
+    info->multiprocessorCount = p->sms;
+    info->copyEngineCount = p->slices;
+    info->memorySizeMB = p->memory_mib;
+}
+
+API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, unsigned int profile,
+                                                     FakeGiProfileInfo *info) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter_mig(device, &rc, false);
+    if (!d) return rc;
+    const struct fgeom_profile *p = geom_profile(d->index, profile);
+    rc = NVML_SUCCESS;
+    if (!info || profile > 0x11)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    else if (!p)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    else
+        fill_profile_info(p, info);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, unsigned int profile,
+                                                      FakeGiProfileInfoV2 *info) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter_mig(device, &rc, false);
+    if (!d) return rc;
+    const struct fgeom_profile *p = geom_profile(d->index, profile);
+    rc = NVML_SUCCESS;
+    if (!info || profile > 0x11) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (info->version != FAKE_GI_PROFILE_INFO_V2) {
+        rc = FAKE_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    } else if (!p) {
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    } else {
+        FakeGiProfileInfo v1;
+        fill_profile_info(p, &v1);
+        unsigned int version = info->version;
+        memset(info, 0, sizeof *info);
+        info->version = version;
+        info->id = v1.id;
+        info->sliceCount = v1.sliceCount;
+        info->instanceCount = v1.instanceCount;
+        info->multiprocessorCount = v1.multiprocessorCount;
+        info->copyEngineCount = v1.copyEngineCount;
+        info->memorySizeMB = v1.memorySizeMB;
+        profile_name(p, info->name, sizeof info->name);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetGpuInstancePossiblePlacements_v2(nvmlDevice_t device, unsigned int profileId,
+                                                               FakeGiPlacement *placements,
+                                                               unsigned int *count) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter_mig(device, &rc, false);
+    if (!d) return rc;
+    const struct fgeom_profile *p = geom_profile(d->index, profileId);
+    rc = NVML_SUCCESS;
+    if (!count) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (!p) {
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    } else if (!placements) {
+        *count = p->count;
+    } else if (*count < p->count) {
+        *count = p->count;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        for (unsigned int i = 0; i < p->count; i++) {
+            placements[i].start = p->start0 + i * p->step;
+            placements[i].size = p->size;
+        }
+        *count = p->count;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* The mask of memory slices the GIs of device `dev` cover. */
+static unsigned int slices_taken(unsigned int dev) {
+    unsigned int taken = 0;
+    for (unsigned int id = 1; id <= FAKE_MAX_GI; id++) {
+        const struct fgi *gi = &g_mig.gi[dev][id];
+        if (gi->used) taken |= ((1u << geom_profile(dev, gi->profile)->size) - 1) << gi->start;
+    }
+    return taken;
+}
+
+static nvmlReturn_t create_gi(struct fdev *d, unsigned int profileId, const FakeGiPlacement *want,
+                              FakeGpuInstance *out) {
+    const struct fgeom_profile *p = geom_profile(d->index, profileId);
+    if (!out) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!p) return NVML_ERROR_NOT_SUPPORTED;
+    unsigned int taken = slices_taken(d->index), start = FAKE_MIG_SLICES;
+    for (unsigned int i = 0; i < p->count; i++) {
+        unsigned int s = p->start0 + i * p->step, mask = ((1u << p->size) - 1) << s;
+        if (want && (want->start != s || want->size != p->size)) continue;
+        if (!(taken & mask)) {
+            start = s;
+            break;
+        }
+        if (want) return FAKE_NVML_ERROR_INSUFFICIENT_RESOURCES;
+    }
+    if (start == FAKE_MIG_SLICES) return want ? NVML_ERROR_INVALID_ARGUMENT : FAKE_NVML_ERROR_INSUFFICIENT_RESOURCES;
+    unsigned int same = 0, id = 0;
+    for (unsigned int i = FAKE_MAX_GI; i >= 1; i--) {
+        if (!g_mig.gi[d->index][i].used) id = i;
+        else if (g_mig.gi[d->index][i].profile == profileId) same++;
+    }
+    if (id == 0 || same >= p->count) return FAKE_NVML_ERROR_INSUFFICIENT_RESOURCES;
+    struct fgi *gi = &g_mig.gi[d->index][id];
+    memset(gi, 0, sizeof *gi);
+    gi->used = true;
+    gi->profile = profileId;
+    gi->start = start;
+    nvmlReturn_t rc = mig_save();
+    if (rc != NVML_SUCCESS) {
+        gi->used = false;
+        return rc;
+    }
+    *out = &g_gi_h[d->index][id];
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceCreateGpuInstance(nvmlDevice_t device, unsigned int profileId,
+                                             FakeGpuInstance *gpuInstance) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter_mig(device, &rc, true);
+    if (!d) return rc;
+    rc = create_gi(d, profileId, NULL, gpuInstance);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceCreateGpuInstanceWithPlacement(nvmlDevice_t device, unsigned int profileId,
+                                                          const FakeGiPlacement *placement,
+                                                          FakeGpuInstance *gpuInstance) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter_mig(device, &rc, true);
+    if (!d) return rc;
+    rc = placement ? create_gi(d, profileId, placement, gpuInstance) : NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlGpuInstanceDestroy(FakeGpuInstance gpuInstance) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_instance(gpuInstance, g_gi_h, false, &rc, &dev);
+    if (!gi) return rc;
+    if (gi->ci) {
+        rc = FAKE_NVML_ERROR_IN_USE; /* its compute instances go first */
+    } else {
+        gi->used = false;
+        rc = mig_save();
+        if (rc != NVML_SUCCESS) gi->used = true;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t device, unsigned int profileId,
+                                           FakeGpuInstance *gpuInstances, unsigned int *count) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter_mig(device, &rc, true);
+    if (!d) return rc;
+    rc = NVML_SUCCESS;
+    if (!count || !gpuInstances) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (!geom_profile(d->index, profileId)) {
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    } else {
+        unsigned int n = 0;
+        for (unsigned int id = 1; id <= FAKE_MAX_GI; id++) {
+            const struct fgi *gi = &g_mig.gi[d->index][id];
+            if (gi->used && gi->profile == profileId) gpuInstances[n++] = &g_gi_h[d->index][id];
+        }
+        *count = n; /* the caller's array has room for the profile's instanceCount */
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id,
+                                              FakeGpuInstance *gpuInstance) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter_mig(device, &rc, true);
+    if (!d) return rc;
+    rc = NVML_SUCCESS;
+    if (!gpuInstance || id < 1 || id > FAKE_MAX_GI)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    else if (!g_mig.gi[d->index][id].used)
+        rc = NVML_ERROR_NOT_FOUND;
+    else
+        *gpuInstance = &g_gi_h[d->index][id];
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlGpuInstanceGetInfo(FakeGpuInstance gpuInstance, FakeGiInfo *info) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_instance(gpuInstance, g_gi_h, false, &rc, &dev);
+    if (!gi) return rc;
+    rc = NVML_SUCCESS;
+    if (!info) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        info->device = (nvmlDevice_t)&g_devs[dev];
+        info->id = gpuInstance->gi;
+        info->profileId = gi->profile;
+        info->placement.start = gi->start;
+        info->placement.size = geom_profile(dev, gi->profile)->size;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* Compute instances: one per GI, of the CI profile with the GI's slice count
+ * (CI profile ids 0..4 are 1, 2, 3, 4 and 7 slices, as GI profiles 0..4). */
+static unsigned int ci_profile_of(unsigned int dev, const struct fgi *gi) {
+    return geom_profile(dev, gi->profile)->slices == 7 ? 4 : geom_profile(dev, gi->profile)->slices - 1;
+}
+
+API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(FakeGpuInstance gpuInstance, unsigned int profile,
+                                                               unsigned int engProfile,
+                                                               FakeCiProfileInfoV2 *info) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_instance(gpuInstance, g_gi_h, false, &rc, &dev);
+    if (!gi) return rc;
+    rc = NVML_SUCCESS;
+    if (!info || engProfile != 0) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (info->version != FAKE_CI_PROFILE_INFO_V2) {
+        rc = FAKE_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    } else if (profile != ci_profile_of(dev, gi)) {
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    } else {
+        const struct fgeom_profile *p = geom_profile(dev, gi->profile);
+        unsigned int version = info->version;
+        memset(info, 0, sizeof *info);
+        info->version = version;
+        info->id = profile;
+        info->sliceCount = p->slices;
+        info->instanceCount = 1;
+        info->multiprocessorCount = p->sms;
+        snprintf(info->name, sizeof info->name, "MIG %ug", p->slices);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlGpuInstanceCreateComputeInstance(FakeGpuInstance gpuInstance, unsigned int profileId,
+                                                      FakeComputeInstance *computeInstance) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_instance(gpuInstance, g_gi_h, false, &rc, &dev);
+    if (!gi) return rc;
+    if (!computeInstance) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (profileId != ci_profile_of(dev, gi)) {
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    } else if (gi->ci) {
+        rc = FAKE_NVML_ERROR_INSUFFICIENT_RESOURCES;
+    } else {
+        unsigned long serial = ++g_mig.serial;
+        gi->ci = true;
+        snprintf(gi->uuid, sizeof gi->uuid, "MIG-%08lx-%04x-4%03x-8000-%012lx", serial & 0xffffffffUL,
+                 dev & 0xffffu, gpuInstance->gi & 0xfffu, serial);
+        rc = mig_save();
+        if (rc != NVML_SUCCESS) {
+            gi->ci = false;
+            gi->uuid[0] = '\0';
+        } else {
+            *computeInstance = &g_ci_h[dev][gpuInstance->gi];
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlGpuInstanceGetComputeInstances(FakeGpuInstance gpuInstance, unsigned int profileId,
+                                                    FakeComputeInstance *computeInstances,
+                                                    unsigned int *count) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_instance(gpuInstance, g_gi_h, false, &rc, &dev);
+    if (!gi) return rc;
+    rc = NVML_SUCCESS;
+    if (!computeInstances || !count) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (profileId != ci_profile_of(dev, gi)) {
+        *count = 0;
+    } else {
+        *count = gi->ci ? 1 : 0;
+        if (gi->ci) computeInstances[0] = &g_ci_h[dev][gpuInstance->gi];
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(FakeGpuInstance gpuInstance, unsigned int id,
+                                                       FakeComputeInstance *computeInstance) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_instance(gpuInstance, g_gi_h, false, &rc, &dev);
+    if (!gi) return rc;
+    rc = NVML_SUCCESS;
+    if (!computeInstance)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    else if (id != 0 || !gi->ci)
+        rc = NVML_ERROR_NOT_FOUND;
+    else
+        *computeInstance = &g_ci_h[dev][gpuInstance->gi];
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlComputeInstanceGetInfo_v2(FakeComputeInstance computeInstance, FakeCiInfo *info) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_instance(computeInstance, g_ci_h, true, &rc, &dev);
+    if (!gi) return rc;
+    rc = NVML_SUCCESS;
+    if (!info) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        info->device = (nvmlDevice_t)&g_devs[dev];
+        info->gpuInstance = &g_gi_h[dev][computeInstance->gi];
+        info->id = 0;
+        info->profileId = ci_profile_of(dev, gi);
+        info->placement.start = 0;
+        info->placement.size = geom_profile(dev, gi->profile)->slices;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlComputeInstanceDestroy(FakeComputeInstance computeInstance) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_instance(computeInstance, g_ci_h, true, &rc, &dev);
+    if (!gi) return rc;
+    char uuid[sizeof gi->uuid];
+    memcpy(uuid, gi->uuid, sizeof uuid);
+    gi->ci = false;
+    gi->uuid[0] = '\0';
+    rc = mig_save();
+    if (rc != NVML_SUCCESS) {
+        gi->ci = true;
+        memcpy(gi->uuid, uuid, sizeof uuid);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* ------------------------------------------------------------ MIG devices
+ * One per GI with a CI; index i is the i-th such GI by id. */
+API nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter_mig(device, &rc, false);
+    if (!d) return rc;
+    rc = NVML_SUCCESS;
+    if (!count)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    else
+        *count = g_cfg.mig[d->index] == FAKE_DEVICE_MIG_ENABLE ? 7 : 0;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                     nvmlDevice_t *migDevice) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter_mig(device, &rc, true);
+    if (!d) return rc;
+    rc = migDevice ? NVML_ERROR_NOT_FOUND : NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int n = 0;
+    for (unsigned int id = 1; migDevice && id <= FAKE_MAX_GI; id++) {
+        if (!g_mig.gi[d->index][id].ci) continue;
+        if (n++ == index) {
+            *migDevice = (nvmlDevice_t)&g_migdev_h[d->index][id];
+            rc = NVML_SUCCESS;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* Whether `device` lies in the MIG device table (no lock needed: addresses only). */
+static bool is_mig_handle(nvmlDevice_t device) {
+    uintptr_t p = (uintptr_t)device, base = (uintptr_t)&g_migdev_h[0][0];
+    return p >= base && p < base + sizeof g_migdev_h && (p - base) % sizeof(struct fhandle) == 0;
+}
+
+API nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice) {
+    if (!isMigDevice) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!is_mig_handle(device)) {
+        nvmlReturn_t rc;
+        if (!enter(device, &rc)) return rc;
+        pthread_mutex_unlock(&g_mu);
+    }
+    *isMigDevice = is_mig_handle(device);
+    return NVML_SUCCESS;
+}
+
+/* A MIG device handle's GI (with its CI), g_mu held; NULL and *rc otherwise. */
+static struct fgi *enter_mig_device(nvmlDevice_t device, nvmlReturn_t *rc, unsigned int *dev) {
+    return enter_instance((const struct fhandle *)device, g_migdev_h, true, rc, dev);
+}
+
+API nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice, nvmlDevice_t *device) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    if (!enter_mig_device(migDevice, &rc, &dev)) return rc;
+    rc = device ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+    if (device) *device = (nvmlDevice_t)&g_devs[dev];
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    if (!enter_mig_device(device, &rc, &dev)) return rc;
+    rc = id ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+    if (id) *id = ((const struct fhandle *)device)->gi;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    if (!enter_mig_device(device, &rc, &dev)) return rc;
+    rc = id ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+    if (id) *id = 0;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* UUID and memory of a MIG device (nvmlDeviceGetUUID, nvmlDeviceGetMemoryInfo*). */
+static nvmlReturn_t mig_device_uuid(nvmlDevice_t device, char *uuid, unsigned int length) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_mig_device(device, &rc, &dev);
+    if (!gi) return rc;
+    rc = put_string(gi->uuid, uuid, length);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+static nvmlReturn_t mig_device_memory(nvmlDevice_t device, unsigned long long *total) {
+    nvmlReturn_t rc;
+    unsigned int dev;
+    struct fgi *gi = enter_mig_device(device, &rc, &dev);
+    if (!gi) return rc;
+    *total = geom_profile(dev, gi->profile)->memory_mib << 20;
+    pthread_mutex_unlock(&g_mu);
+    return NVML_SUCCESS;
 }

@@ -1,5 +1,6 @@
 -- Hand the next unallocated container of the oldest bound pod whose next container
--- asks for ARGV[1] devices to kubelet. Idempotent by request id (KEYS[6]).
+-- asks for ARGV[1] devices to kubelet (NVIDIA's containers only: another vendor's
+-- plugin allocates its own). Idempotent by request id (KEYS[6]).
 -- KEYS[6] <p>:{node}:alloc:<request id>  the answer given to that request
 -- ARGV[1] device count, ARGV[2] seconds to remember the answer, ARGV[3] '1' to
 -- only look: the container that would be handed out, nothing changed (kubelet's
@@ -28,7 +29,9 @@ for _, uid in ipairs(redis.call('ZRANGE', PENDING, 0, -1)) do
   else
     local index = rec.allocated_containers + 1
     local container = rec.containers[index]
-    if container and #container.devices == want then
+    -- another vendor's container is allocated by that vendor's plugin, never here
+    local ours = container and (container.vendor == nil or container.vendor == 'nvidia')
+    if ours and #container.devices == want then
       if found then
         rivals = rivals + 1
       else

@@ -79,3 +79,67 @@ local function rebuilt()
   local stamp = redis.call('HMGET', META, 'rebuilt', 'epoch')
   return stamp[1] ~= false and stamp[2] == epoch()
 end
+
+-- MIG slice masks have at most 16 bits (models.MAX_MIG_SLICES): Lua's bit
+-- operations work on signed 32-bit numbers and never see a sign bit here.
+local MIG_MASK_LIMIT = 65536
+
+-- The first card (its UUID) on which a reservation record's MIG grants are not
+-- what the card makes, or nil when every grant is: each grant on a card in mode
+-- mig names a profile of the card at one of its placements, books exactly the
+-- profile's memory and cores, and the grants on a card make up its footprint's
+-- mask (``masks``: card -> mask from the footprint); a card not in mode mig
+-- has no MIG grant.
+local function mig_grants_invalid(rec, masks)
+  local union = {}
+  for _, c in ipairs(rec.containers) do
+    if type(c) ~= 'table' or type(c.devices) ~= 'table' then
+      return ''
+    end
+    for _, g in ipairs(c.devices) do
+      if type(g) ~= 'table' or type(g.uuid) ~= 'string' or masks[g.uuid] == nil then
+        return ''
+      end
+      local u = g.uuid
+      local mig = gget(u, 'mode') == 'mig'
+      if (type(g.mig) == 'table') ~= mig then
+        return u
+      end
+      if mig then
+        local p = g.mig.placement
+        if type(p) ~= 'table' or not is_count(p.start) or not is_count(p.size)
+            or p.size < 1 or p.start + p.size > 16 then
+          return u
+        end
+        local found = false
+        local ok, profiles = pcall(cjson.decode, gget(u, 'mig_profiles') or '')
+        if not ok or type(profiles) ~= 'table' then
+          return u
+        end
+        for _, prof in ipairs(profiles) do
+          if prof[1] == g.mig.profile and prof[2] == g.memory_mib and prof[3] == g.cores then
+            for _, q in ipairs(prof[5]) do
+              if q[1] == p.start and q[2] == p.size then
+                found = true
+              end
+            end
+          end
+        end
+        if not found then
+          return u
+        end
+        local mask = (2 ^ p.size - 1) * 2 ^ p.start
+        if bit.band(union[u] or 0, mask) ~= 0 then
+          return u
+        end
+        union[u] = bit.bor(union[u] or 0, mask)
+      end
+    end
+  end
+  for u, mask in pairs(masks) do
+    if (union[u] or 0) ~= mask then
+      return u
+    end
+  end
+  return nil
+end

@@ -22,6 +22,10 @@ for _, f in ipairs(rec.footprint) do
       redis.call('HSET', GPUS, gkey(u, field), left)
     end
   end
+  local mask = tonumber(f[6]) or 0  -- absent in records written before MIG
+  if mask > 0 and gget(u, 'present') then
+    redis.call('HSET', GPUS, gkey(u, 'mig_used'), bit.band(gnum(u, 'mig_used'), bit.bnot(mask)))
+  end
   if gget(u, 'owner') == uid then
     redis.call('HSET', GPUS, gkey(u, 'owner'), '')
   end

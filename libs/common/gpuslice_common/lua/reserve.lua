@@ -1,7 +1,8 @@
 -- Reserve a pod's devices on one node: all or nothing, idempotent by pod UID.
 -- ARGV[1] pod uid
 -- ARGV[2] placement record (JSON object, without state or times)
--- ARGV[3] footprint: JSON list of [uuid, memory_mib, cores, slots, exclusive(0|1)]
+-- ARGV[3] footprint: JSON list of [uuid, memory_mib, cores, slots, exclusive(0|1),
+--         MIG slices mask (0 on a card not in mode mig)]
 -- ARGV[4] optional, restoring a pod's own record: 'allocated' (its containers
 --         run) or 'bound'; allowed before the node is rebuilt, and checked for
 --         capacity and exclusivity only (not health or cordon: the pod holds the
@@ -29,14 +30,29 @@ for _, f in ipairs(fp) do
   if type(f) ~= 'table' then
     return {'fail', '', 'InvalidRequest'}
   end
-  local u, mem, cores, slots, excl = f[1], f[2], f[3], f[4], f[5]
+  local u, mem, cores, slots, excl, mask = f[1], f[2], f[3], f[4], f[5], f[6]
   if type(u) ~= 'string' or seen[u] or not is_count(mem) or not is_count(cores)
-      or not is_count(slots) or (excl ~= 0 and excl ~= 1) then
+      or not is_count(slots) or (excl ~= 0 and excl ~= 1)
+      or not is_count(mask) or mask >= MIG_MASK_LIMIT then
     return {'fail', tostring(u), 'InvalidRequest'}  -- a card listed twice passes each check alone
   end
-  seen[u] = true
+  seen[u] = mask
   if gget(u, 'present') ~= '1' then
     return {'fail', u, 'CardNotFound'}
+  end
+  -- MIG: a card in mode mig is taken by instances only, each inside the card and
+  -- on slices free of static instances and of other pods' instances
+  local mig = gget(u, 'mode') == 'mig'
+  if mig ~= (mask > 0) then
+    return {'fail', u, 'InvalidRequest'}
+  end
+  if mig then
+    if bit.band(mask, bit.bnot(gnum(u, 'mig_slices'))) ~= 0 then
+      return {'fail', u, 'InvalidRequest'}
+    end
+    if bit.band(mask, bit.bor(gnum(u, 'mig_used'), gnum(u, 'mig_static'))) ~= 0 then
+      return {'fail', u, 'CardMigTopologyInfeasible'}
+    end
   end
   if not restoring then
     if gget(u, 'healthy') ~= '1' then
@@ -68,9 +84,28 @@ for _, f in ipairs(fp) do
     return {'fail', u, 'CardComputeUnitsExhausted'}
   end
 end
+local bad = mig_grants_invalid(rec, seen)
+if bad then
+  return {'fail', bad, 'InvalidRequest'}
+end
+-- each grant is on a card of its container's vendor (NVIDIA when the record names none)
+for _, c in ipairs(rec.containers) do
+  local want = c.vendor
+  if want == nil then
+    want = 'nvidia'
+  end
+  for _, g in ipairs(c.devices) do
+    if type(want) ~= 'string' or (gget(g.uuid, 'vendor') or 'nvidia') ~= want then
+      return {'fail', g.uuid, 'InvalidRequest'}
+    end
+  end
+end
 
 for _, f in ipairs(fp) do
   local u = f[1]
+  if f[6] > 0 then
+    redis.call('HSET', GPUS, gkey(u, 'mig_used'), bit.bor(gnum(u, 'mig_used'), f[6]))
+  end
   redis.call('HINCRBY', GPUS, gkey(u, 'mem'), f[2])
   redis.call('HINCRBY', GPUS, gkey(u, 'cores'), f[3])
   redis.call('HINCRBY', GPUS, gkey(u, 'slots'), f[4])

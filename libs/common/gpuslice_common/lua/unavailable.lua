@@ -15,7 +15,9 @@ if redis.call('HEXISTS', META, 'unavailable') == 1 then
   return {'already'}
 end
 for _, u in ipairs(cjson.decode(redis.call('HGET', META, 'devices') or '[]')) do
-  redis.call('HSET', GPUS, gkey(u, 'healthy'), 0)
+  if (gget(u, 'vendor') or 'nvidia') == 'nvidia' then  -- the agent's cards, not other vendors'
+    redis.call('HSET', GPUS, gkey(u, 'healthy'), 0)
+  end
 end
 redis.call('HSET', META, 'unavailable', now_ms())
 bump()
