@@ -7,6 +7,12 @@ per-node pick of cards). It imports only what stays in the product: the
 engine's result types, the fit codes and card demand, the workload mix's
 arrays, the cluster.
 
+Since then it follows the product where HAMi's semantics were taken up: a
+percentage of memory is never 0 MiB, HAMi's card score is weighted by the pod's
+scoring weights, equal cards under binpack and spread go where HAMi's card list
+puts them, and a node with fewer cards than a container asks is
+NodeInsufficientDevice.
+
 One difference on purpose: the product kept node fragmentation cached for the
 whole cluster and read a large scope's from that cache; this copy always
 computes it for the scope. The two differ at most in the last bits of sums.
@@ -24,22 +30,28 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from gpuslice_common.models import DeviceSelector, GpuPolicy, NodePolicy
+from gpuslice_common.models import DeviceSelector, GpuPolicy, NodePolicy, ScoringWeights
 from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
 from gpuslice_scheduler.engine import NO_CARD, Demand, Evaluation
 from gpuslice_scheduler.fit import CODE_COUNT, REASONS, CardDemand, Code, model_mask
 from gpuslice_scheduler.fragmentation import WorkloadMix
 
 Codes = npt.NDArray[np.int8]
+EVEN = ScoringWeights()
 
 # ---------------------------------------------------------------- HAMi's fit rules
 
 
 def memory_on(d: CardDemand, cap_mem: Ints) -> Ints:
-    """MiB taken on cards of the given schedulable memory (percent rounds down)."""
+    """MiB taken on cards of the given schedulable memory (percent rounds down, to
+    no less than 1 MiB)."""
     if d.mem_mib >= 0:
         return np.full_like(cap_mem, d.mem_mib)
-    return cap_mem * d.mem_percent // 100
+    return percent_of(cap_mem, d.mem_percent)
+
+
+def percent_of(cap_mem: Any, percent: Any) -> Any:
+    return np.maximum(cap_mem * percent // 100, 1)
 
 
 def static_codes(cluster: Cluster, cards: Ints, selector: DeviceSelector) -> Codes:
@@ -151,7 +163,7 @@ def usable(mix: WorkloadMix, cluster: Cluster, cards: Ints, usage: Usage) -> Boo
     """(cards, parts): could one more container of each part of ``mix`` go on each card."""
     cap_mem = cluster.cap_mem[cards][:, None]
     need_mem = np.where(
-        mix.part_mem_mib >= 0, mix.part_mem_mib, cap_mem * mix.part_mem_percent // 100
+        mix.part_mem_mib >= 0, mix.part_mem_mib, percent_of(cap_mem, mix.part_mem_percent)
     )
     broken = usage_rules(
         cluster, cards, usage, need_mem, mix.part_cores, mix.part_exclusive, kinds=True
@@ -306,15 +318,27 @@ def node_fragmentation(mix: WorkloadMix, cluster: Cluster, nodes: Ints) -> tuple
 
 
 def hami_card_score(
-    cluster: Cluster, cards: Ints, usage: Usage, d: CardDemand, mem: Ints
+    cluster: Cluster,
+    cards: Ints,
+    usage: Usage,
+    d: CardDemand,
+    mem: Ints,
+    weights: ScoringWeights = EVEN,
 ) -> Floats:
-    """HAMi's card score: 10 x (slots + cores + memory in use after this container)."""
-    score = (
-        (usage.slots + 1) / np.maximum(cluster.cap_slots[cards], 1)
-        + (usage.cores + d.cores) / np.maximum(cluster.cap_cores[cards], 1)
-        + (usage.mem + mem) / np.maximum(cluster.cap_mem[cards], 1)
+    """HAMi's card score: 10 x (slots + cores + memory in use after this container,
+    weighted); 0 on a card without slots, cores or memory."""
+    slots, cores, memory = (
+        cluster.cap_slots[cards],
+        cluster.cap_cores[cards],
+        cluster.cap_mem[cards],
     )
-    return np.asarray(10.0 * score, dtype=float)
+    score = (  # in floats, as the core: cards the demand does not fit are scored too
+        weights.slot * ((usage.slots.astype(float) + 1.0) / np.maximum(slots, 1))
+        + weights.core * ((usage.cores.astype(float) + float(d.cores)) / np.maximum(cores, 1))
+        + weights.memory * ((usage.mem.astype(float) + mem.astype(float)) / np.maximum(memory, 1))
+    )
+    empty = (slots <= 0) | (cores <= 0) | (memory <= 0)
+    return np.asarray(np.where(empty, 0.0, 10.0 * score), dtype=float)
 
 
 def hami_node_score(cluster: Cluster, cards: Ints, bounds: Ints, usage: Usage) -> Floats:
@@ -414,6 +438,9 @@ def _evaluate(
     prices: _Prices | None = None
 
     request = demand.request
+    hami_policy = demand.gpu_policy is not GpuPolicy.FRAGMENTATION
+    # HAMi's card list: each row's place in its node's list (binpack, spread)
+    place = np.arange(scope.cards.size, dtype=np.int64) - scope.bounds[scope.pos]
     if request is not None:
         static = static_codes(cluster, scope.cards, request.selector)
         for k, container in enumerate(request.containers):
@@ -423,7 +450,14 @@ def _evaluate(
             fit = codes == 0
             prices = _card_scores(cluster, scope, demand, mix, fragments, usage, d, mem, fit)
             card_score = prices.score
-            picked, short = _pick(cluster, scope, d, fit, card_score, request.selector.numa_bind)
+            tie = None
+            if hami_policy:
+                fresh = k == 0 or container.init or request.containers[k - 1].init
+                place = _list_places(cluster, scope, card_score, place, fresh)
+                tie = place
+            picked, short = _pick(
+                cluster, scope, d, fit, card_score, request.selector.numa_bind, tie
+            )
             if forced is not None:
                 given, where = forced
                 best.append(_sums(picked, short, card_score))
@@ -510,6 +544,20 @@ class _Prices:
     rows: Ints | None = None  # per node, the card a one-card pod took
 
 
+def _list_places(
+    cluster: Cluster, scope: _Scope, card_score: Floats, place: Ints, fresh: bool
+) -> Ints:
+    """HAMi's card list re-sorted for one container: by score (low first), NUMA node,
+    then the list's order before (the node's card order when ``fresh``); returns each
+    row's new place in its node's list. HAMi takes cards from the end."""
+    if fresh:
+        place = np.arange(scope.cards.size, dtype=np.int64) - scope.bounds[scope.pos]
+    order = np.lexsort((place, cluster.numa[scope.cards], card_score, scope.pos))
+    new = np.empty_like(place)
+    new[order] = np.arange(order.size, dtype=np.int64) - scope.bounds[scope.pos[order]]
+    return new
+
+
 def _card_scores(
     cluster: Cluster,
     scope: _Scope,
@@ -522,11 +570,11 @@ def _card_scores(
     fit: Bools,
 ) -> _Prices:
     """Score of giving this container each card (higher first); only fitting rows matter."""
+    if demand.gpu_policy is not GpuPolicy.FRAGMENTATION:
+        weights = demand.request.scoring_weights if demand.request else EVEN
+        hami = hami_card_score(cluster, scope.cards, usage, d, mem, weights)
+        return _Prices(hami if demand.gpu_policy is GpuPolicy.BINPACK else -hami)
     hami = hami_card_score(cluster, scope.cards, usage, d, mem)
-    if demand.gpu_policy is GpuPolicy.BINPACK:
-        return _Prices(hami)
-    if demand.gpu_policy is GpuPolicy.SPREAD:
-        return _Prices(-hami)
     if mix is None or fragments is None:
         raise ValueError("the fragmentation policy needs a workload mix")
     before, use, share = fragments
@@ -572,8 +620,10 @@ def _pick(
     fit: Bools,
     card_score: Floats,
     numa_bind: bool,
+    tie: Ints | None = None,
 ) -> tuple[Ints, Bools]:
-    """The best ``d.count`` fitting rows per node: ((nodes, count) rows, node short of cards)."""
+    """The best ``d.count`` fitting rows per node: ((nodes, count) rows, node short of
+    cards); among equal scores the higher ``tie`` first, else (None) the first row."""
     n = scope.nodes.size
     picked = np.full((n, d.count), NO_CARD, dtype=np.int64)
     rows = np.flatnonzero(fit)
@@ -583,7 +633,8 @@ def _pick(
     numa = cluster.numa[scope.cards[rows]] + 1 if bind else np.zeros(rows.size, np.int64)
     width = int(numa.max()) + 1
     group = scope.pos[rows] * width + numa
-    order = np.lexsort((-card_score[rows], group))
+    keys = (-card_score[rows], group) if tie is None else (-tie[rows], -card_score[rows], group)
+    order = np.lexsort(keys)
     rows, group = rows[order], group[order]
     first = np.r_[True, group[1:] != group[:-1]]
     starts = np.flatnonzero(first)
@@ -621,8 +672,16 @@ def _explain(
     cards = np.diff(scope.bounds)
     for i in np.flatnonzero(failed).tolist():
         if cards[i] == 0:
-            code[i] = Code.NOT_FOUND
-            detail[i] = f"container {container!r}: the node has no GPU"
+            code[i] = Code.NODE_INSUFFICIENT_DEVICE
+            detail[i] = f"NodeInsufficientDevice: container {container!r}: the node has no GPU"
+            continue
+        present = int(cards[i] - counts[i, Code.NOT_FOUND])
+        if present < d.count:
+            code[i] = Code.NODE_INSUFFICIENT_DEVICE
+            detail[i] = (
+                f"NodeInsufficientDevice: container {container!r} needs {d.count} "
+                f"card(s), the node has {present}"
+            )
             continue
         if fitting[i] >= d.count:
             code[i] = Code.NUMA_NOT_FIT

@@ -30,8 +30,17 @@ from gpuslice_common.models import (
 )
 from gpuslice_common.requests import parse_pod
 from gpuslice_scheduler.cluster import Cluster
-from gpuslice_scheduler.engine import NO_CARD, Demand, Evaluation, evaluate, normalise, placement
+from gpuslice_scheduler.engine import (
+    NO_CARD,
+    Demand,
+    Evaluation,
+    Evaluator,
+    evaluate,
+    normalise,
+    placement,
+)
 from gpuslice_scheduler.fragmentation import default_mix
+from tests import engine_reference as reference
 
 MODEL = "NVIDIA A100-SXM4-80GB"
 MEM = 10_000  # MiB per card in most tests, so percentages are easy to read
@@ -207,7 +216,6 @@ SMALL = ctr(mib=1000, cores=10)
 @pytest.mark.parametrize(
     ("card", "container", "selector", "reason"),
     [
-        pytest.param({"present": False}, SMALL, None, R.CARD_NOT_FOUND, id="absent"),
         pytest.param({"healthy": False}, SMALL, None, R.CARD_NOT_HEALTH, id="unhealthy"),
         pytest.param({"cordoned": True}, SMALL, None, R.CARD_CORDONED, id="cordoned"),
         pytest.param(
@@ -313,7 +321,8 @@ def test_each_fit_rule_gives_its_reason(
         pytest.param({}, ctr(percent=100, cores=100), id="whole-card-on-empty-card"),
         # 33 % of 999 MiB is 329 (rounded down), exactly what is left.
         pytest.param({"mem": 999, "used_mem": 670, "used_slots": 1}, ctr(percent=33), id="floor"),
-        pytest.param({"used_mem": 10_000, "used_slots": 1}, ctr(mib=0), id="zero-memory"),
+        # 1 % of 50 MiB rounds down to 0, but takes 1 MiB: 0 would be no limit at all.
+        pytest.param({"mem": 50, "used_mem": 49, "used_slots": 1}, ctr(percent=1), id="tiny"),
     ],
 )
 def test_boundaries_that_still_fit(card: dict[str, Any], container: ContainerGpuRequest) -> None:
@@ -324,25 +333,65 @@ def test_boundaries_that_still_fit(card: dict[str, Any], container: ContainerGpu
     assert ev.chosen[0].tolist() == [[0]]
 
 
-def test_a_node_without_cards_is_card_not_found() -> None:
+def test_an_absent_card_is_not_the_nodes() -> None:
+    """HAMi lists only the cards a node reports: fewer than a container asks for is
+    NodeInsufficientDevice, before any card's reason."""
+    reason, detail = reject(one_card(present=False), pod(SMALL))
+    assert reason is R.NODE_INSUFFICIENT_DEVICE
+    assert detail == "NodeInsufficientDevice: container 'main' needs 1 card(s), the node has 0"
+    two = cluster(("n0", [gpu("n0", 0, present=False, healthy=False), gpu("n0", 1)]))
+    reason, detail = reject(two, pod(ctr(mib=100, count=2)))
+    assert reason is R.NODE_INSUFFICIENT_DEVICE
+    assert detail.endswith("needs 2 card(s), the node has 1")
+    # With enough cards present, an absent one is CardNotFound, ahead of health.
+    three = cluster(
+        (
+            "n0",
+            [
+                gpu("n0", 0, present=False, healthy=False),
+                gpu("n0", 1, healthy=False),
+                gpu("n0", 2, present=False),
+                gpu("n0", 3, healthy=False),
+            ],
+        )
+    )
+    reason, detail = reject(three, pod(ctr(mib=100, count=2)))
+    assert reason is R.CARD_NOT_FOUND
+    assert detail.endswith("0 of 4 fit (2 CardNotFound, 2 CardNotHealth)")
+
+
+@pytest.mark.parametrize(
+    ("resources", "mem", "grant"),
+    [
+        pytest.param({"gpumem_percentage": 0}, MEM, MEM, id="percentage-0-is-the-whole-card"),
+        pytest.param({"gpumem_percentage": 0, "gpumem": 0}, MEM, MEM, id="both-0"),
+        pytest.param({"gpumem_percentage": 1}, 50, 1, id="1-percent-of-50-mib"),
+        pytest.param({"gpumem_percentage": 100}, 50, 50, id="whole-tiny-card"),
+    ],
+)
+def test_no_grant_is_zero_mib(resources: dict[str, int], mem: int, grant: int) -> None:
+    """0 MiB reads as no limit in a container: no request, default or rounding gives it."""
+    request = hami_pod([limits("app", gpu=1, **resources)])
+    (container,) = place(one_card(mem=mem), request).containers
+    assert [d.memory_mib for d in container.devices] == [grant]
+
+
+def test_a_node_without_cards_is_node_insufficient_device() -> None:
     c = cluster(("cpu-only", []), ("gpu", [gpu("gpu", 0)]))
     _, ev = run(c, pod(SMALL))
     assert ev.feasible.tolist() == [False, True]
-    assert ev.reason(0) is R.CARD_NOT_FOUND
-    assert ev.detail[0] == "container 'main': the node has no GPU"
+    assert ev.reason(0) is R.NODE_INSUFFICIENT_DEVICE
+    assert ev.detail[0] == "NodeInsufficientDevice: container 'main': the node has no GPU"
     # Evaluating only card-less nodes must not fail either.
     _, alone = run(c, pod(SMALL), nodes=[0])
     assert alone.feasible.tolist() == [False]
-    assert alone.reason(0) is R.CARD_NOT_FOUND
+    assert alone.reason(0) is R.NODE_INSUFFICIENT_DEVICE
     assert alone.chosen[0].tolist() == [[NO_CARD]]
 
 
 @pytest.mark.parametrize(
     ("card", "container", "selector", "reason"),
     [
-        pytest.param(
-            {"present": False, "healthy": False}, SMALL, None, R.CARD_NOT_FOUND, id="absent>health"
-        ),
         pytest.param(
             {"healthy": False, "cordoned": True}, SMALL, None, R.CARD_NOT_HEALTH, id="health>cordon"
         ),
@@ -524,10 +573,10 @@ def test_whole_card_request_from_a_bare_count() -> None:
     # Now no card is free; the held card refuses even a tiny share.
     reason, _ = reject(c, request)
     assert reason is R.CARD_INSUFFICIENT_MEMORY
-    only_held = pod(ctr(mib=0, cores=0), selector=DeviceSelector(include_uuids=("GPU-n0-1",)))
-    # The held card's cores are all taken, but exclusivity is the earlier rule.
+    only_held = pod(ctr(mib=1, cores=0), selector=DeviceSelector(include_uuids=("GPU-n0-1",)))
+    # No request is 0 MiB: even 1 MiB finds the held card's memory all taken.
     _, detail = reject(c, only_held)
-    assert detail.endswith("0 of 3 fit (2 CardUuidMismatch, 1 ExclusiveDeviceAllocateConflict)")
+    assert detail.endswith("0 of 3 fit (2 CardUuidMismatch, 1 CardInsufficientMemory)")
 
 
 def test_whole_card_request_avoids_a_card_with_a_zero_core_sharer() -> None:
@@ -865,6 +914,117 @@ def test_card_score_counts_slots_cores_and_memory(
     assert ev.chosen[0][0].tolist() == [fuller]
     _, ev = run(c, request, GpuPolicy.SPREAD)
     assert ev.chosen[0][0].tolist() == [1 - fuller]
+
+
+def weighted_pod(weights: str | None) -> PodGpuRequest:
+    annotations = {} if weights is None else {"hami.io/device-scoring-weights": weights}
+    return hami_pod([limits("app", gpu=1, gpumem=1000, gpucores=10)], annotations=annotations)
+
+
+# Evenly weighted, the first card is fuller (0.2 + 0.7 + 0.2 = 1.1 against 0.2 + 0.2 +
+# 0.4 = 0.8); with memory weighing 3 the second is (0.2 + 0.7 + 0.6 = 1.5 against
+# 0.2 + 0.2 + 1.2 = 1.6).
+WEIGHED = (
+    {"used_slots": 1, "used_cores": 60, "used_mem": 1000},
+    {"used_slots": 1, "used_cores": 10, "used_mem": 3000},
+)
+
+
+@pytest.mark.parametrize(
+    ("weights", "fuller"),
+    [
+        pytest.param(None, 0, id="even"),
+        pytest.param("slot=1,core=1,memory=3", 1, id="memory-3"),
+        pytest.param("memory=1, core=0, slot=0", 1, id="memory-only"),
+        pytest.param("slot=0,core=1,memory=0", 0, id="cores-only"),
+    ],
+)
+def test_scoring_weights_weigh_the_card_score(weights: str | None, fuller: int) -> None:
+    c = cluster(("n0", [gpu("n0", i, **WEIGHED[i]) for i in range(2)]))
+    request = weighted_pod(weights)
+    _, ev = run(c, request, GpuPolicy.BINPACK)
+    assert ev.chosen[0][0].tolist() == [fuller]
+    _, ev = run(c, request, GpuPolicy.SPREAD)
+    assert ev.chosen[0][0].tolist() == [1 - fuller]
+
+
+def test_fragmentation_ignores_scoring_weights() -> None:
+    c = cluster(("n0", [gpu("n0", i, **WEIGHED[i]) for i in range(2)]))
+    _, even = run(c, weighted_pod(None), GpuPolicy.FRAGMENTATION)
+    _, weighed = run(c, weighted_pod("slot=1,core=1,memory=3"), GpuPolicy.FRAGMENTATION)
+    assert even.chosen[0].tolist() == weighed.chosen[0].tolist()
+    assert even.score.tolist() == weighed.score.tolist()
+
+
+def test_pods_differing_only_in_weights_are_different_kinds() -> None:
+    c = cluster(("n0", [gpu("n0", i, **WEIGHED[i]) for i in range(2)]))
+    evaluator = Evaluator(c, None)
+    even = evaluator.evaluate(Demand.of(weighted_pod(None), GpuPolicy.BINPACK))
+    weighed = evaluator.evaluate(
+        Demand.of(weighted_pod("memory=3,slot=1,core=1"), GpuPolicy.BINPACK)
+    )
+    assert (even.chosen[0][0].tolist(), weighed.chosen[0][0].tolist()) == ([0], [1])
+
+
+@pytest.mark.parametrize("policy", [GpuPolicy.BINPACK, GpuPolicy.SPREAD])
+def test_equal_cards_go_to_the_last_as_in_hami(policy: GpuPolicy) -> None:
+    """HAMi sorts its card list by score and takes cards from its end."""
+    c = cluster(("n0", [gpu("n0", i) for i in range(4)]))
+    _, ev = run(c, pod(ctr(mib=1000)), policy)
+    assert ev.chosen[0][0].tolist() == [3]
+    _, ev = run(c, pod(ctr(count=2, mib=1000)), policy)
+    assert ev.chosen[0][0].tolist() == [3, 2]
+
+
+@pytest.mark.parametrize("policy", [GpuPolicy.BINPACK, GpuPolicy.SPREAD])
+def test_equal_cards_go_to_the_higher_numa_node_first(policy: GpuPolicy) -> None:
+    """HAMi's list breaks equal scores by NUMA node, low first, so the higher is taken."""
+    c = cluster(numa_node("n0", [1, 0, 1, 0]))
+    _, ev = run(c, pod(ctr(count=3, mib=1000)), policy)
+    assert ev.chosen[0][0].tolist() == [2, 0, 3]
+
+
+@pytest.mark.parametrize("policy", [GpuPolicy.BINPACK, GpuPolicy.SPREAD])
+def test_equal_cards_on_a_large_node_go_where_hamis_go(policy: GpuPolicy) -> None:
+    """Past 16 cards the core sorts HAMi's list another way, to the same order."""
+    c = cluster(numa_node("n0", [0, 1] * 10))
+    _, ev = run(c, pod(ctr(count=3, mib=1000)), policy)
+    assert ev.chosen[0][0].tolist() == [19, 17, 15]
+    c = cluster(
+        ("n0", [gpu("n0", i, used_slots=i % 3, used_mem=1000 * (i % 3)) for i in range(40)])
+    )
+    request = pod(ctr("a", count=5, mib=1000), ctr("b", count=4, percent=10))
+    demand, ev = run(c, request, policy)
+    want = reference.evaluate(c, demand, np.arange(1))
+    assert [p.tolist() for p in ev.chosen] == [p.tolist() for p in want.chosen]
+
+
+def test_equal_cards_keep_the_order_the_previous_container_left() -> None:
+    """HAMi sorts one list in place for each app container: cards equal for the second
+    container stay in the order the first one's scores put them."""
+    c = cluster(
+        (
+            "n0",
+            [
+                gpu("n0", 0, mem=8000),
+                gpu("n0", 1, mem=16000),
+                gpu("n0", 2, mem=8000, used_mem=2000, used_slots=1),
+            ],
+        )
+    )
+    # The first container's scores: 6 for card 0, 3.5 for card 1, 9.5 for card 2, which
+    # it takes; its list is [1, 0, 2]. For the second, cards 0 and 1 both score 6 and
+    # card 2 has no room: the last of the two in that list is card 0.
+    request = pod(ctr("a", mib=4000), ctr("b", percent=50))
+    _, ev = run(c, request, GpuPolicy.BINPACK)
+    assert [p[0].tolist() for p in ev.chosen] == [[2], [0]]
+    # Alone, the second container takes card 2 (it has room then); without card 2, the
+    # list is in the node's order and card 1 is the last of the two.
+    _, ev = run(c, pod(ctr("b", percent=50)), GpuPolicy.BINPACK)
+    assert ev.chosen[0][0].tolist() == [2]
+    c2 = cluster(("n0", [gpu("n0", 0, mem=8000), gpu("n0", 1, mem=16000)]))
+    _, ev = run(c2, pod(ctr("b", percent=50)), GpuPolicy.BINPACK)
+    assert ev.chosen[0][0].tolist() == [1]
 
 
 def test_hami_node_score_and_ordering() -> None:

@@ -40,6 +40,7 @@ from gpuslice_common.models import (
     NodePolicy,
     PodGpuRequest,
     PodRef,
+    ScoringWeights,
 )
 from gpuslice_scheduler.cluster import Cluster, Ints, Row
 from gpuslice_scheduler.engine import NO_CARD, Demand, Evaluation, evaluate
@@ -160,7 +161,21 @@ def requests(draw: st.DrawFn, cluster: Cluster, max_containers: int = 3) -> PodG
         exclude_uuids=draw(mostly_empty(some_uuids)),
         numa_bind=draw(st.booleans()),
     )
-    return PodGpuRequest(pod=PodRef(uid="pod"), containers=built, selector=selector)
+    return PodGpuRequest(
+        pod=PodRef(uid="pod"),
+        containers=built,
+        selector=selector,
+        scoring_weights=draw(st.one_of(st.just(ScoringWeights()), WEIGHTS)),
+    )
+
+
+# Small weights, so that cards often tie; now and then a large one.
+WEIGHTS = st.builds(
+    ScoringWeights,
+    slot=st.sampled_from([0, 1, 2, 5, 10**9]),
+    core=st.sampled_from([0, 1, 3]),
+    memory=st.sampled_from([1, 2, 7]),
+)
 
 
 NODE_CPU = st.sampled_from([0.0] * 5 + [250.0, 1000.0, 4000.0, 16000.0])
@@ -429,13 +444,14 @@ def test_a_worse_pick_is_caught_and_an_equal_one_accepted() -> None:
     worse = reference.replay(cluster, demand, nodes, None, [np.asarray([[0]])], feasible)
     assert worse.valid[0]
     assert not close(float(worse.taken[0][0]), float(worse.best[0][0]))
-    # The two idle cards tie: either is a right answer, and the replay says so.
+    # The two idle cards tie: HAMi's pick is the last, but either scores as well,
+    # and the replay says so.
     spread = Demand.of(request, GpuPolicy.SPREAD)
-    assert reference.evaluate(cluster, spread, nodes, None).chosen[0].tolist() == [[0]]
-    other = reference.replay(cluster, spread, nodes, None, [np.asarray([[2]])], feasible)
+    assert reference.evaluate(cluster, spread, nodes, None).chosen[0].tolist() == [[2]]
+    other = reference.replay(cluster, spread, nodes, None, [np.asarray([[0]])], feasible)
     assert other.valid[0]
     assert close(float(other.taken[0][0]), float(other.best[0][0]))
-    assert other.evaluation.chosen[0].tolist() == [[2]]
+    assert other.evaluation.chosen[0].tolist() == [[0]]
     # A card of no node in the scope, or one that does not fit, is no pick at all.
     for bad in (7, NO_CARD):
         wrong = reference.replay(cluster, spread, nodes, None, [np.asarray([[bad]])], feasible)

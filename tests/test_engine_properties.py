@@ -99,9 +99,9 @@ def clusters(draw: st.DrawFn) -> list[tuple[str, list[GpuState]]]:
 @st.composite
 def containers(draw: st.DrawFn, name: str, kind: str) -> ContainerGpuRequest:
     if draw(st.booleans()):
-        memory = MemoryRequest(mib=draw(st.one_of(st.integers(0, 4000), st.integers(0, 24000))))
+        memory = MemoryRequest(mib=draw(st.one_of(st.integers(1, 4000), st.integers(1, 24000))))
     else:
-        memory = MemoryRequest(percent=draw(st.integers(0, 100)))
+        memory = MemoryRequest(percent=draw(st.integers(1, 100)))
     return ContainerGpuRequest(
         name=name,
         init=kind != "app",
@@ -189,8 +189,8 @@ def expected(
     states: list[GpuState], container: ContainerGpuRequest, selector: DeviceSelector
 ) -> Expected:
     """What the engine must say about one single-container pod on one node."""
-    if not states:
-        return Expected(False, R.CARD_NOT_FOUND)
+    if sum(s.present for s in states) < container.count:  # HAMi's check before any card
+        return Expected(False, R.NODE_INSUFFICIENT_DEVICE)
     reasons = [card_reason(s, container, selector) for s in states]
     fitting = [s for s, r in zip(states, reasons, strict=True) if r is None]
     if selector.numa_bind and container.count > 1:
@@ -305,7 +305,10 @@ def test_placing_the_chosen_pod_keeps_the_cluster_within_capacity(
             continue
         best = int(np.argmax(ev.score))
         assert ev.feasible[best]
-        fp = placement(cluster, demand, ev, best).footprint()
+        placed_pod = placement(cluster, demand, ev, best)
+        # A limit of 0 MiB would be none at all in the container: every grant has some.
+        assert all(g.memory_mib >= 1 for c in placed_pod.containers for g in c.devices)
+        fp = placed_pod.footprint()
         rows = np.asarray([index[u] for u in fp], dtype=np.int64)
         assert not cluster.owned[rows[[f.exclusive for f in fp.values()]]].any()
         cluster.take(

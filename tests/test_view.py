@@ -43,7 +43,7 @@ def serve_once(ledger: Ledger, stale: dict[str, Any]) -> None:
     whose answer arrives after it."""
     read = ledger.read_nodes
 
-    async def once(nodes: Any) -> Any:
+    async def once(nodes: Any, vendor: Any = None) -> Any:
         ledger.read_nodes = read  # type: ignore[method-assign]
         return stale
 

@@ -4,7 +4,8 @@
  *
  * A node's answer depends on that node alone, so the work is one pass per node:
  *   1. each card gets a fit code, HAMi's rules in HAMi's order;
- *   2. fitting cards are ranked by the GPU policy's card score;
+ *   2. fitting cards are ranked by the GPU policy's card score; under HAMi's
+ *      policies (binpack, spread) equal cards rank as in HAMi's card list;
  *   3. the best `count` cards are taken (from one NUMA node when the pod binds
  *      NUMA) and added to a scratch copy of the node's usage, so that the pod's
  *      later containers see its earlier ones;
@@ -40,7 +41,9 @@ enum {
     INSUFFICIENT_CORE = 9,
     EXCLUSIVE_CONFLICT = 10,
     COMPUTE_EXHAUSTED = 11,
-    TOO_FEW_CARDS = 12,
+    MIG_TOPOLOGY_INFEASIBLE = 12,
+    TOO_FEW_CARDS = 13,
+    NODE_INSUFFICIENT_DEVICE = 14,
 };
 
 typedef struct {
@@ -61,6 +64,7 @@ typedef struct {
 typedef struct {
     uint64_t group;
     double score;
+    int64_t tie; /* among equal scores, the higher first */
     int64_t row;
 } ranked_t;
 
@@ -81,6 +85,8 @@ typedef struct {
     usage_t *base, *now;
     int8_t *statics, *codes;
     int64_t *mem;
+    int64_t *pos;   /* per row: its place in HAMi's card list (binpack, spread) */
+    int64_t *order; /* per place in that list: its row */
     double *card_score, *card_frag, *card_total;
     ranked_t *ranked;
     fragments_t before, after, one;
@@ -98,6 +104,12 @@ static int64_t floor_div(int64_t a, int64_t b)
 static int64_t at_least_one(int64_t v)
 {
     return v > 1 ? v : 1;
+}
+
+/* MiB a percentage of `cap` takes: rounded down, but never 0 (0 reads as no limit). */
+static int64_t percent_of(int64_t cap, int64_t percent)
+{
+    return at_least_one(floor_div(cap * percent, 100));
 }
 
 static int schedulable(const gs_cluster_t *c, int64_t card)
@@ -120,9 +132,8 @@ static void card_usable(const gs_cluster_t *c, const gs_mix_t *m, int64_t card,
             out[p] = 0;
             continue;
         }
-        int64_t need_mem = m->part_mem_mib[p] >= 0
-                               ? m->part_mem_mib[p]
-                               : floor_div(cap_mem * m->part_mem_percent[p], 100);
+        int64_t need_mem = m->part_mem_mib[p] >= 0 ? m->part_mem_mib[p]
+                                                   : percent_of(cap_mem, m->part_mem_percent[p]);
         int64_t cores = m->part_cores[p];
         int broken = need_mem > cap_mem - u->mem || cores > cap_cores - u->cores ||
                      (m->part_exclusive[p] && u->slots > 0) ||
@@ -284,13 +295,18 @@ static int8_t usage_code(const gs_cluster_t *c, int64_t card, const usage_t *u,
     return FITS;
 }
 
-/* HAMi's card score: 10 x (slots + cores + memory in use after this container). */
+/* HAMi's card score: 10 x (shares of slots, cores and memory in use after this
+ * container, weighted); 0 for a card without slots, cores or memory. Sums in
+ * double: it is taken of cards the demand does not fit too, however large. */
 static double hami_card_score(const gs_cluster_t *c, int64_t card, const usage_t *u,
-                              const gs_container_t *ct, int64_t mem)
+                              const gs_container_t *ct, int64_t mem, const double *weight)
 {
-    return 10.0 * ((double)(u->slots + 1) / (double)at_least_one(c->cap_slots[card]) +
-                   (double)(u->cores + ct->cores) / (double)at_least_one(c->cap_cores[card]) +
-                   (double)(u->mem + mem) / (double)at_least_one(c->cap_mem[card]));
+    int64_t slots = c->cap_slots[card], cores = c->cap_cores[card], memory = c->cap_mem[card];
+    if (slots <= 0 || cores <= 0 || memory <= 0)
+        return 0.0;
+    return 10.0 * (weight[0] * (((double)u->slots + 1.0) / (double)slots) +
+                   weight[1] * (((double)u->cores + (double)ct->cores) / (double)cores) +
+                   weight[2] * (((double)u->mem + (double)mem) / (double)memory));
 }
 
 /* HAMi's node score before the pod: 10 x (share of slots + cores + memory in use). */
@@ -325,15 +341,97 @@ static int by_rank(const void *pa, const void *pb)
         return a_nan ? 1 : -1;
     if (!a_nan && a->score != b->score)
         return a->score > b->score ? -1 : 1;
+    if (a->tie != b->tie)
+        return a->tie > b->tie ? -1 : 1;
     return a->row < b->row ? -1 : (a->row > b->row);
+}
+
+/* HAMi's card list order: score, then NUMA node, low first; then the order the
+ * list had (its sort keeps equal cards in place on nodes of up to 12 cards). */
+static int by_list(const void *pa, const void *pb)
+{
+    const ranked_t *a = pa, *b = pb;
+    int a_nan = isnan(a->score), b_nan = isnan(b->score);
+    if (a_nan != b_nan)
+        return a_nan ? -1 : 1;
+    if (!a_nan && a->score != b->score)
+        return a->score < b->score ? -1 : 1;
+    if (a->group != b->group)
+        return a->group < b->group ? -1 : 1;
+    return a->tie < b->tie ? -1 : (a->tie > b->tie);
+}
+
+/* Whether row a goes before row b in HAMi's list by score and NUMA node alone. */
+static int list_before(const int64_t *numa, const double *score, int64_t a, int64_t b)
+{
+    int a_nan = isnan(score[a]), b_nan = isnan(score[b]);
+    if (a_nan != b_nan)
+        return a_nan;
+    if (!a_nan && score[a] != score[b])
+        return score[a] < score[b];
+    return numa[a] < numa[b];
+}
+
+#define SMALL_LIST 16
+
+/* Re-sort the node's card list by this container's scores, as HAMi does before
+ * each container: `order` becomes the list (place -> row) and `pos` each row's
+ * place in it. HAMi takes cards from the end of the list. A small list is sorted
+ * by insertion (stable: equal cards keep their order), a larger one by qsort
+ * with the old place as the last key. */
+static void list_order(const gs_cluster_t *c, int64_t first, int64_t k, const double *score,
+                       int64_t *pos, int64_t *order, ranked_t *ranked)
+{
+    const int64_t *numa = c->numa + first;
+    if (k <= SMALL_LIST) {
+        for (int64_t j = 0; j < k; j++)
+            order[pos[j]] = j;
+        for (int64_t p = 1; p < k; p++) {
+            int64_t row = order[p], q = p;
+            for (; q > 0 && list_before(numa, score, row, order[q - 1]); q--)
+                order[q] = order[q - 1];
+            order[q] = row;
+        }
+    } else {
+        for (int64_t j = 0; j < k; j++) {
+            /* the NUMA node as an unsigned key that keeps signed order */
+            ranked[j].group = (uint64_t)numa[j] ^ ((uint64_t)1 << 63);
+            ranked[j].score = score[j];
+            ranked[j].tie = pos[j];
+            ranked[j].row = j;
+        }
+        qsort(ranked, (size_t)k, sizeof *ranked, by_list);
+        for (int64_t p = 0; p < k; p++)
+            order[p] = ranked[p].row;
+    }
+    for (int64_t p = 0; p < k; p++)
+        pos[order[p]] = p;
+}
+
+/* HAMi's pick without NUMA binding: the first `count` fitting cards from the end
+ * of the list; 0, and `picked` left as it was (no card), when there are fewer. */
+static int pick_from_list(const int8_t *codes, const int64_t *order, int64_t k, int64_t count,
+                          int64_t *picked)
+{
+    int64_t n = 0;
+    for (int64_t p = k - 1; p >= 0 && n < count; p--)
+        n += codes[order[p]] == FITS;
+    if (n < count)
+        return 0;
+    n = 0;
+    for (int64_t p = k - 1; p >= 0 && n < count; p--)
+        if (codes[order[p]] == FITS)
+            picked[n++] = order[p];
+    return 1;
 }
 
 /* The best `count` fitting rows of the node into `picked`; 0 when it has too few
  * (in one NUMA group when `bind`): the group whose top cards sum to the best score,
- * the first such group on a tie. */
+ * the first such group on a tie. Among equal scores the higher `tie` first, else
+ * (NULL) the lower row. */
 static int pick(const gs_cluster_t *c, int64_t first, int64_t k, const int8_t *codes,
-                const double *score, int64_t count, int bind, ranked_t *ranked,
-                int64_t *picked)
+                const double *score, const int64_t *tie, int64_t count, int bind,
+                ranked_t *ranked, int64_t *picked)
 {
     int64_t fitting = 0;
     for (int64_t j = 0; j < k; j++) {
@@ -342,6 +440,7 @@ static int pick(const gs_cluster_t *c, int64_t first, int64_t k, const int8_t *c
         int64_t numa = c->numa[first + j];
         ranked[fitting].group = bind && numa >= 0 ? (uint64_t)numa + 1 : 0;
         ranked[fitting].score = score[j];
+        ranked[fitting].tie = tie ? tie[j] : -j;
         ranked[fitting].row = j;
         fitting++;
     }
@@ -370,14 +469,15 @@ static int pick(const gs_cluster_t *c, int64_t first, int64_t k, const int8_t *c
     return 1;
 }
 
-/* Why the node failed for this container: its code, and the card codes counted. */
+/* Why the node failed for this container: its code, and the card codes counted.
+ * As HAMi: first a node with fewer cards than the container asks for at all. */
 static int8_t explain(const int8_t *codes, int64_t k, int64_t count, int32_t *counts)
 {
     memset(counts, 0, GS_CODE_COUNT * sizeof *counts);
     for (int64_t j = 0; j < k; j++)
         counts[codes[j]]++;
-    if (k == 0)
-        return NOT_FOUND;
+    if (k - counts[NOT_FOUND] < count)
+        return NODE_INSUFFICIENT_DEVICE;
     if (counts[FITS] >= count)
         return NUMA_NOT_FIT;
     if (counts[FITS] > 0)
@@ -416,6 +516,8 @@ static void scratch_free(scratch_t *s)
     free(s->statics);
     free(s->codes);
     free(s->mem);
+    free(s->pos);
+    free(s->order);
     free(s->card_score);
     free(s->card_frag);
     free(s->card_total);
@@ -440,11 +542,14 @@ static int scratch_alloc(scratch_t *s, int64_t cards, int64_t parts)
     s->statics = calloc(c, 1);
     s->codes = calloc(c, 1);
     s->mem = calloc(c, sizeof *s->mem);
+    s->pos = calloc(c, sizeof *s->pos);
+    s->order = calloc(c, sizeof *s->order);
     s->card_score = calloc(c, sizeof(double));
     s->card_frag = calloc(c, sizeof(double));
     s->card_total = calloc(c, sizeof(double));
     s->ranked = calloc(c, sizeof *s->ranked);
-    int ok = s->base && s->now && s->statics && s->codes && s->mem && s->card_score &&
+    int ok = s->base && s->now && s->statics && s->codes && s->mem && s->pos && s->order &&
+             s->card_score &&
              s->card_frag && s->card_total && s->ranked;
     ok = fragments_alloc(&s->before, cards, parts) && ok;
     ok = fragments_alloc(&s->after, cards, parts) && ok;
@@ -555,38 +660,51 @@ static void evaluate_node(const plan_t *plan, scratch_t *s, int64_t i, int64_t n
 
     for (int64_t j = 0; j < k && d->containers > 0; j++)
         s->statics[j] = static_code(c, d, first + j);
+    const double weight[3] = {d->slot_weight, d->core_weight, d->mem_weight};
+    const double even[3] = {1.0, 1.0, 1.0};
+    int hami_policy = d->gpu_policy != GS_POLICY_FRAGMENTATION;
     for (int64_t ci = 0; ci < d->containers; ci++) {
         const gs_container_t *ct = &d->container[ci];
+        /* HAMi sorts a fresh copy of the node's list for each init container and for
+         * the first app container; later app containers find the list as left. */
+        if (hami_policy && (ci == 0 || ct->init || d->container[ci - 1].init))
+            for (int64_t j = 0; j < k; j++)
+                s->pos[j] = j;
         for (int64_t j = 0; j < k; j++) {
             int64_t cap_mem = c->cap_mem[first + j];
-            s->mem[j] = ct->mem_mib >= 0 ? ct->mem_mib : floor_div(cap_mem * ct->mem_percent, 100);
+            s->mem[j] = ct->mem_mib >= 0 ? ct->mem_mib : percent_of(cap_mem, ct->mem_percent);
             s->codes[j] = s->statics[j] ? s->statics[j]
                                         : usage_code(c, first + j, &s->now[j], ct, s->mem[j]);
+            if (hami_policy) { /* every card: the list's order depends on all of them */
+                double hami = hami_card_score(c, first + j, &s->now[j], ct, s->mem[j], weight);
+                s->card_score[j] = d->gpu_policy == GS_POLICY_BINPACK ? hami : -hami;
+                continue;
+            }
             if (s->codes[j] != FITS)
                 continue;
-            double hami = hami_card_score(c, first + j, &s->now[j], ct, s->mem[j]);
-            if (d->gpu_policy == GS_POLICY_BINPACK) {
-                s->card_score[j] = hami;
-            } else if (d->gpu_policy == GS_POLICY_SPREAD) {
-                s->card_score[j] = -hami;
-            } else {
-                /* Less added fragmentation first; among equals, the fuller card. */
-                usage_t after = s->now[j];
-                after.mem += s->mem[j];
-                after.cores += ct->cores;
-                after.slots += 1;
-                after.owned = after.owned || ct->exclusive;
-                double total;
-                double frag = fragmentation_after(c, m, first, j, &after, &s->before, &s->one,
-                                                  &s->host_after, &total);
-                s->card_score[j] = -(frag - s->before.frag) + 1e-6 * hami;
-                s->card_frag[j] = frag;
-                s->card_total[j] = total;
-            }
+            double hami = hami_card_score(c, first + j, &s->now[j], ct, s->mem[j], even);
+            /* Less added fragmentation first; among equals, the fuller card. */
+            usage_t after = s->now[j];
+            after.mem += s->mem[j];
+            after.cores += ct->cores;
+            after.slots += 1;
+            after.owned = after.owned || ct->exclusive;
+            double total;
+            double frag = fragmentation_after(c, m, first, j, &after, &s->before, &s->one,
+                                              &s->host_after, &total);
+            s->card_score[j] = -(frag - s->before.frag) + 1e-6 * hami;
+            s->card_frag[j] = frag;
+            s->card_total[j] = total;
         }
+        if (hami_policy)
+            list_order(c, first, k, s->card_score, s->pos, s->order, s->ranked);
         int64_t *picked = r->chosen + plan->offset[ci] + i * ct->count;
         int bind = d->numa_bind && ct->count > 1;
-        if (!pick(c, first, k, s->codes, s->card_score, ct->count, bind, s->ranked, picked)) {
+        int found = hami_policy && !bind
+                        ? pick_from_list(s->codes, s->order, k, ct->count, picked)
+                        : pick(c, first, k, s->codes, s->card_score, hami_policy ? s->pos : NULL,
+                               ct->count, bind, s->ranked, picked);
+        if (!found) {
             for (int64_t p = 0; p < ci; p++) { /* the node keeps no earlier cards */
                 int64_t count = d->container[p].count;
                 for (int64_t q = 0; q < count; q++)

@@ -6,6 +6,7 @@ import sys
 
 from gpuslice_common.bus import BusError
 from gpuslice_common.config import SchedulerSettings
+from gpuslice_common.devicetypes import DeviceConfigError
 from gpuslice_common.kube import KubeError
 from gpuslice_common.service import run_service
 from gpuslice_scheduler.core import CoreError
@@ -17,7 +18,7 @@ def run() -> int:
         "gpuslice-scheduler",
         SchedulerSettings,
         main,
-        fatal=(BusError, KubeError, OSError, CoreError),
+        fatal=(BusError, KubeError, OSError, CoreError, DeviceConfigError),
     )
 
 

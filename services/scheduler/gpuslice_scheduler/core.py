@@ -23,10 +23,19 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from gpuslice_common.models import ContainerGpuRequest, DeviceSelector, GpuPolicy, NodePolicy
+from gpuslice_common.models import (
+    NVIDIA,
+    ContainerGpuRequest,
+    DeviceSelector,
+    GpuPolicy,
+    NodePolicy,
+    ScoringWeights,
+    VgpuMode,
+)
 from gpuslice_common.region import header_ffi
 from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
 from gpuslice_scheduler.fit import model_mask
+from gpuslice_scheduler.mig import mode_ok
 
 if TYPE_CHECKING:
     from gpuslice_scheduler.fragmentation import WorkloadMix
@@ -208,9 +217,15 @@ MASKS_KEPT: Final = 256  # distinct type or UUID lists remembered per cluster
 
 
 def _selector_masks(
-    cluster: Cluster, selector: DeviceSelector
+    cluster: Cluster,
+    selector: DeviceSelector,
+    vgpu_mode: VgpuMode | None = None,
+    vendor: str = NVIDIA,
 ) -> tuple[Bools | None, Bools | None]:
-    """Per model, may the type lists use it; per card, may the UUID lists (None: no list).
+    """Per model (a (model, mode, vendor) kind), may the type lists, the pod's vgpu-mode
+    (:func:`~gpuslice_scheduler.mig.mode_ok`) and its vendor use it; per card, may the
+    UUID lists (None: no list, and every card is an NVIDIA card in mode hami-core, or
+    none is asked for).
 
     Remembered per cluster, up to :data:`MASKS_KEPT` lists (then forgotten all at
     once), so that pods naming ever-new lists cannot grow it without bound."""
@@ -218,11 +233,24 @@ def _selector_masks(
     if len(masks) > MASKS_KEPT:
         masks.clear()
     types = uuids = None
-    if selector.include_types or selector.exclude_types:
-        key = ("types", selector.include_types, selector.exclude_types)
+    modes = cluster.modes_differ or vgpu_mode not in (None, VgpuMode.HAMI_CORE)
+    vendors = cluster.vendors_differ or vendor != NVIDIA
+    if selector.include_types or selector.exclude_types or modes or vendors:
+        key: tuple[object, ...] = (
+            "types",
+            selector.include_types,
+            selector.exclude_types,
+            vgpu_mode,
+            vendor,
+        )
         types = masks.get(key)
         if types is None:
-            types = masks[key] = model_mask(selector, cluster.models).astype(np.uint8)
+            allowed = model_mask(selector, cluster.models)
+            if modes:
+                allowed &= np.asarray([mode_ok(m, vgpu_mode) for m in cluster.model_mode], bool)
+            if vendors:
+                allowed &= np.asarray([v == vendor for v in cluster.model_vendor], bool)
+            types = masks[key] = allowed.astype(np.uint8)
     if selector.include_uuids or selector.exclude_uuids:
         key = ("uuids", selector.include_uuids, selector.exclude_uuids)
         uuids = masks.get(key)
@@ -253,6 +281,9 @@ def _containers(containers: tuple[ContainerGpuRequest, ...]) -> Any:
 # ---------------------------------------------------------------- calls
 
 
+_EVEN: Final = ScoringWeights()
+
+
 @dataclass
 class Answer:
     """The core's answer per evaluated node (rows follow the nodes asked about)."""
@@ -275,8 +306,11 @@ def evaluate(
     memory: float,
     nodes: Ints,
     mix: WorkloadMix | None,
+    vgpu_mode: VgpuMode | None = None,
+    weights: ScoringWeights = _EVEN,
 ) -> Answer:
-    """Run ``gs_evaluate``: ``request_containers`` None for a pod that asks for no GPU."""
+    """Run ``gs_evaluate``: ``request_containers`` None for a pod that asks for no GPU;
+    ``weights`` weigh HAMi's card score (binpack and spread)."""
     lib = _library()
     nodes = np.ascontiguousarray(nodes, dtype=np.int64)
     n = int(nodes.size)
@@ -292,7 +326,11 @@ def evaluate(
     demand.container = holder = _containers(containers)
     keep.append(holder)
     demand.numa_bind = selector.numa_bind
-    types, uuids = _selector_masks(cluster, selector)
+    demand.slot_weight = weights.slot
+    demand.core_weight = weights.core
+    demand.mem_weight = weights.memory
+    vendor = containers[0].vendor if containers else NVIDIA  # one per pod: parse_pod
+    types, uuids = _selector_masks(cluster, selector, vgpu_mode, vendor)
     if types is not None:
         demand.type_ok = _pointer("uint8_t[]", types, keep)
     if uuids is not None:

@@ -8,9 +8,14 @@ through :mod:`gpuslice_scheduler.core`), container by container:
 1. each card gets a fit code: HAMi's rules in HAMi's order (:class:`~gpuslice_scheduler.fit.Code`);
 2. fitting cards are ranked by the GPU policy's card score: binpack takes the
    card fullest after the container (HAMi's score, 10 x the shares of slots,
-   cores and memory in use), spread the emptiest, fragmentation the card whose
-   taking adds the least fragmentation to the node
-   (:mod:`gpuslice_scheduler.fragmentation`), the fuller one among equals;
+   cores and memory in use, weighted by the pod's ``device-scoring-weights``),
+   spread the emptiest; among equal cards both take HAMi's: the last in HAMi's
+   card list, which is sorted by score, then NUMA node, before each container
+   (afresh for each init container and the first app container, the previous
+   container's order for later ones). Fragmentation takes the card whose taking
+   adds the least fragmentation to the node
+   (:mod:`gpuslice_scheduler.fragmentation`), the fuller one among equals, the
+   first card among those; it has no use for scoring weights;
 3. the best ``count`` cards are taken (all from one NUMA node when the pod binds
    NUMA: the group whose top cards score best) and added to a scratch copy of
    the node's usage, so the pod's later containers see its earlier ones;
@@ -19,6 +24,12 @@ through :mod:`gpuslice_scheduler.core`), container by container:
    (usage before the pod; spread negates it), or without one under the
    fragmentation policy, less fragmentation added first and, among equals, the
    node left with less free share.
+
+Cards in mode mig are placed by :mod:`gpuslice_scheduler.mig` (in Python: they
+are rare, and a cluster without them never enters it): the core never takes
+one, and for a pod that may use them (its vgpu-mode unset or mig), each node
+with MIG cards is evaluated there too. A pod whose vgpu-mode is unset keeps
+the core's answer where it fits (the node's other cards), else the MIG path's.
 
 Kubernetes phases decide what a container shares a card with: a plain init
 container runs beside the sidecars started before it only, so it is checked
@@ -42,10 +53,11 @@ from gpuslice_common.models import (
     NodePolicy,
     Placement,
     PodGpuRequest,
+    ScoringWeights,
 )
-from gpuslice_scheduler import core
+from gpuslice_scheduler import core, mig
 from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
-from gpuslice_scheduler.fit import CODE_COUNT, REASONS, Code, Codes
+from gpuslice_scheduler.fit import REASONS, Code, Codes, model_mask
 from gpuslice_scheduler.fragmentation import WorkloadMix
 
 NO_CARD = -1
@@ -147,13 +159,71 @@ def evaluate(
         demand.memory,
         nodes,
         mix,
+        request.vgpu_mode if request is not None else None,
+        request.scoring_weights if request is not None else _EVEN,
     )
     containers = request.containers if request is not None else ()
     detail = _details(answer, containers)
-    return Evaluation(nodes, answer.feasible, answer.score, answer.code, detail, answer.chosen)
+    evaluation = Evaluation(
+        nodes, answer.feasible, answer.score, answer.code, detail, answer.chosen
+    )
+    if cluster.mig and request is not None and mig.wants_mig(request):
+        _mig_rows(cluster, demand, request, evaluation)
+    return evaluation
+
+
+def _mig_rows(
+    cluster: Cluster, demand: Demand, request: PodGpuRequest, evaluation: Evaluation
+) -> None:
+    """Evaluate the nodes with MIG cards through the MIG path, in place: its answer
+    replaces the core's where the core's does not fit (the node's other cards)."""
+    rows = np.flatnonzero(cluster.node_mig[evaluation.nodes] & ~evaluation.feasible)
+    if rows.size == 0:
+        return
+    only_mig = request.vgpu_mode is not None  # the core's answer there is a type mismatch
+    type_ok = _type_ok(cluster, request)
+    for row in rows.tolist():
+        node = int(evaluation.nodes[row])
+        fit = _mig_fit(cluster, demand, request, node, type_ok)
+        if fit.feasible or only_mig or evaluation.code[row] == Code.TYPE_MISMATCH:
+            evaluation.feasible[row] = fit.feasible
+            evaluation.score[row] = fit.score
+            evaluation.code[row] = fit.code
+            evaluation.detail[row] = fit.detail
+            for picks, chosen in zip(fit.chosen, evaluation.chosen, strict=False):
+                chosen[row] = [card for card, _, _ in picks]
+
+
+def _type_ok(cluster: Cluster, request: PodGpuRequest) -> list[bool] | None:
+    """Per kind of card, may the pod's type lists use it (None: no list)."""
+    selector = request.selector
+    if not (selector.include_types or selector.exclude_types):
+        return None
+    allowed: list[bool] = model_mask(selector, cluster.models).tolist()
+    return allowed
+
+
+def _mig_fit(
+    cluster: Cluster,
+    demand: Demand,
+    request: PodGpuRequest,
+    node: int,
+    type_ok: list[bool] | None,
+) -> mig.NodeFit:
+    return mig.fit_node(
+        cluster,
+        node,
+        request,
+        demand.gpu_policy,
+        demand.node_policy,
+        demand.cpu,
+        demand.memory,
+        type_ok,
+    )
 
 
 _NO_SELECTOR = DeviceSelector()
+_EVEN = ScoringWeights()
 _NODE_SHORT = "node CPU or memory is short"
 
 
@@ -184,9 +254,15 @@ def _detail(
     container = containers[failed - core.FAIL_CONTAINER]
     cards = sum(counts)
     if cards == 0:
-        return f"container {container.name!r}: the node has no GPU"
+        return f"{REASONS[code].value}: container {container.name!r}: the node has no GPU"
+    if code is Code.NODE_INSUFFICIENT_DEVICE:
+        present = cards - counts[Code.NOT_FOUND]
+        return (
+            f"{REASONS[code].value}: container {container.name!r} needs {container.count} "
+            f"card(s), the node has {present}"
+        )
     parts = ", ".join(
-        f"{counts[c]} {REASONS[Code(c)].value}" for c in range(1, CODE_COUNT) if counts[c]
+        f"{counts[c]} {REASONS[Code(c)].value}" for c in range(1, len(counts)) if counts[c]
     )
     return (
         f"{REASONS[code].value}: container {container.name!r} needs {container.count} "
@@ -202,16 +278,30 @@ def placement(cluster: Cluster, demand: Demand, evaluation: Evaluation, row: int
     if not evaluation.feasible[row] or demand.request is None:
         raise ValueError("no placement: the node does not fit the pod")
     request = demand.request
+    node = int(evaluation.nodes[row])
+    mig_grants = None
+    if cluster.node_mig[node] and any(int(c[row][0]) in cluster.mig for c in evaluation.chosen):
+        # the answer the evaluation had: the same cluster, the same rules
+        fit = _mig_fit(cluster, demand, request, node, _type_ok(cluster, request))
+        if not fit.feasible:
+            raise ValueError("no placement: the node's MIG cards changed since the evaluation")
+        mig_grants = fit.grants(cluster.uuids)
     containers = []
-    for container, picked in zip(request.containers, evaluation.chosen, strict=True):
+    for i, (container, picked) in enumerate(
+        zip(request.containers, evaluation.chosen, strict=True)
+    ):
         cards = picked[row]
-        grants = tuple(
-            DeviceGrant(
-                uuid=cluster.uuids[c],
-                memory_mib=container.memory.on_card(int(cluster.cap_mem[c])),
-                cores=container.cores,
+        grants = (
+            mig_grants[i]
+            if mig_grants is not None
+            else tuple(
+                DeviceGrant(
+                    uuid=cluster.uuids[c],
+                    memory_mib=container.memory.on_card(int(cluster.cap_mem[c])),
+                    cores=container.cores,
+                )
+                for c in cards.tolist()
             )
-            for c in cards.tolist()
         )
         containers.append(
             ContainerAssignment(
@@ -220,11 +310,12 @@ def placement(cluster: Cluster, demand: Demand, evaluation: Evaluation, row: int
                 sidecar=container.sidecar,
                 devices=grants,
                 priority=container.priority,
+                vendor=container.vendor,
             )
         )
     return Placement(
         pod=request.pod,
-        node=cluster.node_names[int(evaluation.nodes[row])],
+        node=cluster.node_names[node],
         containers=tuple(containers),
         policy=demand.policy_name,
     )
@@ -256,7 +347,11 @@ def normalise(scores: Floats, tolerance: float = 1e-9) -> list[int]:
 def demand_key(demand: Demand) -> tuple[object, ...]:
     """What makes two pods the same kind for the engine (everything but their identity)."""
     request = demand.request
-    shape = (request.containers, request.selector, request.vgpu_mode) if request else None
+    shape = (
+        (request.containers, request.selector, request.vgpu_mode, request.scoring_weights)
+        if request
+        else None
+    )
     return (shape, demand.gpu_policy, demand.node_policy, demand.cpu, demand.memory)
 
 

@@ -10,8 +10,8 @@
 
 #include <stdint.h>
 
-#define GS_ENGINE_ABI 2
-#define GS_CODE_COUNT 13
+#define GS_ENGINE_ABI 3
+#define GS_CODE_COUNT 15
 
 /* GPU and node policies */
 #define GS_POLICY_FRAGMENTATION 0
@@ -89,6 +89,10 @@ typedef struct {
     const uint8_t *type_ok;    /* per model; NULL without type lists */
     const uint8_t *uuid_ok;    /* per card of the cluster; NULL without UUID lists */
     uint8_t numa_bind;
+    /* weights of slots, cores and memory in HAMi's card score (binpack, spread) */
+    double slot_weight;
+    double core_weight;
+    double mem_weight;
 } gs_demand_t;
 
 typedef struct {

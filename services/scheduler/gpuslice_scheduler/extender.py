@@ -40,6 +40,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -75,6 +76,7 @@ from gpuslice_scheduler.engine import (
 )
 from gpuslice_scheduler.fit import REASONS, CardDemand, Code
 from gpuslice_scheduler.fragmentation import MixLearner, WorkloadMix
+from gpuslice_scheduler.hamivendor import EncodingError, vendor_annotations
 from gpuslice_scheduler.metrics import Metrics
 from gpuslice_scheduler.requested import pod_request
 from gpuslice_scheduler.view import ClusterView
@@ -129,6 +131,8 @@ class Extender:
         self.metrics = metrics or Metrics()
         self.learner = learner or MixLearner()
         self._current: Evaluator | None = None
+        # per node with MIG cards: binds there take turns (see _reserve)
+        self._mig_binds: dict[str, asyncio.Lock] = {}
         self._ceiling = Ceiling(view.cluster)
         self._warming: asyncio.Task[None] | None = None
         # one thread, at the lowest CPU priority: the verbs come first
@@ -356,7 +360,7 @@ class Extender:
             return  # bound before: nothing left to do
         self._assume(pod, args.node)
         try:
-            await self._record_and_bind(args, chosen, created)
+            await self._record_and_bind(args, pod, chosen, created)
         except BindError:
             self._forget(pod)
             raise
@@ -412,6 +416,17 @@ class Extender:
             demand.cpu,
             demand.memory,
         )
+        # A MIG instance is a place, not an amount: binds evaluated before one
+        # another's reservation is counted pick the same slices, and all but one
+        # lose. On a node with MIG cards, this process's binds take turns.
+        node = self.view.cluster.node_index.get(args.node)
+        if node is None or not self.view.cluster.node_mig[node]:
+            return await self._reserve_on(args, demand)
+        lock = self._mig_binds.setdefault(args.node, asyncio.Lock())
+        async with lock:
+            return await self._reserve_on(args, demand)
+
+    async def _reserve_on(self, args: BindingArgs, demand: Demand) -> tuple[Placement, bool]:
         for attempt in range(2):
             ev, unknown = self._evaluate(demand, [args.node])
             if unknown:
@@ -454,15 +469,19 @@ class Extender:
         with contextlib.suppress(LedgerError):
             await self.view.refresh_node(node)
 
-    async def _record_and_bind(self, args: BindingArgs, chosen: Placement, created: bool) -> None:
+    async def _record_and_bind(
+        self, args: BindingArgs, pod: dict[str, Any], chosen: Placement, created: bool
+    ) -> None:
         try:
-            await self.kube.patch_pod_annotations(
-                args.pod_namespace, args.pod_name, {PLACEMENT_ANNOTATION: chosen.to_annotation()}
-            )
+            # other vendors' plugins read HAMi's annotations at Allocate
+            vendors = self.settings.requests.vendors
+            annotations = vendor_annotations(pod, chosen, vendors, int(time.time()))
+            annotations[PLACEMENT_ANNOTATION] = chosen.to_annotation()
+            await self.kube.patch_pod_annotations(args.pod_namespace, args.pod_name, annotations)
             if chosen.state is PlacementState.RESERVED:
                 await self.ledger.mark_bound(args.pod_uid, args.node)
             await self._create_binding(args)
-        except (KubeError, LedgerError, BindError) as exc:
+        except (KubeError, LedgerError, BindError, EncodingError) as exc:
             if isinstance(exc, KubeError) and await self._bound_here(args):
                 pass  # the Binding exists after all (a lost reply, or another bind of the pod)
             else:

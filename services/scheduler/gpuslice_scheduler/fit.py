@@ -1,7 +1,10 @@
 """HAMi's per-card fit rules: their codes, and a container's demand on each card.
 
 A card gets the code of the first rule it breaks, in HAMi's order; 0 means it
-fits. Rules that do not depend on usage (presence, health, cordon, type, UUID)
+fits. Two codes are the node's, not a card's: too few fitting cards, and (first,
+as HAMi checks it before any card) fewer cards on the node than a container asks.
+MIG placement that no free slice admits has its code in HAMi's place, after the
+compute rule. Rules that do not depend on usage (presence, health, cordon, type, UUID)
 come first; a card failing one of them can never take the request. Then, with
 the card's usage: a free slot, memory, cores, no exclusive holder (and none
 other at all for a container that wants the card alone), and for a container
@@ -18,9 +21,9 @@ import numpy as np
 import numpy.typing as npt
 
 from gpuslice_common.models import ContainerGpuRequest, DeviceSelector, FitReason
-from gpuslice_scheduler.cluster import Bools
 
 Codes = npt.NDArray[np.int8]
+Bools = npt.NDArray[np.bool_]  # as gpuslice_scheduler.cluster's (which imports this module's users)
 
 
 class Code(enum.IntEnum):
@@ -38,7 +41,9 @@ class Code(enum.IntEnum):
     INSUFFICIENT_CORE = 9
     EXCLUSIVE_CONFLICT = 10
     COMPUTE_EXHAUSTED = 11
-    TOO_FEW_CARDS = 12
+    MIG_TOPOLOGY_INFEASIBLE = 12
+    TOO_FEW_CARDS = 13
+    NODE_INSUFFICIENT_DEVICE = 14
 
 
 REASONS: dict[Code, FitReason] = {
@@ -53,9 +58,11 @@ REASONS: dict[Code, FitReason] = {
     Code.INSUFFICIENT_CORE: FitReason.CARD_INSUFFICIENT_CORE,
     Code.EXCLUSIVE_CONFLICT: FitReason.EXCLUSIVE_DEVICE_ALLOCATE_CONFLICT,
     Code.COMPUTE_EXHAUSTED: FitReason.CARD_COMPUTE_UNITS_EXHAUSTED,
+    Code.MIG_TOPOLOGY_INFEASIBLE: FitReason.CARD_MIG_TOPOLOGY_INFEASIBLE,
     Code.TOO_FEW_CARDS: FitReason.ALLOCATED_CARDS_INSUFFICIENT_REQUEST,
+    Code.NODE_INSUFFICIENT_DEVICE: FitReason.NODE_INSUFFICIENT_DEVICE,
 }
-CODE_COUNT = len(Code)
+CODE_COUNT = len(Code)  # the compiled core counts every code (the MIG one stays 0 there)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import SchedulerSettings
+from gpuslice_common.devicetypes import read_vendors
 from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.outbox import Outbox
@@ -97,6 +98,7 @@ async def running(
 
 async def main(settings: SchedulerSettings) -> None:
     """Serve until SIGTERM or SIGINT, then stop cleanly and exit 0."""
+    settings = read_vendors(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

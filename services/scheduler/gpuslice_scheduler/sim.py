@@ -108,7 +108,7 @@ class PodClass:
         container = ContainerGpuRequest(
             name="main",
             count=self.num_gpu,
-            memory=MemoryRequest(percent=share),
+            memory=MemoryRequest(percent=max(share, 1)),  # never 0 MiB: that is no limit
             cores=share,
         )
         return PodGpuRequest(
@@ -399,7 +399,7 @@ def _take(cluster: Cluster, pod: PodClass, cards: Ints, node: int) -> None:
         cluster.touch([node])
         return
     share = math.ceil(pod.gpu_milli / 10)
-    mem = cluster.cap_mem[cards] * share // 100
+    mem = np.maximum(cluster.cap_mem[cards] * max(share, 1) // 100, 1)  # as MemoryRequest.on_card
     count = cards.size
     cluster.take(
         cards,

@@ -34,8 +34,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError, NodeCards, StoredCard
-from gpuslice_common.models import Placement
+from gpuslice_common.models import NVIDIA, Placement, VgpuMode
 from gpuslice_scheduler.cluster import Cluster, Ints, Row
+from gpuslice_scheduler.mig import HAMI_CORE, CardMode, MigCard
 from gpuslice_scheduler.resources import NodeResources
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,16 @@ def _row(card: StoredCard) -> Row:
     )
 
 
+def _mode(card: StoredCard) -> CardMode:
+    if card.mode is VgpuMode.HAMI_CORE and card.vendor == NVIDIA:
+        return HAMI_CORE
+    state = card.mig_state
+    if state is None:
+        return CardMode(card.mode, vendor=card.vendor)
+    mig = MigCard.make(state.profiles, state.slices, state.static)
+    return CardMode(card.mode, mig, state.used, card.vendor)
+
+
 class ClusterView:
     """Every registered node's cards as one :class:`Cluster`, refreshed by revision."""
 
@@ -78,6 +89,7 @@ class ClusterView:
         self._wake = asyncio.Event()
         self._resync_due = 0.0
         self.rows: dict[str, list[Row]] = {}
+        self.modes: dict[str, list[CardMode]] = {}  # per node, each card's mode (rows' order)
         self.revs: dict[str, int | None] = {}
         self.epochs: dict[str, str] = {}  # the epoch each node was last read in
         self.skipped: dict[str, str] = {}  # node -> why its record cannot be read
@@ -109,6 +121,7 @@ class ClusterView:
         self.epochs.update(epochs)
         for node in gone:
             removed |= self.rows.pop(node, None) is not None
+            self.modes.pop(node, None)
             self.revs.pop(node, None)
             self.epochs.pop(node, None)
             self.rebuilding.discard(node)
@@ -122,12 +135,13 @@ class ClusterView:
     async def _take(self, nodes: Sequence[str]) -> tuple[list[str], bool]:
         """Read ``nodes`` into :attr:`rows`; returns the nodes read and whether a node
         left the copy (its record cannot be read any more)."""
-        read = await self.ledger.read_nodes(nodes)
+        read = await self.ledger.read_nodes(nodes, vendor=None)  # every vendor's cards
         updated: list[str] = []
         removed = False
         for node, got in read.items():
             if isinstance(got, NodeCards):
                 self.rows[node] = [_row(card) for card in got.cards]
+                self.modes[node] = [_mode(card) for card in got.cards]
                 self.revs[node] = got.rev
                 self._settle({node: got.rev})
                 if got.rebuilt:
@@ -147,6 +161,7 @@ class ClusterView:
             log.warning("left out of the scheduler's copy: %s", problem)
         self.skipped[node] = problem.problem
         self.revs[node] = None  # read again next sync
+        self.modes.pop(node, None)
         return self.rows.pop(node, None) is not None
 
     def _rebuild(self, changed: Sequence[str], removed: bool) -> None:
@@ -160,7 +175,8 @@ class ClusterView:
         if not in_place:
             nodes = sorted(self.rows.items())
             cpu, memory = self._free([name for name, _ in nodes])
-            self.cluster = Cluster.from_rows(nodes, cpu, memory)
+            modes = [self.modes[name] for name, _ in nodes]
+            self.cluster = Cluster.from_rows(nodes, cpu, memory, modes)
             self._recount(list(self._pending))
         else:
             self._recount([n for n in changed if n in self._pending])
@@ -169,20 +185,23 @@ class ClusterView:
         """Overwrite one node's usage in place; False when its card list changed shape."""
         i = cluster.node_index[node]
         lo, hi = int(cluster.node_start[i]), int(cluster.node_start[i + 1])
-        rows = self.rows[node]
+        rows, modes = self.rows[node], self.modes[node]
         if [r[0] for r in rows] != cluster.uuids[lo:hi] or any(
-            r[1] not in cluster.models for r in rows
+            (r[1], m.mode, m.vendor) not in cluster.kind_index
+            for r, m in zip(rows, modes, strict=True)
         ):
             return False
         # a re-read that finds what the copy holds (a bind, an allocation: the
         # cards' usage is unchanged) leaves the node's evaluations standing
         changed = [
-            (card, row) for card, row in enumerate(rows, start=lo) if cluster.row(card) != row
+            (card, row, mode)
+            for card, (row, mode) in enumerate(zip(rows, modes, strict=True), start=lo)
+            if cluster.row(card) != row or cluster.card_mode(card) != mode
         ]
         if changed:
             facts = False
-            for card, row in changed:
-                facts |= cluster.set_row(card, row)
+            for card, row, mode in changed:
+                facts |= cluster.set_row(card, row, mode)
             cluster.touch([i], facts=facts)
         return True
 
@@ -246,6 +265,7 @@ class ClusterView:
             cluster.used_cores[c] += fp.cores
             cluster.used_slots[c] += fp.slots
             cluster.owned[c] |= fp.exclusive
+            cluster.mig_used[c] |= fp.mig_mask
         cluster.touch([node])
 
     def _settle(self, read: dict[str, int]) -> None:
