@@ -215,16 +215,15 @@ def test_nvml_backend_reads_the_fake(discover: Discover) -> None:
             model="NVIDIA H100 80GB HBM3",
             memory_mib=16384,
             numa=numa,
-            healthy=i != 3,
-            mig=i == 3,
         )
-        for i, numa in enumerate([0, 0, 1, None])
+        for i, numa in enumerate([0, 0, 1])
     ]
-    # MIG is warned about once; the missing event API is noted at debug level only
+    # the MIG card is left out (migStrategy none), said once; the missing event
+    # API is noted at debug level only
     warnings = [line for line in logs.splitlines() if line.startswith("WARNING")]
     assert warnings == [
         "WARNING gpuslice_deviceplugin.discovery: "
-        f"GPU 3 ({FAKE_UUID.format(3)}) is in MIG mode and cannot be shared"
+        f"GPU 3 ({FAKE_UUID.format(3)}) is in MIG mode and migStrategy is none: left out"
     ]
     assert "DEBUG gpuslice_deviceplugin.discovery: NVML events unavailable" in logs, logs
 

@@ -301,7 +301,7 @@ async def test_the_agent_serves_kubelet_while_nats_is_down_and_connects_later(
     proc = agent_process(
         GPUSLICE_NATS_URL=own_nats.url, GPUSLICE_CONNECT_WAIT="1s", GPUSLICE_NODE_NAME="late-bus"
     )
-    plugin = await kubelet.registration(timeout=30)
+    plugin = await kubelet.registration(timeout=90)
     assert len(await plugin.list_after(0)) == 10  # kubelet is served without the bus
     await asyncio.to_thread(own_nats.start)
     listener = await Bus.connect(

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice_common.models import GpuDevice
+from gpuslice_common.models import GpuDevice, VgpuMode
 from gpuslice_deviceplugin.nodeconfig import (
+    MPS_PIPE_DIRECTORY,
+    MPS_SHM_DIRECTORY,
     FilterDevices,
+    MpsDaemon,
     NodeConfig,
     NodeConfigError,
     SimulatedGpus,
@@ -105,6 +108,45 @@ nodeconfig: [{name: n, simulate: {count: 2}}]
     assert parse_node_config(text, "m").simulate == SimulatedGpus(
         count=3, model="NVIDIA T4", unhealthy=(2,)
     )
+
+
+def test_mps_mode_with_nvidia_s_directories_by_default() -> None:
+    config = parse_node_config("defaults: {operatingmode: mps}", "n")
+    assert (config.operating_mode, config.mode) == ("mps", VgpuMode.MPS)
+    assert config.mps == MpsDaemon(
+        pipe_directory="/run/nvidia/mps/nvidia.com/gpu/pipe",
+        shm_directory="/run/nvidia/mps/shm",
+        writable_pipe=False,
+    )
+    assert MpsDaemon() == MpsDaemon(
+        pipe_directory=MPS_PIPE_DIRECTORY, shm_directory=MPS_SHM_DIRECTORY
+    )
+    assert NodeConfig().mode is VgpuMode.HAMI_CORE
+
+
+def test_one_node_in_mps_mode_with_its_own_daemon_directories() -> None:
+    text = """
+defaults:
+  mps: {pipeDirectory: /run/mps/pipe}
+nodeconfig:
+  - name: mps-node
+    operatingMode: mps
+    mps:
+      pipe_directory: /var/run/mps-a/pipe
+      shm-directory: /var/run/mps-a/shm
+      writablePipe: true
+"""
+    node = parse_node_config(text, "mps-node")
+    assert node.mode is VgpuMode.MPS
+    assert node.mps == MpsDaemon(
+        pipe_directory="/var/run/mps-a/pipe", shm_directory="/var/run/mps-a/shm", writable_pipe=True
+    )
+    writable = "defaults: {mps: {shmDirectory: /run/m, pipeDirectory: /run/m/p, writablePipe: 1}}"
+    assert parse_node_config(writable, "n").mps.pipe_directory == "/run/m/p"
+    other = parse_node_config(text, "other")
+    assert other.mode is VgpuMode.HAMI_CORE
+    assert other.mps == MpsDaemon(pipe_directory="/run/mps/pipe")
+    assert problems("defaults: {mps: {pipe: /run/p}}") == ["defaults: unknown key 'mps.pipe'"]
 
 
 @pytest.mark.parametrize(
@@ -250,8 +292,102 @@ unexpected: 1
             "defaults: device_core_scaling: Input should be less than or equal to 100",
         ),
         (
-            "defaults: {operatingMode: mig}",
-            "defaults: operatingMode: only 'hami-core' is supported, not 'mig'",
+            "defaults: {operatingMode: timeslicing}",
+            "defaults: operatingMode: only 'hami-core', 'mig' and 'mps' are supported, "
+            "not 'timeslicing'",
+        ),
+        (
+            "defaults: {mps: {pipeDirectory: run/mps}}",
+            "defaults: mps.pipeDirectory: String should match pattern '^/[!-~]*$'",
+        ),
+        (
+            "defaults: {mps: {shmDirectory: /run/mps/../../etc}}",
+            "defaults: mps.shmDirectory: '/run/mps/../../etc' has '.' or '..' in it; "
+            "give the directory itself",
+        ),
+        (  # "//" is the host's root: mounted writable at every container's /dev/shm
+            "defaults: {mps: {shmDirectory: //}}",
+            "defaults: mps.shmDirectory: '//' has an empty part ('//' or a trailing '/'); "
+            "give the directory itself",
+        ),
+        (
+            "defaults: {mps: {shmDirectory: /run//mps/}}",
+            "defaults: mps.shmDirectory: '/run//mps/' has an empty part ('//' or a trailing '/'); "
+            "give the directory itself",
+        ),
+        (  # a directory just below the root is the host's own (/etc, /var, /dev, /root)
+            "defaults: {mps: {shmDirectory: /etc}}",
+            "defaults: mps.shmDirectory: '/etc' is a directory of the host itself; "
+            "give the MPS daemon's own directory below it",
+        ),
+        (
+            "defaults: {mps: {pipeDirectory: /dev}}",
+            "defaults: mps.pipeDirectory: '/dev' is a directory of the host itself; "
+            "give the MPS daemon's own directory below it",
+        ),
+        (  # the writable shm mount would hold the pipe: a tenant could replace the socket
+            "defaults: {mps: {shmDirectory: /run/nvidia/mps}}",
+            "defaults: mps: shmDirectory '/run/nvidia/mps' holds pipeDirectory "
+            "'/run/nvidia/mps/nvidia.com/gpu/pipe': mounted writable, it would let containers "
+            "replace the daemon's socket; give them apart, or set writablePipe",
+        ),
+        (
+            "defaults: {mps: {shmDirectory: /run/mps/a, pipeDirectory: /run/mps/a}}",
+            "defaults: mps: shmDirectory '/run/mps/a' holds pipeDirectory '/run/mps/a': "
+            "mounted writable, it would let containers replace the daemon's socket; "
+            "give them apart, or set writablePipe",
+        ),
+        (
+            "defaults: {mps: {pipe_directory: '/run/with space'}}",
+            "defaults: mps.pipe_directory: String should match pattern '^/[!-~]*$'",
+        ),
+        (
+            "defaults: {mps: {writablePipe: sometimes}}",
+            "defaults: mps.writablePipe: Input should be a valid boolean, "
+            "unable to interpret input",
+        ),
+        (
+            "defaults: {migStrategy: single}",
+            "defaults: migStrategy: 'single' is not supported: it advertises MIG instances as "
+            "nvidia.com/gpu, which here counts shared whole cards; use 'mixed' "
+            "(nvidia.com/mig-<profile>)",
+        ),
+        (
+            "defaults: {migStrategy: all}",
+            "defaults: migStrategy: only 'none' and 'mixed' are supported, not 'all'",
+        ),
+        (
+            "defaults: {migProfileAllowlist: [{models: [A100], profiles: [3g]}]}",
+            "defaults: migProfileAllowlist[0].profiles[0]: String should match pattern "
+            "'^([1-9][0-9]?c\\.)?[1-9][0-9]?g\\.[1-9][0-9]{0,4}gb(\\+[a-z]{1,8})?$'",
+        ),
+        (
+            "defaults: {migProfileAllowlist: [{models: [], profiles: [3g.20gb]}]}",
+            "defaults: migProfileAllowlist[0]: an allowlist entry needs models and profiles",
+        ),
+        (
+            "defaults: {simulate: {mig: true}}",
+            "defaults: simulate.mig needs operatingMode: mig,"
+            " or simulate.instances with migStrategy: mixed",
+        ),
+        (
+            "defaults: {simulate: {mig: true, instances: [3g.20gb]}}",
+            "defaults: simulate.mig needs operatingMode: mig,"
+            " or simulate.instances with migStrategy: mixed",
+        ),
+        (
+            "defaults: {simulate: {instances: [3g.20gb]}, migStrategy: mixed}",
+            "defaults: simulate: simulate.instances needs simulate.mig: true",
+        ),
+        (
+            "defaults: {simulate: {mig: true, instances: [4g.20gb, 4g.20gb]}, migStrategy: mixed}",
+            "defaults: simulate: simulate.instances: MIG profile 4g.20gb does not fit"
+            " beside 4g.20gb",
+        ),
+        (
+            "defaults: {simulate: {mig: true, instances: [9g.80gb]}, migStrategy: mixed}",
+            "defaults: simulate: simulate.instances: no MIG profile 9g.80gb (the card offers"
+            " 1g.5gb, 1g.10gb, 2g.10gb, 3g.20gb, 4g.20gb, 7g.40gb)",
         ),
         (
             "defaults: {libCudaLogLevel: 5}",
@@ -375,7 +511,7 @@ def test_hami_keys_without_meaning_here_are_ignored_with_a_warning(
                     "operatingmode": "hami-core",
                     "devicememoryscaling": 1.8,
                     "devicesplitcount": 10,
-                    "migstrategy": "none",
+                    "migstrategy": "mixed",
                     "enablegetpreferredallocation": True,
                     "filterdevices": {"uuid": [], "index": []},
                 }
@@ -383,6 +519,31 @@ def test_hami_keys_without_meaning_here_are_ignored_with_a_warning(
         }
     )
     config = parse_node_config(hami, "n1")
-    assert (config.memory_scaling, config.split_count) == (1.8, 10)
-    assert "'migstrategy' ignored" in caplog.text
+    assert (config.memory_scaling, config.split_count, config.mig_strategy) == (1.8, 10, "mixed")
     assert "'enablegetpreferredallocation' ignored" in caplog.text
+
+
+def test_mig_keys_in_hamis_spelling() -> None:
+    text = """
+defaults:
+  operatingMode: mig
+  migProfileAllowlist:
+    - models: [A30]
+      profiles: [1g.6gb]
+    - models: [A100-SXM4-40GB, A100-PCIE-40GB]
+      profiles: [1g.5gb, 3g.20gb, 7g.40gb]
+nodeconfig:
+  - {name: plain, operatingmode: hami-core, migstrategy: mixed}
+"""
+    config = parse_node_config(text, "n1")
+    assert (config.operating_mode, config.mig_strategy) == ("mig", "none")
+    assert config.mig_allowed("NVIDIA A100-SXM4-40GB") == {"1g.5gb", "3g.20gb", "7g.40gb"}
+    assert config.mig_allowed("NVIDIA H100 80GB HBM3") == frozenset()
+    plain = parse_node_config(text, "plain")
+    assert (plain.operating_mode, plain.mig_strategy) == ("hami-core", "mixed")
+    assert NodeConfig().mig_allowed("anything") is None  # no allowlist: every profile
+
+
+def test_simulated_mig_cards_on_a_mig_node() -> None:
+    config = parse_node_config("defaults: {operatingMode: mig, simulate: {mig: true}}", "n")
+    assert config.simulate.mig

@@ -271,7 +271,7 @@ async def test_end_to_end_an_allocate_answer_drives_the_interposer(
     await bus.subscribe(bus.subjects.telemetry_node("node-e2e"), TelemetrySample, on_sample)
     await bus.flush()
     proc = agent_process()
-    plugin = await kubelet.registration(timeout=30)
+    plugin = await kubelet.registration(timeout=90)
     devices = await plugin.list_after(0)
     fake = [f"GPU-facefeed-0000-4000-8000-0000000000{i:02x}" for i in range(2)]
     assert {d.ID.split("::")[0] for d in devices} == set(fake)

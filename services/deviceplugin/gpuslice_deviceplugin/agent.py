@@ -16,9 +16,11 @@ import os
 
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import DevicePluginSettings
-from gpuslice_common.models import GpuDevice, NodeInventory
-from gpuslice_deviceplugin.discovery import Backend, DiscoveryError, SimulatedBackend, visible
+from gpuslice_common.models import GpuDevice, NodeInventory, VgpuMode
+from gpuslice_deviceplugin.discovery import Backend, DiscoveryError, mps_cards, visible
 from gpuslice_deviceplugin.metrics import PluginMetrics
+from gpuslice_deviceplugin.mig import MigInstances
+from gpuslice_deviceplugin.mps import DaemonCheck
 from gpuslice_deviceplugin.nodeconfig import NodeConfig, NodeConfigError, load_node_config
 from gpuslice_deviceplugin.plugin import DeviceList
 from gpuslice_deviceplugin.replicas import Replicas
@@ -45,8 +47,10 @@ class NodeAgent:
         metrics: PluginMetrics,
         *,
         bus: Bus | None = None,
+        mig: MigInstances | None = None,
     ) -> None:
         self.settings = settings
+        self.mig = mig  # its own MIG instances are not reported as static ones
         self.backend = backend
         self._config = config
         self.metrics = metrics
@@ -55,6 +59,7 @@ class NodeAgent:
         self._devices: list[GpuDevice] = []
         self.device_list = DeviceList(Replicas((), config.split_count))
         self._published: NodeInventory | None = None
+        self._mps_daemon = DaemonCheck()
 
     @property
     def config(self) -> NodeConfig:
@@ -77,6 +82,11 @@ class NodeAgent:
             log.error("device discovery failed; keeping the last list: %s", exc)
             return False
         devices = visible(found, self._config.filter_devices)
+        if self._config.mode is VgpuMode.MPS:
+            problem = await asyncio.to_thread(self._mps_daemon.problem, self._config.mps)
+            devices = mps_cards(devices, daemon_ready=not problem)
+        if self.mig is not None:
+            devices = await asyncio.to_thread(self.mig.foreign, devices)
         self._devices = devices
         for health in ("healthy", "unhealthy"):
             self.metrics.devices.labels(health).set(
@@ -101,8 +111,7 @@ class NodeAgent:
         if config != self._config:
             log.info("node configuration reloaded from %s", path)
             self._config = config
-            if isinstance(self.backend, SimulatedBackend):
-                self.backend.update(config.simulate)
+            self.backend.configure(config)
 
     async def publish_inventory(self) -> None:
         inventory = self.inventory()

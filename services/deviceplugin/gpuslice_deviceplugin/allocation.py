@@ -13,20 +13,34 @@ telemetry token when the inventory issued one (none where no auth callout
 runs). The mounts also bring in
 the library and ``/etc/ld.so.preload`` (left out when the container asks
 ``CUDA_DISABLE_CONTROL=true``, which its grant then allows).
+
+On an MPS node (:func:`by_mps`) the interposer stays, as the memory limit no
+tenant can move, but MPS partitions the cores: the grant gives no core limit,
+HAMi's limit variables are left out, and the container gets MPS's client
+variables and the daemon's directories (:mod:`gpuslice_deviceplugin.mps`).
+
+A grant on a MIG card stands for the MIG instance made for it
+(:func:`on_mig`): the container is given the instance's MIG device by UUID,
+with all of the instance's memory and no SM limit, since MIG divides the card
+in hardware; a container with nothing but MIG instances runs without the
+interposer's preload.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.grant import GRANT_DIR, Grant, GrantDevice
+from gpuslice_common.models import DeviceGrant, VgpuMode
 from gpuslice_common.nodeapi import AllocationReply
+from gpuslice_deviceplugin import mps
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.containers import REGION_FILE, HostDir
+from gpuslice_deviceplugin.mig import LiveInstance
 from gpuslice_deviceplugin.nodeconfig import NodeConfig
 
 LIBRARY = "libgpuslice.so"
@@ -35,6 +49,31 @@ DISABLE_CONTROL = "CUDA_DISABLE_CONTROL"
 # what the interposer counts per CUDA context where the node configuration sets none
 DEFAULT_CONTEXT_OVERHEAD_MIB = 384
 MIB = 1 << 20
+
+
+def by_mps(config: NodeConfig) -> bool:
+    """Whether MPS partitions this node's cores (else the interposer throttles them)."""
+    return config.mode is VgpuMode.MPS
+
+
+def on_mig(allocation: AllocationReply, made: Mapping[str, LiveInstance]) -> AllocationReply:
+    """``allocation`` with each card in ``made`` replaced by its MIG instance's device."""
+    if not made:
+        return allocation
+    placement = allocation.placement
+    index = allocation.container_index
+    container = placement.containers[index]
+    devices = tuple(
+        DeviceGrant(uuid=made[g.uuid].uuid or g.uuid, memory_mib=made[g.uuid].memory_mib, cores=0)
+        if g.uuid in made
+        else g
+        for g in container.devices
+    )
+    containers = list(placement.containers)
+    containers[index] = container.model_copy(update={"devices": devices})
+    return allocation.model_copy(
+        update={"placement": placement.model_copy(update={"containers": tuple(containers)})}
+    )
 
 
 def grant(
@@ -48,6 +87,8 @@ def grant(
     placement = allocation.placement
     container = placement.containers[allocation.container_index]
     overhead = config.context_overhead_mib
+    # Under MPS the interposer throttling launches too would cut a share twice; 0 is no limit.
+    throttled = not by_mps(config)
     return Grant(
         node=settings.node_name,
         pod_uid=placement.pod.uid,
@@ -58,7 +99,9 @@ def grant(
         context_overhead_bytes=(DEFAULT_CONTEXT_OVERHEAD_MIB if overhead is None else overhead)
         * MIB,
         devices=tuple(
-            GrantDevice(uuid=g.uuid, memory_bytes=g.memory_mib * MIB, sm_percent=g.cores)
+            GrantDevice(
+                uuid=g.uuid, memory_bytes=g.memory_mib * MIB, sm_percent=g.cores if throttled else 0
+            )
             for g in container.devices
         ),
     )
@@ -73,14 +116,10 @@ def environment(
     container = placement.containers[allocation.container_index]
     grants = container.devices
     env = {"NVIDIA_VISIBLE_DEVICES": ",".join(g.uuid for g in grants)}
-    for i, device in enumerate(grants):
-        if device.memory_mib > 0:
-            env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{device.memory_mib}m"
-    cores = {g.cores for g in grants}
-    if len(cores) == 1:
-        env["CUDA_DEVICE_SM_LIMIT"] = str(cores.pop())
+    if by_mps(config):
+        env.update(mps.environment(grants))
     else:
-        env.update({f"CUDA_DEVICE_SM_LIMIT_{i}": str(g.cores) for i, g in enumerate(grants)})
+        env.update(hami_limits(grants))
     env.update(
         {
             "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(PurePosixPath(GRANT_DIR) / REGION_FILE),
@@ -101,6 +140,20 @@ def environment(
         env["GPUSLICE_CONTEXT_OVERHEAD"] = f"{config.context_overhead_mib}m"
     if allocation.telemetry_token:  # the container's own credential, from the inventory
         env["GPUSLICE_NATS_TOKEN"] = allocation.telemetry_token
+    return env
+
+
+def hami_limits(grants: Sequence[DeviceGrant]) -> dict[str, str]:
+    """HAMi's limit variables, in the container's card order, for tools that read them."""
+    env = {}
+    for i, device in enumerate(grants):
+        if device.memory_mib > 0:
+            env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{device.memory_mib}m"
+    cores = {g.cores for g in grants}
+    if len(cores) == 1:
+        env["CUDA_DEVICE_SM_LIMIT"] = str(cores.pop())
+    else:
+        env.update({f"CUDA_DEVICE_SM_LIMIT_{i}": str(g.cores) for i, g in enumerate(grants)})
     return env
 
 
@@ -147,6 +200,8 @@ def answer(
             read_only=False,
         ),
     ]
+    if by_mps(config):
+        mounts += mps.mounts(config.mps)
     return pb.ContainerAllocateResponse(
         envs=environment(allocation, settings, config), mounts=mounts
     )

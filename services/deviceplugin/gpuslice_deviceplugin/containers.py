@@ -196,10 +196,10 @@ class HostDir:
         _make_dir(directory, CONTAINER_DIR_MODE)
         # not synced: Allocate waits for this, and what a crash loses is written
         # again by the next Allocate (the containers are gone with the node anyway)
-        _write_atomic(
+        write_atomic(
             directory / OWNER_FILE, owner.to_json().encode() + b"\n", FILE_MODE, durable=False
         )
-        _write_atomic(directory / GRANT_FILE, grant.render().encode(), GRANT_MODE, durable=False)
+        write_atomic(directory / GRANT_FILE, grant.render().encode(), GRANT_MODE, durable=False)
         devices = [(d.uuid, d.memory_bytes, d.sm_percent) for d in grant.devices]
         with self.open_container_dir(directory) as dir_fd:
             Region.create(dir_fd, REGION_FILE, devices, mode=REGION_MODE)
@@ -391,12 +391,12 @@ def _install_file(path: Path, content: bytes, mode: int) -> None:
     except FileNotFoundError:
         same = False
     if not same:
-        _write_atomic(path, content, mode)
+        write_atomic(path, content, mode)
     elif stat.S_IMODE(path.stat().st_mode) != mode:
         path.chmod(mode)
 
 
-def _write_atomic(path: Path, content: bytes, mode: int, *, durable: bool = True) -> None:
+def write_atomic(path: Path, content: bytes, mode: int, *, durable: bool = True) -> None:
     """Replace ``path`` by a file holding ``content``, made in full beside it first;
     ``durable`` also syncs the file and its directory to disk."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -7,11 +7,18 @@ The file is YAML or JSON (JSON is YAML) and may be empty::
       deviceMemoryScaling: 1.0
       deviceCoreScaling: 1.0
       filterDevices: {uuid: [GPU-...], index: [3]}
-      operatingMode: hami-core
+      operatingMode: hami-core # or mig: cards in MIG mode get MIG instances made at Allocate
+      migStrategy: none        # hami-core nodes: none (MIG cards left out) or mixed
+      migProfileAllowlist:     # mig nodes: the profiles offered per model (HAMi's format)
+        - {models: [A100-SXM4-40GB], profiles: [1g.5gb, 2g.10gb, 3g.20gb, 7g.40gb]}
       libCudaLogLevel: 2
       gpuCorePolicy: default
       contextOverhead: 384     # MiB
-      simulate: {count: 2, model: ..., memoryMiB: 40960, numaNodes: 2, unhealthy: [1]}
+      simulate: {count: 2, model: ..., memoryMiB: 40960, numaNodes: 2, unhealthy: [1],
+                 mig: false, instances: []}
+               # mig: MIG cards of the A100-40GB geometry (operatingMode mig, or migStrategy
+               # mixed with instances); instances: static ones on each, e.g. [3g.20gb, 3g.20gb]
+      mps: {pipeDirectory: /run/nvidia/mps/nvidia.com/gpu/pipe, shmDirectory: /run/nvidia/mps/shm}
     nodeconfig:                # optional: HAMi's per-node list
       - name: gpu-node-1
         devicememoryscaling: 1.5
@@ -21,6 +28,19 @@ Keys match case-insensitively, ignoring ``-`` and ``_``: ``devicesplitcount``,
 (``split_count``, ``memory_scaling``, ...) are accepted too. A node's entry
 overrides the defaults key by key; a nested ``filterDevices`` or ``simulate``
 given for a node replaces the defaults' whole object, it is not merged.
+
+``operatingMode: mps`` (HAMi's value) shares the node's cards through NVIDIA's
+MPS control daemon, which the operator runs (NVIDIA's ``mps-control-daemon``
+or ``nvidia-cuda-mps-control -d``); ``mps`` names the host directories it
+shares with its clients. The limits MPS applies are advisory: each container
+gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and
+``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` in its environment, which is the
+tenant's to change, and MPS only holds a client to the lower of its own value
+and the control daemon's default. Only the daemon's defaults
+(``set_default_active_thread_percentage``,
+``set_default_device_pinned_mem_limit``) bind a tenant, and they are the same
+for every container. The interposer's memory limit stays on as the fence a
+container cannot move; see docs/hami.md, "MPS mode".
 """
 
 from __future__ import annotations
@@ -36,11 +56,16 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from gpuslice_common.models import (
     MAX_DEVICE_MEMORY_MIB,
+    MAX_MIG_PROFILES,
+    MAX_MIG_SLICES,
     PRINTABLE_PATTERN,
     Frozen,
     GpuDevice,
+    MigProfileName,
     NodeInventory,
+    VgpuMode,
 )
+from gpuslice_deviceplugin.mig import A100_40GB, MigError, first_fit
 
 
 class NodeConfigError(Exception):
@@ -73,6 +98,9 @@ class SimulatedGpus(Frozen):
     memory_mib: Annotated[int, Field(gt=0, le=MAX_DEVICE_MEMORY_MIB)] = 81920
     numa_nodes: Annotated[int, Field(ge=1, le=16)] = 1
     unhealthy: tuple[int, ...] = ()  # indices reported Unhealthy
+    mig: bool = False  # MIG cards with the A100-40GB geometry
+    # MIG instances already on each card, made by someone else (static), in order
+    instances: Annotated[tuple[MigProfileName, ...], Field(max_length=MAX_MIG_SLICES)] = ()
 
     @model_validator(mode="after")
     def _unhealthy_in_range(self) -> SimulatedGpus:
@@ -81,8 +109,92 @@ class SimulatedGpus(Frozen):
             raise ValueError(f"unhealthy indices {bad} are not among the {self.count} GPUs")
         return self
 
+    @model_validator(mode="after")
+    def _instances_fit(self) -> SimulatedGpus:
+        if self.instances and not self.mig:
+            raise ValueError("simulate.instances needs simulate.mig: true")
+        try:
+            first_fit(A100_40GB, self.instances)
+        except MigError as exc:
+            raise ValueError(f"simulate.instances: {exc}") from None
+        return self
+
     def numa_of(self, index: int) -> int:
         return index * self.numa_nodes // self.count
+
+
+# where NVIDIA's MPS control daemon keeps its pipes and shared memory by default
+# (its ``mpsRoot`` /run/nvidia/mps, for the resource nvidia.com/gpu)
+MPS_PIPE_DIRECTORY = "/run/nvidia/mps/nvidia.com/gpu/pipe"
+MPS_SHM_DIRECTORY = "/run/nvidia/mps/shm"
+HostPath = Annotated[str, Field(min_length=2, max_length=1024, pattern=r"^/[!-~]*$")]
+
+
+class MpsDaemon(Frozen):
+    """The host directories of the node's MPS control daemon (``operatingMode: mps``).
+
+    ``pipe_directory`` is its ``CUDA_MPS_PIPE_DIRECTORY``, mounted read-only into
+    each container unless ``writable_pipe``: clients only connect to the sockets
+    there, and a container that could write there could remove the daemon's
+    socket and put its own in its place for every other tenant's clients.
+    ``shm_directory`` is the daemon's ``/dev/shm``, which its clients must share.
+    """
+
+    pipe_directory: HostPath = MPS_PIPE_DIRECTORY
+    shm_directory: HostPath = MPS_SHM_DIRECTORY
+    writable_pipe: bool = False
+
+    @field_validator("pipe_directory", "shm_directory")
+    @classmethod
+    def _plain_path(cls, value: str) -> str:
+        # Both are mounted into every container of the node (shm writable): a
+        # path that is the host's root or one of its top directories would give
+        # each tenant the host's files.
+        parts = value.split("/")[1:]
+        if any(part in (".", "..") for part in parts):
+            raise ValueError(f"{value!r} has '.' or '..' in it; give the directory itself")
+        if "" in parts:
+            raise ValueError(
+                f"{value!r} has an empty part ('//' or a trailing '/'); give the directory itself"
+            )
+        if len(parts) < 2:
+            raise ValueError(
+                f"{value!r} is a directory of the host itself; "
+                "give the MPS daemon's own directory below it"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _pipe_apart(self) -> MpsDaemon:
+        # shm is mounted writable: holding the pipe, it would undo the read-only pipe
+        pipe, shm = self.pipe_directory, self.shm_directory
+        if not self.writable_pipe and (pipe == shm or pipe.startswith(shm + "/")):
+            raise ValueError(
+                f"shmDirectory {shm!r} holds pipeDirectory {pipe!r}: mounted writable, it "
+                "would let containers replace the daemon's socket; give them apart, "
+                "or set writablePipe"
+            )
+        return self
+
+
+class MigAllowlistEntry(Frozen):
+    """HAMi's ``migProfileAllowlist`` entry: the MIG profiles offered on cards whose
+    model contains one of ``models`` (the first entry that matches a card applies)."""
+
+    models: Annotated[
+        tuple[Annotated[str, Field(min_length=1, max_length=128, pattern=PRINTABLE_PATTERN)], ...],
+        Field(max_length=64),
+    ]
+    profiles: Annotated[tuple[MigProfileName, ...], Field(max_length=MAX_MIG_PROFILES)]
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> MigAllowlistEntry:
+        if not self.models or not self.profiles:  # as HAMi refuses it
+            raise ValueError("an allowlist entry needs models and profiles")
+        return self
+
+    def matches(self, model: str) -> bool:
+        return any(m in model for m in self.models)
 
 
 class NodeConfig(Frozen):
@@ -92,18 +204,60 @@ class NodeConfig(Frozen):
     memory_scaling: Annotated[float, Field(gt=0, le=100)] = 1.0  # deviceMemoryScaling
     core_scaling: Annotated[float, Field(gt=0, le=100)] = 1.0  # deviceCoreScaling
     filter_devices: FilterDevices = FilterDevices()  # filterDevices
-    operating_mode: Literal["hami-core"] = "hami-core"  # operatingMode
+    operating_mode: Literal["hami-core", "mig", "mps"] = "hami-core"  # operatingMode
+    mig_strategy: Literal["none", "mixed"] = "none"  # migStrategy (HAMi's default: none)
+    # migProfileAllowlist; None offers every profile NVML gives
+    mig_profile_allowlist: Annotated[tuple[MigAllowlistEntry, ...], Field(max_length=64)] | None = (
+        None
+    )
     log_level: Annotated[int, Field(ge=0, le=4)] = 2  # libCudaLogLevel (LIBCUDA_LOG_LEVEL)
     core_policy: Literal["default", "force", "disable"] = "default"  # gpuCorePolicy
     context_overhead_mib: Annotated[int, Field(ge=0)] | None = None  # contextOverhead
     simulate: SimulatedGpus = SimulatedGpus()
+    mps: MpsDaemon = MpsDaemon()
 
     @field_validator("operating_mode", mode="before")
     @classmethod
-    def _only_hami_core(cls, value: Any) -> Any:
-        if value != "hami-core":
-            raise ValueError(f"only 'hami-core' is supported, not {value!r}")
+    def _known_mode(cls, value: Any) -> Any:
+        if value not in ("hami-core", "mig", "mps"):
+            raise ValueError(f"only 'hami-core', 'mig' and 'mps' are supported, not {value!r}")
         return value
+
+    @property
+    def mode(self) -> VgpuMode:
+        """How this node's cards are shared (a card without MIG on a mig node stays hami-core)."""
+        return VgpuMode(self.operating_mode)
+
+    @field_validator("mig_strategy", mode="before")
+    @classmethod
+    def _known_strategy(cls, value: Any) -> Any:
+        if value == "single":
+            raise ValueError(
+                "'single' is not supported: it advertises MIG instances as nvidia.com/gpu, "
+                "which here counts shared whole cards; use 'mixed' (nvidia.com/mig-<profile>)"
+            )
+        if value not in ("none", "mixed"):
+            raise ValueError(f"only 'none' and 'mixed' are supported, not {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _simulated_mig_on_mig_nodes(self) -> NodeConfig:
+        static = bool(self.simulate.instances) and self.mig_strategy == "mixed"
+        if self.simulate.mig and self.operating_mode != "mig" and not static:
+            raise ValueError(
+                "simulate.mig needs operatingMode: mig,"
+                " or simulate.instances with migStrategy: mixed"
+            )
+        return self
+
+    def mig_allowed(self, model: str) -> frozenset[str] | None:
+        """The MIG profiles offered on a card of ``model``; None: every one NVML gives."""
+        if self.mig_profile_allowlist is None:
+            return None
+        for entry in self.mig_profile_allowlist:
+            if entry.matches(model):
+                return frozenset(entry.profiles)
+        return frozenset()
 
     def inventory(self, node: str, devices: Sequence[GpuDevice]) -> NodeInventory:
         """The heartbeat describing ``devices`` shared as this configuration says."""
@@ -133,6 +287,8 @@ _NODE_KEYS = {
     "corescaling": "core_scaling",
     "filterdevices": "filter_devices",
     "operatingmode": "operating_mode",
+    "migstrategy": "mig_strategy",
+    "migprofileallowlist": "mig_profile_allowlist",
     "libcudaloglevel": "log_level",
     "loglevel": "log_level",
     "gpucorepolicy": "core_policy",
@@ -140,10 +296,11 @@ _NODE_KEYS = {
     "contextoverhead": "context_overhead_mib",
     "contextoverheadmib": "context_overhead_mib",
     "simulate": "simulate",
+    "mps": "mps",
 }
 # HAMi keys with no meaning here: read and ignored, with a warning, so HAMi's own
-# files load unchanged (MIG is not shared; GetPreferredAllocation is always offered)
-_IGNORED_KEYS = {"migstrategy": "MIG is not shared", "enablegetpreferredallocation": "always on"}
+# files load unchanged (GetPreferredAllocation is always offered)
+_IGNORED_KEYS = {"enablegetpreferredallocation": "always on"}
 _NESTED_KEYS = {
     "filter_devices": {"uuid": "uuids", "uuids": "uuids", "index": "indices", "indices": "indices"},
     "simulate": {
@@ -152,6 +309,13 @@ _NESTED_KEYS = {
         "memorymib": "memory_mib",
         "numanodes": "numa_nodes",
         "unhealthy": "unhealthy",
+        "mig": "mig",
+        "instances": "instances",
+    },
+    "mps": {
+        "pipedirectory": "pipe_directory",
+        "shmdirectory": "shm_directory",
+        "writablepipe": "writable_pipe",
     },
 }
 
@@ -216,7 +380,8 @@ class _Section:
         except ValidationError as exc:
             for err in exc.errors():
                 message = str(err["msg"]).removeprefix("Value error, ")
-                self.problems.append(f"{self.where}: {self._path(err['loc'])}: {message}")
+                path = self._path(err["loc"])  # empty for a rule across keys
+                self.problems.append(f"{self.where}: {path + ': ' if path else ''}{message}")
             return None
 
     def _path(self, loc: tuple[int | str, ...]) -> str:

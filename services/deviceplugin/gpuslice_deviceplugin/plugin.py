@@ -7,6 +7,13 @@ many GPUs, taken atomically. A call that finds none is refused with
 ``FAILED_PRECONDITION`` (the inventory records ``alloc.failed``), never
 answered with a guess. While the inventory or its ledger is away the call waits,
 asking again with the same request id, until its deadline.
+
+A container granted MIG instances gets them made first
+(:mod:`gpuslice_deviceplugin.mig`); where an instance this agent made for
+another pod still sits on the slices, that pod is asked after in the ledger
+and its instances destroyed if it has ended. A grant that cannot be made is
+refused with the reason, nothing made. A container whose every card is a MIG
+instance gets no ``ld.so.preload``: the hardware holds it to its instances.
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ import grpc
 
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError
+from gpuslice_common.models import PlacementState
 from gpuslice_common.nodeapi import AllocationReply, ErrorKind, NodeRequestError
-from gpuslice_deviceplugin.allocation import answer, control_wanted, grant
+from gpuslice_deviceplugin.allocation import answer, control_wanted, grant, on_mig
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.metrics import PluginMetrics
+from gpuslice_deviceplugin.mig import LiveInstance, MigError, MigInstances
 from gpuslice_deviceplugin.nodeconfig import NodeConfig
 from gpuslice_deviceplugin.replicas import Replicas
 
@@ -105,8 +114,10 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         metrics: PluginMetrics,
         *,
         kube: KubeApi | None = None,
+        mig: MigInstances | None = None,
     ) -> None:
         self.settings = settings
+        self.mig = mig
         self.devices = devices
         self.config = config
         self.gateway = gateway
@@ -213,6 +224,11 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
             await self._refuse(context, *refusal(exc))
         try:
             response = await self._answer(allocation, ids)
+        except MigError as exc:
+            log.warning("Allocate for pod %s refused: %s", allocation.placement.pod.uid, exc)
+            message = f"cannot make the container's MIG instance: {exc}"
+            await self._report_failed(allocation, message)
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, message)
         except Exception as exc:  # the container is taken in the ledger; say why it fails
             log.exception("Allocate answer for pod %s failed", allocation.placement.pod.uid)
             message = f"cannot prepare the container ({type(exc).__name__}): {exc}"
@@ -245,6 +261,51 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         container = placement.containers[allocation.container_index]
         control = await self._control_wanted(allocation)
         config = self.config()  # once: the answer and the grant agree if it is reloaded
+        made = await self._make_mig(allocation, config)
+        try:
+            return await self._prepare(allocation, ids, control, config, made)
+        except BaseException:
+            if made and self.mig is not None:
+                await asyncio.to_thread(self.mig.undo, placement.pod.uid, container.name)
+            raise
+
+    async def _make_mig(
+        self, allocation: AllocationReply, config: NodeConfig
+    ) -> dict[str, LiveInstance]:
+        """The MIG instances of the container's grants that have one, made."""
+        placement = allocation.placement
+        container = placement.containers[allocation.container_index]
+        if not any(g.mig for g in container.devices):
+            return {}
+        if self.mig is None or config.operating_mode != "mig":
+            raise MigError(f"node {self.node} makes no MIG instances (operatingMode is not mig)")
+        uid = placement.pod.uid
+        holders = await asyncio.to_thread(self.mig.holders, uid, container.devices)
+        if holders:  # instances of pods that may have ended since the last check
+            try:
+                states = {p.uid: p.state for p in (await self.gateway.placements()).pods}
+            except NodeRequestError as exc:
+                log.warning("pods %s holding MIG slices not asked after: %s", sorted(holders), exc)
+                states = {}
+            ended = {h for h in holders if states.get(h) == PlacementState.RELEASED}
+            await asyncio.to_thread(self.mig.release, ended)
+        return await asyncio.to_thread(self.mig.prepare, uid, container.name, container.devices)
+
+    async def _prepare(
+        self,
+        allocation: AllocationReply,
+        ids: list[str],
+        control: bool,
+        config: NodeConfig,
+        made: dict[str, LiveInstance],
+    ) -> pb.ContainerAllocateResponse:
+        cards = allocation
+        if made and set(made) == set(cards.devices):
+            # MIG divides the cards in hardware: nothing for the interposer to hold
+            control = False
+        allocation = on_mig(allocation, made)
+        placement = allocation.placement
+        container = placement.containers[allocation.container_index]
         response = answer(allocation, self.settings, config, self.host, control=control)
         uuids = tuple(g.uuid for g in container.devices)
         owner = ContainerOwner(
@@ -267,13 +328,13 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
                 placement.pod.uid,
             )
         kubelet_chose = {self.devices.replicas.uuid_of(i) for i in ids}
-        if kubelet_chose != set(uuids):
+        if kubelet_chose != set(cards.devices):
             log.info(
                 "pod %s container %s: kubelet's replicas stand for %s, the ledger's GPUs are %s",
                 placement.pod.uid,
                 container.name,
                 sorted(u or "?" for u in kubelet_chose),
-                list(uuids),
+                list(cards.devices),
             )
         log.info(
             "allocated pod %s/%s container %s: %s",

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from gpuslice_common.models import GpuDevice
+from gpuslice_common.models import GpuDevice, VgpuMode
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 
 HEALTHY = "Healthy"
@@ -60,7 +60,9 @@ class Replicas:
         """Every replica with its GPU's health and NUMA node."""
         out: list[pb.Device] = []
         for device in self.devices:
-            health = HEALTHY if device.healthy and not device.mig else UNHEALTHY
+            # a card in MIG mode is shared only by the instances made on it (mode mig)
+            shared = device.healthy and (not device.mig or device.mode is VgpuMode.MIG)
+            health = HEALTHY if shared else UNHEALTHY
             topology = (
                 pb.TopologyInfo(nodes=[pb.NUMANode(ID=device.numa)])
                 if device.numa is not None

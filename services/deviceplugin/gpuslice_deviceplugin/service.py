@@ -1,6 +1,7 @@
 """Running the node agent: every part started, supervised and stopped together.
 
-Parts: the kubelet link (plugin socket and registration), the node agent
+Parts: the kubelet link (plugin socket and registration), one more per
+static MIG profile (:mod:`gpuslice_deviceplugin.static_mig`), the node agent
 (discovery, configuration reload, inventory heartbeat), the coordinator (region
 flags and heartbeat), the GPUs' physical figures (read every health interval),
 the clean-up of container directories, and an HTTP server for ``/healthz``,
@@ -47,9 +48,11 @@ from gpuslice_deviceplugin.metrics import (
     PluginMetrics,
     registry_with,
 )
+from gpuslice_deviceplugin.mig import MigInstances
 from gpuslice_deviceplugin.nodeconfig import NodeConfig, load_node_config
 from gpuslice_deviceplugin.physical import BusyMeter, ContainerKey, GpuFigures, Load
 from gpuslice_deviceplugin.plugin import DevicePlugin
+from gpuslice_deviceplugin.static_mig import StaticMig
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ class Running:
     host: HostDir
     gateway: InventoryGateway
     registry: CollectorRegistry
+    mig: MigInstances
+    static: StaticMig
     kube: KubeApi | None = None
     hami_registry: CollectorRegistry | None = None  # /metrics/hami; None while off
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -96,6 +101,16 @@ class Running:
     async def coordinate(self) -> None:
         """One coordination pass (also run every ``coordinate_interval``)."""
         self.snapshot = await asyncio.to_thread(self.coordinator.tick, self.gone)
+
+    async def advertise_static_mig(self) -> None:
+        """Keep the static MIG resources in step with the devices (every health
+        interval); ends with the error of a link that gave up."""
+        while True:
+            await self.static.update(self.agent.devices)
+            error = self.static.failed()
+            if error is not None:
+                raise error
+            await asyncio.sleep(self.settings.health_interval.total_seconds())
 
     async def read_figures(self) -> None:
         """Read the GPUs' physical figures (also run every ``health_interval``): in a
@@ -130,6 +145,11 @@ class Running:
             ):
                 gone.add(uid)
         self.gone = frozenset(gone)
+        # MIG instances of ended pods go at once: the ledger has freed their slices
+        made = {r.pod_uid for r in await asyncio.to_thread(self.mig.records)}
+        ended = {u for u in made if u in gone or states.get(u) == PlacementState.RELEASED}
+        if ended:
+            await asyncio.to_thread(self.mig.release, ended)
         return frozenset(owners), self.gone
 
     async def _absent_from_api(self, owner: ContainerOwner) -> bool:
@@ -218,7 +238,9 @@ async def running(
     gateway = InventoryGateway(settings, bus)
     registry = CollectorRegistry()
     metrics = PluginMetrics(registry)
-    agent = NodeAgent(settings, backend, config, metrics, bus=bus)
+    mig = MigInstances(backend, host.root)
+    await asyncio.to_thread(mig.reconcile)
+    agent = NodeAgent(settings, backend, config, metrics, bus=bus, mig=mig)
     plugin = DevicePlugin(
         settings,
         agent.device_list,
@@ -227,6 +249,7 @@ async def running(
         host,
         metrics,
         kube=kube,
+        mig=mig,
     )
     link = KubeletLink(
         plugin,
@@ -236,8 +259,19 @@ async def running(
         metrics,
         timing,
     )
+    static = StaticMig(Path(settings.kubelet_dir), settings.requests.resources.gpu, metrics, timing)
     state = Running(
-        settings, agent, plugin, link, Coordinator(host), host, gateway, registry, kube=kube
+        settings,
+        agent,
+        plugin,
+        link,
+        Coordinator(host),
+        host,
+        gateway,
+        registry,
+        mig,
+        static,
+        kube=kube,
     )
     names = Names.GPUSLICE_AND_HAMI if settings.hami_metrics else Names.GPUSLICE
     registry.register(NodeCollector(state.view, names=names))
@@ -257,6 +291,7 @@ async def running(
         coordinate = settings.coordinate_interval.total_seconds()
         state.tasks = [
             asyncio.create_task(link.run(), name="kubelet-link"),
+            asyncio.create_task(state.advertise_static_mig(), name="static-mig"),
             asyncio.create_task(agent.run(), name="node-agent"),
             asyncio.create_task(
                 every(coordinate, state.coordinate, "coordination", expected=(NodeRequestError,))
@@ -298,6 +333,7 @@ async def running(
         for task in state.tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await state.static.close()
         state.coordinator.close()
         await asyncio.to_thread(backend.close)
 
