@@ -36,7 +36,7 @@ def settings_for(nats: NatsServer, redis_url: str, prefix: str, **kw: Any) -> In
     return InventorySettings(**values)
 
 
-async def until(condition: Callable[[], Any], timeout: float = 5.0) -> None:
+async def until(condition: Callable[[], Any], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         value = condition()

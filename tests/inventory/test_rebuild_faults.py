@@ -167,6 +167,7 @@ async def extender(redis_url: str, prefix: str, kube: LocalKubeApi) -> AsyncIter
         ledger_prefix=prefix,
         listen_host="127.0.0.1",
         listen_port=free_port(),
+        metrics_port=free_port(),
         sync_interval="50ms",
     )
     async with scheduler_running(settings, kube, handle_signals=False):
@@ -253,6 +254,8 @@ async def test_no_card_goes_over_capacity_when_redis_restarts_empty(
                         3,
                     )
             assert inventory.work.restore_conflicts == 0
+            # every node is taken back after the loss, each by a pass of the inventory
+            await until(lambda: rebuilt(led, *NODES), timeout=30)
             assert inventory.work.nodes_rebuilt >= 2 * len(NODES)  # at start, after the loss
         await watcher_ledger.close()
         await kubelet_ledger.close()

@@ -10,12 +10,20 @@ from typing import Any
 from redis.asyncio import Redis
 
 from gpuslice_common.kube import LocalKubeApi
-from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.models import (
+    PLACEMENT_ANNOTATION,
+    ContainerAssignment,
+    DeviceGrant,
+    Placement,
+    PlacementState,
+    PodRef,
+)
 from gpuslice_inventory.reconcile import Reconciler
 from gpuslice_inventory.upkeep import Upkeep
 from tests.conftest import make_inventory
 from tests.test_ledger import placement
+from tests.test_ledger_vendors import dcus
 
 NODE = "gpu-1"
 
@@ -164,3 +172,69 @@ async def test_nodes_are_judged_only_after_sweeping_for_a_whole_silence(ledger: 
     await asyncio.sleep(0.35)
     await upkeep.sweep()
     assert upkeep.stats.nodes_marked == 1
+
+
+async def test_a_vendor_pod_bound_in_the_ledger_but_never_to_its_node_is_released(
+    ledger: Ledger,
+) -> None:
+    # another vendor's bound pod never expires in the sweep (its plugin allocates
+    # it unseen); one whose Binding never came (the scheduler died between the two)
+    # would hold its cards, and keep the pod from any other node, for ever
+    await ledger.register_node(make_inventory(NODE, gpus=1), rebuilt=True)
+    await ledger.register_node(dcus(NODE, count=1))
+
+    def on_dcu(uid: str) -> Placement:
+        grant = DeviceGrant(uuid=f"DCU-{NODE}-0", memory_mib=1000, cores=10)
+        main = ContainerAssignment(name="main", devices=(grant,), vendor="hygon")
+        return Placement(
+            pod=PodRef(uid=uid, namespace="ns", name=uid), node=NODE, containers=(main,)
+        )
+
+    kube = LocalKubeApi()
+    for uid, node in (("running", NODE), ("pending", None), ("elsewhere", "gpu-2")):
+        await ledger.reserve(on_dcu(uid))
+        await ledger.mark_bound(uid)
+        kube.add_pod(pod_for(on_dcu(uid), "Pending" if node is None else "Running", node))
+    upkeep = Upkeep(ledger, timedelta(seconds=10), timedelta(minutes=5))
+    young = await Reconciler(ledger, kube, upkeep, grace=timedelta(0)).run_once()
+    assert young.released == 0  # within the reservation TTL: the Binding may be coming
+    upkeep = Upkeep(ledger, timedelta(seconds=10), timedelta(0))
+    old = await Reconciler(ledger, kube, upkeep, grace=timedelta(0)).run_once()
+    assert old.released_by == {"expired": 2}
+    found = {uid: await ledger.placement(uid) for uid in ("running", "pending", "elsewhere")}
+    assert {uid: p.state for uid, p in found.items() if p is not None} == {
+        "running": PlacementState.BOUND,
+        "pending": PlacementState.RELEASED,
+        "elsewhere": PlacementState.RELEASED,
+    }
+    [dcu] = await ledger.node_gpus(NODE, vendor="hygon")
+    assert dcu.used.memory_mib == 1000
+
+
+class _StampLost(Ledger):
+    """The ledger, with the next stamp's answer lost (a Redis restarting)."""
+
+    lose = 1
+
+    async def mark_rebuilt(self, node: str, registered: str = "", epoch: str = "") -> bool:
+        if self.lose:
+            self.lose -= 1
+            raise LedgerError("connection lost")
+        return await super().mark_rebuilt(node, registered, epoch)
+
+
+async def test_a_stamp_the_ledger_did_not_answer_counts_as_failed(
+    redis_url: str, prefix: str
+) -> None:
+    """The inventory runs a failed pass again soon: a node whose stamp was lost must
+    not wait for the next periodic pass (hours) to take pods."""
+    ledger = _StampLost.from_url(redis_url, prefix)
+    try:
+        await ledger.register_node(make_inventory(NODE, gpus=1))
+        first = await reconciler(ledger, LocalKubeApi()).run_once()
+        assert (first.stamped, first.waiting, first.failed) == (0, 1, 1)
+        assert (await ledger.rebuild_status())[NODE].rebuilt_at is None
+        again = await reconciler(ledger, LocalKubeApi()).run_once()
+        assert (again.stamped, again.waiting, again.failed) == (1, 0, 0)
+    finally:
+        await ledger.close()

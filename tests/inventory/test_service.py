@@ -19,7 +19,14 @@ from gpuslice_common.bus import Bus
 from gpuslice_common.events import AllocationEvent, CloudEvent, EventType
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import PLACEMENT_ANNOTATION, PlacementState
+from gpuslice_common.models import (
+    PLACEMENT_ANNOTATION,
+    ContainerAssignment,
+    DeviceGrant,
+    Placement,
+    PlacementState,
+    PodRef,
+)
 from gpuslice_common.servers import NatsServer
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.service import Running, running
@@ -27,6 +34,7 @@ from tests.conftest import make_inventory
 from tests.inventory.conftest import announce, settings_for, until
 from tests.rawhttp import post_huge
 from tests.test_ledger import placement
+from tests.test_ledger_vendors import dcus
 
 # ---------------------------------------------------------------- nodes
 
@@ -172,6 +180,40 @@ async def test_reservations_never_allocated_expire(
     assert payload.reason == "expired"
 
 
+async def test_bound_vendor_pods_do_not_expire_their_plugin_allocates_them(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> None:
+    config = settings_for(nats_server, redis_url, prefix, reservation_ttl=0.4)
+    async with running(config, bus, serve_http=False) as state:
+        led = state.ledger
+        await announce(bus, make_inventory("gpu-1", gpus=1))
+        await until(lambda: state.work.registrations == 1)
+        await led.register_node(dcus("gpu-1", count=1))
+
+        def on_dcu(uid: str) -> Placement:
+            grant = DeviceGrant(uuid="DCU-gpu-1-0", memory_mib=1000, cores=10)
+            main = ContainerAssignment(name="main", devices=(grant,), vendor="hygon")
+            return Placement(pod=PodRef(uid=uid), node="gpu-1", containers=(main,))
+
+        await led.reserve(on_dcu("dcu-bound"))
+        await led.mark_bound("dcu-bound")
+        await led.reserve(on_dcu("dcu-stuck"))  # never bound: expires as any other
+        await led.reserve(placement("cuda-bound", "gpu-1", [[(0, 1000, 10)]]))
+        await led.mark_bound("cuda-bound")  # bound, never allocated: expires
+        for _ in range(10):
+            await announce(bus, make_inventory("gpu-1", gpus=1))
+            await asyncio.sleep(0.1)
+        await until(lambda: state.upkeep.stats.released["expired"] == 2, timeout=3)
+        states = {uid: await led.placement(uid) for uid in ("dcu-bound", "dcu-stuck", "cuda-bound")}
+        assert {uid: p.state for uid, p in states.items() if p is not None} == {
+            "dcu-bound": PlacementState.BOUND,
+            "dcu-stuck": PlacementState.RELEASED,
+            "cuda-bound": PlacementState.RELEASED,
+        }
+        [dcu] = await led.node_gpus("gpu-1", vendor="hygon")
+        assert dcu.used.memory_mib == 1000
+
+
 async def test_two_replicas_share_the_work_and_release_once(
     nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, events: list[CloudEvent]
 ) -> None:
@@ -191,7 +233,7 @@ async def test_two_replicas_share_the_work_and_release_once(
                     node = f"gpu-{i % 2 + 1}"
                     await states[0].ledger.reserve(placement(f"p{i}", node, [[(0, 100, 1)]]))
             await asyncio.sleep(0.05)
-        await until(lambda: sum(s.upkeep.stats.released["expired"] for s in states) == 6, timeout=5)
+        await until(lambda: sum(s.upkeep.stats.released["expired"] for s in states) == 6)
         leaders = [s for s in states if s.lease.held]
         assert len(leaders) == 1
         # only the leader exports the cluster's gauges: scraped together, no GPU counts twice

@@ -6,6 +6,7 @@ import sys
 
 from gpuslice_common.bus import BusError
 from gpuslice_common.config import InventorySettings
+from gpuslice_common.devicetypes import DeviceConfigError
 from gpuslice_common.kube import KubeError
 from gpuslice_common.ledger import LedgerError
 from gpuslice_common.service import run_service
@@ -17,7 +18,7 @@ def run() -> int:
         "gpuslice-inventory",
         InventorySettings,
         main,
-        fatal=(KubeError,),
+        fatal=(KubeError, DeviceConfigError),
         failed=(BusError, LedgerError, OSError),
     )
 

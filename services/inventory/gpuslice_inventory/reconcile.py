@@ -12,7 +12,9 @@ One pass reads the ledger, then lists every pod of the cluster, and:
 * **releases** what the ledger holds for a pod that has terminated (reason
   ``pod succeeded`` / ``pod failed``) or no longer exists (``pod deleted``).
   A reservation younger than ``grace`` is left alone: the scheduler may have
-  made it after the list was read;
+  made it after the list was read. A bound pod on another vendor's cards (which
+  never expires in the sweep) whose pod is still not on its node after the
+  reservation TTL is released as ``expired``: its Binding never came;
 * **stamps rebuilt** every node whose registration it read before the list and
   whose restores all got an answer: only then does the node take reservations,
   binds and allocations (``Ledger.mark_rebuilt``). A node that registered after
@@ -47,7 +49,7 @@ from gpuslice_common.ledger import (
 )
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
 from gpuslice_inventory.lifecycle import DELETED, TERMINATED
-from gpuslice_inventory.upkeep import Upkeep
+from gpuslice_inventory.upkeep import EXPIRED, Upkeep
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class ReconcileResult:
     held: int  # live reservations in the ledger before the pass
     restored: int
     released: int
-    failed: int  # restores not done (the node is not registered yet, Redis failed)
+    failed: int  # restores and stamps not done (node not registered yet, Redis failed)
     seconds: float
     released_by: Counter[str] = field(default_factory=Counter)  # by reason
     conflicts: int = 0  # restores refused: the cards hold too much already
@@ -129,6 +131,8 @@ class Reconciler:
                 to_release.append((uid, DELETED))
             elif pod_phase(found) in TERMINATED:
                 to_release.append((uid, TERMINATED[pod_phase(found)]))
+            elif self.upkeep.never_bound_here(placement, pod_node(found), listed_at):
+                to_release.append((uid, EXPIRED))
         # releases before restores: a release the ledger lost (a failover) may
         # hold the room that a restore is to take back
         released: Counter[str] = Counter(
@@ -141,15 +145,18 @@ class Reconciler:
         ]
         outcomes = Counter(outcome for _, outcome in restores)
         unfinished = {node for node, outcome in restores if outcome == "failed"} | unreadable
-        stamped = waiting = 0
+        stamped = waiting = unstamped = 0
         for node, status in nodes.items():
             if status.rebuilt_at is not None:
                 continue
-            if node not in unfinished and await self._stamp(node, status):
+            outcome = "" if node in unfinished else await self._stamp(node, status)
+            if outcome == "stamped":
                 stamped += 1
             else:
                 waiting += 1
-        restored, failed = outcomes["restored"], outcomes["failed"]
+                unstamped += outcome == "error"
+        # a stamp the ledger did not answer is tried again as soon as a failed restore
+        restored, failed = outcomes["restored"], outcomes["failed"] + unstamped
         result = ReconcileResult(
             pods=len(pods),
             held=len(held),
@@ -206,17 +213,20 @@ class Reconciler:
         log.debug("restored the reservation of pod %s on %s", uid, record.node)
         return record.node, "restored"
 
-    async def _stamp(self, node: str, status: NodeRebuild) -> bool:
+    async def _stamp(self, node: str, status: NodeRebuild) -> str:
         """Stamp ``node`` if it is as the pass found it: same registration, and
-        the same epoch (a failover during the pass may have lost its restores)."""
+        the same epoch (a failover during the pass may have lost its restores).
+        ``stamped``; ``changed`` when it is not as found (its new registration
+        gets a pass of its own); ``error`` when the ledger did not answer."""
         try:
             stamped = await self.ledger.mark_rebuilt(node, status.registered, status.epoch)
         except LedgerError as exc:
             log.warning("cannot stamp node %s rebuilt: %s", node, exc)
-            return False
-        if stamped:
-            log.info("node %s is rebuilt: it takes reservations", node)
-        return stamped
+            return "error"
+        if not stamped:
+            return "changed"
+        log.info("node %s is rebuilt: it takes reservations", node)
+        return "stamped"
 
     async def _release(self, item: tuple[str, str]) -> str:
         uid, reason = item

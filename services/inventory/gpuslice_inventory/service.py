@@ -28,9 +28,9 @@ from pydantic import ValidationError
 
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import InventorySettings
-from gpuslice_common.kube import KubeApi, KubernetesApi
+from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi
 from gpuslice_common.ledger import Ledger, LedgerError
-from gpuslice_common.models import NodeInventory, PodEnded
+from gpuslice_common.models import NVIDIA, NodeInventory, PodEnded
 from gpuslice_common.nkeys import KeyPair, Role
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import (
@@ -56,6 +56,7 @@ from gpuslice_inventory.metrics import (
 from gpuslice_inventory.reconcile import Reconciler
 from gpuslice_inventory.telemetry import TelemetryStore
 from gpuslice_inventory.upkeep import SOURCE, Upkeep
+from gpuslice_inventory.vendorsync import VendorSync, load_device_config
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 5.0
@@ -86,6 +87,7 @@ class Running:
     next_reconcile: float = 0.0  # loop time
     # registrations (node -> ``registered@epoch``) a pass has already seen unstamped
     rebuild_seen: dict[str, str] = field(default_factory=dict)
+    vendors: VendorSync | None = None  # other vendors' cards from node annotations
 
     async def on_inventory_message(self, msg: Msg) -> None:
         """A message on ``<prefix>.inventory.<node>``: checked, then registered.
@@ -103,6 +105,9 @@ class Running:
         token = msg.subject.rsplit(".", 1)[-1]
         if node_from_token(token) != inventory.node:
             self._refuse(msg.subject, "subject", f"it describes node {inventory.node}")
+            return
+        if inventory.vendor != NVIDIA:  # other vendors' cards come from node objects only
+            self._refuse(msg.subject, "invalid", f"it lists {inventory.vendor} cards")
             return
         await self.on_inventory(msg.subject, inventory)
 
@@ -162,6 +167,12 @@ class Running:
                 result.stamped,
                 result.waiting,
             )
+
+    async def sync_vendors_if_leader(self) -> None:
+        """Other vendors' cards as their nodes announce them, in the lease holder."""
+        if self.vendors is None or not self.lease.held:
+            return
+        await self.vendors.run_once()
 
     async def _waiting(self) -> dict[str, str]:
         """Registered nodes not stamped rebuilt in this epoch, with their
@@ -297,6 +308,9 @@ async def running(
     (node, pod UID) gives each allocated container its own telemetry credential:
     by default the auth callout's, when it runs; without either, containers get
     none (a NATS without users)."""
+    vendor_types = None  # read first: a bad file stops the start before anything opens
+    if kube is not None and settings.device_config:
+        vendor_types = load_device_config(settings.device_config).announced()
     ledger = Ledger.from_settings(settings)
     telemetry = TelemetryStore(
         ledger.redis,
@@ -346,6 +360,10 @@ async def running(
     if kube is not None:
         state.reconciler = Reconciler(ledger, kube, upkeep, settings.reconcile_grace)
         state.watcher = PodWatcher(kube, upkeep, lambda: lease.held)
+        if vendor_types is not None:
+            state.vendors = VendorSync(
+                ledger, kube, vendor_types, report_timeout=settings.vendor_report_timeout
+            )
     queue = f"{settings.subject_prefix}-inventory"
     subscriptions: list[Subscription] = []
     try:
@@ -388,6 +406,14 @@ async def running(
     ]
     if state.watcher is not None:
         state.tasks.append(asyncio.create_task(state.watcher.run(sweep), name="pod-watch"))
+    if state.vendors is not None:
+        job = every(
+            settings.vendor_interval.total_seconds(),
+            state.sync_vendors_if_leader,
+            "vendor nodes",
+            expected=(LedgerError, KubeError),
+        )
+        state.tasks.append(asyncio.create_task(job, name="vendor-nodes"))
     for task in state.tasks:
         task.add_done_callback(_report_stopped)
     try:

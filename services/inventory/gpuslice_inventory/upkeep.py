@@ -8,7 +8,11 @@
 * **Expiry.** A reservation never allocated within ``reservation_ttl`` (kubelet
   never called Allocate: the bind failed, the pod was deleted before it
   started, the node died) is released with reason ``expired`` and an
-  ``alloc.released`` event: no phantom reservations.
+  ``alloc.released`` event: no phantom reservations. A bound pod on another
+  vendor's cards does not expire (that vendor's plugin allocates it, unseen
+  here): it is released when the pod ends, or by reconciliation, as expired,
+  when the pod is still not on its node after ``reservation_ttl``
+  (:meth:`Upkeep.never_bound_here`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from datetime import datetime, timedelta
 
 from gpuslice_common.events import AllocationEvent, EventType, make_event
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import Placement, PlacementState
+from gpuslice_common.models import NVIDIA, Placement, PlacementState
 from gpuslice_common.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,12 @@ log = logging.getLogger(__name__)
 SOURCE = "gpuslice/inventory"
 MISSED_HEARTBEATS = 3
 EXPIRED = "expired"
+
+
+def _vendor_only(placement: Placement) -> bool:
+    """Whether no container of the placement is on NVIDIA's cards (gpuslice's node
+    agent never allocates it)."""
+    return all(c.vendor != NVIDIA for c in placement.containers)
 
 
 @dataclass
@@ -99,6 +109,20 @@ class Upkeep:
 
     def _expired(self, placement: Placement, now: datetime) -> bool:
         if placement.state not in (PlacementState.RESERVED, PlacementState.BOUND):
+            return False
+        if placement.state is PlacementState.BOUND and _vendor_only(placement):
+            return False  # another vendor's plugin allocates it: released when the pod ends
+        since = placement.reserved_at or placement.bound_at
+        return since is not None and now - since > self.reservation_ttl
+
+    def never_bound_here(self, placement: Placement, pod_node: str | None, now: datetime) -> bool:
+        """Whether a bound pod on another vendor's cards, which the sweep keeps, is
+        ``reservation_ttl`` past its reservation while the pod is not on the
+        placement's node (``pod_node``, the pod's ``spec.nodeName``): its Binding
+        never came, and its cards would be held as long as the pod exists."""
+        if placement.state is not PlacementState.BOUND or not _vendor_only(placement):
+            return False
+        if pod_node == placement.node:
             return False
         since = placement.reserved_at or placement.bound_at
         return since is not None and now - since > self.reservation_ttl
