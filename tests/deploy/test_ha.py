@@ -183,7 +183,7 @@ def denial(i: int) -> Any:
     )
 
 
-async def stored(bus: Bus, event: Any, within: float = 30.0) -> None:
+async def stored(bus: Bus, event: Any, within: float = 90.0) -> None:
     """Publishes ``event`` until the audit stream acknowledges it (the same id:
     stored once however often it is sent)."""
     loop = asyncio.get_running_loop()
@@ -198,7 +198,7 @@ async def stored(bus: Bus, event: Any, within: float = 30.0) -> None:
             await asyncio.sleep(0.2)
 
 
-async def trail(auditor: Bus, within: float = 30.0) -> list[Any]:
+async def trail(auditor: Bus, within: float = 90.0) -> list[Any]:
     """The audit trail, read again while JetStream's API does not answer (its
     leader among the members is being elected again)."""
     loop = asyncio.get_running_loop()
@@ -215,7 +215,7 @@ async def trail(auditor: Bus, within: float = 30.0) -> list[Any]:
 async def test_three_nats_members_keep_the_audit_trail_with_one_lost(tmp_path: Path) -> None:
     issuer = KeyPair.generate(Role.ACCOUNT)
     with nats_cluster(tmp_path, issuer) as members:
-        await until(lambda: all(m.healthy() for m in members), timeout=30)
+        await until(lambda: all(m.healthy() for m in members), timeout=90)
         # the clients' list of members, as the manifests give it
         job = manifest("Job", "gpuslice-audit-init")["spec"]["template"]["spec"]
         env = {e["name"]: e.get("value") for e in job["containers"][0]["env"]}
@@ -267,8 +267,8 @@ async def test_three_nats_members_keep_the_audit_trail_with_one_lost(tmp_path: P
                 await webhook.publish_acked(late, timeout=2.0)
             # one back, and the trail goes on where it stopped
             leader.server.start()
-            await stored(webhook, late, within=60)
-            await until(lambda: any(m.healthy() for m in members if m.server.running), 30)
+            await stored(webhook, late, within=90)
+            await until(lambda: any(m.healthy() for m in members if m.server.running), 90)
             # The refused event, sent again with its id, is in the trail once
             # (the stream's duplicate window), after all the others.
             events = await trail(auditor)
@@ -291,7 +291,7 @@ async def test_members_refuse_a_route_without_the_route_password(tmp_path: Path)
             return int(json.load(answer)["num_routes"])
 
     with nats_cluster(tmp_path, issuer) as members:
-        await until(lambda: routes(members[0]) > 0, 15)
+        await until(lambda: routes(members[0]) > 0, 60)
         intruder = NatsMember(3, NatsServer(tmp_path / "intruder"), free_port(), free_port())
         intruder.server.config = member_config(intruder, intruder.server.workdir)
         env = member_env(0, issuer, members)
@@ -300,7 +300,7 @@ async def test_members_refuse_a_route_without_the_route_password(tmp_path: Path)
         intruder.server.env = env
         with intruder.server:
             log = intruder.server.log_path
-            await until(lambda: "Authorization Violation" in log.read_text(), 15)
+            await until(lambda: "Authorization Violation" in log.read_text(), 60)
             assert routes(intruder) == 0
 
 
@@ -532,10 +532,10 @@ async def test_the_ledger_goes_on_when_its_primary_is_lost(tmp_path: Path) -> No
     with redis_members(tmp_path) as members:
         try:
             # no sentinel answered at start: the first member is the primary
-            await until(lambda: primary(members), timeout=30)
+            await until(lambda: primary(members), timeout=60)
             assert await primary(members) == members[0].address
-            await until(lambda: ready(members), timeout=30)
-            await until(lambda: replicas_known(members, 2), timeout=30)
+            await until(lambda: ready(members), timeout=60)
+            await until(lambda: replicas_known(members, 2), timeout=60)
             await the_sentinels_tell_clients_only_where_the_primary_is(members[0])
             # the inventory, with its Deployment's own settings: it asks a
             # sentinel, then writes on the primary named
@@ -559,7 +559,7 @@ async def test_the_ledger_goes_on_when_its_primary_is_lost(tmp_path: Path) -> No
                         "gpuslice",
                     )
                     try:
-                        await until(lambda r=replica: nodes_are(r, ["node-1"]), timeout=10)
+                        await until(lambda r=replica: nodes_are(r, ["node-1"]), timeout=60)
                     finally:
                         await replica.close()
                 # the primary's pod is lost: the two sentinels left make a replica the
@@ -569,7 +569,7 @@ async def test_the_ledger_goes_on_when_its_primary_is_lost(tmp_path: Path) -> No
                 async def moved(left: list[RedisMember], old: str) -> bool:
                     return await primary(left) not in (None, old)
 
-                await until(lambda: moved(members[1:], members[0].address), timeout=30)
+                await until(lambda: moved(members[1:], members[0].address), timeout=60)
                 new = await primary(members[1:])
                 assert new in (members[1].address, members[2].address)
 
@@ -583,7 +583,7 @@ async def test_the_ledger_goes_on_when_its_primary_is_lost(tmp_path: Path) -> No
                         return True
                     return False
 
-                await until(written, timeout=30)
+                await until(written, timeout=60)
                 assert await inventory.nodes() == ["node-1", "node-2"]
                 # the extender, with its own settings, finds the new primary too
                 scheduler = Ledger.from_settings(service_settings(members, "scheduler"), retries=2)
@@ -593,14 +593,14 @@ async def test_the_ledger_goes_on_when_its_primary_is_lost(tmp_path: Path) -> No
                     await scheduler.close()
                 # the member comes back and, asking the sentinels, a replica of the new one
                 members[0].start()
-                await until(lambda: ready(members), timeout=30)
-                await until(lambda: replicas_known(members, 2), timeout=30)
+                await until(lambda: ready(members), timeout=60)
+                await until(lambda: replicas_known(members, 2), timeout=60)
                 assert "the sentinels name " + new in members[0].log()
                 # a primary that is stopped hands over first (its preStop)
                 (leaving,) = [m for m in members if m.address == new]
                 assert await asyncio.to_thread(leaving.probe, "redis", "", True)
-                await until(lambda: moved(members, new), timeout=10)
-                await until(written, timeout=30)
+                await until(lambda: moved(members, new), timeout=60)
+                await until(written, timeout=60)
                 assert await inventory.nodes() == ["node-1", "node-2"]
             finally:
                 await inventory.close()
@@ -822,8 +822,8 @@ async def test_the_redis_cluster_component_runs_the_ledger_and_survives_losing_a
         for member in members:
             member.start()
         assert "All 16384 slots covered" in create()
-        await until(state_ok, timeout=30)
-        await until(ready, timeout=30)
+        await until(state_ok, timeout=60)
+        await until(ready, timeout=60)
         # the services' users run the ledger on the cluster
         inventory = ledger("inventory")
         scheduler = ledger("scheduler")
@@ -842,7 +842,7 @@ async def test_the_redis_cluster_component_runs_the_ledger_and_survives_losing_a
             ]
             assert len(primaries) == 3
             primaries[0].stop(kill=True)
-            await until(lambda: registered(inventory, nodes), timeout=30)
+            await until(lambda: registered(inventory, nodes), timeout=60)
         finally:
             await inventory.close()
             await scheduler.close()
@@ -854,7 +854,7 @@ async def test_the_redis_cluster_component_runs_the_ledger_and_survives_losing_a
         for member in members:
             member.start()
         await until(state_ok, timeout=60)
-        await until(ready, timeout=30)
+        await until(ready, timeout=60)
         operator = ledger("operator")
         try:
             assert await operator.nodes() == nodes
@@ -870,7 +870,7 @@ async def test_the_redis_cluster_component_runs_the_ledger_and_survives_losing_a
         shutil.rmtree(replaced.directory / "data")
         replaced.start()
         assert f"{replaced.address} joins as a replica" in create()
-        await until(ready, timeout=30)
+        await until(ready, timeout=60)
         assert redis_cli(replaced.address, port, "probe", "role").startswith("slave")
     except BaseException:
         for member in members:

@@ -912,6 +912,8 @@ HAMI_KNOBS = [
     "deviceCoreScaling",
     "gpuCorePolicy",
     "libCudaLogLevel",
+    "migStrategy",
+    "migProfileAllowlist",
 ]
 
 

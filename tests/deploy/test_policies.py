@@ -351,6 +351,32 @@ def test_writing_the_placement_of_a_waiting_pod_is_allowed() -> None:
     assert refusals(bare, first) == []
 
 
+def test_writing_what_hami_s_vendor_plugins_read_at_bind_is_allowed() -> None:
+    """A pod on another vendor's cards gets, beside its placement, the annotations
+    HAMi's vendor plugins read at Allocate (gpuslice_scheduler.hamivendor)."""
+    from gpuslice_scheduler import hamivendor
+
+    old = waiting_pod()
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"] |= {
+        PLACEMENT_ANNOTATION: "{}",
+        hamivendor.NODE: "n1",
+        hamivendor.BIND_TIME: "1700000000",
+        hamivendor.BIND_PHASE: hamivendor.ALLOCATING,
+        "hami.io/dcu-devices-to-allocate": "DCU-0,DCU,1000,10:;",
+        "hami.io/dcu-devices-allocated": "DCU-0,DCU,1000,10:;",
+    }
+    assert refusals(old, new) == []
+    for key in (
+        "hami.io/mutex.lock",
+        "hami.io/dcu-devices-to-allocate-x",
+        "x.io/a-devices-allocated",
+    ):
+        other = copy.deepcopy(new)
+        other["metadata"]["annotations"][key] = "1"
+        assert any("no annotation but" in m for m in refusals(old, other)), key
+
+
 @pytest.mark.parametrize(
     ("change", "refused"),
     [
@@ -379,6 +405,107 @@ def test_a_bound_pod_s_placement_cannot_be_rewritten() -> None:
     new = copy.deepcopy(old)
     new["metadata"]["annotations"][PLACEMENT_ANNOTATION] = '{"node": "n2"}'
     assert any("once it is bound" in m for m in refusals(old, new))
+
+
+def placement_guard() -> tuple[Any, list[tuple[str, Any]]]:
+    policy = find("ValidatingAdmissionPolicy", "gpuslice-placements-by-the-scheduler-only")
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert (rule["operations"], rule["resources"]) == (["UPDATE"], ["pods"])
+    binding = find("ValidatingAdmissionPolicyBinding", policy["metadata"]["name"])
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    (condition,) = spec["matchConditions"]
+    checks = [(v["message"], program(v["expression"])) for v in spec["validations"]]
+    return program(condition["expression"]), checks
+
+
+def test_only_the_scheduler_writes_a_pod_s_placement() -> None:
+    """The reconciliation restores a bound pod's reservation from this annotation
+    when the ledger lacks it: a tenant who wrote one on its own running pod (its
+    UID is known once the pod exists) would book cards, or MIG slices, it was never
+    given, at the next pass."""
+    guard, checks = placement_guard()
+    assert not run(guard, request={"userInfo": {"username": SCHEDULER_SA}})
+    assert run(guard, request={"userInfo": {"username": "system:serviceaccount:team-a:default"}})
+
+    def refused(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+        return [m for m, check in checks if not run(check, object=new, oldObject=old)]
+
+    running = waiting_pod()
+    running["spec"]["nodeName"] = "n1"
+    forged = copy.deepcopy(running)
+    forged["metadata"]["annotations"][PLACEMENT_ANNOTATION] = '{"node": "n1"}'
+    assert any("gpuslice.io/placement" in m for m in refused(running, forged))
+    bare = copy.deepcopy(running)
+    del bare["metadata"]["annotations"]
+    first = copy.deepcopy(bare)
+    first["metadata"]["annotations"] = {PLACEMENT_ANNOTATION: "{}"}
+    assert refused(bare, first)
+    placed = copy.deepcopy(forged)
+    changed = copy.deepcopy(placed)
+    changed["metadata"]["annotations"][PLACEMENT_ANNOTATION] = '{"node": "n1", "more": 1}'
+    assert refused(placed, changed)
+    removed = copy.deepcopy(placed)
+    del removed["metadata"]["annotations"][PLACEMENT_ANNOTATION]
+    assert refused(placed, removed)
+    # anything else a tenant or a controller changes on its pod passes
+    relabelled = copy.deepcopy(placed)
+    relabelled["metadata"]["labels"]["app"] = "other"
+    relabelled["metadata"]["annotations"]["team"] = "b"
+    assert refused(placed, relabelled) == []
+    assert refused(running, bare) == []
+
+
+VGPU_NODE = "hami.io/vgpu-node"
+
+
+def test_only_the_scheduler_names_a_pod_s_node_for_hami_s_vendor_plugins() -> None:
+    """HAMi's vendor plugins, at Allocate, take the devices of a pending pod on
+    their node whose hami.io/vgpu-node names the node (gpuslice writes it at bind).
+    A tenant's pod started with spec.nodeName (no GPU resource: the webhook never
+    sees it), kept pending and carrying that annotation with cards of its choosing,
+    could be taken instead of the pod being admitted, which would get those cards
+    and limits."""
+    policy = find("ValidatingAdmissionPolicy", "gpuslice-hami-node-by-the-scheduler-only")
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert (sorted(rule["operations"]), rule["resources"]) == (["CREATE", "UPDATE"], ["pods"])
+    binding = find("ValidatingAdmissionPolicyBinding", policy["metadata"]["name"])
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    (condition,) = spec["matchConditions"]
+    guard = program(condition["expression"])
+    assert not run(guard, request={"userInfo": {"username": SCHEDULER_SA}})
+    assert run(guard, request={"userInfo": {"username": "system:serviceaccount:team-a:default"}})
+    (check,) = [program(v["expression"]) for v in spec["validations"]]
+
+    def allowed(operation: str, new: dict[str, Any], old: dict[str, Any] | None) -> bool:
+        return run(check, request={"operation": operation}, object=new, oldObject=old)
+
+    decoy = waiting_pod()
+    decoy["spec"]["nodeName"] = "n1"
+    assert allowed("CREATE", decoy, None)
+    forged = copy.deepcopy(decoy)
+    forged["metadata"]["annotations"][VGPU_NODE] = "n1"
+    assert not allowed("CREATE", forged, None)
+    assert not allowed("UPDATE", forged, decoy)  # added
+    bare = copy.deepcopy(decoy)
+    del bare["metadata"]["annotations"]
+    assert allowed("CREATE", bare, None)
+    first = copy.deepcopy(bare)
+    first["metadata"]["annotations"] = {VGPU_NODE: "n1"}
+    assert not allowed("UPDATE", first, bare)
+    moved = copy.deepcopy(forged)
+    moved["metadata"]["annotations"][VGPU_NODE] = "n2"
+    assert not allowed("UPDATE", moved, forged)  # changed
+    assert not allowed("UPDATE", decoy, forged)  # removed
+    # what HAMi's plugins change after the scheduler's bind, and anything else, passes
+    phase = copy.deepcopy(forged)
+    phase["metadata"]["annotations"]["hami.io/bind-phase"] = "success"
+    phase["metadata"]["labels"]["app"] = "other"
+    assert allowed("UPDATE", phase, forged)
+    assert allowed("UPDATE", bare, decoy)
 
 
 # ---------------------------------------------------------------- network

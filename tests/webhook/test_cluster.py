@@ -41,6 +41,7 @@ from tests.webhook.conftest import (
     review,
     settings,
 )
+from tests.webhook.test_vendors import VENDORS
 
 NS = "team-a"
 
@@ -168,6 +169,7 @@ async def test_memory_quota_counts_running_pods_and_placements() -> None:
         running_pod("other-ns", {MEM: "9000"}) | {"metadata": {"name": "x", "namespace": "b"}}
     )
     placed = running_pod("placed", {GPU: 1, MEM_PCT: "50"})
+    placed["metadata"]["uid"] = "u-placed"
     record = Placement(
         pod=PodRef(uid="u-placed", namespace=NS, name="placed"),
         node="n1",
@@ -408,3 +410,67 @@ async def test_namespace_cache_does_not_keep_failures() -> None:
         await cache.quotas(NS)
     assert await cache.quotas(NS) == []
     assert calls == 2
+
+
+async def test_a_placement_claiming_another_vendor_still_counts_an_nvidia_pod() -> None:
+    # a pod's annotations are its owner's to edit: a record naming another vendor
+    # must not take a pod asking for NVIDIA's cards out of NVIDIA's quotas
+    kube = LocalKubeApi()
+    kube.add_resource_quota(NS, quota("gpu", **{"limits.nvidia.com/gpumem": "10000"}))
+    placed = running_pod("placed", {GPU: 1, MEM: "9000"})
+    placed["metadata"]["uid"] = "u-placed"
+    record = Placement(
+        pod=PodRef(uid="u-placed", namespace=NS, name="placed"),
+        node="n1",
+        containers=(
+            ContainerAssignment(
+                name="main",
+                vendor="hygon",
+                devices=(DeviceGrant(uuid="GPU-1", memory_mib=9000, cores=0),),
+            ),
+        ),
+    )
+    placed["metadata"]["annotations"] = {PLACEMENT_ANNOTATION: record.to_annotation()}
+    kube.add_pod(placed)
+    over = await admit_with(review(pod(container("main", {MEM: "3000"}))), kube)
+    assert over["allowed"] is False
+    assert "used: limits.nvidia.com/gpumem=9000" in over["status"]["message"]
+
+
+async def test_a_pod_asking_for_another_vendors_cards_is_not_counted() -> None:
+
+    kube = LocalKubeApi()
+    kube.add_resource_quota(NS, quota("gpu", **{"limits.nvidia.com/gpumem": "10000"}))
+    kube.add_pod(running_pod("dcu", {"hygon.com/dcunum": 1, "hygon.com/dcumem": 9000}))
+    fits = await admit_with(review(pod(container("main", {MEM: "3000"}))), kube, requests=VENDORS)
+    assert fits["allowed"] is True
+    # without the device configuration its resources are no GPU request either
+    fits = await admit_with(review(pod(container("main", {MEM: "3000"}))), kube)
+    assert fits["allowed"] is True
+    kube.add_pod(running_pod("gpu", {GPU: 1, MEM: "8000"}))
+    over = await admit_with(review(pod(container("main", {MEM: "3000"}))), kube, requests=VENDORS)
+    assert over["allowed"] is False
+    assert "used: limits.nvidia.com/gpumem=8000" in over["status"]["message"]
+
+
+async def test_a_placement_made_for_another_pod_is_not_counted() -> None:
+    # only the scheduler may change the annotation, but a pod may be created with
+    # one: its UID, given by the API server, cannot be one the scheduler placed
+    kube = LocalKubeApi()
+    kube.add_resource_quota(NS, quota("gpu", **{"limits.nvidia.com/gpumem": "10000"}))
+    pending = running_pod("pending", {GPU: 1, MEM: "9000"}, phase="Pending")
+    pending["metadata"]["uid"] = "u-pending"
+    record = Placement(
+        pod=PodRef(uid="u-other", namespace=NS, name="pending"),
+        node="n1",
+        containers=(
+            ContainerAssignment(
+                name="main", devices=(DeviceGrant(uuid="GPU-1", memory_mib=1, cores=0),)
+            ),
+        ),
+    )
+    pending["metadata"]["annotations"] = {PLACEMENT_ANNOTATION: record.to_annotation()}
+    kube.add_pod(pending)
+    over = await admit_with(review(pod(container("main", {MEM: "3000"}))), kube)
+    assert over["allowed"] is False
+    assert "used: limits.nvidia.com/gpumem=9000" in over["status"]["message"]

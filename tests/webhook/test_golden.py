@@ -138,18 +138,46 @@ GOLDEN = [
         id="bare-count-ignores-defaults",
     ),
     pytest.param(
-        # gpumem 0 is "not set", so this is a count alone: whole cards.
+        # gpumem 0 is "not set": the defaults fill memory and cores, as in HAMi (a
+        # memory resource present, even 0, keeps the card shared).
         pod(container("main", {GPU: "1", MEM: "0"})),
         pod(
-            container(
-                "main",
-                {GPU: "1", MEM: "0", CORES: "100", MEM_PCT: "100"},
-                env=gpu_env("main"),
-            ),
+            container("main", {GPU: "1", MEM: "2048", CORES: "20"}, env=gpu_env("main")),
             schedulerName=SCHED,
         ),
         DEFAULTS,
         id="bare-count-with-gpumem-0",
+    ),
+    pytest.param(
+        # gpumem-percentage 0 is "not set" too, never a limit of 0 MiB (no limit).
+        pod(container("main", {GPU: "1", MEM_PCT: "0"})),
+        pod(
+            container("main", {GPU: "1", MEM_PCT: "100", CORES: "0"}, env=gpu_env("main")),
+            schedulerName=SCHED,
+        ),
+        {},
+        id="percentage-0-is-unset",
+    ),
+    pytest.param(
+        pod(container("main", {GPU: "1", MEM_PCT: "0"})),
+        pod(
+            container(
+                "main", {GPU: "1", MEM_PCT: "0", MEM: "2048", CORES: "20"}, env=gpu_env("main")
+            ),
+            schedulerName=SCHED,
+        ),
+        DEFAULTS,
+        id="percentage-0-takes-default-mem",
+    ),
+    pytest.param(
+        # the whole memory without cores: the card alone, as HAMi's webhook makes it
+        pod(container("main", {MEM_PCT: "100"})),
+        pod(
+            container("main", {MEM_PCT: "100", GPU: "1", CORES: "100"}, env=gpu_env("main")),
+            schedulerName=SCHED,
+        ),
+        DEFAULTS,
+        id="percentage-100-is-exclusive",
     ),
     pytest.param(
         # gpumem 0 is "not set" but brings the default count; memory is the whole card.

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gpuslice_common.config import WebhookSettings
-from gpuslice_common.models import ContainerGpuRequest, PodGpuRequest
+from gpuslice_common.models import NVIDIA, ContainerGpuRequest, PodGpuRequest
 from gpuslice_common.requests import RequestError, has_gpu_request, parse_pod, parse_quantity
 from gpuslice_webhook.patch import Patch
 
@@ -149,7 +149,9 @@ class Mutator:
         patch = Patch()
         for container in self._containers(spec, request):
             env = self._env(container)
-            if container.request is None:
+            if container.request is None or container.request.vendor != NVIDIA:
+                # NVIDIA's cards are hidden from another vendor's container too (its
+                # vendor's device plugin reads its own resources as they are)
                 self._hide_gpus(container, env, patch)
                 continue
             self._check_gpu_container(container, env)
@@ -262,7 +264,7 @@ class Mutator:
 
     def _write_resources(self, container: _Container, patch: Patch) -> None:
         """State count, memory and cores in limits (and in requests when it lists GPU
-        resources), writing only what is missing or a "not set" gpumem of 0."""
+        resources), writing only what is missing or a "not set" memory of 0."""
         request = container.request
         assert request is not None
         names = self.names
@@ -281,7 +283,9 @@ class Mutator:
                 continue
             have = current if isinstance(current, Mapping) else {}
             missing = {
-                key: value for key, value in explicit.items() if _unset(have, key, names.memory)
+                key: value
+                for key, value in explicit.items()
+                if _unset(have, key, (names.memory, names.memory_percentage))
             }
             path = (*container.path, "resources", part)
             if not isinstance(current, Mapping):
@@ -317,9 +321,9 @@ class Mutator:
             if "valueFrom" in var or not isinstance(value, str) or value not in NO_GPU_VALUES:
                 setting = " from valueFrom" if "valueFrom" in var else f"={value}"
                 raise Denied(
-                    f"{container.label} asks for no GPU but sets {VISIBLE_DEVICES}{setting}, "
-                    "which would show it this node's GPUs outside any limit. Ask for a GPU "
-                    f"with {self.names.gpu} or remove the variable"
+                    f"{container.label} asks for no NVIDIA GPU but sets "
+                    f"{VISIBLE_DEVICES}{setting}, which would show it this node's GPUs "
+                    f"outside any limit. Ask for a GPU with {self.names.gpu} or remove the variable"
                 )
         if shown or not self.settings.hide_gpus_from_other_containers:
             return
@@ -366,11 +370,12 @@ class Mutator:
         ]
 
 
-def _unset(have: Mapping[str, Any], key: str, memory: str) -> bool:
-    """True when ``key`` must be written: absent, or a gpumem of 0 ("not set")."""
+def _unset(have: Mapping[str, Any], key: str, memory: tuple[str, str]) -> bool:
+    """True when ``key`` must be written: absent, or a gpumem or gpumem-percentage
+    of 0 ("not set")."""
     if key not in have:
         return True
-    return key == memory and parse_quantity(have[key]) == 0  # parse_pod has read it
+    return key in memory and parse_quantity(have[key]) == 0  # parse_pod has read it
 
 
 def _same_var(var: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:

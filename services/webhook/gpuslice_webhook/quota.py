@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from gpuslice_common.config import RequestSettings
-from gpuslice_common.models import PLACEMENT_ANNOTATION, ContainerGpuRequest, Placement
+from gpuslice_common.kube import object_uid
+from gpuslice_common.models import (
+    NVIDIA,
+    PLACEMENT_ANNOTATION,
+    ContainerGpuRequest,
+    Placement,
+    PodGpuRequest,
+)
 from gpuslice_common.requests import RequestError, parse_pod, parse_quantity
 from gpuslice_webhook.mutation import Denied
 
@@ -63,6 +70,8 @@ def request_demand(containers: Iterable[ContainerGpuRequest]) -> Demand:
     cores = {"sidecars": 0, "apps": 0, "peak": 0}
     unpriced: list[ContainerGpuRequest] = []
     for container in containers:
+        if container.vendor != NVIDIA:
+            continue  # NVIDIA's resources are the ones quotas name
         mib = container.memory.mib
         if mib is None:
             unpriced.append(container)
@@ -82,26 +91,37 @@ def request_demand(containers: Iterable[ContainerGpuRequest]) -> Demand:
     return Demand(memory["peak"], cores["peak"], tuple(unpriced))
 
 
-def placed_demand(annotation: str) -> Demand:
-    """What a placed pod holds, from its placement annotation. Raises ValueError."""
-    footprint = Placement.from_annotation(annotation).footprint().values()
+def placed_demand(annotation: str, uid: str) -> Demand:
+    """What the pod ``uid`` holds, from its placement annotation. Raises ValueError,
+    also for a record of another pod (one written into the pod when it was created:
+    the API server gives the UID, so the scheduler never placed a pod of that UID)."""
+    placement = Placement.from_annotation(annotation)
+    if placement.pod.uid != uid:
+        raise ValueError(f"the placement is pod {placement.pod.uid[:64]!r}'s")
+    footprint = placement.footprint().values()
     return Demand(sum(f.memory_mib for f in footprint), sum(f.cores for f in footprint))
 
 
 def pod_demand(pod: Mapping[str, Any], settings: RequestSettings) -> Demand:
-    """What an existing pod counts against its namespace's quota (0 if unreadable)."""
+    """What an existing pod counts against its namespace's quota (0 if unreadable).
+
+    Whether it asks for another vendor's cards (not counted) is read from its spec,
+    which cannot change, never from its placement annotation, which its owner may edit.
+    """
+    try:
+        request: PodGpuRequest | None = parse_pod(pod, settings)
+    except RequestError:
+        request = None
+    if request is not None and request.vendor != NVIDIA:
+        return Demand()  # another vendor's cards: NVIDIA's quotas do not count them
     metadata = pod.get("metadata")
     annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
     placement = annotations.get(PLACEMENT_ANNOTATION) if isinstance(annotations, Mapping) else None
     if isinstance(placement, str):
         try:
-            return placed_demand(placement)
-        except ValueError:
-            log.debug("unreadable placement annotation; counting the pod's requests")
-    try:
-        request = parse_pod(pod, settings)
-    except RequestError:
-        return Demand()
+            return placed_demand(placement, object_uid(pod))
+        except ValueError as exc:
+            log.debug("placement annotation not used (%s); counting the pod's requests", exc)
     return Demand() if request is None else request_demand(request.containers)
 
 

@@ -14,6 +14,7 @@ import uvicorn
 from prometheus_client import generate_latest
 
 from gpuslice_common.config import WebhookSettings
+from gpuslice_common.devicetypes import read_vendors
 from gpuslice_common.kube import KubeApi, KubernetesApi, LocalKubeApi
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.service import bound_port, http_server, metrics_server
@@ -117,6 +118,7 @@ async def _stop(task: asyncio.Task[None]) -> None:
 
 async def main(settings: WebhookSettings) -> None:
     """Serve until SIGTERM or SIGINT. NATS being down never holds admission up."""
+    settings = read_vendors(settings)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         # uvicorn handles the signal while it serves, then raises it again once it
