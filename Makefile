@@ -88,8 +88,9 @@ proto: $(STAMP)
 	cd services/deviceplugin && PATH="$(abspath $(BIN)):$$PATH" "$(abspath $(BIN))/python" -m grpc_tools.protoc \
 		-I . --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTO)
 
+# the tests in two worker processes (a file's tests stay together, sharing its servers)
 test: deps lint native
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 demo: deps
 	@echo "make: building the interposer, the fake CUDA driver and NVML, the probe"

@@ -32,8 +32,13 @@ QUOTED = {
     "auth callout: cannot answer": ["troubleshooting.md"],
     "registration with kubelet failed": ["troubleshooting.md"],
     "waiting for kubelet's socket": ["troubleshooting.md"],
-    "is in MIG mode and cannot be shared": ["troubleshooting.md", "migrating-from-hami.md"],
+    "is in MIG mode and migStrategy is none: left out": [
+        "troubleshooting.md",
+        "migrating-from-hami.md",
+    ],
+    "cannot make the container's MIG instance": ["troubleshooting.md"],
     "unhealthy until restart": ["troubleshooting.md"],
+    "(is the MPS control daemon running?)": ["troubleshooting.md", "hami.md"],
     "node configuration not reloaded; keeping the last good one": ["troubleshooting.md"],
     "inventory not published": ["troubleshooting.md"],
     "NATS still unreachable": ["troubleshooting.md"],
@@ -51,6 +56,8 @@ QUOTED = {
     "took the lease": ["troubleshooting.md"],
     "gpuslice-audit-init": ["troubleshooting.md", "upgrade.md"],
     "gpuslice-scheduler-writes-placements-only": ["uninstall.md"],
+    "gpuslice-placements-by-the-scheduler-only": ["uninstall.md", "install.md"],
+    "gpuslice-hami-node-by-the-scheduler-only": ["uninstall.md", "install.md"],
 }
 
 

@@ -6,17 +6,22 @@ For each pod spec, :meth:`ClusterDriver.run_pod`:
 1. sends an AdmissionReview (``admission.k8s.io/v1``, CREATE) to the webhook and
    applies the JSON patch it answers, or stops with the webhook's refusal;
 2. stores the pod in the API server (``Pending``);
-3. calls the extender's ``filter``, ``prioritize`` and ``bind`` as
+3. does kube-scheduler's resource fit for the device-plugin resources the
+   extender does not manage (``nvidia.com/mig-3g.20gb`` of static MIG): only
+   nodes whose kubelet holds a plugin of each with enough free healthy devices
+   are candidates, and with none the pod is ``Unschedulable`` with
+   kube-scheduler's "Insufficient <resource>"; then calls the extender's
+   ``filter`` (on the candidates), ``prioritize`` and ``bind`` as
    kube-scheduler does (``nodeCacheCapable``: node names only), and takes the
    best-scored node; the bind goes through the API server (a pod that names
    another scheduler, which this stack does not run, stays ``Pending`` and is
-   reported so; one for kube-scheduler's default goes to the first node). Where
-   the extender
-   runs as several replicas, the calls are spread over them in turn, as a
-   Service in front of them does, and a call that finds one down goes to the
-   next;
-4. as the node's kubelet, asks the device plugin over gRPC to Allocate the
-   replicas of every container that wants ``nvidia.com/gpu``;
+   reported so; one for kube-scheduler's default goes to the first candidate).
+   Where the extender runs as several replicas, the calls are spread over them
+   in turn, as a Service in front of them does, and a call that finds one down
+   goes to the next;
+4. as the node's kubelet, asks each resource's device plugin over gRPC to
+   Allocate what every container asks of it (``nvidia.com/gpu`` and any other
+   device-plugin resource), merging one container's responses as kubelet does;
 5. runs each container's ``command`` + ``args`` as a local process with the
    environment kubelet would give it: the container's own variables (downward
    API fields resolved), the Allocate response's, with every mount applied by
@@ -52,8 +57,9 @@ import grpc
 import httpx
 
 from gpuslice_cli.dev.kubelet import Plugin
-from gpuslice_cli.dev.stack import NATIVE_BUILD, NodeSpec, Stack
+from gpuslice_cli.dev.stack import NATIVE_BUILD, NodeSpec, Stack, StackError
 from gpuslice_common.bus import Bus
+from gpuslice_common.config import ResourceNames
 from gpuslice_common.grant import GRANT_DIR
 from gpuslice_common.kube import PodNotFound
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PodEnded, PodRef, utcnow
@@ -66,6 +72,11 @@ DEFAULT_SCHEDULER = "default-scheduler"
 GPUSLICE_SCHEDULER = "gpuslice-scheduler"
 PRELOAD = "/etc/ld.so.preload"
 CONTAINER_TIMEOUT_S = 120.0
+# the resources the extender manages and kube-scheduler leaves to it
+# (managedResources, ignoredByScheduler: k8s/cpu-pods/scheduler-config.yaml)
+MANAGED = frozenset(ResourceNames().all())
+# devices of one extended resource a container may ask here
+MAX_EXTENDED = 64
 # how long a step is tried again while a component restarts
 RETRY_FOR_S = 60.0
 RETRY_FIRST_S = 0.2
@@ -91,6 +102,8 @@ class ContainerRun:
     output: str = ""
     env: dict[str, str] = field(default_factory=dict)  # what Allocate gave
     devices: tuple[str, ...] = ()  # kubelet's replica IDs
+    # the device IDs of every other device-plugin resource, by resource
+    extended: dict[str, tuple[str, ...]] = field(default_factory=dict)
     log_path: Path | None = None  # its output, kept once it has run
 
     def tail(self, lines: int = 20) -> str:
@@ -144,11 +157,59 @@ def apply_patch(document: Any, operations: Sequence[Mapping[str, Any]]) -> Any:
 
 
 def _gpus(container: Mapping[str, Any]) -> int:
-    limits = (container.get("resources") or {}).get("limits") or {}
-    try:
-        return int(str(limits.get(GPU_RESOURCE, 0)))
-    except ValueError:
-        return 0
+    return _extended(container).get(GPU_RESOURCE, 0)
+
+
+def _extended(container: Mapping[str, Any]) -> dict[str, int]:
+    """The extended resources (domain-qualified, outside kubernetes.io) a
+    container asks, by name: its limits, else its requests (kubelet takes them
+    alike for these); a count that is not a whole number from 1 to
+    MAX_EXTENDED counts as 0, as the API server would have refused the pod."""
+    resources = container.get("resources") or {}
+    asked = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+    out = {}
+    for name, value in asked.items():
+        name = str(name)
+        if "/" not in name or name.partition("/")[0].endswith("kubernetes.io"):
+            continue
+        try:
+            count = int(str(value))
+        except ValueError:
+            continue
+        if 0 < count <= MAX_EXTENDED:
+            out[name] = count
+    return out
+
+
+def pod_needs(pod: Mapping[str, Any]) -> dict[str, int]:
+    """The device-plugin resources a pod needs on its node, as kube-scheduler
+    counts them: the app containers' sum, or an init container's need where
+    larger (they run one by one). The resources the extender manages
+    (``ignoredByScheduler``) are left to it."""
+    spec = pod.get("spec") or {}
+    need: dict[str, int] = {}
+    for container in spec.get("containers") or []:
+        for name, count in _extended(container).items():
+            need[name] = need.get(name, 0) + count
+    for container in spec.get("initContainers") or []:
+        for name, count in _extended(container).items():
+            need[name] = max(need.get(name, 0), count)
+    return {name: count for name, count in need.items() if name not in MANAGED}
+
+
+def merge_responses(
+    responses: Sequence[pb.ContainerAllocateResponse],
+) -> pb.ContainerAllocateResponse:
+    """One container's Allocate responses from several plugins, as kubelet
+    merges them: variables (a later one wins), mounts, devices and annotations together."""
+    merged = pb.ContainerAllocateResponse()
+    for response in responses:
+        merged.envs.update(response.envs)
+        merged.mounts.extend(response.mounts)
+        merged.devices.extend(response.devices)
+        merged.annotations.update(response.annotations)
+        merged.cdi_devices.extend(response.cdi_devices)
+    return merged
 
 
 def _rewrite(value: str, mounts: Sequence[pb.Mount]) -> str:
@@ -256,14 +317,20 @@ class ClusterDriver:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
 
-    async def _allocate(self, node: str, count: int) -> tuple[Plugin, pb.ContainerAllocateResponse]:
-        """Allocate through the node's plugin as its kubelet holds it now; a
-        plugin that restarts re-registers, and the call is made again."""
+    async def _allocate(
+        self, node: str, count: int, resource: str = GPU_RESOURCE
+    ) -> tuple[Plugin, pb.ContainerAllocateResponse]:
+        """Allocate through the node's plugin of ``resource`` as its kubelet
+        holds it now; a plugin that restarts re-registers, and the call is made again."""
         delay, deadline = RETRY_FIRST_S, asyncio.get_running_loop().time() + RETRY_FOR_S
         while True:
-            plugin = self.stack.plugin(node)
             try:
+                plugin = self.stack.plugin(node, resource)
                 return plugin, await plugin.admit_container(count)
+            except StackError as exc:  # its plugin not registered (again) yet
+                self.retries["Allocate"] += 1
+                if asyncio.get_running_loop().time() > deadline:
+                    raise DriverError(f"Allocate on {node} failed: {exc}") from None
             except grpc.aio.AioRpcError as exc:
                 self.retries["Allocate"] += 1
                 if asyncio.get_running_loop().time() > deadline:
@@ -314,10 +381,18 @@ class ClusterDriver:
         scheduler = pod["spec"].get("schedulerName") or DEFAULT_SCHEDULER
         if scheduler not in (DEFAULT_SCHEDULER, GPUSLICE_SCHEDULER):
             return "", f"names scheduler {scheduler}, which this stack does not run"
+        fit, why = self.resource_fit(pod, names)
+        if not fit:
+            return "", why
         if scheduler == DEFAULT_SCHEDULER:
-            node = names[0]
+            node = fit[0]
             meta = pod["metadata"]
             await self._node_locks.setdefault(node, asyncio.Lock()).acquire()
+            if not self.resource_fit(pod, [node])[0]:
+                # another pod took the devices between the fit and the lock
+                # (devices are taken at Allocate, under the lock): fit again
+                self._node_locks[node].release()
+                raise Retry(f"{node} no longer fits")
             try:
                 await self.stack.kube.bind_pod(meta["namespace"], meta["name"], meta["uid"], node)
             except BaseException:
@@ -326,7 +401,7 @@ class ClusterDriver:
             return node, ""
         replicas = self.stack.extender_urls
         filtered = await self._post(
-            [f"{url}/filter" for url in replicas], {"Pod": pod, "NodeNames": names}, "the extender"
+            [f"{url}/filter" for url in replicas], {"Pod": pod, "NodeNames": fit}, "the extender"
         )
         result = filtered.json()
         if result.get("Error"):
@@ -374,6 +449,30 @@ class ClusterDriver:
             lock.release()
             raise
         return node, ""
+
+    def resource_fit(self, pod: Mapping[str, Any], names: Sequence[str]) -> tuple[list[str], str]:
+        """kube-scheduler's resource fit for the device-plugin resources the
+        extender does not manage: the nodes whose kubelet has a plugin of each
+        such resource with enough free healthy devices, and when none, why in
+        kube-scheduler's words."""
+        need = pod_needs(pod)
+        fit: list[str] = []
+        short: collections.Counter[str] = collections.Counter()
+        for name in names:
+            kubelet = self.stack.kubelets.get(name)
+            missing = []
+            for resource, count in sorted(need.items()):
+                plugin = kubelet.plugin_for(resource) if kubelet is not None else None
+                if plugin is None or len(plugin.free()) < count:
+                    missing.append(resource)
+            if missing:
+                short.update(f"Insufficient {resource}" for resource in missing)
+            else:
+                fit.append(name)
+        if fit:
+            return fit, ""
+        reasons = ", ".join(f"{count} {why}" for why, count in sorted(short.items()))
+        return [], f"0/{len(names)} nodes are available: {reasons}."
 
     # ------------------------------------------------------------ kubelet's part
 
@@ -533,12 +632,19 @@ class ClusterDriver:
         try:
             for _, container in containers:
                 run = ContainerRun(str(container.get("name")))
-                allocated = None
-                count = _gpus(container)
-                if count:
-                    plugin, allocated = await self._allocate(node, count)
-                    run.devices = plugin.last_allocated
-                    held.extend((plugin, device) for device in run.devices)
+                responses = []
+                for resource, count in sorted(_extended(container).items()):
+                    if resource in MANAGED and resource != GPU_RESOURCE:
+                        continue  # the extender's to count: no plugin serves it
+                    plugin, response = await self._allocate(node, count, resource)
+                    held.extend((plugin, device) for device in plugin.last_allocated)
+                    responses.append(response)
+                    if resource == GPU_RESOURCE:
+                        run.devices = plugin.last_allocated
+                    else:
+                        run.extended[resource] = plugin.last_allocated
+                allocated = merge_responses(responses) if responses else None
+                if allocated is not None:
                     run.env = dict(allocated.envs)
                 envs.append(self.container_env(pod, container, spec, allocated))
                 outcome.containers.append(run)

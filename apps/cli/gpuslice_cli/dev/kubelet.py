@@ -166,6 +166,13 @@ class DevKubelet(pb_grpc.RegistrationServicer):
             self.registered.notify_all()
         return pb.Empty()
 
+    def plugin_for(self, resource: str) -> Plugin | None:
+        """The latest registration of ``resource``, as kubelet keeps one plugin per resource."""
+        for plugin in reversed(self.plugins):
+            if plugin.request.resource_name == resource:
+                return plugin
+        return None
+
     async def registration(self, number: int = 1, timeout: float = 10.0) -> Plugin:
         """The ``number``-th registration (1 = the first), waiting for it."""
         async with self.registered:

@@ -88,6 +88,7 @@ READY_TIMEOUT_S = 60.0
 NATS_AUTH_PREFIX = "gpuslice"
 # replicas of the extender and of the inventory in the highly-available stack
 HA_REPLICAS = 2
+GPU_RESOURCE = "nvidia.com/gpu"
 
 
 def nvidia_gpus() -> tuple[int, str]:
@@ -118,6 +119,17 @@ class NodeSpec:
     split_count: int = 4
     known_uuids: tuple[str, ...] = ()  # as the node registered them, when learnt
     real: bool = False  # this machine's own GPUs (NVML), not simulated ones
+    mig: bool = False  # MIG cards (A100-40GB geometry) on an operatingMode mig node
+    # static MIG: these instances already on each MIG card (A100-40GB geometry) of a
+    # hami-core node with migStrategy mixed, advertised as nvidia.com/mig-<profile>
+    static_mig: tuple[str, ...] = ()
+
+    @property
+    def resources(self) -> tuple[str, ...]:
+        """The extended resources its device plugin registers (a node on real
+        GPUs: those NVML shows, learnt only as they register)."""
+        static = () if self.real else self.static_mig
+        return (GPU_RESOURCE, *sorted({f"nvidia.com/mig-{p}" for p in static}))
 
     @property
     def uuids(self) -> tuple[str, ...]:
@@ -671,7 +683,13 @@ class Stack:
                 "count": node.gpus,
                 "model": node.model,
                 "memoryMiB": node.memory_mib,
+                "mig": node.mig or bool(node.static_mig),
+                "instances": list(node.static_mig),
             }
+            if node.mig:
+                defaults["operatingMode"] = "mig"
+            elif node.static_mig:
+                defaults["migStrategy"] = "mixed"
         config.write_text(json.dumps({"defaults": defaults}))
         self.ports[node.name] = free_port()
         # the node agent holds no ledger credential: it asks the inventory over NATS
@@ -714,11 +732,12 @@ class Stack:
                                 break
                     else:
                         kubelet = self.kubelets[name]
-                        if kubelet.plugins:
-                            plugin = kubelet.plugins[-1]
-                            if plugin.devices:
-                                self.plugins[name] = plugin
-                                break
+                        wanted = self.node(name).resources if child is not None else ()
+                        plugin = kubelet.plugin_for(GPU_RESOURCE)
+                        others = all(kubelet.plugin_for(r) for r in wanted)
+                        if plugin is not None and plugin.devices and others:
+                            self.plugins[name] = plugin
+                            break
                     if time.monotonic() > deadline:
                         where = (
                             f"; its log ({child.log_path}) ends:\n{child.tail()}"
@@ -738,13 +757,13 @@ class Stack:
                     f"its log ({child.log_path}) ends:\n{child.tail()}"
                 )
 
-    def plugin(self, node: str) -> Plugin:
-        """The node's device plugin as its kubelet holds it now (it re-registers
-        after a restart)."""
-        kubelet = self.kubelets[node]
-        if not kubelet.plugins:
-            raise StackError(f"no device plugin registered on {node}")
-        return kubelet.plugins[-1]
+    def plugin(self, node: str, resource: str = GPU_RESOURCE) -> Plugin:
+        """The node's device plugin of ``resource`` as its kubelet holds it now
+        (it re-registers after a restart)."""
+        plugin = self.kubelets[node].plugin_for(resource)
+        if plugin is None:
+            raise StackError(f"no device plugin of {resource} registered on {node}")
+        return plugin
 
     async def restart(self, name: str, kill: bool = False) -> None:
         """Stop a service (SIGKILL with ``kill``) and start it again."""
@@ -759,11 +778,22 @@ class Stack:
                     async with httpx.AsyncClient(timeout=2) as client:
                         if (await client.get(child.ready_url)).status_code == 200:
                             return
-            elif len(self.kubelets[name].plugins) > registered and self.plugin(name).devices:
+            elif self._registered_again(name, registered):
                 return
             if not child.running or time.monotonic() > deadline:
                 raise StackError(f"{name} did not come back; its log ends:\n{child.tail()}")
             await asyncio.sleep(0.1)
+
+    def _registered_again(self, name: str, before: int) -> bool:
+        """Every resource of node ``name`` registered after the first ``before``
+        registrations, its GPUs listed."""
+        kubelet = self.kubelets[name]
+        fresh = kubelet.plugins[before:]
+        for resource in self.node(name).resources:
+            plugin = kubelet.plugin_for(resource)
+            if plugin is None or plugin not in fresh:
+                return False
+        return bool(self.plugin(name).devices)
 
     def server(self, kind: str) -> NatsServer | RedisServer:
         """The embedded nats-server or redis-server, to stop or kill in fault tests."""

@@ -6,7 +6,8 @@ at the end a summary. ``--demo`` runs a scripted scenario and exits non-zero if
 any step misbehaves: two pods sharing one card, an allocation past its limit
 refused inside the running process, a pod refused for its namespace's quota,
 and every device released at the end. Given pod files, it runs them in order
-and exits 0 only when every pod succeeded; the summary says which did not and
+(each after the one before has ended and its devices are released) and exits
+0 only when every pod succeeded; the summary says which did not and
 why, with the end of a failed container's output and where the whole is kept.
 Without ``--demo`` or pod files, the stack stays up until Ctrl-C. Ctrl-C
 always stops every child process.
@@ -63,9 +64,13 @@ from gpuslice_common.servers import ServerError
 from gpuslice_common.service import every
 
 QUOTA_NAMESPACE = "team-a"
+# the static instances on each card of a --static-mig-nodes node
+STATIC_MIG = ("3g.20gb", "3g.20gb")
 # how much of a reason the live view shows, and of a failed container's output the summary
 REASON_WIDTH = 70
 TAIL_LINES = 20
+# how long a pod file's next pod waits for the devices of the one before to be released
+RELEASE_WAIT_S = 30.0
 # where what libraries write on their own goes, in the stack's directory
 FOREIGN_LOG = "gpuslice-dev.log"
 
@@ -103,15 +108,34 @@ def pods_table(pods: Sequence[PodOutcome], reason_width: int | None = None) -> T
     for name in ("pod", "phase", "node", "GPUs", "reason"):
         table.add_column(name)
     for pod in pods:
-        uuids = ""
-        if pod.placement is not None:
-            grants = {g.uuid[-8:] for c in pod.placement.containers for g in c.devices}
-            uuids = ",".join(sorted(grants))
+        uuids = ",".join(sorted(gpus_of(pod)))
         reason = pod.reason if reason_width is None else shorten(pod.reason, reason_width)
         table.add_row(
-            escape(pod.ref), pod.phase, escape(pod.node or "-"), uuids or "-", escape(reason)
+            escape(pod.ref),
+            pod.phase,
+            escape(pod.node or "-"),
+            escape(uuids or "-"),
+            escape(reason),
         )
     return table
+
+
+def gpus_of(pod: PodOutcome) -> set[str]:
+    """What the GPUs column names: each card granted by its UUID's last 8
+    characters, a MIG instance as ``<card>/<profile>``, and a static MIG
+    device (``nvidia.com/mig-<profile>``) as ``<its UUID's last 8>/<profile>``."""
+    out = set()
+    if pod.placement is not None:
+        for container in pod.placement.containers:
+            for grant in container.devices:
+                mig = f"/{grant.mig.profile}" if grant.mig is not None else ""
+                out.add(f"{grant.uuid[-8:]}{mig}")
+    for run in pod.containers:
+        for resource, ids in run.extended.items():
+            kind = resource.partition("/")[2]
+            label = f"/{kind.removeprefix('mig-')}" if kind.startswith("mig-") else ""
+            out.update(f"{device[-8:]}{label}" for device in ids)
+    return out
 
 
 def failures(pods: Sequence[PodOutcome]) -> list[str]:
@@ -381,17 +405,34 @@ def _work(demo_: bool, pods: Sequence[Path] | None) -> Callable[..., Any] | None
         return None
     specs_to_run = load_pods(pods)
 
-    async def run_files(driver: ClusterDriver, _: Ledger, view: View) -> None:
+    async def run_files(driver: ClusterDriver, ledger: Ledger, view: View) -> None:
         for spec in specs_to_run:
             meta = spec.get("metadata") or {}
             namespace = str(meta.get("namespace") or "default")
             try:
-                view.pods.append(await driver.run_pod(spec, namespace=namespace))
+                outcome = await driver.run_pod(spec, namespace=namespace)
             except DriverError as exc:  # this pod cannot run; the others still do
                 name = str(meta.get("name") or "-")
                 view.pods.append(PodOutcome(name, namespace, "", "Failed", str(exc)))
+                continue
+            view.pods.append(outcome)
+            if outcome.placement is not None:  # the next pod finds its devices free
+                await released(ledger, outcome.uid)
 
     return run_files
+
+
+async def released(ledger: Ledger, uid: str) -> None:
+    """Until the ledger holds the pod's devices no longer (the inventory
+    releases them when it sees the pod gone), or RELEASE_WAIT_S passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RELEASE_WAIT_S
+    while loop.time() < deadline:
+        with contextlib.suppress(LedgerError, RedisError):  # the store away: ask again
+            held = await ledger.placement(uid)
+            if held is None or held.state is PlacementState.RELEASED:
+                return
+        await asyncio.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -478,6 +519,23 @@ def up(
     demo_: bool = typer.Option(False, "--demo", help=DEMO_HELP),
     pods: list[Path] = typer.Argument(None, help=PODS_HELP),
     nodes: int = typer.Option(2, "--nodes", min=1, max=8, help="simulated GPU nodes"),
+    mig_nodes: int = typer.Option(
+        0,
+        "--mig-nodes",
+        min=0,
+        max=8,
+        help="of the simulated nodes, how many (the last) have MIG cards of the A100-40GB "
+        "geometry, shared by MIG instances made at Allocate (operatingMode mig)",
+    ),
+    static_mig_nodes: int = typer.Option(
+        0,
+        "--static-mig-nodes",
+        min=0,
+        max=8,
+        help="of the simulated nodes, how many (the last before the --mig-nodes) have MIG "
+        "cards of the A100-40GB geometry each holding two static 3g.20gb instances, "
+        "advertised as nvidia.com/mig-3g.20gb (migStrategy mixed)",
+    ),
     nats_url: str | None = typer.Option(
         None, help="use this NATS, without users, instead of starting one with the cluster's"
     ),
@@ -508,9 +566,26 @@ def up(
             " no --nats-url or --redis-url"
         )
         raise typer.Exit(2)
+    if mig_nodes + static_mig_nodes > nodes:
+        Console(stderr=True).print(
+            f"[red]error:[/] --mig-nodes {mig_nodes} and --static-mig-nodes {static_mig_nodes}"
+            f" are more than the {nodes} --nodes"
+        )
+        raise typer.Exit(2)
     specs = tuple(
         DEFAULT_NODES[i] if i < len(DEFAULT_NODES) else NodeSpec(f"gpu-node-{i + 1}")
         for i in range(nodes)
+    )
+    a100_40gb = NodeSpec("", model="NVIDIA A100-SXM4-40GB", memory_mib=40960)
+    kinds = {
+        i: dataclasses.replace(a100_40gb, mig=True) for i in range(nodes - mig_nodes, nodes)
+    } | {
+        i: dataclasses.replace(a100_40gb, static_mig=STATIC_MIG)
+        for i in range(nodes - mig_nodes - static_mig_nodes, nodes - mig_nodes)
+    }
+    specs = tuple(
+        dataclasses.replace(kinds[i], name=s.name, gpus=s.gpus) if i in kinds else s
+        for i, s in enumerate(specs)
     )
     if gpu != "fake":
         count, why = nvidia_gpus()
