@@ -7,6 +7,7 @@ fails fast with a :class:`ConfigError` whose message names each bad variable.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal, TypeVar
@@ -461,6 +462,37 @@ class InventorySettings(CommonSettings):
     telemetry_session: Duration = timedelta(minutes=10)
     # HTTP serves probes and metrics only: no request has a body
     max_request_body: BodyCap = ByteSize(64 * 1024)
+    # the web console (read-only), on its own port; 0: no console
+    console_port: Annotated[int, Field(ge=0, le=65535)] = 8090
+    console_host: str = "127.0.0.1"
+    # "none": anyone who reaches the port sees every tenant's pods, so only a
+    # loopback host is allowed (reach it with kubectl port-forward);
+    # "tokenreview": a bearer token the Kubernetes API reviews, and what its user
+    # may list decides what the console shows
+    console_auth: Literal["none", "tokenreview"] = "none"
+    # how often the console's one shared snapshot is refreshed (and at once on a change)
+    console_tick: Duration = timedelta(seconds=2)
+    # how many of the newest audit events the console keeps in memory
+    console_audit_events: Annotated[int, Field(ge=1, le=1_000_000)] = 20_000
+
+    @model_validator(mode="after")
+    def _console_closed_unless_loopback(self) -> InventorySettings:
+        if self.console_port and self.console_auth == "none" and not _loopback(self.console_host):
+            raise ValueError(
+                f"console_auth none serves every tenant's pods to whoever reaches the port: "
+                f"console_host must be a loopback address, not {self.console_host!r} "
+                f"(or set console_auth tokenreview)"
+            )
+        return self
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class DevicePluginSettings(BusSettings):
