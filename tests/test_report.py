@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 from pydantic import ValidationError
@@ -34,6 +35,7 @@ from gpuslice_scheduler.cluster import Cluster, Row
 from gpuslice_scheduler.fit import CardDemand
 from gpuslice_scheduler.fragmentation import WorkloadClass, WorkloadMix, default_mix
 from gpuslice_scheduler.report import (
+    Measures,
     ReportPublisher,
     build_report,
     card_fits,
@@ -204,6 +206,8 @@ def test_labels_are_plain_and_bounded() -> None:
     demand = CardDemand(1, -1, 100, 100, True)
     hostile = WorkloadClass(1.0, demand, DeviceSelector(include_types=("x" * 5000,)))
     assert len(label(hostile)) == MAX_LABEL
+    planted = WorkloadClass(1.0, demand, DeviceSelector(include_types=("a100\n\x1b[2J",)))
+    assert label(planted) == "1 whole card, only a100??[2J"
 
 
 def test_only_the_five_most_common_gpu_kinds_are_listed() -> None:
@@ -214,6 +218,32 @@ def test_only_the_five_most_common_gpu_kinds_are_listed() -> None:
     report = build_report(cluster, WorkloadMix.of(classes), GpuPolicy.SPREAD)
     assert [k.cores for k in report.kinds] == [60, 50, 40, 30, 20]
     assert report.kinds[0].weight == pytest.approx(120 / (210 + 1000 + 60), abs=1e-6)
+
+
+def test_kept_measures_agree_with_measuring_afresh() -> None:
+    cluster = Cluster.from_rows(
+        [(f"n{i}", [card(f"g{i}-{k}") for k in range(2)]) for i in range(4)]
+    )
+    mix = WorkloadMix.of([share(25), share(75), whole(2)])
+    measures = Measures()
+    first = build_report(cluster, mix, GpuPolicy.FRAGMENTATION, measures=measures)
+    entry = first.nodes["n0"]
+    # one node's first card takes 60 % of its cores: only that node is measured again
+    one = np.asarray([0], dtype=np.int64)
+    cluster.take(one, one + 9600, one + 60, one + 1, np.zeros(1, np.bool_), 0)
+    kept = build_report(cluster, mix, GpuPolicy.FRAGMENTATION, measures=measures)
+    fresh = build_report(cluster, mix, GpuPolicy.FRAGMENTATION)
+    assert kept.same_content(fresh)
+    assert kept.nodes["n0"] != entry
+    assert kept.nodes["n1"] is first.nodes["n1"]  # not measured again
+    assert kind_named(kept, "2 whole cards").fits == 3
+    # another copy of the cluster (a node more) is measured whole
+    bigger = Cluster.from_rows(
+        [("m", [card("x")]), *[(f"n{i}", [card(f"g{i}")]) for i in range(4)]]
+    )
+    again = build_report(bigger, mix, GpuPolicy.FRAGMENTATION, measures=measures)
+    assert again.same_content(build_report(bigger, mix, GpuPolicy.FRAGMENTATION))
+    assert sorted(again.nodes) == ["m", "n0", "n1", "n2", "n3"]
 
 
 def test_an_empty_cluster_reports_no_fragmentation() -> None:
@@ -303,10 +333,28 @@ async def test_a_value_that_does_not_parse_reads_as_none_and_warns_once(
             assert await read_report(redis, prefix) is None
     finally:
         await redis.aclose()
+    assert_warned_once(caplog, prefix)
+
+
+def assert_warned_once(caplog: pytest.LogCaptureFixture, prefix: str) -> None:
     warnings = [r for r in caplog.records if r.name == "gpuslice_common.reports"]
     assert len(warnings) == 1
     assert report_key(prefix) in warnings[0].getMessage()
     assert warnings[0].exc_info is None
+
+
+async def test_a_hash_planted_under_the_key_reads_as_none(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    redis: Redis = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        await redis.hset(report_key("planted"), "version", "1")
+        with caplog.at_level(logging.WARNING, logger="gpuslice_common.reports"):
+            assert await read_report(redis, "planted") is None
+            assert await read_report(redis, "planted") is None
+    finally:
+        await redis.aclose()
+    assert_warned_once(caplog, "planted")
 
 
 def test_the_model_refuses_absurd_values() -> None:

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Annotated, Final, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+from redis.exceptions import ResponseError
 
 from gpuslice_common.ledger import RedisClient
 from gpuslice_common.models import MAX_CAPACITY_MIB, MAX_DEVICES, GpuPolicy
@@ -113,6 +114,11 @@ async def read_report(redis: RedisClient, prefix: str) -> SchedulerReport | None
         raw = await redis.get(key)
     except UnicodeDecodeError:  # a client that decodes replies, and a value that is not UTF-8
         _refuse(key, "not UTF-8 text")
+        return None
+    except ResponseError as exc:
+        if not str(exc).startswith("WRONGTYPE"):
+            raise
+        _refuse(key, "not a string value")  # a hash or list planted under the key
         return None
     if raw is None:
         return None
