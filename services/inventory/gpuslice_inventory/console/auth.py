@@ -234,8 +234,9 @@ class Authenticator:
         self._access_reviews: _Once[tuple[Hashable, ...], bool] = _Once()
 
     async def viewer(self, authorization_header: str | None) -> Viewer:
-        """Who sends this header; AccessDenied (401, 403 or 503) if no one
-        the console may show anything to."""
+        """Who sends this header; AccessDenied 401 for no token or one the API
+        does not accept, 503 when the API does not answer (never 403: see the
+        module docstring)."""
         if self.mode == "none":
             return Viewer(PORT_FORWARD, None)
         token = bearer_token(authorization_header)
@@ -307,7 +308,8 @@ class Authenticator:
 
     async def visible(self, viewer: Viewer, namespaces: Iterable[str]) -> set[str] | None:
         """Which of ``namespaces`` the viewer may see; None for a cluster-wide
-        viewer (every one, and data of no namespace too)."""
+        viewer (every one, and data of no namespace too). AccessDenied (503)
+        when the API does not answer about one of them."""
         if viewer.namespaces is None:
             return None
         wanted = {ns for ns in namespaces if isinstance(ns, str)}
