@@ -1,0 +1,245 @@
+"""One refresher per inventory process, shared by every viewer of the console.
+
+Every ``tick`` (and at once when the ledger announces a change or the audit
+feed brings an alloc.* event) the :class:`Hub` refreshes the snapshot; when its
+content changed, every open stream is woken. A stream's slot holds no copy of
+the snapshot: woken, it takes the newest bytes, so a slow viewer skips
+snapshots and never grows memory. Bytes are serialised once per version and
+namespace set (100 viewers of one scope cost one serialisation), and pod
+documents once per version, feed position and pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+import orjson
+from redis.exceptions import RedisError
+
+from gpuslice_common.auditstream import EventFilter, event_node, event_pod
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent
+from gpuslice_inventory.console.auth import Viewer
+from gpuslice_inventory.console.pods import find_pod, pod_document
+from gpuslice_inventory.console.scope import event_visible, namespace_visible, scope_snapshot
+from gpuslice_inventory.console.snapshot import SnapshotBuilder
+
+log = logging.getLogger(__name__)
+KEEPALIVE_S = 15.0
+MAX_STREAMS = 1000  # open event streams per process; more are refused (503)
+EVENTS_PER_STREAM = 1000  # audit events waiting for one slow viewer; older ones are dropped
+SCOPED_CACHE = 256  # distinct namespace sets (and pods) kept serialised per version
+
+View = Literal["cluster", "pod", "audit"]
+
+
+@dataclass(frozen=True)
+class AuditQuery:
+    """An audit view's filters."""
+
+    wanted: EventFilter = field(default_factory=EventFilter)
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def matches(self, fed: FeedEvent, viewer: Viewer) -> bool:
+        when = fed.event.time
+        if self.since is not None and when < self.since:
+            return False
+        if self.until is not None and when > self.until:
+            return False
+        return self.wanted.matches(fed.event) and event_visible(fed.doc, viewer)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One open event stream: what it watches and a flag that something changed."""
+
+    viewer: Viewer
+    view: View
+    namespace: str = ""
+    name: str = ""
+    audit: AuditQuery = field(default_factory=AuditQuery)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    events: deque[FeedEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_PER_STREAM))
+
+
+class TooManyStreams(Exception):
+    pass
+
+
+class Hub:
+    """The shared snapshot, its refresher and the open streams."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        builder: SnapshotBuilder,
+        feed: AuditFeed,
+        tick: float,
+        keepalive: float = KEEPALIVE_S,
+    ) -> None:
+        self.ledger = ledger
+        self.builder = builder
+        self.feed = feed
+        self.tick = tick
+        self.keepalive = keepalive
+        self.slots: set[Slot] = set()
+        self.ready = asyncio.Event()  # set after the first refresh
+        self.serialisations = 0  # scoped snapshots serialised (tests count them)
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._scoped: dict[frozenset[str] | None, bytes] = {}
+        self._scoped_version = 0
+        self._pods: dict[tuple[str, str], tuple[tuple[int, int], bytes | None]] = {}
+        feed.followers.append(self.on_event)
+
+    # ------------------------------------------------------------ refreshing
+
+    def poke(self, node: str | None = None) -> None:
+        """Refresh now (``node``: its cards and placements are read again)."""
+        if node is not None:
+            self._dirty.add(node)
+        self._wake.set()
+
+    def on_event(self, fed: FeedEvent) -> None:
+        """A new audit event: allocation changes refresh at once; streams that
+        show it are woken."""
+        node = event_node(fed.event)
+        if node is not None:
+            self.poke(node)
+        pod = event_pod(fed.event)
+        for slot in self.slots:
+            if slot.view == "audit" and slot.audit.matches(fed, slot.viewer):
+                slot.events.append(fed)
+                slot.wake.set()
+            elif slot.view == "pod" and pod is not None and pod.namespace == slot.namespace:
+                slot.wake.set()
+
+    async def _listen(self) -> None:
+        """Follow the ledger's change notices (none on Redis Cluster: the tick only)."""
+        while True:
+            try:
+                async for node in self.ledger.watch_changes(on_subscribed=self.poke):
+                    self.poke(node)
+            except NotImplementedError:
+                return
+            except LedgerError as exc:
+                log.debug("console: %s", exc)
+                await asyncio.sleep(self.tick)
+
+    async def run(self) -> None:
+        """Refresh forever; a Redis outage is logged once and retried, never fatal."""
+        listener = asyncio.create_task(self._listen(), name="console-changes")
+        next_full = 0.0
+        failing = False
+        try:
+            while True:
+                self._wake.clear()
+                dirty, self._dirty = self._dirty, set()
+                full = time.monotonic() >= next_full
+                try:
+                    changed = await self.builder.refresh(full=full, dirty=dirty)
+                    if full:
+                        next_full = time.monotonic() + self.tick
+                    if failing:
+                        log.info("console: the ledger answers again")
+                    failing = False
+                    if changed:
+                        for slot in self.slots:
+                            slot.wake.set()
+                    self.ready.set()
+                except (LedgerError, RedisError, OSError) as exc:
+                    self._dirty |= dirty
+                    if not failing:
+                        log.warning("console: cannot refresh the snapshot: %s", exc)
+                    failing = True
+                wait = max(0.0, next_full - time.monotonic()) if not failing else self.tick
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    # ------------------------------------------------------------ what viewers get
+
+    def cluster_bytes(self, viewer: Viewer) -> bytes:
+        """The snapshot as ``viewer`` may see it, serialised once per version and scope."""
+        version = self.builder.version
+        if version != self._scoped_version or len(self._scoped) > SCOPED_CACHE:
+            self._scoped = {}
+            self._scoped_version = version
+        key = viewer.namespaces
+        body = self._scoped.get(key)
+        if body is None:
+            if key is None:
+                body = self.builder.body
+            else:
+                body = orjson.dumps(scope_snapshot(self.builder.document, viewer))
+                self.serialisations += 1
+            self._scoped[key] = body
+        return body
+
+    def pod_bytes(self, namespace: str, name: str) -> bytes | None:
+        """The pod document of ``namespace/name``; None when nothing knows it.
+        Callers check that the viewer may see the namespace first."""
+        stamp = (self.builder.version, self.feed.received)
+        cached = self._pods.get((namespace, name))
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        summary = find_pod(self.builder, self.feed, namespace, name)
+        body = None if summary is None else orjson.dumps(pod_document(self.builder, summary))
+        if len(self._pods) > SCOPED_CACHE:
+            self._pods.clear()
+        self._pods[(namespace, name)] = (stamp, body)
+        return body
+
+    # ------------------------------------------------------------ streams
+
+    def check_room(self) -> None:
+        """Raise TooManyStreams when no more streams may open."""
+        if len(self.slots) >= MAX_STREAMS:
+            raise TooManyStreams(f"{MAX_STREAMS} event streams are open on this console")
+
+    def unsubscribe(self, slot: Slot) -> None:
+        self.slots.discard(slot)
+
+    async def stream(self, slot: Slot) -> AsyncIterator[bytes]:
+        """Server-sent events for ``slot`` until the viewer goes (then the slot is gone)."""
+        self.slots.add(slot)
+        try:
+            sent: bytes | None = None
+            first = True
+            while True:
+                if slot.view == "cluster":
+                    body = self.cluster_bytes(slot.viewer)
+                    if body != sent:
+                        sent = body
+                        yield b"event: cluster\ndata: " + body + b"\n\n"
+                elif slot.view == "pod":
+                    if namespace_visible(slot.namespace, slot.viewer):
+                        pod = self.pod_bytes(slot.namespace, slot.name)
+                        if pod is not None and pod != sent:
+                            sent = pod
+                            yield b"event: pod\ndata: " + pod + b"\n\n"
+                else:
+                    while slot.events:
+                        yield b"event: audit\ndata: " + slot.events.popleft().line + b"\n\n"
+                if first:
+                    first = False
+                    yield b": connected\n\n"
+                try:
+                    await asyncio.wait_for(slot.wake.wait(), self.keepalive)
+                    slot.wake.clear()
+                except TimeoutError:
+                    yield b": keepalive\n\n"
+        finally:
+            self.unsubscribe(slot)
