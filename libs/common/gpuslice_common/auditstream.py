@@ -103,19 +103,20 @@ class EventFilter:
     namespace: str | None = None
 
     def matches(self, event: CloudEvent) -> bool:
-        if self.types and event.type not in self.types:
+        return self.matches_parts(event.type, event_pod(event), event_node(event))
+
+    def matches_parts(self, kind: EventType, pod: PodRef | None, node: str | None) -> bool:
+        """:meth:`matches` for an event already taken apart (readers that keep
+        many events parse each payload once)."""
+        if self.types and kind not in self.types:
             return False
-        if self.node is not None and event_node(event) != self.node:
+        if self.node is not None and node != self.node:
             return False
-        if self.namespace is not None:
-            pod = event_pod(event)
-            if pod is None or pod.namespace != self.namespace:
-                return False
-        if self.pod is not None:
-            pod = event_pod(event)
-            if pod is None or self.pod not in {pod.name, pod.uid, f"{pod.namespace}/{pod.name}"}:
-                return False
-        return True
+        if self.namespace is not None and (pod is None or pod.namespace != self.namespace):
+            return False
+        if self.pod is None:
+            return True
+        return pod is not None and self.pod in {pod.name, pod.uid, f"{pod.namespace}/{pod.name}"}
 
     def subject(self, bus: Bus) -> str:
         """The narrowest subject that holds every matching event."""

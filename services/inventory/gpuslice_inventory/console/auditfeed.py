@@ -22,9 +22,16 @@ import orjson
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
-from gpuslice_common.auditstream import AuditStreamMissing, EventFilter, audit_events, event_pod
+from gpuslice_common.auditstream import (
+    AuditStreamMissing,
+    EventFilter,
+    audit_events,
+    event_node,
+    event_pod,
+)
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.events import CloudEvent
+from gpuslice_common.models import Frozen, PodRef
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0
@@ -38,16 +45,24 @@ def real_uid(uid: str) -> str | None:
 
 @dataclass(frozen=True)
 class FeedEvent:
-    """One event with its JSON document and line, parsed once."""
+    """One event with its payload, pod, node, JSON document and line, parsed once."""
 
     event: CloudEvent
+    payload: Frozen
+    pod: PodRef | None
+    node: str | None
     doc: dict[str, Any]
     line: bytes  # the event's JSON, as sent to viewers
 
     @classmethod
     def of(cls, event: CloudEvent) -> FeedEvent:
         line = event.to_json()
-        return cls(event, orjson.loads(line), line)
+        return cls(
+            event, event.payload(), event_pod(event), event_node(event), orjson.loads(line), line
+        )
+
+    def matches(self, wanted: EventFilter) -> bool:
+        return wanted.matches_parts(self.event.type, self.pod, self.node)
 
 
 class AuditFeed:
@@ -76,7 +91,7 @@ class AuditFeed:
         return fed
 
     def _keys(self, fed: FeedEvent) -> Iterator[tuple[Any, dict[Any, deque[FeedEvent]]]]:
-        pod = event_pod(fed.event)
+        pod = fed.pod
         if pod is None:
             return
         uid = real_uid(pod.uid)
@@ -109,7 +124,7 @@ class AuditFeed:
                 continue
             if since is not None and when < since:
                 continue
-            if wanted.matches(fed.event) and visible(fed.doc):
+            if fed.matches(wanted) and visible(fed.doc):
                 if len(found) == limit:
                     return found[::-1], True
                 found.append(fed)
@@ -119,7 +134,7 @@ class AuditFeed:
         """Every kept event of pods named ``namespace/name``, with the events of
         their uids that carry no name, in feed order."""
         named = list(self.by_pod.get((namespace, name), ()))
-        uids = {u for f in named if (p := event_pod(f.event)) and (u := real_uid(p.uid))}
+        uids = {u for f in named if (p := f.pod) and (u := real_uid(p.uid))}
         extra = {id(f): f for u in uids for f in self.by_uid.get(u, ())}
         for f in named:
             extra.pop(id(f), None)

@@ -24,11 +24,11 @@ from typing import Literal
 import orjson
 from redis.exceptions import RedisError
 
-from gpuslice_common.auditstream import EventFilter, event_node, event_pod
+from gpuslice_common.auditstream import EventFilter
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent
 from gpuslice_inventory.console.auth import Viewer
-from gpuslice_inventory.console.pods import find_pod, pod_document
+from gpuslice_inventory.console.pods import PodSummary, find_pod, pod_document, pod_list
 from gpuslice_inventory.console.scope import event_visible, namespace_visible, scope_snapshot
 from gpuslice_inventory.console.snapshot import SnapshotBuilder
 
@@ -55,7 +55,7 @@ class AuditQuery:
             return False
         if self.until is not None and when > self.until:
             return False
-        return self.wanted.matches(fed.event) and event_visible(fed.doc, viewer)
+        return fed.matches(self.wanted) and event_visible(fed.doc, viewer)
 
 
 @dataclass(eq=False)
@@ -99,6 +99,7 @@ class Hub:
         self._scoped: dict[frozenset[str] | None, bytes] = {}
         self._scoped_version = 0
         self._pods: dict[tuple[str, str], tuple[tuple[int, int], bytes | None]] = {}
+        self._pod_list: tuple[tuple[int, int], list[PodSummary]] = ((-1, -1), [])
         feed.followers.append(self.on_event)
 
     # ------------------------------------------------------------ refreshing
@@ -112,10 +113,9 @@ class Hub:
     def on_event(self, fed: FeedEvent) -> None:
         """A new audit event: allocation changes refresh at once; streams that
         show it are woken."""
-        node = event_node(fed.event)
-        if node is not None:
-            self.poke(node)
-        pod = event_pod(fed.event)
+        if fed.node is not None:
+            self.poke(fed.node)
+        pod = fed.pod
         for slot in self.slots:
             if slot.view == "audit" and slot.audit.matches(fed, slot.viewer):
                 slot.events.append(fed)
@@ -201,6 +201,13 @@ class Hub:
             self._pods.clear()
         self._pods[(namespace, name)] = (stamp, body)
         return body
+
+    def pod_summaries(self) -> list[PodSummary]:
+        """Every known pod, newest first, worked out once per version and feed position."""
+        stamp = (self.builder.version, self.feed.received)
+        if self._pod_list[0] != stamp:
+            self._pod_list = (stamp, pod_list(self.builder, self.feed))
+        return self._pod_list[1]
 
     # ------------------------------------------------------------ streams
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuslice_common.auditstream import event_node, event_pod
 from gpuslice_common.events import AllocationEvent, EventType, PodDenied
 from gpuslice_common.models import Placement, PlacementState
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent, real_uid
@@ -60,7 +59,7 @@ def _placement_since(p: Placement) -> datetime | None:
 
 
 def _event_reason(fed: FeedEvent) -> str | None:
-    payload = fed.event.payload()
+    payload = fed.payload
     if isinstance(payload, PodDenied):
         return payload.reason
     if isinstance(payload, AllocationEvent) and payload.reason:
@@ -74,7 +73,7 @@ def _from_events(namespace: str, name: str, events: list[FeedEvent]) -> list[Pod
     waiting: list[FeedEvent] = []  # admission events before a uid is known
     by_uid: dict[str, PodSummary] = {}
     for fed in events:
-        pod = event_pod(fed.event)
+        pod = fed.pod
         if pod is None:
             continue
         uid = real_uid(pod.uid)
@@ -102,7 +101,7 @@ def _from_events(namespace: str, name: str, events: list[FeedEvent]) -> list[Pod
             summary.state = state
             summary.since = fed.event.time
             summary.reason = _event_reason(fed)
-            summary.node = event_node(fed.event) or summary.node
+            summary.node = fed.node or summary.node
     if waiting:  # admitted, not placed yet
         first = waiting[-1]
         pending = PodSummary(None, namespace, name, None, "admitted", first.event.time)
@@ -211,7 +210,7 @@ def pod_document(builder: SnapshotBuilder, summary: PodSummary) -> dict[str, Any
             (
                 pl.policy
                 for f in reversed(summary.events)
-                if isinstance(pl := f.event.payload(), AllocationEvent) and pl.policy
+                if isinstance(pl := f.payload, AllocationEvent) and pl.policy
             ),
             None,
         )

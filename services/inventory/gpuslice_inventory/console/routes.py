@@ -28,7 +28,7 @@ from gpuslice_common.bus import Bus, BusError
 from gpuslice_inventory.console.auth import Viewer, authenticate
 from gpuslice_inventory.console.errors import ConsoleError
 from gpuslice_inventory.console.hub import AuditQuery, Hub, Slot, TooManyStreams
-from gpuslice_inventory.console.pods import MAX_PODS, pod_list
+from gpuslice_inventory.console.pods import MAX_PODS
 from gpuslice_inventory.console.scope import event_visible, namespace_visible
 
 log = logging.getLogger(__name__)
@@ -243,9 +243,7 @@ def create_console_app(
     async def pods(viewer: AViewer) -> Response:
         await ready()
         shown = [
-            s.document()
-            for s in pod_list(hub.builder, hub.feed)
-            if namespace_visible(s.namespace, viewer)
+            s.document() for s in hub.pod_summaries() if namespace_visible(s.namespace, viewer)
         ]
         return _json({"pods": shown[:MAX_PODS]})
 
