@@ -330,7 +330,9 @@ async def test_a_reservation_reaches_an_open_stream_without_waiting_for_the_tick
 async def test_a_hundred_viewers_cost_no_more_ledger_reads_than_one(
     nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
 ) -> None:
-    async with start_console(nats_server, redis_url, prefix, bus, console_tick=3600) as console:
+    # nothing changes meanwhile: no node goes silent (heartbeats of a minute)
+    slow = {"console_tick": 3600, "heartbeat_interval": 60}
+    async with start_console(nats_server, redis_url, prefix, bus, **slow) as console:
         await register(console, bus, ("gpu-1", 1))
         await until(lambda: console.hub.builder.document["cluster"]["cards"] == 1)
         hub = console.hub

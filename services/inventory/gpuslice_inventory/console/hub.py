@@ -37,6 +37,7 @@ KEEPALIVE_S = 15.0
 MAX_STREAMS = 1000  # open event streams per process; more are refused (503)
 EVENTS_PER_STREAM = 1000  # audit events waiting for one slow viewer; older ones are dropped
 SCOPED_CACHE = 256  # distinct namespace sets (and pods) kept serialised per version
+RETRY_S = 2.0  # after a failed refresh or lost change notices, however long the tick
 
 View = Literal["cluster", "pod", "audit"]
 
@@ -127,13 +128,18 @@ class Hub:
         """Follow the ledger's change notices (none on Redis Cluster: the tick only)."""
         while True:
             try:
-                async for node in self.ledger.watch_changes(on_subscribed=self.poke):
+                async for node in self.ledger.watch_changes(on_subscribed=self._subscribed):
                     self.poke(node)
             except NotImplementedError:
                 return
             except LedgerError as exc:
                 log.debug("console: %s", exc)
-                await asyncio.sleep(self.tick)
+                await asyncio.sleep(min(self.tick, RETRY_S))
+
+    def _subscribed(self) -> None:
+        """Change notices (again): what changed before them is read in full now."""
+        self.builder.resync_soon()
+        self.poke()
 
     async def run(self) -> None:
         """Refresh forever; a Redis outage is logged once and retried, never fatal."""
@@ -161,7 +167,9 @@ class Hub:
                     if not failing:
                         log.warning("console: cannot refresh the snapshot: %s", exc)
                     failing = True
-                wait = max(0.0, next_full - time.monotonic()) if not failing else self.tick
+                wait = max(0.0, next_full - time.monotonic())
+                if failing:
+                    wait = min(self.tick, RETRY_S)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
         finally:

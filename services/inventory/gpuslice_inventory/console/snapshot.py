@@ -87,6 +87,10 @@ class SnapshotBuilder:
         self._resync_due = 0.0
         self._compose()
 
+    def resync_soon(self) -> None:
+        """Re-read every node at the next refresh (notices of changes may have been lost)."""
+        self._resync_due = 0.0
+
     async def refresh(self, *, full: bool, dirty: Iterable[str] = ()) -> bool:
         """Read what changed (``full``: telemetry, liveness and the report too);
         True when the document changed. Raises LedgerError when Redis fails."""
