@@ -666,3 +666,31 @@ def test_no_authentication_only_on_loopback() -> None:
         {"console_host": "::1"},
     ):
         InventorySettings(**fine)
+
+
+async def test_an_idle_stream_gets_keepalives(console: Console) -> None:
+    console.hub.keepalive = 0.05
+    async with console.client.stream("GET", "/api/v1/stream") as r:
+
+        async def keepalive() -> None:
+            async for line in r.aiter_lines():
+                if line == ": keepalive":
+                    return
+
+        await asyncio.wait_for(keepalive(), WAIT_S)
+
+
+async def test_a_report_that_does_not_parse_is_not_shown(
+    console: Console, bus: Bus, prefix: str
+) -> None:
+    await register(console, bus, ("gpu-1", 1))
+    redis = console.state.ledger.redis
+    await redis.set(f"{prefix}:report:scheduler", b'{"version": 1, "at": "never"}')
+    first = console.hub.builder.full_refreshes
+    # the refresh under way may have read before the set: the one after it read the value
+    await until(lambda: console.hub.builder.full_refreshes > first + 1)
+    snap = await console.json("/api/v1/cluster")
+    assert snap["report_at"] is None
+    assert snap["cluster"]["fragmentation"] is None
+    assert snap["cluster"]["fits"] == []
+    assert snap["nodes"][0]["fragmentation"] is None

@@ -81,6 +81,7 @@ class SnapshotBuilder:
         self.version = 0
         self.at = clock()
         self.refreshes = 0  # refreshes that read Redis (tests count them)
+        self.full_refreshes = 0  # of which with telemetry, liveness and the report
         self.document: dict[str, Any] = {}
         self.body = b""
         self._content = b""
@@ -118,6 +119,7 @@ class SnapshotBuilder:
         if changed:
             await self._read(changed)
         if full:
+            self.full_refreshes += 1
             self.liveness = await self.ledger.read_liveness(names)
             usages = await asyncio.gather(
                 *(self.telemetry.container_usage(n, prune=False) for n in names)
