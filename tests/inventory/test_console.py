@@ -31,20 +31,23 @@ from gpuslice_common.events import (
     make_event,
     parse_event,
 )
+from gpuslice_common.kube import KubernetesApi
 from gpuslice_common.models import (
     ContainerAssignment,
     ContainerGpuRequest,
     DeviceGrant,
+    GpuPolicy,
     MemoryRequest,
     Placement,
     PodRef,
 )
-from gpuslice_common.reports import KindReport, SchedulerReport, ShareReport, write_report
+from gpuslice_common.reports import Fragmentation, ReportKind, SchedulerReport, write_report
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_inventory.console.auth import Viewer
 from gpuslice_inventory.service import Running, running
 from tests.conftest import make_inventory
 from tests.inventory.conftest import announce, rebuilt, settings_for, until
+from tests.kubeapi import FakeApiServer, Stream
 
 MIB = 1024 * 1024
 TRAIN = PodRef(uid="uid-train-1", namespace="team-a", name="train-1")
@@ -208,11 +211,11 @@ async def test_snapshot_counts_cards_placements_telemetry_and_the_report(
     assert await telemetry.flush() == 1
     report = SchedulerReport(
         at=datetime(2026, 11, 25, 1, 0, tzinfo=UTC),
-        policy="fragmentation",
-        cluster=ShareReport(fragmentation=0.12, free_share=5300.0),
-        nodes={"gpu-1": ShareReport(fragmentation=0.05, free_share=1250.0)},
+        policy=GpuPolicy.FRAGMENTATION,
+        cluster=Fragmentation(fragmentation=0.12, free_share=5300.0),
+        nodes={"gpu-1": Fragmentation(fragmentation=0.05, free_share=1250.0)},
         kinds=(
-            KindReport(
+            ReportKind(
                 label="1 card, 25% of cores, any memory",
                 weight=0.18,
                 count=1,
@@ -289,17 +292,17 @@ async def test_a_namespaced_viewer_sees_other_tenants_only_as_sums(
         )
 
     await until(both, timeout=WAIT_S)
-    tenant = Viewer("alice", frozenset({"team-a"}))
+    team_a = {"team-a"}
     before = hub.serialisations
-    bodies = {hub.cluster_bytes(Viewer(f"u{i}", frozenset({"team-a"}))) for i in range(100)}
+    bodies = {hub.cluster_bytes(Viewer(f"u{i}", frozenset()), team_a) for i in range(100)}
     assert len(bodies) == 1
-    assert hub.serialisations == before + 1
-    scoped = json.loads(hub.cluster_bytes(tenant))
+    assert hub.serialisations == before + 1  # one per namespace set and version
+    scoped = json.loads(hub.cluster_bytes(Viewer("alice", frozenset()), team_a))
     card = scoped["nodes"][0]["cards"][0]
     assert [p["name"] for p in card["pods"]] == ["train-1"]
     assert card["others"] == {"pods": 1, "memory_mib": 2048, "cores": 10}
     assert scoped["cluster"]["pods"] == 1
-    everything = json.loads(hub.cluster_bytes(Viewer("root", None)))
+    everything = json.loads(hub.cluster_bytes(Viewer("root", None), None))
     assert len(everything["nodes"][0]["cards"][0]["pods"]) == 2  # the scoping copied
 
 
@@ -641,17 +644,82 @@ async def test_stream_parameters_are_checked(console: Console) -> None:
     assert len(console.hub.slots) == 0
 
 
-async def test_token_review_is_refused_until_it_is_implemented(
-    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+async def test_behind_token_review_a_tenant_sees_its_namespaces_only(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
 ) -> None:
-    async with start_console(
-        nats_server, redis_url, prefix, bus, console_auth="tokenreview"
-    ) as console:
-        for path in ("/api/v1/session", "/api/v1/cluster", "/api/v1/stream", "/api/v1/audit"):
-            answer = await console.get(path)
-            assert answer.status_code == 401, path
-            assert "error" in answer.json()
-        assert (await console.get("/")).status_code == 200  # the page asks for a token
+    api = kube_api_server
+    empty = {"kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": []}
+    api.answer(  # the pod watch and the reconciliation see no pods
+        "GET", "/api/v1/pods", 200, lambda q: Stream([], hold=1) if q.get("watch") else empty
+    )
+    api.access.grant(user="alice")  # list pods everywhere
+    api.access.grant(user="bob", namespace="team-a")
+    alice = {"Authorization": f"Bearer {api.tokens.mint_user('alice')}"}
+    bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    kube = KubernetesApi.connect(api.host, token="inventory-token", timeout=5)
+    port = free_port()
+    settings = settings_for(
+        nats_server, redis_url, prefix, console_port=port, console_auth="tokenreview"
+    )
+    try:
+        async with (
+            running(settings, bus, kube=kube) as state,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S) as client,
+        ):
+            console = Console(state, client, port)
+            await register(console, bus, ("gpu-1", 1))
+            await state.ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+            await state.ledger.reserve(placed(OTHER, "gpu-1", [(0, 2048, 10)]))
+            for event in (
+                alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"),
+                alloc_event(EventType.ALLOC_RESERVED, OTHER, "gpu-1"),
+                alloc_event(EventType.ALLOC_FAILED, None, "gpu-1", reason="no pending pod"),
+            ):
+                await bus.publish_acked(event)
+            await feed_holds(console, 3)
+
+            async def both(headers: dict[str, str]) -> Any:
+                answer = await client.get("/api/v1/cluster", headers=headers)
+                assert answer.status_code == 200, answer.text
+                return answer.json()
+
+            await until(lambda: _pods_on_card(both(alice), 2), timeout=WAIT_S)
+            mine = (await both(bob))["nodes"][0]["cards"][0]
+            assert [p["name"] for p in mine["pods"]] == ["train-1"]
+            assert mine["others"] == {"pods": 1, "memory_mib": 2048, "cores": 10}
+            session = (await client.get("/api/v1/session", headers=bob)).json()
+            assert session == {"user": "bob", "namespaces": [], "auth": "tokenreview"}
+
+            events = (await client.get("/api/v1/audit", headers=bob)).json()["events"]
+            assert [e["data"]["pod"]["name"] for e in events] == ["train-1"]
+            assert len((await client.get("/api/v1/audit", headers=alice)).json()["events"]) == 3
+            pods = (await client.get("/api/v1/pods", headers=bob)).json()["pods"]
+            assert {p["name"] for p in pods} == {"train-1"}
+            hidden = await client.get("/api/v1/pods/team-b/other-1", headers=bob)
+            assert hidden.status_code == 404
+            assert hidden.json() == {"error": "no pod team-b/other-1 is known"}
+            seen = await client.get("/api/v1/pods/team-b/other-1", headers=alice)
+            assert seen.status_code == 200
+            params = {"view": "pod", "namespace": "team-b", "name": "other-1"}
+            assert (
+                await client.get("/api/v1/stream", params=params, headers=bob)
+            ).status_code == 404
+
+            for path in ("/api/v1/session", "/api/v1/cluster", "/api/v1/stream", "/api/v1/audit"):
+                answer = await client.get(path)
+                assert answer.status_code == 401, path
+                assert answer.headers["www-authenticate"] == "Bearer"
+                assert "error" in answer.json()
+            forged = await client.get("/api/v1/cluster", headers={"Authorization": "Bearer nope"})
+            assert forged.status_code == 401
+            assert (await client.get("/")).status_code == 200  # the page asks for a token
+    finally:
+        await kube.close()
+
+
+async def _pods_on_card(snapshot: Any, count: int) -> bool:
+    nodes = (await snapshot)["nodes"]
+    return bool(nodes) and len(nodes[0]["cards"][0]["pods"]) == count
 
 
 def test_no_authentication_only_on_loopback() -> None:

@@ -44,6 +44,7 @@ from gpuslice_common.service import (
 from gpuslice_common.subjects import node_from_token
 from gpuslice_inventory.authcallout import AuthCallout
 from gpuslice_inventory.console.auditfeed import AuditFeed
+from gpuslice_inventory.console.auth import Authenticator
 from gpuslice_inventory.console.hub import Hub
 from gpuslice_inventory.console.routes import create_console_app
 from gpuslice_inventory.console.snapshot import SnapshotBuilder
@@ -299,12 +300,17 @@ def kube_api(settings: InventorySettings) -> KubeApi | None:
 
 
 def console_hub(
-    settings: InventorySettings, bus: Bus, ledger: Ledger, telemetry: TelemetryStore
+    settings: InventorySettings,
+    bus: Bus,
+    ledger: Ledger,
+    telemetry: TelemetryStore,
+    authenticator: Authenticator,
 ) -> Hub:
     """The web console's shared snapshot and audit feed (one per process)."""
     builder = SnapshotBuilder(ledger, telemetry, settings.ledger_prefix)
     feed = AuditFeed(bus, settings.console_audit_events)
-    return Hub(ledger, builder, feed, settings.console_tick.total_seconds())
+    tick = settings.console_tick.total_seconds()
+    return Hub(ledger, builder, feed, authenticator, tick)
 
 
 @contextlib.asynccontextmanager
@@ -323,6 +329,9 @@ async def running(
     by default the auth callout's, when it runs; without either, containers get
     none (a NATS without users)."""
     vendor_types = None  # read first: a bad file stops the start before anything opens
+    authenticator = None
+    if serve_http and settings.console_port:  # tokenreview without the API: no start
+        authenticator = Authenticator(settings.console_auth, kube)
     if kube is not None and settings.device_config:
         vendor_types = load_device_config(settings.device_config).announced()
     ledger = Ledger.from_settings(settings)
@@ -428,8 +437,8 @@ async def running(
             expected=(LedgerError, KubeError),
         )
         state.tasks.append(asyncio.create_task(job, name="vendor-nodes"))
-    if serve_http and settings.console_port:
-        state.console = console_hub(settings, bus, ledger, telemetry)
+    if authenticator is not None:
+        state.console = console_hub(settings, bus, ledger, telemetry, authenticator)
         state.tasks += [
             asyncio.create_task(state.console.run(), name="console"),
             asyncio.create_task(state.console.feed.run(), name="console-audit-feed"),
@@ -455,7 +464,7 @@ async def running(
                 )
             if state.console is not None:
                 console = plain_http(
-                    create_console_app(state.console, bus, settings.console_auth),
+                    create_console_app(state.console, bus, state.console.authenticator),
                     settings.console_host,
                     settings.console_port,
                     settings.log_level,

@@ -1,1 +1,1 @@
-"""The inventory's read-only web console: cluster, pods and audit, pushed live."""
+"""The inventory's read-only web console: cluster, pod and audit views, pushed live."""

@@ -130,6 +130,11 @@ class AuditFeed:
                 found.append(fed)
         return found[::-1], False
 
+    def namespaces(self) -> set[str]:
+        """The namespaces of the pods the feed holds events of."""
+        named = {namespace for namespace, _ in self.by_pod}
+        return named | {f[0].pod.namespace for f in self.by_uid.values() if f and f[0].pod}
+
     def pod_events(self, namespace: str, name: str) -> list[FeedEvent]:
         """Every kept event of pods named ``namespace/name``, with the events of
         their uids that carry no name, in feed order."""

@@ -27,9 +27,9 @@ from redis.exceptions import RedisError
 from gpuslice_common.auditstream import EventFilter
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent
-from gpuslice_inventory.console.auth import Viewer
+from gpuslice_inventory.console.auth import AccessDenied, Authenticator, Viewer
 from gpuslice_inventory.console.pods import PodSummary, find_pod, pod_document, pod_list
-from gpuslice_inventory.console.scope import event_visible, namespace_visible, scope_snapshot
+from gpuslice_inventory.console.scope import event_visible, scope_snapshot, snapshot_namespaces
 from gpuslice_inventory.console.snapshot import SnapshotBuilder
 
 log = logging.getLogger(__name__)
@@ -50,13 +50,14 @@ class AuditQuery:
     since: datetime | None = None
     until: datetime | None = None
 
-    def matches(self, fed: FeedEvent, viewer: Viewer) -> bool:
+    def matches(self, fed: FeedEvent) -> bool:
+        """Whether ``fed`` passes the filters (who may see it is checked apart)."""
         when = fed.event.time
         if self.since is not None and when < self.since:
             return False
         if self.until is not None and when > self.until:
             return False
-        return fed.matches(self.wanted) and event_visible(fed.doc, viewer)
+        return fed.matches(self.wanted)
 
 
 @dataclass(eq=False)
@@ -84,10 +85,12 @@ class Hub:
         ledger: Ledger,
         builder: SnapshotBuilder,
         feed: AuditFeed,
+        authenticator: Authenticator,
         tick: float,
         keepalive: float = KEEPALIVE_S,
     ) -> None:
         self.ledger = ledger
+        self.authenticator = authenticator
         self.builder = builder
         self.feed = feed
         self.tick = tick
@@ -99,6 +102,7 @@ class Hub:
         self._wake = asyncio.Event()
         self._scoped: dict[frozenset[str] | None, bytes] = {}
         self._scoped_version = 0
+        self._namespaces: tuple[int, set[str]] = (-1, set())
         self._pods: dict[tuple[str, str], tuple[tuple[int, int], bytes | None]] = {}
         self._pod_list: tuple[tuple[int, int], list[PodSummary]] = ((-1, -1), [])
         feed.followers.append(self.on_event)
@@ -118,7 +122,7 @@ class Hub:
             self.poke(fed.node)
         pod = fed.pod
         for slot in self.slots:
-            if slot.view == "audit" and slot.audit.matches(fed, slot.viewer):
+            if slot.view == "audit" and slot.audit.matches(fed):
                 slot.events.append(fed)
                 slot.wake.set()
             elif slot.view == "pod" and pod is not None and pod.namespace == slot.namespace:
@@ -179,19 +183,38 @@ class Hub:
 
     # ------------------------------------------------------------ what viewers get
 
-    def cluster_bytes(self, viewer: Viewer) -> bytes:
-        """The snapshot as ``viewer`` may see it, serialised once per version and scope."""
+    def namespaces(self) -> set[str]:
+        """The namespaces of the snapshot's pods (worked out once per version)."""
+        version = self.builder.version
+        if self._namespaces[0] != version:
+            self._namespaces = (version, snapshot_namespaces(self.builder.document))
+        return self._namespaces[1]
+
+    async def visible(self, viewer: Viewer, namespaces: set[str]) -> set[str] | None:
+        """Which of ``namespaces`` ``viewer`` may see (None: all); AccessDenied
+        when the Kubernetes API cannot tell."""
+        return await self.authenticator.visible(viewer, namespaces)
+
+    async def cluster_for(self, viewer: Viewer) -> bytes:
+        """The snapshot as ``viewer`` may see it; AccessDenied as :meth:`visible`."""
+        if viewer.namespaces is None:
+            return self.cluster_bytes(viewer, None)
+        return self.cluster_bytes(viewer, await self.visible(viewer, self.namespaces()))
+
+    def cluster_bytes(self, viewer: Viewer, visible: set[str] | None) -> bytes:
+        """The snapshot scoped to ``visible`` namespaces, serialised once per
+        version and namespace set."""
         version = self.builder.version
         if version != self._scoped_version or len(self._scoped) > SCOPED_CACHE:
             self._scoped = {}
             self._scoped_version = version
-        key = viewer.namespaces
+        key = None if viewer.namespaces is None or visible is None else frozenset(visible)
         body = self._scoped.get(key)
         if body is None:
             if key is None:
                 body = self.builder.body
             else:
-                body = orjson.dumps(scope_snapshot(self.builder.document, viewer))
+                body = orjson.dumps(scope_snapshot(self.builder.document, viewer, key))
                 self.serialisations += 1
             self._scoped[key] = body
         return body
@@ -228,26 +251,28 @@ class Hub:
         self.slots.discard(slot)
 
     async def stream(self, slot: Slot) -> AsyncIterator[bytes]:
-        """Server-sent events for ``slot`` until the viewer goes (then the slot is gone)."""
+        """Server-sent events for ``slot`` until the viewer goes (then the slot is
+        gone), or until the Kubernetes API cannot tell what the viewer may see."""
         self.slots.add(slot)
         try:
             sent: bytes | None = None
             first = True
             while True:
                 if slot.view == "cluster":
-                    body = self.cluster_bytes(slot.viewer)
+                    body = await self.cluster_for(slot.viewer)
                     if body != sent:
                         sent = body
                         yield b"event: cluster\ndata: " + body + b"\n\n"
-                elif slot.view == "pod":
-                    if namespace_visible(slot.namespace, slot.viewer):
-                        pod = self.pod_bytes(slot.namespace, slot.name)
-                        if pod is not None and pod != sent:
-                            sent = pod
-                            yield b"event: pod\ndata: " + pod + b"\n\n"
+                elif slot.view == "pod":  # its namespace was checked when it opened
+                    pod = self.pod_bytes(slot.namespace, slot.name)
+                    if pod is not None and pod != sent:
+                        sent = pod
+                        yield b"event: pod\ndata: " + pod + b"\n\n"
                 else:
                     while slot.events:
-                        yield b"event: audit\ndata: " + slot.events.popleft().line + b"\n\n"
+                        fed = slot.events.popleft()
+                        if await self._may_see(slot.viewer, fed):
+                            yield b"event: audit\ndata: " + fed.line + b"\n\n"
                 if first:
                     first = False
                     yield b": connected\n\n"
@@ -256,5 +281,13 @@ class Hub:
                     slot.wake.clear()
                 except TimeoutError:
                     yield b": keepalive\n\n"
+        except AccessDenied as denied:
+            yield b": " + denied.message.encode() + b"\n\n"
         finally:
             self.unsubscribe(slot)
+
+    async def _may_see(self, viewer: Viewer, fed: FeedEvent) -> bool:
+        if viewer.namespaces is None:
+            return True
+        namespaces = {fed.pod.namespace} if fed.pod is not None else set()
+        return event_visible(fed.doc, await self.visible(viewer, namespaces))

@@ -2,7 +2,8 @@
 
 Only GET and HEAD are served (anything else: 405); every answer carries the
 page's security headers; every ``/api/`` answer needs a viewer
-(:func:`~gpuslice_inventory.console.auth.authenticate`); refusals are JSON
+(:class:`~gpuslice_inventory.console.auth.Authenticator`), and shows only the
+namespaces it may see; refusals are JSON
 ``{"error": ...}``. Query parameters are checked by hand so that a bad one is
 a 400 naming it, never a traceback.
 """
@@ -15,17 +16,28 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpuslice_common.auditstream import EventFilter, audit_events, parse_since, parse_types
+from gpuslice_common.auditstream import (
+    EventFilter,
+    audit_events,
+    event_pod,
+    parse_since,
+    parse_types,
+)
 from gpuslice_common.bus import Bus, BusError
-from gpuslice_inventory.console.auth import Viewer, authenticate
+from gpuslice_inventory.console.auth import (
+    AccessDenied,
+    Authenticator,
+    Viewer,
+    dependency,
+    install_error_responses,
+)
 from gpuslice_inventory.console.errors import ConsoleError
 from gpuslice_inventory.console.hub import AuditQuery, Hub, Slot, TooManyStreams
 from gpuslice_inventory.console.pods import MAX_PODS
@@ -58,7 +70,6 @@ DEFAULT_LIMIT = 500
 MAX_TEXT = 253  # a node, namespace or pod name (a uid is shorter)
 EXPORTS_AT_ONCE = 4  # exports read the stream itself: a few at a time
 DEFAULT_SINCE = "1h"
-AViewer = Annotated[Viewer, Depends(authenticate)]  # who asks, for every /api/ route
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -192,21 +203,19 @@ def _json(body: bytes | dict[str, Any], status: int = 200) -> Response:
 
 
 def create_console_app(
-    hub: Hub, bus: Bus, auth: Literal["none", "tokenreview"]
+    hub: Hub, bus: Bus, authenticator: Authenticator
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The console's ASGI app over ``hub`` (snapshot, feed) and ``bus`` (exports)."""
     app = FastAPI(title="gpuslice console", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.console_auth = auth
+    install_error_responses(app)  # 401/403/404/405/503 as {"error": ...}
+    auth = authenticator.mode
+    authenticate = dependency(authenticator)  # refusals: see install_error_responses
     files = _static_files()
     exports = asyncio.Semaphore(EXPORTS_AT_ONCE)
 
     @app.exception_handler(ConsoleError)
     async def refused(request: Request, exc: ConsoleError) -> Response:
         return _json({"error": exc.message}, exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _json({"error": str(exc.detail)}, exc.status_code)
 
     def asset(name: str) -> Response:
         found = files.get(name)
@@ -230,50 +239,59 @@ def create_console_app(
             raise ConsoleError(503, "the console has not read the ledger yet") from None
 
     @app.api_route("/api/v1/session", methods=["GET", "HEAD"])
-    async def session(viewer: AViewer) -> Response:
+    async def session(request: Request) -> Response:
+        viewer = await authenticate(request)
         namespaces = None if viewer.namespaces is None else sorted(viewer.namespaces)
         return _json({"user": viewer.user, "namespaces": namespaces, "auth": auth})
 
     @app.api_route("/api/v1/cluster", methods=["GET", "HEAD"])
-    async def cluster(viewer: AViewer) -> Response:
+    async def cluster(request: Request) -> Response:
+        viewer = await authenticate(request)
         await ready()
-        return _json(hub.cluster_bytes(viewer))
+        return _json(await hub.cluster_for(viewer))
 
     @app.api_route("/api/v1/pods", methods=["GET", "HEAD"])
-    async def pods(viewer: AViewer) -> Response:
+    async def pods(request: Request) -> Response:
+        viewer = await authenticate(request)
         await ready()
-        shown = [
-            s.document() for s in hub.pod_summaries() if namespace_visible(s.namespace, viewer)
-        ]
+        summaries = hub.pod_summaries()
+        visible = await hub.visible(viewer, {s.namespace for s in summaries})
+        shown = [s.document() for s in summaries if namespace_visible(s.namespace, visible)]
         return _json({"pods": shown[:MAX_PODS]})
 
     @app.api_route("/api/v1/pods/{namespace}/{name}", methods=["GET", "HEAD"])
-    async def pod(namespace: str, name: str, viewer: AViewer) -> Response:
+    async def pod(request: Request, namespace: str, name: str) -> Response:
+        viewer = await authenticate(request)
         await ready()
         unknown = f"no pod {namespace[:MAX_TEXT]}/{name[:MAX_TEXT]} is known"
-        if not namespace_visible(namespace, viewer):
-            raise ConsoleError(404, unknown)
+        if not await authenticator.may_see(viewer, namespace):
+            raise ConsoleError(404, unknown)  # the same answer: no oracle of what exists
         body = hub.pod_bytes(namespace, name)
         if body is None:
             raise ConsoleError(404, unknown)
         return _json(body)
 
     @app.api_route("/api/v1/audit", methods=["GET", "HEAD"])
-    async def audit(request: Request, viewer: AViewer) -> Response:
+    async def audit(request: Request) -> Response:
+        viewer = await authenticate(request)
         query, limit = audit_query(request)
+        visible: set[str] | None = None
+        if viewer.namespaces is not None:  # asked about the namespaces of the feed's pods
+            visible = await hub.visible(viewer, set(hub.feed.namespaces()))
         found, truncated = hub.feed.query(
             query.wanted,
             query.since,
             query.until,
             limit or DEFAULT_LIMIT,
-            lambda doc: event_visible(doc, viewer),
+            lambda doc: event_visible(doc, visible),
         )
         body = b'{"events":[' + b",".join(f.line for f in found) + b"],"
         body += b'"truncated":' + (b"true" if truncated else b"false") + b"}"
         return _json(body)
 
     @app.api_route("/api/v1/audit/export", methods=["GET", "HEAD"])
-    async def export(request: Request, viewer: AViewer) -> Response:
+    async def export(request: Request) -> Response:
+        viewer = await authenticate(request)
         query, limit = audit_query(request)
         since = query.since or parse_since(DEFAULT_SINCE)
         if exports.locked():
@@ -285,7 +303,7 @@ def create_console_app(
         except (NatsError, TimeoutError):
             raise ConsoleError(503, "the audit stream cannot be read now") from None
         return StreamingResponse(
-            _export_lines(bus, query, since, limit, viewer, exports),
+            _export_lines(bus, query, since, limit, viewer, authenticator, exports),
             media_type="application/x-ndjson",
             headers={
                 "Content-Disposition": 'attachment; filename="gpuslice-audit.jsonl"',
@@ -294,7 +312,8 @@ def create_console_app(
         )
 
     @app.api_route("/api/v1/stream", methods=["GET", "HEAD"])
-    async def stream(request: Request, viewer: AViewer) -> Response:
+    async def stream(request: Request) -> Response:
+        viewer = await authenticate(request)
         view = _one(request, "view") or "cluster"
         if view not in ("cluster", "pod", "audit"):
             raise ConsoleError(400, "view: one of cluster, pod, audit")
@@ -305,7 +324,7 @@ def create_console_app(
                 raise ConsoleError(400, "namespace: required for view=pod")
             if name is None:
                 raise ConsoleError(400, "name: required for view=pod")
-            if not namespace_visible(namespace, viewer):
+            if not await authenticator.may_see(viewer, namespace):
                 raise ConsoleError(404, f"no pod {namespace}/{name} is known")
             slot = Slot(viewer, "pod", namespace, name)
         elif view == "audit":
@@ -333,6 +352,7 @@ async def _export_lines(
     since: datetime,
     limit: int | None,
     viewer: Viewer,
+    authenticator: Authenticator,
     exports: asyncio.Semaphore,
 ) -> AsyncIterator[bytes]:
     """JSON Lines of the matching events the stream holds from ``since``."""
@@ -345,14 +365,18 @@ async def _export_lines(
                     continue
                 if not query.wanted.matches(event):
                     continue
-                if not event_visible(event.model_dump(mode="json"), viewer):
-                    continue
+                if viewer.namespaces is not None:
+                    pod = event_pod(event)
+                    if pod is None or not await authenticator.may_see(viewer, pod.namespace):
+                        continue
                 yield event.to_json() + b"\n"
                 count += 1
                 if limit is not None and count >= limit:
                     break
         except BusError as exc:
             log.warning("console: an audit export stopped early: %s", exc)
+        except AccessDenied as exc:  # the Kubernetes API stopped answering: stop here
+            log.warning("console: an audit export stopped early: %s", exc.message)
         finally:
             with contextlib.suppress(Exception):
                 await events.aclose()  # type: ignore[attr-defined]
