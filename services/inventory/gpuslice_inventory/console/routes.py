@@ -333,6 +333,8 @@ def create_console_app(
         else:
             slot = Slot(viewer, "cluster")
         await ready()
+        if view == "cluster":  # what it may see is asked now: a refusal is an answer, not a cut
+            await hub.cluster_for(viewer)
         try:
             hub.check_room()
         except TooManyStreams as exc:
