@@ -571,10 +571,13 @@ async def test_a_denied_pod_is_listed_with_its_reason(console: Console, bus: Bus
 # ---------------------------------------------------------------- the page and HTTP
 
 
-def raw_get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
-    """A request with ``path`` exactly as given (clients would tidy it up)."""
+def raw_get(
+    port: int, path: str, method: str = "GET", host: str = "127.0.0.1"
+) -> tuple[int, bytes]:
+    """A request with ``path`` and ``host`` exactly as given (clients would tidy them up)."""
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
-        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+        head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        sock.sendall(head.encode())
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
@@ -613,6 +616,44 @@ async def test_the_page_and_its_assets_only(console: Console) -> None:
         assert status in (400, 404), (path, status)
         assert b"import" not in body, path
         assert b"root:" not in body, path
+
+
+async def test_without_authentication_only_loopback_host_names_are_answered(
+    console: Console,
+) -> None:
+    """A page the operator opens at http://evil.example:8090/, whose name the
+    attacker's DNS then rebinds to 127.0.0.1, is same-origin with what it reads:
+    the console must not answer a Host that is not a loopback name."""
+    port = console.port
+    for host in (
+        f"evil.example:{port}",
+        "evil.example",
+        f"127.0.0.1.nip.io:{port}",
+        f"localhost.evil.example:{port}",
+        f"10.0.0.5:{port}",
+        "",
+        f"[::2]:{port}",
+        f"127.0.0.1:{port}@evil.example",
+        f"localhost:{port}x",
+    ):
+        for path in ("/api/v1/cluster", "/api/v1/session", "/api/v1/audit", "/"):
+            status, body = await asyncio.to_thread(raw_get, port, path, host=host)
+            assert status == 403, (host, path, status)
+            assert b"loopback" in json.loads(body)["error"].encode(), host
+    refused = await console.client.get("/api/v1/session", headers={"Host": "evil.example"})
+    assert refused.status_code == 403
+    assert "frame-ancestors 'none'" in refused.headers["content-security-policy"]
+    for host in (
+        f"127.0.0.1:{port}",
+        f"localhost:{port}",
+        "LOCALHOST",
+        f"127.0.0.2:{port}",
+        f"[::1]:{port}",
+        "localhost.",
+    ):
+        status, body = await asyncio.to_thread(raw_get, port, "/api/v1/session", host=host)
+        assert status == 200, (host, status)
+        assert json.loads(body)["user"] == "port-forward"
 
 
 async def test_only_get_and_head_are_served(console: Console) -> None:

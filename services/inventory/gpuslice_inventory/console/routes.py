@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from datetime import datetime
@@ -77,11 +78,41 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class ReadOnly:
-    """ASGI wrapper: GET and HEAD only (405 otherwise), security headers on every answer."""
+def loopback_host(host: str | None) -> bool:
+    """Whether a ``Host`` header names this machine's loopback: ``localhost`` or a
+    loopback address, with or without a port. A name that a DNS server answers
+    (``evil.example`` rebound to 127.0.0.1) is not one."""
+    if not host:
+        return False
+    name = host.strip().lower()
+    if name.startswith("["):  # [::1]:8090
+        name, bracket, rest = name[1:].partition("]")
+        if not bracket or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return False
+    else:
+        name, colon, port = name.partition(":")
+        if colon and not (port.isascii() and port.isdigit()):
+            return False
+    if name.rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
-    def __init__(self, app: Asgi) -> None:
+
+class ReadOnly:
+    """ASGI wrapper: GET and HEAD only (405 otherwise), security headers on every answer.
+
+    With ``loopback_only`` (``console_auth: none``, where whoever is answered
+    sees every tenant's pods) a request whose ``Host`` is not a loopback name
+    is refused (403): a web page the operator opens cannot rebind its own
+    host name to 127.0.0.1 and read the console as its own origin.
+    """
+
+    def __init__(self, app: Asgi, *, loopback_only: bool = False) -> None:
         self.app = app
+        self.loopback_only = loopback_only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -89,19 +120,14 @@ class ReadOnly:
             return
         if scope["method"] not in ("GET", "HEAD"):
             body = b'{"error":"the console is read-only: only GET and HEAD"}'
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 405,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"allow", b"GET, HEAD"),
-                        *SECURITY_HEADERS,
-                    ],
-                }
+            await _refuse(send, 405, body, [(b"allow", b"GET, HEAD")])
+            return
+        if self.loopback_only and not loopback_host(_header(scope, b"host")):
+            body = (
+                b'{"error":"without authentication the console answers only to a loopback '
+                b'host name (localhost, 127.0.0.1, [::1]): open it through kubectl port-forward"}'
             )
-            await send({"type": "http.response.body", "body": body})
+            await _refuse(send, 403, body)
             return
 
         async def with_headers(message: MutableMapping[str, Any]) -> None:
@@ -110,6 +136,32 @@ class ReadOnly:
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The one value of header ``name``; None when absent or given more than once."""
+    values = [v for k, v in scope.get("headers", []) if k.lower() == name]
+    if len(values) != 1:
+        return None
+    return bytes(values[0]).decode("latin-1")
+
+
+async def _refuse(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+                *SECURITY_HEADERS,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def _static_files() -> dict[str, tuple[bytes, str]]:
@@ -345,7 +397,7 @@ def create_console_app(
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
 
-    return ReadOnly(app)
+    return ReadOnly(app, loopback_only=auth == "none")
 
 
 async def _export_lines(
