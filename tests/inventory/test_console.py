@@ -576,8 +576,8 @@ def raw_get(
 ) -> tuple[int, bytes]:
     """A request with ``path`` and ``host`` exactly as given (clients would tidy them up)."""
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
-        head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-        sock.sendall(head.encode())
+        request = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        sock.sendall(request.encode())
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
@@ -803,3 +803,81 @@ async def test_a_report_that_does_not_parse_is_not_shown(
     assert snap["cluster"]["fragmentation"] is None
     assert snap["cluster"]["fits"] == []
     assert snap["nodes"][0]["fragmentation"] is None
+
+
+@contextlib.asynccontextmanager
+async def reviewed_console(
+    nats: NatsServer, redis_url: str, prefix: str, bus: Bus, api: FakeApiServer
+) -> AsyncIterator[Console]:
+    """The console behind TokenReview on ``api``, whose pod watch sees no pods."""
+    empty = {"kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": []}
+    api.answer(
+        "GET", "/api/v1/pods", 200, lambda q: Stream([], hold=1) if q.get("watch") else empty
+    )
+    kube = KubernetesApi.connect(api.host, token="inventory-token", timeout=5)
+    port = free_port()
+    settings = settings_for(
+        nats, redis_url, prefix, console_port=port, console_auth="tokenreview", console_tick=0.2
+    )
+    try:
+        async with (
+            running(settings, bus, kube=kube) as state,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S) as client,
+        ):
+            yield Console(state, client, port)
+    finally:
+        await kube.close()
+
+
+async def stream_ends(console: Console, token: str, params: dict[str, str], revoke: Any) -> str:
+    """Open a stream with ``token``, call ``revoke`` once it is open, and return
+    the comment the stream ended with (it must end, without the client closing it)."""
+    headers = {"Authorization": f"Bearer {token}"}
+    async with console.client.stream("GET", "/api/v1/stream", params=params, headers=headers) as r:
+        assert r.status_code == 200
+        lines = r.aiter_lines()
+
+        async def read() -> str:
+            last = ""
+            async for line in lines:
+                if line == ": connected":
+                    revoke()
+                elif line.startswith(": ") and line != ": keepalive":
+                    last = line
+            return last
+
+        return await asyncio.wait_for(read(), WAIT_S)
+
+
+async def test_an_open_stream_ends_once_its_token_or_grant_is_taken_back(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
+) -> None:
+    """A stream lives for hours; what the viewer may see is asked again once the
+    answers kept for its token expire: a revoked token, a cluster-wide grant
+    taken back, a namespace grant taken back each end the stream."""
+    api = kube_api_server
+    async with reviewed_console(nats_server, redis_url, prefix, bus, api) as console:
+        console.hub.authenticator.cache_ttl_s = 0.2  # answers are kept this long
+        await register(console, bus, ("gpu-1", 1))
+        await console.state.ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+
+        api.access.grant(user="alice")  # cluster-wide
+        token = api.tokens.mint_user("alice")
+        said = await stream_ends(console, token, {}, lambda: api.tokens.revoke(token))
+        assert "not accepted" in said
+
+        token = api.tokens.mint_user("alice")
+        said = await stream_ends(console, token, {}, lambda: api.access.revoke(user="alice"))
+        assert "access changed" in said
+
+        api.access.grant(user="bob", namespace="team-a")
+        token = api.tokens.mint_user("bob")
+        pod = {"view": "pod", "namespace": "team-a", "name": "train-1"}
+        said = await stream_ends(console, token, pod, lambda: api.access.revoke(user="bob"))
+        assert "access changed" in said
+        assert len(console.hub.slots) == 0
+        # the stream was answered while the grant held
+        answer = await console.client.get(
+            "/api/v1/stream", params=pod, headers={"Authorization": f"Bearer {token}"}
+        )
+        assert answer.status_code == 404

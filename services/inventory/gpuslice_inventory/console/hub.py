@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -38,6 +38,7 @@ MAX_STREAMS = 1000  # open event streams per process; more are refused (503)
 EVENTS_PER_STREAM = 1000  # audit events waiting for one slow viewer; older ones are dropped
 SCOPED_CACHE = 256  # distinct namespace sets (and pods) kept serialised per version
 RETRY_S = 2.0  # after a failed refresh or lost change notices, however long the tick
+MIN_RECHECK_S = 1.0  # an open stream asks again who its viewer is at most this often
 
 View = Literal["cluster", "pod", "audit"]
 
@@ -69,6 +70,10 @@ class Slot:
     namespace: str = ""
     name: str = ""
     audit: AuditQuery = field(default_factory=AuditQuery)
+    # who the viewer is now (its token reviewed again once the answer kept for
+    # it expires); None: no token to review (console_auth none)
+    recheck: Callable[[], Awaitable[Viewer]] | None = None
+    recheck_s: float = 60.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     events: deque[FeedEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_PER_STREAM))
 
@@ -252,12 +257,23 @@ class Hub:
 
     async def stream(self, slot: Slot) -> AsyncIterator[bytes]:
         """Server-sent events for ``slot`` until the viewer goes (then the slot is
-        gone), or until the Kubernetes API cannot tell what the viewer may see."""
+        gone), until the Kubernetes API cannot tell what the viewer may see, or
+        until the viewer is no longer who opened it: every ``recheck_s`` the
+        token is reviewed again (from the cache while its answer is kept), and a
+        token revoked, expired, or whose user lost or gained grants ends the
+        stream (the page reconnects and is answered as it is now)."""
         self.slots.add(slot)
+        every = max(slot.recheck_s, MIN_RECHECK_S)
+        next_check = time.monotonic() + every
         try:
             sent: bytes | None = None
             first = True
             while True:
+                if slot.recheck is not None and time.monotonic() >= next_check:
+                    if not await self._still_allowed(slot):
+                        yield b": your access changed: reconnect\n\n"
+                        return
+                    next_check = time.monotonic() + every
                 if slot.view == "cluster":
                     body = await self.cluster_for(slot.viewer)
                     if body != sent:
@@ -276,8 +292,11 @@ class Hub:
                 if first:
                     first = False
                     yield b": connected\n\n"
+                wait = self.keepalive
+                if slot.recheck is not None:
+                    wait = min(wait, max(0.0, next_check - time.monotonic()))
                 try:
-                    await asyncio.wait_for(slot.wake.wait(), self.keepalive)
+                    await asyncio.wait_for(slot.wake.wait(), wait)
                     slot.wake.clear()
                 except TimeoutError:
                     yield b": keepalive\n\n"
@@ -285,6 +304,26 @@ class Hub:
             yield b": " + denied.message.encode() + b"\n\n"
         finally:
             self.unsubscribe(slot)
+
+    async def _still_allowed(self, slot: Slot) -> bool:
+        """Whether the stream's viewer is still the one it was opened for (same
+        identity, same cluster-wide or namespaced view) and, for a pod view,
+        may still see the pod's namespace. AccessDenied as :meth:`visible`, and
+        401 for a token the API no longer accepts."""
+        assert slot.recheck is not None
+        now = await slot.recheck()
+        then = slot.viewer
+        if (now.user, now.namespaces, now.groups, now.uid, now.extra) != (
+            then.user,
+            then.namespaces,
+            then.groups,
+            then.uid,
+            then.extra,
+        ):
+            return False
+        if slot.view == "pod":
+            return await self.authenticator.may_see(now, slot.namespace)
+        return True
 
     async def _may_see(self, viewer: Viewer, fed: FeedEvent) -> bool:
         if viewer.namespaces is None:

@@ -366,6 +366,14 @@ def create_console_app(
     @app.api_route("/api/v1/stream", methods=["GET", "HEAD"])
     async def stream(request: Request) -> Response:
         viewer = await authenticate(request)
+        header = request.headers.get("authorization")
+
+        async def recheck() -> Viewer:
+            return await authenticator.viewer(header)
+
+        checks: dict[str, Any] = {}
+        if auth != "none":
+            checks = {"recheck": recheck, "recheck_s": authenticator.cache_ttl_s}
         view = _one(request, "view") or "cluster"
         if view not in ("cluster", "pod", "audit"):
             raise ConsoleError(400, "view: one of cluster, pod, audit")
@@ -378,12 +386,12 @@ def create_console_app(
                 raise ConsoleError(400, "name: required for view=pod")
             if not await authenticator.may_see(viewer, namespace):
                 raise ConsoleError(404, f"no pod {namespace}/{name} is known")
-            slot = Slot(viewer, "pod", namespace, name)
+            slot = Slot(viewer, "pod", namespace, name, **checks)
         elif view == "audit":
             query, _ = audit_query(request)
-            slot = Slot(viewer, "audit", audit=query)
+            slot = Slot(viewer, "audit", audit=query, **checks)
         else:
-            slot = Slot(viewer, "cluster")
+            slot = Slot(viewer, "cluster", **checks)
         await ready()
         if view == "cluster":  # what it may see is asked now: a refusal is an answer, not a cut
             await hub.cluster_for(viewer)
