@@ -42,7 +42,7 @@ from gpuslice_common.models import (
     PodRef,
 )
 from gpuslice_common.reports import Fragmentation, ReportKind, SchedulerReport, write_report
-from gpuslice_common.servers import NatsServer, free_port
+from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_inventory.console.auth import Viewer
 from gpuslice_inventory.service import Running, running
 from tests.conftest import make_inventory
@@ -881,3 +881,33 @@ async def test_an_open_stream_ends_once_its_token_or_grant_is_taken_back(
             "/api/v1/stream", params=pod, headers={"Authorization": f"Bearer {token}"}
         )
         assert answer.status_code == 404
+
+
+async def test_a_ledger_that_stops_answering_is_said_not_passed_off_as_live(
+    nats_server: NatsServer, own_redis: RedisServer, prefix: str, bus: Bus
+) -> None:
+    """Redis away: the snapshot the console still holds is shown with a problem
+    saying when it was read, pushed to open streams; gone once Redis answers."""
+    async with start_console(nats_server, own_redis.url, prefix, bus, console_tick=0.2) as console:
+        await register(console, bus, ("gpu-1", 1))
+        await until(lambda: _has_node(console.json("/api/v1/cluster")))
+        assert (await console.json("/api/v1/cluster"))["problem"] is None
+        async with console.client.stream("GET", "/api/v1/stream") as r:
+            events = sse_events(r)
+            await first_event(events, lambda name, data: name == "cluster")
+            own_redis.stop()
+            _, stale = await first_event(events, lambda name, data: data["problem"] is not None)
+        assert "ledger cannot be read" in stale["problem"]
+        assert stale["nodes"][0]["name"] == "gpu-1"  # what it had, said to be old
+        snap = await console.json("/api/v1/cluster")
+        assert snap["problem"] == stale["problem"]
+        own_redis.start()
+        await until(lambda: _problem_gone(console.json("/api/v1/cluster")), timeout=WAIT_S)
+
+
+async def _has_node(snapshot: Any) -> bool:
+    return bool((await snapshot)["nodes"])
+
+
+async def _problem_gone(snapshot: Any) -> bool:
+    return (await snapshot)["problem"] is None

@@ -176,6 +176,9 @@ class Hub:
                     if not failing:
                         log.warning("console: cannot refresh the snapshot: %s", exc)
                     failing = True
+                    if self.builder.failed():  # viewers are told it is stale
+                        for slot in self.slots:
+                            slot.wake.set()
                 wait = max(0.0, next_full - time.monotonic())
                 if failing:
                     wait = min(self.tick, RETRY_S)

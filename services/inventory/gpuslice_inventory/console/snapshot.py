@@ -82,6 +82,9 @@ class SnapshotBuilder:
         self.at = clock()
         self.refreshes = 0  # refreshes that read Redis (tests count them)
         self.full_refreshes = 0  # of which with telemetry, liveness and the report
+        # why what is shown may be stale (the ledger cannot be read now); None when fresh
+        self.problem: str | None = None
+        self.read_at: datetime | None = None  # the last refresh that read Redis through
         self.document: dict[str, Any] = {}
         self.body = b""
         self._content = b""
@@ -126,6 +129,17 @@ class SnapshotBuilder:
             )
             self.usage = dict(zip(names, usages, strict=True))
             self.report = await read_report(self.ledger.redis, self.prefix)
+        self.problem = None
+        self.read_at = self.clock()
+        return self._compose()
+
+    def failed(self) -> bool:
+        """A refresh failed (Redis does not answer): the document says so, with
+        when it last read the ledger, instead of passing old data off as live;
+        True when the document changed (only the first failure of an outage)."""
+        if self.problem is None:
+            when = iso(self.read_at) if self.read_at else "no time yet"
+            self.problem = f"the ledger cannot be read: what is shown was read at {when}"
         return self._compose()
 
     async def _read(self, names: list[str]) -> None:
@@ -180,6 +194,7 @@ class SnapshotBuilder:
             "fits": [k.model_dump(mode="json") for k in report.kinds] if report else [],
         }
         return {
+            "problem": self.problem,
             "report_at": iso(report.at) if report else None,
             "cluster": cluster,
             "nodes": nodes,
