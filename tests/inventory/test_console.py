@@ -911,3 +911,38 @@ async def _has_node(snapshot: Any) -> bool:
 
 async def _problem_gone(snapshot: Any) -> bool:
     return (await snapshot)["problem"] is None
+
+
+async def test_one_user_cannot_take_every_stream_of_the_console(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
+) -> None:
+    """Streams are few (MAX_STREAMS a process): one tenant holding all of them
+    would shut every other viewer out; each user has a share of its own."""
+    api = kube_api_server
+    api.access.grant(user="alice")
+    api.access.grant(user="bob", namespace="team-a")
+    bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    another_bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    alice = {"Authorization": f"Bearer {api.tokens.mint_user('alice')}"}
+    async with reviewed_console(nats_server, redis_url, prefix, bus, api) as console:
+        console.hub.streams_per_user = 2
+        readers = []  # kept: a reader that is collected closes its stream
+        async with contextlib.AsyncExitStack() as open_streams:
+            for headers in (bob, another_bob):
+                r = await open_streams.enter_async_context(
+                    console.client.stream("GET", "/api/v1/stream", headers=headers)
+                )
+                assert r.status_code == 200
+                readers.append(sse_events(r))
+                await first_event(readers[-1], lambda name, data: name == "cluster")
+            assert len(console.hub.slots) == 2
+            third = await console.client.get(
+                "/api/v1/stream", params={"view": "audit"}, headers=bob
+            )
+            assert third.status_code == 503
+            assert "2 event streams of bob" in third.json()["error"]
+            async with console.client.stream("GET", "/api/v1/stream", headers=alice) as r:
+                assert r.status_code == 200
+        await until(lambda: not console.hub.slots)
+        async with console.client.stream("GET", "/api/v1/stream", headers=bob) as r:
+            assert r.status_code == 200

@@ -61,6 +61,7 @@ from gpuslice_common.kube import KubeApi, KubeError
 
 __all__ = [
     "MAX_TOKEN",
+    "PORT_FORWARD",
     "AccessDenied",
     "Authenticator",
     "Viewer",

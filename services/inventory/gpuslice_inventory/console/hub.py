@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from gpuslice_common.auditstream import EventFilter
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent
-from gpuslice_inventory.console.auth import AccessDenied, Authenticator, Viewer
+from gpuslice_inventory.console.auth import PORT_FORWARD, AccessDenied, Authenticator, Viewer
 from gpuslice_inventory.console.pods import PodSummary, find_pod, pod_document, pod_list
 from gpuslice_inventory.console.scope import event_visible, scope_snapshot, snapshot_namespaces
 from gpuslice_inventory.console.snapshot import SnapshotBuilder
@@ -35,6 +35,9 @@ from gpuslice_inventory.console.snapshot import SnapshotBuilder
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
 MAX_STREAMS = 1000  # open event streams per process; more are refused (503)
+# open event streams of one user (behind TokenReview): one tenant cannot take
+# every stream the console has from the others; a page holds one or two
+STREAMS_PER_USER = 32
 EVENTS_PER_STREAM = 1000  # audit events waiting for one slow viewer; older ones are dropped
 SCOPED_CACHE = 256  # distinct namespace sets (and pods) kept serialised per version
 RETRY_S = 2.0  # after a failed refresh or lost change notices, however long the tick
@@ -100,6 +103,7 @@ class Hub:
         self.feed = feed
         self.tick = tick
         self.keepalive = keepalive
+        self.streams_per_user = STREAMS_PER_USER
         self.slots: set[Slot] = set()
         self.ready = asyncio.Event()  # set after the first refresh
         self.serialisations = 0  # scoped snapshots serialised (tests count them)
@@ -250,10 +254,18 @@ class Hub:
 
     # ------------------------------------------------------------ streams
 
-    def check_room(self) -> None:
-        """Raise TooManyStreams when no more streams may open."""
+    def check_room(self, viewer: Viewer | None = None) -> None:
+        """Raise TooManyStreams when no more streams may open (for ``viewer``:
+        each user but the port-forward operator has a share of its own)."""
         if len(self.slots) >= MAX_STREAMS:
             raise TooManyStreams(f"{MAX_STREAMS} event streams are open on this console")
+        if viewer is None or viewer.user == PORT_FORWARD:
+            return
+        if sum(1 for s in self.slots if s.viewer.user == viewer.user) >= self.streams_per_user:
+            raise TooManyStreams(
+                f"{self.streams_per_user} event streams of {viewer.user[:100]} are open "
+                f"on this console: close one"
+            )
 
     def unsubscribe(self, slot: Slot) -> None:
         self.slots.discard(slot)

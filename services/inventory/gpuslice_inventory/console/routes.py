@@ -396,7 +396,7 @@ def create_console_app(
         if view == "cluster":  # what it may see is asked now: a refusal is an answer, not a cut
             await hub.cluster_for(viewer)
         try:
-            hub.check_room()
+            hub.check_room(viewer)
         except TooManyStreams as exc:
             raise ConsoleError(503, str(exc)) from None
         return StreamingResponse(
