@@ -946,3 +946,37 @@ async def test_one_user_cannot_take_every_stream_of_the_console(
         await until(lambda: not console.hub.slots)
         async with console.client.stream("GET", "/api/v1/stream", headers=bob) as r:
             assert r.status_code == 200
+
+
+async def test_an_audit_query_asks_only_about_the_namespaces_of_what_matches(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
+) -> None:
+    """The feed holds events of many namespaces; a namespaced viewer's query is
+    one access review per namespace it asks about: one per namespace of the feed
+    would make each query (each new identity) a flood of reviews."""
+    api = kube_api_server
+    api.access.grant(user="bob", namespace="team-a")
+    bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    async with reviewed_console(nats_server, redis_url, prefix, bus, api) as console:
+        for i in range(30):
+            pod = PodRef(uid=f"uid-{i}", namespace=f"team-{i}", name=f"p-{i}")
+            await bus.publish_acked(alloc_event(EventType.ALLOC_RESERVED, pod, "gpu-1"))
+        await bus.publish_acked(alloc_event(EventType.ALLOC_BOUND, TRAIN, "gpu-1"))
+        await feed_holds(console, 31)
+        answer = await console.client.get(
+            "/api/v1/audit", params={"namespace": "team-a"}, headers=bob
+        )
+        assert [e["data"]["pod"]["name"] for e in answer.json()["events"]] == ["train-1"]
+        answer = await console.client.get("/api/v1/audit", params={"pod": "p-7"}, headers=bob)
+        assert answer.json()["events"] == []  # team-7: not bob's
+        answer = await console.client.get(
+            "/api/v1/audit", params={"type": "alloc.bound"}, headers=bob
+        )
+        assert len(answer.json()["events"]) == 1
+        asked = [r.body["spec"]["resourceAttributes"].get("namespace") for r in api.access_reviews]
+        assert sorted(asked, key=str) == sorted([None, "team-a", "team-7"], key=str)
+        # a cluster-wide look at it still sees all of them
+        api.access.grant(user="alice")
+        alice = {"Authorization": f"Bearer {api.tokens.mint_user('alice')}"}
+        answer = await console.client.get("/api/v1/audit", headers=alice)
+        assert len(answer.json()["events"]) == 31

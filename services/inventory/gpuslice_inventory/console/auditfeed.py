@@ -135,6 +135,22 @@ class AuditFeed:
         named = {namespace for namespace, _ in self.by_pod}
         return named | {f[0].pod.namespace for f in self.by_uid.values() if f and f[0].pod}
 
+    def matching_namespaces(
+        self, wanted: EventFilter, since: datetime | None, until: datetime | None
+    ) -> set[str]:
+        """The namespaces of the pods of the events that pass the filters: the
+        only ones a namespaced viewer's query needs to ask about."""
+        if wanted.namespace is not None:
+            return {wanted.namespace}
+        found: set[str] = set()
+        for fed in self.events:
+            when = fed.event.time
+            if (until is not None and when > until) or (since is not None and when < since):
+                continue
+            if fed.pod is not None and fed.pod.namespace not in found and fed.matches(wanted):
+                found.add(fed.pod.namespace)
+        return found
+
     def pod_events(self, namespace: str, name: str) -> list[FeedEvent]:
         """Every kept event of pods named ``namespace/name``, with the events of
         their uids that carry no name, in feed order."""

@@ -328,8 +328,9 @@ def create_console_app(
         viewer = await authenticate(request)
         query, limit = audit_query(request)
         visible: set[str] | None = None
-        if viewer.namespaces is not None:  # asked about the namespaces of the feed's pods
-            visible = await hub.visible(viewer, set(hub.feed.namespaces()))
+        if viewer.namespaces is not None:  # asked about the namespaces of what matches only
+            asked = hub.feed.matching_namespaces(query.wanted, query.since, query.until)
+            visible = await hub.visible(viewer, asked)
         found, truncated = hub.feed.query(
             query.wanted,
             query.since,
