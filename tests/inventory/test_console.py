@@ -980,3 +980,34 @@ async def test_an_audit_query_asks_only_about_the_namespaces_of_what_matches(
         alice = {"Authorization": f"Bearer {api.tokens.mint_user('alice')}"}
         answer = await console.client.get("/api/v1/audit", headers=alice)
         assert len(answer.json()["events"]) == 31
+
+
+async def test_an_audit_feed_that_cannot_follow_the_stream_says_so(
+    own_nats: NatsServer, redis_url: str, prefix: str
+) -> None:
+    """NATS away: the events the feed holds are still shown, with a problem
+    saying that newer ones may be missing; gone once it reads the stream again."""
+    bus = await Bus.connect(InventorySettings(nats_url=own_nats.url, subject_prefix=prefix), "t")
+    try:
+        await bus.ensure_audit_stream(timedelta(hours=1))
+        async with start_console(own_nats, redis_url, prefix, bus, console_tick=0.2) as console:
+            await bus.publish_acked(alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"))
+            await feed_holds(console, 1)
+            await until(lambda: _audit_fine(console), timeout=WAIT_S)
+            own_nats.stop()
+            await until(lambda: _audit_troubled(console), timeout=WAIT_S)
+            answer = await console.json("/api/v1/audit")
+            assert "newer events may be missing" in answer["problem"]
+            assert [e["data"]["pod"]["name"] for e in answer["events"]] == ["train-1"]
+            own_nats.start()
+            await until(lambda: _audit_fine(console), timeout=30)
+    finally:
+        await bus.close()
+
+
+async def _audit_fine(console: Console) -> bool:
+    return (await console.json("/api/v1/audit"))["problem"] is None
+
+
+async def _audit_troubled(console: Console) -> bool:
+    return (await console.json("/api/v1/audit"))["problem"] is not None

@@ -76,6 +76,21 @@ class AuditFeed:
         self.by_pod: dict[tuple[str, str], deque[FeedEvent]] = {}
         self.followers: list[Callable[[FeedEvent], None]] = []
         self.received = 0
+        # why the feed may be missing events now (see problem()); None while it reads
+        self._problem: str | None = "the audit stream has not been read yet"
+
+    def problem(self) -> str | None:
+        """Why newer events may be missing from the feed now (the stream cannot
+        be read, NATS cannot be reached); None while the feed follows the stream.
+        Said to viewers with what the feed holds, never passed off as complete."""
+        if self._problem is not None:
+            return self._problem
+        if not self.bus.nc.is_connected:
+            return "NATS cannot be reached now: newer events may be missing"
+        return None
+
+    def _reading(self) -> None:
+        self._problem = None
 
     def add(self, event: CloudEvent) -> FeedEvent:
         """Keep ``event`` (dropping the oldest beyond capacity) and tell the followers."""
@@ -187,13 +202,18 @@ class AuditFeed:
                 self.by_uid.clear()
                 self.by_pod.clear()
                 async for event in audit_events(
-                    self.bus, start, follow=True, on_malformed=self._malformed
+                    self.bus,
+                    start,
+                    follow=True,
+                    on_malformed=self._malformed,
+                    on_ready=self._reading,
                 ):
                     if said:
                         log.info("the console's audit feed reads the stream again")
                         said = ""
                     self.add(event)
             except BusError as exc:
+                self._problem = "the audit stream cannot be read now: newer events may be missing"
                 if str(exc) != said:
                     log.warning("the console's audit feed waits: %s", exc)
                     said = str(exc)

@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from nats.errors import Error as NatsError
@@ -339,7 +340,8 @@ def create_console_app(
             lambda doc: event_visible(doc, visible),
         )
         body = b'{"events":[' + b",".join(f.line for f in found) + b"],"
-        body += b'"truncated":' + (b"true" if truncated else b"false") + b"}"
+        body += b'"truncated":' + (b"true" if truncated else b"false") + b","
+        body += b'"problem":' + orjson.dumps(hub.feed.problem()) + b"}"
         return _json(body)
 
     @app.api_route("/api/v1/audit/export", methods=["GET", "HEAD"])
