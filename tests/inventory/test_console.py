@@ -672,6 +672,38 @@ async def test_only_get_and_head_are_served(console: Console) -> None:
     assert "error" in nowhere.json()
 
 
+async def test_head_on_a_stream_or_an_export_ends_at_once(console: Console, bus: Bus) -> None:
+    """HEAD answers what GET would, headers only: it neither holds one of the
+    few streams open nor reads the audit stream for an export nobody gets."""
+    await bus.publish_acked(alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"))
+    await feed_holds(console, 1)
+    for path, kind in (
+        ("/api/v1/stream", b"text/event-stream"),
+        ("/api/v1/stream?view=audit", b"text/event-stream"),
+        ("/api/v1/audit/export?since=30d", b"application/x-ndjson"),
+    ):
+        # the answer ends (Connection: close): a held stream would time the read out
+        head, body = await asyncio.to_thread(raw_answer, console.port, path, "HEAD")
+        assert head.startswith(b"HTTP/1.1 200"), (path, head)
+        assert b"content-type: " + kind in head.lower(), path
+        assert body == b"", path
+    assert len(console.hub.slots) == 0
+    bad = await console.client.head("/api/v1/stream", params={"view": "nothing"})
+    assert bad.status_code == 400
+
+
+def raw_answer(port: int, path: str, method: str) -> tuple[bytes, bytes]:
+    """The head and body of one request on its own connection, read to its end."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        request = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        sock.sendall(request.encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
 async def test_stream_parameters_are_checked(console: Console) -> None:
     for params, named in (
         ({"view": "everything"}, "view:"),

@@ -72,6 +72,11 @@ DEFAULT_LIMIT = 500
 MAX_TEXT = 253  # a node, namespace or pod name (a uid is shorter)
 EXPORTS_AT_ONCE = 4  # exports read the stream itself: a few at a time
 DEFAULT_SINCE = "1h"
+EXPORT_HEADERS = {
+    "Content-Disposition": 'attachment; filename="gpuslice-audit.jsonl"',
+    "Cache-Control": "no-store",
+}
+STREAM_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -349,6 +354,8 @@ def create_console_app(
         viewer = await authenticate(request)
         query, limit = audit_query(request)
         since = query.since or parse_since(DEFAULT_SINCE)
+        if request.method == "HEAD":  # what a GET would answer, without reading the stream
+            return Response(media_type="application/x-ndjson", headers=EXPORT_HEADERS)
         if exports.locked():
             raise ConsoleError(503, f"{EXPORTS_AT_ONCE} exports are running: try again soon")
         try:
@@ -360,10 +367,7 @@ def create_console_app(
         return StreamingResponse(
             _export_lines(bus, query, since, limit, viewer, authenticator, exports),
             media_type="application/x-ndjson",
-            headers={
-                "Content-Disposition": 'attachment; filename="gpuslice-audit.jsonl"',
-                "Cache-Control": "no-store",
-            },
+            headers=EXPORT_HEADERS,
         )
 
     @app.api_route("/api/v1/stream", methods=["GET", "HEAD"])
@@ -398,14 +402,14 @@ def create_console_app(
         await ready()
         if view == "cluster":  # what it may see is asked now: a refusal is an answer, not a cut
             await hub.cluster_for(viewer)
+        if request.method == "HEAD":  # an answer that ends, holding no stream open
+            return Response(media_type="text/event-stream", headers=STREAM_HEADERS)
         try:
             hub.check_room(viewer)
         except TooManyStreams as exc:
             raise ConsoleError(503, str(exc)) from None
         return StreamingResponse(
-            hub.stream(slot),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+            hub.stream(slot), media_type="text/event-stream", headers=STREAM_HEADERS
         )
 
     return ReadOnly(app, loopback_only=auth == "none")
