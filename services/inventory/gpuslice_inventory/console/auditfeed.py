@@ -150,21 +150,15 @@ class AuditFeed:
         named = {namespace for namespace, _ in self.by_pod}
         return named | {f[0].pod.namespace for f in self.by_uid.values() if f and f[0].pod}
 
-    def matching_namespaces(
-        self, wanted: EventFilter, since: datetime | None, until: datetime | None
-    ) -> set[str]:
-        """The namespaces of the pods of the events that pass the filters: the
-        only ones a namespaced viewer's query needs to ask about."""
+    def namespaces_to_ask(self, wanted: EventFilter) -> set[str]:
+        """What a namespaced viewer's query asks access reviews about: the one
+        namespace it names, else every namespace the feed holds events of. Not
+        the namespaces of the events that match its other filters: whether a
+        review was asked (a slower answer) would tell the viewer that a pod it
+        may not see had events."""
         if wanted.namespace is not None:
             return {wanted.namespace}
-        found: set[str] = set()
-        for fed in self.events:
-            when = fed.event.time
-            if (until is not None and when > until) or (since is not None and when < since):
-                continue
-            if fed.pod is not None and fed.pod.namespace not in found and fed.matches(wanted):
-                found.add(fed.pod.namespace)
-        return found
+        return self.namespaces()
 
     def pod_events(self, namespace: str, name: str) -> list[FeedEvent]:
         """Every kept event of pods named ``namespace/name``, with the events of

@@ -334,9 +334,8 @@ def create_console_app(
         viewer = await authenticate(request)
         query, limit = audit_query(request)
         visible: set[str] | None = None
-        if viewer.namespaces is not None:  # asked about the namespaces of what matches only
-            asked = hub.feed.matching_namespaces(query.wanted, query.since, query.until)
-            visible = await hub.visible(viewer, asked)
+        if viewer.namespaces is not None:
+            visible = await hub.visible(viewer, hub.feed.namespaces_to_ask(query.wanted))
         found, truncated = hub.feed.query(
             query.wanted,
             query.since,
