@@ -1051,3 +1051,24 @@ async def _audit_fine(console: Console) -> bool:
 
 async def _audit_troubled(console: Console) -> bool:
     return (await console.json("/api/v1/audit"))["problem"] is not None
+
+
+async def test_a_pods_story_holds_no_event_of_another_namespace_with_its_uid(
+    console: Console, bus: Bus
+) -> None:
+    """Events are indexed by pod uid too (to join events that carry a uid and no
+    name): an event of another namespace that carries the same uid is not shown
+    in this pod's story, to a viewer who may see this pod's namespace only."""
+    twin = PodRef(uid=TRAIN.uid, namespace="team-b", name="other-1")
+    nameless = PodRef(uid=TRAIN.uid, namespace="team-a", name="")
+    for event in (
+        alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"),
+        alloc_event(EventType.ALLOC_FAILED, twin, "gpu-1", reason="team-b's secret"),
+        alloc_event(EventType.ALLOC_BOUND, nameless, "gpu-1"),
+    ):
+        await bus.publish_acked(event)
+    await feed_holds(console, 3)
+    pod = await console.json("/api/v1/pods/team-a/train-1")
+    assert [s["type"] for s in pod["story"]] == ["reserved", "bound"]
+    assert all(s["reason"] is None for s in pod["story"])
+    assert pod["state"] == "bound"

@@ -165,7 +165,14 @@ class AuditFeed:
         their uids that carry no name, in feed order."""
         named = list(self.by_pod.get((namespace, name), ()))
         uids = {u for f in named if (p := f.pod) and (u := real_uid(p.uid))}
-        extra = {id(f): f for u in uids for f in self.by_uid.get(u, ())}
+        # only events that name no pod or this one: an event of another namespace
+        # carrying the same uid (a forged or mistaken one) is not this pod's story
+        extra = {
+            id(f): f
+            for u in uids
+            for f in self.by_uid.get(u, ())
+            if f.pod is not None and f.pod.namespace == namespace and f.pod.name in ("", name)
+        }
         for f in named:
             extra.pop(id(f), None)
         if not extra:
