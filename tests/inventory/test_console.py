@@ -1072,3 +1072,56 @@ async def test_a_pods_story_holds_no_event_of_another_namespace_with_its_uid(
     assert [s["type"] for s in pod["story"]] == ["reserved", "bound"]
     assert all(s["reason"] is None for s in pod["story"])
     assert pod["state"] == "bound"
+
+
+async def test_telemetry_no_writer_writes_neither_stops_nor_breaks_the_snapshot(
+    console: Console, bus: Bus, prefix: str
+) -> None:
+    """Usage entries are read from Redis as untrusted: numbers beyond a counter's
+    range (a 400-digit one overflowed a float and stopped the console's
+    refresher for good, the snapshot frozen as if live) are left out; the
+    snapshot keeps following the ledger."""
+    await register(console, bus, ("gpu-1", 1))
+    redis = console.state.ledger.redis
+    now = int(datetime.now(UTC).timestamp() * 1000)
+    usage = f"{prefix}:usage:gpu-1"
+    await redis.hset(usage, "GPU-gpu-1-0|uid-x|main", f"{'9' * 400},1,1.0,1,1,{now}")
+    await redis.hset(usage, "GPU-gpu-1-0|uid-y|main", f"1,1,nan,1,1,{now}")
+    await redis.hset(usage, "GPU-gpu-1-0|uid-z|main", f"1,{2**64},1.0,1,1,{now}")
+    await redis.hset(usage, "GPU-gpu-1-0|uid-w|main", f"{4 * MIB},{8 * MIB},12.5,0,0,{now}")
+    first = console.hub.builder.full_refreshes
+    await until(lambda: console.hub.builder.full_refreshes > first + 1)
+    snap = await console.json("/api/v1/cluster")
+    assert snap["problem"] is None
+    assert snap["nodes"][0]["cards"][0]["measured"] == {"memory_mib": 4.0, "sm_percent": 12.5}
+    # the refresher still runs: a new placement shows
+    await console.state.ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+    await until(lambda: _pods_on_card(console.json("/api/v1/cluster"), 1), timeout=WAIT_S)
+
+
+async def test_a_snapshot_that_cannot_be_built_is_said_to_be_stale(
+    console: Console, bus: Bus, prefix: str
+) -> None:
+    """Whatever the ledger holds that the snapshot cannot be built from, the
+    refresher goes on and viewers are told that what they see is old."""
+    await register(console, bus, ("gpu-1", 1))
+    await until(lambda: _has_node(console.json("/api/v1/cluster")))
+    builder = console.hub.builder
+    compose = builder._content_doc
+
+    def broken() -> Any:
+        raise OverflowError("integer division result too large for a float")
+
+    builder._content_doc = broken  # what no reader expects, wherever it comes from
+    try:
+        await until(lambda: _problem_seen(console.json("/api/v1/cluster")), timeout=WAIT_S)
+        snap = await console.json("/api/v1/cluster")
+        assert "cannot be built" in snap["problem"]
+        assert snap["nodes"][0]["name"] == "gpu-1"
+    finally:
+        builder._content_doc = compose
+    await until(lambda: _problem_gone(console.json("/api/v1/cluster")), timeout=WAIT_S)
+
+
+async def _problem_seen(snapshot: Any) -> bool:
+    return (await snapshot)["problem"] is not None

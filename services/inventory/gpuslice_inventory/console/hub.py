@@ -180,9 +180,13 @@ class Hub:
                     if not failing:
                         log.warning("console: cannot refresh the snapshot: %s", exc)
                     failing = True
-                    if self.builder.failed():  # viewers are told it is stale
-                        for slot in self.slots:
-                            slot.wake.set()
+                    self._stale("the ledger cannot be read")
+                except Exception as exc:  # data no reader expects: stale, said so, retried
+                    self._dirty |= dirty
+                    if not failing:
+                        log.error("console: cannot build the snapshot: %r", exc)
+                    failing = True
+                    self._stale("the snapshot cannot be built from what the ledger holds")
                 wait = max(0.0, next_full - time.monotonic())
                 if failing:
                     wait = min(self.tick, RETRY_S)
@@ -192,6 +196,12 @@ class Hub:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
+
+    def _stale(self, why: str) -> None:
+        """Tell viewers the snapshot they see is stale, and why."""
+        if self.builder.failed(why):
+            for slot in self.slots:
+                slot.wake.set()
 
     # ------------------------------------------------------------ what viewers get
 
