@@ -1125,3 +1125,43 @@ async def test_a_snapshot_that_cannot_be_built_is_said_to_be_stale(
 
 async def _problem_seen(snapshot: Any) -> bool:
     return (await snapshot)["problem"] is not None
+
+
+async def test_an_event_that_states_no_namespace_is_shown_to_cluster_wide_viewers_only(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
+) -> None:
+    """A pod reference without a namespace reads as ``default``: such an event
+    (whoever wrote it) is not shown as a pod of ``default`` to who may see that
+    namespace, neither in the audit view, the pods, a pod's page nor an export."""
+    api = kube_api_server
+    api.access.grant(user="alice")
+    api.access.grant(user="bob", namespace="default")
+    bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    alice = {"Authorization": f"Bearer {api.tokens.mint_user('alice')}"}
+    unstated = CloudEvent(
+        specversion="1.0",
+        id="no-namespace-1",
+        source="/somewhere",
+        type=EventType.ALLOC_FAILED,
+        time=datetime.now(UTC),
+        data={"pod": {"uid": "uid-sneaky", "name": "sneaky"}, "node": "gpu-1", "reason": "x"},
+    )
+    async with reviewed_console(nats_server, redis_url, prefix, bus, api) as console:
+        await bus.publish_acked(unstated)
+        await feed_holds(console, 1)
+        seen = await console.client.get("/api/v1/audit", headers=alice)
+        assert [e["id"] for e in seen.json()["events"]] == ["no-namespace-1"]
+        assert (await console.client.get("/api/v1/audit", headers=bob)).json()["events"] == []
+        pods = (await console.client.get("/api/v1/pods", headers=bob)).json()["pods"]
+        assert pods == []
+        page = await console.client.get("/api/v1/pods/default/sneaky", headers=bob)
+        assert page.status_code == 404
+        export = await console.client.get(
+            "/api/v1/audit/export", params={"since": "1h"}, headers=bob
+        )
+        assert export.status_code == 200
+        assert export.content == b""
+        export = await console.client.get(
+            "/api/v1/audit/export", params={"since": "1h"}, headers=alice
+        )
+        assert b"no-namespace-1" in export.content

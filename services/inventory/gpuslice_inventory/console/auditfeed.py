@@ -43,6 +43,18 @@ def real_uid(uid: str) -> str | None:
     return None if "/" in uid else uid
 
 
+def stated_pod(event: CloudEvent) -> PodRef | None:
+    """The pod an event is about, only when its data states the pod's namespace:
+    a PodRef reads a missing one as ``default``, which would show an event of
+    no stated namespace to whoever may see ``default``. Without it the event
+    counts as naming no pod (shown to cluster-wide viewers only)."""
+    pod = event_pod(event)
+    stated = event.data.get("pod")
+    if pod is None or not isinstance(stated, dict) or stated.get("namespace") != pod.namespace:
+        return None
+    return pod
+
+
 @dataclass(frozen=True)
 class FeedEvent:
     """One event with its payload, pod, node, JSON document and line, parsed once."""
@@ -58,7 +70,7 @@ class FeedEvent:
     def of(cls, event: CloudEvent) -> FeedEvent:
         line = event.to_json()
         return cls(
-            event, event.payload(), event_pod(event), event_node(event), orjson.loads(line), line
+            event, event.payload(), stated_pod(event), event_node(event), orjson.loads(line), line
         )
 
     def matches(self, wanted: EventFilter) -> bool:

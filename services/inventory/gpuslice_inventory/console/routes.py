@@ -28,11 +28,11 @@ from nats.js.errors import NotFoundError
 from gpuslice_common.auditstream import (
     EventFilter,
     audit_events,
-    event_pod,
     parse_since,
     parse_types,
 )
 from gpuslice_common.bus import Bus, BusError
+from gpuslice_inventory.console.auditfeed import stated_pod
 from gpuslice_inventory.console.auth import (
     AccessDenied,
     Authenticator,
@@ -434,7 +434,7 @@ async def _export_lines(
                 if not query.wanted.matches(event):
                     continue
                 if viewer.namespaces is not None:
-                    pod = event_pod(event)
+                    pod = stated_pod(event)
                     if pod is None or not await authenticator.may_see(viewer, pod.namespace):
                         continue
                 yield event.to_json() + b"\n"
