@@ -624,6 +624,7 @@
     });
     const badges = [badge(state.label, state.key, STATE_HELP[state.key])];
     if (state.cordoned) badges.push(badge('Cordoned', 'cordoned', 'Takes no new pods'));
+    if (card.present === false) badges.push(badge('Missing', 'bad', 'Its device plugin no longer lists this card'));
     return h('article', { class: `card state-${state.key}`, testid: `card-${card.uuid}`, 'aria-label': `Card ${card.index}, ${card.model}` },
       h('header', { class: 'card-head' },
         h('h3', { class: 'card-title' },
