@@ -1176,6 +1176,10 @@
   }
 
   async function start() {
+    document.getElementById('forget-token').addEventListener('click', () => {
+      sessionStorage.removeItem(TOKEN_KEY);
+      location.reload();
+    });
     document.querySelector('[data-skip]').addEventListener('click', (event) => {
       event.preventDefault();
       mainEl.focus();
@@ -1187,6 +1191,7 @@
       const scope = Array.isArray(session.namespaces) ? ` (${session.namespaces.length ? session.namespaces.join(', ') : 'no namespaces'})` : '';
       viewerEl.textContent = `${session.user ?? 'unknown'}${scope}`;
       viewerEl.title = session.auth === 'tokenreview' ? 'Authenticated with a bearer token' : 'No authentication: reached through a port-forward';
+      if (session.auth === 'tokenreview') document.getElementById('forget-token').hidden = false;
     } catch (err) {
       viewerEl.textContent = 'unknown';
       showAlert(`Cannot reach the console API: ${err.message}`);
