@@ -5,7 +5,9 @@ over HTTP. The ``kube_api_server`` fixture (tests/conftest.py) starts one.
 It also reviews ServiceAccount tokens (TokenReview) that its ``tokens`` minted
 for test pods, as the API server does for projected tokens: bound to a pod and
 its node (``authentication.kubernetes.io/node-name``), for some audiences,
-until they expire."""
+until they expire; and the user tokens ``tokens.mint_user`` made. It answers
+SubjectAccessReviews from ``access``, a rule table the test fills (who may
+list pods where, or cluster-wide)."""
 
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from gpuslice_cli.dev.apiserver import status_body
-from gpuslice_common.kube import ServiceAccountTokens
+from gpuslice_common.kube import AccessRules, ServiceAccountTokens
 
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
+ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
 
 __all__ = [
+    "ACCESS_REVIEWS",
     "TOKEN_REVIEWS",
     "FakeApiServer",
     "Recorded",
@@ -73,6 +77,7 @@ class FakeApiServer:
     stopping: threading.Event = field(default_factory=threading.Event)
     tokens: ServiceAccountTokens = field(default_factory=ServiceAccountTokens)
     review_delay: float = 0.0  # seconds each TokenReview takes (unless routed otherwise)
+    access: AccessRules = field(default_factory=AccessRules)
     # collections (e.g. "/api/v1/namespaces/ns/secrets") whose objects are kept:
     # POST creates one, GET reads it, PUT replaces it if its resourceVersion is
     # the stored one (else 409, as the API server answers a stale update)
@@ -122,6 +127,11 @@ class FakeApiServer:
         """The TokenReviews asked so far."""
         return [r for r in self.requests if r.method == "POST" and r.path == TOKEN_REVIEWS]
 
+    @property
+    def access_reviews(self) -> list[Recorded]:
+        """The SubjectAccessReviews asked so far."""
+        return [r for r in self.requests if r.method == "POST" and r.path == ACCESS_REVIEWS]
+
 
 def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -139,6 +149,8 @@ def make_handler(state: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             default = (404, status_body(404, "NotFound", "the server could not find it"), 0.0)
             if route == ("POST", TOKEN_REVIEWS) and route not in state.routes:
                 default = (201, review(state.tokens, body), state.review_delay)
+            if route == ("POST", ACCESS_REVIEWS) and route not in state.routes:
+                default = (201, access_review(state.access, body), 0.0)
             kept = None if route in state.routes else state.stored(*route, body)
             status, answer, delay = (*kept, 0.0) if kept else state.routes.get(route, default)
             if callable(answer):
@@ -194,6 +206,18 @@ def review(tokens: ServiceAccountTokens, body: Any) -> dict[str, Any]:
         "metadata": {},
         "spec": {"audiences": audiences},
         "status": status,
+    }
+
+
+def access_review(access: AccessRules, body: Any) -> dict[str, Any]:
+    """The SubjectAccessReview the API server answers a create with."""
+    spec = body.get("spec") if isinstance(body, dict) else None
+    return {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "metadata": {},
+        "spec": spec if isinstance(spec, dict) else {},
+        "status": access.review(spec),
     }
 
 

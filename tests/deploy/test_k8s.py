@@ -44,6 +44,7 @@ COMBINATIONS = [
     ("cpu-pods", "redis-cluster"),
     ("without-cert-manager", "redis-cluster"),
     ("without-cert-manager", "cpu-pods", "redis-cluster"),
+    ("console-tokenreview", "redis-cluster"),
 ]
 
 
@@ -201,8 +202,10 @@ def test_each_service_has_exactly_the_permissions_it_uses(objects: list[dict[str
     assert rules_of(objects, "gpuslice-inventory") == {
         ("", "pods", "list"),
         ("", "pods", "watch"),
-        # the NATS auth callout reviews node agents' tokens
+        # the NATS auth callout reviews node agents' tokens, the web console its viewers'
         ("authentication.k8s.io", "tokenreviews", "create"),
+        # and asks what each viewer may list
+        ("authorization.k8s.io", "subjectaccessreviews", "create"),
     }
     assert rules_of(objects, "gpuslice-deviceplugin") == {("", "pods", "get")}
     shipped = {
@@ -957,3 +960,41 @@ def test_no_build_carries_a_secret(builds: dict[str, Path], build: str) -> None:
         for entry in container.get("env", []):
             if "PASSWORD" in entry["name"] or entry["name"].endswith(("_SEED", "_AUTH")):
                 assert "valueFrom" in entry, f"{container['name']}: {entry['name']} is a literal"
+
+
+def settings_of(
+    objects: list[dict[str, Any]], deployment: str, monkeypatch: pytest.MonkeyPatch
+) -> Any:
+    """The settings the Deployment's (one) service starts with."""
+    (container,) = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+    with monkeypatch.context() as patched:
+        for key in [k for k in os.environ if k.startswith("GPUSLICE_")]:
+            patched.delenv(key)
+        for key, value in settings_env(objects, container).items():
+            patched.setenv(key, value)
+        return SETTINGS[container["command"][2]]()
+
+
+def test_the_console_is_reached_by_port_forward_unless_tokens_are_asked_for(
+    objects: list[dict[str, Any]], builds: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """k8s/: the console listens on the pod's loopback without authentication
+    (kubectl port-forward); console-tokenreview: on the pod's address, behind
+    TokenReview. Its port is named alike in the pod and the Service."""
+    for build in (objects, render(builds["console-tokenreview"])):
+        (container,) = find(build, "Deployment", "gpuslice-inventory")["spec"]["template"]["spec"][
+            "containers"
+        ]
+        assert {"name": "console", "containerPort": 8090} in container["ports"]
+        service = find(build, "Service", "gpuslice-inventory")
+        assert {"name": "console", "port": 8090, "targetPort": "console"} in service["spec"][
+            "ports"
+        ]
+    plain = settings_of(objects, "gpuslice-inventory", monkeypatch)
+    assert (plain.console_port, plain.console_host, plain.console_auth) == (
+        8090,
+        "127.0.0.1",
+        "none",
+    )
+    reviewed = settings_of(render(builds["console-tokenreview"]), "gpuslice-inventory", monkeypatch)
+    assert (reviewed.console_host, reviewed.console_auth) == ("0.0.0.0", "tokenreview")

@@ -511,8 +511,8 @@ def test_only_the_scheduler_names_a_pod_s_node_for_hami_s_vendor_plugins() -> No
 # ---------------------------------------------------------------- network
 
 
-def policies() -> list[dict[str, Any]]:
-    return [o for o in OBJECTS if o["kind"] == "NetworkPolicy"]
+def policies(objects: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    return [o for o in (OBJECTS if objects is None else objects) if o["kind"] == "NetworkPolicy"]
 
 
 def pod_templates() -> dict[str, dict[str, Any]]:
@@ -529,9 +529,9 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
 
 
-def allowed_ports(labels: dict[str, str]) -> set[int]:
+def allowed_ports(labels: dict[str, str], objects: list[dict[str, Any]] | None = None) -> set[int]:
     ports = set()
-    for policy in policies():
+    for policy in policies(objects):
         if selects(policy["spec"]["podSelector"], labels):
             for rule in policy["spec"].get("ingress", []):
                 ports |= {p["port"] for p in rule.get("ports", [])}
@@ -548,7 +548,8 @@ def test_every_gpuslice_pod_denies_ingress_but_what_it_serves() -> None:
             port["containerPort"]
             for c in template["spec"]["containers"]
             for port in c.get("ports", [])
-            if port.get("name") not in ("monitor",)
+            # the web console listens on loopback, for kubectl port-forward
+            if port.get("name") not in ("monitor", "console")
         }
         assert allowed_ports(labels) == served, name
 
@@ -589,3 +590,18 @@ def test_only_nats_members_reach_the_route_port() -> None:
     (rule,) = route_rules
     assert [p["port"] for p in rule["ports"]] == [6222]
     assert reaching("gpuslice-nats") == {"gpuslice-nats": {6222}}
+
+
+def test_the_console_port_is_reachable_from_nowhere_unless_tokens_are_asked_for() -> None:
+    inventory = pod_templates()["gpuslice-inventory"]["metadata"]["labels"]
+    assert 8090 not in allowed_ports(inventory)
+    reviewed = render(ROOT / "overlays" / "console-tokenreview")
+    assert allowed_ports(inventory, reviewed) == {9090, 8090}
+    (rule,) = [
+        rule
+        for policy in policies(reviewed)
+        for rule in policy["spec"].get("ingress", [])
+        if {p["port"] for p in rule["ports"]} == {8090}
+    ]
+    # from labelled namespaces only: no address block, no bare namespace selector
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"gpuslice.io/console": "true"}}}]

@@ -236,3 +236,26 @@ async def test_minted_service_account_tokens_are_reviewed_through_the_real_clien
     # another audience, or a token nobody minted, is not authenticated
     assert (await client.review_token(token, ["https://kubernetes"]))["authenticated"] is False
     assert (await client.review_token(token + "x", ["gpuslice-nats"]))["authenticated"] is False
+
+
+async def test_user_tokens_and_access_reviews_through_the_real_client(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    """The console's questions: who holds this token, and may they list pods
+    there. The local API grants nothing until its driver says so."""
+    store, _, client = served
+    token = store.tokens.mint_user("dev", ["devs"])
+    review = await client.review_token(token)  # the API server's own audience
+    assert review["authenticated"] is True
+    assert review["user"]["username"] == "dev"
+    assert review["user"]["groups"] == ["devs", "system:authenticated"]
+    assert not await client.access_review("dev", ["devs"], "list", "pods", "team")
+    assert not await client.access_review("dev", ["devs"], "list", "pods")
+    store.access.grant(group="devs", namespace="team")
+    assert await client.access_review("dev", ["devs"], "list", "pods", "team")
+    assert not await client.access_review("dev", [], "list", "pods", "team")  # not in the group
+    assert not await client.access_review("dev", ["devs"], "list", "pods", "other")
+    assert not await client.access_review("dev", ["devs"], "list", "pods")  # not cluster-wide
+    assert not await client.access_review("dev", ["devs"], "delete", "pods", "team")
+    store.access.grant(user="dev")
+    assert await client.access_review("dev", [], "list", "pods")

@@ -3,7 +3,8 @@
 :class:`KubeApi` is the interface: read a Pod, merge-patch its annotations, bind it
 to a node; read a Namespace, list a namespace's ResourceQuotas and its pods that
 have not terminated (what admission checks); list every pod or every node, or
-watch them change. Two implementations stand behind it:
+watch them change; review a bearer token (TokenReview) and ask whether a user
+may do something (SubjectAccessReview). Two implementations stand behind it:
 
 * :class:`KubernetesApi` speaks to a real API server through the official
   ``kubernetes`` client. The client is blocking, so every call runs in a worker
@@ -12,6 +13,9 @@ watch them change. Two implementations stand behind it:
   a watch is one streamed request, read chunk by chunk in a worker thread.
 * :class:`LocalKubeApi` keeps Pods, Nodes, namespace labels and ResourceQuotas in
   memory, for the dev stack and for tests of the services that use this interface.
+  Its tokens are those its :class:`ServiceAccountTokens` minted, and its
+  :class:`AccessRules` grant nothing until told to: with no users, every access
+  review is refused.
 
 Every failure surfaces as a :class:`KubeError` whose message reads well for an
 operator; :class:`NotFound` (404; :class:`PodNotFound` for a pod) and
@@ -42,6 +46,8 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 __all__ = [
+    "DEFAULT_AUDIENCE",
+    "AccessRules",
     "Conflict",
     "KubeApi",
     "KubeError",
@@ -67,9 +73,10 @@ RUNNING_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 TERMINATED_PHASES = ("Succeeded", "Failed")
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "gpuslice"
-# TokenReviews at once (the NATS auth callout asks one per connecting node
-# agent): their own threads and pooled connections, so that a burst of them
-# neither waits behind the other calls' threads nor holds those calls up
+# TokenReviews and SubjectAccessReviews at once (the NATS auth callout asks
+# one per connecting node agent, the console one per viewer): their own threads
+# and pooled connections, so that a burst of them neither waits behind the
+# other calls' threads nor holds those calls up
 REVIEW_THREADS = 64
 # How long one watch request lasts before the server ends it and it is renewed.
 WATCH_SECONDS = 300
@@ -199,10 +206,27 @@ class KubeApi(Protocol):
         """Every Node, as the server sends it (camelCase JSON)."""
         ...
 
-    async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
-        """The API server's TokenReview of ``token`` for ``audiences``: its
-        ``status`` (``authenticated``, ``user`` with ``username`` and ``extra``,
-        ``audiences``, ``error``)."""
+    async def review_token(self, token: str, audiences: Sequence[str] = ()) -> dict[str, Any]:
+        """The API server's TokenReview of ``token`` for ``audiences`` (none: the
+        API server's own): its ``status`` (``authenticated``, ``user`` with
+        ``username``, ``uid``, ``groups`` and ``extra``, ``audiences``, ``error``)."""
+        ...
+
+    async def access_review(
+        self,
+        user: str,
+        groups: Sequence[str],
+        verb: str,
+        resource: str,
+        namespace: str | None = None,
+        extra: Mapping[str, Sequence[str]] | None = None,
+        *,
+        uid: str = "",
+    ) -> bool:
+        """Whether the API server's authorizer lets ``user`` (in ``groups``, with
+        ``extra``) ``verb`` the core-group ``resource`` in ``namespace``
+        (None: in every namespace, cluster-wide): a SubjectAccessReview's
+        ``status.allowed``. Raises :class:`KubeError` when there is no answer."""
         ...
 
     def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
@@ -271,6 +295,7 @@ class KubernetesApi:
         self._api_client = api_client
         self._core = k8s.CoreV1Api(api_client)
         self._authn = k8s.AuthenticationV1Api(api_client)
+        self._authz = k8s.AuthorizationV1Api(api_client)
         self._timeout = timeout
         self.host = host
         # threads start as reviews need them
@@ -440,7 +465,7 @@ class KubernetesApi:
 
         return await self._list("listing the nodes", page)
 
-    async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
+    async def review_token(self, token: str, audiences: Sequence[str] = ()) -> dict[str, Any]:
         what = "reviewing a token"
         body = k8s.V1TokenReview(
             api_version="authentication.k8s.io/v1",
@@ -459,6 +484,46 @@ class KubernetesApi:
         )
         status = self._object(raw, what).get("status")
         return status if isinstance(status, dict) else {}
+
+    async def access_review(
+        self,
+        user: str,
+        groups: Sequence[str],
+        verb: str,
+        resource: str,
+        namespace: str | None = None,
+        extra: Mapping[str, Sequence[str]] | None = None,
+        *,
+        uid: str = "",
+    ) -> bool:
+        where = f"in namespace {namespace}" if namespace else "cluster-wide"
+        what = f"asking whether {user} may {verb} {resource} {where}"
+        body = k8s.V1SubjectAccessReview(
+            api_version="authorization.k8s.io/v1",
+            kind="SubjectAccessReview",
+            spec=k8s.V1SubjectAccessReviewSpec(
+                user=user,
+                groups=list(groups),
+                uid=uid or None,
+                extra={key: list(values) for key, values in (extra or {}).items()} or None,
+                resource_attributes=k8s.V1ResourceAttributes(
+                    group="", verb=verb, resource=resource, namespace=namespace or None
+                ),
+            ),
+        )
+        raw = await self._guarded(
+            what,
+            lambda: _read_body(
+                self._authz.create_subject_access_review(
+                    body=body, _preload_content=False, _request_timeout=self._timeout
+                )
+            ),
+            not_found=f"{what} failed",
+            executor=self._reviews,
+        )
+        status = self._object(raw, what).get("status")
+        # only a literal true allows; anything else (missing, malformed) refuses
+        return isinstance(status, dict) and status.get("allowed") is True
 
     def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
         return self._watch(
@@ -633,17 +698,26 @@ POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 
 
+# the audience a TokenReview that names none is checked against (the API
+# server's own, as kube-apiserver's --api-audiences defaults it)
+DEFAULT_AUDIENCE = "https://kubernetes.default.svc"
+SERVICE_ACCOUNT_GROUPS = ("system:serviceaccounts", "system:authenticated")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Minted:
     username: str
     audiences: tuple[str, ...]
     expires: float
     extra: dict[str, list[str]]
+    groups: tuple[str, ...] = SERVICE_ACCOUNT_GROUPS
 
 
 class ServiceAccountTokens:
     """Projected ServiceAccount tokens as a local API server mints and reviews
-    them: each bound to a pod on a node, for some audiences, until it expires.
+    them: each bound to a pod on a node, for some audiences, until it expires;
+    and tokens of people (:meth:`mint_user`), as an OIDC or static-token
+    authenticator would vouch for them.
 
     A token is JWT-shaped (its claims carry ``aud``, ``exp`` and ``sub`` as
     Kubernetes writes them) with a random signature part; only this object
@@ -680,6 +754,22 @@ class ServiceAccountTokens:
         self._tokens[token] = _Minted(username, tuple(audiences), expires, extra)
         return token
 
+    def mint_user(
+        self,
+        username: str,
+        groups: Sequence[str] = (),
+        *,
+        audiences: Sequence[str] = (DEFAULT_AUDIENCE,),
+        ttl_s: float = 3600.0,
+    ) -> str:
+        """A token the review answers with ``username`` in ``groups`` (and
+        ``system:authenticated``), for ``audiences``, until ``ttl_s`` from now."""
+        expires = time.time() + ttl_s
+        token = f"gsu.{secrets.token_urlsafe(32)}"
+        every = (*groups, *(() if "system:authenticated" in groups else ("system:authenticated",)))
+        self._tokens[token] = _Minted(username, tuple(audiences), expires, {}, tuple(every))
+        return token
+
     def revoke(self, token: str) -> None:
         self._tokens.pop(token, None)
 
@@ -688,20 +778,92 @@ class ServiceAccountTokens:
         minted = self._tokens.get(token)
         if minted is None or time.time() >= minted.expires:
             return {"authenticated": False, "error": "invalid bearer token"}
-        wanted = list(audiences) or ["https://kubernetes.default.svc"]
+        wanted = list(audiences) or [DEFAULT_AUDIENCE]
         matched = [a for a in wanted if a in minted.audiences]
         if not matched:
             return {"authenticated": False, "error": "token audiences are invalid"}
-        groups = ["system:serviceaccounts", "system:authenticated"]
         return {
             "authenticated": True,
             "audiences": matched,
             "user": {
                 "username": minted.username,
-                "groups": groups,
+                "groups": list(minted.groups),
                 "extra": copy.deepcopy(minted.extra),
             },
         }
+
+
+class AccessRules:
+    """Who may do what, as a local API server's authorizer answers a
+    SubjectAccessReview: grants to a user or a group of a verb on a core-group
+    resource, in one namespace or (namespace None) in every one. Nothing is
+    granted until :meth:`grant` says so."""
+
+    def __init__(self) -> None:
+        # (kind "user"/"group", name, verb, resource) -> namespaces; None: every one
+        self._grants: dict[tuple[str, str, str, str], set[str] | None] = {}
+
+    def grant(
+        self,
+        *,
+        user: str | None = None,
+        group: str | None = None,
+        verb: str = "list",
+        resource: str = "pods",
+        namespace: str | None = None,
+    ) -> None:
+        """Let ``user`` (or every member of ``group``) ``verb`` ``resource`` in
+        ``namespace``; None: in every namespace and cluster-wide."""
+        if (user is None) == (group is None):
+            raise ValueError("grant to a user or to a group")
+        key = ("user", user) if user is not None else ("group", str(group))
+        rule = (*key, verb, resource)
+        held = self._grants.get(rule, set())
+        if held is None:
+            return
+        self._grants[rule] = None if namespace is None else held | {namespace}
+
+    def revoke(self, *, user: str | None = None, group: str | None = None) -> None:
+        """Take back every grant of ``user`` or ``group``."""
+        for rule in list(self._grants):
+            if rule[:2] in (("user", user), ("group", group)):
+                del self._grants[rule]
+
+    def allowed(
+        self, user: str, groups: Sequence[str], verb: str, resource: str, namespace: str | None
+    ) -> bool:
+        subjects = [("user", user), *(("group", g) for g in groups)]
+        for kind, name in subjects:
+            if (kind, name, verb, resource) not in self._grants:
+                continue
+            namespaces = self._grants[(kind, name, verb, resource)]
+            if namespaces is None or (namespace is not None and namespace in namespaces):
+                return True
+        return False
+
+    def review(self, spec: Any) -> dict[str, Any]:
+        """A SubjectAccessReview's ``status`` for its ``spec`` (JSON), as the
+        API server fills it; a spec it cannot read is refused."""
+        if not isinstance(spec, Mapping):
+            return {"allowed": False, "reason": "no spec"}
+        attributes = spec.get("resourceAttributes")
+        user, groups = spec.get("user"), spec.get("groups") or []
+        if (
+            not isinstance(attributes, Mapping)
+            or not isinstance(user, str)
+            or not isinstance(groups, list)
+            or attributes.get("group", "") not in ("", None)
+        ):
+            return {"allowed": False, "reason": "no rule matches"}
+        verb, resource = attributes.get("verb"), attributes.get("resource")
+        namespace = attributes.get("namespace") or None
+        if not isinstance(verb, str) or not isinstance(resource, str):
+            return {"allowed": False, "reason": "no rule matches"}
+        names = [g for g in groups if isinstance(g, str)]
+        ns = namespace if isinstance(namespace, str) else None
+        if self.allowed(user, names, verb, resource, ns):
+            return {"allowed": True, "reason": "granted by the local rules"}
+        return {"allowed": False, "reason": "no rule matches"}
 
 
 class _Changes:
@@ -774,6 +936,7 @@ class LocalKubeApi:
         self._pod_changes = _Changes("pods", lambda: self._version)
         self._node_changes = _Changes("nodes", lambda: self._version)
         self.tokens = ServiceAccountTokens()
+        self.access = AccessRules()
 
     @property
     def resource_version(self) -> str:
@@ -974,8 +1137,21 @@ class LocalKubeApi:
         pods = (copy.deepcopy(pod) for pod in self._pods.values())
         return Listing(pods, self.resource_version)
 
-    async def review_token(self, token: str, audiences: Sequence[str]) -> dict[str, Any]:
+    async def review_token(self, token: str, audiences: Sequence[str] = ()) -> dict[str, Any]:
         return self.tokens.review(token, audiences)
+
+    async def access_review(
+        self,
+        user: str,
+        groups: Sequence[str],
+        verb: str,
+        resource: str,
+        namespace: str | None = None,
+        extra: Mapping[str, Sequence[str]] | None = None,
+        *,
+        uid: str = "",
+    ) -> bool:
+        return self.access.allowed(user, groups, verb, resource, namespace)
 
     def watch_pods(self, resource_version: str = "") -> AsyncIterator[WatchEvent]:
         return self._pod_changes.watch(resource_version, self._pods.values())

@@ -19,6 +19,7 @@ from gpuslice_common.service import http_server, metrics_server, plain_http
 from gpuslice_scheduler import core
 from gpuslice_scheduler.app import create_app, render_hami, render_metrics
 from gpuslice_scheduler.extender import SOURCE, Extender
+from gpuslice_scheduler.report import ReportPublisher
 from gpuslice_scheduler.resources import NodeResources
 from gpuslice_scheduler.view import ClusterView
 
@@ -63,6 +64,10 @@ async def running(
     background = [syncing]
     if resources is not None:
         background.append(asyncio.create_task(resources.run(), name="node-resources"))
+    report = ReportPublisher(
+        ledger, view, lambda: extender.learner.mix, settings.requests.default_gpu_policy
+    )
+    background.append(asyncio.create_task(report.run(), name="scheduler-report"))
     config = plain_http(
         create_app(extender), settings.listen_host, settings.listen_port, settings.log_level
     )

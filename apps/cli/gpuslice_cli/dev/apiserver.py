@@ -12,7 +12,10 @@ from a :class:`~gpuslice_common.kube.LocalKubeApi` held by the cluster driver:
 * ``GET /api/v1/nodes`` and its ``watch=true`` stream (the nodes the driver added);
 * ``POST /apis/authentication.k8s.io/v1/tokenreviews``: the projected
   ServiceAccount tokens the driver minted (``LocalKubeApi.tokens``) are reviewed
-  as the API server reviews them (the inventory's auth callout asks).
+  as the API server reviews them (the inventory's auth callout asks);
+* ``POST /apis/authorization.k8s.io/v1/subjectaccessreviews``: answered from
+  ``LocalKubeApi.access`` (the web console asks), which grants nothing unless
+  the driver says so.
 
 So every service runs exactly the code it runs on a cluster (``KubernetesApi``
 through a kubeconfig), and the driver sees what they do. Every request must
@@ -227,6 +230,20 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
             "metadata": {},
             "spec": {"audiences": audiences},
             "status": await kube.review_token(token, audiences),
+        }
+
+    @app.post("/apis/authorization.k8s.io/v1/subjectaccessreviews", status_code=201)
+    async def review_access(request: Request) -> dict[str, Any]:
+        review = await body_of(request)
+        if review.get("kind") != "SubjectAccessReview":
+            raise KubeError("a SubjectAccessReview is expected")
+        spec = review.get("spec")
+        return {
+            "kind": "SubjectAccessReview",
+            "apiVersion": "authorization.k8s.io/v1",
+            "metadata": {},
+            "spec": spec if isinstance(spec, dict) else {},
+            "status": kube.access.review(spec),
         }
 
     return app

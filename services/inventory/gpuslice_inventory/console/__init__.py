@@ -1,0 +1,1 @@
+"""The inventory's read-only web console: cluster, pod and audit views, pushed live."""
