@@ -1188,7 +1188,10 @@
     route({ focus: false });
     try {
       const session = await api('api/v1/session');
-      const scope = Array.isArray(session.namespaces) ? ` (${session.namespaces.length ? session.namespaces.join(', ') : 'no namespaces'})` : '';
+      // A namespaced viewer's namespaces are found as data is shown: an empty list is not "none".
+      const scope = Array.isArray(session.namespaces)
+        ? ` (${session.namespaces.length ? session.namespaces.join(', ') : 'namespaced view'})`
+        : '';
       viewerEl.textContent = `${session.user ?? 'unknown'}${scope}`;
       viewerEl.title = session.auth === 'tokenreview' ? 'Authenticated with a bearer token' : 'No authentication: reached through a port-forward';
       if (session.auth === 'tokenreview') document.getElementById('forget-token').hidden = false;
