@@ -917,15 +917,15 @@
       for (const c of d.containers) {
         if (!c || typeof c !== 'object') continue;
         if (Array.isArray(c.devices)) {
-          const cards = c.devices.map((g) => `${g.uuid} ${fmtMiB(num(g.memory_mib))} ${fmtPercent(num(g.cores))}${g.mig && g.mig.profile ? ` MIG ${g.mig.profile}` : ''}`);
-          parts.push(`${c.name}: ${cards.join(', ')}`);
+          const cards = c.devices.map((g) => `card …${String(g.uuid ?? '').slice(-8)} (${fmtMiB(num(g.memory_mib))}, ${fmtPercent(num(g.cores))} cores${g.mig && g.mig.profile ? `, MIG ${g.mig.profile}` : ''})`);
+          parts.push(`${c.name} → ${cards.join(', ')}`);
         } else if (c.memory) {
           const mem = c.memory.mib ? fmtMiB(c.memory.mib) : c.memory.percent ? `${c.memory.percent}% memory` : '';
-          parts.push(`${c.name}: ${c.count ?? 1} × ${mem}${num(c.cores) ? `, ${fmtPercent(c.cores)} cores` : ''}`);
+          parts.push(`${c.name} asks ${c.count ?? 1} × ${mem}${num(c.cores) ? `, ${fmtPercent(c.cores)} cores` : ''}`);
         }
       }
     }
-    if (d.container) parts.push(`container ${d.container}`);
+    if (d.container) parts.unshift(`for container ${d.container}`);
     if (Array.isArray(d.warnings)) parts.push(...d.warnings.map(String));
     return parts.join(' · ');
   }
