@@ -14,88 +14,37 @@ without a script error.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import os
 import re
-import shlex
-import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
-from playwright.async_api import Browser, Page, ViewportSize, async_playwright, expect
+from playwright.async_api import Browser, Page, async_playwright, expect
 
 from gpuslice_cli.dev.driver import ClusterDriver, PodOutcome
 from gpuslice_cli.dev.stack import Stack
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import PlacementState
 from tests.conftest import Native
+from tests.console.workload import (
+    DESKTOP,
+    PHONE,
+    WAIT_MS,
+    Gate,
+    card_of,
+    chromium,
+    gpu_pod,
+    on_its_card,
+)
 from tests.dev.conftest import stack_up
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-WAIT_MS = 60_000  # a busy machine is slow: generous waits, never a fixed sleep
 expect.set_options(timeout=WAIT_MS)
 
-DESKTOP: ViewportSize = {"width": 1280, "height": 800}
-PHONE: ViewportSize = {"width": 390, "height": 844}
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "build" / "console-screenshots"
 LONG_NAME = "a-tenant-chose-a-very-long-pod-name-to-see-whether-it-wraps-ok"  # 63 characters
 DENIED_REASON = "nvidia.com/gpucores must be between 0 and 100, got 150"
-
-
-def chromium() -> str:
-    """Debian's chromium; the tests never download a browser (make test installs it)."""
-    found = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
-    assert Path(found).exists(), "chromium is not installed: `make test` installs Debian's"
-    return found
-
-
-class Gate:
-    """A file this process holds a POSIX lock on: a probe's ``lock PATH`` waits
-    on it (its lock is an OFD lock, which a POSIX lock blocks) until ``open()``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.touch()
-        self._fd: int | None = os.open(path, os.O_RDWR)
-        fcntl.lockf(self._fd, fcntl.LOCK_EX)
-
-    def open(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the lock
-            self._fd = None
-
-
-def on_its_card(*commands: str) -> list[str]:
-    """The probe on the container's own card: the fake driver shows every card of
-    the node, so the shell finds the granted UUID's index among them (a container
-    on a real node sees only its own card, as device 0)."""
-    script = (
-        'i=0; for u in $(echo "$FAKECUDA_UUIDS" | tr , " "); do '
-        '[ "$u" = "$NVIDIA_VISIBLE_DEVICES" ] && break; i=$((i + 1)); done; '
-        f'exec probe init ctx "$i" {shlex.join(commands)}'
-    )
-    return ["sh", "-c", script]
-
-
-def gpu_pod(name: str, command: list[str], **limits: int) -> dict[str, Any]:
-    resources = {"nvidia.com/gpu": 1} | {f"nvidia.com/{k}": v for k, v in limits.items()}
-    return {
-        "metadata": {"name": name},
-        "spec": {
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "cuda",
-                    "command": command,
-                    "resources": {"limits": resources},
-                }
-            ]
-        },
-    }
 
 
 @dataclass
@@ -108,21 +57,6 @@ class Console:
     grower_card: str  # the UUID of the card team-a/grower holds
     grow: Gate  # opened: the grower allocates 1 GiB more
     denied: PodOutcome
-
-
-async def card_of(stack: Stack, ledger: Ledger, namespace: str, name: str) -> str:
-    """The card the ledger says a running pod holds (asked until it has one)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_MS / 1000
-    while True:
-        for node in stack.nodes:
-            for placement in await ledger.node_placements(node.name):
-                pod = placement.pod
-                live = placement.state is not PlacementState.RELEASED
-                if live and (pod.namespace, pod.name) == (namespace, name):
-                    return placement.containers[0].devices[0].uuid
-        assert loop.time() < deadline, f"{namespace}/{name} got no card"
-        await asyncio.sleep(0.2)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -171,10 +105,8 @@ async def console(
             await card_of(stack, ledger, "team-b", LONG_NAME)
             await card_of(stack, ledger, "team-b", "all-cores")
             async with async_playwright() as playwright:
-                browser = await playwright.chromium.launch(
-                    executable_path=chromium(),
-                    args=["--no-sandbox"] if os.geteuid() == 0 else [],
-                )
+                executable, args = chromium()
+                browser = await playwright.chromium.launch(executable_path=executable, args=args)
                 try:
                     yield Console(
                         stack, driver, ledger, stack.console_url, browser, grower_card, grow, denied

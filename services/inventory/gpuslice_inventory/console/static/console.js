@@ -374,7 +374,8 @@
 
   /**
    * Keeps a stream open: reconnects with exponential backoff (1 s doubling to
-   * 30 s, with jitter) and shows the state in the header's live indicator.
+   * 30 s, with jitter) and shows the state in the header's live indicator;
+   * a 400, 403 or 404 answer ends it (offline).
    * onEvent(name, parsedData); onOpen() after every (re)connection. Returns a
    * function that closes the stream for good.
    */
@@ -424,9 +425,12 @@
       } catch (err) {
         clearTimeout(watchdog);
         if (stopped) return;
-        if (err instanceof ApiError && (err.status === 400 || err.status === 403)) {
+        // A refusal that asking again will not change: say so and stop. (A 404
+        // is the pod view's of a namespace the viewer may not see; the view
+        // already says the pod is unknown.)
+        if (err instanceof ApiError && [400, 403, 404].includes(err.status)) {
           setLive('offline');
-          showAlert(err.message);
+          if (err.status !== 404) showAlert(err.message);
           return;
         }
         attempt += 1;
