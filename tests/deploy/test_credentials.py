@@ -23,6 +23,7 @@ import yaml
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from gpuslice_cli.status import gather_status, gather_usage
+from gpuslice_common.auditstream import audit_events
 from gpuslice_common.bus import Bus, flush_client
 from gpuslice_common.config import CommonSettings
 from gpuslice_common.events import AllocationEvent, EventType, PodDenied, make_event
@@ -464,6 +465,10 @@ async def test_services_fill_the_audit_stream_and_the_auditor_reads_all_of_it(
         events = await auditor.read_audit(timeout=15)
         assert len(events) == 20001
         assert event.id in {e.id for e in events}
+        # the inventory's console keeps a feed of the newest events: it may read them too
+        newest = [e.id async for e in audit_events(inventory, 19990)]
+        assert len(newest) == 12
+        assert event.id in newest
     finally:
         for bus in (auditor, webhook, scheduler, inventory):
             await bus.close()

@@ -100,6 +100,7 @@ def test_the_driver_runs_the_demo_against_services_started_apart(
             "inventory",
             "gpuslice_inventory",
             GPUSLICE_LISTEN_PORT=str(ports["inventory"]),
+            GPUSLICE_CONSOLE_PORT=str(free_port()),
             GPUSLICE_HEARTBEAT_INTERVAL="1s",
             GPUSLICE_RECONCILE_INTERVAL="5s",
             GPUSLICE_RECONCILE_GRACE="2s",

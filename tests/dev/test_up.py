@@ -4,6 +4,7 @@ process of the stack behind."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import re
@@ -15,6 +16,7 @@ import sys
 import termios
 import time
 from pathlib import Path
+from urllib.request import urlopen
 
 import pytest
 
@@ -61,6 +63,7 @@ def test_the_demo_passes_and_leaves_nothing_running(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo passed" in result.stdout
+    assert "console: http://127.0.0.1:" in result.stdout
     assert result.stdout.count("\tok\t") >= 4  # every step of the scenario, piped: plain columns
     assert "Traceback" not in result.stdout + result.stderr
     assert survivors(workdir) == []
@@ -108,6 +111,13 @@ def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path)
         assert status.stderr == ""  # not the default Redis
         assert f"# read from {exported['GPUSLICE_REDIS_URL']}" in status.stdout
         assert "gpu-node-1\t0\t" in status.stdout
+        # the web console it names shows the stack's nodes, and its audit feed reads
+        # the stream with the inventory's own NATS credential
+        [console] = re.findall(r"console: (http://127\.0\.0\.1:\d+/)", said)
+        snapshot = json.loads(urlopen(f"{console}api/v1/cluster", timeout=30).read())
+        assert "gpu-node-1" in {node["name"] for node in snapshot["nodes"]}
+        audit_page = json.loads(urlopen(f"{console}api/v1/audit", timeout=30).read())
+        assert audit_page["truncated"] is False
         # NATS wants a login: the same command without the credential is refused
         anonymous = audit_tail(exported, login=False)
         assert anonymous.returncode == 1, anonymous.stdout + anonymous.stderr

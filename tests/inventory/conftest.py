@@ -31,6 +31,7 @@ def settings_for(nats: NatsServer, redis_url: str, prefix: str, **kw: Any) -> In
         "metrics_interval": 0.1,
         "listen_host": "127.0.0.1",
         "listen_port": free_port(),
+        "console_port": 0,  # the console's tests ask for one (on a free port)
     }
     values.update(kw)
     return InventorySettings(**values)

@@ -26,7 +26,14 @@ from tests.inventory.conftest import announce, until
 
 def inventory_env(**values: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
-    env.update({"GPUSLICE_KUBE_API": "none", "GPUSLICE_LISTEN_HOST": "127.0.0.1"})
+    # the console on a port of its own: the default one may be taken
+    env.update(
+        {
+            "GPUSLICE_KUBE_API": "none",
+            "GPUSLICE_LISTEN_HOST": "127.0.0.1",
+            "GPUSLICE_CONSOLE_PORT": str(free_port()),
+        }
+    )
     env.update(values)
     return env
 

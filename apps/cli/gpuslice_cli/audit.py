@@ -20,34 +20,29 @@ import logging
 import os
 import signal
 import sys
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 import typer
-from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Column, Table
 
 from gpuslice_cli.status import cli_settings, fail
 from gpuslice_cli.table import printable, show
-from gpuslice_common.bus import Bus, BusError
-from gpuslice_common.config import CommonSettings, parse_duration, without_password
-from gpuslice_common.events import (
-    AllocationEvent,
-    CloudEvent,
-    EventError,
-    EventType,
-    PodAdmitted,
-    PodDenied,
-    parse_event,
+from gpuslice_common.auditstream import (
+    AuditStreamMissing,
+    EventFilter,
+    audit_events,
+    event_node,
+    event_pod,
+    parse_since,
+    parse_types,
 )
-from gpuslice_common.models import PodRef, utcnow
+from gpuslice_common.bus import Bus, BusError
+from gpuslice_common.config import CommonSettings, without_password
+from gpuslice_common.events import AllocationEvent, CloudEvent, PodAdmitted, PodDenied
+from gpuslice_common.models import PodRef
 
 audit = typer.Typer(help="Read the audit stream of allocation events.", no_args_is_help=True)
 
@@ -56,173 +51,7 @@ SINCE_HELP = (
     "(2024-05-01T12:00:00Z); selects by when the stream stored the event"
 )
 TYPE_HELP = "only this event type (alloc.released or io.gpuslice.alloc.released); repeatable"
-
-
-SEEN_IDS = 100_000  # event ids remembered to skip duplicates (bounded for --follow)
-
-
-class AuditStreamMissing(BusError):
-    """The audit stream does not exist (yet) on this NATS."""
-
-    def __init__(self, stream: str, prefix: str, where: str = "this NATS") -> None:
-        super().__init__(
-            f"audit stream {stream} does not exist on {where} "
-            f"(subject prefix {prefix!r}; gpuslice's services create it)"
-        )
-        self.stream = stream
-        self.prefix = prefix
-
-
-# ---------------------------------------------------------------- options
-
-
-def parse_since(value: str, now: datetime | None = None) -> datetime:
-    """A duration back from ``now``, or an absolute time with an offset; ValueError if neither."""
-    try:
-        return (now or utcnow()) - parse_duration(value)
-    except ValueError as duration_error:
-        try:
-            when = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise duration_error from None
-        if when.tzinfo is None:
-            raise ValueError(f"time {value!r} has no UTC offset (add Z or +00:00)") from None
-        return when.astimezone(UTC)
-
-
-def parse_types(values: Sequence[str]) -> frozenset[EventType]:
-    """Event types named by suffix (``alloc.bound``) or in full, comma-separated or repeated."""
-    by_name = {t.suffix: t for t in EventType} | {t.value: t for t in EventType}
-    wanted: set[EventType] = set()
-    for value in values:
-        for name in filter(None, (part.strip() for part in value.split(","))):
-            if name not in by_name:
-                known = ", ".join(t.suffix for t in EventType)
-                raise ValueError(f"unknown event type {name!r} (one of: {known})")
-            wanted.add(by_name[name])
-    return frozenset(wanted)
-
-
-# ---------------------------------------------------------------- events
-
-
-def event_pod(event: CloudEvent) -> PodRef | None:
-    payload = event.payload()
-    pod = getattr(payload, "pod", None)
-    return pod if isinstance(pod, PodRef) else None
-
-
-def event_node(event: CloudEvent) -> str | None:
-    payload = event.payload()
-    return payload.node if isinstance(payload, AllocationEvent) else None
-
-
-@dataclass(frozen=True)
-class EventFilter:
-    """Which events to show; an empty filter shows all."""
-
-    pod: str | None = None  # pod name, namespace/name, or uid
-    node: str | None = None
-    types: frozenset[EventType] = field(default_factory=frozenset)
-
-    def matches(self, event: CloudEvent) -> bool:
-        if self.types and event.type not in self.types:
-            return False
-        if self.node is not None and event_node(event) != self.node:
-            return False
-        if self.pod is not None:
-            pod = event_pod(event)
-            if pod is None or self.pod not in {pod.name, pod.uid, f"{pod.namespace}/{pod.name}"}:
-                return False
-        return True
-
-    def subject(self, bus: Bus) -> str:
-        """The narrowest subject that holds every matching event."""
-        if len(self.types) == 1:
-            [only] = self.types
-            return bus.subjects.event(only)
-        return bus.subjects.events_all
-
-
-async def audit_events(
-    bus: Bus,
-    since: datetime,
-    *,
-    subject: str | None = None,
-    follow: bool = False,
-    timeout: float = 5.0,
-    on_malformed: Callable[[str], None] | None = None,
-    on_ready: Callable[[], None] | None = None,
-) -> AsyncIterator[CloudEvent]:
-    """Events the audit stream stored from ``since`` on, in stream order, each once.
-
-    The stream drops a re-published event within its duplicate window; one
-    re-published later (same source and id) is skipped here, among the last
-    SEEN_IDS events.
-
-    Without ``follow`` it ends after the last event stored when it started, and
-    raises BusError if the stream stops delivering before that. With ``follow``
-    it goes on with new events until the caller stops iterating. Raises
-    AuditStreamMissing when there is no audit stream. ``on_ready`` is called
-    once the stream is found and being read.
-    """
-    name = bus.subjects.audit_stream
-    try:
-        info = await bus.js.stream_info(name)
-    except NotFoundError:
-        raise AuditStreamMissing(name, bus.subjects.prefix) from None
-    except (NatsError, TimeoutError) as exc:
-        raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
-    if not follow and info.state.messages == 0:
-        return
-    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)
-    try:
-        sub = await bus.js.subscribe(
-            subject or bus.subjects.events_all, stream=name, ordered_consumer=True, config=config
-        )
-    except NotFoundError:
-        raise AuditStreamMissing(name, bus.subjects.prefix) from None
-    except (NatsError, TimeoutError) as exc:
-        raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
-    seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # the latest ids shown
-    try:
-        if on_ready is not None:
-            on_ready()
-        remaining: int | None = None
-        if not follow:
-            # what was pushed to this client already plus what the server still holds
-            consumer = await sub.consumer_info()
-            delivered = consumer.delivered.consumer_seq if consumer.delivered else 0
-            remaining = (consumer.num_pending or 0) + (delivered or 0)
-        while remaining is None or remaining > 0:
-            try:
-                msg = await sub.next_msg(timeout)
-            except NatsTimeoutError:
-                if follow:
-                    continue
-                raise BusError(
-                    f"audit stream {name} stopped delivering with {remaining} events to go"
-                ) from None
-            if remaining is not None:
-                remaining -= 1
-            try:
-                event = parse_event(msg.data)
-            except EventError as exc:
-                if on_malformed is not None:
-                    on_malformed(f"stream sequence {msg.metadata.sequence.stream}: {exc}")
-                continue
-            key = (event.source, event.id)  # what identifies a CloudEvent
-            if key in seen:
-                continue
-            seen[key] = None
-            if len(seen) > SEEN_IDS:
-                seen.popitem(last=False)
-            yield event
-    except (NatsError, TimeoutError) as exc:
-        raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
-    finally:
-        with contextlib.suppress(NatsError, TimeoutError):
-            await sub.unsubscribe()
+__all__ = ["audit", "parse_since", "parse_types"]  # the parsers are the options' own
 
 
 # ---------------------------------------------------------------- rendering

@@ -23,7 +23,8 @@ from rich.table import Table
 from gpuslice_cli.table import printable, show
 from gpuslice_common.config import CommonSettings, ConfigError, load, without_password
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError
-from gpuslice_common.models import GpuState, Placement, PlacementState
+from gpuslice_common.models import GpuState, Placement
+from gpuslice_common.occupancy import card_grants
 from gpuslice_inventory.telemetry import TelemetryStore
 
 # uuid -> (device memory in use, bytes; SM utilisation, percent), from telemetry
@@ -131,19 +132,15 @@ class UnknownNode(LookupError):
 
 def card_status(gpu: GpuState, placements: Sequence[Placement]) -> CardStatus:
     """A card with the live placements among ``placements`` that use it."""
-    pods = []
-    for placement in placements:
-        if placement.state is PlacementState.RELEASED:
-            continue
-        grants = [d for c in placement.containers for d in c.devices if d.uuid == gpu.device.uuid]
-        if grants:
-            pod = placement.pod
-            memory = sum(d.memory_mib for d in grants)
-            cores = sum(d.cores for d in grants)
-            pods.append(
-                PodOnCard(pod.uid, pod.namespace, pod.name, placement.state.value, memory, cores)
-            )
-    pods.sort(key=lambda pod: pod.uid)
+    by_pod: dict[str, PodOnCard] = {}
+    for grant in card_grants(gpu.device.uuid, placements):  # by uid, then container
+        seen = by_pod.get(grant.uid)
+        memory = grant.memory_mib + (seen.memory_mib if seen else 0)
+        cores = grant.cores + (seen.cores if seen else 0)
+        by_pod[grant.uid] = PodOnCard(
+            grant.uid, grant.namespace, grant.name, grant.state, memory, cores
+        )
+    pods = list(by_pod.values())
     return CardStatus(
         node=gpu.node,
         index=gpu.device.index,

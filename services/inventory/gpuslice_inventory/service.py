@@ -43,6 +43,11 @@ from gpuslice_common.service import (
 )
 from gpuslice_common.subjects import node_from_token
 from gpuslice_inventory.authcallout import AuthCallout
+from gpuslice_inventory.console.auditfeed import AuditFeed
+from gpuslice_inventory.console.auth import Authenticator
+from gpuslice_inventory.console.hub import Hub
+from gpuslice_inventory.console.routes import create_console_app
+from gpuslice_inventory.console.snapshot import SnapshotBuilder
 from gpuslice_inventory.gateway import NodeGateway, TokenIssuer
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.lifecycle import PodWatcher, WatchStats, release_ended
@@ -88,6 +93,7 @@ class Running:
     # registrations (node -> ``registered@epoch``) a pass has already seen unstamped
     rebuild_seen: dict[str, str] = field(default_factory=dict)
     vendors: VendorSync | None = None  # other vendors' cards from node annotations
+    console: Hub | None = None  # the web console's snapshot and feed; None while off
 
     async def on_inventory_message(self, msg: Msg) -> None:
         """A message on ``<prefix>.inventory.<node>``: checked, then registered.
@@ -293,6 +299,20 @@ def kube_api(settings: InventorySettings) -> KubeApi | None:
     return KubernetesApi.from_environment()
 
 
+def console_hub(
+    settings: InventorySettings,
+    bus: Bus,
+    ledger: Ledger,
+    telemetry: TelemetryStore,
+    authenticator: Authenticator,
+) -> Hub:
+    """The web console's shared snapshot and audit feed (one per process)."""
+    builder = SnapshotBuilder(ledger, telemetry, settings.ledger_prefix)
+    feed = AuditFeed(bus, settings.console_audit_events)
+    tick = settings.console_tick.total_seconds()
+    return Hub(ledger, builder, feed, authenticator, tick)
+
+
 @contextlib.asynccontextmanager
 async def running(
     settings: InventorySettings,
@@ -309,6 +329,9 @@ async def running(
     by default the auth callout's, when it runs; without either, containers get
     none (a NATS without users)."""
     vendor_types = None  # read first: a bad file stops the start before anything opens
+    authenticator = None
+    if serve_http and settings.console_port:  # tokenreview without the API: no start
+        authenticator = Authenticator(settings.console_auth, kube)
     if kube is not None and settings.device_config:
         vendor_types = load_device_config(settings.device_config).announced()
     ledger = Ledger.from_settings(settings)
@@ -414,6 +437,12 @@ async def running(
             expected=(LedgerError, KubeError),
         )
         state.tasks.append(asyncio.create_task(job, name="vendor-nodes"))
+    if authenticator is not None:
+        state.console = console_hub(settings, bus, ledger, telemetry, authenticator)
+        state.tasks += [
+            asyncio.create_task(state.console.run(), name="console"),
+            asyncio.create_task(state.console.feed.run(), name="console-audit-feed"),
+        ]
     for task in state.tasks:
         task.add_done_callback(_report_stopped)
     try:
@@ -429,6 +458,21 @@ async def running(
                     http_server(
                         config,
                         "inventory-http",
+                        max_body=settings.max_request_body,
+                        handle_signals=False,
+                    )
+                )
+            if state.console is not None:
+                console = plain_http(
+                    create_console_app(state.console, bus, state.console.authenticator),
+                    settings.console_host,
+                    settings.console_port,
+                    settings.log_level,
+                )
+                await stack.enter_async_context(
+                    http_server(
+                        console,
+                        "inventory-console",
                         max_body=settings.max_request_body,
                         handle_signals=False,
                     )
@@ -490,6 +534,8 @@ async def main(settings: InventorySettings) -> None:
         await wait_for_audit_stream(bus, stop)
         async with running(settings, bus, kube=kube):
             log.info("inventory listening on %s:%d", settings.listen_host, settings.listen_port)
+            if settings.console_port:
+                log.info("console on http://%s:%d/", settings.console_host, settings.console_port)
             await stop.wait()
             log.info("stopping")
     finally:

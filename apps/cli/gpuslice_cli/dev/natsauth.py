@@ -67,12 +67,17 @@ accounts {
       # the inventory: reads inventories, node agents' requests (and
       # answers them in the node's own inbox: never on a subject the
       # requester names elsewhere), telemetry and pod ends; publishes
-      # allocations and releases; checks the audit stream
+      # allocations and releases; checks the audit stream and reads it
       { user: inventory, password: $NATS_INVENTORY_PASSWORD,
         permissions: { publish: ["gpuslice.events.alloc.allocated",
                                  "gpuslice.events.alloc.released",
                                  "gpuslice.events.alloc.failed",
-                                 "$JS.API.STREAM.INFO.gpuslice_audit", "_INBOX.>"],
+                                 "$JS.API.STREAM.INFO.gpuslice_audit",
+                                 "$JS.API.CONSUMER.CREATE.gpuslice_audit",
+                                 "$JS.API.CONSUMER.CREATE.gpuslice_audit.>",
+                                 "$JS.API.CONSUMER.INFO.gpuslice_audit.*",
+                                 "$JS.API.CONSUMER.DELETE.gpuslice_audit.*",
+                                 "$JS.FC.gpuslice_audit.>", "_INBOX.>"],
                        subscribe: ["gpuslice.inventory.*", "gpuslice.node.*.>",
                                    "gpuslice.telemetry.*.*", "gpuslice.pods.ended", "_INBOX.>"] } }
       # operators and auditors: read the audit stream through consumers of

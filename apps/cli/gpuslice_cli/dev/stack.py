@@ -317,6 +317,15 @@ class Stack:
         return [f"http://127.0.0.1:{self.ports[name]}" for name in self.replicas("inventory")]
 
     @property
+    def console_url(self) -> str | None:
+        """The web console of the (first) inventory; None when attached to a stack
+        this one did not start."""
+        if self.attached is not None:
+            return None
+        port = self.ports.get(self.replicas("inventory")[0] + "-console")
+        return None if port is None else f"http://127.0.0.1:{port}/"
+
+    @property
     def metrics_urls(self) -> dict[str, str]:
         """Each process's plain-HTTP metrics endpoint, by name (none when attached):
         the webhook's and the extenders' own metrics ports, the inventories'
@@ -598,6 +607,8 @@ class Stack:
             self.ports[name] = free_port()
         for name in ("webhook", *self.replicas("scheduler")):  # their plain metrics ports
             self.ports[name + "-metrics"] = free_port()
+        for name in self.replicas("inventory"):  # each inventory's web console
+            self.ports[name + "-console"] = free_port()
         heartbeat = f"{self.heartbeat_s}s"
 
         def listen(name: str) -> dict[str, str]:
@@ -629,6 +640,8 @@ class Stack:
                     **self._login("inventory"),
                     **self._callout_env(),
                     "GPUSLICE_LISTEN_PORT": str(self.ports[name]),
+                    "GPUSLICE_CONSOLE_HOST": "127.0.0.1",
+                    "GPUSLICE_CONSOLE_PORT": str(self.ports[name + "-console"]),
                     "GPUSLICE_HEARTBEAT_INTERVAL": heartbeat,
                     "GPUSLICE_SWEEP_INTERVAL": "1s",
                     "GPUSLICE_METRICS_INTERVAL": "1s",

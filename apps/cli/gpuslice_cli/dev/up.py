@@ -344,8 +344,8 @@ def nats_url_with_login(url: str, user: str, password: str) -> str:
 
 
 def where(stack: Stack, console: Console) -> None:
-    """Where the servers are (with the auditor's login where NATS has users),
-    and the variables that let gpuslice status and audit reach them."""
+    """Where the servers and the web console are (with the auditor's login where
+    NATS has users), and the variables that let gpuslice status and audit reach them."""
     variables = client_variables(stack)
     nats = variables.get("GPUSLICE_NATS_URL", "")
     user, password = variables.get("GPUSLICE_NATS_USER"), variables.get("GPUSLICE_NATS_PASSWORD")
@@ -361,6 +361,13 @@ def where(stack: Stack, console: Console) -> None:
         redis, more = f"Redis at {variables.get('GPUSLICE_REDIS_URL', '')}", ""
     say = f"gpuslice dev: NATS at {nats}, {redis}{more}"
     console.print(say, soft_wrap=True, markup=False, highlight=False)
+    if stack.console_url is not None:
+        console.print(
+            f"gpuslice dev: console: {stack.console_url}",
+            soft_wrap=True,
+            markup=False,
+            highlight=False,
+        )
     exports = " ".join(f"{name}={shlex.quote(value)}" for name, value in variables.items())
     console.print(
         "gpuslice dev: for gpuslice status and gpuslice audit tail, paste:",

@@ -1,0 +1,189 @@
+"""The console's audit feed: the newest events of the audit stream, in memory.
+
+One ordered consumer (:func:`gpuslice_common.auditstream.audit_events`) starts
+at the newest ``capacity`` events the stream holds and follows it. The feed
+keeps them in a deque, indexed by pod uid and by namespace/name, and tells its
+followers of each new event. Queries (:meth:`AuditFeed.query`) filter the
+window; exports read the stream itself (see the routes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
+
+from gpuslice_common.auditstream import (
+    AuditStreamMissing,
+    EventFilter,
+    audit_events,
+    event_node,
+    event_pod,
+)
+from gpuslice_common.bus import Bus, BusError
+from gpuslice_common.events import CloudEvent
+from gpuslice_common.models import Frozen, PodRef
+
+log = logging.getLogger(__name__)
+RETRY_S = 2.0
+
+
+def real_uid(uid: str) -> str | None:
+    """A pod's uid, or None for the webhook's stand-in (``namespace/name``) of a
+    pod the API server has not given a uid yet."""
+    return None if "/" in uid else uid
+
+
+@dataclass(frozen=True)
+class FeedEvent:
+    """One event with its payload, pod, node, JSON document and line, parsed once."""
+
+    event: CloudEvent
+    payload: Frozen
+    pod: PodRef | None
+    node: str | None
+    doc: dict[str, Any]
+    line: bytes  # the event's JSON, as sent to viewers
+
+    @classmethod
+    def of(cls, event: CloudEvent) -> FeedEvent:
+        line = event.to_json()
+        return cls(
+            event, event.payload(), event_pod(event), event_node(event), orjson.loads(line), line
+        )
+
+    def matches(self, wanted: EventFilter) -> bool:
+        return wanted.matches_parts(self.event.type, self.pod, self.node)
+
+
+class AuditFeed:
+    """The newest ``capacity`` events, with indexes; ``followers`` hear of each new one."""
+
+    def __init__(self, bus: Bus, capacity: int) -> None:
+        self.bus = bus
+        self.capacity = capacity
+        self.events: deque[FeedEvent] = deque()
+        self.by_uid: dict[str, deque[FeedEvent]] = {}
+        self.by_pod: dict[tuple[str, str], deque[FeedEvent]] = {}
+        self.followers: list[Callable[[FeedEvent], None]] = []
+        self.received = 0
+
+    def add(self, event: CloudEvent) -> FeedEvent:
+        """Keep ``event`` (dropping the oldest beyond capacity) and tell the followers."""
+        fed = FeedEvent.of(event)
+        self.events.append(fed)
+        self.received += 1
+        for key, index in self._keys(fed):
+            index.setdefault(key, deque()).append(fed)
+        while len(self.events) > self.capacity:
+            self._forget(self.events.popleft())
+        for follower in list(self.followers):
+            follower(fed)
+        return fed
+
+    def _keys(self, fed: FeedEvent) -> Iterator[tuple[Any, dict[Any, deque[FeedEvent]]]]:
+        pod = fed.pod
+        if pod is None:
+            return
+        uid = real_uid(pod.uid)
+        if uid is not None:
+            yield uid, self.by_uid
+        if pod.name:
+            yield (pod.namespace, pod.name), self.by_pod
+
+    def _forget(self, fed: FeedEvent) -> None:
+        for key, index in self._keys(fed):
+            kept = index.get(key)
+            if kept and kept[0] is fed:
+                kept.popleft()
+            if not kept:
+                index.pop(key, None)
+
+    def query(
+        self,
+        wanted: EventFilter,
+        since: datetime | None,
+        until: datetime | None,
+        limit: int,
+        visible: Callable[[dict[str, Any]], bool],
+    ) -> tuple[list[FeedEvent], bool]:
+        """The newest ``limit`` matching events, oldest first, and whether more matched."""
+        found: list[FeedEvent] = []
+        for fed in reversed(self.events):
+            when = fed.event.time
+            if until is not None and when > until:
+                continue
+            if since is not None and when < since:
+                continue
+            if fed.matches(wanted) and visible(fed.doc):
+                if len(found) == limit:
+                    return found[::-1], True
+                found.append(fed)
+        return found[::-1], False
+
+    def namespaces(self) -> set[str]:
+        """The namespaces of the pods the feed holds events of."""
+        named = {namespace for namespace, _ in self.by_pod}
+        return named | {f[0].pod.namespace for f in self.by_uid.values() if f and f[0].pod}
+
+    def pod_events(self, namespace: str, name: str) -> list[FeedEvent]:
+        """Every kept event of pods named ``namespace/name``, with the events of
+        their uids that carry no name, in feed order."""
+        named = list(self.by_pod.get((namespace, name), ()))
+        uids = {u for f in named if (p := f.pod) and (u := real_uid(p.uid))}
+        extra = {id(f): f for u in uids for f in self.by_uid.get(u, ())}
+        for f in named:
+            extra.pop(id(f), None)
+        if not extra:
+            return named
+        order = {id(f): i for i, f in enumerate(self.events)}
+        return sorted([*named, *extra.values()], key=lambda f: order.get(id(f), -1))
+
+    async def _start(self) -> int:
+        """The stream sequence of the oldest event to keep."""
+        name = self.bus.subjects.audit_stream
+        try:
+            info = await self.bus.js.stream_info(name)
+        except NotFoundError:
+            raise AuditStreamMissing(name, self.bus.subjects.prefix) from None
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+        last = info.state.last_seq or 0
+        first = info.state.first_seq or 1
+        return max(first, last - self.capacity + 1, 1)
+
+    async def run(self) -> None:
+        """Follow the stream forever; an outage is logged once and retried."""
+        said = ""
+        while True:
+            try:
+                start = await self._start()
+                self.events.clear()
+                self.by_uid.clear()
+                self.by_pod.clear()
+                async for event in audit_events(
+                    self.bus, start, follow=True, on_malformed=self._malformed
+                ):
+                    if said:
+                        log.info("the console's audit feed reads the stream again")
+                        said = ""
+                    self.add(event)
+            except BusError as exc:
+                if str(exc) != said:
+                    log.warning("the console's audit feed waits: %s", exc)
+                    said = str(exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.sleep(RETRY_S)
+
+    @staticmethod
+    def _malformed(why: str) -> None:
+        log.warning("the console's audit feed skipped a malformed event: %s", why[:300])

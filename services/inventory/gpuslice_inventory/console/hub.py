@@ -1,0 +1,293 @@
+"""One refresher per inventory process, shared by every viewer of the console.
+
+Every ``tick`` (and at once when the ledger announces a change or the audit
+feed brings an alloc.* event) the :class:`Hub` refreshes the snapshot; when its
+content changed, every open stream is woken. A stream's slot holds no copy of
+the snapshot: woken, it takes the newest bytes, so a slow viewer skips
+snapshots and never grows memory. Bytes are serialised once per version and
+namespace set (100 viewers of one scope cost one serialisation), and pod
+documents once per version, feed position and pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+import orjson
+from redis.exceptions import RedisError
+
+from gpuslice_common.auditstream import EventFilter
+from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent
+from gpuslice_inventory.console.auth import AccessDenied, Authenticator, Viewer
+from gpuslice_inventory.console.pods import PodSummary, find_pod, pod_document, pod_list
+from gpuslice_inventory.console.scope import event_visible, scope_snapshot, snapshot_namespaces
+from gpuslice_inventory.console.snapshot import SnapshotBuilder
+
+log = logging.getLogger(__name__)
+KEEPALIVE_S = 15.0
+MAX_STREAMS = 1000  # open event streams per process; more are refused (503)
+EVENTS_PER_STREAM = 1000  # audit events waiting for one slow viewer; older ones are dropped
+SCOPED_CACHE = 256  # distinct namespace sets (and pods) kept serialised per version
+RETRY_S = 2.0  # after a failed refresh or lost change notices, however long the tick
+
+View = Literal["cluster", "pod", "audit"]
+
+
+@dataclass(frozen=True)
+class AuditQuery:
+    """An audit view's filters."""
+
+    wanted: EventFilter = field(default_factory=EventFilter)
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def matches(self, fed: FeedEvent) -> bool:
+        """Whether ``fed`` passes the filters (who may see it is checked apart)."""
+        when = fed.event.time
+        if self.since is not None and when < self.since:
+            return False
+        if self.until is not None and when > self.until:
+            return False
+        return fed.matches(self.wanted)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One open event stream: what it watches and a flag that something changed."""
+
+    viewer: Viewer
+    view: View
+    namespace: str = ""
+    name: str = ""
+    audit: AuditQuery = field(default_factory=AuditQuery)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    events: deque[FeedEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_PER_STREAM))
+
+
+class TooManyStreams(Exception):
+    pass
+
+
+class Hub:
+    """The shared snapshot, its refresher and the open streams."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        builder: SnapshotBuilder,
+        feed: AuditFeed,
+        authenticator: Authenticator,
+        tick: float,
+        keepalive: float = KEEPALIVE_S,
+    ) -> None:
+        self.ledger = ledger
+        self.authenticator = authenticator
+        self.builder = builder
+        self.feed = feed
+        self.tick = tick
+        self.keepalive = keepalive
+        self.slots: set[Slot] = set()
+        self.ready = asyncio.Event()  # set after the first refresh
+        self.serialisations = 0  # scoped snapshots serialised (tests count them)
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._scoped: dict[frozenset[str] | None, bytes] = {}
+        self._scoped_version = 0
+        self._namespaces: tuple[int, set[str]] = (-1, set())
+        self._pods: dict[tuple[str, str], tuple[tuple[int, int], bytes | None]] = {}
+        self._pod_list: tuple[tuple[int, int], list[PodSummary]] = ((-1, -1), [])
+        feed.followers.append(self.on_event)
+
+    # ------------------------------------------------------------ refreshing
+
+    def poke(self, node: str | None = None) -> None:
+        """Refresh now (``node``: its cards and placements are read again)."""
+        if node is not None:
+            self._dirty.add(node)
+        self._wake.set()
+
+    def on_event(self, fed: FeedEvent) -> None:
+        """A new audit event: allocation changes refresh at once; streams that
+        show it are woken."""
+        if fed.node is not None:
+            self.poke(fed.node)
+        pod = fed.pod
+        for slot in self.slots:
+            if slot.view == "audit" and slot.audit.matches(fed):
+                slot.events.append(fed)
+                slot.wake.set()
+            elif slot.view == "pod" and pod is not None and pod.namespace == slot.namespace:
+                slot.wake.set()
+
+    async def _listen(self) -> None:
+        """Follow the ledger's change notices (none on Redis Cluster: the tick only)."""
+        while True:
+            try:
+                async for node in self.ledger.watch_changes(on_subscribed=self._subscribed):
+                    self.poke(node)
+            except NotImplementedError:
+                return
+            except LedgerError as exc:
+                log.debug("console: %s", exc)
+                await asyncio.sleep(min(self.tick, RETRY_S))
+
+    def _subscribed(self) -> None:
+        """Change notices (again): what changed before them is read in full now."""
+        self.builder.resync_soon()
+        self.poke()
+
+    async def run(self) -> None:
+        """Refresh forever; a Redis outage is logged once and retried, never fatal."""
+        listener = asyncio.create_task(self._listen(), name="console-changes")
+        next_full = 0.0
+        failing = False
+        try:
+            while True:
+                self._wake.clear()
+                dirty, self._dirty = self._dirty, set()
+                full = time.monotonic() >= next_full
+                try:
+                    changed = await self.builder.refresh(full=full, dirty=dirty)
+                    if full:
+                        next_full = time.monotonic() + self.tick
+                    if failing:
+                        log.info("console: the ledger answers again")
+                    failing = False
+                    if changed:
+                        for slot in self.slots:
+                            slot.wake.set()
+                    self.ready.set()
+                except (LedgerError, RedisError, OSError) as exc:
+                    self._dirty |= dirty
+                    if not failing:
+                        log.warning("console: cannot refresh the snapshot: %s", exc)
+                    failing = True
+                wait = max(0.0, next_full - time.monotonic())
+                if failing:
+                    wait = min(self.tick, RETRY_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    # ------------------------------------------------------------ what viewers get
+
+    def namespaces(self) -> set[str]:
+        """The namespaces of the snapshot's pods (worked out once per version)."""
+        version = self.builder.version
+        if self._namespaces[0] != version:
+            self._namespaces = (version, snapshot_namespaces(self.builder.document))
+        return self._namespaces[1]
+
+    async def visible(self, viewer: Viewer, namespaces: set[str]) -> set[str] | None:
+        """Which of ``namespaces`` ``viewer`` may see (None: all); AccessDenied
+        when the Kubernetes API cannot tell."""
+        return await self.authenticator.visible(viewer, namespaces)
+
+    async def cluster_for(self, viewer: Viewer) -> bytes:
+        """The snapshot as ``viewer`` may see it; AccessDenied as :meth:`visible`."""
+        if viewer.namespaces is None:
+            return self.cluster_bytes(viewer, None)
+        return self.cluster_bytes(viewer, await self.visible(viewer, self.namespaces()))
+
+    def cluster_bytes(self, viewer: Viewer, visible: set[str] | None) -> bytes:
+        """The snapshot scoped to ``visible`` namespaces, serialised once per
+        version and namespace set."""
+        version = self.builder.version
+        if version != self._scoped_version or len(self._scoped) > SCOPED_CACHE:
+            self._scoped = {}
+            self._scoped_version = version
+        key = None if viewer.namespaces is None or visible is None else frozenset(visible)
+        body = self._scoped.get(key)
+        if body is None:
+            if key is None:
+                body = self.builder.body
+            else:
+                body = orjson.dumps(scope_snapshot(self.builder.document, viewer, key))
+                self.serialisations += 1
+            self._scoped[key] = body
+        return body
+
+    def pod_bytes(self, namespace: str, name: str) -> bytes | None:
+        """The pod document of ``namespace/name``; None when nothing knows it.
+        Callers check that the viewer may see the namespace first."""
+        stamp = (self.builder.version, self.feed.received)
+        cached = self._pods.get((namespace, name))
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        summary = find_pod(self.builder, self.feed, namespace, name)
+        body = None if summary is None else orjson.dumps(pod_document(self.builder, summary))
+        if len(self._pods) > SCOPED_CACHE:
+            self._pods.clear()
+        self._pods[(namespace, name)] = (stamp, body)
+        return body
+
+    def pod_summaries(self) -> list[PodSummary]:
+        """Every known pod, newest first, worked out once per version and feed position."""
+        stamp = (self.builder.version, self.feed.received)
+        if self._pod_list[0] != stamp:
+            self._pod_list = (stamp, pod_list(self.builder, self.feed))
+        return self._pod_list[1]
+
+    # ------------------------------------------------------------ streams
+
+    def check_room(self) -> None:
+        """Raise TooManyStreams when no more streams may open."""
+        if len(self.slots) >= MAX_STREAMS:
+            raise TooManyStreams(f"{MAX_STREAMS} event streams are open on this console")
+
+    def unsubscribe(self, slot: Slot) -> None:
+        self.slots.discard(slot)
+
+    async def stream(self, slot: Slot) -> AsyncIterator[bytes]:
+        """Server-sent events for ``slot`` until the viewer goes (then the slot is
+        gone), or until the Kubernetes API cannot tell what the viewer may see."""
+        self.slots.add(slot)
+        try:
+            sent: bytes | None = None
+            first = True
+            while True:
+                if slot.view == "cluster":
+                    body = await self.cluster_for(slot.viewer)
+                    if body != sent:
+                        sent = body
+                        yield b"event: cluster\ndata: " + body + b"\n\n"
+                elif slot.view == "pod":  # its namespace was checked when it opened
+                    pod = self.pod_bytes(slot.namespace, slot.name)
+                    if pod is not None and pod != sent:
+                        sent = pod
+                        yield b"event: pod\ndata: " + pod + b"\n\n"
+                else:
+                    while slot.events:
+                        fed = slot.events.popleft()
+                        if await self._may_see(slot.viewer, fed):
+                            yield b"event: audit\ndata: " + fed.line + b"\n\n"
+                if first:
+                    first = False
+                    yield b": connected\n\n"
+                try:
+                    await asyncio.wait_for(slot.wake.wait(), self.keepalive)
+                    slot.wake.clear()
+                except TimeoutError:
+                    yield b": keepalive\n\n"
+        except AccessDenied as denied:
+            yield b": " + denied.message.encode() + b"\n\n"
+        finally:
+            self.unsubscribe(slot)
+
+    async def _may_see(self, viewer: Viewer, fed: FeedEvent) -> bool:
+        if viewer.namespaces is None:
+            return True
+        namespaces = {fed.pod.namespace} if fed.pod is not None else set()
+        return event_visible(fed.doc, await self.visible(viewer, namespaces))

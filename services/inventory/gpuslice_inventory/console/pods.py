@@ -1,0 +1,232 @@
+"""Pods as the console shows them: live placements and pods known from the audit feed.
+
+A pod's incarnation is its uid: the newest one of a namespace/name is the one
+shown. Admission events name a pod before the API server gives it a uid (the
+webhook records ``namespace/name`` then); they belong to the incarnation that
+follows them. A pod denied at admission has no uid at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from gpuslice_common.events import AllocationEvent, EventType, PodDenied
+from gpuslice_common.models import Placement, PlacementState
+from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent, real_uid
+from gpuslice_inventory.console.snapshot import SnapshotBuilder, iso, peak_bytes
+
+MAX_PODS = 500
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # when a placement carries no time
+STORY_STATES = {
+    EventType.POD_ADMITTED: "admitted",
+    EventType.POD_DENIED: "denied",
+    EventType.ALLOC_RESERVED: "reserved",
+    EventType.ALLOC_BOUND: "bound",
+    EventType.ALLOC_ALLOCATED: "allocated",
+    EventType.ALLOC_RELEASED: "released",
+    EventType.ALLOC_FAILED: "failed",
+}
+
+
+@dataclass
+class PodSummary:
+    uid: str | None
+    namespace: str
+    name: str
+    node: str | None
+    state: str
+    since: datetime
+    reason: str | None = None
+    placement: Placement | None = None
+    events: list[FeedEvent] = field(default_factory=list)
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "uid": self.uid,
+            "namespace": self.namespace,
+            "name": self.name,
+            "node": self.node,
+            "state": self.state,
+            "since": iso(self.since),
+            "reason": self.reason,
+        }
+
+
+def _placement_since(p: Placement) -> datetime | None:
+    return p.released_at or p.allocated_at or p.bound_at or p.reserved_at
+
+
+def _event_reason(fed: FeedEvent) -> str | None:
+    payload = fed.payload
+    if isinstance(payload, PodDenied):
+        return payload.reason
+    if isinstance(payload, AllocationEvent) and payload.reason:
+        return payload.reason
+    return None
+
+
+def _from_events(namespace: str, name: str, events: list[FeedEvent]) -> list[PodSummary]:
+    """The incarnations of ``namespace/name`` the events tell of, oldest first."""
+    pods: list[PodSummary] = []
+    waiting: list[FeedEvent] = []  # admission events before a uid is known
+    by_uid: dict[str, PodSummary] = {}
+    for fed in events:
+        pod = fed.pod
+        if pod is None:
+            continue
+        uid = real_uid(pod.uid)
+        state = STORY_STATES[fed.event.type]
+        if uid is None or fed.event.type is EventType.POD_DENIED:
+            if fed.event.type is EventType.POD_DENIED:
+                denied = PodSummary(
+                    uid, namespace, name, None, "denied", fed.event.time, _event_reason(fed)
+                )
+                denied.events = [*waiting, fed]
+                waiting = []
+                pods.append(denied)
+            else:
+                waiting.append(fed)
+            continue
+        summary = by_uid.get(uid)
+        if summary is None:
+            summary = PodSummary(uid, namespace, name, None, state, fed.event.time)
+            summary.events = waiting
+            waiting = []
+            by_uid[uid] = summary
+            pods.append(summary)
+        summary.events.append(fed)
+        if state != "admitted":
+            summary.state = state
+            summary.since = fed.event.time
+            summary.reason = _event_reason(fed)
+            summary.node = fed.node or summary.node
+    if waiting:  # admitted, not placed yet
+        first = waiting[-1]
+        pending = PodSummary(None, namespace, name, None, "admitted", first.event.time)
+        pending.events = waiting
+        pods.append(pending)
+    return pods
+
+
+def _merge_placement(summary: PodSummary | None, p: Placement) -> PodSummary:
+    """The ledger's word on a placement wins over the events' for its state."""
+    since = _placement_since(p)
+    if summary is None:
+        summary = PodSummary(
+            p.pod.uid, p.pod.namespace, p.pod.name, p.node, p.state.value, since or EPOCH
+        )
+    summary.placement = p
+    summary.node = p.node
+    summary.state = p.state.value
+    if since is not None:
+        summary.since = since
+    if p.state is PlacementState.RELEASED:
+        summary.reason = p.release_reason or summary.reason
+    elif summary.reason and summary.state != "failed":
+        summary.reason = None
+    return summary
+
+
+def pod_list(builder: SnapshotBuilder, feed: AuditFeed) -> list[PodSummary]:
+    """Every pod the ledger or the feed knows, newest first (all of them; callers cut)."""
+    by_key: dict[tuple[str, str, str | None], PodSummary] = {}
+    for namespace, name in list(feed.by_pod):
+        for s in _from_events(namespace, name, feed.pod_events(namespace, name)):
+            key = (namespace, name, s.uid if s.uid else f"@{iso(s.since)}")
+            by_key[key] = s
+    for p in builder.placements():
+        key = (p.pod.namespace, p.pod.name, p.pod.uid)
+        by_key[key] = _merge_placement(by_key.get(key), p)
+    pods = [s for s in by_key.values() if s.state != "admitted"]
+    pods.sort(key=lambda s: s.since, reverse=True)
+    return pods
+
+
+def find_pod(
+    builder: SnapshotBuilder, feed: AuditFeed, namespace: str, name: str
+) -> PodSummary | None:
+    """The newest incarnation of ``namespace/name``; None when nothing knows it."""
+    known = _from_events(namespace, name, feed.pod_events(namespace, name))
+    by_uid = {s.uid: s for s in known if s.uid}
+    placed = [p for p in builder.placements() if (p.pod.namespace, p.pod.name) == (namespace, name)]
+    for p in placed:
+        by_uid[p.pod.uid] = _merge_placement(by_uid.get(p.pod.uid), p)
+    candidates = [*by_uid.values(), *(s for s in known if not s.uid)]
+    if not candidates:
+        return None
+    # a live placement is the current incarnation; otherwise the latest news
+    live = [s for s in candidates if s.placement and s.state != "released"]
+    pool = live or candidates
+    return max(pool, key=lambda s: s.since)
+
+
+def pod_document(builder: SnapshotBuilder, summary: PodSummary) -> dict[str, Any]:
+    """The pod document of the API (``GET /api/v1/pods/{namespace}/{name}``)."""
+    p = summary.placement
+    containers: list[dict[str, Any]] = []
+    policy = p.policy if p is not None else None
+    if p is not None:
+        usage = (
+            builder.pod_usage(p.node, p.pod.uid) if p.state is not PlacementState.RELEASED else []
+        )
+        for c in p.containers:
+            cards = []
+            for d in c.devices:
+                card = builder.card(p.node, d.uuid)
+                cards.append(
+                    {
+                        "uuid": d.uuid,
+                        "index": card.index if card else None,
+                        "model": card.model if card else None,
+                        "memory_mib": d.memory_mib,
+                        "cores": d.cores,
+                        "mig": d.mig.model_dump(mode="json") if d.mig else None,
+                    }
+                )
+            containers.append(
+                {
+                    "name": c.name,
+                    "cards": cards,
+                    "usage": [
+                        {
+                            "uuid": u.uuid,
+                            "used_bytes": u.used_bytes,
+                            "peak_bytes": peak_bytes(u),
+                            "limit_bytes": u.limit_bytes,
+                            "sm_percent": u.sm_percent,
+                            "throttled_ns": u.throttled_ns,
+                            "denied_allocations": u.denied_allocations,
+                            "at": iso(datetime.fromtimestamp(u.at_ms / 1000, UTC)),
+                        }
+                        for u in usage
+                        if u.container == c.name
+                    ],
+                }
+            )
+    elif summary.events:
+        policy = next(
+            (
+                pl.policy
+                for f in reversed(summary.events)
+                if isinstance(pl := f.payload, AllocationEvent) and pl.policy
+            ),
+            None,
+        )
+    story = [
+        {
+            "type": STORY_STATES[f.event.type],
+            "time": iso(f.event.time),
+            "source": f.event.source,
+            "reason": _event_reason(f),
+            "id": f.event.id,
+        }
+        for f in summary.events
+    ]
+    return {
+        **summary.document(),
+        "policy": policy or None,
+        "containers": containers,
+        "story": story,
+    }

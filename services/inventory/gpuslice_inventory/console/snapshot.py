@@ -1,0 +1,262 @@
+"""The console's cluster snapshot, built from the ledger, the telemetry store and
+the scheduler's report.
+
+Incremental as the scheduler's copy is (``gpuslice_scheduler.view``): each
+refresh reads the registered nodes and their revisions, and re-reads cards and
+placements only of nodes whose revision moved (or that a change notice named);
+everything is re-read every ``resync`` seconds, since a failover may keep
+revisions and change the data. Telemetry, liveness and the report are read
+once per tick (``full``). The document's ``version`` grows only when its
+content changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from gpuslice_common.ledger import BadRecord, Ledger, NodeCards, NodeLiveness, StoredCard
+from gpuslice_common.models import Placement, utcnow
+from gpuslice_common.occupancy import card_grants
+from gpuslice_common.reports import SchedulerReport, read_report
+from gpuslice_inventory.telemetry import ContainerUsage, TelemetryStore
+
+log = logging.getLogger(__name__)
+MIB = 1024 * 1024
+RESYNC_S = 30.0
+
+
+def iso(when: datetime | None) -> str | None:
+    """RFC 3339 in UTC with a ``Z``, as the page shows it."""
+    if when is None:
+        return None
+    return when.isoformat().replace("+00:00", "Z")
+
+
+def peak_bytes(usage: ContainerUsage) -> int:
+    """The container's highest use seen; its current use where telemetry has no peak."""
+    peak = getattr(usage, "peak_bytes", usage.used_bytes)
+    return peak if isinstance(peak, int) else usage.used_bytes
+
+
+@dataclass
+class NodeEntry:
+    """One registered node as last read."""
+
+    rev: int | None
+    rebuilt: bool = False
+    cards: list[StoredCard] = field(default_factory=list)
+    placements: list[Placement] = field(default_factory=list)
+    problem: str = ""  # why its record cannot be read; "" when it can
+
+
+class SnapshotBuilder:
+    """Holds what was read and composes the snapshot document from it."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        telemetry: TelemetryStore,
+        prefix: str,
+        *,
+        resync: float = RESYNC_S,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.ledger = ledger
+        self.telemetry = telemetry
+        self.prefix = prefix
+        self.resync = resync
+        self.clock = clock
+        self.nodes: dict[str, NodeEntry] = {}
+        self.liveness: dict[str, NodeLiveness | BadRecord] = {}
+        self.usage: dict[str, list[ContainerUsage]] = {}  # per node, fresh entries
+        self.report: SchedulerReport | None = None
+        self.version = 0
+        self.at = clock()
+        self.refreshes = 0  # refreshes that read Redis (tests count them)
+        self.full_refreshes = 0  # of which with telemetry, liveness and the report
+        self.document: dict[str, Any] = {}
+        self.body = b""
+        self._content = b""
+        self._resync_due = 0.0
+        self._compose()
+
+    def resync_soon(self) -> None:
+        """Re-read every node at the next refresh (notices of changes may have been lost)."""
+        self._resync_due = 0.0
+
+    async def refresh(self, *, full: bool, dirty: Iterable[str] = ()) -> bool:
+        """Read what changed (``full``: telemetry, liveness and the report too);
+        True when the document changed. Raises LedgerError when Redis fails."""
+        self.refreshes += 1
+        names = await self.ledger.nodes()
+        now = time.monotonic()
+        reread_all = now >= self._resync_due
+        if reread_all:
+            self._resync_due = now + self.resync
+        revs = await self.ledger.revisions(names)
+        wanted = set(dirty)
+        changed = [
+            n
+            for n in names
+            if reread_all
+            or n in wanted
+            or n not in self.nodes
+            or revs[n] is None
+            or revs[n] != self.nodes[n].rev
+        ]
+        for gone in set(self.nodes) - set(names):
+            del self.nodes[gone]
+            self.usage.pop(gone, None)
+            self.liveness.pop(gone, None)
+        if changed:
+            await self._read(changed)
+        if full:
+            self.full_refreshes += 1
+            self.liveness = await self.ledger.read_liveness(names)
+            usages = await asyncio.gather(
+                *(self.telemetry.container_usage(n, prune=False) for n in names)
+            )
+            self.usage = dict(zip(names, usages, strict=True))
+            self.report = await read_report(self.ledger.redis, self.prefix)
+        return self._compose()
+
+    async def _read(self, names: list[str]) -> None:
+        read = await self.ledger.read_nodes(names, vendor=None)  # every vendor's cards
+        placements = await asyncio.gather(
+            *(self.ledger.node_placements(n) for n in names), return_exceptions=True
+        )
+        for name, pods in zip(names, placements, strict=True):
+            cards = read.get(name)
+            if isinstance(pods, BaseException) and not isinstance(pods, BadRecord):
+                raise pods
+            if isinstance(cards, NodeCards) and isinstance(pods, list):
+                self.nodes[name] = NodeEntry(cards.rev, cards.rebuilt, cards.cards, pods)
+                continue
+            problem = cards if isinstance(cards, BadRecord) else pods
+            why = problem.problem if isinstance(problem, BadRecord) else "not readable"
+            if self.nodes.get(name, NodeEntry(None)).problem != why:
+                log.warning("the console leaves out node %s: %s", name, why)
+            self.nodes[name] = NodeEntry(None, problem=why)
+
+    # ------------------------------------------------------------ the document
+
+    def _compose(self) -> bool:
+        content = self._content_doc()
+        encoded = orjson.dumps(content)
+        if encoded == self._content and self.document:
+            return False
+        self._content = encoded
+        self.version += 1
+        self.at = self.clock()
+        self.document = {"version": self.version, "at": iso(self.at), **content}
+        self.body = orjson.dumps(self.document)
+        return True
+
+    def _content_doc(self) -> dict[str, Any]:
+        report = self.report
+        nodes = [self._node_doc(name, entry) for name, entry in sorted(self.nodes.items())]
+        cards = [c for n in nodes for c in n["cards"]]
+        measured = [c["measured"]["memory_mib"] for c in cards if c["measured"]["memory_mib"]]
+        any_usage = any(c["measured"]["memory_mib"] is not None for c in cards)
+        pods = {p["uid"] for c in cards for p in c["pods"]}
+        cluster = {
+            "nodes": sum(1 for n in nodes if not n.get("problem")),
+            "cards": len(cards),
+            "memory_mib": sum(c["memory_mib"] for c in cards),
+            "used_memory_mib": sum(c["used"]["memory_mib"] for c in cards),
+            "measured_memory_mib": round(sum(measured), 1) if any_usage else None,
+            "cores": sum(c["cores"] for c in cards),
+            "used_cores": sum(c["used"]["cores"] for c in cards),
+            "pods": len(pods),
+            "fragmentation": report.cluster.fragmentation if report else None,
+            "fits": [k.model_dump(mode="json") for k in report.kinds] if report else [],
+        }
+        return {
+            "report_at": iso(report.at) if report else None,
+            "cluster": cluster,
+            "nodes": nodes,
+        }
+
+    def _node_doc(self, name: str, entry: NodeEntry) -> dict[str, Any]:
+        liveness = self.liveness.get(name)
+        live = isinstance(liveness, NodeLiveness) and liveness.unavailable_since is None
+        share = self.report.nodes.get(name) if self.report else None
+        usage: dict[str, list[ContainerUsage]] = {}
+        for u in self.usage.get(name, []):
+            usage.setdefault(u.uuid, []).append(u)
+        doc: dict[str, Any] = {
+            "name": name,
+            "live": live,
+            "rebuilt": entry.rebuilt,
+            "fragmentation": share.fragmentation if share else None,
+            "free_share": share.free_share if share else None,
+            "cards": [self._card_doc(card, entry, usage.get(card.uuid)) for card in entry.cards],
+        }
+        if entry.problem:
+            doc["problem"] = entry.problem
+        return doc
+
+    @staticmethod
+    def _card_doc(
+        card: StoredCard, entry: NodeEntry, usage: list[ContainerUsage] | None
+    ) -> dict[str, Any]:
+        measured: dict[str, float | None] = {"memory_mib": None, "sm_percent": None}
+        if usage:
+            measured = {
+                "memory_mib": round(sum(u.used_bytes for u in usage) / MIB, 1),
+                "sm_percent": round(min(100.0, sum(u.sm_percent for u in usage)), 1),
+            }
+        return {
+            "uuid": card.uuid,
+            "index": card.index,
+            "model": card.model,
+            "mode": card.mode.value,
+            "vendor": card.vendor,
+            "healthy": card.healthy,
+            "cordoned": card.cordoned,
+            "present": card.present,
+            "memory_mib": card.cap_mem,
+            "cores": card.cap_cores,
+            "slots": card.cap_slots,
+            "used": {
+                "memory_mib": card.used_mem,
+                "cores": card.used_cores,
+                "slots": card.used_slots,
+            },
+            "measured": measured,
+            "pods": [
+                {
+                    "uid": g.uid,
+                    "namespace": g.namespace,
+                    "name": g.name,
+                    "container": g.container,
+                    "memory_mib": g.memory_mib,
+                    "cores": g.cores,
+                }
+                for g in card_grants(card.uuid, entry.placements)
+            ],
+            "others": None,
+        }
+
+    # ------------------------------------------------------------ lookups for pods
+
+    def placements(self) -> list[Placement]:
+        """Every placement recorded on a readable node (released ones included)."""
+        return [p for entry in self.nodes.values() for p in entry.placements]
+
+    def card(self, node: str, uuid: str) -> StoredCard | None:
+        entry = self.nodes.get(node)
+        if entry is None:
+            return None
+        return next((c for c in entry.cards if c.uuid == uuid), None)
+
+    def pod_usage(self, node: str, uid: str) -> list[ContainerUsage]:
+        return [u for u in self.usage.get(node, []) if u.pod_uid == uid]

@@ -1,0 +1,764 @@
+"""The inventory's web console over real HTTP: snapshot, live updates, pods, audit.
+
+A real inventory (``running``) on the session nats-server and redis-server
+serves the console on a free port; the tests read it with httpx (and a raw
+socket where httpx would tidy the path up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from gpuslice_common.bus import Bus
+from gpuslice_common.config import InventorySettings
+from gpuslice_common.events import (
+    AllocationEvent,
+    CloudEvent,
+    EventType,
+    PodAdmitted,
+    PodDenied,
+    make_event,
+    parse_event,
+)
+from gpuslice_common.kube import KubernetesApi
+from gpuslice_common.models import (
+    ContainerAssignment,
+    ContainerGpuRequest,
+    DeviceGrant,
+    GpuPolicy,
+    MemoryRequest,
+    Placement,
+    PodRef,
+)
+from gpuslice_common.reports import Fragmentation, ReportKind, SchedulerReport, write_report
+from gpuslice_common.servers import NatsServer, free_port
+from gpuslice_inventory.console.auth import Viewer
+from gpuslice_inventory.service import Running, running
+from tests.conftest import make_inventory
+from tests.inventory.conftest import announce, rebuilt, settings_for, until
+from tests.kubeapi import FakeApiServer, Stream
+
+MIB = 1024 * 1024
+TRAIN = PodRef(uid="uid-train-1", namespace="team-a", name="train-1")
+OTHER = PodRef(uid="uid-other-1", namespace="team-b", name="other-1")
+WAIT_S = 15.0
+
+
+def placed(pod: PodRef, node: str, grants: list[tuple[int, int, int]]) -> Placement:
+    """``pod`` on ``node`` with one container ``main``: (card index, MiB, cores) each."""
+    devices = tuple(
+        DeviceGrant(uuid=f"GPU-{node}-{i}", memory_mib=m, cores=c) for i, m, c in grants
+    )
+    return Placement(
+        pod=pod,
+        node=node,
+        containers=(ContainerAssignment(name="main", devices=devices),),
+        policy="binpack",
+    )
+
+
+def alloc_event(kind: EventType, pod: PodRef | None, node: str, reason: str = "") -> CloudEvent:
+    grant = DeviceGrant(uuid=f"GPU-{node}-0", memory_mib=4096, cores=25)
+    containers = () if pod is None else (ContainerAssignment(name="main", devices=(grant,)),)
+    payload = AllocationEvent(
+        pod=pod, node=node, containers=containers, policy="binpack", reason=reason
+    )
+    return make_event(kind, payload, source="/test")
+
+
+def admitted(pod: PodRef) -> CloudEvent:
+    asked = ContainerGpuRequest(name="main", count=1, memory=MemoryRequest(mib=4096), cores=25)
+    # before the API server gives it a uid, the webhook names the pod by namespace/name
+    ref = PodRef(uid=f"{pod.namespace}/{pod.name}", namespace=pod.namespace, name=pod.name)
+    return make_event(
+        EventType.POD_ADMITTED, PodAdmitted(pod=ref, containers=(asked,)), source="/w"
+    )
+
+
+def denied(namespace: str, name: str, reason: str) -> CloudEvent:
+    ref = PodRef(uid=f"{namespace}/{name}", namespace=namespace, name=name)
+    return make_event(EventType.POD_DENIED, PodDenied(pod=ref, reason=reason), source="/w")
+
+
+def telemetry_sample(node: str, pod: str, used: int, sm: float, limit: int = 8192 * MIB) -> bytes:
+    return orjson.dumps(
+        {
+            "node": node,
+            "pod_uid": pod,
+            "container": "main",
+            "pid": 42,
+            "time": "2026-11-25T01:00:00Z",
+            "devices": [
+                {
+                    "uuid": f"GPU-{node}-0",
+                    "used_bytes": used,
+                    "limit_bytes": limit,
+                    "sm_percent": sm,
+                    "throttled_ns": 5,
+                    "denied_allocations": 0,
+                }
+            ],
+            "dropped_samples": 0,
+        }
+    )
+
+
+class Console:
+    """The running inventory with an HTTP client on its console."""
+
+    def __init__(self, state: Running, client: httpx.AsyncClient, port: int) -> None:
+        self.state = state
+        self.client = client
+        self.port = port
+
+    @property
+    def hub(self) -> Any:
+        assert self.state.console is not None
+        return self.state.console
+
+    async def get(self, path: str, **params: str) -> httpx.Response:
+        return await self.client.get(path, params=params)
+
+    async def json(self, path: str, **params: str) -> Any:
+        answer = await self.get(path, **params)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+
+@contextlib.asynccontextmanager
+async def start_console(
+    nats: NatsServer, redis_url: str, prefix: str, bus: Bus, **kw: Any
+) -> AsyncIterator[Console]:
+    port = free_port()
+    settings = settings_for(nats, redis_url, prefix, kube_api="none", console_port=port, **kw)
+    async with running(settings, bus) as state:
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S, limits=limits
+        ) as client:
+            yield Console(state, client, port)
+
+
+@pytest.fixture
+async def console(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> AsyncIterator[Console]:
+    async with start_console(nats_server, redis_url, prefix, bus, console_tick=0.2) as c:
+        yield c
+
+
+async def register(console: Console, bus: Bus, *nodes: tuple[str, int]) -> None:
+    for node, gpus in nodes:
+        await announce(bus, make_inventory(node, gpus=gpus, memory_mib=16384))
+    await until(lambda: rebuilt(console.state.ledger, *(n for n, _ in nodes)))
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, Any]]:
+    """(event name, parsed data) of a server-sent event stream; comments skipped."""
+    name, data = "", ""
+    async for line in response.aiter_lines():
+        if line.startswith(":"):
+            continue
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            data = line.removeprefix("data: ")
+        elif line == "" and name:
+            yield name, json.loads(data)
+            name, data = "", ""
+
+
+async def first_event(
+    events: AsyncIterator[tuple[str, Any]], want: Any, timeout: float = WAIT_S
+) -> tuple[str, Any]:
+    """The first event for which ``want(name, data)`` holds, within ``timeout``."""
+
+    async def find() -> tuple[str, Any]:
+        async for name, data in events:
+            if want(name, data):
+                return name, data
+        raise AssertionError("the stream ended")
+
+    return await asyncio.wait_for(find(), timeout)
+
+
+# ---------------------------------------------------------------- the snapshot
+
+
+async def test_snapshot_counts_cards_placements_telemetry_and_the_report(
+    console: Console, bus: Bus, prefix: str
+) -> None:
+    await register(console, bus, ("gpu-1", 2), ("gpu-2", 1))
+    ledger = console.state.ledger
+    await ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+    await ledger.reserve(placed(OTHER, "gpu-2", [(0, 2048, 10)]))
+    telemetry = console.state.telemetry
+    assert telemetry.ingest(
+        bus.subjects.telemetry("gpu-1", TRAIN.uid),
+        telemetry_sample("gpu-1", TRAIN.uid, 1024 * MIB, 12.5),
+    )
+    assert await telemetry.flush() == 1
+    report = SchedulerReport(
+        at=datetime(2026, 11, 25, 1, 0, tzinfo=UTC),
+        policy=GpuPolicy.FRAGMENTATION,
+        cluster=Fragmentation(fragmentation=0.12, free_share=5300.0),
+        nodes={"gpu-1": Fragmentation(fragmentation=0.05, free_share=1250.0)},
+        kinds=(
+            ReportKind(
+                label="1 card, 25% of cores, any memory",
+                weight=0.18,
+                count=1,
+                memory_mib=None,
+                memory_percent=None,
+                cores=25,
+                exclusive=False,
+                fits=37,
+            ),
+        ),
+    )
+    await write_report(ledger.redis, prefix, report)
+
+    async def measured() -> bool:
+        snap = await console.json("/api/v1/cluster")
+        return bool(snap["cluster"]["measured_memory_mib"]) and snap["report_at"] is not None
+
+    await until(measured, timeout=WAIT_S)
+    snap = await console.json("/api/v1/cluster")
+    cluster = snap["cluster"]
+    assert (cluster["nodes"], cluster["cards"], cluster["pods"]) == (2, 3, 2)
+    assert cluster["memory_mib"] == 3 * 16384
+    assert (cluster["used_memory_mib"], cluster["used_cores"]) == (4096 + 2048, 35)
+    assert cluster["cores"] == 300
+    assert cluster["measured_memory_mib"] == 1024.0
+    assert cluster["fragmentation"] == 0.12
+    assert [k["fits"] for k in cluster["fits"]] == [37]
+    assert snap["report_at"] == "2026-11-25T01:00:00Z"
+    nodes = {n["name"]: n for n in snap["nodes"]}
+    assert set(nodes) == {"gpu-1", "gpu-2"}
+    gpu1 = nodes["gpu-1"]
+    assert gpu1["live"] is True
+    assert gpu1["rebuilt"] is True
+    assert (gpu1["fragmentation"], gpu1["free_share"]) == (0.05, 1250.0)
+    assert nodes["gpu-2"]["fragmentation"] is None
+    card = gpu1["cards"][0]
+    assert (card["uuid"], card["index"], card["memory_mib"], card["cores"]) == (
+        "GPU-gpu-1-0",
+        0,
+        16384,
+        100,
+    )
+    assert card["used"] == {"memory_mib": 4096, "cores": 25, "slots": 1}
+    assert card["measured"] == {"memory_mib": 1024.0, "sm_percent": 12.5}
+    assert card["pods"] == [
+        {
+            "uid": TRAIN.uid,
+            "namespace": "team-a",
+            "name": "train-1",
+            "container": "main",
+            "memory_mib": 4096,
+            "cores": 25,
+        }
+    ]
+    assert card["others"] is None
+    idle = gpu1["cards"][1]
+    assert idle["pods"] == []
+    assert idle["measured"] == {"memory_mib": None, "sm_percent": None}
+
+
+async def test_a_namespaced_viewer_sees_other_tenants_only_as_sums(
+    console: Console, bus: Bus
+) -> None:
+    await register(console, bus, ("gpu-1", 1))
+    await console.state.ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+    await console.state.ledger.reserve(placed(OTHER, "gpu-1", [(0, 2048, 10)]))
+    hub = console.hub
+
+    def both() -> bool:
+        return (
+            len(hub.builder.document["nodes"][0]["cards"][0]["pods"]) == 2
+            if hub.builder.document["nodes"]
+            else False
+        )
+
+    await until(both, timeout=WAIT_S)
+    team_a = {"team-a"}
+    before = hub.serialisations
+    bodies = {hub.cluster_bytes(Viewer(f"u{i}", frozenset()), team_a) for i in range(100)}
+    assert len(bodies) == 1
+    assert hub.serialisations == before + 1  # one per namespace set and version
+    scoped = json.loads(hub.cluster_bytes(Viewer("alice", frozenset()), team_a))
+    card = scoped["nodes"][0]["cards"][0]
+    assert [p["name"] for p in card["pods"]] == ["train-1"]
+    assert card["others"] == {"pods": 1, "memory_mib": 2048, "cores": 10}
+    assert scoped["cluster"]["pods"] == 1
+    everything = json.loads(hub.cluster_bytes(Viewer("root", None), None))
+    assert len(everything["nodes"][0]["cards"][0]["pods"]) == 2  # the scoping copied
+
+
+# ---------------------------------------------------------------- live updates
+
+
+async def test_a_reservation_reaches_an_open_stream_without_waiting_for_the_tick(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> None:
+    # a tick of an hour: only the ledger's change notice can bring the update
+    async with start_console(nats_server, redis_url, prefix, bus, console_tick=3600) as console:
+        await register(console, bus, ("gpu-1", 1))
+        await until(lambda: console.hub.builder.document["cluster"]["cards"] == 1)
+        async with console.client.stream("GET", "/api/v1/stream", params={"view": "cluster"}) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+            _, snap = await first_event(events, lambda n, d: n == "cluster")
+            assert snap["cluster"]["used_memory_mib"] == 0
+            await console.state.ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+            _, snap = await first_event(
+                events, lambda n, d: n == "cluster" and d["cluster"]["used_memory_mib"] == 4096
+            )
+            assert snap["nodes"][0]["cards"][0]["pods"][0]["name"] == "train-1"
+        await until(lambda: len(console.hub.slots) == 0)
+
+
+async def test_a_hundred_viewers_cost_no_more_ledger_reads_than_one(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> None:
+    # nothing changes meanwhile: no node goes silent (heartbeats of a minute)
+    slow = {"console_tick": 3600, "heartbeat_interval": 60}
+    async with start_console(nats_server, redis_url, prefix, bus, **slow) as console:
+        await register(console, bus, ("gpu-1", 1))
+        await until(lambda: console.hub.builder.document["cluster"]["cards"] == 1)
+        hub = console.hub
+        reads = hub.builder.refreshes
+        gone = asyncio.Event()
+        connected = 0
+
+        async def view() -> int:
+            nonlocal connected
+            async with console.client.stream("GET", "/api/v1/stream") as r:
+                _, snap = await first_event(sse_events(r), lambda n, d: n == "cluster")
+                connected += 1
+                await gone.wait()
+                return int(snap["version"])
+
+        viewers = [asyncio.create_task(view()) for _ in range(100)]
+        await until(lambda: connected == 100, timeout=60)
+        assert len(hub.slots) == 100
+        assert hub.builder.refreshes == reads  # the viewers read no ledger
+        gone.set()
+        versions = await asyncio.gather(*viewers)
+        assert len(set(versions)) == 1
+        await until(lambda: len(hub.slots) == 0)  # every closed stream was let go
+
+
+async def test_a_pod_stream_follows_its_story(console: Console, bus: Bus) -> None:
+    await register(console, bus, ("gpu-1", 1))
+    await bus.publish_acked(admitted(TRAIN))
+    params = {"view": "pod", "namespace": "team-a", "name": "train-1"}
+    async with console.client.stream("GET", "/api/v1/stream", params=params) as r:
+        events = sse_events(r)
+        _, doc = await first_event(events, lambda n, d: n == "pod")
+        assert [s["type"] for s in doc["story"]] == ["admitted"]
+        await console.state.ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+        await bus.publish_acked(alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"))
+        _, doc = await first_event(
+            events, lambda n, d: n == "pod" and [s["type"] for s in d["story"]][-1] == "reserved"
+        )
+        assert doc["state"] == "reserved"
+        assert doc["node"] == "gpu-1"
+
+
+async def test_an_audit_stream_sends_only_matching_new_events(console: Console, bus: Bus) -> None:
+    params = {"view": "audit", "type": "pod.denied"}
+    async with console.client.stream("GET", "/api/v1/stream", params=params) as r:
+        events = sse_events(r)
+        await until(lambda: len(console.hub.slots) == 1)
+        await bus.publish_acked(alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"))
+        await bus.publish_acked(denied("team-b", "big", "asks for 200% of cores"))
+        name, event = await first_event(events, lambda n, d: True)
+        assert name == "audit"
+        assert event["type"] == EventType.POD_DENIED.value
+        assert event["data"]["reason"] == "asks for 200% of cores"
+
+
+# ---------------------------------------------------------------- audit
+
+
+async def feed_holds(console: Console, count: int) -> None:
+    await until(lambda: len(console.hub.feed.events) >= count, timeout=WAIT_S)
+
+
+async def test_audit_filters_and_their_refusals(console: Console, bus: Bus) -> None:
+    history = [
+        admitted(TRAIN),
+        alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"),
+        alloc_event(EventType.ALLOC_BOUND, TRAIN, "gpu-1"),
+        denied("team-b", "infer-1", "nvidia.com/gpucores above 100"),
+        alloc_event(EventType.ALLOC_RESERVED, OTHER, "gpu-2"),
+        alloc_event(EventType.ALLOC_FAILED, None, "gpu-2", reason="no pending pod"),
+    ]
+    for event in history:
+        await bus.publish_acked(event)
+    await feed_holds(console, len(history))
+
+    async def ids(**params: str) -> list[str]:
+        doc = await console.json("/api/v1/audit", **params)
+        return [e["id"] for e in doc["events"]]
+
+    every = [e.id for e in history]
+    assert await ids() == every  # newest last
+    assert await ids(type="pod.denied") == [history[3].id]
+    assert await ids(type="alloc.reserved,alloc.bound") == [e.id for e in history[1:3]] + [
+        history[4].id
+    ]
+    assert await ids(node="gpu-2") == [history[4].id, history[5].id]
+    assert await ids(namespace="team-a") == [e.id for e in history[:3]]
+    assert await ids(pod="train-1") == [e.id for e in history[:3]]
+    assert await ids(pod=OTHER.uid) == [history[4].id]
+    assert await ids(since="15m") == every
+    future = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    assert await ids(since=future) == []
+    assert await ids(until="2000-01-01T00:00:00Z") == []
+    limited = await console.json("/api/v1/audit", limit="2")
+    assert [e["id"] for e in limited["events"]] == every[-2:]
+    assert limited["truncated"] is True
+    assert (await console.json("/api/v1/audit"))["truncated"] is False
+
+    bad = {
+        "since": ["yesterday", "2026-11-25T01:00:00", "9" * 80],
+        "until": ["soon"],
+        "limit": ["0", "5001", "abc", "-1", "1.5", "²"],
+        "type": ["pod.bogus", "alloc.reserved,nope"],
+        "node": ["gpu\n1", "x" * 300],
+        "namespace": ["team\x00a"],
+        "pod": ["p" * 400],
+    }
+    for name, values in bad.items():
+        for value in values:
+            answer = await console.get("/api/v1/audit", **{name: value})
+            assert answer.status_code == 400, (name, value, answer.text)
+            assert answer.json()["error"].startswith(f"{name}:"), answer.text
+    twice = await console.client.get("/api/v1/audit?limit=1&limit=2")
+    assert twice.status_code == 400
+    assert twice.json()["error"].startswith("limit:")
+
+
+async def test_export_streams_json_lines_from_the_stream(console: Console, bus: Bus) -> None:
+    history = [
+        alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"),
+        alloc_event(EventType.ALLOC_BOUND, TRAIN, "gpu-1"),
+        denied("team-b", "infer-1", "too much"),
+    ]
+    for event in history:
+        await bus.publish_acked(event)
+    answer = await console.get(
+        "/api/v1/audit/export", since="1h", type="alloc.reserved,alloc.bound"
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"] == "application/x-ndjson"
+    assert answer.headers["content-disposition"] == 'attachment; filename="gpuslice-audit.jsonl"'
+    lines = answer.content.splitlines()
+    assert [parse_event(line).id for line in lines] == [e.id for e in history[:2]]
+    assert answer.content.endswith(b"\n")
+    everything = await console.get("/api/v1/audit/export", since="1h")
+    assert [parse_event(line).id for line in everything.content.splitlines()] == [
+        e.id for e in history
+    ]
+    refused = await console.get("/api/v1/audit/export", since="not a time")
+    assert refused.status_code == 400
+    assert refused.json()["error"].startswith("since:")
+
+
+# ---------------------------------------------------------------- pods
+
+
+async def test_pod_document_with_cards_usage_and_story(console: Console, bus: Bus) -> None:
+    await register(console, bus, ("gpu-1", 1))
+    ledger = console.state.ledger
+    await bus.publish_acked(admitted(TRAIN))
+    await ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+    await bus.publish_acked(alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"))
+    await ledger.mark_bound(TRAIN.uid, "gpu-1")
+    await bus.publish_acked(alloc_event(EventType.ALLOC_BOUND, TRAIN, "gpu-1"))
+    telemetry = console.state.telemetry
+    telemetry.ingest(
+        bus.subjects.telemetry("gpu-1", TRAIN.uid),
+        telemetry_sample("gpu-1", TRAIN.uid, 512 * MIB, 40.0, limit=4096 * MIB),
+    )
+    assert await telemetry.flush() == 1
+    await feed_holds(console, 3)
+
+    async def complete() -> bool:
+        doc = await console.json("/api/v1/pods/team-a/train-1")
+        return doc["state"] == "bound" and bool(doc["containers"][0]["usage"])
+
+    await until(complete, timeout=WAIT_S)
+    doc = await console.json("/api/v1/pods/team-a/train-1")
+    assert (doc["uid"], doc["node"], doc["policy"], doc["reason"]) == (
+        TRAIN.uid,
+        "gpu-1",
+        "binpack",
+        None,
+    )
+    [container] = doc["containers"]
+    assert container["name"] == "main"
+    assert container["cards"] == [
+        {
+            "uuid": "GPU-gpu-1-0",
+            "index": 0,
+            "model": "NVIDIA A100-SXM4-80GB",
+            "memory_mib": 4096,
+            "cores": 25,
+            "mig": None,
+        }
+    ]
+    [usage] = container["usage"]
+    assert (usage["used_bytes"], usage["limit_bytes"], usage["sm_percent"]) == (
+        512 * MIB,
+        4096 * MIB,
+        40.0,
+    )
+    assert usage["peak_bytes"] >= usage["used_bytes"]
+    assert [s["type"] for s in doc["story"]] == ["admitted", "reserved", "bound"]
+    assert all(s["time"].endswith("Z") for s in doc["story"])
+
+    listed = await console.json("/api/v1/pods")
+    [pod] = [p for p in listed["pods"] if p["name"] == "train-1"]
+    assert (pod["state"], pod["node"], pod["uid"]) == ("bound", "gpu-1", TRAIN.uid)
+
+    missing = await console.get("/api/v1/pods/team-a/nobody")
+    assert missing.status_code == 404
+    assert missing.json() == {"error": "no pod team-a/nobody is known"}
+
+
+async def test_a_denied_pod_is_listed_with_its_reason(console: Console, bus: Bus) -> None:
+    reason = "nvidia.com/gpumem-percentage and nvidia.com/gpumem together"
+    await bus.publish_acked(admitted(PodRef(uid="x", namespace="team-b", name="infer-1")))
+    await bus.publish_acked(denied("team-b", "infer-1", reason))
+    await feed_holds(console, 2)
+    listed = await console.json("/api/v1/pods")
+    [pod] = [p for p in listed["pods"] if p["name"] == "infer-1"]
+    assert pod == {
+        "uid": None,
+        "namespace": "team-b",
+        "name": "infer-1",
+        "node": None,
+        "state": "denied",
+        "since": pod["since"],
+        "reason": reason,
+    }
+    doc = await console.json("/api/v1/pods/team-b/infer-1")
+    assert (doc["state"], doc["reason"], doc["uid"], doc["containers"]) == (
+        "denied",
+        reason,
+        None,
+        [],
+    )
+    assert [s["type"] for s in doc["story"]] == ["admitted", "denied"]
+    assert doc["story"][-1]["reason"] == reason
+
+
+# ---------------------------------------------------------------- the page and HTTP
+
+
+def raw_get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
+    """A request with ``path`` exactly as given (clients would tidy it up)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def test_the_page_and_its_assets_only(console: Console) -> None:
+    page = await console.get("/")
+    assert page.status_code == 200
+    assert b"gpuslice console" in page.content
+    assert page.headers["content-type"].startswith("text/html")
+    assert page.headers["cache-control"] == "no-cache"
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert page.headers["referrer-policy"] == "no-referrer"
+    asset = await console.get("/static/index.html")
+    assert asset.status_code == 200
+    assert asset.content == page.content
+    for path in (
+        "/static/../service.py",
+        "/static/..%2Fservice.py",
+        "/static/%2e%2e%2fservice.py",
+        "/static/%2e%2e/service.py",
+        "/static/..%5cservice.py",
+        "/static/....//service.py",
+        "/static/%2Fetc%2Fpasswd",
+        "/static//etc/passwd",
+        "/static/__init__.py",
+        "/static/",
+        "/static/.",
+        "/static/%00index.html",
+    ):
+        status, body = await asyncio.to_thread(raw_get, console.port, path)
+        assert status in (400, 404), (path, status)
+        assert b"import" not in body, path
+        assert b"root:" not in body, path
+
+
+async def test_only_get_and_head_are_served(console: Console) -> None:
+    for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+        for path in ("/", "/api/v1/cluster", "/api/v1/audit", "/nowhere"):
+            answer = await console.client.request(method, path)
+            assert answer.status_code == 405, (method, path)
+            assert answer.headers["allow"] == "GET, HEAD"
+            assert "read-only" in answer.json()["error"]
+    head = await console.client.head("/api/v1/session")
+    assert head.status_code == 200
+    session = await console.json("/api/v1/session")
+    assert session == {"user": "port-forward", "namespaces": None, "auth": "none"}
+    nowhere = await console.get("/api/v2/anything")
+    assert nowhere.status_code == 404
+    assert "error" in nowhere.json()
+
+
+async def test_stream_parameters_are_checked(console: Console) -> None:
+    for params, named in (
+        ({"view": "everything"}, "view:"),
+        ({"view": "pod", "name": "x"}, "namespace:"),
+        ({"view": "pod", "namespace": "x"}, "name:"),
+        ({"view": "audit", "limit": "0"}, "limit:"),
+    ):
+        answer = await console.client.get("/api/v1/stream", params=params)
+        assert answer.status_code == 400, params
+        assert answer.json()["error"].startswith(named)
+    assert len(console.hub.slots) == 0
+
+
+async def test_behind_token_review_a_tenant_sees_its_namespaces_only(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
+) -> None:
+    api = kube_api_server
+    empty = {"kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": []}
+    api.answer(  # the pod watch and the reconciliation see no pods
+        "GET", "/api/v1/pods", 200, lambda q: Stream([], hold=1) if q.get("watch") else empty
+    )
+    api.access.grant(user="alice")  # list pods everywhere
+    api.access.grant(user="bob", namespace="team-a")
+    alice = {"Authorization": f"Bearer {api.tokens.mint_user('alice')}"}
+    bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    kube = KubernetesApi.connect(api.host, token="inventory-token", timeout=5)
+    port = free_port()
+    settings = settings_for(
+        nats_server, redis_url, prefix, console_port=port, console_auth="tokenreview"
+    )
+    try:
+        async with (
+            running(settings, bus, kube=kube) as state,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S) as client,
+        ):
+            console = Console(state, client, port)
+            await register(console, bus, ("gpu-1", 1))
+            await state.ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+            await state.ledger.reserve(placed(OTHER, "gpu-1", [(0, 2048, 10)]))
+            for event in (
+                alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"),
+                alloc_event(EventType.ALLOC_RESERVED, OTHER, "gpu-1"),
+                alloc_event(EventType.ALLOC_FAILED, None, "gpu-1", reason="no pending pod"),
+            ):
+                await bus.publish_acked(event)
+            await feed_holds(console, 3)
+
+            async def both(headers: dict[str, str]) -> Any:
+                answer = await client.get("/api/v1/cluster", headers=headers)
+                assert answer.status_code == 200, answer.text
+                return answer.json()
+
+            await until(lambda: _pods_on_card(both(alice), 2), timeout=WAIT_S)
+            mine = (await both(bob))["nodes"][0]["cards"][0]
+            assert [p["name"] for p in mine["pods"]] == ["train-1"]
+            assert mine["others"] == {"pods": 1, "memory_mib": 2048, "cores": 10}
+            session = (await client.get("/api/v1/session", headers=bob)).json()
+            assert session == {"user": "bob", "namespaces": [], "auth": "tokenreview"}
+
+            events = (await client.get("/api/v1/audit", headers=bob)).json()["events"]
+            assert [e["data"]["pod"]["name"] for e in events] == ["train-1"]
+            assert len((await client.get("/api/v1/audit", headers=alice)).json()["events"]) == 3
+            pods = (await client.get("/api/v1/pods", headers=bob)).json()["pods"]
+            assert {p["name"] for p in pods} == {"train-1"}
+            hidden = await client.get("/api/v1/pods/team-b/other-1", headers=bob)
+            assert hidden.status_code == 404
+            assert hidden.json() == {"error": "no pod team-b/other-1 is known"}
+            seen = await client.get("/api/v1/pods/team-b/other-1", headers=alice)
+            assert seen.status_code == 200
+            params = {"view": "pod", "namespace": "team-b", "name": "other-1"}
+            assert (
+                await client.get("/api/v1/stream", params=params, headers=bob)
+            ).status_code == 404
+
+            for path in ("/api/v1/session", "/api/v1/cluster", "/api/v1/stream", "/api/v1/audit"):
+                answer = await client.get(path)
+                assert answer.status_code == 401, path
+                assert answer.headers["www-authenticate"] == "Bearer"
+                assert "error" in answer.json()
+            forged = await client.get("/api/v1/cluster", headers={"Authorization": "Bearer nope"})
+            assert forged.status_code == 401
+            assert (await client.get("/")).status_code == 200  # the page asks for a token
+    finally:
+        await kube.close()
+
+
+async def _pods_on_card(snapshot: Any, count: int) -> bool:
+    nodes = (await snapshot)["nodes"]
+    return bool(nodes) and len(nodes[0]["cards"][0]["pods"]) == count
+
+
+def test_no_authentication_only_on_loopback() -> None:
+    with pytest.raises(ValidationError, match="console_host"):
+        InventorySettings(console_host="0.0.0.0", console_auth="none")
+    with pytest.raises(ValidationError, match="console_host"):
+        InventorySettings(console_host="10.0.0.5")
+    for fine in (
+        {"console_host": "0.0.0.0", "console_auth": "tokenreview"},
+        {"console_host": "0.0.0.0", "console_port": 0},
+        {"console_host": "127.0.0.1"},
+        {"console_host": "::1"},
+    ):
+        InventorySettings(**fine)
+
+
+async def test_an_idle_stream_gets_keepalives(console: Console) -> None:
+    console.hub.keepalive = 0.05
+    async with console.client.stream("GET", "/api/v1/stream") as r:
+
+        async def keepalive() -> None:
+            async for line in r.aiter_lines():
+                if line == ": keepalive":
+                    return
+
+        await asyncio.wait_for(keepalive(), WAIT_S)
+
+
+async def test_a_report_that_does_not_parse_is_not_shown(
+    console: Console, bus: Bus, prefix: str
+) -> None:
+    await register(console, bus, ("gpu-1", 1))
+    redis = console.state.ledger.redis
+    await redis.set(f"{prefix}:report:scheduler", b'{"version": 1, "at": "never"}')
+    first = console.hub.builder.full_refreshes
+    # the refresh under way may have read before the set: the one after it read the value
+    await until(lambda: console.hub.builder.full_refreshes > first + 1)
+    snap = await console.json("/api/v1/cluster")
+    assert snap["report_at"] is None
+    assert snap["cluster"]["fragmentation"] is None
+    assert snap["cluster"]["fits"] == []
+    assert snap["nodes"][0]["fragmentation"] is None
