@@ -40,12 +40,6 @@ def iso(when: datetime | None) -> str | None:
     return when.isoformat().replace("+00:00", "Z")
 
 
-def peak_bytes(usage: ContainerUsage) -> int:
-    """The container's highest use seen; its current use where telemetry has no peak."""
-    peak = getattr(usage, "peak_bytes", usage.used_bytes)
-    return peak if isinstance(peak, int) else usage.used_bytes
-
-
 @dataclass
 class NodeEntry:
     """One registered node as last read."""
