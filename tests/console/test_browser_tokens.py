@@ -89,21 +89,25 @@ async def page(guarded: Guarded) -> AsyncIterator[Page]:
     assert script_errors == []
 
 
-async def sign_in(page: Page, token: str) -> None:
-    dialog = page.get_by_role("dialog", name="Access token")
-    await expect(dialog).to_be_visible()
+async def give_token(page: Page, token: str) -> None:
+    """Type the token into the page's dialog, as a person does, and press Enter."""
+    await expect(page.get_by_role("dialog", name="Access token")).to_be_visible()
     await expect(page.get_by_label("Bearer token")).to_be_focused()
     await page.get_by_label("Bearer token").fill(token)
     await page.keyboard.press("Enter")
-    await expect(dialog).to_be_hidden()
+
+
+async def sign_in(page: Page, token: str) -> None:
+    await give_token(page, token)
+    await expect(page.get_by_role("dialog", name="Access token")).to_be_hidden()
 
 
 async def test_a_refused_token_is_asked_again_and_says_why(guarded: Guarded, page: Page) -> None:
     await page.goto(f"{guarded.url}#/cluster")
-    await sign_in(page, "gsu.not-a-token-anyone-minted")
-    # the API refused it: the dialog comes back saying so, and nothing is shown
-    await expect(page.get_by_role("dialog", name="Access token")).to_be_visible()
+    await give_token(page, "gsu.not-a-token-anyone-minted")
+    # the API refused it: the dialog (back at once) says so, and nothing is shown
     await expect(page.locator("#token-error")).to_contain_text("The token was refused")
+    await expect(page.get_by_role("dialog", name="Access token")).to_be_visible()
     await expect(page.locator('[data-testid^="card-"]')).to_have_count(0)
     await sign_in(page, guarded.alice)
     await expect(page.get_by_test_id(f"card-{guarded.shared_card}")).to_be_visible()
