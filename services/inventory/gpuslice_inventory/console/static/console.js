@@ -19,6 +19,7 @@
     'alloc.allocated', 'alloc.released', 'alloc.failed',
   ];
   const STATES = ['reserved', 'bound', 'allocated', 'released', 'denied', 'failed'];
+  const FRAGMENTED = 0.25; // from this fraction of the free share in fragments, say so loudly
 
   const viewEl = document.getElementById('view');
   const mainEl = document.getElementById('main');
@@ -579,7 +580,7 @@
           coreBar,
           h('p', { class: 'tile-detail' }, `${fmtCount(c.used_cores)} of ${fmtCount(c.cores)} core-percent`)),
         tile('Pods', fmtCount(c.pods), 'holding GPU shares', 'summary-pods'),
-        h('div', { class: `tile ${frag !== null && frag >= 0.25 ? 'tile-warn' : ''}` },
+        h('div', { class: `tile ${frag !== null && frag >= FRAGMENTED ? 'tile-warn' : ''}` },
           h('h3', { class: 'tile-title' }, 'Fragmentation'),
           h('p', { class: 'tile-value', testid: 'cluster-fragmentation' }, fmtFraction(frag)),
           h('p', { class: 'tile-detail' }, frag === null ? 'no free share, or no scheduler report' : 'of the free share is in fragments')),
@@ -659,6 +660,9 @@
     const titleId = `node-title-${node.name}`;
     const badges = [node.live ? badge('Live', 'live', 'The node reports in') : badge('Not reporting', 'down', 'No heartbeat from its device plugin')];
     if (node.rebuilt === false) badges.push(badge('Rebuilding', 'warn', 'Its ledger is being rebuilt: takes no reservations yet'));
+    if (frag !== null && frag >= FRAGMENTED) {
+      badges.push(badge(`${fmtFraction(frag)} fragmented`, 'stranded', 'This share of its free capacity is in fragments the common pod kinds do not fit'));
+    }
     return h('section', { class: 'node', testid: `node-${node.name}`, 'aria-labelledby': titleId },
       h('header', { class: 'node-head' },
         h('h2', { class: 'node-title', id: titleId }, String(node.name)),
