@@ -880,7 +880,7 @@
         h('dl', { class: 'facts' },
           h('div', null, h('dt', null, 'State'), h('dd', { testid: 'pod-state' }, stateBadge(doc.state))),
           h('div', null, h('dt', null, 'Node'), h('dd', null, doc.node ? String(doc.node) : '—')),
-          h('div', null, h('dt', null, 'Policy'), h('dd', null, doc.policy ? String(doc.policy) : '—')),
+          h('div', null, h('dt', null, 'Policy'), h('dd', null, doc.policy ? String(doc.policy).replace(/,/g, ', ') : '—')),
           h('div', null, h('dt', null, 'UID'), h('dd', null, doc.uid ? h('code', null, String(doc.uid)) : '—'))),
         h('section', { class: 'containers', 'aria-labelledby': 'containers-title' },
           h('h2', { id: 'containers-title' }, 'Containers'),
