@@ -763,3 +763,37 @@ async def test_a_report_that_does_not_parse_is_not_shown(
     assert snap["cluster"]["fragmentation"] is None
     assert snap["cluster"]["fits"] == []
     assert snap["nodes"][0]["fragmentation"] is None
+
+
+async def test_stopping_ends_open_streams_as_streams_end(
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A viewer never hangs up: stopping the service ends its stream the way a
+    stream ends (the server does not give up waiting and cut it, which the
+    client reads as a broken response and the server logs as an error)."""
+    starting = start_console(nats_server, redis_url, prefix, bus)
+    console = await starting.__aenter__()
+    stopped = False
+    try:
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{console.port}", timeout=WAIT_S) as c,
+            c.stream("GET", "/api/v1/stream") as r,
+        ):
+            lines = r.aiter_lines()
+            async for line in lines:
+                if line == ": connected":
+                    break
+            assert console.hub.slots
+            stopping = asyncio.create_task(starting.__aexit__(None, None, None))
+            rest = [line async for line in lines]  # the server ends it
+            await stopping
+            stopped = True
+    finally:
+        if not stopped:
+            await starting.__aexit__(None, None, None)
+    assert ": connected" not in rest
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []

@@ -96,6 +96,7 @@ class Hub:
         self.tick = tick
         self.keepalive = keepalive
         self.slots: set[Slot] = set()
+        self.closing = False  # set by close(): every open stream ends
         self.ready = asyncio.Event()  # set after the first refresh
         self.serialisations = 0  # scoped snapshots serialised (tests count them)
         self._dirty: set[str] = set()
@@ -250,14 +251,23 @@ class Hub:
     def unsubscribe(self, slot: Slot) -> None:
         self.slots.discard(slot)
 
+    def close(self) -> None:
+        """End every open stream: the service is stopping. A viewer never hangs
+        up, so without this its HTTP server waits for them until it gives up and
+        cancels them (logging each as an error)."""
+        self.closing = True
+        for slot in self.slots:
+            slot.wake.set()
+
     async def stream(self, slot: Slot) -> AsyncIterator[bytes]:
         """Server-sent events for ``slot`` until the viewer goes (then the slot is
-        gone), or until the Kubernetes API cannot tell what the viewer may see."""
+        gone), until the Kubernetes API cannot tell what the viewer may see, or
+        until :meth:`close`."""
         self.slots.add(slot)
         try:
             sent: bytes | None = None
             first = True
-            while True:
+            while not self.closing:
                 if slot.view == "cluster":
                     body = await self.cluster_for(slot.viewer)
                     if body != sent:
