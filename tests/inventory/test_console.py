@@ -103,6 +103,7 @@ def telemetry_sample(node: str, pod: str, used: int, sm: float, limit: int = 819
                 {
                     "uuid": f"GPU-{node}-0",
                     "used_bytes": used,
+                    "peak_bytes": 3 * used,
                     "limit_bytes": limit,
                     "sm_percent": sm,
                     "throttled_ns": 5,
@@ -528,7 +529,7 @@ async def test_pod_document_with_cards_usage_and_story(console: Console, bus: Bu
         4096 * MIB,
         40.0,
     )
-    assert usage["peak_bytes"] >= usage["used_bytes"]
+    assert usage["peak_bytes"] == 3 * 512 * MIB  # the interposer's peak, not the use now
     assert [s["type"] for s in doc["story"]] == ["admitted", "reserved", "bound"]
     assert all(s["time"].endswith("Z") for s in doc["story"])
 
@@ -1165,3 +1166,37 @@ async def test_an_event_that_states_no_namespace_is_shown_to_cluster_wide_viewer
             "/api/v1/audit/export", params={"since": "1h"}, headers=alice
         )
         assert b"no-namespace-1" in export.content
+
+
+async def test_stopping_ends_open_streams_as_streams_end(
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A viewer never hangs up: stopping the service ends its stream the way a
+    stream ends (the server does not give up waiting and cut it, which the
+    client reads as a broken response and the server logs as an error)."""
+    starting = start_console(nats_server, redis_url, prefix, bus)
+    console = await starting.__aenter__()
+    stopped = False
+    try:
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{console.port}", timeout=WAIT_S) as c,
+            c.stream("GET", "/api/v1/stream") as r,
+        ):
+            lines = r.aiter_lines()
+            async for line in lines:
+                if line == ": connected":
+                    break
+            assert console.hub.slots
+            stopping = asyncio.create_task(starting.__aexit__(None, None, None))
+            rest = [line async for line in lines]  # the server ends it
+            await stopping
+            stopped = True
+    finally:
+        if not stopped:
+            await starting.__aexit__(None, None, None)
+    assert ": connected" not in rest
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []

@@ -105,6 +105,7 @@ class Hub:
         self.keepalive = keepalive
         self.streams_per_user = STREAMS_PER_USER
         self.slots: set[Slot] = set()
+        self.closing = False  # set by close(): every open stream ends
         self.ready = asyncio.Event()  # set after the first refresh
         self.serialisations = 0  # scoped snapshots serialised (tests count them)
         self._dirty: set[str] = set()
@@ -280,20 +281,29 @@ class Hub:
     def unsubscribe(self, slot: Slot) -> None:
         self.slots.discard(slot)
 
+    def close(self) -> None:
+        """End every open stream: the service is stopping. A viewer never hangs
+        up, so without this its HTTP server waits for them until it gives up and
+        cancels them (logging each as an error)."""
+        self.closing = True
+        for slot in self.slots:
+            slot.wake.set()
+
     async def stream(self, slot: Slot) -> AsyncIterator[bytes]:
         """Server-sent events for ``slot`` until the viewer goes (then the slot is
         gone), until the Kubernetes API cannot tell what the viewer may see, or
-        until the viewer is no longer who opened it: every ``recheck_s`` the
-        token is reviewed again (from the cache while its answer is kept), and a
-        token revoked, expired, or whose user lost or gained grants ends the
-        stream (the page reconnects and is answered as it is now)."""
+        until :meth:`close`, or until the viewer is no longer who opened it:
+        every ``recheck_s`` the token is reviewed again (from the cache while
+        its answer is kept), and a token revoked, expired, or whose user lost or
+        gained grants ends the stream (the page reconnects and is answered as it
+        is now)."""
         self.slots.add(slot)
         every = max(slot.recheck_s, MIN_RECHECK_S)
         next_check = time.monotonic() + every
         try:
             sent: bytes | None = None
             first = True
-            while True:
+            while not self.closing:
                 if slot.recheck is not None and time.monotonic() >= next_check:
                     if not await self._still_allowed(slot):
                         yield b": your access changed: reconnect\n\n"

@@ -53,18 +53,12 @@ def sane_usage(usage: ContainerUsage) -> bool:
         usage.limit_bytes,
         usage.throttled_ns,
         usage.denied_allocations,
-        peak_bytes(usage),
+        usage.peak_bytes,
     )
     if not all(isinstance(c, int) and 0 <= c <= COUNTER_MAX for c in counters):
         return False
     sm = usage.sm_percent
     return isinstance(sm, int | float) and 0.0 <= sm <= 100.0 and 0 <= usage.at_ms <= 2**53
-
-
-def peak_bytes(usage: ContainerUsage) -> int:
-    """The container's highest use seen; its current use where telemetry has no peak."""
-    peak = getattr(usage, "peak_bytes", usage.used_bytes)
-    return peak if isinstance(peak, int) else usage.used_bytes
 
 
 @dataclass
