@@ -212,6 +212,41 @@
     alertsEl.replaceChildren();
   }
 
+  // ------------------------------------------------------------ data that is not live
+
+  const MAX_PROBLEM_TEXT = 500;
+  const PROBLEM_POLL_MS = 5000; // how often a following audit view asks whether its feed is whole
+
+  /**
+   * The warning that what a view shows is not live: the server's `problem`
+   * (the ledger or the audit stream cannot be read now, and since when). The
+   * slot is a live region kept in the view from the start, so that a screen
+   * reader announces the banner when it appears; the banner is there only
+   * while the server says there is a problem. `marked` are the elements
+   * showing the data, marked stale (data-stale) meanwhile.
+   */
+  function problemBanner(what, marked) {
+    const slot = h('div', { class: 'problem-slot', role: 'alert' });
+    let shown = null;
+    for (const el of marked) el.setAttribute('data-stale', 'false');
+    function set(problem) {
+      const text = typeof problem === 'string' && problem.trim()
+        ? problem.trim().slice(0, MAX_PROBLEM_TEXT) : null;
+      if (text === shown) return; // unchanged: not announced again
+      shown = text;
+      for (const el of marked) el.setAttribute('data-stale', text === null ? 'false' : 'true');
+      if (text === null) {
+        slot.replaceChildren();
+        return;
+      }
+      slot.replaceChildren(h('div', { class: 'problem-banner', testid: 'data-problem' },
+        h('strong', { class: 'problem-title' }, `${what} is not live: `),
+        h('span', { class: 'problem-text' }, text.endsWith('.') ? text : `${text}.`),
+        h('span', { class: 'problem-hint' }, ' The last data read is shown, marked stale; this clears by itself when the server reads again.')));
+    }
+    return { el: slot, set, stale: () => shown !== null };
+  }
+
   // ------------------------------------------------------------ authentication and API
 
   let token = sessionStorage.getItem(TOKEN_KEY);
@@ -679,8 +714,9 @@
   function clusterView(ctx) {
     const heading = h('h1', { tabindex: '-1', class: 'view-title' }, 'Cluster');
     const stamp = h('p', { class: 'stamp muted', 'aria-live': 'off' }, 'Loading…');
-    const content = h('div', { class: 'cluster-content' });
-    ctx.root.append(h('div', { class: 'view-head' }, heading, stamp), legend(), content);
+    const content = h('div', { class: 'cluster-content', testid: 'cluster-content' });
+    const banner = problemBanner('The cluster view', [content]);
+    ctx.root.append(h('div', { class: 'view-head' }, heading, stamp), banner.el, legend(), content);
     let version = null;
 
     function render(snap) {
@@ -693,9 +729,11 @@
         setChildren(content, summary(snap),
           nodes.length ? nodes.map(nodeSection) : h('p', { class: 'empty' }, 'No GPU nodes are registered.'));
       });
+      banner.set(snap.problem);
       const at = parseTime(snap.at);
       setChildren(stamp, 'Snapshot ', at ? timeEl(snap.at) : '—',
-        snap.report_at ? '' : ' · no scheduler report');
+        snap.report_at ? '' : ' · no scheduler report',
+        banner.stale() ? ' · not live' : '');
     }
 
     api('api/v1/cluster', { signal: ctx.signal }).then(render).catch((err) => ctx.fail(err));
@@ -986,11 +1024,14 @@
         exportLink));
     const status = h('p', { class: 'muted', role: 'status', testid: 'audit-status' }, 'Loading…');
     const body = h('tbody');
+    const tableWrap = h('div', { class: 'table-wrap' });
+    const banner = problemBanner('The audit view', [tableWrap]);
     const table = h('table', { class: 'table audit-table', testid: 'audit-table' },
       h('caption', { class: 'sr-only' }, 'Audit events, newest first'),
       h('thead', null, h('tr', null, ['Time', 'Type', 'Pod', 'Node', 'Detail'].map((t) => h('th', { scope: 'col' }, t)))),
       body);
-    ctx.root.append(h('div', { class: 'view-head' }, heading), form, status, h('div', { class: 'table-wrap' }, table));
+    tableWrap.append(table);
+    ctx.root.append(h('div', { class: 'view-head' }, heading), banner.el, form, status, tableWrap);
 
     form.addEventListener('submit', (event) => {
       event.preventDefault();
@@ -1056,27 +1097,55 @@
     async function load(query) {
       const doc = await api(`api/v1/audit?${query}`, { signal: ctx.signal });
       truncated = doc.truncated === true;
+      banner.set(doc.problem);
       add(Array.isArray(doc.events) ? doc.events : [], { prepend: false });
       renderStatus();
     }
 
+    /**
+     * What happened since the newest event shown, and whether the feed still
+     * follows the stream (its `problem`): the stream's events do not say
+     * when the feed stops or starts reading again, an answer of the API does.
+     */
+    function catchUp() {
+      const gap = new URLSearchParams(filters);
+      if (events.length) gap.set('since', events[events.length - 1].time);
+      return api(`api/v1/audit?${gap}`, { signal: ctx.signal }).then((doc) => {
+        if (ctx.signal.aborted) return;
+        banner.set(doc.problem);
+        add(Array.isArray(doc.events) ? doc.events : [], { prepend: false });
+      });
+    }
+
     let stopFollow = null;
+    let poll = null;
     function startFollow() {
       const query = new URLSearchParams(filters);
       query.set('view', 'audit');
-      stopFollow = openStream(query.toString(), (name, data) => {
+      const stopStream = openStream(query.toString(), (name, data) => {
         if (name === 'audit') add([data], { prepend: true });
       }, {
         // Once connected (again), fill the gap since the newest event shown:
         // what happened between the first load, or the drop, and this stream.
         onOpen: () => {
-          const gap = new URLSearchParams(filters);
-          if (events.length) gap.set('since', events[events.length - 1].time);
-          api(`api/v1/audit?${gap}`, { signal: ctx.signal })
-            .then((doc) => add(Array.isArray(doc.events) ? doc.events : [], { prepend: false }))
-            .catch(() => {});
+          catchUp().catch(() => {});
         },
       });
+      // While following, ask now and then whether the feed is whole (and fill
+      // any gap): one request at a time, none once the view is left.
+      let asking = false;
+      poll = setInterval(() => {
+        if (asking || ctx.signal.aborted) return;
+        asking = true;
+        catchUp().catch(() => {}).finally(() => {
+          asking = false;
+        });
+      }, PROBLEM_POLL_MS);
+      stopFollow = () => {
+        clearInterval(poll);
+        poll = null;
+        stopStream();
+      };
     }
     function stopFollowing() {
       if (stopFollow) stopFollow();
