@@ -10,7 +10,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: help deps servers engine native proto lint test demo bench bench-packing gpu-check image push docker-check clean
+.PHONY: help deps servers browser engine native proto lint test demo bench bench-packing gpu-check image push docker-check clean
 
 # The image every service runs (k8s/ installs it); the tag is pyproject's
 # version. Only the command line changes them (make image VERSION=0.2.0-rc1),
@@ -62,6 +62,19 @@ servers: $(STAMP)
 	@test -x $(BIN)/nats-server || { echo "error: nats-server missing from $(VENV)" >&2; exit 1; }
 	@echo "nats-server $$($(BIN)/nats-server --version | awk '{print $$2}'), $$(redis-server --version | awk '{print $$3}')"
 
+# The console's browser tests drive the system's chromium through Playwright
+# (from PyPI, in the virtualenv); Playwright's own browser download is never used.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then \
+		echo "make: chromium not found (the console's browser tests drive it): installing the system package"; \
+		sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+		if command -v apt-get >/dev/null 2>&1; then \
+			$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+		elif command -v dnf >/dev/null 2>&1; then $$sudo dnf install -y -q chromium; \
+		else echo "error: install chromium (the browser) and re-run" >&2; exit 1; fi; \
+	fi
+	@chromium --version 2>/dev/null || chromium-browser --version
+
 # The scheduler's placement engine (C, loaded through cffi): the extender, the
 # trace replay and the benchmarks need it.
 engine:
@@ -89,7 +102,7 @@ proto: $(STAMP)
 		-I . --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTO)
 
 # the tests in two worker processes (a file's tests stay together, sharing its servers)
-test: deps lint native
+test: deps browser lint native
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 demo: deps

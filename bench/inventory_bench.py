@@ -78,7 +78,8 @@ def payload(slot: Slot, i: int) -> bytes:
     """Sample i of a slot, byte for byte what the interposer sends."""
     devices = ",".join(
         f'{{"uuid":"{uuid}","used_bytes":{(i % 64 + k + 1) * 64 << 20},'
-        f'"limit_bytes":{8 * GIB},"sm_percent":{i % 100}.{i % 10},'
+        f'"peak_bytes":{(k + 65) * 64 << 20},"limit_bytes":{8 * GIB},'
+        f'"sm_percent":{i % 100}.{i % 10},'
         f'"throttled_ns":{i * 1000},"denied_allocations":{i % 3}}}'
         for k, uuid in enumerate(slot.uuids)
     )
@@ -246,7 +247,7 @@ async def ingest(url: str, redis_url: str, nodes: int, count: int, interval: flo
     usage = {(u.uuid, u.pod_uid): u for u in await store.container_usage(last.node)}[
         (last.uuids[0], last.pod_uid)
     ]
-    latest_ok = usage.throttled_ns == last_i * 1000
+    latest_ok = usage.throttled_ns == last_i * 1000 and usage.peak_bytes == 65 * 64 << 20
     await redis.aclose()
     stats = store.stats
     run.extra = {
@@ -283,6 +284,7 @@ def parse_cost(nodes: int, count: int) -> dict[str, float]:
                 d.uuid,
                 f"{d.used_bytes},{d.limit_bytes},{d.sm_percent},{d.throttled_ns},"
                 f"{d.denied_allocations}",
+                f",{max(d.peak_bytes, d.used_bytes)}",
             )
             for d in sample.devices
         )

@@ -34,7 +34,8 @@
 #define TL_MAX_RING 4096
 #define TL_DEFAULT_RING 64
 
-/* A device's JSON: uuid escaped (at most 6 bytes per byte) plus the numbers. */
+/* A device's JSON: uuid escaped (at most 6 bytes per byte) plus the names and
+ * numbers (five counters of at most 20 digits and sm_percent: under 220 bytes). */
 #define TL_DEV_JSON_MAX (GS_UUID_LEN * 6 + 256)
 /* The sample's JSON: the escaped names and numbers, then every device. */
 #define TL_JSON_MAX (8192 + GS_MAX_DEVICES * TL_DEV_JSON_MAX)
@@ -47,7 +48,7 @@ static atomic_int tl_state = TL_OFF;
 
 typedef struct {
     char uuid[GS_UUID_LEN];
-    uint64_t used, limit, denied, throttled_ns;
+    uint64_t used, peak, limit, denied, throttled_ns;
     uint32_t sm_tenths; /* SM use in tenths of a percent, 0..1000 */
 } tl_dev_t;
 
@@ -162,6 +163,9 @@ static void take_sample(uint64_t now) {
         load_uuid(d->uuid, o->uuid);
         if (!o->uuid[0]) continue;
         o->used = __atomic_load_n(&d->used, __ATOMIC_RELAXED);
+        /* the region's own peak, as it is: a reservation raises `used` a moment
+         * before `peak`, so a sample may show peak < used; readers take the larger */
+        o->peak = __atomic_load_n(&d->peak, __ATOMIC_RELAXED);
         o->limit = __atomic_load_n(&d->limit, __ATOMIC_RELAXED);
         o->denied = __atomic_load_n(&d->denied, __ATOMIC_RELAXED);
         o->throttled_ns = __atomic_load_n(&d->throttled_ns, __ATOMIC_RELAXED);
@@ -192,9 +196,10 @@ static size_t sample_json(const tl_sample_t *smp) {
         if (!GS_APPEND_LIT(tl_json, cap, &p, "{\"uuid\":\"")) return 0;
         if (!gs_json_escape(tl_json, cap, &p, d->uuid)) return 0;
         if (!gs_appendf(tl_json, cap, &p,
-                        "\",\"used_bytes\":%llu,\"limit_bytes\":%llu,\"sm_percent\":%u.%u,"
-                        "\"throttled_ns\":%llu,\"denied_allocations\":%llu}",
-                        (unsigned long long)d->used, (unsigned long long)d->limit,
+                        "\",\"used_bytes\":%llu,\"peak_bytes\":%llu,\"limit_bytes\":%llu,"
+                        "\"sm_percent\":%u.%u,\"throttled_ns\":%llu,\"denied_allocations\":%llu}",
+                        (unsigned long long)d->used, (unsigned long long)d->peak,
+                        (unsigned long long)d->limit,
                         d->sm_tenths / 10, d->sm_tenths % 10, (unsigned long long)d->throttled_ns,
                         (unsigned long long)d->denied))
             return 0;

@@ -54,16 +54,22 @@ def test_the_demo_passes_and_leaves_nothing_running(
     """Also in the highly-available shapes: three nats-servers, Redis with its
     replicas and sentinels, two extenders and two inventories, all stopped."""
     workdir = tmp_path / "dev"
+    # --open hands the console's address to the browser $BROWSER names
+    opened = tmp_path / "opened"
+    browser = tmp_path / "browser"
+    browser.write_text(f'#!/bin/sh\necho "$1" >> {opened}\n')
+    browser.chmod(0o755)
     result = subprocess.run(
-        [GPUSLICE, "dev", "up", "--demo", "--plain", *shape, "--workdir", str(workdir)],
-        env=dev_env(),
+        [GPUSLICE, "dev", "up", "--demo", "--plain", "--open", *shape, "--workdir", str(workdir)],
+        env=dev_env() | {"BROWSER": f"{browser} %s"},
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo passed" in result.stdout
-    assert "console: http://127.0.0.1:" in result.stdout
+    [console] = re.findall(r"console: (http://127\.0\.0\.1:\d+/)", result.stdout)
+    assert opened.read_text().split() == [console]
     assert result.stdout.count("\tok\t") >= 4  # every step of the scenario, piped: plain columns
     assert "Traceback" not in result.stdout + result.stderr
     assert survivors(workdir) == []

@@ -42,7 +42,7 @@ from gpuslice_common.models import (
     PodRef,
 )
 from gpuslice_common.reports import Fragmentation, ReportKind, SchedulerReport, write_report
-from gpuslice_common.servers import NatsServer, free_port
+from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_inventory.console.auth import Viewer
 from gpuslice_inventory.service import Running, running
 from tests.conftest import make_inventory
@@ -103,6 +103,7 @@ def telemetry_sample(node: str, pod: str, used: int, sm: float, limit: int = 819
                 {
                     "uuid": f"GPU-{node}-0",
                     "used_bytes": used,
+                    "peak_bytes": 3 * used,
                     "limit_bytes": limit,
                     "sm_percent": sm,
                     "throttled_ns": 5,
@@ -528,7 +529,7 @@ async def test_pod_document_with_cards_usage_and_story(console: Console, bus: Bu
         4096 * MIB,
         40.0,
     )
-    assert usage["peak_bytes"] >= usage["used_bytes"]
+    assert usage["peak_bytes"] == 3 * 512 * MIB  # the interposer's peak, not the use now
     assert [s["type"] for s in doc["story"]] == ["admitted", "reserved", "bound"]
     assert all(s["time"].endswith("Z") for s in doc["story"])
 
@@ -571,10 +572,13 @@ async def test_a_denied_pod_is_listed_with_its_reason(console: Console, bus: Bus
 # ---------------------------------------------------------------- the page and HTTP
 
 
-def raw_get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
-    """A request with ``path`` exactly as given (clients would tidy it up)."""
+def raw_get(
+    port: int, path: str, method: str = "GET", host: str = "127.0.0.1"
+) -> tuple[int, bytes]:
+    """A request with ``path`` and ``host`` exactly as given (clients would tidy them up)."""
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
-        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+        request = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        sock.sendall(request.encode())
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
@@ -615,6 +619,44 @@ async def test_the_page_and_its_assets_only(console: Console) -> None:
         assert b"root:" not in body, path
 
 
+async def test_without_authentication_only_loopback_host_names_are_answered(
+    console: Console,
+) -> None:
+    """A page the operator opens at http://evil.example:8090/, whose name the
+    attacker's DNS then rebinds to 127.0.0.1, is same-origin with what it reads:
+    the console must not answer a Host that is not a loopback name."""
+    port = console.port
+    for host in (
+        f"evil.example:{port}",
+        "evil.example",
+        f"127.0.0.1.nip.io:{port}",
+        f"localhost.evil.example:{port}",
+        f"10.0.0.5:{port}",
+        "",
+        f"[::2]:{port}",
+        f"127.0.0.1:{port}@evil.example",
+        f"localhost:{port}x",
+    ):
+        for path in ("/api/v1/cluster", "/api/v1/session", "/api/v1/audit", "/"):
+            status, body = await asyncio.to_thread(raw_get, port, path, host=host)
+            assert status == 403, (host, path, status)
+            assert b"loopback" in json.loads(body)["error"].encode(), host
+    refused = await console.client.get("/api/v1/session", headers={"Host": "evil.example"})
+    assert refused.status_code == 403
+    assert "frame-ancestors 'none'" in refused.headers["content-security-policy"]
+    for host in (
+        f"127.0.0.1:{port}",
+        f"localhost:{port}",
+        "LOCALHOST",
+        f"127.0.0.2:{port}",
+        f"[::1]:{port}",
+        "localhost.",
+    ):
+        status, body = await asyncio.to_thread(raw_get, port, "/api/v1/session", host=host)
+        assert status == 200, (host, status)
+        assert json.loads(body)["user"] == "port-forward"
+
+
 async def test_only_get_and_head_are_served(console: Console) -> None:
     for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
         for path in ("/", "/api/v1/cluster", "/api/v1/audit", "/nowhere"):
@@ -629,6 +671,38 @@ async def test_only_get_and_head_are_served(console: Console) -> None:
     nowhere = await console.get("/api/v2/anything")
     assert nowhere.status_code == 404
     assert "error" in nowhere.json()
+
+
+async def test_head_on_a_stream_or_an_export_ends_at_once(console: Console, bus: Bus) -> None:
+    """HEAD answers what GET would, headers only: it neither holds one of the
+    few streams open nor reads the audit stream for an export nobody gets."""
+    await bus.publish_acked(alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"))
+    await feed_holds(console, 1)
+    for path, kind in (
+        ("/api/v1/stream", b"text/event-stream"),
+        ("/api/v1/stream?view=audit", b"text/event-stream"),
+        ("/api/v1/audit/export?since=30d", b"application/x-ndjson"),
+    ):
+        # the answer ends (Connection: close): a held stream would time the read out
+        head, body = await asyncio.to_thread(raw_answer, console.port, path, "HEAD")
+        assert head.startswith(b"HTTP/1.1 200"), (path, head)
+        assert b"content-type: " + kind in head.lower(), path
+        assert body == b"", path
+    assert len(console.hub.slots) == 0
+    bad = await console.client.head("/api/v1/stream", params={"view": "nothing"})
+    assert bad.status_code == 400
+
+
+def raw_answer(port: int, path: str, method: str) -> tuple[bytes, bytes]:
+    """The head and body of one request on its own connection, read to its end."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        request = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        sock.sendall(request.encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
 
 
 async def test_stream_parameters_are_checked(console: Console) -> None:
@@ -762,3 +836,367 @@ async def test_a_report_that_does_not_parse_is_not_shown(
     assert snap["cluster"]["fragmentation"] is None
     assert snap["cluster"]["fits"] == []
     assert snap["nodes"][0]["fragmentation"] is None
+
+
+@contextlib.asynccontextmanager
+async def reviewed_console(
+    nats: NatsServer, redis_url: str, prefix: str, bus: Bus, api: FakeApiServer
+) -> AsyncIterator[Console]:
+    """The console behind TokenReview on ``api``, whose pod watch sees no pods."""
+    empty = {"kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": []}
+    api.answer(
+        "GET", "/api/v1/pods", 200, lambda q: Stream([], hold=1) if q.get("watch") else empty
+    )
+    kube = KubernetesApi.connect(api.host, token="inventory-token", timeout=5)
+    port = free_port()
+    settings = settings_for(
+        nats, redis_url, prefix, console_port=port, console_auth="tokenreview", console_tick=0.2
+    )
+    try:
+        async with (
+            running(settings, bus, kube=kube) as state,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S) as client,
+        ):
+            yield Console(state, client, port)
+    finally:
+        await kube.close()
+
+
+async def stream_ends(console: Console, token: str, params: dict[str, str], revoke: Any) -> str:
+    """Open a stream with ``token``, call ``revoke`` once it is open, and return
+    the comment the stream ended with (it must end, without the client closing it)."""
+    headers = {"Authorization": f"Bearer {token}"}
+    async with console.client.stream("GET", "/api/v1/stream", params=params, headers=headers) as r:
+        assert r.status_code == 200
+        lines = r.aiter_lines()
+
+        async def read() -> str:
+            last = ""
+            async for line in lines:
+                if line == ": connected":
+                    revoke()
+                elif line.startswith(": ") and line != ": keepalive":
+                    last = line
+            return last
+
+        return await asyncio.wait_for(read(), WAIT_S)
+
+
+async def test_an_open_stream_ends_once_its_token_or_grant_is_taken_back(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
+) -> None:
+    """A stream lives for hours; what the viewer may see is asked again once the
+    answers kept for its token expire: a revoked token, a cluster-wide grant
+    taken back, a namespace grant taken back each end the stream."""
+    api = kube_api_server
+    async with reviewed_console(nats_server, redis_url, prefix, bus, api) as console:
+        console.hub.authenticator.cache_ttl_s = 0.2  # answers are kept this long
+        await register(console, bus, ("gpu-1", 1))
+        await console.state.ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+
+        api.access.grant(user="alice")  # cluster-wide
+        token = api.tokens.mint_user("alice")
+        said = await stream_ends(console, token, {}, lambda: api.tokens.revoke(token))
+        assert "not accepted" in said
+
+        token = api.tokens.mint_user("alice")
+        said = await stream_ends(console, token, {}, lambda: api.access.revoke(user="alice"))
+        assert "access changed" in said
+
+        api.access.grant(user="bob", namespace="team-a")
+        token = api.tokens.mint_user("bob")
+        pod = {"view": "pod", "namespace": "team-a", "name": "train-1"}
+        said = await stream_ends(console, token, pod, lambda: api.access.revoke(user="bob"))
+        assert "access changed" in said
+        assert len(console.hub.slots) == 0
+        # the stream was answered while the grant held
+        answer = await console.client.get(
+            "/api/v1/stream", params=pod, headers={"Authorization": f"Bearer {token}"}
+        )
+        assert answer.status_code == 404
+
+
+async def test_a_ledger_that_stops_answering_is_said_not_passed_off_as_live(
+    nats_server: NatsServer, own_redis: RedisServer, prefix: str, bus: Bus
+) -> None:
+    """Redis away: the snapshot the console still holds is shown with a problem
+    saying when it was read, pushed to open streams; gone once Redis answers."""
+    async with start_console(nats_server, own_redis.url, prefix, bus, console_tick=0.2) as console:
+        await register(console, bus, ("gpu-1", 1))
+        await until(lambda: _has_node(console.json("/api/v1/cluster")))
+        assert (await console.json("/api/v1/cluster"))["problem"] is None
+        async with console.client.stream("GET", "/api/v1/stream") as r:
+            events = sse_events(r)
+            await first_event(events, lambda name, data: name == "cluster")
+            own_redis.stop()
+            _, stale = await first_event(events, lambda name, data: data["problem"] is not None)
+        assert "ledger cannot be read" in stale["problem"]
+        assert stale["nodes"][0]["name"] == "gpu-1"  # what it had, said to be old
+        snap = await console.json("/api/v1/cluster")
+        assert snap["problem"] == stale["problem"]
+        own_redis.start()
+        await until(lambda: _problem_gone(console.json("/api/v1/cluster")), timeout=WAIT_S)
+
+
+async def _has_node(snapshot: Any) -> bool:
+    return bool((await snapshot)["nodes"])
+
+
+async def _problem_gone(snapshot: Any) -> bool:
+    return (await snapshot)["problem"] is None
+
+
+async def test_one_user_cannot_take_every_stream_of_the_console(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
+) -> None:
+    """Streams are few (MAX_STREAMS a process): one tenant holding all of them
+    would shut every other viewer out; each user has a share of its own."""
+    api = kube_api_server
+    api.access.grant(user="alice")
+    api.access.grant(user="bob", namespace="team-a")
+    bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    another_bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    alice = {"Authorization": f"Bearer {api.tokens.mint_user('alice')}"}
+    async with reviewed_console(nats_server, redis_url, prefix, bus, api) as console:
+        console.hub.streams_per_user = 2
+        readers = []  # kept: a reader that is collected closes its stream
+        async with contextlib.AsyncExitStack() as open_streams:
+            for headers in (bob, another_bob):
+                r = await open_streams.enter_async_context(
+                    console.client.stream("GET", "/api/v1/stream", headers=headers)
+                )
+                assert r.status_code == 200
+                readers.append(sse_events(r))
+                await first_event(readers[-1], lambda name, data: name == "cluster")
+            assert len(console.hub.slots) == 2
+            third = await console.client.get(
+                "/api/v1/stream", params={"view": "audit"}, headers=bob
+            )
+            assert third.status_code == 503
+            assert "2 event streams of bob" in third.json()["error"]
+            async with console.client.stream("GET", "/api/v1/stream", headers=alice) as r:
+                assert r.status_code == 200
+        await until(lambda: not console.hub.slots)
+        async with console.client.stream("GET", "/api/v1/stream", headers=bob) as r:
+            assert r.status_code == 200
+
+
+async def test_an_audit_query_of_one_namespace_asks_only_about_it(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
+) -> None:
+    """The feed holds events of many namespaces; a namespaced viewer's query is
+    one access review per namespace it asks about. A query of one namespace asks
+    about that one only; any other asks about every namespace of the feed, never
+    about those of the events its filters match (a slower answer would tell that
+    a pod it may not see had events)."""
+    api = kube_api_server
+    api.access.grant(user="bob", namespace="team-a")
+    bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    async with reviewed_console(nats_server, redis_url, prefix, bus, api) as console:
+        for i in range(30):
+            pod = PodRef(uid=f"uid-{i}", namespace=f"team-{i}", name=f"p-{i}")
+            await bus.publish_acked(alloc_event(EventType.ALLOC_RESERVED, pod, "gpu-1"))
+        await bus.publish_acked(alloc_event(EventType.ALLOC_BOUND, TRAIN, "gpu-1"))
+        await feed_holds(console, 31)
+
+        def asked() -> list[str | None]:
+            return [
+                r.body["spec"]["resourceAttributes"].get("namespace") for r in api.access_reviews
+            ]
+
+        answer = await console.client.get(
+            "/api/v1/audit", params={"namespace": "team-a"}, headers=bob
+        )
+        assert [e["data"]["pod"]["name"] for e in answer.json()["events"]] == ["train-1"]
+        assert asked() == [None, "team-a"]
+        answer = await console.client.get(
+            "/api/v1/audit", params={"namespace": "team-7"}, headers=bob
+        )
+        assert answer.json()["events"] == []
+        assert asked() == [None, "team-a", "team-7"]
+        for params in ({"pod": "p-9"}, {"pod": "no-such-pod"}):
+            before = len(asked())
+            answer = await console.client.get("/api/v1/audit", params=params, headers=bob)
+            assert answer.json()["events"] == []
+            # the first asks about the feed's namespaces, the second about none: both alike
+            assert set(asked()[before:]) <= {f"team-{i}" for i in range(30)}
+        assert set(asked()) == {None, "team-a", *(f"team-{i}" for i in range(30))}
+
+
+async def test_an_audit_feed_that_cannot_follow_the_stream_says_so(
+    own_nats: NatsServer, redis_url: str, prefix: str
+) -> None:
+    """NATS away: the events the feed holds are still shown, with a problem
+    saying that newer ones may be missing; gone once it reads the stream again."""
+    bus = await Bus.connect(InventorySettings(nats_url=own_nats.url, subject_prefix=prefix), "t")
+    try:
+        await bus.ensure_audit_stream(timedelta(hours=1))
+        async with start_console(own_nats, redis_url, prefix, bus, console_tick=0.2) as console:
+            await bus.publish_acked(alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"))
+            await feed_holds(console, 1)
+            await until(lambda: _audit_fine(console), timeout=WAIT_S)
+            own_nats.stop()
+            await until(lambda: _audit_troubled(console), timeout=WAIT_S)
+            answer = await console.json("/api/v1/audit")
+            assert "newer events may be missing" in answer["problem"]
+            assert [e["data"]["pod"]["name"] for e in answer["events"]] == ["train-1"]
+            own_nats.start()
+            await until(lambda: _audit_fine(console), timeout=30)
+    finally:
+        await bus.close()
+
+
+async def _audit_fine(console: Console) -> bool:
+    return (await console.json("/api/v1/audit"))["problem"] is None
+
+
+async def _audit_troubled(console: Console) -> bool:
+    return (await console.json("/api/v1/audit"))["problem"] is not None
+
+
+async def test_a_pods_story_holds_no_event_of_another_namespace_with_its_uid(
+    console: Console, bus: Bus
+) -> None:
+    """Events are indexed by pod uid too (to join events that carry a uid and no
+    name): an event of another namespace that carries the same uid is not shown
+    in this pod's story, to a viewer who may see this pod's namespace only."""
+    twin = PodRef(uid=TRAIN.uid, namespace="team-b", name="other-1")
+    nameless = PodRef(uid=TRAIN.uid, namespace="team-a", name="")
+    for event in (
+        alloc_event(EventType.ALLOC_RESERVED, TRAIN, "gpu-1"),
+        alloc_event(EventType.ALLOC_FAILED, twin, "gpu-1", reason="team-b's secret"),
+        alloc_event(EventType.ALLOC_BOUND, nameless, "gpu-1"),
+    ):
+        await bus.publish_acked(event)
+    await feed_holds(console, 3)
+    pod = await console.json("/api/v1/pods/team-a/train-1")
+    assert [s["type"] for s in pod["story"]] == ["reserved", "bound"]
+    assert all(s["reason"] is None for s in pod["story"])
+    assert pod["state"] == "bound"
+
+
+async def test_telemetry_no_writer_writes_neither_stops_nor_breaks_the_snapshot(
+    console: Console, bus: Bus, prefix: str
+) -> None:
+    """Usage entries are read from Redis as untrusted: numbers beyond a counter's
+    range (a 400-digit one overflowed a float and stopped the console's
+    refresher for good, the snapshot frozen as if live) are left out; the
+    snapshot keeps following the ledger."""
+    await register(console, bus, ("gpu-1", 1))
+    redis = console.state.ledger.redis
+    now = int(datetime.now(UTC).timestamp() * 1000)
+    usage = f"{prefix}:usage:gpu-1"
+    await redis.hset(usage, "GPU-gpu-1-0|uid-x|main", f"{'9' * 400},1,1.0,1,1,{now}")
+    await redis.hset(usage, "GPU-gpu-1-0|uid-y|main", f"1,1,nan,1,1,{now}")
+    await redis.hset(usage, "GPU-gpu-1-0|uid-z|main", f"1,{2**64},1.0,1,1,{now}")
+    await redis.hset(usage, "GPU-gpu-1-0|uid-w|main", f"{4 * MIB},{8 * MIB},12.5,0,0,{now}")
+    first = console.hub.builder.full_refreshes
+    await until(lambda: console.hub.builder.full_refreshes > first + 1)
+    snap = await console.json("/api/v1/cluster")
+    assert snap["problem"] is None
+    assert snap["nodes"][0]["cards"][0]["measured"] == {"memory_mib": 4.0, "sm_percent": 12.5}
+    # the refresher still runs: a new placement shows
+    await console.state.ledger.reserve(placed(TRAIN, "gpu-1", [(0, 4096, 25)]))
+    await until(lambda: _pods_on_card(console.json("/api/v1/cluster"), 1), timeout=WAIT_S)
+
+
+async def test_a_snapshot_that_cannot_be_built_is_said_to_be_stale(
+    console: Console, bus: Bus, prefix: str
+) -> None:
+    """Whatever the ledger holds that the snapshot cannot be built from, the
+    refresher goes on and viewers are told that what they see is old."""
+    await register(console, bus, ("gpu-1", 1))
+    await until(lambda: _has_node(console.json("/api/v1/cluster")))
+    builder = console.hub.builder
+    compose = builder._content_doc
+
+    def broken() -> Any:
+        raise OverflowError("integer division result too large for a float")
+
+    builder._content_doc = broken  # what no reader expects, wherever it comes from
+    try:
+        await until(lambda: _problem_seen(console.json("/api/v1/cluster")), timeout=WAIT_S)
+        snap = await console.json("/api/v1/cluster")
+        assert "cannot be built" in snap["problem"]
+        assert snap["nodes"][0]["name"] == "gpu-1"
+    finally:
+        builder._content_doc = compose
+    await until(lambda: _problem_gone(console.json("/api/v1/cluster")), timeout=WAIT_S)
+
+
+async def _problem_seen(snapshot: Any) -> bool:
+    return (await snapshot)["problem"] is not None
+
+
+async def test_an_event_that_states_no_namespace_is_shown_to_cluster_wide_viewers_only(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus, kube_api_server: FakeApiServer
+) -> None:
+    """A pod reference without a namespace reads as ``default``: such an event
+    (whoever wrote it) is not shown as a pod of ``default`` to who may see that
+    namespace, neither in the audit view, the pods, a pod's page nor an export."""
+    api = kube_api_server
+    api.access.grant(user="alice")
+    api.access.grant(user="bob", namespace="default")
+    bob = {"Authorization": f"Bearer {api.tokens.mint_user('bob')}"}
+    alice = {"Authorization": f"Bearer {api.tokens.mint_user('alice')}"}
+    unstated = CloudEvent(
+        specversion="1.0",
+        id="no-namespace-1",
+        source="/somewhere",
+        type=EventType.ALLOC_FAILED,
+        time=datetime.now(UTC),
+        data={"pod": {"uid": "uid-sneaky", "name": "sneaky"}, "node": "gpu-1", "reason": "x"},
+    )
+    async with reviewed_console(nats_server, redis_url, prefix, bus, api) as console:
+        await bus.publish_acked(unstated)
+        await feed_holds(console, 1)
+        seen = await console.client.get("/api/v1/audit", headers=alice)
+        assert [e["id"] for e in seen.json()["events"]] == ["no-namespace-1"]
+        assert (await console.client.get("/api/v1/audit", headers=bob)).json()["events"] == []
+        pods = (await console.client.get("/api/v1/pods", headers=bob)).json()["pods"]
+        assert pods == []
+        page = await console.client.get("/api/v1/pods/default/sneaky", headers=bob)
+        assert page.status_code == 404
+        export = await console.client.get(
+            "/api/v1/audit/export", params={"since": "1h"}, headers=bob
+        )
+        assert export.status_code == 200
+        assert export.content == b""
+        export = await console.client.get(
+            "/api/v1/audit/export", params={"since": "1h"}, headers=alice
+        )
+        assert b"no-namespace-1" in export.content
+
+
+async def test_stopping_ends_open_streams_as_streams_end(
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A viewer never hangs up: stopping the service ends its stream the way a
+    stream ends (the server does not give up waiting and cut it, which the
+    client reads as a broken response and the server logs as an error)."""
+    starting = start_console(nats_server, redis_url, prefix, bus)
+    console = await starting.__aenter__()
+    stopped = False
+    try:
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{console.port}", timeout=WAIT_S) as c,
+            c.stream("GET", "/api/v1/stream") as r,
+        ):
+            lines = r.aiter_lines()
+            async for line in lines:
+                if line == ": connected":
+                    break
+            assert console.hub.slots
+            stopping = asyncio.create_task(starting.__aexit__(None, None, None))
+            rest = [line async for line in lines]  # the server ends it
+            await stopping
+            stopped = True
+    finally:
+        if not stopped:
+            await starting.__aexit__(None, None, None)
+    assert ": connected" not in rest
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []

@@ -386,3 +386,27 @@ async def test_the_dependency_answers_refusals_as_json_errors(
         assert down.status_code == 503
         assert "did not answer" in down.json()["error"]
         assert "www-authenticate" not in down.headers
+
+
+async def test_a_flood_of_made_up_tokens_is_refused_beyond_a_bound_of_reviews(
+    kube_api_server: FakeApiServer, kube: KubernetesApi
+) -> None:
+    """Anyone who reaches the port can make up tokens, each new one a TokenReview:
+    beyond the reviews under way or waiting, more are refused with 503 at once
+    (not queued without end, holding the review threads the NATS auth callout
+    shares), and the refusal is not kept."""
+    kube_api_server.review_delay = 1.0
+    auth = authenticator(kube, reviews_at_once=2, reviews_queued=4)
+    answers = await asyncio.gather(
+        *(auth.viewer(bearer(f"made-up-{i}")) for i in range(40)), return_exceptions=True
+    )
+    statuses = sorted(a.status for a in answers if isinstance(a, AccessDenied))
+    assert len(statuses) == 40
+    assert statuses.count(401) == 4  # reviewed and refused by the API
+    assert statuses.count(503) == 36
+    assert len(kube_api_server.reviews) == 4
+    assert auth.queued == 0
+    kube_api_server.review_delay = 0.0
+    kube_api_server.access.grant(user="alice")
+    token = kube_api_server.tokens.mint_user("alice")
+    assert await auth.viewer(bearer(token)) == Viewer("alice", None)

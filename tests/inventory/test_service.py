@@ -286,7 +286,8 @@ async def test_lease_is_held_by_one_and_passes_on_when_it_lapses(redis_url: str)
 async def test_metrics_and_readiness_over_http(
     nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
 ) -> None:
-    config = settings_for(nats_server, redis_url, prefix)
+    # one announcement: the node must stay live however slowly the test runs
+    config = settings_for(nats_server, redis_url, prefix, heartbeat_interval=3600)
     async with running(config, bus) as state:
         await announce(bus, make_inventory("gpu-1", gpus=2, memory_mib=40960))
         await until(lambda: state.work.registrations == 1)

@@ -58,17 +58,28 @@ class Clock:
         return self.now
 
 
-def device(uuid: str = GPU_A, used: int = 100 * MIB, sm: str = "12.5", **kw: Any) -> str:
-    """A device as the interposer writes it (sm_percent as "%u.%u")."""
-    fields = {
-        "used_bytes": used,
+def device(
+    uuid: str = GPU_A,
+    used: int = 100 * MIB,
+    sm: str = "12.5",
+    peak: int | str | None = "used",
+    **kw: Any,
+) -> str:
+    """A device as the interposer writes it (sm_percent as "%u.%u"). ``peak``:
+    the peak (by default the use), raw JSON text, or None to leave it out as
+    interposers before peaks did."""
+    fields: dict[str, int | str] = {"used_bytes": used}
+    if peak is not None:
+        fields["peak_bytes"] = used if peak == "used" else peak
+    fields |= {
         "limit_bytes": kw.pop("limit", 1024 * MIB),
+        "sm_percent": sm,
         "throttled_ns": kw.pop("throttled", 0),
         "denied_allocations": kw.pop("denied", 0),
     }
     assert not kw
     numbers = ",".join(f'"{k}":{v}' for k, v in fields.items())
-    return f'{{"uuid":"{uuid}",{numbers},"sm_percent":{sm}}}'
+    return f'{{"uuid":"{uuid}",{numbers}}}'
 
 
 def sample(
@@ -138,6 +149,7 @@ async def test_the_latest_sample_in_a_batch_wins(
             throttled_ns=0,
             denied_allocations=0,
             at_ms=int(clock.now * 1000),
+            peak_bytes=3 * MIB,
         )
     ]
 
@@ -311,11 +323,24 @@ MALFORMED: dict[str, bytes] = {
     "used_bytes a string": sample(
         devices=(device().replace('"used_bytes":', '"used_bytes":"1"+'),)
     ),
-    "used_bytes a float": sample(devices=(device(used=5).replace(":5,", ":5.5,"),)),
-    "negative used_bytes": sample(devices=(device(used=-1),)),
+    "used_bytes a float": sample(devices=(device(used=5, peak=0).replace(":5,", ":5.5,"),)),
+    "negative used_bytes": sample(devices=(device(used=-1, peak=0),)),
     "negative limit_bytes": sample(devices=(device(limit=-1),)),
     "negative throttled_ns": sample(devices=(device(throttled=-1),)),
     "negative denied_allocations": sample(devices=(device(denied=-5),)),
+    "peak_bytes a string": sample(devices=(device(peak='"104857600"'),)),
+    "peak_bytes negative": sample(devices=(device(peak=-1),)),
+    "peak_bytes a float": sample(devices=(device(peak="104857600.5"),)),
+    "peak_bytes in exponent form": sample(devices=(device(peak="1e9"),)),
+    "peak_bytes null": sample(devices=(device(peak="null"),)),
+    "peak_bytes a boolean": sample(devices=(device(peak="true"),)),
+    "peak_bytes beyond 64 bits": sample(devices=(device(peak=1 << 64),)),
+    "peak_bytes alone beside the required": sample(
+        devices=(f'{{"uuid":"{GPU_A}","used_bytes":1,"limit_bytes":2,"peak_bytes":-1}}',)
+    ),
+    "peak_bytes misspelt": sample(
+        devices=(device(peak=None).replace('"used_bytes"', '"peak_byte":1,"used_bytes"'),)
+    ),
     "sm_percent over 100": sample(devices=(device(sm="100.1"),)),
     "sm_percent negative": sample(devices=(device(sm="-0.5"),)),
     "sm_percent a string": sample(devices=(device(sm='"5"'),)),
@@ -324,7 +349,7 @@ MALFORMED: dict[str, bytes] = {
     "uuid with a bar": sample(devices=(device(uuid="GPU-a|b"),)),
     "uuid empty": sample(devices=(device(uuid=""),)),
     "the same device twice": sample(devices=(device(), device())),
-    "an integer beyond 64 bits": sample(devices=(device(used=1 << 70),)),
+    "an integer beyond 64 bits": sample(devices=(device(used=1 << 70, peak=0),)),
     "more devices than a region holds": sample(
         devices=tuple(device(uuid=f"GPU-{i}") for i in range(MAX_TELEMETRY_DEVICES + 1))
     ),
@@ -346,6 +371,17 @@ def test_each_kind_of_malformed_sample_is_counted_and_dropped(
     assert store.stats.malformed == 1
     assert store.stats.received == 1
     assert store.pending == 0
+
+
+@pytest.mark.parametrize("kind", [k for k in MALFORMED if k.startswith("peak_bytes ")])
+def test_a_bad_peak_is_refused_for_what_it_is(
+    store: TelemetryStore, prefix: str, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Refused by the checks themselves, not by an error they happen to raise."""
+    assert not store.ingest(subject(prefix), MALFORMED[kind])
+    why = "device fields" if kind.endswith("misspelt") else "bad device counter"
+    [record] = caplog.records
+    assert record.getMessage().split(": ", 1)[1].startswith(why), record.getMessage()
 
 
 async def test_bad_samples_never_stop_the_good_ones_in_a_batch(
@@ -393,6 +429,116 @@ def test_a_valid_sample_written_by_the_model_is_accepted(
         ),
     )
     assert store.stats.malformed == 0
+
+
+# ------------------------------------------------------------ peak
+
+
+async def test_the_peak_is_stored_as_the_values_seventh_field_and_read_back(
+    store: TelemetryStore, redis: Redis, prefix: str, clock: Clock
+) -> None:
+    assert store.ingest(subject(prefix), sample(devices=(device(used=100 * MIB, peak=900 * MIB),)))
+    await store.flush()
+    at_ms = int(clock.now * 1000)
+    value = await redis.hget(store.usage_key(NODE), f"{GPU_A}|{POD}|main")
+    assert value == f"{100 * MIB},{1024 * MIB},12.5,0,0,{at_ms},{900 * MIB}"
+    [usage] = await store.container_usage(NODE)
+    assert (usage.used_bytes, usage.peak_bytes, usage.at_ms) == (100 * MIB, 900 * MIB, at_ms)
+
+
+@pytest.mark.parametrize(
+    ("name", "peak", "stored"),
+    [
+        ("above the use", 7 * MIB, 7 * MIB),
+        ("equal to the use", 5 * MIB, 5 * MIB),
+        # the region raises used a moment before its peak: the use is the peak
+        ("below the use", 3 * MIB, 5 * MIB),
+        ("zero", 0, 5 * MIB),
+        # an interposer before peaks: the use, as old stored values are read
+        ("left out", None, 5 * MIB),
+    ],
+)
+async def test_the_peak_stored_is_never_below_the_use(
+    store: TelemetryStore, prefix: str, name: str, peak: int | None, stored: int
+) -> None:
+    assert store.ingest(subject(prefix), sample(devices=(device(used=5 * MIB, peak=peak),))), name
+    assert store.stats.malformed == 0
+    await store.flush()
+    [usage] = await store.container_usage(NODE)
+    assert (usage.used_bytes, usage.peak_bytes) == (5 * MIB, stored), name
+
+
+async def test_a_sample_of_an_interposer_before_peaks_is_accepted_whole(
+    store: TelemetryStore, prefix: str
+) -> None:
+    """Every other field present and no peak_bytes, as such an interposer sends
+    them, beside one that does send it, in one sample."""
+    old = device(GPU_A, used=2 * MIB, peak=None, throttled=11, denied=3)
+    assert '"peak_bytes"' not in old
+    assert store.ingest(subject(prefix), sample(devices=(old, device(GPU_B, peak=200 * MIB))))
+    await store.flush()
+    a, b = await store.container_usage(NODE)
+    assert (a.uuid, a.used_bytes, a.peak_bytes, a.throttled_ns, a.denied_allocations) == (
+        GPU_A,
+        2 * MIB,
+        2 * MIB,
+        11,
+        3,
+    )
+    assert (b.uuid, b.used_bytes, b.peak_bytes) == (GPU_B, 100 * MIB, 200 * MIB)
+
+
+async def test_a_value_stored_before_peaks_is_read_with_the_use_as_its_peak(
+    store: TelemetryStore, redis: Redis, clock: Clock
+) -> None:
+    at_ms = int(clock.now * 1000)
+    await redis.hset(store.usage_key(NODE), f"{GPU_A}|{POD}|main", f"4096,8192,2.5,7,1,{at_ms}")
+    assert await store.container_usage(NODE) == [
+        ContainerUsage(
+            node=NODE,
+            uuid=GPU_A,
+            pod_uid=POD,
+            container="main",
+            used_bytes=4096,
+            limit_bytes=8192,
+            sm_percent=2.5,
+            throttled_ns=7,
+            denied_allocations=1,
+            at_ms=at_ms,
+            peak_bytes=4096,
+        )
+    ]
+
+
+async def test_stored_values_that_are_no_entry_are_skipped(
+    store: TelemetryStore, redis: Redis, clock: Clock
+) -> None:
+    at = int(clock.now * 1000)
+    bad = {
+        "five fields": "1,2,3.0,4,5",
+        "eight fields": f"1,2,3.0,4,5,{at},6,7",
+        "a peak that is no integer": f"1,2,3.0,4,5,{at},x",
+        "a float peak": f"1,2,3.0,4,5,{at},6.5",
+        "an empty peak": f"1,2,3.0,4,5,{at},",
+        "a time that is no integer": "1,2,3.0,4,5,soon,6",
+    }
+    key = store.usage_key(NODE)
+    for i, value in enumerate(bad.values()):
+        await redis.hset(key, f"{GPU_A}|{POD}|c{i}", value)
+    await redis.hset(key, f"{GPU_A}|{POD}|good", f"1,2,3.0,4,5,{at},6")
+    assert [(u.container, u.peak_bytes) for u in await store.container_usage(NODE)] == [("good", 6)]
+
+
+def test_the_model_takes_a_peak_and_defaults_it_to_zero() -> None:
+    assert DeviceTelemetry(uuid=GPU_A, used_bytes=1, limit_bytes=2).peak_bytes == 0
+    assert DeviceTelemetry(uuid=GPU_A, used_bytes=1, peak_bytes=9, limit_bytes=2).peak_bytes == 9
+    for bad in (-1, 1 << 64):
+        with pytest.raises(ValueError, match="peak_bytes"):
+            DeviceTelemetry(uuid=GPU_A, used_bytes=1, peak_bytes=bad, limit_bytes=2)
+    with pytest.raises(ValueError, match="peak_bytes"):
+        DeviceTelemetry.model_validate_json(
+            f'{{"uuid":"{GPU_A}","used_bytes":1,"peak_bytes":"9","limit_bytes":2}}', strict=True
+        )
 
 
 # ------------------------------------------------------------ subject and payload

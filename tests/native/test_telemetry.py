@@ -31,7 +31,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from gpuslice_common.bus import flush_client
 from gpuslice_common.models import TelemetrySample
-from gpuslice_common.region import ffi
+from gpuslice_common.region import Region, ffi
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_common.subjects import Subjects
 from tests.conftest import make_inventory
@@ -201,6 +201,7 @@ async def test_samples_report_usage_limit_and_denials(
         dev = sample.devices[0]
         assert dev.uuid == FAKE_UUID
         assert dev.used_bytes == 100 * MiB
+        assert dev.peak_bytes == 100 * MiB  # the refused 2 GiB never counted
         assert dev.limit_bytes == GiB
         assert dev.denied_allocations == 1
         assert dev.sm_percent == 0
@@ -232,6 +233,33 @@ async def test_usage_follows_allocations_and_frees(
     used = [r.sample.devices[0].used_bytes for r in f.seen]
     assert used[0] == 0, used
     assert f.seen[0].subject.startswith(f"{prefix}.telemetry."), f.seen[0].subject
+
+
+async def test_samples_carry_the_regions_peak_after_the_memory_is_freed(
+    nats_server: NatsServer, spawn_probe: ProbeSpawner, region_path: Path
+) -> None:
+    uid = pod_uid()
+    async with feed(nats_server.url, subject(uid)) as f:
+        proc = spawn_probe(
+            "init", "ctx", "sleep 300", "alloc 300m", "alloc 100m", "sleep 500",
+            "free 0", "free 1", "sleep 500",
+            env=telemetry_env(nats_server.url, region_path, uid),
+        )  # fmt: skip
+        f.probe = proc
+        await f.until(
+            lambda s: bool(s.devices) and s.devices[0].used_bytes == 400 * MiB,
+            what="holding 400 MiB",
+        )
+        freed = await f.until(lambda s: s.devices[0].used_bytes == 0, what="after the frees")
+        await ended(proc)
+    with Region.open(region_path) as region:
+        [device] = region.devices()
+    assert device.peak_bytes == 400 * MiB
+    assert freed.devices[0].peak_bytes == device.peak_bytes
+    # a region's peak only rises: from nothing before the allocations
+    peaks = [r.sample.devices[0].peak_bytes for r in f.seen if r.sample.devices]
+    assert peaks[0] == 0, peaks
+    assert peaks == sorted(peaks), peaks
 
 
 async def test_sm_use_and_throttling_under_a_compute_limit(

@@ -617,10 +617,16 @@ Counter64 = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
 
 
 class DeviceTelemetry(Frozen):
+    """One device of a sample: the container's counters from its shared region."""
+
     uuid: Annotated[
         str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=DEVICE_UUID_PATTERN)
     ]
     used_bytes: Counter64
+    # The region's highest `used` since it was made. Optional: interposers before
+    # it was published leave it out. It may lag `used_bytes` by one reservation
+    # (the region raises `used` first); readers take the larger of the two.
+    peak_bytes: Counter64 = 0
     limit_bytes: Counter64
     sm_percent: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] = 0.0
     throttled_ns: Counter64 = 0

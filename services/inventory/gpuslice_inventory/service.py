@@ -477,6 +477,8 @@ async def running(
                         handle_signals=False,
                     )
                 )
+                # on the way out, before the server waits for its connections to close
+                stack.callback(state.console.close)
             yield state
     finally:
         for sub in subscriptions:

@@ -12,8 +12,10 @@ Ingesting
     on a 2-vCPU VM): it checks the subject, parses the payload with orjson and
     checks every field by hand against the pydantic model: exact JSON types (no
     ``"5"`` for a number, no ``true`` for an integer), no unknown or missing
-    fields, non-negative counters, ``0 <= sm_percent <= 100``, an ISO 8601 time;
-    and more: a device's UUID must look like one, and none comes twice. That is
+    fields (those with a default in the model may be left out: an interposer
+    older than ``peak_bytes`` sends none), non-negative counters,
+    ``0 <= sm_percent <= 100``, an ISO 8601 time; and more: a device's UUID
+    must look like one, and none comes twice. That is
     a little faster than ``TelemetrySample.model_validate_json`` followed by the
     same subject checks (``bench/inventory_bench.py`` prints both) and builds no
     objects that would be thrown away. The sample's ``node`` and ``pod_uid`` must
@@ -42,9 +44,15 @@ Redis layout (``<p>`` is the store's Redis prefix)
 
     - field ``<uuid>|<pod_uid>|<container>`` (UUIDs and pod UIDs hold no ``|``;
       the container name is the rest);
-    - value ``<used_bytes>,<limit_bytes>,<sm_percent>,<throttled_ns>,<denied_allocations>,<at_ms>``,
-      the container's latest numbers on that GPU and when the inventory stored
-      them (epoch milliseconds).
+    - value ``<used_bytes>,<limit_bytes>,<sm_percent>,<throttled_ns>,<denied_allocations>,``
+      ``<at_ms>,<peak_bytes>`` (one line, no spaces),
+      the container's latest numbers on that GPU, when the inventory stored
+      them (epoch milliseconds), and the highest use its region has seen. The
+      peak stored is never below ``used_bytes``: the region raises ``used`` a
+      moment before its peak, and a sample without ``peak_bytes`` (an older
+      interposer) gives ``used_bytes``. The readers also take values of six
+      fields, written before the peak was kept, with the peak equal to
+      ``used_bytes``; anything else is not an entry and is skipped.
 
     Redis 7.0 has no per-field expiry, so the readers (:meth:`container_usage`,
     :meth:`gpu_usage`) ignore entries older than ``ttl`` and delete them, each only
@@ -91,7 +99,13 @@ _PLACEMENT_CACHE_SIZE = 65536  # pods remembered; forgotten all at once when ful
 _SAMPLE_REQUIRED = frozenset({"node", "pod_uid", "container", "pid", "time", "devices"})
 _SAMPLE_ALL = _SAMPLE_REQUIRED | {"dropped_samples"}
 _DEVICE_REQUIRED = frozenset({"uuid", "used_bytes", "limit_bytes"})
-_DEVICE_ALL = _DEVICE_REQUIRED | {"sm_percent", "throttled_ns", "denied_allocations"}
+_DEVICE_ALL = _DEVICE_REQUIRED | {
+    "peak_bytes",
+    "sm_percent",
+    "throttled_ns",
+    "denied_allocations",
+}
+_DEVICE_NO_PEAK = _DEVICE_ALL - {"peak_bytes"}  # all an interposer without peaks sends
 _ROUTE_CACHE = 65536  # subjects remembered as valid; forgotten all at once when full
 _LOG_EVERY = 60.0  # seconds between two log lines about malformed or dropped samples
 
@@ -106,9 +120,10 @@ end
 return n
 """
 
-# (node, pod_uid, container) -> ((uuid, "used,limit,sm,throttled,denied"), ...)
+# (node, pod_uid, container) -> ((uuid, "used,limit,sm,throttled,denied", ",peak"), ...):
+# a flush writes the first part, the time, then the peak.
 _Key = tuple[str, str, str]
-_Devices = tuple[tuple[str, str], ...]
+_Devices = tuple[tuple[str, str, str], ...]
 # What the ledger places: a pod's node and, per container, the cards granted to it.
 _Placed = tuple[str, dict[str, frozenset[str]]]
 PlacementLookup = Callable[[str], Awaitable[Placement | None]]
@@ -128,6 +143,7 @@ class ContainerUsage:
     throttled_ns: int
     denied_allocations: int
     at_ms: int  # when the inventory stored it (epoch ms)
+    peak_bytes: int  # the most the container's region has held, never below used_bytes
 
 
 @dataclass(frozen=True)
@@ -306,7 +322,7 @@ class TelemetryStore:
         if len(devices) == 1:
             return (node, pod_uid, container), (_device(devices[0]),)
         out = tuple([_device(d) for d in devices])
-        if len({uuid for uuid, _ in out}) != len(out):
+        if len({d[0] for d in out}) != len(out):
             raise _Malformed("a device twice")
         return (node, pod_uid, container), out
 
@@ -359,8 +375,8 @@ class TelemetryStore:
                     if fields is None:
                         fields = by_node[node] = {}
                     tail = f"|{pod_uid}|{container}"
-                    for uuid, numbers in devices:
-                        fields[uuid + tail] = numbers + at
+                    for uuid, numbers, peak in devices:
+                        fields[uuid + tail] = numbers + at + peak
                 pipe = self.redis.pipeline(transaction=False)
                 for node, fields in by_node.items():
                     key = self.usage_key(node)
@@ -417,7 +433,7 @@ class TelemetryStore:
             if granted is None:
                 self._count_dropped("foreign-container")
                 continue
-            if any(uuid not in granted for uuid, _ in devices):
+            if any(d[0] not in granted for d in devices):
                 self._count_dropped("foreign-device")
                 continue
             admitted[key] = devices
@@ -523,16 +539,22 @@ def _placed(placement: Placement | None) -> _Placed | None:
     }
 
 
-def _device(d: Any) -> tuple[str, str]:
-    """One device of a sample: (uuid, the stored numbers), or _Malformed."""
+def _device(d: Any) -> tuple[str, str, str]:
+    """One device of a sample: (uuid, the stored numbers before the time, the
+    stored peak after it), or _Malformed."""
     if type(d) is not dict:
         raise _Malformed("a device is not an object")
     keys = d.keys()
     if keys == _DEVICE_ALL:  # what the interposer sends
+        uuid, used, peak, limit = d["uuid"], d["used_bytes"], d["peak_bytes"], d["limit_bytes"]
+        sm, throttled, denied = d["sm_percent"], d["throttled_ns"], d["denied_allocations"]
+    elif keys == _DEVICE_NO_PEAK:  # what an interposer without peaks sends
         uuid, used, limit = d["uuid"], d["used_bytes"], d["limit_bytes"]
         sm, throttled, denied = d["sm_percent"], d["throttled_ns"], d["denied_allocations"]
+        peak = 0
     elif keys >= _DEVICE_REQUIRED and keys <= _DEVICE_ALL:
         uuid, used, limit = d["uuid"], d["used_bytes"], d["limit_bytes"]
+        peak = d.get("peak_bytes", 0)
         sm = d.get("sm_percent", 0.0)
         throttled = d.get("throttled_ns", 0)
         denied = d.get("denied_allocations", 0)
@@ -542,16 +564,18 @@ def _device(d: Any) -> tuple[str, str]:
         raise _Malformed("bad device uuid")
     if (
         type(used) is not int
+        or type(peak) is not int
         or type(limit) is not int
         or type(throttled) is not int
         or type(denied) is not int
-        or used | limit | throttled | denied < 0  # a negative int has its sign bit set
+        or used | peak | limit | throttled | denied < 0  # a negative int has its sign bit set
     ):
         raise _Malformed("bad device counter")
     kind = type(sm)
     if (kind is not float and kind is not int) or not 0 <= sm <= 100:
         raise _Malformed("bad sm_percent")
-    return uuid, f"{used},{limit},{sm},{throttled},{denied}"
+    # a peak that lags used (see the module's docstring) is stored as used
+    return uuid, f"{used},{limit},{sm},{throttled},{denied}", f",{peak if peak > used else used}"
 
 
 def _text(value: str | bytes) -> str:
@@ -562,20 +586,23 @@ def _decode(node: str, field: str, value: str) -> ContainerUsage | None:
     """A stored entry, or None when it is not one this module wrote."""
     parts = field.split("|", 2)
     numbers = value.split(",")
-    if len(parts) != 3 or len(numbers) != 6:
+    if len(parts) != 3 or not 6 <= len(numbers) <= 7:
         return None
     try:
+        used = int(numbers[0])
         return ContainerUsage(
             node=node,
             uuid=parts[0],
             pod_uid=parts[1],
             container=parts[2],
-            used_bytes=int(numbers[0]),
+            used_bytes=used,
             limit_bytes=int(numbers[1]),
             sm_percent=float(numbers[2]),
             throttled_ns=int(numbers[3]),
             denied_allocations=int(numbers[4]),
             at_ms=int(numbers[5]),
+            # six fields: stored before peaks were kept
+            peak_bytes=int(numbers[6]) if len(numbers) == 7 else used,
         )
     except ValueError:
         return None

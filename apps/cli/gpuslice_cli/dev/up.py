@@ -30,6 +30,7 @@ import shlex
 import signal
 import sys
 import tempfile
+import webbrowser
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -289,6 +290,7 @@ async def run_up(
     work: Callable[[ClusterDriver, Ledger, View], Any] | None,
     console: Console,
     live: bool,
+    open_console: bool = False,
 ) -> View:
     view = View()
     main = asyncio.current_task()
@@ -299,6 +301,8 @@ async def run_up(
     async with session(stack) as (driver, ledger, bus):
         if stack.attached is None:
             where(stack, console)
+            if open_console and stack.console_url is not None:
+                webbrowser.open(stack.console_url)  # no browser here: nothing happens
         await _watch_events(bus, view)
         refresher = asyncio.create_task(_refresh(ledger, stack.prefix, view))
         display = Live(view.render(), console=console, refresh_per_second=4) if live else None
@@ -474,7 +478,13 @@ def foreign_output_to(path: Path) -> Iterator[None]:
         own.close()
 
 
-def _run(stack: Stack, demo_: bool, pods: Sequence[Path] | None, plain: bool) -> None:
+def _run(
+    stack: Stack,
+    demo_: bool,
+    pods: Sequence[Path] | None,
+    plain: bool,
+    open_console: bool = False,
+) -> None:
     """Run the stack with its work and print the summary; exit as the outcome says."""
     console = Console()
     errors = Console(stderr=True)
@@ -488,7 +498,7 @@ def _run(stack: Stack, demo_: bool, pods: Sequence[Path] | None, plain: bool) ->
     try:
         with foreign_output_to(stack.workdir / FOREIGN_LOG):
             live = not plain and console.is_terminal
-            view = asyncio.run(run_up(stack, work, console, live=live))
+            view = asyncio.run(run_up(stack, work, console, live=live, open_console=open_console))
     except (KeyboardInterrupt, asyncio.CancelledError):
         console.print("stopped: every process of the stack has been shut down")
         return
@@ -561,6 +571,9 @@ def up(
         help="the highly-available shapes: a three-member NATS cluster, Redis with "
         "sentinels and replicas, two replicas each of the extender and the inventory",
     ),
+    open_console: bool = typer.Option(
+        False, "--open", help="open the web console in this machine's browser"
+    ),
 ) -> None:
     """Run gpuslice on this machine: NATS, Redis, the four services, simulated nodes
     and a cluster driver that admits, schedules, allocates and runs pods."""
@@ -603,7 +616,7 @@ def up(
             raise typer.Exit(2)
     where = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-dev-"))
     stack = Stack(where, specs, nats_url=nats_url, redis_url=redis_url, ha=ha)
-    _run(stack, demo_, pods, plain)
+    _run(stack, demo_, pods, plain, open_console)
 
 
 def driver(

@@ -43,6 +43,18 @@ def real_uid(uid: str) -> str | None:
     return None if "/" in uid else uid
 
 
+def stated_pod(event: CloudEvent) -> PodRef | None:
+    """The pod an event is about, only when its data states the pod's namespace:
+    a PodRef reads a missing one as ``default``, which would show an event of
+    no stated namespace to whoever may see ``default``. Without it the event
+    counts as naming no pod (shown to cluster-wide viewers only)."""
+    pod = event_pod(event)
+    stated = event.data.get("pod")
+    if pod is None or not isinstance(stated, dict) or stated.get("namespace") != pod.namespace:
+        return None
+    return pod
+
+
 @dataclass(frozen=True)
 class FeedEvent:
     """One event with its payload, pod, node, JSON document and line, parsed once."""
@@ -58,7 +70,7 @@ class FeedEvent:
     def of(cls, event: CloudEvent) -> FeedEvent:
         line = event.to_json()
         return cls(
-            event, event.payload(), event_pod(event), event_node(event), orjson.loads(line), line
+            event, event.payload(), stated_pod(event), event_node(event), orjson.loads(line), line
         )
 
     def matches(self, wanted: EventFilter) -> bool:
@@ -76,6 +88,21 @@ class AuditFeed:
         self.by_pod: dict[tuple[str, str], deque[FeedEvent]] = {}
         self.followers: list[Callable[[FeedEvent], None]] = []
         self.received = 0
+        # why the feed may be missing events now (see problem()); None while it reads
+        self._problem: str | None = "the audit stream has not been read yet"
+
+    def problem(self) -> str | None:
+        """Why newer events may be missing from the feed now (the stream cannot
+        be read, NATS cannot be reached); None while the feed follows the stream.
+        Said to viewers with what the feed holds, never passed off as complete."""
+        if self._problem is not None:
+            return self._problem
+        if not self.bus.nc.is_connected:
+            return "NATS cannot be reached now: newer events may be missing"
+        return None
+
+    def _reading(self) -> None:
+        self._problem = None
 
     def add(self, event: CloudEvent) -> FeedEvent:
         """Keep ``event`` (dropping the oldest beyond capacity) and tell the followers."""
@@ -135,12 +162,29 @@ class AuditFeed:
         named = {namespace for namespace, _ in self.by_pod}
         return named | {f[0].pod.namespace for f in self.by_uid.values() if f and f[0].pod}
 
+    def namespaces_to_ask(self, wanted: EventFilter) -> set[str]:
+        """What a namespaced viewer's query asks access reviews about: the one
+        namespace it names, else every namespace the feed holds events of. Not
+        the namespaces of the events that match its other filters: whether a
+        review was asked (a slower answer) would tell the viewer that a pod it
+        may not see had events."""
+        if wanted.namespace is not None:
+            return {wanted.namespace}
+        return self.namespaces()
+
     def pod_events(self, namespace: str, name: str) -> list[FeedEvent]:
         """Every kept event of pods named ``namespace/name``, with the events of
         their uids that carry no name, in feed order."""
         named = list(self.by_pod.get((namespace, name), ()))
         uids = {u for f in named if (p := f.pod) and (u := real_uid(p.uid))}
-        extra = {id(f): f for u in uids for f in self.by_uid.get(u, ())}
+        # only events that name no pod or this one: an event of another namespace
+        # carrying the same uid (a forged or mistaken one) is not this pod's story
+        extra = {
+            id(f): f
+            for u in uids
+            for f in self.by_uid.get(u, ())
+            if f.pod is not None and f.pod.namespace == namespace and f.pod.name in ("", name)
+        }
         for f in named:
             extra.pop(id(f), None)
         if not extra:
@@ -171,13 +215,18 @@ class AuditFeed:
                 self.by_uid.clear()
                 self.by_pod.clear()
                 async for event in audit_events(
-                    self.bus, start, follow=True, on_malformed=self._malformed
+                    self.bus,
+                    start,
+                    follow=True,
+                    on_malformed=self._malformed,
+                    on_ready=self._reading,
                 ):
                     if said:
                         log.info("the console's audit feed reads the stream again")
                         said = ""
                     self.add(event)
             except BusError as exc:
+                self._problem = "the audit stream cannot be read now: newer events may be missing"
                 if str(exc) != said:
                     log.warning("the console's audit feed waits: %s", exc)
                     said = str(exc)

@@ -34,7 +34,10 @@ kept, nor logged): an accepted token for ``cache_ttl_s``, in a least recently
 used cache of ``max_cached`` tokens; a refused one for a few seconds only. An
 API server that does not answer is 503, never an open door, and nothing about
 it is kept. A token longer than 16 KiB, or with characters no bearer token has
-(RFC 6750), is refused with 401 before the API is asked.
+(RFC 6750), is refused with 401 before the API is asked. At most
+``reviews_at_once`` reviews are asked at once; beyond ``reviews_queued`` under
+way or waiting, another is refused with 503 (anyone who reaches the port can
+make up new tokens, each a TokenReview).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from gpuslice_common.kube import KubeApi, KubeError
 
 __all__ = [
     "MAX_TOKEN",
+    "PORT_FORWARD",
     "AccessDenied",
     "Authenticator",
     "Viewer",
@@ -75,6 +79,13 @@ NAMESPACE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 REFUSAL_TTL_S = 5.0  # a refused token is refused again without asking, this long at most
 NAMESPACES_PER_VIEWER = 32  # namespace answers kept: this many per cached token
 CONCURRENT_REVIEWS = 16  # access reviews asked at once for one visible() call
+# Token and access reviews of the whole console under way at once, and under
+# way or waiting: a flood of new tokens (anyone who reaches the port can make
+# them up) is refused beyond these, never queued without end. The Kubernetes
+# client's review threads are shared with the NATS auth callout, which node
+# agents need to connect: the console takes a part of them only.
+REVIEWS_AT_ONCE = 16
+REVIEWS_QUEUED = 256
 PORT_FORWARD = "port-forward"
 
 K = TypeVar("K", bound=Hashable)
@@ -213,6 +224,8 @@ class Authenticator:
         kube: KubeApi | None,
         cache_ttl_s: float = 60.0,
         max_cached: int = 1000,
+        reviews_at_once: int = REVIEWS_AT_ONCE,
+        reviews_queued: int = REVIEWS_QUEUED,
     ) -> None:
         if mode not in ("none", "tokenreview"):
             raise ValueError(f"console_auth must be none or tokenreview, not {mode!r}")
@@ -231,6 +244,10 @@ class Authenticator:
             max_cached * NAMESPACES_PER_VIEWER
         )
         self._token_reviews: _Once[str, Viewer] = _Once()
+        self._gate = asyncio.Semaphore(max(1, reviews_at_once))
+        self._queue_bound = max(1, reviews_queued)
+        self.queued = 0  # reviews under way or waiting for the gate
+        self._full = False  # reviews were refused since the queue was last empty
         self._access_reviews: _Once[tuple[Hashable, ...], bool] = _Once()
 
     async def viewer(self, authorization_header: str | None) -> Viewer:
@@ -251,8 +268,9 @@ class Authenticator:
 
     async def _review(self, token: str, key: str) -> Viewer:
         assert self.kube is not None
+        kube = self.kube
         try:
-            status = await self.kube.review_token(token)
+            status = await self._bounded(lambda: kube.review_token(token))
         except KubeError as error:
             log.warning("console: cannot review a token: %s", error)
             raise AccessDenied(
@@ -334,15 +352,18 @@ class Authenticator:
 
     async def _ask(self, viewer: Viewer, namespace: str | None, key: tuple[Hashable, ...]) -> bool:
         assert self.kube is not None
+        kube = self.kube
         try:
-            allowed = await self.kube.access_review(
-                viewer.user,
-                viewer.groups,
-                "list",
-                "pods",
-                namespace,
-                {name: list(values) for name, values in viewer.extra},
-                uid=viewer.uid,
+            allowed = await self._bounded(
+                lambda: kube.access_review(
+                    viewer.user,
+                    viewer.groups,
+                    "list",
+                    "pods",
+                    namespace,
+                    {name: list(values) for name, values in viewer.extra},
+                    uid=viewer.uid,
+                )
             )
         except KubeError as error:
             log.warning("console: cannot ask what %s may see: %s", viewer.user, error)
@@ -351,6 +372,23 @@ class Authenticator:
             ) from None
         self._answers.put(key, allowed, self.cache_ttl_s)
         return allowed
+
+    async def _bounded(self, call: Callable[[], Awaitable[V]]) -> V:
+        """``call`` (one review) when fewer than ``reviews_queued`` are under way
+        or waiting, at most ``reviews_at_once`` at a time; AccessDenied (503) else."""
+        if self.queued >= self._queue_bound:
+            if not self._full:  # once per burst: a flood does not flood the log
+                log.warning("console: %d reviews are waiting: more are refused", self.queued)
+                self._full = True
+            raise AccessDenied(503, "too many token reviews are under way: try again soon")
+        self.queued += 1
+        try:
+            async with self._gate:
+                return await call()
+        finally:
+            self.queued -= 1
+            if self.queued == 0:
+                self._full = False
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -28,7 +28,7 @@ from gpuslice_common.auditstream import EventFilter
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.service import check_cancelled
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent
-from gpuslice_inventory.console.auth import AccessDenied, Authenticator, Viewer
+from gpuslice_inventory.console.auth import PORT_FORWARD, AccessDenied, Authenticator, Viewer
 from gpuslice_inventory.console.pods import PodSummary, find_pod, pod_document, pod_list
 from gpuslice_inventory.console.scope import event_visible, scope_snapshot, snapshot_namespaces
 from gpuslice_inventory.console.snapshot import SnapshotBuilder
@@ -36,9 +36,13 @@ from gpuslice_inventory.console.snapshot import SnapshotBuilder
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
 MAX_STREAMS = 1000  # open event streams per process; more are refused (503)
+# open event streams of one user (behind TokenReview): one tenant cannot take
+# every stream the console has from the others; a page holds one or two
+STREAMS_PER_USER = 32
 EVENTS_PER_STREAM = 1000  # audit events waiting for one slow viewer; older ones are dropped
 SCOPED_CACHE = 256  # distinct namespace sets (and pods) kept serialised per version
 RETRY_S = 2.0  # after a failed refresh or lost change notices, however long the tick
+MIN_RECHECK_S = 1.0  # an open stream asks again who its viewer is at most this often
 
 View = Literal["cluster", "pod", "audit"]
 
@@ -70,6 +74,10 @@ class Slot:
     namespace: str = ""
     name: str = ""
     audit: AuditQuery = field(default_factory=AuditQuery)
+    # who the viewer is now (its token reviewed again once the answer kept for
+    # it expires); None: no token to review (console_auth none)
+    recheck: Callable[[], Awaitable[Viewer]] | None = None
+    recheck_s: float = 60.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     events: deque[FeedEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_PER_STREAM))
 
@@ -96,7 +104,9 @@ class Hub:
         self.feed = feed
         self.tick = tick
         self.keepalive = keepalive
+        self.streams_per_user = STREAMS_PER_USER
         self.slots: set[Slot] = set()
+        self.closing = False  # set by close(): every open stream ends
         self.ready = asyncio.Event()  # set after the first refresh
         self.serialisations = 0  # scoped snapshots serialised (tests count them)
         self._dirty: set[str] = set()
@@ -175,6 +185,13 @@ class Hub:
                     if not failing:
                         log.warning("console: cannot refresh the snapshot: %s", exc)
                     failing = True
+                    self._stale("the ledger cannot be read")
+                except Exception as exc:  # data no reader expects: stale, said so, retried
+                    self._dirty |= dirty
+                    if not failing:
+                        log.error("console: cannot build the snapshot: %r", exc)
+                    failing = True
+                    self._stale("the snapshot cannot be built from what the ledger holds")
                 check_cancelled()  # one the Redis client swallowed still ends the loop
                 wait = max(0.0, next_full - time.monotonic())
                 if failing:
@@ -185,6 +202,12 @@ class Hub:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
+
+    def _stale(self, why: str) -> None:
+        """Tell viewers the snapshot they see is stale, and why."""
+        if self.builder.failed(why):
+            for slot in self.slots:
+                slot.wake.set()
 
     # ------------------------------------------------------------ what viewers get
 
@@ -247,22 +270,50 @@ class Hub:
 
     # ------------------------------------------------------------ streams
 
-    def check_room(self) -> None:
-        """Raise TooManyStreams when no more streams may open."""
+    def check_room(self, viewer: Viewer | None = None) -> None:
+        """Raise TooManyStreams when no more streams may open (for ``viewer``:
+        each user but the port-forward operator has a share of its own)."""
         if len(self.slots) >= MAX_STREAMS:
             raise TooManyStreams(f"{MAX_STREAMS} event streams are open on this console")
+        if viewer is None or viewer.user == PORT_FORWARD:
+            return
+        if sum(1 for s in self.slots if s.viewer.user == viewer.user) >= self.streams_per_user:
+            raise TooManyStreams(
+                f"{self.streams_per_user} event streams of {viewer.user[:100]} are open "
+                f"on this console: close one"
+            )
 
     def unsubscribe(self, slot: Slot) -> None:
         self.slots.discard(slot)
 
+    def close(self) -> None:
+        """End every open stream: the service is stopping. A viewer never hangs
+        up, so without this its HTTP server waits for them until it gives up and
+        cancels them (logging each as an error)."""
+        self.closing = True
+        for slot in self.slots:
+            slot.wake.set()
+
     async def stream(self, slot: Slot) -> AsyncIterator[bytes]:
         """Server-sent events for ``slot`` until the viewer goes (then the slot is
-        gone), or until the Kubernetes API cannot tell what the viewer may see."""
+        gone), until the Kubernetes API cannot tell what the viewer may see, or
+        until :meth:`close`, or until the viewer is no longer who opened it:
+        every ``recheck_s`` the token is reviewed again (from the cache while
+        its answer is kept), and a token revoked, expired, or whose user lost or
+        gained grants ends the stream (the page reconnects and is answered as it
+        is now)."""
         self.slots.add(slot)
+        every = max(slot.recheck_s, MIN_RECHECK_S)
+        next_check = time.monotonic() + every
         try:
             sent: bytes | None = None
             first = True
-            while True:
+            while not self.closing:
+                if slot.recheck is not None and time.monotonic() >= next_check:
+                    if not await self._still_allowed(slot):
+                        yield b": your access changed: reconnect\n\n"
+                        return
+                    next_check = time.monotonic() + every
                 if slot.view == "cluster":
                     body = await self.cluster_for(slot.viewer)
                     if body != sent:
@@ -281,8 +332,11 @@ class Hub:
                 if first:
                     first = False
                     yield b": connected\n\n"
+                wait = self.keepalive
+                if slot.recheck is not None:
+                    wait = min(wait, max(0.0, next_check - time.monotonic()))
                 try:
-                    await asyncio.wait_for(slot.wake.wait(), self.keepalive)
+                    await asyncio.wait_for(slot.wake.wait(), wait)
                     slot.wake.clear()
                 except TimeoutError:
                     yield b": keepalive\n\n"
@@ -290,6 +344,26 @@ class Hub:
             yield b": " + denied.message.encode() + b"\n\n"
         finally:
             self.unsubscribe(slot)
+
+    async def _still_allowed(self, slot: Slot) -> bool:
+        """Whether the stream's viewer is still the one it was opened for (same
+        identity, same cluster-wide or namespaced view) and, for a pod view,
+        may still see the pod's namespace. AccessDenied as :meth:`visible`, and
+        401 for a token the API no longer accepts."""
+        assert slot.recheck is not None
+        now = await slot.recheck()
+        then = slot.viewer
+        if (now.user, now.namespaces, now.groups, now.uid, now.extra) != (
+            then.user,
+            then.namespaces,
+            then.groups,
+            then.uid,
+            then.extra,
+        ):
+            return False
+        if slot.view == "pod":
+            return await self.authenticator.may_see(now, slot.namespace)
+        return True
 
     async def _may_see(self, viewer: Viewer, fed: FeedEvent) -> bool:
         if viewer.namespaces is None:

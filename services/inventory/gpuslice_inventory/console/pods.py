@@ -15,7 +15,7 @@ from typing import Any
 from gpuslice_common.events import AllocationEvent, EventType, PodDenied
 from gpuslice_common.models import Placement, PlacementState
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent, real_uid
-from gpuslice_inventory.console.snapshot import SnapshotBuilder, iso, peak_bytes
+from gpuslice_inventory.console.snapshot import SnapshotBuilder, iso
 
 MAX_PODS = 500
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # when a placement carries no time
@@ -193,7 +193,7 @@ def pod_document(builder: SnapshotBuilder, summary: PodSummary) -> dict[str, Any
                         {
                             "uuid": u.uuid,
                             "used_bytes": u.used_bytes,
-                            "peak_bytes": peak_bytes(u),
+                            "peak_bytes": u.peak_bytes,
                             "limit_bytes": u.limit_bytes,
                             "sm_percent": u.sm_percent,
                             "throttled_ns": u.throttled_ns,

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from nats.errors import Error as NatsError
@@ -26,11 +28,11 @@ from nats.js.errors import NotFoundError
 from gpuslice_common.auditstream import (
     EventFilter,
     audit_events,
-    event_pod,
     parse_since,
     parse_types,
 )
 from gpuslice_common.bus import Bus, BusError
+from gpuslice_inventory.console.auditfeed import stated_pod
 from gpuslice_inventory.console.auth import (
     AccessDenied,
     Authenticator,
@@ -70,6 +72,11 @@ DEFAULT_LIMIT = 500
 MAX_TEXT = 253  # a node, namespace or pod name (a uid is shorter)
 EXPORTS_AT_ONCE = 4  # exports read the stream itself: a few at a time
 DEFAULT_SINCE = "1h"
+EXPORT_HEADERS = {
+    "Content-Disposition": 'attachment; filename="gpuslice-audit.jsonl"',
+    "Cache-Control": "no-store",
+}
+STREAM_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -77,11 +84,41 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class ReadOnly:
-    """ASGI wrapper: GET and HEAD only (405 otherwise), security headers on every answer."""
+def loopback_host(host: str | None) -> bool:
+    """Whether a ``Host`` header names this machine's loopback: ``localhost`` or a
+    loopback address, with or without a port. A name that a DNS server answers
+    (``evil.example`` rebound to 127.0.0.1) is not one."""
+    if not host:
+        return False
+    name = host.strip().lower()
+    if name.startswith("["):  # [::1]:8090
+        name, bracket, rest = name[1:].partition("]")
+        if not bracket or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return False
+    else:
+        name, colon, port = name.partition(":")
+        if colon and not (port.isascii() and port.isdigit()):
+            return False
+    if name.rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
-    def __init__(self, app: Asgi) -> None:
+
+class ReadOnly:
+    """ASGI wrapper: GET and HEAD only (405 otherwise), security headers on every answer.
+
+    With ``loopback_only`` (``console_auth: none``, where whoever is answered
+    sees every tenant's pods) a request whose ``Host`` is not a loopback name
+    is refused (403): a web page the operator opens cannot rebind its own
+    host name to 127.0.0.1 and read the console as its own origin.
+    """
+
+    def __init__(self, app: Asgi, *, loopback_only: bool = False) -> None:
         self.app = app
+        self.loopback_only = loopback_only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -89,19 +126,14 @@ class ReadOnly:
             return
         if scope["method"] not in ("GET", "HEAD"):
             body = b'{"error":"the console is read-only: only GET and HEAD"}'
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 405,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"allow", b"GET, HEAD"),
-                        *SECURITY_HEADERS,
-                    ],
-                }
+            await _refuse(send, 405, body, [(b"allow", b"GET, HEAD")])
+            return
+        if self.loopback_only and not loopback_host(_header(scope, b"host")):
+            body = (
+                b'{"error":"without authentication the console answers only to a loopback '
+                b'host name (localhost, 127.0.0.1, [::1]): open it through kubectl port-forward"}'
             )
-            await send({"type": "http.response.body", "body": body})
+            await _refuse(send, 403, body)
             return
 
         async def with_headers(message: MutableMapping[str, Any]) -> None:
@@ -110,6 +142,32 @@ class ReadOnly:
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The one value of header ``name``; None when absent or given more than once."""
+    values = [v for k, v in scope.get("headers", []) if k.lower() == name]
+    if len(values) != 1:
+        return None
+    return bytes(values[0]).decode("latin-1")
+
+
+async def _refuse(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+                *SECURITY_HEADERS,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def _static_files() -> dict[str, tuple[bytes, str]]:
@@ -276,8 +334,8 @@ def create_console_app(
         viewer = await authenticate(request)
         query, limit = audit_query(request)
         visible: set[str] | None = None
-        if viewer.namespaces is not None:  # asked about the namespaces of the feed's pods
-            visible = await hub.visible(viewer, set(hub.feed.namespaces()))
+        if viewer.namespaces is not None:
+            visible = await hub.visible(viewer, hub.feed.namespaces_to_ask(query.wanted))
         found, truncated = hub.feed.query(
             query.wanted,
             query.since,
@@ -286,7 +344,8 @@ def create_console_app(
             lambda doc: event_visible(doc, visible),
         )
         body = b'{"events":[' + b",".join(f.line for f in found) + b"],"
-        body += b'"truncated":' + (b"true" if truncated else b"false") + b"}"
+        body += b'"truncated":' + (b"true" if truncated else b"false") + b","
+        body += b'"problem":' + orjson.dumps(hub.feed.problem()) + b"}"
         return _json(body)
 
     @app.api_route("/api/v1/audit/export", methods=["GET", "HEAD"])
@@ -294,6 +353,8 @@ def create_console_app(
         viewer = await authenticate(request)
         query, limit = audit_query(request)
         since = query.since or parse_since(DEFAULT_SINCE)
+        if request.method == "HEAD":  # what a GET would answer, without reading the stream
+            return Response(media_type="application/x-ndjson", headers=EXPORT_HEADERS)
         if exports.locked():
             raise ConsoleError(503, f"{EXPORTS_AT_ONCE} exports are running: try again soon")
         try:
@@ -305,15 +366,20 @@ def create_console_app(
         return StreamingResponse(
             _export_lines(bus, query, since, limit, viewer, authenticator, exports),
             media_type="application/x-ndjson",
-            headers={
-                "Content-Disposition": 'attachment; filename="gpuslice-audit.jsonl"',
-                "Cache-Control": "no-store",
-            },
+            headers=EXPORT_HEADERS,
         )
 
     @app.api_route("/api/v1/stream", methods=["GET", "HEAD"])
     async def stream(request: Request) -> Response:
         viewer = await authenticate(request)
+        header = request.headers.get("authorization")
+
+        async def recheck() -> Viewer:
+            return await authenticator.viewer(header)
+
+        checks: dict[str, Any] = {}
+        if auth != "none":
+            checks = {"recheck": recheck, "recheck_s": authenticator.cache_ttl_s}
         view = _one(request, "view") or "cluster"
         if view not in ("cluster", "pod", "audit"):
             raise ConsoleError(400, "view: one of cluster, pod, audit")
@@ -326,26 +392,26 @@ def create_console_app(
                 raise ConsoleError(400, "name: required for view=pod")
             if not await authenticator.may_see(viewer, namespace):
                 raise ConsoleError(404, f"no pod {namespace}/{name} is known")
-            slot = Slot(viewer, "pod", namespace, name)
+            slot = Slot(viewer, "pod", namespace, name, **checks)
         elif view == "audit":
             query, _ = audit_query(request)
-            slot = Slot(viewer, "audit", audit=query)
+            slot = Slot(viewer, "audit", audit=query, **checks)
         else:
-            slot = Slot(viewer, "cluster")
+            slot = Slot(viewer, "cluster", **checks)
         await ready()
         if view == "cluster":  # what it may see is asked now: a refusal is an answer, not a cut
             await hub.cluster_for(viewer)
+        if request.method == "HEAD":  # an answer that ends, holding no stream open
+            return Response(media_type="text/event-stream", headers=STREAM_HEADERS)
         try:
-            hub.check_room()
+            hub.check_room(viewer)
         except TooManyStreams as exc:
             raise ConsoleError(503, str(exc)) from None
         return StreamingResponse(
-            hub.stream(slot),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+            hub.stream(slot), media_type="text/event-stream", headers=STREAM_HEADERS
         )
 
-    return ReadOnly(app)
+    return ReadOnly(app, loopback_only=auth == "none")
 
 
 async def _export_lines(
@@ -368,7 +434,7 @@ async def _export_lines(
                 if not query.wanted.matches(event):
                     continue
                 if viewer.namespaces is not None:
-                    pod = event_pod(event)
+                    pod = stated_pod(event)
                     if pod is None or not await authenticator.may_see(viewer, pod.namespace):
                         continue
                 yield event.to_json() + b"\n"

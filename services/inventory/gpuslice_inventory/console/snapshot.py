@@ -40,10 +40,25 @@ def iso(when: datetime | None) -> str | None:
     return when.isoformat().replace("+00:00", "Z")
 
 
-def peak_bytes(usage: ContainerUsage) -> int:
-    """The container's highest use seen; its current use where telemetry has no peak."""
-    peak = getattr(usage, "peak_bytes", usage.used_bytes)
-    return peak if isinstance(peak, int) else usage.used_bytes
+COUNTER_MAX = 2**64 - 1  # what telemetry's counters hold; JSON numbers of the API stay in range
+
+
+def sane_usage(usage: ContainerUsage) -> bool:
+    """Whether a stored usage entry holds numbers telemetry can have written:
+    counters from 0 to 2**64-1 and a finite SM share from 0 to 100 %. The store
+    is read as untrusted: one entry beyond these (set by hand, an older writer)
+    is left out rather than break the snapshot for every viewer."""
+    counters = (
+        usage.used_bytes,
+        usage.limit_bytes,
+        usage.throttled_ns,
+        usage.denied_allocations,
+        usage.peak_bytes,
+    )
+    if not all(isinstance(c, int) and 0 <= c <= COUNTER_MAX for c in counters):
+        return False
+    sm = usage.sm_percent
+    return isinstance(sm, int | float) and 0.0 <= sm <= 100.0 and 0 <= usage.at_ms <= 2**53
 
 
 @dataclass
@@ -82,6 +97,9 @@ class SnapshotBuilder:
         self.at = clock()
         self.refreshes = 0  # refreshes that read Redis (tests count them)
         self.full_refreshes = 0  # of which with telemetry, liveness and the report
+        # why what is shown may be stale (the ledger cannot be read now); None when fresh
+        self.problem: str | None = None
+        self.read_at: datetime | None = None  # the last refresh that read Redis through
         self.document: dict[str, Any] = {}
         self.body = b""
         self._content = b""
@@ -124,9 +142,31 @@ class SnapshotBuilder:
             usages = await asyncio.gather(
                 *(self.telemetry.container_usage(n, prune=False) for n in names)
             )
-            self.usage = dict(zip(names, usages, strict=True))
+            self.usage = {
+                name: [u for u in found if sane_usage(u)]
+                for name, found in zip(names, usages, strict=True)
+            }
             self.report = await read_report(self.ledger.redis, self.prefix)
+        self.problem = None
+        self.read_at = self.clock()
         return self._compose()
+
+    def failed(self, why: str = "the ledger cannot be read") -> bool:
+        """A refresh failed (Redis does not answer, or holds what cannot be
+        shown): the document says so, with when it last read the ledger, instead
+        of passing old data off as live; True when the document changed (only
+        the first failure of an outage)."""
+        if self.problem is not None:
+            return False
+        when = iso(self.read_at) if self.read_at else "no time yet"
+        self.problem = f"{why}: what is shown was read at {when}"
+        # the last document with the problem (composing again may be what fails);
+        # the next refresh that reads through composes a new one
+        self.version += 1
+        self.document = {**self.document, "version": self.version, "problem": self.problem}
+        self.body = orjson.dumps(self.document)
+        self._content = b""
+        return True
 
     async def _read(self, names: list[str]) -> None:
         read = await self.ledger.read_nodes(names, vendor=None)  # every vendor's cards
@@ -180,6 +220,7 @@ class SnapshotBuilder:
             "fits": [k.model_dump(mode="json") for k in report.kinds] if report else [],
         }
         return {
+            "problem": self.problem,
             "report_at": iso(report.at) if report else None,
             "cluster": cluster,
             "nodes": nodes,
