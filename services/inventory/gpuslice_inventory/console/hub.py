@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 
 from gpuslice_common.auditstream import EventFilter
 from gpuslice_common.ledger import Ledger, LedgerError
+from gpuslice_common.service import check_cancelled
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent
 from gpuslice_inventory.console.auth import PORT_FORWARD, AccessDenied, Authenticator, Viewer
 from gpuslice_inventory.console.pods import PodSummary, find_pod, pod_document, pod_list
@@ -147,6 +148,7 @@ class Hub:
             except NotImplementedError:
                 return
             except LedgerError as exc:
+                check_cancelled()  # the Redis client may turn a cancellation into an error
                 log.debug("console: %s", exc)
                 await asyncio.sleep(min(self.tick, RETRY_S))
 
@@ -156,7 +158,9 @@ class Hub:
         self.poke()
 
     async def run(self) -> None:
-        """Refresh forever; a Redis outage is logged once and retried, never fatal."""
+        """Refresh forever; a Redis outage is logged once and retried, never fatal.
+        Cancelled, it ends, even when the Redis client turned the cancellation
+        into an error on the way (the inventory's stop waits for it)."""
         listener = asyncio.create_task(self._listen(), name="console-changes")
         next_full = 0.0
         failing = False
@@ -188,6 +192,7 @@ class Hub:
                         log.error("console: cannot build the snapshot: %r", exc)
                     failing = True
                     self._stale("the snapshot cannot be built from what the ledger holds")
+                check_cancelled()  # one the Redis client swallowed still ends the loop
                 wait = max(0.0, next_full - time.monotonic())
                 if failing:
                     wait = min(self.tick, RETRY_S)

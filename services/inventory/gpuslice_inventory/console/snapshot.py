@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from gpuslice_common.ledger import BadRecord, Ledger, NodeCards, NodeLiveness, StoredCard
-from gpuslice_common.models import Placement, utcnow
+from gpuslice_common.models import Placement, PlacementState, utcnow
 from gpuslice_common.occupancy import card_grants
 from gpuslice_common.reports import SchedulerReport, read_report
 from gpuslice_inventory.telemetry import ContainerUsage, TelemetryStore
@@ -230,6 +230,9 @@ class SnapshotBuilder:
         liveness = self.liveness.get(name)
         live = isinstance(liveness, NodeLiveness) and liveness.unavailable_since is None
         share = self.report.nodes.get(name) if self.report else None
+        # released placements stay in the ledger for an hour: set aside once per
+        # node, not once per card, so a node's history does not slow every refresh
+        held = [p for p in entry.placements if p.state is not PlacementState.RELEASED]
         usage: dict[str, list[ContainerUsage]] = {}
         for u in self.usage.get(name, []):
             usage.setdefault(u.uuid, []).append(u)
@@ -239,7 +242,7 @@ class SnapshotBuilder:
             "rebuilt": entry.rebuilt,
             "fragmentation": share.fragmentation if share else None,
             "free_share": share.free_share if share else None,
-            "cards": [self._card_doc(card, entry, usage.get(card.uuid)) for card in entry.cards],
+            "cards": [self._card_doc(card, held, usage.get(card.uuid)) for card in entry.cards],
         }
         if entry.problem:
             doc["problem"] = entry.problem
@@ -247,7 +250,7 @@ class SnapshotBuilder:
 
     @staticmethod
     def _card_doc(
-        card: StoredCard, entry: NodeEntry, usage: list[ContainerUsage] | None
+        card: StoredCard, held: list[Placement], usage: list[ContainerUsage] | None
     ) -> dict[str, Any]:
         measured: dict[str, float | None] = {"memory_mib": None, "sm_percent": None}
         if usage:
@@ -282,7 +285,7 @@ class SnapshotBuilder:
                     "memory_mib": g.memory_mib,
                     "cores": g.cores,
                 }
-                for g in card_grants(card.uuid, entry.placements)
+                for g in card_grants(card.uuid, held)
             ],
             "others": None,
         }
