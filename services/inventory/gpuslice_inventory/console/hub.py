@@ -1,7 +1,8 @@
 """One refresher per inventory process, shared by every viewer of the console.
 
 Every ``tick`` (and at once when the ledger announces a change or the audit
-feed brings an alloc.* event) the :class:`Hub` refreshes the snapshot; when its
+feed brings an alloc.* event, changes closer together than ``MIN_REFRESH_S``
+read in one refresh) the :class:`Hub` refreshes the snapshot; when its
 content changed, every open stream is woken. A stream's slot holds no copy of
 the snapshot: woken, it takes the newest bytes, so a slow viewer skips
 snapshots and never grows memory. Bytes are serialised once per version and
@@ -42,6 +43,10 @@ STREAMS_PER_USER = 32
 EVENTS_PER_STREAM = 1000  # audit events waiting for one slow viewer; older ones are dropped
 SCOPED_CACHE = 256  # distinct namespace sets (and pods) kept serialised per version
 RETRY_S = 2.0  # after a failed refresh or lost change notices, however long the tick
+# changes closer together than this are read in one refresh: a busy cluster (ten
+# changes a second) is refreshed and pushed at most four times a second, not once
+# per change to every page
+MIN_REFRESH_S = 0.25
 MIN_RECHECK_S = 1.0  # an open stream asks again who its viewer is at most this often
 
 View = Literal["cluster", "pod", "audit"]
@@ -97,12 +102,14 @@ class Hub:
         authenticator: Authenticator,
         tick: float,
         keepalive: float = KEEPALIVE_S,
+        min_refresh: float = MIN_REFRESH_S,
     ) -> None:
         self.ledger = ledger
         self.authenticator = authenticator
         self.builder = builder
         self.feed = feed
         self.tick = tick
+        self.min_refresh = min_refresh
         self.keepalive = keepalive
         self.streams_per_user = STREAMS_PER_USER
         self.slots: set[Slot] = set()
@@ -196,8 +203,11 @@ class Hub:
                 wait = max(0.0, next_full - time.monotonic())
                 if failing:
                     wait = min(self.tick, RETRY_S)
+                refreshed = time.monotonic()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
+                    # woken by a change: the ones that follow it closely come along
+                    await asyncio.sleep(max(0.0, refreshed + self.min_refresh - time.monotonic()))
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
