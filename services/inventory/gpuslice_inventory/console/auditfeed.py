@@ -30,8 +30,8 @@ from gpuslice_common.auditstream import (
     event_pod,
 )
 from gpuslice_common.bus import Bus, BusError
-from gpuslice_common.events import CloudEvent
-from gpuslice_common.models import Frozen, PodRef
+from gpuslice_common.events import AllocationEvent, CloudEvent, EventType, PodDenied
+from gpuslice_common.models import PodRef
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0
@@ -55,26 +55,51 @@ def stated_pod(event: CloudEvent) -> PodRef | None:
     return pod
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FeedEvent:
-    """One event with its payload, pod, node, JSON document and line, parsed once."""
+    """One event with what the console reads of it, worked out once: its id,
+    source, type, time, pod, node, reason, policy and JSON line. The parsed event,
+    payload and document are not kept (about 7 KiB an event, of the feed's
+    20,000); :attr:`doc` parses the line when asked."""
 
-    event: CloudEvent
-    payload: Frozen
+    id: str
+    source: str
+    type: EventType
+    time: datetime
     pod: PodRef | None
     node: str | None
-    doc: dict[str, Any]
+    reason: str | None  # a denial's, or an alloc.* event's when it gives one
+    policy: str | None  # the policy an alloc.* event names
     line: bytes  # the event's JSON, as sent to viewers
 
     @classmethod
     def of(cls, event: CloudEvent) -> FeedEvent:
-        line = event.to_json()
+        payload = event.payload()
+        reason = policy = None
+        if isinstance(payload, PodDenied):
+            reason = payload.reason
+        elif isinstance(payload, AllocationEvent):
+            reason, policy = payload.reason or None, payload.policy or None
         return cls(
-            event, event.payload(), stated_pod(event), event_node(event), orjson.loads(line), line
+            event.id,
+            event.source,
+            event.type,
+            event.time,
+            stated_pod(event),
+            event_node(event),
+            reason,
+            policy,
+            event.to_json(),
         )
 
+    @property
+    def doc(self) -> dict[str, Any]:
+        """The event as a JSON document (parsed from its line on each call)."""
+        doc: dict[str, Any] = orjson.loads(self.line)
+        return doc
+
     def matches(self, wanted: EventFilter) -> bool:
-        return wanted.matches_parts(self.event.type, self.pod, self.node)
+        return wanted.matches_parts(self.type, self.pod, self.node)
 
 
 class AuditFeed:
@@ -146,7 +171,7 @@ class AuditFeed:
         """The newest ``limit`` matching events, oldest first, and whether more matched."""
         found: list[FeedEvent] = []
         for fed in reversed(self.events):
-            when = fed.event.time
+            when = fed.time
             if until is not None and when > until:
                 continue
             if since is not None and when < since:

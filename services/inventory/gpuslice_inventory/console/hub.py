@@ -62,7 +62,7 @@ class AuditQuery:
 
     def matches(self, fed: FeedEvent) -> bool:
         """Whether ``fed`` passes the filters (who may see it is checked apart)."""
-        when = fed.event.time
+        when = fed.time
         if self.since is not None and when < self.since:
             return False
         if self.until is not None and when > self.until:

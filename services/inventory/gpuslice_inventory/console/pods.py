@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuslice_common.events import AllocationEvent, EventType, PodDenied
+from gpuslice_common.events import EventType
 from gpuslice_common.models import Placement, PlacementState
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent, real_uid
 from gpuslice_inventory.console.snapshot import SnapshotBuilder, iso
@@ -59,12 +59,7 @@ def _placement_since(p: Placement) -> datetime | None:
 
 
 def _event_reason(fed: FeedEvent) -> str | None:
-    payload = fed.payload
-    if isinstance(payload, PodDenied):
-        return payload.reason
-    if isinstance(payload, AllocationEvent) and payload.reason:
-        return payload.reason
-    return None
+    return fed.reason
 
 
 def _from_events(namespace: str, name: str, events: list[FeedEvent]) -> list[PodSummary]:
@@ -77,11 +72,11 @@ def _from_events(namespace: str, name: str, events: list[FeedEvent]) -> list[Pod
         if pod is None:
             continue
         uid = real_uid(pod.uid)
-        state = STORY_STATES[fed.event.type]
-        if uid is None or fed.event.type is EventType.POD_DENIED:
-            if fed.event.type is EventType.POD_DENIED:
+        state = STORY_STATES[fed.type]
+        if uid is None or fed.type is EventType.POD_DENIED:
+            if fed.type is EventType.POD_DENIED:
                 denied = PodSummary(
-                    uid, namespace, name, None, "denied", fed.event.time, _event_reason(fed)
+                    uid, namespace, name, None, "denied", fed.time, _event_reason(fed)
                 )
                 denied.events = [*waiting, fed]
                 waiting = []
@@ -91,7 +86,7 @@ def _from_events(namespace: str, name: str, events: list[FeedEvent]) -> list[Pod
             continue
         summary = by_uid.get(uid)
         if summary is None:
-            summary = PodSummary(uid, namespace, name, None, state, fed.event.time)
+            summary = PodSummary(uid, namespace, name, None, state, fed.time)
             summary.events = waiting
             waiting = []
             by_uid[uid] = summary
@@ -99,12 +94,12 @@ def _from_events(namespace: str, name: str, events: list[FeedEvent]) -> list[Pod
         summary.events.append(fed)
         if state != "admitted":
             summary.state = state
-            summary.since = fed.event.time
+            summary.since = fed.time
             summary.reason = _event_reason(fed)
             summary.node = fed.node or summary.node
     if waiting:  # admitted, not placed yet
         first = waiting[-1]
-        pending = PodSummary(None, namespace, name, None, "admitted", first.event.time)
+        pending = PodSummary(None, namespace, name, None, "admitted", first.time)
         pending.events = waiting
         pods.append(pending)
     return pods
@@ -206,21 +201,14 @@ def pod_document(builder: SnapshotBuilder, summary: PodSummary) -> dict[str, Any
                 }
             )
     elif summary.events:
-        policy = next(
-            (
-                pl.policy
-                for f in reversed(summary.events)
-                if isinstance(pl := f.payload, AllocationEvent) and pl.policy
-            ),
-            None,
-        )
+        policy = next((f.policy for f in reversed(summary.events) if f.policy), None)
     story = [
         {
-            "type": STORY_STATES[f.event.type],
-            "time": iso(f.event.time),
-            "source": f.event.source,
+            "type": STORY_STATES[f.type],
+            "time": iso(f.time),
+            "source": f.source,
             "reason": _event_reason(f),
-            "id": f.event.id,
+            "id": f.id,
         }
         for f in summary.events
     ]
