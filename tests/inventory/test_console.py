@@ -509,6 +509,31 @@ async def test_export_streams_json_lines_from_the_stream(console: Console, bus: 
 # ---------------------------------------------------------------- pods
 
 
+async def test_a_pods_document_is_worked_out_again_only_when_its_story_changes(
+    console: Console, bus: Bus
+) -> None:
+    """Pod pages on a busy cluster: other pods' events leave a pod's document as
+    it was, so a hundred pages of it cost one document per change to it."""
+    hub = console.hub
+    await bus.publish_acked(admitted(TRAIN))
+    await feed_holds(console, 1)
+    first = hub.pod_bytes(TRAIN.namespace, TRAIN.name)
+    assert first is not None
+    built = hub.pod_builds
+    neighbours = [
+        PodRef(uid=f"uid-n{i}", namespace=TRAIN.namespace, name=f"n{i}") for i in range(5)
+    ]
+    for pod in neighbours:
+        await bus.publish_acked(admitted(pod))
+    await feed_holds(console, 1 + len(neighbours))
+    assert hub.pod_bytes(TRAIN.namespace, TRAIN.name) == first
+    assert hub.pod_builds == built
+    await bus.publish_acked(alloc_event(EventType.ALLOC_FAILED, TRAIN, "gpu-1", reason="no fit"))
+    await feed_holds(console, 2 + len(neighbours))
+    assert hub.pod_bytes(TRAIN.namespace, TRAIN.name) != first  # its own event: a new story
+    assert hub.pod_builds == built + 1
+
+
 async def test_pod_document_with_cards_usage_and_story(console: Console, bus: Bus) -> None:
     await register(console, bus, ("gpu-1", 1))
     ledger = console.state.ledger

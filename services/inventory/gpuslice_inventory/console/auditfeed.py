@@ -197,6 +197,15 @@ class AuditFeed:
             return {wanted.namespace}
         return self.namespaces()
 
+    def pod_stamp(self, namespace: str, name: str) -> tuple[tuple[int, int], ...]:
+        """What changes when an event joins (or leaves) the story of pods named
+        ``namespace/name`` (:meth:`pod_events`), and nothing else: their
+        documents are worked out again only then."""
+        named = self.by_pod.get((namespace, name), ())
+        uids = sorted({u for f in named if (p := f.pod) and (u := real_uid(p.uid))})
+        kept = [named, *(self.by_uid.get(u, ()) for u in uids)]
+        return tuple((len(k), id(k[-1]) if k else 0) for k in kept)
+
     def pod_events(self, namespace: str, name: str) -> list[FeedEvent]:
         """Every kept event of pods named ``namespace/name``, with the events of
         their uids that carry no name, in feed order."""

@@ -7,7 +7,7 @@ content changed, every open stream is woken. A stream's slot holds no copy of
 the snapshot: woken, it takes the newest bytes, so a slow viewer skips
 snapshots and never grows memory. Bytes are serialised once per version and
 namespace set (100 viewers of one scope cost one serialisation), and pod
-documents once per version, feed position and pod.
+documents once per version and change to the pod's story.
 """
 
 from __future__ import annotations
@@ -116,12 +116,13 @@ class Hub:
         self.closing = False  # set by close(): every open stream ends
         self.ready = asyncio.Event()  # set after the first refresh
         self.serialisations = 0  # scoped snapshots serialised (tests count them)
+        self.pod_builds = 0  # pod documents worked out (tests count them)
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
         self._scoped: dict[frozenset[str] | None, bytes] = {}
         self._scoped_version = 0
         self._namespaces: tuple[int, set[str]] = (-1, set())
-        self._pods: dict[tuple[str, str], tuple[tuple[int, int], bytes | None]] = {}
+        self._pods: dict[tuple[str, str], tuple[tuple[int, object], bytes | None]] = {}
         self._pod_list: tuple[tuple[int, int], list[PodSummary]] = ((-1, -1), [])
         feed.followers.append(self.on_event)
 
@@ -143,7 +144,12 @@ class Hub:
             if slot.view == "audit" and slot.audit.matches(fed):
                 slot.events.append(fed)
                 slot.wake.set()
-            elif slot.view == "pod" and pod is not None and pod.namespace == slot.namespace:
+            elif (
+                slot.view == "pod"
+                and pod is not None
+                and pod.namespace == slot.namespace
+                and pod.name in ("", slot.name)  # its story's events only
+            ):
                 slot.wake.set()
 
     async def _listen(self) -> None:
@@ -260,10 +266,11 @@ class Hub:
     def pod_bytes(self, namespace: str, name: str) -> bytes | None:
         """The pod document of ``namespace/name``; None when nothing knows it.
         Callers check that the viewer may see the namespace first."""
-        stamp = (self.builder.version, self.feed.received)
+        stamp = (self.builder.version, self.feed.pod_stamp(namespace, name))
         cached = self._pods.get((namespace, name))
         if cached is not None and cached[0] == stamp:
             return cached[1]
+        self.pod_builds += 1
         summary = find_pod(self.builder, self.feed, namespace, name)
         body = None if summary is None else orjson.dumps(pod_document(self.builder, summary))
         if len(self._pods) > SCOPED_CACHE:
