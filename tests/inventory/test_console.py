@@ -534,6 +534,31 @@ async def test_a_pods_document_is_worked_out_again_only_when_its_story_changes(
     assert hub.pod_builds == built + 1
 
 
+async def test_a_pods_streams_get_its_document_at_most_every_min_refresh(
+    console: Console, bus: Bus
+) -> None:
+    """A pod re-created many times a second: its pages get a newer document once the
+    last is ``min_refresh`` old, and are told when to look again."""
+    hub = console.hub
+    await bus.publish_acked(admitted(TRAIN))
+    await feed_holds(console, 1)
+    first, later = hub.pod_answer(TRAIN.namespace, TRAIN.name)
+    assert first is not None
+    assert later == 0
+    hub.min_refresh = 3600.0
+    await bus.publish_acked(alloc_event(EventType.ALLOC_FAILED, TRAIN, "gpu-1", reason="no fit"))
+    await feed_holds(console, 2)
+    built = hub.pod_builds
+    kept, later = hub.pod_answer(TRAIN.namespace, TRAIN.name)
+    assert (kept, hub.pod_builds) == (first, built)
+    assert 0 < later <= 3600
+    assert hub.pod_bytes(TRAIN.namespace, TRAIN.name) != first  # a GET is answered as it is now
+    hub.min_refresh = 0.0
+    newer, later = hub.pod_answer(TRAIN.namespace, TRAIN.name)
+    assert newer != first
+    assert later == 0
+
+
 async def test_pod_document_with_cards_usage_and_story(console: Console, bus: Bus) -> None:
     await register(console, bus, ("gpu-1", 1))
     ledger = console.state.ledger

@@ -122,7 +122,7 @@ class Hub:
         self._scoped: dict[frozenset[str] | None, bytes] = {}
         self._scoped_version = 0
         self._namespaces: tuple[int, set[str]] = (-1, set())
-        self._pods: dict[tuple[str, str], tuple[tuple[int, object], bytes | None]] = {}
+        self._pods: dict[tuple[str, str], tuple[tuple[int, object], bytes | None, float]] = {}
         self._pod_list: tuple[tuple[int, int], list[PodSummary]] = ((-1, -1), [])
         feed.followers.append(self.on_event)
 
@@ -264,19 +264,36 @@ class Hub:
         return body
 
     def pod_bytes(self, namespace: str, name: str) -> bytes | None:
-        """The pod document of ``namespace/name``; None when nothing knows it.
-        Callers check that the viewer may see the namespace first."""
+        """The pod document of ``namespace/name`` as it is now; None when nothing
+        knows it. Callers check that the viewer may see the namespace first."""
+        return self.pod_answer(namespace, name, throttle=False)[0]
+
+    def pod_answer(
+        self, namespace: str, name: str, throttle: bool = True
+    ) -> tuple[bytes | None, float]:
+        """The pod document of ``namespace/name``, and how long until a newer one
+        may be worked out (0: this one is current). A document is worked out again
+        only when its pod's story or the snapshot changed, and for streams
+        (``throttle``) at most every ``min_refresh``: a pod re-created ten times a
+        second gives its pages four documents a second, not one per viewer and
+        change."""
+        key = (namespace, name)
         stamp = (self.builder.version, self.feed.pod_stamp(namespace, name))
-        cached = self._pods.get((namespace, name))
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
+        now = time.monotonic()
+        cached = self._pods.get(key)
+        if cached is not None:
+            then, body, built = cached
+            if then == stamp:
+                return body, 0.0
+            if throttle and now - built < self.min_refresh:
+                return body, built + self.min_refresh - now
         self.pod_builds += 1
         summary = find_pod(self.builder, self.feed, namespace, name)
         body = None if summary is None else orjson.dumps(pod_document(self.builder, summary))
         if len(self._pods) > SCOPED_CACHE:
             self._pods.clear()
-        self._pods[(namespace, name)] = (stamp, body)
-        return body
+        self._pods[key] = (stamp, body, now)
+        return body, 0.0
 
     def pod_summaries(self) -> list[PodSummary]:
         """Every known pod, newest first, worked out once per version and feed position."""
@@ -326,6 +343,7 @@ class Hub:
             sent: bytes | None = None
             first = True
             while not self.closing:
+                later = 0.0
                 if slot.recheck is not None and time.monotonic() >= next_check:
                     if not await self._still_allowed(slot):
                         yield b": your access changed: reconnect\n\n"
@@ -337,7 +355,7 @@ class Hub:
                         sent = body
                         yield b"event: cluster\ndata: " + body + b"\n\n"
                 elif slot.view == "pod":  # its namespace was checked when it opened
-                    pod = self.pod_bytes(slot.namespace, slot.name)
+                    pod, later = self.pod_answer(slot.namespace, slot.name)
                     if pod is not None and pod != sent:
                         sent = pod
                         yield b"event: pod\ndata: " + pod + b"\n\n"
@@ -352,11 +370,14 @@ class Hub:
                 wait = self.keepalive
                 if slot.recheck is not None:
                     wait = min(wait, max(0.0, next_check - time.monotonic()))
+                if later:  # a newer pod document is due: look again then
+                    wait = min(wait, later)
                 try:
                     await asyncio.wait_for(slot.wake.wait(), wait)
                     slot.wake.clear()
                 except TimeoutError:
-                    yield b": keepalive\n\n"
+                    if not later:
+                        yield b": keepalive\n\n"
         except AccessDenied as denied:
             yield b": " + denied.message.encode() + b"\n\n"
         finally:
