@@ -111,6 +111,11 @@ class AuditFeed:
         self.events: deque[FeedEvent] = deque()
         self.by_uid: dict[str, deque[FeedEvent]] = {}
         self.by_pod: dict[tuple[str, str], deque[FeedEvent]] = {}
+        # the last change to each pod name's story, by (namespace, name), as a
+        # number of _seq; a name without events has none (see pod_stamp)
+        self._stories: dict[tuple[str, str], int] = {}
+        self._seq = 0
+        self._floor = 0
         self.followers: list[Callable[[FeedEvent], None]] = []
         self.received = 0
         # why the feed may be missing events now (see problem()); None while it reads
@@ -134,6 +139,7 @@ class AuditFeed:
         fed = FeedEvent.of(event)
         self.events.append(fed)
         self.received += 1
+        self._story_moved(fed)
         for key, index in self._keys(fed):
             index.setdefault(key, deque()).append(fed)
         while len(self.events) > self.capacity:
@@ -152,13 +158,24 @@ class AuditFeed:
         if pod.name:
             yield (pod.namespace, pod.name), self.by_pod
 
+    def _story_moved(self, fed: FeedEvent) -> None:
+        """Mark a change to the stories ``fed`` belongs to (:meth:`pod_stamp`) with
+        a number never used before."""
+        if (pod := fed.pod) is not None:
+            self._seq += 1
+            self._stories[(pod.namespace, pod.name)] = self._seq  # nameless: (ns, "")
+
     def _forget(self, fed: FeedEvent) -> None:
+        self._story_moved(fed)
         for key, index in self._keys(fed):
             kept = index.get(key)
             if kept and kept[0] is fed:
                 kept.popleft()
             if not kept:
                 index.pop(key, None)
+                if index is self.by_pod:  # a name with no event left: its mark goes
+                    self._stories.pop(key, None)
+                    self._floor = self._seq  # ... and the unmarked stamp moves on
 
     def query(
         self,
@@ -197,14 +214,17 @@ class AuditFeed:
             return {wanted.namespace}
         return self.namespaces()
 
-    def pod_stamp(self, namespace: str, name: str) -> tuple[tuple[int, int], ...]:
+    def pod_stamp(self, namespace: str, name: str) -> tuple[int, int, int]:
         """What changes when an event joins (or leaves) the story of pods named
         ``namespace/name`` (:meth:`pod_events`), and nothing else: their
-        documents are worked out again only then."""
-        named = self.by_pod.get((namespace, name), ())
-        uids = sorted({u for f in named if (p := f.pod) and (u := real_uid(p.uid))})
-        kept = [named, *(self.by_uid.get(u, ()) for u in uids)]
-        return tuple((len(k), id(k[-1]) if k else 0) for k in kept)
+        documents are worked out again only then. Counted as events come and go,
+        so asking costs nothing however long the story."""
+        stories, floor = self._stories, self._floor
+        return (
+            stories.get((namespace, name), floor),
+            stories.get((namespace, ""), floor),  # events of the namespace that name no pod
+            floor,
+        )
 
     def pod_events(self, namespace: str, name: str) -> list[FeedEvent]:
         """Every kept event of pods named ``namespace/name``, with the events of
@@ -248,6 +268,9 @@ class AuditFeed:
                 self.events.clear()
                 self.by_uid.clear()
                 self.by_pod.clear()
+                self._stories.clear()
+                self._seq += 1
+                self._floor = self._seq
                 async for event in audit_events(
                     self.bus,
                     start,
