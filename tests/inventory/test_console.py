@@ -37,12 +37,11 @@ from gpuslice_common.models import (
     ContainerAssignment,
     ContainerGpuRequest,
     DeviceGrant,
-    GpuPolicy,
     MemoryRequest,
     Placement,
     PodRef,
 )
-from gpuslice_common.reports import Fragmentation, ReportKind, SchedulerReport, write_report
+from gpuslice_common.reports import write_report
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_inventory.console.auth import Viewer
 from gpuslice_inventory.console.hub import MIN_REFRESH_S
@@ -50,6 +49,7 @@ from gpuslice_inventory.service import Running, running
 from tests.conftest import make_inventory
 from tests.inventory.conftest import announce, rebuilt, settings_for, until
 from tests.kubeapi import FakeApiServer, Stream
+from tests.test_report import sample
 
 MIB = 1024 * 1024
 TRAIN = PodRef(uid="uid-train-1", namespace="team-a", name="train-1")
@@ -212,24 +212,7 @@ async def test_snapshot_counts_cards_placements_telemetry_and_the_report(
         telemetry_sample("gpu-1", TRAIN.uid, 1024 * MIB, 12.5),
     )
     assert await telemetry.flush() == 1
-    report = SchedulerReport(
-        at=datetime(2026, 11, 25, 1, 0, tzinfo=UTC),
-        policy=GpuPolicy.FRAGMENTATION,
-        cluster=Fragmentation(fragmentation=0.12, free_share=5300.0),
-        nodes={"gpu-1": Fragmentation(fragmentation=0.05, free_share=1250.0)},
-        kinds=(
-            ReportKind(
-                label="1 card, 25% of cores, any memory",
-                weight=0.18,
-                count=1,
-                memory_mib=None,
-                memory_percent=None,
-                cores=25,
-                exclusive=False,
-                fits=37,
-            ),
-        ),
-    )
+    report = sample()  # the report tests' own
     await write_report(ledger.redis, prefix, report)
 
     async def measured() -> bool:

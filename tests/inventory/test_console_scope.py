@@ -10,9 +10,17 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuslice_common.events import (
+    AllocationEvent,
+    EventType,
+    PodAdmitted,
+    PodDenied,
+    make_event,
+)
+from gpuslice_common.models import PodRef
+from gpuslice_inventory.console.auditfeed import FeedEvent
 from gpuslice_inventory.console.auth import Viewer
 from gpuslice_inventory.console.scope import (
-    event_visible,
     namespace_visible,
     scope_snapshot,
     snapshot_namespaces,
@@ -150,32 +158,20 @@ def test_what_is_no_snapshot_scopes_to_nothing() -> None:
 
 
 def test_events_of_visible_namespaces_only_and_none_without_a_pod() -> None:
-    admitted = {
-        "type": "io.gpuslice.pod.admitted",
-        "data": {"pod": {"uid": "u", "namespace": "team-a"}},
-    }
-    other = {"type": "io.gpuslice.pod.denied", "data": {"pod": {"uid": "v", "namespace": "team-b"}}}
-    no_pod = {"type": "io.gpuslice.alloc.failed", "data": {"node": "gpu-1", "reason": "no pod"}}
-    assert event_visible(admitted, {"team-a"})
-    assert not event_visible(other, {"team-a"})
-    assert not event_visible(no_pod, {"team-a"})
-    for event in (admitted, other, no_pod, None, "x"):
-        assert event_visible(event, None)  # a cluster-wide viewer sees every one
-    hostile: list[Any] = [
-        None,
-        "team-a",
-        [],
-        {"data": None},
-        {"data": "team-a"},
-        {"data": {"pod": "team-a"}},
-        {"data": {"pod": {"namespace": None}}},
-        {"data": {"pod": {"namespace": ["team-a"]}}},
-        {"data": {"pod": {"namespace": ""}}},
-        {"data": {"pod": {"namespace": {"team-a": 1}}}},
-        {"namespace": "team-a"},
-    ]
-    for event in hostile:
-        assert not event_visible(event, {"team-a"}), event
+    def event(kind: EventType, payload: Any) -> FeedEvent:
+        return FeedEvent.of(make_event(kind, payload, source="/test"))
+
+    a = PodRef(uid="u", namespace="team-a", name="a")
+    b = PodRef(uid="v", namespace="team-b", name="b")
+    admitted = event(EventType.POD_ADMITTED, PodAdmitted(pod=a, containers=()))
+    other = event(EventType.POD_DENIED, PodDenied(pod=b, reason="no"))
+    no_pod = event(EventType.ALLOC_FAILED, AllocationEvent(pod=None, node="gpu-1", reason="x"))
+    assert admitted.visible_to({"team-a"})
+    assert not other.visible_to({"team-a"})
+    assert not no_pod.visible_to({"team-a"})
+    assert not admitted.visible_to(set())
+    for fed in (admitted, other, no_pod):
+        assert fed.visible_to(None)  # a cluster-wide viewer sees every one
 
 
 def test_namespace_visible_reads_only_names_in_the_set() -> None:
@@ -224,7 +220,6 @@ JSON = st.recursive(
 @given(JSON)
 def test_no_data_makes_scoping_raise_or_leak(data: Any) -> None:
     scoped = scope_snapshot(data, TEAM_A, {"team-a"})
-    event_visible(data, {"team-a"})
     snapshot_namespaces(data)
     for node in scoped.get("nodes", []):
         for c in node["cards"]:

@@ -13,12 +13,11 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import orjson
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
@@ -32,6 +31,7 @@ from gpuslice_common.auditstream import (
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.events import AllocationEvent, CloudEvent, EventType, PodDenied
 from gpuslice_common.models import PodRef
+from gpuslice_inventory.console.scope import namespace_visible
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0
@@ -60,7 +60,7 @@ class FeedEvent:
     """One event with what the console reads of it, worked out once: its id,
     source, type, time, pod, node, reason, policy and JSON line. The parsed event,
     payload and document are not kept (about 7 KiB an event, of the feed's
-    20,000); :attr:`doc` parses the line when asked."""
+    20,000)."""
 
     id: str
     source: str
@@ -92,11 +92,12 @@ class FeedEvent:
             event.to_json(),
         )
 
-    @property
-    def doc(self) -> dict[str, Any]:
-        """The event as a JSON document (parsed from its line on each call)."""
-        doc: dict[str, Any] = orjson.loads(self.line)
-        return doc
+    def visible_to(self, visible: Collection[str] | None) -> bool:
+        """Whether a viewer who sees ``visible`` namespaces (None: all) may see it:
+        one that names no pod's namespace only when the viewer sees all."""
+        if visible is None:
+            return True
+        return self.pod is not None and namespace_visible(self.pod.namespace, visible)
 
     def matches(self, wanted: EventFilter) -> bool:
         return wanted.matches_parts(self.type, self.pod, self.node)
@@ -183,7 +184,7 @@ class AuditFeed:
         since: datetime | None,
         until: datetime | None,
         limit: int,
-        visible: Callable[[dict[str, Any]], bool],
+        visible: Collection[str] | None,
     ) -> tuple[list[FeedEvent], bool]:
         """The newest ``limit`` matching events, oldest first, and whether more matched."""
         found: list[FeedEvent] = []
@@ -193,7 +194,7 @@ class AuditFeed:
                 continue
             if since is not None and when < since:
                 continue
-            if fed.matches(wanted) and visible(fed.doc):
+            if fed.matches(wanted) and fed.visible_to(visible):
                 if len(found) == limit:
                     return found[::-1], True
                 found.append(fed)

@@ -31,7 +31,7 @@ from gpuslice_common.service import check_cancelled
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent
 from gpuslice_inventory.console.auth import PORT_FORWARD, AccessDenied, Authenticator, Viewer
 from gpuslice_inventory.console.pods import PodSummary, find_pod, pod_document, pod_list
-from gpuslice_inventory.console.scope import event_visible, scope_snapshot, snapshot_namespaces
+from gpuslice_inventory.console.scope import scope_snapshot, snapshot_namespaces
 from gpuslice_inventory.console.snapshot import SnapshotBuilder
 
 log = logging.getLogger(__name__)
@@ -407,4 +407,4 @@ class Hub:
         if viewer.namespaces is None:
             return True
         namespaces = {fed.pod.namespace} if fed.pod is not None else set()
-        return event_visible(fed.doc, await self.visible(viewer, namespaces))
+        return fed.visible_to(await self.visible(viewer, namespaces))

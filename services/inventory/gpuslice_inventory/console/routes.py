@@ -43,7 +43,7 @@ from gpuslice_inventory.console.auth import (
 from gpuslice_inventory.console.errors import ConsoleError
 from gpuslice_inventory.console.hub import AuditQuery, Hub, Slot, TooManyStreams
 from gpuslice_inventory.console.pods import MAX_PODS
-from gpuslice_inventory.console.scope import event_visible, namespace_visible
+from gpuslice_inventory.console.scope import namespace_visible
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ def create_console_app(
             query.since,
             query.until,
             limit or DEFAULT_LIMIT,
-            lambda doc: event_visible(doc, visible),
+            visible,
         )
         body = b'{"events":[' + b",".join(f.line for f in found) + b"],"
         body += b'"truncated":' + (b"true" if truncated else b"false") + b","

@@ -24,7 +24,7 @@ from gpuslice_inventory.console.auth import Viewer
 # a pod's memory (MiB) or cores beyond this is no share of a card: not summed
 MAX_AMOUNT = 2**40
 
-__all__ = ["event_visible", "namespace_visible", "scope_snapshot", "snapshot_namespaces"]
+__all__ = ["namespace_visible", "scope_snapshot", "snapshot_namespaces"]
 
 
 def namespace_visible(namespace: Any, visible: Collection[str] | None) -> bool:
@@ -38,18 +38,6 @@ def namespace_visible(namespace: Any, visible: Collection[str] | None) -> bool:
         return namespace in visible
     except TypeError:
         return False
-
-
-def event_visible(event: Any, visible: Collection[str] | None) -> bool:
-    """Whether an audit event (CloudEvent JSON) may be shown: always to a
-    cluster-wide viewer (``visible`` None); else only when it names a pod
-    (``data.pod.namespace``) of a visible namespace."""
-    if visible is None:
-        return True
-    data = event.get("data") if isinstance(event, Mapping) else None
-    pod = data.get("pod") if isinstance(data, Mapping) else None
-    namespace = pod.get("namespace") if isinstance(pod, Mapping) else None
-    return namespace_visible(namespace, visible)
 
 
 def snapshot_namespaces(snapshot: Any) -> set[str]:
