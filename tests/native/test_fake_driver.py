@@ -443,6 +443,9 @@ def test_launches_need_a_context(fake: FakeProbe) -> None:
         ("cuMemFreeAsync", 13000, 0, "cuMemFreeAsync"),
         ("cuStreamSynchronize", 13000, PTDS, "cuStreamSynchronize_ptsz"),
         ("cuEventRecord", 13000, PTDS, "cuEventRecord_ptsz"),
+        # the pre-3.2 ABI for callers older than 3020
+        ("cuMemAlloc", 3010, 0, "cuMemAlloc"),
+        ("cuCtxCreate", 3010, 0, "cuCtxCreate"),
         # names with no version rows resolve to themselves
         ("cuMemAlloc_v2", 13000, 0, "cuMemAlloc_v2"),
     ],
@@ -459,7 +462,6 @@ def test_proc_address_picks_the_version(
 @pytest.mark.parametrize(
     ("name", "version", "status"),
     [
-        ("cuMemAlloc", 3010, PROC_VERSION_NOT_SUFFICIENT),  # the 32-bit one is not there
         ("cuDevicePrimaryCtxRelease", 10020, PROC_VERSION_NOT_SUFFICIENT),
         ("cuNoSuchFunction", 13000, PROC_SYMBOL_NOT_FOUND),
     ],
