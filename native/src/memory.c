@@ -206,6 +206,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
 /* A retained handle is one more reference: the memory lives until it too is
  * released. */
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+    gs_init();
     CUresult rc = GS_CALL(cuMemRetainAllocationHandle, (handle, addr));
     if (rc == CUDA_SUCCESS && handle && gs_enter()) vmm_step(rc, *handle, GS_VMM_RETAIN);
     return rc;
@@ -388,6 +389,7 @@ CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemo
 
 /* Trimming gives back at once what the pool let go of. */
 CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
+    gs_init();
     CUresult rc = GS_CALL(cuMemPoolTrimTo, (pool, minBytesToKeep));
     if (rc == CUDA_SUCCESS && gs_enter()) pools_settle(NULL, -1);
     return rc;
@@ -436,12 +438,14 @@ static bool mem_alloc_node(const void *nodeParams) {
 
 CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
                         size_t numDependencies, void *nodeParams) {
+    gs_init();
     if (mem_alloc_node(nodeParams) && gs_enter()) return graph_alloc_refused();
     return GS_CALL(cuGraphAddNode, (phGraphNode, hGraph, dependencies, numDependencies, nodeParams));
 }
 
 CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
                            const void *dependencyData, size_t numDependencies, void *nodeParams) {
+    gs_init();
     if (mem_alloc_node(nodeParams) && gs_enter()) return graph_alloc_refused();
     return GS_CALL(cuGraphAddNode_v2,
                    (phGraphNode, hGraph, dependencies, dependencyData, numDependencies, nodeParams));
