@@ -239,7 +239,9 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
  * up to its release threshold, and several pools each keep their own. The bytes
  * handed out are charged per allocation; what each pool of this process holds
  * beyond them (the driver's RESERVED_MEM_CURRENT - USED_MEM_CURRENT) is charged
- * to the pool, settled after every stream-ordered allocation and free. When a
+ * to the pool, settled after every stream-ordered allocation and free (and at
+ * cuMemPoolTrimTo and cuMemGetInfo: a free the driver has not reached in stream
+ * order yet shows up at the next settling). When a
  * reservation does not fit, the process's pools are trimmed (cuMemPoolTrimTo) and
  * it is tried once more; a pool whose cached bytes do not fit is trimmed at once.
  *
@@ -292,15 +294,21 @@ static void pool_settle_locked(int i) {
     p->charged = cached;
 }
 
-/* Settles every pool of the process, `pool` added first when new. */
+/* Settles `pool` (added when new; an allocation changes only its own pool), or
+ * with NULL every pool of the process (a free does not say which pool it fed). */
 static void pools_settle(CUmemoryPool pool, int dev) {
     pthread_mutex_lock(&pools_mu);
-    bool known = pool == NULL;
-    for (int i = 0; i < pool_count && !known; i++) known = pools[i].pool == pool;
-    if (!known && pool_count < GS_MAX_POOLS) pools[pool_count++] = (pool_entry_t){pool, dev, 0};
-    else if (!known) GS_LOG(GS_LOG_WARN, "more than %d memory pools: the rest are not charged",
-                            GS_MAX_POOLS);
-    for (int i = pool_count - 1; i >= 0; i--) pool_settle_locked(i);
+    int at = -1;
+    for (int i = 0; i < pool_count && pool && at < 0; i++)
+        if (pools[i].pool == pool) at = i;
+    if (pool && at < 0 && pool_count < GS_MAX_POOLS) {
+        at = pool_count;
+        pools[pool_count++] = (pool_entry_t){pool, dev, 0};
+    } else if (pool && at < 0) {
+        GS_LOG(GS_LOG_WARN, "more than %d memory pools: the rest are not charged", GS_MAX_POOLS);
+    }
+    if (pool && at >= 0) pool_settle_locked(at);
+    for (int i = pool_count - 1; i >= 0 && !pool; i--) pool_settle_locked(i);
     pthread_mutex_unlock(&pools_mu);
 }
 

@@ -10,6 +10,7 @@ cannot hold a neighbour's device memory, is the one thing let through uncharged.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,32 @@ def test_context_limits_are_charged(run_probe: ProbeRunner, box: Container, buil
     )  # fmt: skip
     assert rcs(result.lines, "setlimit") == [OOM, OK, OK, OOM, OK], result.describe()
     assert rcs(result.lines, "alloc") == [OOM, OK]
+
+
+# ----------------------------------------------------------------------------- families
+
+HOOKS = (Native.at().root / "src" / "hooks.def").read_text()
+FAMILIES = tuple(re.findall(r"CUDA_FAMILY\((\w+)\)", HOOKS))
+VERSIONS = (2000, 3010, 3020, 4000, 11000, 11040, 12000, 12030, 12050, 13000)
+
+
+def test_no_function_of_an_accounted_family_is_handed_out_unwrapped(
+    run_probe: ProbeRunner, region_path: Path, build: Build
+) -> None:
+    # Every name that allocates, maps, shows memory or launches, at every version and
+    # stream flavour: what cuGetProcAddress hands out is the library's wrapper or nothing.
+    words = [
+        word
+        for name in FAMILIES
+        for version in VERSIONS
+        for flags in (0, 2)
+        for word in ("proc", name, str(version), str(flags))
+    ]
+    result = run_probe(*words, build=build, env=limited(region_path))
+    answers = result.by_cmd("proc")
+    assert len(answers) == len(FAMILIES) * len(VERSIONS) * 2
+    found = [line for line in answers if line["rc"] == OK]
+    assert {line["name"] for line in found} >= {"cuMemAlloc", "cuCtxCreate", "cuMemGetInfo"}
+    unwrapped = [(line["name"], line["version"], line["sym"]) for line in found
+                 if line["lib"] != "libgpuslice.so"]  # fmt: skip
+    assert not unwrapped
