@@ -122,7 +122,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     uint64_t cost = primary_live[dev] ? 0 : gs_cfg.context_overhead;
     CUresult rc;
     int rec = gs_record_of(dev);
-    if (!gs_reserve(rec, cost)) /* refused on a device not granted, whatever the cost */ {
+    if (!gs_reserve_trimming(rec, cost)) /* refused on a device not granted, whatever the cost */ {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
         rc = GS_CALL(cuDevicePrimaryCtxRetain, (pctx, dev));
@@ -187,7 +187,7 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
         }                                                                                     \
         uint64_t cost_ = gs_cfg.context_overhead;                                             \
         int rec_ = gs_record_of(dev);                                                         \
-        if (!gs_reserve(rec_, cost_)) return CUDA_ERROR_OUT_OF_MEMORY;               \
+        if (!gs_reserve_trimming(rec_, cost_)) return CUDA_ERROR_OUT_OF_MEMORY;      \
         CUresult rc_ = (call);                                                                \
         gs_limiter_ctx_switched();                                                            \
         if (rc_ != CUDA_SUCCESS) gs_unreserve(rec_, cost_);                                   \
@@ -274,7 +274,7 @@ CUresult cuCtxSetLimit(int limit, size_t value) {
     uint64_t cost = limit_cost(limit, value, ordinal), old = 0;
     int old_dev;
     bool had = gs_track_take(GS_K_LIMIT, key, &old_dev, &old);
-    if (cost > old && !gs_reserve(rec, cost - old)) {
+    if (cost > old && !gs_reserve_trimming(rec, cost - old)) {
         if (had) gs_track_add(GS_K_LIMIT, key, old_dev, old, ctx);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }

@@ -213,6 +213,9 @@ void gs_track_forget_all(void);
 /* Region record (the container's device index) of the current context's
  * device; -1 when none. */
 int gs_current_device(void);
+/* gs_reserve; when refused, this process's memory pools are trimmed of what they
+ * keep (their charge given back) and it is tried once more. */
+bool gs_reserve_trimming(int dev, uint64_t bytes);
 /* In a fork child: the parent's memory pools are not the child's to charge. */
 void gs_pools_after_fork(void);
 /* Region record of a CUDA ordinal of this process: the same GPU has the same

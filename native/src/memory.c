@@ -7,8 +7,6 @@
 
 #include "gs.h"
 
-static bool reserve_or_trim(int dev, uint64_t bytes);
-
 int gs_current_device(void) {
     CUdevice dev;
     if (!gs_real.cuCtxGetDevice || gs_real.cuCtxGetDevice(&dev) != CUDA_SUCCESS) return -1;
@@ -27,7 +25,7 @@ static CUcontext current_ctx(void) {
  */
 #define GS_ALLOCATE(kind, dev, bytes, call, key)                                              \
     do {                                                                                      \
-        if (!reserve_or_trim((dev), (bytes))) return CUDA_ERROR_OUT_OF_MEMORY;                \
+        if (!gs_reserve_trimming((dev), (bytes))) return CUDA_ERROR_OUT_OF_MEMORY;                \
         CUresult rc_ = (call);                                                                \
         if (rc_ != CUDA_SUCCESS) {                                                            \
             gs_unreserve((dev), (bytes));                                                     \
@@ -77,7 +75,7 @@ CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInByt
         (dev = gs_current_device()) == -1)
         return GS_CALL(cuMemAllocPitch_v2, (dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
     uint64_t guess = ((WidthInBytes + 511) / 512) * 512 * (uint64_t)Height;
-    if (!reserve_or_trim(dev, guess)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!gs_reserve_trimming(dev, guess)) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = GS_CALL(cuMemAllocPitch_v2, (dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
     if (rc != CUDA_SUCCESS) {
         gs_unreserve(dev, guess);
@@ -195,7 +193,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     if (!gs_enter()) return GS_CALL(cuMemMap, (ptr, size, offset, handle, flags));
     int dev = -1;
     uint64_t extra = gs_track_vmm_shortfall(handle, (uint64_t)offset + size, &dev);
-    if (extra && !reserve_or_trim(dev, extra)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (extra && !gs_reserve_trimming(dev, extra)) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = GS_CALL(cuMemMap, (ptr, size, offset, handle, flags));
     if (extra && (rc != CUDA_SUCCESS || !gs_track_vmm_grow(handle, (uint64_t)offset + size)))
         gs_unreserve(dev, extra);
@@ -312,8 +310,7 @@ static void pools_settle(CUmemoryPool pool, int dev) {
     pthread_mutex_unlock(&pools_mu);
 }
 
-/* gs_reserve, and when refused, the pools trimmed of what they cache and once more. */
-static bool reserve_or_trim(int dev, uint64_t bytes) {
+bool gs_reserve_trimming(int dev, uint64_t bytes) {
     if (gs_reserve(dev, bytes)) return true;
     bool trimmed = false;
     pthread_mutex_lock(&pools_mu);
@@ -362,7 +359,7 @@ static void capture_refused(void) {
             return CUDA_ERROR_NOT_SUPPORTED;                                                  \
         }                                                                                     \
         CUmemoryPool p_ = (explicit_) ? (pool_) : current_pool();                             \
-        if (!reserve_or_trim(dev_, bytesize)) return CUDA_ERROR_OUT_OF_MEMORY;                \
+        if (!gs_reserve_trimming(dev_, bytesize)) return CUDA_ERROR_OUT_OF_MEMORY;                \
         CUresult rc_ = GS_CALL(fn, args);                                                     \
         if (rc_ != CUDA_SUCCESS) {                                                            \
             gs_unreserve(dev_, bytesize);                                                     \

@@ -133,6 +133,21 @@ def test_memory_pools_are_charged_for_what_they_keep(
     assert result.one("info")["free"] == GiB - 900 * MiB
 
 
+def test_what_pools_keep_makes_room_for_a_context(
+    run_probe: ProbeRunner, region_path: Path, build: Build
+) -> None:
+    # 512 MiB per context: the primary one and a pool keeping 900 MiB leave no room
+    # for a second context under 1.5 GiB until the pool is trimmed.
+    env = {**limited(region_path, "1536m"), "GPUSLICE_CONTEXT_OVERHEAD": "512m"}
+    result = run_probe(
+        "init", "ctx", "pools", 1, "900m", "info", "newctx", "fakeused",
+        build=build, env=env,
+    )  # fmt: skip
+    assert result.one("info")["free"] == 1536 * MiB - 512 * MiB - 900 * MiB, result.describe()
+    assert result.one("newctx")["rc"] == OK
+    assert result.one("fakeused")["bytes"] == 0  # the pool gave its 900 MiB back
+
+
 # ----------------------------------------------------------------------------- VMM handles
 
 
