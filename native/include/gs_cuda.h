@@ -39,6 +39,8 @@ typedef struct CUarray_st *CUarray;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
 typedef struct CUuuid_st { char bytes[16]; } CUuuid;
 
 /* cuGetProcAddress flags and status */

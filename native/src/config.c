@@ -432,6 +432,14 @@ static void load_limits(gs_config_t *c) {
         c->grant_dir_fd = dfd; /* kept: the region is opened beneath it */
         for (int i = 0; i < GS_MAX_DEVICES; i++) c->mem_limit[i] = 0;
         load_grant(c, dfd, dir);
+        /* Under a grant no setting of the process changes anything: the driver
+         * and NVML are loaded by their standard names only, so a library the
+         * tenant names cannot stand in for the driver the limits are read from. */
+        if (c->libcuda_path[0] || c->libnvml_path[0])
+            GS_LOG(GS_LOG_INFO, "GPUSLICE_LIBCUDA and GPUSLICE_LIBNVML ignored: the grant loads "
+                   "libcuda.so.1 and libnvidia-ml.so.1 by their standard names");
+        c->libcuda_path[0] = 0;
+        c->libnvml_path[0] = 0;
         if (!c->disabled && getenv("CUDA_DISABLE_CONTROL") && !strcasecmp(getenv("CUDA_DISABLE_CONTROL"), "true"))
             gs_log(GS_LOG_WARN, "CUDA_DISABLE_CONTROL ignored: the grant requires control");
         return;

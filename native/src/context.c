@@ -16,6 +16,7 @@ static void after_fork_child(void) {
     pthread_mutex_init(&attach_mu, NULL);
     atomic_store(&gs_attached, 0);
     gs_track_forget_all();
+    gs_pools_after_fork();
     primary_after_fork();
     gs_region_after_fork();
     gs_telemetry_after_fork();
@@ -121,7 +122,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     uint64_t cost = primary_live[dev] ? 0 : gs_cfg.context_overhead;
     CUresult rc;
     int rec = gs_record_of(dev);
-    if (!gs_reserve(rec, cost)) /* refused on a device not granted, whatever the cost */ {
+    if (!gs_reserve_trimming(rec, cost)) /* refused on a device not granted, whatever the cost */ {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
         rc = GS_CALL(cuDevicePrimaryCtxRetain, (pctx, dev));
@@ -186,7 +187,7 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
         }                                                                                     \
         uint64_t cost_ = gs_cfg.context_overhead;                                             \
         int rec_ = gs_record_of(dev);                                                         \
-        if (!gs_reserve(rec_, cost_)) return CUDA_ERROR_OUT_OF_MEMORY;               \
+        if (!gs_reserve_trimming(rec_, cost_)) return CUDA_ERROR_OUT_OF_MEMORY;      \
         CUresult rc_ = (call);                                                                \
         gs_limiter_ctx_switched();                                                            \
         if (rc_ != CUDA_SUCCESS) gs_unreserve(rec_, cost_);                                   \
@@ -196,6 +197,10 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
 
 CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     GS_CTX_CREATE(GS_CALL(cuCtxCreate_v2, (pctx, flags, dev)));
+}
+
+CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    GS_CTX_CREATE(GS_CALL(cuCtxCreate, (pctx, flags, dev)));
 }
 
 CUresult cuCtxCreate_v3(CUcontext *pctx, void *paramsArray, int numParams, unsigned int flags,
@@ -217,6 +222,70 @@ CUresult cuCtxDestroy_v2(CUcontext ctx) {
         gs_track_drop_ctx(ctx);
         gs_limiter_forget_ctx(ctx);
     }
+    return rc;
+}
+
+/* ------------------------------------------------------------ context limits
+ * Raising a context's stack size, printf FIFO or device malloc heap makes the
+ * driver set aside device memory outside any allocation call. The increase over
+ * the driver's defaults (covered by the context overhead) is charged to the
+ * context, refused when it does not fit, and given back with the context:
+ *   stack: per thread, for every thread the device can hold resident at once;
+ *   printf FIFO and malloc heap: their size. */
+enum { GS_LIMIT_STACK = 0, GS_LIMIT_PRINTF_FIFO = 1, GS_LIMIT_MALLOC_HEAP = 2 };
+enum { GS_ATTR_MAX_THREADS_PER_SM = 39 };
+#define GS_DEFAULT_STACK 1024ULL
+#define GS_DEFAULT_FIFO (1ULL << 20)
+#define GS_DEFAULT_HEAP (8ULL << 20)
+
+static uint64_t resident_threads(CUdevice dev) {
+    int sms = 0, per_sm = 0;
+    if (gs_real.cuDeviceGetAttribute) {
+        gs_real.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
+        gs_real.cuDeviceGetAttribute(&per_sm, GS_ATTR_MAX_THREADS_PER_SM, dev);
+    }
+    if (sms <= 0) sms = 1;
+    if (per_sm <= 0) per_sm = 2048; /* the most any GPU holds per SM */
+    return (uint64_t)sms * (uint64_t)per_sm;
+}
+
+static uint64_t limit_cost(int limit, uint64_t value, CUdevice dev) {
+    uint64_t cost = 0;
+    switch (limit) {
+    case GS_LIMIT_STACK:
+        if (value > GS_DEFAULT_STACK &&
+            __builtin_mul_overflow(value - GS_DEFAULT_STACK, resident_threads(dev), &cost))
+            cost = UINT64_MAX;
+        return cost;
+    case GS_LIMIT_PRINTF_FIFO: return value > GS_DEFAULT_FIFO ? value - GS_DEFAULT_FIFO : 0;
+    default: return value > GS_DEFAULT_HEAP ? value - GS_DEFAULT_HEAP : 0;
+    }
+}
+
+CUresult cuCtxSetLimit(int limit, size_t value) {
+    CUdevice ordinal;
+    CUcontext ctx = NULL;
+    if (!gs_enter() || limit < GS_LIMIT_STACK || limit > GS_LIMIT_MALLOC_HEAP ||
+        !gs_real.cuCtxGetDevice || gs_real.cuCtxGetDevice(&ordinal) != CUDA_SUCCESS ||
+        !gs_real.cuCtxGetCurrent || gs_real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)
+        return GS_CALL(cuCtxSetLimit, (limit, value));
+    int rec = gs_record_of(ordinal);
+    uint64_t key = (uint64_t)(uintptr_t)ctx + (uint64_t)limit; /* contexts are aligned */
+    uint64_t cost = limit_cost(limit, value, ordinal), old = 0;
+    int old_dev;
+    bool had = gs_track_take(GS_K_LIMIT, key, &old_dev, &old);
+    if (cost > old && !gs_reserve_trimming(rec, cost - old)) {
+        if (had) gs_track_add(GS_K_LIMIT, key, old_dev, old, ctx);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult rc = GS_CALL(cuCtxSetLimit, (limit, value));
+    if (rc != CUDA_SUCCESS) {
+        if (cost > old) gs_unreserve(rec, cost - old);
+        if (had) gs_track_add(GS_K_LIMIT, key, old_dev, old, ctx);
+        return rc;
+    }
+    if (cost < old) gs_unreserve(rec, old - cost);
+    if (cost) gs_track_add(GS_K_LIMIT, key, rec, cost, ctx);
     return rc;
 }
 

@@ -178,7 +178,7 @@ int gs_region_place_uuid(const char *uuid, int preferred, int ordinal);
 void gs_region_after_fork(void);
 
 /* ------------------------------------------------------------ allocations (track.c) */
-enum gs_kind { GS_K_MEM = 1, GS_K_ARRAY, GS_K_MIPMAP, GS_K_VMM, GS_K_CTX };
+enum gs_kind { GS_K_MEM = 1, GS_K_ARRAY, GS_K_MIPMAP, GS_K_VMM, GS_K_CTX, GS_K_LIMIT };
 /* GS_K_MEM covers every pointer allocation (plain, pitch, managed, stream-ordered):
  * cuMemFree may free any of them. `ctx` is the context the memory dies with. */
 void gs_track_add(enum gs_kind kind, uint64_t key, int dev, uint64_t bytes, CUcontext ctx);
@@ -187,8 +187,17 @@ bool gs_track_take(enum gs_kind kind, uint64_t key, int *dev, uint64_t *bytes);
 /* VMM memory lives until it is released and unmapped everywhere. Counts a map,
  * an unmap or the release of `handle`; true (with the entry's device and bytes,
  * entry removed) when the memory is now gone. */
-enum gs_vmm_op { GS_VMM_MAP, GS_VMM_UNMAP, GS_VMM_RELEASE };
+enum gs_vmm_op { GS_VMM_MAP, GS_VMM_UNMAP, GS_VMM_RELEASE, GS_VMM_RETAIN };
 bool gs_track_vmm(uint64_t handle, enum gs_vmm_op op, int *dev, uint64_t *bytes);
+/* A handle imported from another process: nothing is charged until it is mapped
+ * (its size is known then); it lives, as any VMM handle, until released and unmapped. */
+void gs_track_vmm_import(uint64_t handle, int dev, CUcontext ctx);
+/* For an imported handle: the bytes a mapping of `size` adds to its charge (0 for
+ * any other handle), with the device to reserve them on. */
+uint64_t gs_track_vmm_shortfall(uint64_t handle, uint64_t size, int *dev);
+/* Records that the imported handle's charge is now `size`; false when it is not
+ * an imported handle or already charged that much. */
+bool gs_track_vmm_grow(uint64_t handle, uint64_t size);
 /* VMM mappings of this process, by address range: cuMemUnmap may cover several. */
 void gs_map_add(uint64_t ptr, uint64_t size, uint64_t handle);
 /* Removes every mapping that starts inside [ptr, ptr + size) and calls
@@ -204,6 +213,11 @@ void gs_track_forget_all(void);
 /* Region record (the container's device index) of the current context's
  * device; -1 when none. */
 int gs_current_device(void);
+/* gs_reserve; when refused, this process's memory pools are trimmed of what they
+ * keep (their charge given back) and it is tried once more. */
+bool gs_reserve_trimming(int dev, uint64_t bytes);
+/* In a fork child: the parent's memory pools are not the child's to charge. */
+void gs_pools_after_fork(void);
 /* Region record of a CUDA ordinal of this process: the same GPU has the same
  * record in every process, whatever CUDA_VISIBLE_DEVICES each one has. */
 int gs_record_of(int ordinal);

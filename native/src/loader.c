@@ -64,12 +64,55 @@ static void *wrapper_of_real(void *fn) {
     return NULL;
 }
 
+/* ------------------------------------------------------------ families
+ * Every name of an accounted family (hooks.def) is handed out as our wrapper or
+ * not at all while control is on: a version or variant of the driver's we do not
+ * wrap (an old ABI, a newer _vN) would allocate, map, show memory or launch
+ * unseen. Functions of other families pass through as the driver chose them. */
+static const char *const families[] = {
+#define CUDA_FAMILY(base) #base,
+#include "hooks.def"
+};
+
+/* `name` without its stream suffix (_ptsz, _ptds) and version (_vN). */
+static size_t base_length(const char *name) {
+    size_t n = strlen(name);
+    if (n > 5 && (!strcmp(name + n - 5, "_ptsz") || !strcmp(name + n - 5, "_ptds"))) n -= 5;
+    size_t d = n;
+    while (d > 0 && name[d - 1] >= '0' && name[d - 1] <= '9') d--;
+    if (d < n && d >= 2 && name[d - 1] == 'v' && name[d - 2] == '_') n = d - 2;
+    return n;
+}
+
+static bool in_family(const char *name) {
+    if (!name || name[0] != 'c' || name[1] != 'u') return false;
+    size_t n = base_length(name);
+    for (size_t i = 0; i < sizeof families / sizeof families[0]; i++)
+        if (strlen(families[i]) == n && !strncmp(families[i], name, n)) return true;
+    return false;
+}
+
+static void family_refused(const char *how, const char *name) {
+    static atomic_int logged;
+    if (!atomic_exchange(&logged, 1))
+        gs_log(GS_LOG_WARN, "%s(%s): the driver's function is not wrapped by gpuslice and would "
+               "escape the container's limits; refused (logged once)", how, name);
+}
+
 /* A function the driver chose that we do not wrap (another version, another
- * ABI) passes through as it is. */
-static void resolve_wrapper(void **pfn) {
-    if (!pfn || !*pfn || gs_cfg.disabled) return;
+ * ABI) passes through as it is, unless its family is accounted: then it is
+ * refused (false, *pfn NULL). */
+static bool resolve_wrapper(const char *symbol, void **pfn) {
+    if (!pfn || !*pfn || gs_cfg.disabled) return true;
     void *w = wrapper_of_real(*pfn);
-    if (w) *pfn = w;
+    if (w) {
+        *pfn = w;
+        return true;
+    }
+    if (!in_family(symbol)) return true;
+    family_refused("cuGetProcAddress", symbol);
+    *pfn = NULL;
+    return false;
 }
 
 /* ------------------------------------------------------------ loading */
@@ -134,17 +177,39 @@ static __attribute__((noinline)) bool driver_handle(void *handle) {
            configured(map->l_name, gs_cfg.libcuda_path) || configured(map->l_name, gs_cfg.libnvml_path);
 }
 
+/* What a lookup of a driver name gets while control is on: our wrapper, or
+ * `refused` (an accounted family's name we do not wrap, asked of the driver). */
+static char refused_mark;
+#define REFUSED ((void *)&refused_mark)
+
 static __attribute__((noinline)) void *hooked_lookup(void *handle, const char *symbol) {
     if (!symbol || !((symbol[0] == 'c' && symbol[1] == 'u') || !strncmp(symbol, "nvml", 4)))
         return NULL;
     if (loading) return NULL;
     void *w = gs_wrapper_for(symbol);
-    if (!w || !driver_handle(handle)) return NULL;
+    bool scope = handle == RTLD_NEXT || handle == RTLD_DEFAULT;
+    if (!w && (scope || !in_family(symbol))) return NULL;
+    if (!scope && !driver_handle(handle)) return NULL;
     gs_init();
     if (gs_cfg.disabled) return NULL;
-    /* A function this driver lacks stays missing: callers probe for new APIs. */
     dlsym_fn real = real_dlsym();
-    return real && real(handle, symbol) ? w : NULL;
+    if (!real) return NULL;
+    if (!w) {
+        if (!real(handle, symbol)) return NULL; /* missing stays missing */
+        family_refused("dlsym", symbol);
+        return REFUSED;
+    }
+    /* RTLD_NEXT from a library loaded after us (linked against the driver) and
+     * RTLD_DEFAULT find the driver's function past our export: hand out the
+     * wrapper where the driver has the function. */
+    void *lib = handle;
+    if (scope) {
+        if (symbol[0] == 'n') gs_nvml_init();
+        lib = symbol[0] == 'n' ? nvml_handle : cuda_handle;
+        if (!lib) return NULL;
+    }
+    /* A function this driver lacks stays missing: callers probe for new APIs. */
+    return real(lib, symbol) ? w : NULL;
 }
 
 /*
@@ -153,10 +218,8 @@ static __attribute__((noinline)) void *hooked_lookup(void *handle, const char *s
  * (loader.c is built without sanitizer instrumentation for the same reason.)
  */
 GS_EXPORT void *dlsym(void *handle, const char *symbol) {
-    if (handle != RTLD_NEXT && handle != RTLD_DEFAULT) {
-        void *w = hooked_lookup(handle, symbol);
-        if (w) return w;
-    }
+    void *w = hooked_lookup(handle, symbol);
+    if (w) return w == REFUSED ? NULL : w;
     dlsym_fn real = real_dlsym();
     if (GS_UNLIKELY(!real)) return NULL;
     return real(handle, symbol);
@@ -227,7 +290,7 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuin
     gs_init();
     if (!gs_real.cuGetProcAddress) return CUDA_ERROR_NOT_FOUND;
     CUresult rc = gs_real.cuGetProcAddress(symbol, pfn, cudaVersion, flags);
-    if (rc == CUDA_SUCCESS) resolve_wrapper(pfn);
+    if (rc == CUDA_SUCCESS && !resolve_wrapper(symbol, pfn)) return CUDA_ERROR_NOT_FOUND;
     return rc;
 }
 
@@ -239,7 +302,10 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
         return CUDA_ERROR_NOT_FOUND;
     }
     CUresult rc = gs_real.cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus);
-    if (rc == CUDA_SUCCESS) resolve_wrapper(pfn);
+    if (rc == CUDA_SUCCESS && !resolve_wrapper(symbol, pfn)) {
+        if (symbolStatus) *symbolStatus = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+        return CUDA_ERROR_NOT_FOUND;
+    }
     return rc;
 }
 

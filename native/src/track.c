@@ -18,7 +18,9 @@ typedef struct entry {
     int dev;
     int kind;
     int maps;      /* GS_K_VMM: mappings alive */
+    int retains;   /* GS_K_VMM: cuMemRetainAllocationHandle references not yet released */
     bool released; /* GS_K_VMM: cuMemRelease was called */
+    bool imported; /* GS_K_VMM: from cuMemImportFromShareableHandle, charged as mapped */
 } entry_t;
 
 typedef struct {
@@ -114,8 +116,10 @@ bool gs_track_vmm(uint64_t handle, enum gs_vmm_op op, int *dev, uint64_t *bytes)
         entry_t *e = *pp;
         if (op == GS_VMM_MAP) e->maps++;
         else if (op == GS_VMM_UNMAP && e->maps > 0) e->maps--;
+        else if (op == GS_VMM_RETAIN) e->retains++;
+        else if (op == GS_VMM_RELEASE && e->retains > 0) e->retains--;
         else if (op == GS_VMM_RELEASE) e->released = true;
-        if (e->released && e->maps == 0) {
+        if (e->released && e->retains == 0 && e->maps == 0) {
             *dev = e->dev;
             *bytes = e->bytes;
             *pp = e->next;
@@ -126,6 +130,46 @@ bool gs_track_vmm(uint64_t handle, enum gs_vmm_op op, int *dev, uint64_t *bytes)
     }
     pthread_mutex_unlock(&s->mu);
     return gone;
+}
+
+void gs_track_vmm_import(uint64_t handle, int dev, CUcontext ctx) {
+    gs_track_add(GS_K_VMM, handle, dev, 0, ctx);
+    uint64_t h = mix(handle ^ ((uint64_t)GS_K_VMM << 58));
+    shard_t *s = shard_of(h);
+    pthread_mutex_lock(&s->mu);
+    entry_t **pp = find_locked(s, h, GS_K_VMM, handle);
+    if (pp) (*pp)->imported = true;
+    pthread_mutex_unlock(&s->mu);
+}
+
+uint64_t gs_track_vmm_shortfall(uint64_t handle, uint64_t size, int *dev) {
+    pthread_once(&shards_once, shards_init);
+    uint64_t h = mix(handle ^ ((uint64_t)GS_K_VMM << 58));
+    shard_t *s = shard_of(h);
+    uint64_t need = 0;
+    pthread_mutex_lock(&s->mu);
+    entry_t **pp = find_locked(s, h, GS_K_VMM, handle);
+    if (pp && (*pp)->imported && size > (*pp)->bytes) {
+        need = size - (*pp)->bytes;
+        *dev = (*pp)->dev;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return need;
+}
+
+bool gs_track_vmm_grow(uint64_t handle, uint64_t size) {
+    pthread_once(&shards_once, shards_init);
+    uint64_t h = mix(handle ^ ((uint64_t)GS_K_VMM << 58));
+    shard_t *s = shard_of(h);
+    bool grown = false;
+    pthread_mutex_lock(&s->mu);
+    entry_t **pp = find_locked(s, h, GS_K_VMM, handle);
+    if (pp && (*pp)->imported && size > (*pp)->bytes) {
+        (*pp)->bytes = size;
+        grown = true;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return grown;
 }
 
 uint64_t gs_track_drop_ctx(CUcontext ctx) {

@@ -27,7 +27,7 @@
  * it parses as one, so `dlsym NAME nvml` looks in NVML rather than running `nvml`):
  *   init | ctx [DEV] | newctx [DEV] | newctx3 [DEV] | newctx4 [DEV] | destroyctx ID
  *   release [DEV] | reset [DEV]
- *   alloc SIZE | pitch WIDTH HEIGHT ELEM | managed SIZE | array W H FORMAT CH
+ *   alloc SIZE | pitch WIDTH HEIGHT ELEM | managed SIZE [host|global|single] | array W H FORMAT CH
  *   array3d W H D FORMAT CH | mipmap W H D FORMAT CH LEVELS | vmm SIZE [DEV]
  *   vmmmap ID (maps vmm ID at a new address; `free` of the map's id unmaps it)
  *   vmmpair SIZE (two handles mapped side by side, released, one unmap over both)
@@ -43,6 +43,17 @@
  *   sleep MS | hold | lock PATH | getppid
  *   deepalloc SIZE (cuMemAlloc_v2 from deepbind.so beside the probe, loaded RTLD_DEEPBIND)
  *   fork | forkwait | exec (the rest of the line runs in a new image of this PID)
+ * Memory paths past the plain calls (see cmd_nextalloc .. cmd_setlimit):
+ *   nextalloc SIZE [default] (cuMemAlloc_v2 that next_lib.so, which the probe links
+ *     against, looks up itself with dlsym(RTLD_NEXT), or RTLD_DEFAULT)
+ *   pools N SIZE (N new pools, release threshold at most; SIZE allocated and freed in each)
+ *   legacy alloc|pitch|info|totalmem|array|array3d|ctx link|dlsym|proc SIZE (the pre-3.2
+ *     entry point, linked, from dlsym on the driver, or cuGetProcAddress_v2 at 3010)
+ *   vmmretain ID (cuMemRetainAllocationHandle at map ID's address: a new vmm id)
+ *   vmmshare ID (vmm ID exported as a file descriptor and imported: a new vmm id)
+ *   capalloc SIZE (cuMemAllocAsync into a stream under capture)
+ *   graphalloc SIZE [node] (cuGraphAddMemAllocNode, or cuGraphAddNode_v2, into a new graph)
+ *   setlimit LIMIT VALUE (cuCtxSetLimit: 0 stack, 1 printf FIFO, 2 malloc heap)
  * nvmlbyuuid looks the device up with nvmlDeviceGetHandleByUUID and prints its
  * "index" and "nvml_uuid" (nvmlDeviceGetUUID), null when the lookup fails.
  * Creating commands print "id" (null on failure), "ptr" (the pointer or handle),
@@ -625,9 +636,11 @@ static void cmd_pitch(int argc, char **argv) {
 
 static void cmd_managed(int argc, char **argv) {
     size_t size = arg_size(argv[0]);
+    /* CU_MEM_ATTACH_GLOBAL unless told: host (2) or single (4) */
+    unsigned flags = argc > 1 ? (!strcmp(argv[1], "host") ? 2u : !strcmp(argv[1], "single") ? 4u : 1u) : 1u;
     CUdeviceptr p = 0;
     call_t0 = now_ns(CLOCK_MONOTONIC);
-    CUresult rc = CALL(cuMemAllocManaged, &p, size, 1 /* CU_MEM_ATTACH_GLOBAL */);
+    CUresult rc = CALL(cuMemAllocManaged, &p, size, flags);
     j_created("managed", rc, K_MEM, p, size);
     j_end();
 }
@@ -1449,6 +1462,209 @@ static void cmd_deepalloc(int argc, char **argv) {
     j_end();
 }
 
+/* ---- memory paths past the plain calls */
+CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props);
+CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value);
+CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                      int handleType, unsigned long long flags);
+CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags);
+
+/* next_lib.so, which the probe links against (tests/next_lib.c). */
+int next_alloc(size_t bytes, int use_default);
+
+static void cmd_nextalloc(int argc, char **argv) {
+    j_begin("nextalloc");
+    j_int("rc", next_alloc(arg_size(argv[0]), argc > 1));
+    j_end();
+}
+
+static void cmd_pools(int argc, char **argv) {
+    unsigned long long count = arg_u64(argv[0]);
+    size_t size = arg_size(argv[1]);
+    struct {
+        int allocType, handleTypes;
+        CUmemLocation location;
+        void *win32;
+        size_t maxSize;
+        unsigned short usage;
+        unsigned char reserved[54];
+    } props;
+    memset(&props, 0, sizeof props);
+    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = current_device();
+    j_begin("pools");
+    j_key("rcs");
+    j_raw("[");
+    for (unsigned long long i = 0; i < count; i++) {
+        CUmemoryPool pool = NULL;
+        cuuint64_t most = UINT64_MAX;
+        CUdeviceptr p = 0;
+        CUresult rc = cuMemPoolCreate(&pool, &props);
+        if (rc == CUDA_SUCCESS) rc = cuMemPoolSetAttribute(pool, 4 /* RELEASE_THRESHOLD */, &most);
+        if (rc == CUDA_SUCCESS) rc = CALL(cuMemAllocFromPoolAsync, &p, size, pool, NULL);
+        if (rc == CUDA_SUCCESS) rc = CALL(cuMemFreeAsync, p, NULL);
+        j_raw("%s%d", i ? "," : "", rc);
+    }
+    j_raw("]");
+    j_int("rc", 0);
+    j_end();
+}
+
+static void *legacy_fn(const char *name, const char *how) {
+    if (!strcmp(how, "link")) return NULL; /* the caller uses the linked symbol */
+    void *h = libcuda_handle();
+    if (!h) return NULL;
+    if (!strcmp(how, "dlsym")) return dlsym(h, name);
+    get_proc_v2_t gpa = get_proc_v2();
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult st;
+    if (!gpa || gpa(name, &fn, 3010, 0, &st) != CUDA_SUCCESS) return NULL;
+    return fn;
+}
+
+static void cmd_legacy(int argc, char **argv) {
+    const char *what = argv[0], *how = argv[1];
+    unsigned size = (unsigned)arg_size(argv[2]);
+    bool link = !strcmp(how, "link");
+    unsigned a = 0, b = 0;
+    CUresult rc = PROBE_UNRESOLVED;
+    static const char *const names[][2] = {
+        {"alloc", "cuMemAlloc"}, {"pitch", "cuMemAllocPitch"}, {"info", "cuMemGetInfo"},
+        {"totalmem", "cuDeviceTotalMem"}, {"array", "cuArrayCreate"},
+        {"array3d", "cuArray3DCreate"}, {"ctx", "cuCtxCreate"}};
+    const char *name = NULL;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(names[i][0], what)) name = names[i][1];
+    void *fn = name ? legacy_fn(name, how) : NULL;
+    if (!name) {
+        rc = PROBE_ERROR;
+    } else if (!strcmp(what, "alloc")) {
+        __typeof__(cuMemAlloc) *f = link ? cuMemAlloc : (__typeof__(cuMemAlloc) *)fn;
+        if (f) rc = f(&a, size);
+    } else if (!strcmp(what, "pitch")) {
+        __typeof__(cuMemAllocPitch) *f = link ? cuMemAllocPitch : (__typeof__(cuMemAllocPitch) *)fn;
+        if (f) rc = f(&a, &b, size, 1, 4);
+    } else if (!strcmp(what, "info")) {
+        __typeof__(cuMemGetInfo) *f = link ? cuMemGetInfo : (__typeof__(cuMemGetInfo) *)fn;
+        if (f) rc = f(&a, &b);
+    } else if (!strcmp(what, "totalmem")) {
+        __typeof__(cuDeviceTotalMem) *f = link ? cuDeviceTotalMem : (__typeof__(cuDeviceTotalMem) *)fn;
+        if (f) rc = f(&a, 0);
+    } else if (!strcmp(what, "array") || !strcmp(what, "array3d")) {
+        unsigned desc[6] = {size, 1, 1, CU_AD_FORMAT_UNSIGNED_INT8, 1, 0};
+        CUarray arr = NULL;
+        if (!strcmp(what, "array")) {
+            desc[2] = CU_AD_FORMAT_UNSIGNED_INT8; /* Width, Height, Format, NumChannels */
+            desc[3] = 1;
+        }
+        __typeof__(cuArrayCreate) *f = !strcmp(what, "array")
+                                           ? (link ? cuArrayCreate : (__typeof__(cuArrayCreate) *)fn)
+                                           : (link ? cuArray3DCreate : (__typeof__(cuArray3DCreate) *)fn);
+        if (f) rc = f(&arr, desc);
+    } else {
+        __typeof__(cuCtxCreate) *f = link ? cuCtxCreate : (__typeof__(cuCtxCreate) *)fn;
+        CUcontext ctx = NULL;
+        if (f) rc = f(&ctx, 0, 0);
+    }
+    j_begin("legacy");
+    j_int("rc", rc);
+    j_str("what", what);
+    j_str("how", how);
+    j_u64("a", a);
+    j_u64("b", b);
+    j_end();
+}
+
+static void cmd_vmmretain(int argc, char **argv) {
+    unsigned long long id = arg_u64(argv[0]);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult rc = PROBE_ERROR;
+    size_t bytes = 0;
+    if (id < table_len && table[id].kind == K_MAP) {
+        bytes = table[id].bytes;
+        rc = cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)table[id].handle);
+    }
+    j_created("vmmretain", rc, K_VMM, h, bytes);
+    j_end();
+}
+
+static void cmd_vmmshare(int argc, char **argv) {
+    unsigned long long id = arg_u64(argv[0]);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult rc = PROBE_ERROR;
+    size_t bytes = 0;
+    int fd = -1;
+    if (id < table_len && table[id].kind == K_VMM) {
+        bytes = table[id].bytes;
+        rc = cuMemExportToShareableHandle(&fd, (CUmemGenericAllocationHandle)table[id].handle,
+                                          1 /* POSIX file descriptor */, 0);
+        if (rc == CUDA_SUCCESS)
+            rc = cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd, 1);
+        if (fd >= 0) close(fd);
+    }
+    j_created("vmmshare", rc, K_VMM, h, bytes);
+    j_end();
+}
+
+static void cmd_capalloc(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    CUstream s = NULL;
+    CUdeviceptr p = 0;
+    CUgraph g = NULL;
+    CUresult rc = CALL(cuStreamCreate, &s, 0);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuStreamBeginCapture_v2, s, 0);
+    CUresult alloc = rc == CUDA_SUCCESS ? CALL(cuMemAllocAsync, &p, size, s) : rc;
+    if (s) CALL(cuStreamEndCapture, s, &g);
+    if (s) CALL(cuStreamDestroy_v2, s);
+    j_begin("capalloc");
+    j_int("rc", alloc);
+    j_end();
+}
+
+static void cmd_graphalloc(int argc, char **argv) {
+    size_t size = arg_size(argv[0]);
+    CUgraph g = NULL;
+    CUgraphNode node = NULL;
+    struct {
+        unsigned char poolProps[88];
+        const void *accessDescs;
+        size_t accessDescCount;
+        size_t bytesize;
+        CUdeviceptr dptr;
+    } params;
+    struct {
+        int type;
+        int reserved0[3];
+        __typeof__(params) alloc;
+        long long rest[20];
+    } node_params;
+    memset(&params, 0, sizeof params);
+    params.poolProps[0] = CU_MEM_ALLOCATION_TYPE_PINNED;
+    params.poolProps[8] = CU_MEM_LOCATION_TYPE_DEVICE;
+    params.bytesize = size;
+    memset(&node_params, 0, sizeof node_params);
+    node_params.type = 10; /* CU_GRAPH_NODE_TYPE_MEM_ALLOC */
+    node_params.alloc = params;
+    CUresult rc = cuGraphCreate(&g, 0);
+    if (rc == CUDA_SUCCESS)
+        rc = argc > 1 ? cuGraphAddNode_v2(&node, g, NULL, NULL, 0, &node_params)
+                      : cuGraphAddMemAllocNode(&node, g, NULL, 0, &params);
+    j_begin("graphalloc");
+    j_int("rc", rc);
+    j_end();
+}
+
+static void cmd_setlimit(int argc, char **argv) {
+    int limit = (int)arg_u64(argv[0]);
+    size_t value = arg_size(argv[1]);
+    j_begin("setlimit");
+    j_int("rc", cuCtxSetLimit(limit, value));
+    j_int("limit", limit);
+    j_u64("value", value);
+    j_end();
+}
+
 typedef struct {
     const char *name;
     const char *spec;
@@ -1467,7 +1683,7 @@ static const command_t commands[] = {
     {"reset", "i", NULL, cmd_reset},
     {"alloc", "S", NULL, cmd_alloc},
     {"pitch", "SNN", NULL, cmd_pitch},
-    {"managed", "S", NULL, cmd_managed},
+    {"managed", "Sw", "host|global|single", cmd_managed},
     {"array", "NNNN", NULL, cmd_array},
     {"array3d", "NNNNN", NULL, cmd_array3d},
     {"mipmap", "NNNNNN", NULL, cmd_mipmap},
@@ -1504,6 +1720,14 @@ static const command_t commands[] = {
     {"lock", "W", NULL, cmd_lock},
     {"getppid", "", NULL, cmd_getppid},
     {"deepalloc", "S", NULL, cmd_deepalloc},
+    {"nextalloc", "Sw", "default", cmd_nextalloc},
+    {"pools", "NS", NULL, cmd_pools},
+    {"legacy", "WWS", NULL, cmd_legacy},
+    {"vmmretain", "N", NULL, cmd_vmmretain},
+    {"vmmshare", "N", NULL, cmd_vmmshare},
+    {"capalloc", "S", NULL, cmd_capalloc},
+    {"graphalloc", "Sw", "node", cmd_graphalloc},
+    {"setlimit", "NS", NULL, cmd_setlimit},
     /* run by main: they decide which commands run next */
     {"fork", "", NULL, NULL},
     {"forkwait", "", NULL, NULL},

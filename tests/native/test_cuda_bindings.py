@@ -45,6 +45,9 @@ PTDS = {"CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM": "1"}
 HOOKED = tuple(re.findall(r"^CUDA_HOOK\((\w+),", (NATIVE / "src/hooks.def").read_text(), re.M))
 # The names applications ask cuGetProcAddress for: no version or stream suffix.
 BASES = tuple(dict.fromkeys(re.sub(r"(_v\d)?(_ptsz)?$", "", name) for name in HOOKED))
+# Hooked names of the pre-CUDA 3.2 ABI (refused, or counted as their _v2): the bindings
+# hold only the later forms.
+LEGACY = frozenset(name for name in HOOKED if f"{name}_v2" in HOOKED)
 VERSIONS = (2000, 3020, 4000, 6000, 10020, 11000, 11020, 11040, 12000, 12050, 13000)
 
 
@@ -141,8 +144,11 @@ def test_every_allocation_path_of_the_bindings_is_limited(
         "fake": fits * size,
     }  # fmt: skip
     assert all(line["rc"] == 0 for line in result.by_cmd("free")), result.describe()
-    assert (empty["total"], empty["free"]) == (GiB, GiB)
-    assert (released["used"], released["process"]) == (0, 0)
+    # A pool keeps what was freed into it (the fake never trims by itself): it stays
+    # charged, as much as the driver holds.
+    kept = fits * size if name in ("async", "poolalloc") else 0
+    assert (empty["total"], empty["free"]) == (GiB, GiB - kept)
+    assert (released["used"], released["process"], released["fake"]) == (kept, kept, kept)
 
 
 def test_memory_info_and_total_memory_show_the_limit(
@@ -201,7 +207,7 @@ def test_every_lookup_of_the_bindings_is_answered_with_the_wrappers(
     # the stream variant the mode asks for, and the one a global lookup finds.
     # (cuGetProcAddress itself is only held as _v2: the CUDA 12 form.)
     plain = [name for name in HOOKED if not name.endswith("_ptsz")]
-    for name in (name for name in plain if name != "cuGetProcAddress"):
+    for name in (name for name in plain if name not in LEGACY):
         key = "__" + name
         assert key in functions, f"cuda-bindings did not resolve {name}"
         assert functions[key] == [LIB, expected_wrapper(key, per_thread), True], key

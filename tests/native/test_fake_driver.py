@@ -443,6 +443,9 @@ def test_launches_need_a_context(fake: FakeProbe) -> None:
         ("cuMemFreeAsync", 13000, 0, "cuMemFreeAsync"),
         ("cuStreamSynchronize", 13000, PTDS, "cuStreamSynchronize_ptsz"),
         ("cuEventRecord", 13000, PTDS, "cuEventRecord_ptsz"),
+        # the pre-3.2 ABI for callers older than 3020
+        ("cuMemAlloc", 3010, 0, "cuMemAlloc"),
+        ("cuCtxCreate", 3010, 0, "cuCtxCreate"),
         # names with no version rows resolve to themselves
         ("cuMemAlloc_v2", 13000, 0, "cuMemAlloc_v2"),
     ],
@@ -459,7 +462,6 @@ def test_proc_address_picks_the_version(
 @pytest.mark.parametrize(
     ("name", "version", "status"),
     [
-        ("cuMemAlloc", 3010, PROC_VERSION_NOT_SUFFICIENT),  # the 32-bit one is not there
         ("cuDevicePrimaryCtxRelease", 10020, PROC_VERSION_NOT_SUFFICIENT),
         ("cuNoSuchFunction", 13000, PROC_SYMBOL_NOT_FOUND),
     ],
@@ -825,3 +827,52 @@ def test_racers_start_together(spawn_probe: ProbeSpawner) -> None:
         assert (race["ok"], race["failed"], race["rc"]) == (3, 1, CUDA_ERROR_OUT_OF_MEMORY)
         assert race["late_ns"] < 200_000_000
         assert proc.result().returncode == 0
+
+
+# ----------------------------------------------------------------------------- legacy ABI, sharing,
+# graph memory, context limits: the fake holds the memory each of these takes, as the driver does
+
+
+def test_the_legacy_entry_points_allocate_as_their_v2_forms(fake: FakeProbe) -> None:
+    res = fake(
+        "init ctx legacy alloc link 100m legacy pitch dlsym 100m legacy array proc 100m "
+        "legacy array3d link 100m fakeused legacy info link 0 legacy totalmem proc 0",
+        env={"FAKECUDA_MEMORY": "1g"},
+    )
+    assert res.rcs() == [0] * len(res), res.describe()
+    assert used(res) == [400 * MiB]
+    info, total = res.by_cmd("legacy")[4:]
+    assert (info["a"], info["b"]) == (GiB - 400 * MiB, GiB)
+    assert total["a"] == GiB
+
+
+def test_a_retained_handle_outlives_its_release(fake: FakeProbe) -> None:
+    # ids: vmm 0, its mapping 1, the retained handle 2
+    res = fake("init ctx vmm 256m vmmmap 0 vmmretain 1 free 0 fakeused free 1 free 2 fakeused")
+    assert res.rcs() == [0] * len(res), res.describe()
+    assert res.one("vmmretain")["ptr"] == res.one("vmm")["ptr"]
+    assert used(res) == [256 * MiB, 0]
+
+
+def test_an_imported_handle_is_memory_of_the_importer(fake: FakeProbe) -> None:
+    res = fake("init ctx vmm 256m vmmshare 0 free 0 fakeused free 1 fakeused")
+    assert res.rcs() == [0] * len(res), res.describe()
+    assert used(res) == [256 * MiB, 0]
+
+
+def test_graph_memory_nodes_hold_memory(fake: FakeProbe) -> None:
+    res = fake("init ctx graphalloc 100m graphalloc 100m node capalloc 100m fakeused")
+    assert res.rcs() == [0] * len(res), res.describe()
+    assert used(res) == [300 * MiB]
+
+
+def test_context_limits_take_device_memory(fake: FakeProbe) -> None:
+    # The heap beyond its 8 MiB default; the stack per thread beyond 1 KiB, for
+    # 132 SMs x 2048 threads.
+    res = fake(
+        "init ctx setlimit 2 108m fakeused setlimit 2 8m setlimit 0 2k fakeused setlimit 2 2g",
+        env={"FAKECUDA_MEMORY": "1g"},
+    )
+    assert res.rcs()[:-1] == [0] * (len(res) - 1), res.describe()
+    assert used(res) == [100 * MiB, 1024 * 132 * 2048]
+    assert res.by_cmd("setlimit")[-1]["rc"] == CUDA_ERROR_OUT_OF_MEMORY

@@ -53,7 +53,7 @@ def test_unknown_symbols_stay_unknown(run_probe: ProbeRunner) -> None:
 
 
 def test_a_version_too_old_is_the_driver_answer(run_probe: ProbeRunner) -> None:
-    line = run_probe("proc", "cuMemAlloc", 3000, 0).one("proc")
+    line = run_probe("proc", "cuDevicePrimaryCtxRelease", 10020, 0).one("proc")
     assert line["rc"] != 0
     assert line["status"] == 2  # VERSION_NOT_SUFFICIENT
 

@@ -120,6 +120,28 @@
  * compiled-in table (g_symbols), never via dlsym. A name not in g_versions
  * resolves to the fake function of exactly that name.
  *
+ * LEGACY, SHARING, GRAPH MEMORY, LIMITS (the block at the end of this file):
+ *   - the pre-CUDA 3.2 entry points cuMemAlloc, cuMemAllocPitch, cuMemGetInfo,
+ *     cuDeviceTotalMem, cuArrayCreate, cuArray3DCreate (32-bit sizes; a device
+ *     pointer is handed out as its low 32 bits) and cuCtxCreate, which
+ *     cuGetProcAddress gives for a cudaVersion below 3020; they allocate and
+ *     count as their _v2 forms;
+ *   - cuMemRetainAllocationHandle(addr): the cuMemCreate handle mapped at addr
+ *     (cuMemMap records each mapping), one more reference: cuMemRelease of a
+ *     retained handle drops a reference and frees nothing;
+ *   - cuMemExportToShareableHandle (POSIX file descriptor only: a memfd holding
+ *     the size) and cuMemImportFromShareableHandle: the import is a new handle
+ *     of that size, counted on the current context's device as memory the
+ *     importing process holds;
+ *   - cuGraphCreate hands out a 1 us graph; cuGraphAddMemAllocNode and
+ *     cuGraphAddNode(_v2) with a memory-allocation node allocate bytesize on the
+ *     current context's device at once (graph-held memory), returned in dptr;
+ *     any other node type is CUDA_ERROR_NOT_SUPPORTED;
+ *   - cuCtxSetLimit / cuCtxGetLimit: stack size (per thread, times
+ *     FAKECUDA_SM_COUNT * 2048 resident threads), printf FIFO and malloc heap;
+ *     what a limit takes beyond its default (1 KiB, 1 MiB, 8 MiB) counts as
+ *     the context's device memory.
+ *
  * cuGetExportTable answers CUDA_ERROR_NOT_SUPPORTED for every table: the
  * driver's private tables are undocumented, so the fake does not pretend to
  * have them. The CUDA runtime therefore does not run on it: libcudart 12.9 and
@@ -337,6 +359,44 @@ API unsigned long long fakecuda_busy_ns(int dev);
 API unsigned long long fakecuda_launches(int dev);
 API unsigned long long fakecuda_used_bytes(int dev);
 
+/* ---- legacy ABI, sharing, graph memory, limits (implemented at the end) */
+API CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytesize);
+API CUresult cuMemAllocPitch(unsigned int *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
+                             unsigned int Height, unsigned int ElementSizeBytes);
+API CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total);
+API CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev);
+API CUresult cuArrayCreate(CUarray *pHandle, const void *desc);
+API CUresult cuArray3DCreate(CUarray *pHandle, const void *desc);
+API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev);
+API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr);
+API CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                          int handleType, unsigned long long flags);
+API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                            int shHandleType);
+API CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags);
+API CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                    const CUgraphNode *dependencies, size_t numDependencies,
+                                    void *nodeParams);
+API CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                            size_t numDependencies, void *nodeParams);
+API CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
+                               const CUgraphNode *dependencies, const void *dependencyData,
+                               size_t numDependencies, void *nodeParams);
+API CUresult cuCtxSetLimit(int limit, size_t value);
+API CUresult cuCtxGetLimit(size_t *pvalue, int limit);
+static void fake_map_note(uintptr_t ptr, size_t size, uintptr_t handle);
+static void fake_map_forget(uintptr_t ptr, size_t size);
+static bool fake_release_retained(uintptr_t handle);
+struct res;
+static void fake_ctx_limits_gone(struct res *c);
+
+#define FAKE_SYMBOLS_MEMORY(X)                                                                \
+    X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemGetInfo) X(cuDeviceTotalMem) X(cuArrayCreate)     \
+    X(cuArray3DCreate) X(cuCtxCreate) X(cuMemRetainAllocationHandle)                          \
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuGraphCreate)        \
+    X(cuGraphAddMemAllocNode) X(cuGraphAddNode) X(cuGraphAddNode_v2) X(cuCtxSetLimit)         \
+    X(cuCtxGetLimit)
+
 /* ------------------------------------------------------------ symbol table
  * The one name -> function table: what cuGetProcAddress can hand out. */
 #define FAKE_SYMBOLS(X)                                                                       \
@@ -374,6 +434,7 @@ static const struct {
 } g_symbols[] = {
 #define FAKE_SYM(name) {#name, (void *)name},
     FAKE_SYMBOLS(FAKE_SYM)
+    FAKE_SYMBOLS_MEMORY(FAKE_SYM)
 #undef FAKE_SYM
 };
 
@@ -410,6 +471,16 @@ static const struct {
     {"cuGetProcAddress", 0, "cuGetProcAddress"},
     {"cuDeviceGetUuid", 11040, "cuDeviceGetUuid_v2"},
     {"cuDeviceGetUuid", 0, "cuDeviceGetUuid"},
+    /* the pre-3.2 ABI, for callers older than the rows above */
+    {"cuMemAlloc", 0, "cuMemAlloc"},
+    {"cuMemAllocPitch", 0, "cuMemAllocPitch"},
+    {"cuMemGetInfo", 0, "cuMemGetInfo"},
+    {"cuDeviceTotalMem", 0, "cuDeviceTotalMem"},
+    {"cuArrayCreate", 0, "cuArrayCreate"},
+    {"cuArray3DCreate", 0, "cuArray3DCreate"},
+    {"cuCtxCreate", 0, "cuCtxCreate"},
+    {"cuGraphAddNode", 12030, "cuGraphAddNode_v2"},
+    {"cuGraphAddNode", 0, "cuGraphAddNode"},
 };
 
 /* ------------------------------------------------------------------ config */
@@ -453,6 +524,8 @@ struct res {
     struct res *pool; /* K_ASYNC: the pool it came from */
     /* K_CTX */
     bool active, primary;
+    uint64_t limit_bytes; /* K_CTX: what cuCtxSetLimit's limits take beyond their defaults */
+    int retains;          /* K_VMM: cuMemRetainAllocationHandle references */
     /* K_POOL */
     uint64_t reserved, used, reserved_high, used_high, release_threshold;
     bool destroyed, is_default;
@@ -685,6 +758,7 @@ static void ctx_teardown(struct res *c) {
     for (size_t i = 0; i < g_nbuckets; i++)
         for (struct res *r = g_buckets[i]; r; r = r->hnext)
             if (r->kind == K_POOL && r->dev == c->dev) pool_trim(r, 0);
+    fake_ctx_limits_gone(c);
     d->used -= c->size;
     c->size = 0;
     c->active = false;
@@ -1538,6 +1612,7 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 }
 
 API CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    if (fake_release_retained((uintptr_t)handle)) return CUDA_SUCCESS;
     return free_handle((uintptr_t)handle, K_VMM);
 }
 
@@ -1624,6 +1699,7 @@ API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericA
         rc = CUDA_ERROR_INVALID_HANDLE;
     else if (offset > h->size || size > h->size - offset || !in_va_range((uintptr_t)ptr, size))
         rc = CUDA_ERROR_INVALID_VALUE;
+    if (!rc) fake_map_note((uintptr_t)ptr, size, (uintptr_t)handle);
     pthread_mutex_unlock(&g_mu);
     return rc;
 }
@@ -1633,6 +1709,7 @@ API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     bool ok = in_va_range((uintptr_t)ptr, size);
+    if (ok) fake_map_forget((uintptr_t)ptr, size);
     pthread_mutex_unlock(&g_mu);
     return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
@@ -2111,4 +2188,286 @@ API unsigned long long fakecuda_used_bytes(int dev) {
     unsigned long long v = g_dev[dev].used;
     pthread_mutex_unlock(&g_mu);
     return v;
+}
+
+/* ============================================================ legacy ABI, sharing,
+ * graph memory, context limits (see "LEGACY, SHARING, ..." at the top) */
+#include <limits.h>
+#include <sys/syscall.h>
+
+API CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytesize) {
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr p = 0;
+    CUresult rc = cuMemAlloc_v2(&p, bytesize);
+    if (!rc) *dptr = (unsigned int)p;
+    return rc;
+}
+
+API CUresult cuMemAllocPitch(unsigned int *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
+                             unsigned int Height, unsigned int ElementSizeBytes) {
+    if (!dptr || !pPitch) return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr p = 0;
+    size_t pitch = 0;
+    CUresult rc = cuMemAllocPitch_v2(&p, &pitch, WidthInBytes, Height, ElementSizeBytes);
+    if (!rc) {
+        *dptr = (unsigned int)p;
+        *pPitch = (unsigned int)pitch;
+    }
+    return rc;
+}
+
+static unsigned int clamp_u32(size_t v) { return v > UINT_MAX ? UINT_MAX : (unsigned int)v; }
+
+API CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total) {
+    if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
+    size_t f = 0, t = 0;
+    CUresult rc = cuMemGetInfo_v2(&f, &t);
+    if (!rc) {
+        *free_bytes = clamp_u32(f);
+        *total = clamp_u32(t);
+    }
+    return rc;
+}
+
+API CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) {
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    size_t b = 0;
+    CUresult rc = cuDeviceTotalMem_v2(&b, dev);
+    if (!rc) *bytes = clamp_u32(b);
+    return rc;
+}
+
+typedef struct {
+    unsigned int Width, Height;
+    CUarray_format Format;
+    unsigned int NumChannels;
+} FakeArrayDescV1;
+
+typedef struct {
+    unsigned int Width, Height, Depth;
+    CUarray_format Format;
+    unsigned int NumChannels, Flags;
+} FakeArray3DDescV1;
+
+API CUresult cuArrayCreate(CUarray *pHandle, const void *desc) {
+    const FakeArrayDescV1 *a = desc;
+    if (!a) return CUDA_ERROR_INVALID_VALUE;
+    CUDA_ARRAY_DESCRIPTOR d = {a->Width, a->Height, a->Format, a->NumChannels};
+    return cuArrayCreate_v2(pHandle, &d);
+}
+
+API CUresult cuArray3DCreate(CUarray *pHandle, const void *desc) {
+    const FakeArray3DDescV1 *a = desc;
+    if (!a) return CUDA_ERROR_INVALID_VALUE;
+    CUDA_ARRAY3D_DESCRIPTOR d = {a->Width, a->Height, a->Depth, a->Format, a->NumChannels, a->Flags};
+    return cuArray3DCreate_v2(pHandle, &d);
+}
+
+API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    return ctx_create(pctx, flags, dev);
+}
+
+/* ---- mappings of cuMemCreate handles, for cuMemRetainAllocationHandle (g_mu held) */
+#define FAKE_MAX_MAPS 256
+static struct {
+    uintptr_t ptr, handle;
+    size_t size;
+} g_maps[FAKE_MAX_MAPS];
+static int g_nmaps;
+
+static void fake_map_note(uintptr_t ptr, size_t size, uintptr_t handle) {
+    if (g_nmaps < FAKE_MAX_MAPS) {
+        g_maps[g_nmaps].ptr = ptr;
+        g_maps[g_nmaps].size = size;
+        g_maps[g_nmaps].handle = handle;
+        g_nmaps++;
+    }
+}
+
+static void fake_map_forget(uintptr_t ptr, size_t size) {
+    for (int i = g_nmaps - 1; i >= 0; i--)
+        if (g_maps[i].ptr >= ptr && g_maps[i].ptr - ptr < size) g_maps[i] = g_maps[--g_nmaps];
+}
+
+API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+    NEED_INIT();
+    if (!handle || !addr) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < g_nmaps; i++) {
+        uintptr_t a = (uintptr_t)addr;
+        if (a >= g_maps[i].ptr && a - g_maps[i].ptr < g_maps[i].size) {
+            struct res *h = tab_find_kind(g_maps[i].handle, K_VMM);
+            if (h) {
+                h->retains++;
+                *handle = (CUmemGenericAllocationHandle)g_maps[i].handle;
+                rc = CUDA_SUCCESS;
+            }
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* A retained handle's cuMemRelease drops a reference and frees nothing. */
+static bool fake_release_retained(uintptr_t handle) {
+    pthread_mutex_lock(&g_mu);
+    struct res *h = tab_find_kind(handle, K_VMM);
+    bool retained = h && h->retains > 0;
+    if (retained) h->retains--;
+    pthread_mutex_unlock(&g_mu);
+    return retained;
+}
+
+/* ---- sharing (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR only) */
+#define FAKE_HANDLE_TYPE_POSIX_FD 1
+
+API CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                          int handleType, unsigned long long flags) {
+    NEED_INIT();
+    if (!shareableHandle || handleType != FAKE_HANDLE_TYPE_POSIX_FD || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct res *h = tab_find_kind((uintptr_t)handle, K_VMM);
+    uint64_t size = h ? h->size : 0;
+    pthread_mutex_unlock(&g_mu);
+    if (!h) return CUDA_ERROR_INVALID_HANDLE;
+    int fd = (int)syscall(SYS_memfd_create, "fakecuda-vmm", 0);
+    if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (pwrite(fd, &size, sizeof size, 0) != (ssize_t)sizeof size) {
+        close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *(int *)shareableHandle = fd;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                            int shHandleType) {
+    NEED_INIT();
+    if (!handle || shHandleType != FAKE_HANDLE_TYPE_POSIX_FD) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t size = 0;
+    if (pread((int)(intptr_t)osHandle, &size, sizeof size, 0) != (ssize_t)sizeof size || size == 0)
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct res *r;
+    CUresult rc = alloc_record(K_VMM, size, false, &r);
+    if (!rc) *handle = (CUmemGenericAllocationHandle)(uintptr_t)r;
+    return rc;
+}
+
+/* ---- graph memory */
+#define FAKE_GRAPH_NODE_TYPE_MEM_ALLOC 10
+
+typedef struct {
+    FakeMemPoolProps poolProps;
+    const FakeMemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} FakeMemAllocNodeParams;
+
+API CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags) {
+    NEED_INIT();
+    if (!phGraph || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    *phGraph = (CUgraph)(uintptr_t)1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                    const CUgraphNode *dependencies, size_t numDependencies,
+                                    void *nodeParams) {
+    FakeMemAllocNodeParams *p = nodeParams;
+    if (!phGraphNode || !hGraph || !p || p->bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = cuMemAlloc_v2(&p->dptr, p->bytesize);
+    if (!rc) *phGraphNode = (CUgraphNode)(uintptr_t)p->dptr;
+    return rc;
+}
+
+static CUresult add_node(CUgraphNode *phGraphNode, CUgraph hGraph, void *nodeParams) {
+    if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
+    if (*(int *)nodeParams != FAKE_GRAPH_NODE_TYPE_MEM_ALLOC) return CUDA_ERROR_NOT_SUPPORTED;
+    return cuGraphAddMemAllocNode(phGraphNode, hGraph, NULL, 0, (char *)nodeParams + 16);
+}
+
+API CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                            size_t numDependencies, void *nodeParams) {
+    return add_node(phGraphNode, hGraph, nodeParams);
+}
+
+API CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
+                               const CUgraphNode *dependencies, const void *dependencyData,
+                               size_t numDependencies, void *nodeParams) {
+    return add_node(phGraphNode, hGraph, nodeParams);
+}
+
+/* ---- context limits */
+static const uint64_t g_limit_default[3] = {1024, (uint64_t)1 << 20, (uint64_t)8 << 20};
+static struct {
+    struct res *ctx;
+    uint64_t value[3];
+} g_limits[64];
+
+static uint64_t *limits_of(struct res *c, bool add) {
+    for (int i = 0; i < 64; i++)
+        if (g_limits[i].ctx == c) return g_limits[i].value;
+    if (!add) return NULL;
+    for (int i = 0; i < 64; i++)
+        if (!g_limits[i].ctx) {
+            g_limits[i].ctx = c;
+            memcpy(g_limits[i].value, g_limit_default, sizeof g_limit_default);
+            return g_limits[i].value;
+        }
+    return NULL;
+}
+
+static uint64_t limit_bytes(int limit, uint64_t value) {
+    uint64_t extra = value > g_limit_default[limit] ? value - g_limit_default[limit] : 0;
+    return limit == 0 ? extra * (uint64_t)g_cfg.sm_count * 2048 : extra;
+}
+
+static void fake_ctx_limits_gone(struct res *c) {
+    uint64_t *v = limits_of(c, false);
+    if (!v) return;
+    c->limit_bytes = 0;
+    for (int i = 0; i < 64; i++)
+        if (g_limits[i].ctx == c) g_limits[i].ctx = NULL;
+}
+
+API CUresult cuCtxSetLimit(int limit, size_t value) {
+    NEED_INIT();
+    if (limit < 0 || limit > 2) return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&g_mu);
+    struct res *c;
+    CUresult rc = need_ctx(&c);
+    uint64_t *v = rc ? NULL : limits_of(c, true);
+    if (!rc && !v) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (!rc) {
+        uint64_t before = limit_bytes(limit, v[limit]), after = limit_bytes(limit, value);
+        struct device *d = &g_dev[c->dev];
+        if (after > before && (after - before > g_cfg.memory || d->used > g_cfg.memory - (after - before))) {
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        } else {
+            d->used = d->used + after - before;
+            c->size = c->size + after - before;
+            c->limit_bytes = c->limit_bytes + after - before;
+            v[limit] = value;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API CUresult cuCtxGetLimit(size_t *pvalue, int limit) {
+    NEED_INIT();
+    if (!pvalue || limit < 0 || limit > 2) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct res *c;
+    CUresult rc = need_ctx(&c);
+    if (!rc) {
+        uint64_t *v = limits_of(c, false);
+        *pvalue = (size_t)(v ? v[limit] : g_limit_default[limit]);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
 }
