@@ -75,6 +75,7 @@ class NodeAgent:
         self.card_layers = card_layers  # the sampler's report; None: no sampler runs
         self.driver_support: dict[str, driverlimits.CardSupport] = {}
         self._support_for: tuple[tuple[str, bool], ...] | None = None
+        self._sampler_broken = False
         self.mig = mig  # its own MIG instances are not reported as static ones
         self.backend = backend
         self._config = config
@@ -106,7 +107,13 @@ class NodeAgent:
             try:
                 sampled = self.card_layers()
             except Exception:  # a broken sampler report leaves its layers missing
-                log.exception("the sampler's per-card report could not be read")
+                if not self._sampler_broken:  # once, not at every refresh
+                    log.exception("the sampler's per-card report could not be read")
+                self._sampler_broken = True
+            else:
+                if self._sampler_broken:
+                    log.info("the sampler's per-card report is readable again")
+                self._sampler_broken = False
         out = {}
         for device in self._devices:
             support = self.driver_support.get(device.uuid)
