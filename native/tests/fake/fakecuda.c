@@ -161,7 +161,6 @@
 #include "gs_cuda.h"
 #include "fake_size.h"
 #include "fake_uuid.h"
-#include "fake_limits.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -529,33 +528,6 @@ static void load_config(void) {
 }
 
 static void config(void) { pthread_once(&g_once, load_config); }
-
-/* ------------------------------------------------------ per-cgroup limits
- * The driver's per-cgroup hard limits (fake_limits.h), kept by the fake NVML
- * in <FAKEGPU_STATE_DIR>/limits: taking `grow` more bytes on device `dev` is
- * refused when, for a limit on that device whose nameSpace holds this
- * process's cgroup, what the group's processes hold there (this process's own
- * g_dev[dev].used, the others' procs files) plus `grow` passes the hard
- * limit. No state directory, no limits file: nothing is refused. Call with
- * g_mu held. */
-static bool cgroup_limit_refuses(int dev, uint64_t grow) {
-    const char *dir = fake_state_dir();
-    if (!dir || grow == 0) return false;
-    static struct fake_limit limits[FAKE_LIMITS_MAX]; /* under g_mu */
-    int n = fake_limits_read(dir, limits, FAKE_LIMITS_MAX);
-    char root[PATH_MAX], self[PATH_MAX];
-    if (n == 0 || !fake_cgroup2_root(root, sizeof root) ||
-        !fake_pid_cgroup(getpid(), root, self, sizeof self))
-        return false;
-    for (int i = 0; i < n; i++) {
-        const struct fake_limit *l = &limits[i];
-        if ((int)l->dev != dev || l->hard == FAKE_LIMIT_NONE || !fake_path_within(self, l->ns))
-            continue;
-        uint64_t held = fake_ns_used(dir, l->dev, l->ns, root, getpid()) + g_dev[dev].used;
-        if (held > l->hard || grow > l->hard - held) return true;
-    }
-    return false;
-}
 
 #define NEED_INIT()                                                                           \
     do {                                                                                      \
@@ -1030,6 +1002,35 @@ API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
     *bytes = (size_t)g_cfg.memory;
     return CUDA_SUCCESS;
+}
+
+#include "fake_limits.h"
+
+/* ------------------------------------------------------ per-cgroup limits
+ * The driver's per-cgroup hard limits (fake_limits.h), kept by the fake NVML
+ * in <FAKEGPU_STATE_DIR>/limits: taking `grow` more bytes on device `dev` is
+ * refused when, for a limit on that device whose nameSpace holds this
+ * process's cgroup, what the group's processes hold there (this process's own
+ * g_dev[dev].used, the others' procs files) plus `grow` passes the hard
+ * limit. No state directory, no limits file: nothing is refused. Call with
+ * g_mu held. */
+static bool cgroup_limit_refuses(int dev, uint64_t grow) {
+    const char *dir = fake_state_dir();
+    if (!dir || grow == 0) return false;
+    static struct fake_limit limits[FAKE_LIMITS_MAX]; /* under g_mu */
+    int n = fake_limits_read(dir, limits, FAKE_LIMITS_MAX);
+    char root[PATH_MAX], self[PATH_MAX];
+    if (n == 0 || !fake_cgroup2_root(root, sizeof root) ||
+        !fake_pid_cgroup(getpid(), root, self, sizeof self))
+        return false;
+    for (int i = 0; i < n; i++) {
+        const struct fake_limit *l = &limits[i];
+        if ((int)l->dev != dev || l->hard == FAKE_LIMIT_NONE || !fake_path_within(self, l->ns))
+            continue;
+        uint64_t held = fake_ns_used(dir, l->dev, l->ns, root, getpid()) + g_dev[dev].used;
+        if (held > l->hard || grow > l->hard - held) return true;
+    }
+    return false;
 }
 
 /* The device's default pool, made on first use. Call with g_mu held. */

@@ -120,7 +120,6 @@
 #include "gs_cuda.h"
 #include "fake_size.h"
 #include "fake_uuid.h"
-#include "fake_limits.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -1452,6 +1451,8 @@ static nvmlReturn_t mig_device_memory(nvmlDevice_t device, unsigned long long *t
     pthread_mutex_unlock(&g_mu);
     return NVML_SUCCESS;
 }
+
+#include "fake_limits.h"
 
 /* ------------------------------------------------------------ memory limits
  * nvmlSetMemoryLimits_v1_t / nvmlGetMemoryLimits_v1_t as nvml.h (CUDA 13.4)
