@@ -4,8 +4,10 @@ as the gpuslice_enforcement_layer gauge, on the fake NVML and on simulated cards
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -15,13 +17,16 @@ from prometheus_client import generate_latest
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.models import LayerState
+from gpuslice_deviceplugin import driverlimits
 from gpuslice_deviceplugin.discovery import simulated_uuid
+from gpuslice_deviceplugin.driverlimits import CardSupport, LimitResult
 from gpuslice_deviceplugin.service import running
 from tests.deviceplugin.conftest import FAST, NODE
 from tests.deviceplugin.test_metrics import FAKE, Samples, samples, scrape_until
 
 LAYER = "gpuslice_enforcement_layer"
 ON, OFF = LayerState.ENFORCING, LayerState.MISSING
+ROOT = driverlimits.cgroup2_root()
 
 
 def layer(node: str, uuid: str, name: str) -> tuple[tuple[str, str], ...]:
@@ -51,11 +56,11 @@ async def test_the_agent_on_nvml_reports_driver_limits_per_card(
     node = "node-e2e"
     assert got[layer(node, FAKE[0], "driver")] == 1
     assert got[layer(node, FAKE[1], "driver")] == 0
-    for uuid in FAKE:
-        assert got[layer(node, uuid, "interposer")] == 1
+    for card in FAKE:
+        assert got[layer(node, card, "interposer")] == 1
         # no sampler report yet: the agent's own layers are missing, never guessed
-        assert got[layer(node, uuid, "agent-memory")] == 0
-        assert got[layer(node, uuid, "agent-compute")] == 0
+        assert got[layer(node, card, "agent-memory")] == 0
+        assert got[layer(node, card, "agent-compute")] == 0
     assert f"GPU {FAKE[0]}: driver memory limits supported (driver)" in out
     assert f"GPU {FAKE[1]}: driver memory limits missing (nvmlDeviceGetMemoryLimits_v1" in out
 
@@ -94,3 +99,38 @@ async def test_the_sampler_decides_the_agents_layers_and_a_broken_one_leaves_the
             await agent.refresh()
         assert all(c.agent_memory is OFF for c in agent.inventory().layers.values())
         assert caplog.text.count("could not be read") == 1  # said once, not at every refresh
+
+
+@pytest.mark.skipif(ROOT is None or not os.access(ROOT, os.W_OK), reason="needs cgroup v2")
+async def test_a_container_the_driver_does_not_hold_marks_its_card_missing(
+    settings: DevicePluginSettings, bus: Bus
+) -> None:
+    assert ROOT is not None
+    first, second = simulated_uuid(NODE, 0), simulated_uuid(NODE, 1)
+    group = ROOT / f"gpuslice-test-{uuid.uuid4().hex[:12]}"
+    group.mkdir()
+    cgroup = "/" + group.name
+    try:
+        async with running(settings, bus=bus, timing=FAST) as state:
+            agent = state.agent
+            agent.driver_support = {u: CardSupport(True, "dmem") for u in (first, second)}
+            assert agent.inventory().layers[first].driver is ON
+            agent.note_driver_limit(first, cgroup, LimitResult("failed", detail="NO_PERMISSION"))
+            layers = agent.inventory().layers
+            assert layers[first].driver is OFF
+            assert layers[first].driver_note == "limit not applied: NO_PERMISSION"
+            assert layers[second].driver is ON  # the other card's containers are held
+            agent.note_driver_limit(first, cgroup, LimitResult("set", driverlimits.NO_LIMIT))
+            assert agent.inventory().layers[first].driver is ON
+            agent.note_driver_limit(first, cgroup, LimitResult("failed", detail="gone soon"))
+            assert agent.inventory().layers[first].driver is OFF
+            group.rmdir()  # the container ended: its failure no longer counts
+            assert agent.inventory().layers[first].driver is ON
+            got = samples(generate_latest(state.registry).decode())
+            assert got["gpuslice_driver_limits_total"] == {
+                (("outcome", "failed"),): 2,
+                (("outcome", "set"),): 1,
+            }
+    finally:
+        if group.exists():
+            group.rmdir()

@@ -45,6 +45,7 @@ from gpuslice_deviceplugin.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
+MAX_DRIVER_FAILURES = 4096  # containers whose driver limit could not be ensured, kept
 # What the agent's sampler could read per card: UUID -> (memory checked, compute checked)
 CardLayerSource = Callable[[], Mapping[str, tuple[bool, bool]]]
 
@@ -76,6 +77,8 @@ class NodeAgent:
         self.driver_support: dict[str, driverlimits.CardSupport] = {}
         self._support_for: tuple[tuple[str, bool], ...] | None = None
         self._sampler_broken = False
+        # (card UUID, container cgroup) -> why the driver's limit could not be ensured
+        self._driver_failed: dict[tuple[str, str], str] = {}
         self.mig = mig  # its own MIG instances are not reported as static ones
         self.backend = backend
         self._config = config
@@ -118,13 +121,46 @@ class NodeAgent:
         for device in self._devices:
             support = self.driver_support.get(device.uuid)
             memory, compute = sampled.get(device.uuid, (False, False))
+            driver = support is not None and support.supported
+            note = support.note if support else "not checked"
+            failure = self._driver_failure(device.uuid) if driver and self._driver_failed else None
+            if failure is not None:
+                driver, note = False, f"limit not applied: {failure}"
             out[device.uuid] = CardLayers(
-                driver=_state(support is not None and support.supported),
-                driver_note=_note(support.note if support else "not checked"),
+                driver=_state(driver),
+                driver_note=_note(note),
                 agent_memory=_state(memory is True),
                 agent_compute=_state(compute is True),
             )
         return out
+
+    def note_driver_limit(self, uuid: str, cgroup: str, result: driverlimits.LimitResult) -> None:
+        """What :func:`driverlimits.ensure_limit` did for a container's ``cgroup`` on
+        card ``uuid``: until it succeeds there, the card's driver layer is reported
+        missing, with why (a container the driver does not hold is not enforced)."""
+        self.metrics.driver_limits.labels(result.outcome).inc()
+        key = (uuid, cgroup)
+        if result.ok:
+            self._driver_failed.pop(key, None)
+        elif key in self._driver_failed or len(self._driver_failed) < MAX_DRIVER_FAILURES:
+            self._driver_failed[key] = result.detail or result.outcome
+
+    def _driver_failure(self, uuid: str) -> str | None:
+        """Why a container on the card is not held by the driver, or None. A
+        container whose cgroup is gone is forgotten."""
+        root = driverlimits.cgroup2_root()
+        for (card, cgroup), why in list(self._driver_failed.items()):
+            if root is not None:
+                try:
+                    gone = not driverlimits.group_path(root, cgroup).is_dir()
+                except ValueError:
+                    gone = False
+                if gone:
+                    del self._driver_failed[(card, cgroup)]
+                    continue
+            if card == uuid:
+                return why
+        return None
 
     async def check_driver_limits(self) -> None:
         """Whether the driver limits memory per cgroup on each card (again when the

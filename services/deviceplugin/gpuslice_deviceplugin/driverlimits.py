@@ -170,8 +170,13 @@ def _error(rc: int) -> str:
         return f"NVML error {rc}"
 
 
-def _handle(card: int | Any) -> Any:
-    return pynvml.nvmlDeviceGetHandleByIndex(card) if isinstance(card, int) else card
+def _handle(card: int | str | Any) -> Any:
+    """An NVML handle for a card given as its handle, index or UUID."""
+    if isinstance(card, int):
+        return pynvml.nvmlDeviceGetHandleByIndex(card)
+    if isinstance(card, str):
+        return pynvml.nvmlDeviceGetHandleByUUID(card)
+    return card
 
 
 def read_limits(card: int | Any, path: Path) -> Limits | int:
@@ -253,9 +258,11 @@ def ensure_limit(
 ) -> LimitResult:
     """Make sure the driver holds the group ``cgroup_path`` to ``hard_bytes`` on the card.
 
-    ``card`` is an NVML device handle or index; ``cgroup_path`` the group as a
-    process's ``/proc/<pid>/cgroup`` ``0::`` line names it (or its full path under
-    the v2 root). A limit at or below ``hard_bytes`` is kept; none, or a higher
+    ``card`` is an NVML device handle, index or UUID; ``cgroup_path`` the
+    container's group as a process's ``/proc/<pid>/cgroup`` ``0::`` line names it
+    (or its full path under the v2 root). Pass the container's own group, not a
+    deeper one a process of it may have made: the limit holds the group and
+    everything below it. A limit at or below ``hard_bytes`` is kept; none, or a higher
     one, is replaced by ``hard_bytes`` (``soft_bytes`` the soft limit). Never raises
     for what NVML or the file system answers: the result says what happened.
     """

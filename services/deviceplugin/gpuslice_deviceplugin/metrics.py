@@ -94,6 +94,13 @@ class PluginMetrics:
             ["node", "uuid", "layer"],
             registry=registry,
         )
+        self.driver_limits = Counter(
+            "gpuslice_driver_limits",
+            "Driver memory limits ensured on a container's cgroup, by outcome (set, kept, "
+            "unsupported, failed).",
+            ["outcome"],
+            registry=registry,
+        )
         self.ambiguous = Counter(
             "gpuslice_deviceplugin_ambiguous_allocations",
             "Allocate calls answered while other pods waited for as many GPUs: kubelet "
