@@ -23,6 +23,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import DevicePluginSettings
@@ -134,6 +135,14 @@ class NodeAgent:
             )
         return out
 
+    def cgroup_root(self) -> Path | None:
+        """The host's cgroup v2 hierarchy as the agent sees it: the ``cgroup_root``
+        setting where the deployment mounts the host's tree (the agent's own
+        /sys/fs/cgroup shows only its own group, without ``dmem.capacity``), else
+        the first cgroup2 mount. The driver's limits name groups by this path."""
+        configured = getattr(self.settings, "cgroup_root", None)
+        return Path(configured) if configured else driverlimits.cgroup2_root()
+
     def note_driver_limit(self, uuid: str, cgroup: str, result: driverlimits.LimitResult) -> None:
         """What :func:`driverlimits.ensure_limit` did for a container's ``cgroup`` on
         card ``uuid``: until it succeeds there, the card's driver layer is reported
@@ -148,7 +157,7 @@ class NodeAgent:
     def _driver_failure(self, uuid: str) -> str | None:
         """Why a container on the card is not held by the driver, or None. A
         container whose cgroup is gone is forgotten."""
-        root = driverlimits.cgroup2_root()
+        root = self.cgroup_root()
         for (card, cgroup), why in list(self._driver_failed.items()):
             if root is not None:
                 try:
@@ -173,7 +182,9 @@ class NodeAgent:
             support = {d.uuid: driverlimits.CardSupport(False, note) for d in self._devices}
         else:
             try:
-                support = await asyncio.to_thread(driverlimits.card_support, self._devices)
+                support = await asyncio.to_thread(
+                    driverlimits.card_support, self._devices, self.cgroup_root()
+                )
             except Exception as exc:  # NVML or the file system: say so, count as missing
                 log.warning("driver memory limits could not be checked: %s", exc)
                 note = f"check failed: {type(exc).__name__}"

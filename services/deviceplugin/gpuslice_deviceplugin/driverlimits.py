@@ -262,7 +262,12 @@ def ensure_limit(
     container's group as a process's ``/proc/<pid>/cgroup`` ``0::`` line names it
     (or its full path under the v2 root). Pass the container's own group, not a
     deeper one a process of it may have made: the limit holds the group and
-    everything below it. A limit at or below ``hard_bytes`` is kept; none, or a higher
+    everything below it. ``root`` is the host's cgroup v2 tree as this process
+    sees it (the node agent's ``cgroup_root()``; by default the first cgroup2
+    mount): NVML is given the group's path under it, on the assumption that the
+    driver resolves ``nameSpace`` in the caller's mount namespace, as a path
+    lookup in the kernel does (NVIDIA's documentation says only "full path to
+    sysfs cgroup file name"). A limit at or below ``hard_bytes`` is kept; none, or a higher
     one, is replaced by ``hard_bytes`` (``soft_bytes`` the soft limit). Never raises
     for what NVML or the file system answers: the result says what happened.
     """
