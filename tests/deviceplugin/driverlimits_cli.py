@@ -4,6 +4,7 @@ per process) against whatever libnvidia-ml.so.1 LD_LIBRARY_PATH finds; prints JS
 usage: python driverlimits_cli.py support
        python driverlimits_cli.py ensure INDEX CGROUP HARD_BYTES
        python driverlimits_cli.py read INDEX CGROUP
+       python driverlimits_cli.py write INDEX CGROUP SOFT HARD   (prints NVML's return code)
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def main(argv: list[str]) -> int:
             assert root is not None
             got = driverlimits.read_limits(int(argv[2]), driverlimits.group_path(root, argv[3]))
             print(json.dumps(got if isinstance(got, int) else dataclasses.asdict(got)))
+        elif argv[1] == "write":
+            root = driverlimits.cgroup2_root()
+            assert root is not None
+            path = driverlimits.group_path(root, argv[3])
+            print(driverlimits.write_limits(int(argv[2]), path, int(argv[4]), int(argv[5])))
         else:
             print(__doc__, file=sys.stderr)
             return 2

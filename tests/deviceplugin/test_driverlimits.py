@@ -200,6 +200,24 @@ def test_a_group_path_that_escapes_the_hierarchy_is_refused(
     assert not (state / "limits").exists() or (state / "limits").read_text() == ""
 
 
+@needs_cgroup2
+def test_the_fake_nvml_checks_limits_and_clears_them(
+    native_tools: Native, state: Path, group: Path
+) -> None:
+    invalid, no_limit = 2, driverlimits.NO_LIMIT  # NVML_ERROR_INVALID_ARGUMENT
+    assert limits(native_tools, state, "write", 0, rel(group), 2 * GIB, GIB) == invalid
+    assert not (state / "limits").exists()
+    assert limits(native_tools, state, "write", 0, rel(group), 0, GIB) == 0
+    assert limits(native_tools, state, "write", 1, rel(group), 0, 2 * GIB) == 0
+    lines = (state / "limits").read_text().splitlines()
+    assert lines == [f"0 {group} 0 {GIB}", f"1 {group} 0 {2 * GIB}"]
+    # soft 0 and hard "max" clear a limit: that card's line goes, the other stays
+    assert limits(native_tools, state, "write", 0, rel(group), 0, no_limit) == 0
+    assert (state / "limits").read_text().splitlines() == [f"1 {group} 0 {2 * GIB}"]
+    assert limits(native_tools, state, "read", 0, rel(group))["hard"] == no_limit
+    assert allocs(probe_in(native_tools, group, state, "init ctx alloc 1500m")) == [0]
+
+
 def test_nvml_without_the_calls_supports_no_card(native_tools: Native, tmp_path: Path) -> None:
     """An NVML older than r615 (no nvmlDeviceSetMemoryLimits_v1) is reported as such."""
     code = (
