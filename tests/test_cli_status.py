@@ -30,7 +30,15 @@ from gpuslice_cli.status import (
     without_password,
 )
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
+from gpuslice_common.models import (
+    CardLayers,
+    ContainerAssignment,
+    DeviceGrant,
+    LayerState,
+    NodeInventory,
+    Placement,
+    PodRef,
+)
 from gpuslice_common.servers import free_port
 from gpuslice_common.subjects import Subjects
 from gpuslice_inventory.telemetry import TelemetryStore
@@ -162,6 +170,7 @@ async def test_json_document(cluster: Ledger, redis_url: str) -> None:
             "cordoned": False,
             "present": True,
             "exclusive_owner": None,
+            "layers": None,  # make_inventory reports no layers, as older agents
             "used_bytes": None,  # no telemetry
             "sm_percent": None,
             **values,
@@ -470,3 +479,35 @@ async def test_tables_fit_the_terminal_and_are_plain_columns_in_a_pipe(
         # room enough: the widest cells whole; too narrow: cut or wrapped, in the width
         assert (MODEL in drawn) is (columns == 160), drawn
         assert ("1 healthy, 1 unhealthy" in drawn) is (columns == 160), drawn
+
+
+async def test_enforcement_layers_per_card(ledger: Ledger, redis_url: str) -> None:
+    """The second table and the JSON say which layers enforce on each card; a node
+    whose agent reports none shows "-" (and null)."""
+    on, off = LayerState.ENFORCING, LayerState.MISSING
+    inventory = make_inventory("node-a", gpus=2)
+    layers = {
+        "GPU-node-a-0": CardLayers(driver=on, driver_note="dmem", agent_memory=on),
+        "GPU-node-a-1": CardLayers(driver=off, driver_note="MIG mode", agent_compute=on),
+    }
+    reported = NodeInventory.model_validate({**inventory.model_dump(), "layers": layers})
+    await ledger.register_node(reported, rebuilt=True)
+    await ledger.register_node(make_inventory("node-b", gpus=1), rebuilt=True)
+    result = await cli(redis_url, "status")
+    assert result.exit_code == 0, result.output
+    assert cells(result.stdout, "enforcement layers") == [
+        ["node", "gpu", "driver", "agent memory", "agent compute", "interposer", "driver note"],
+        ["node-a", "0", "enforcing", "enforcing", "missing", "enforcing", "dmem"],
+        ["node-a", "1", "missing", "missing", "enforcing", "enforcing", "MIG mode"],
+        ["node-b", "0", "-", "-", "-", "-", ""],
+    ]
+    result = await cli(redis_url, "status", "--json")
+    nodes = {n["node"]: n for n in json.loads(result.stdout)["nodes"]}
+    assert nodes["node-a"]["gpus"][0]["layers"] == {
+        "driver": "enforcing",
+        "driver_note": "dmem",
+        "agent_memory": "enforcing",
+        "agent_compute": "missing",
+        "interposer": "enforcing",
+    }
+    assert nodes["node-b"]["gpus"][0]["layers"] is None

@@ -174,6 +174,10 @@ async def test_the_grid_shows_every_card_and_the_running_pod_on_its_card(
             tile = section.get_by_test_id(f"card-{card.device.uuid}")
             await expect(tile).to_contain_text(card.device.model)
             await expect(tile).to_contain_text(f"#{card.device.index}")
+            # its node agent's report of the layers that enforce there
+            layers = tile.get_by_test_id(f"layers-{card.device.uuid}")
+            await expect(layers).to_contain_text("Enforced by")
+            await expect(layers).to_contain_text("interposer")
     assert await page.locator('[data-testid^="node-"]').count() == len(console.stack.nodes)
     await expect(page.get_by_test_id("summary-cards")).to_contain_text(
         str(sum(n.gpus for n in console.stack.nodes))

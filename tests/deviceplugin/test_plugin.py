@@ -26,6 +26,7 @@ from gpuslice_common.servers import NatsServer
 from gpuslice_deviceplugin.allocation import without_credentials
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.containers import ContainerOwner
+from gpuslice_deviceplugin.driverlimits import CardSupport
 from gpuslice_deviceplugin.kubelet import KubeletLinkError
 from gpuslice_deviceplugin.service import Running, running
 from gpuslice_inventory.service import Running as InventoryRunning
@@ -206,6 +207,28 @@ async def test_registration_refused_gives_up_after_bounded_retries(
 
 
 # ------------------------------------------------------------------ Allocate
+
+
+async def test_allocate_gives_the_toolkit_hook_the_grant_where_the_driver_limits_memory(
+    agent: Running, kubelet: DevKubelet, plugin_ledger: Ledger
+) -> None:
+    plugin = await registered(kubelet)
+    first, second = uuids(agent)[:2]
+    # simulated cards: no driver limits, so no hook variable
+    assert not agent.agent.driver_support[first].supported
+    await bind(plugin_ledger, placement("p0", [[(first, 1024, 10)]]))
+    assert "NVIDIA_GPU_MEMORY_LIMIT" not in dict((await plugin.admit_container(1)).envs)
+    agent.agent.driver_support = {
+        first: CardSupport(True, "driver"),
+        second: CardSupport(False, "MIG mode"),
+    }
+    await bind(plugin_ledger, placement("p1", [[(first, 4096, 30)]]))
+    env = dict((await plugin.admit_container(1)).envs)
+    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == str(4096 * MIB)  # decimal bytes
+    assert "NVIDIA_GPU_MEMORY_REQUEST" not in env
+    # one card of the container without driver limits: the agent sets them, not the hook
+    await bind(plugin_ledger, placement("p2", [[(first, 1024, 10), (second, 1024, 10)]]))
+    assert "NVIDIA_GPU_MEMORY_LIMIT" not in dict((await plugin.admit_container(2)).envs)
 
 
 async def test_allocate_one_gpu_answers_env_and_mounts(

@@ -34,10 +34,13 @@ from gpuslice_common.events import (
 )
 from gpuslice_common.kube import KubernetesApi
 from gpuslice_common.models import (
+    CardLayers,
     ContainerAssignment,
     ContainerGpuRequest,
     DeviceGrant,
+    LayerState,
     MemoryRequest,
+    NodeInventory,
     Placement,
     PodRef,
 )
@@ -1261,3 +1264,44 @@ async def test_stopping_ends_open_streams_as_streams_end(
             await starting.__aexit__(None, None, None)
     assert ": connected" not in rest
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+async def test_each_cards_enforcement_layers_reach_the_snapshot_from_the_agents_inventory(
+    console: Console, bus: Bus
+) -> None:
+    """The node agent's report travels over the bus into the ledger and the page;
+    a node whose agent reports none shows null, and a newer report replaces it."""
+    inventory = make_inventory("gpu-1", gpus=2, memory_mib=16384)
+    on = LayerState.ENFORCING
+    layers = {
+        "GPU-gpu-1-0": CardLayers(driver=on, driver_note="dmem", agent_memory=on),
+        "GPU-gpu-1-1": CardLayers(driver_note="MIG mode: the driver limits whole cards only"),
+    }
+    await announce(bus, inventory)
+    await until(lambda: rebuilt(console.state.ledger, "gpu-1"))
+
+    async def cards() -> list[Any]:
+        snap = await console.json("/api/v1/cluster")
+        return [c for n in snap["nodes"] for c in n["cards"]]
+
+    async def listed() -> bool:
+        return len(await cards()) == 2
+
+    await until(listed, timeout=WAIT_S)
+    assert [c["layers"] for c in await cards()] == [None, None]
+    await announce(bus, NodeInventory.model_validate({**inventory.model_dump(), "layers": layers}))
+
+    async def reported() -> bool:
+        return all(c["layers"] is not None for c in await cards())
+
+    await until(reported, timeout=WAIT_S)
+    first, second = await cards()
+    assert first["layers"] == {
+        "driver": "enforcing",
+        "driver_note": "dmem",
+        "agent_memory": "enforcing",
+        "agent_compute": "missing",
+        "interposer": "enforcing",
+    }
+    assert second["layers"]["driver"] == "missing"
+    assert second["layers"]["driver_note"] == "MIG mode: the driver limits whole cards only"

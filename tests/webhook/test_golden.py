@@ -611,6 +611,16 @@ DENIALS = [
             (POLICY, "disable"),
         )
     ),
+    *(
+        pytest.param(
+            env_pod(var(name, str(1 << 40))),
+            {},
+            403,
+            ["'main'", name, "driver's memory limit", "grant"],
+            id=f"gpu-container-driver-limit-{name}",
+        )
+        for name in ("NVIDIA_GPU_MEMORY_LIMIT", "NVIDIA_GPU_MEMORY_REQUEST")
+    ),
     pytest.param(
         env_pod(var(POLICY, "sometimes")), {}, 400, ["'main'", POLICY], id="policy-unknown"
     ),

@@ -23,7 +23,7 @@ from rich.table import Table
 from gpuslice_cli.table import printable, show
 from gpuslice_common.config import CommonSettings, ConfigError, load, without_password
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError
-from gpuslice_common.models import GpuState, Placement
+from gpuslice_common.models import CardLayers, GpuState, Placement
 from gpuslice_common.occupancy import card_grants
 from gpuslice_inventory.telemetry import TelemetryStore
 
@@ -100,6 +100,7 @@ class CardStatus:
     cordoned: bool
     present: bool  # False: gone from the node's inventory but still holding pods
     exclusive_owner: str | None
+    layers: CardLayers | None = None  # which layers enforce; None: the node reports none
 
     @property
     def health(self) -> str:
@@ -158,6 +159,7 @@ def card_status(gpu: GpuState, placements: Sequence[Placement]) -> CardStatus:
         cordoned=gpu.cordoned,
         present=gpu.present,
         exclusive_owner=gpu.used.exclusive_owner,
+        layers=gpu.layers,
     )
 
 
@@ -317,6 +319,59 @@ def pods_table(nodes: Sequence[NodeStatus]) -> Table:
     return table
 
 
+LAYER_COLUMNS = (
+    "node",
+    "gpu",
+    "driver",
+    "agent memory",
+    "agent compute",
+    "interposer",
+    "driver note",
+)
+UNREPORTED = "-"  # the node's agent does not report its layers
+
+
+def layer_rows(nodes: Sequence[NodeStatus]) -> list[list[str]]:
+    """One row per card: which enforcement layers hold its containers to their grants."""
+    rows = []
+    for node in readable(nodes):
+        for card in node.gpus:
+            layers = card.layers
+            if layers is None:
+                rows.append([node.node, str(card.index), *[UNREPORTED] * 4, ""])
+                continue
+            rows.append(
+                [
+                    node.node,
+                    str(card.index),
+                    layers.driver.value,
+                    layers.agent_memory.value,
+                    layers.agent_compute.value,
+                    layers.interposer.value,
+                    layers.driver_note or "",
+                ]
+            )
+    return rows
+
+
+def layers_table(nodes: Sequence[NodeStatus]) -> Table:
+    table = Table(title="enforcement layers")
+    for name in LAYER_COLUMNS:
+        table.add_column(name, justify="right" if name == "gpu" else "left")
+    style = {"enforcing": "green", "missing": "yellow"}
+    for row in layer_rows(nodes):
+        cells = [escape(c) for c in row]
+        for i in range(2, 6):
+            if s := style.get(row[i]):
+                cells[i] = f"[{s}]{cells[i]}[/]"
+        table.add_row(*cells)
+    return table
+
+
+def _layers_document(layers: CardLayers | None) -> dict[str, Any] | None:
+    return None if layers is None else layers.model_dump(mode="json")
+
+
 def _card_document(card: CardStatus, usage: Usage | None) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "index": card.index,
@@ -334,6 +389,7 @@ def _card_document(card: CardStatus, usage: Usage | None) -> dict[str, Any]:
         "cordoned": card.cordoned,
         "present": card.present,
         "exclusive_owner": card.exclusive_owner,
+        "layers": _layers_document(card.layers),
         "pod_count": len(card.pods),
         "pods": [
             {
@@ -427,9 +483,14 @@ def status(
     A node whose record in the ledger cannot be read (a value no gpuslice
     writes) is left out, with a warning on stderr saying why. --pods adds a
     table of the pods on each card with the memory (MiB) and cores they were
-    granted there. The Redis read is named under the table (without its
-    password); stderr warns when it is the built-in default 127.0.0.1:6379
-    because neither --redis-url nor GPUSLICE_REDIS_URL named one. On a
+    granted there. A second table says per card which enforcement layers hold
+    its containers to their grants: the driver's per-cgroup memory limits, the
+    node agent's memory and compute checks, the interposer ("enforcing" or
+    "missing"; "-" where the node's agent does not report them), with the
+    driver's backend (dmem, driver) or why its limits are missing. The Redis
+    read is named under the last table (without its password); stderr warns when
+    it is the built-in default 127.0.0.1:6379 because neither --redis-url nor
+    GPUSLICE_REDIS_URL named one. On a
     terminal the tables fit its width; piped, they are tab-separated columns
     with whole cells.
 
@@ -438,8 +499,10 @@ def status(
     {"node", "gpus", "totals"}, each gpu is {"index", "uuid", "model",
     "memory_physical_mib", "memory_total_mib", "memory_allocated_mib",
     "cores_capacity", "cores_allocated", "slots_total", "slots_used", "health",
-    "healthy", "cordoned", "present", "exclusive_owner", "pod_count", "pods",
-    "used_bytes", "sm_percent"} (the last two null without telemetry), each
+    "healthy", "cordoned", "present", "exclusive_owner", "layers", "pod_count",
+    "pods", "used_bytes", "sm_percent"} (the last two null without telemetry;
+    "layers" null where the node does not report them, else {"driver",
+    "driver_note", "agent_memory", "agent_compute", "interposer"}), each
     pod {"uid", "namespace", "name", "state", "memory_mib", "cores"} sorted by uid, and totals
     {"gpus", "memory_total_mib", "memory_allocated_mib", "cores_capacity",
     "cores_allocated", "slots_total", "slots_used", "pod_count"} (pods counted once
@@ -478,7 +541,9 @@ def status(
         return
     if readable(nodes):
         table = status_table(nodes, usage)
-        table.caption = f"read from {escape(source)}"
         show(console, table)
         if pods:
             show(console, pods_table(nodes))
+        layers = layers_table(nodes)
+        layers.caption = f"read from {escape(source)}"
+        show(console, layers)

@@ -76,6 +76,7 @@ from gpuslice_common.models import (
     NVIDIA,
     PRINTABLE_PATTERN,
     VENDOR_PATTERN,
+    CardLayers,
     DeviceGrant,
     GpuCapacity,
     GpuDevice,
@@ -219,6 +220,7 @@ class StoredCard:
     vendor: str = NVIDIA
     mode: VgpuMode = VgpuMode.HAMI_CORE
     mig_state: StoredMig | None = None  # mode mig: its profiles, instances and masks
+    layers: CardLayers | None = None  # which layers enforce; None: the agent reports none
 
 
 @dataclass(frozen=True)
@@ -642,6 +644,7 @@ class Ledger:
                     "cap_cores": cap.cores,
                     "cap_slots": cap.slots,
                     **_mig_fields(d),
+                    "layers": _layers_field(inventory.layers.get(d.uuid)),
                 }
             )
         config = {
@@ -1296,6 +1299,7 @@ def stored_cards(node: str, devices: Any, fields: dict[str, str]) -> list[Stored
                 vendor=vendor,
                 mode=mode,
                 mig_state=stored_mig(node, u, fields) if mode is VgpuMode.MIG else None,
+                layers=stored_layers(node, u, fields),
             )
         )
     return cards
@@ -1413,6 +1417,28 @@ def stored_mig(node: str, u: str, fields: dict[str, str]) -> StoredMig:
     )
 
 
+# Which enforcement layers hold a card's containers (CardLayers), as the node agent
+# reported it: compact JSON, "" where its agent reports none (older agents).
+MAX_LAYERS_JSON = 1024
+
+
+def _layers_field(layers: CardLayers | None) -> str:
+    return "" if layers is None else layers.model_dump_json(exclude_defaults=True)
+
+
+def stored_layers(node: str, u: str, fields: dict[str, str]) -> CardLayers | None:
+    """Card ``u``'s layer report, checked as the models check a node's; raises BadRecord."""
+    raw = fields.get(f"{u}|layers", "")
+    if not raw:
+        return None
+    if len(raw) > MAX_LAYERS_JSON:
+        raise BadRecord(node, f"card {u} layers is {len(raw)} characters long")
+    try:
+        return CardLayers.model_validate_json(raw)
+    except ValueError:
+        raise BadRecord(node, f"card {u} layers is not a layer report") from None
+
+
 def _stored_mode(node: str, u: str, fields: dict[str, str]) -> VgpuMode:
     raw = fields.get(f"{u}|mode", VgpuMode.HAMI_CORE.value)  # absent: written before modes
     try:
@@ -1458,6 +1484,7 @@ def _gpu_state(node: str, card: StoredCard) -> GpuState:
             ),
             present=card.present,
             cordoned=card.cordoned,
+            layers=card.layers,
         )
     except ValueError as exc:  # within the bounds, yet not a device (memory 0)
         problem = str(exc).splitlines()

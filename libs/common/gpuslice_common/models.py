@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -189,6 +189,53 @@ class GpuDevice(Frozen):
         return self
 
 
+# ---------------------------------------------------------------- enforcement layers
+
+
+class LayerState(enum.StrEnum):
+    """Whether a layer holds a card's containers to their grants."""
+
+    ENFORCING = "enforcing"
+    MISSING = "missing"
+
+
+MAX_LAYER_NOTE = 160
+
+# What nvidia-container-toolkit's CDI hook ``apply-cuda-memory-limits`` reads from
+# a container's environment and sets on its cgroup as the driver's soft (request)
+# and hard (limit) device-memory limits. gpuslice writes them as decimal bytes
+# (docs/architecture.md, "Layer 1"); a pod may never set them itself.
+DRIVER_LIMIT_ENV: Final = "NVIDIA_GPU_MEMORY_LIMIT"
+DRIVER_REQUEST_ENV: Final = "NVIDIA_GPU_MEMORY_REQUEST"
+
+
+class CardLayers(Frozen):
+    """Which layers enforce the grants on one card (docs/architecture.md,
+    "Enforcement layers"): ``driver``, the driver's per-cgroup device-memory
+    limits, with ``driver_note`` saying which backend holds them ("dmem",
+    "driver") or why they are missing; ``agent_memory`` and ``agent_compute``,
+    the node agent's sampling of the card's processes; ``interposer``, the
+    library in each container."""
+
+    driver: LayerState = LayerState.MISSING
+    driver_note: (
+        Annotated[str, Field(max_length=MAX_LAYER_NOTE, pattern=PRINTABLE_PATTERN)] | None
+    ) = None
+    agent_memory: LayerState = LayerState.MISSING
+    agent_compute: LayerState = LayerState.MISSING
+    interposer: LayerState = LayerState.ENFORCING
+
+    def enforcing(self) -> tuple[str, ...]:
+        """The names of the layers that enforce, innermost last."""
+        named = (
+            ("driver", self.driver),
+            ("agent-memory", self.agent_memory),
+            ("agent-compute", self.agent_compute),
+            ("interposer", self.interposer),
+        )
+        return tuple(name for name, state in named if state is LayerState.ENFORCING)
+
+
 class NodeInventory(Frozen):
     """A node's full device list and sharing configuration, sent as a heartbeat.
 
@@ -204,6 +251,10 @@ class NodeInventory(Frozen):
     sent_at: datetime = Field(default_factory=utcnow)
     # The vendor whose cards this lists: registering it leaves other vendors' cards be.
     vendor: Vendor = NVIDIA
+    # card UUID -> which layers enforce on it; empty from agents that do not report it
+    layers: Annotated[dict[str, CardLayers], Field(max_length=MAX_DEVICES)] = Field(
+        default_factory=dict
+    )
 
     @model_validator(mode="after")
     def _unique_devices(self) -> NodeInventory:
@@ -215,6 +266,8 @@ class NodeInventory(Frozen):
         indexes = [d.index for d in self.devices]
         if len(set(indexes)) != len(indexes):
             raise ValueError("device indexes must be unique within a node")
+        if not set(self.layers) <= set(uuids):
+            raise ValueError("enforcement layers are reported for a card the node does not list")
         return self
 
     def capacity(self, device: GpuDevice) -> GpuCapacity:
@@ -251,6 +304,7 @@ class GpuState(Frozen):
     used: GpuUsage
     present: bool = True
     cordoned: bool = False  # an operator took the card out of scheduling; its pods stay
+    layers: CardLayers | None = None  # None: the node's agent reports no layers
 
     @property
     def free_memory_mib(self) -> int:

@@ -34,6 +34,12 @@
  * A value that does not parse (a size, a count) is taken as unset: the default
  * applies and nothing is printed.
  *
+ * PER-CGROUP LIMITS. With FAKEGPU_STATE_DIR set, every call that takes device
+ * memory (allocations, arrays, cuMemCreate, pool growth, contexts) is also
+ * refused with CUDA_ERROR_OUT_OF_MEMORY when it would take the processes of a
+ * limited cgroup past the hard limit the fake NVML keeps for that device
+ * (nvmlDeviceSetMemoryLimits_v1; fake_limits.h), as the driver r615+ does.
+ *
  * MEMORY. Each device has FAKECUDA_MEMORY bytes for this process alone; an
  * allocation past it fails with CUDA_ERROR_OUT_OF_MEMORY. Device pointers
  * (cuMemAlloc_v2, cuMemAllocPitch_v2, cuMemAllocManaged, cuMemAllocAsync*) are
@@ -1072,6 +1078,35 @@ API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
+#include "fake_limits.h"
+
+/* ------------------------------------------------------ per-cgroup limits
+ * The driver's per-cgroup hard limits (fake_limits.h), kept by the fake NVML
+ * in <FAKEGPU_STATE_DIR>/limits: taking `grow` more bytes on device `dev` is
+ * refused when, for a limit on that device whose nameSpace holds this
+ * process's cgroup, what the group's processes hold there (this process's own
+ * g_dev[dev].used, the others' procs files) plus `grow` passes the hard
+ * limit. No state directory, no limits file: nothing is refused. Call with
+ * g_mu held. */
+static bool cgroup_limit_refuses(int dev, uint64_t grow) {
+    const char *dir = fake_state_dir();
+    if (!dir || grow == 0) return false;
+    static struct fake_limit limits[FAKE_LIMITS_MAX]; /* under g_mu */
+    int n = fake_limits_read(dir, limits, FAKE_LIMITS_MAX);
+    char root[PATH_MAX], self[PATH_MAX];
+    if (n == 0 || !fake_cgroup2_root(root, sizeof root) ||
+        !fake_pid_cgroup(getpid(), root, self, sizeof self))
+        return false;
+    for (int i = 0; i < n; i++) {
+        const struct fake_limit *l = &limits[i];
+        if ((int)l->dev != dev || l->hard == FAKE_LIMIT_NONE || !fake_path_within(self, l->ns))
+            continue;
+        uint64_t held = fake_ns_used(dir, l->dev, l->ns, root, getpid()) + g_dev[dev].used;
+        if (held > l->hard || grow > l->hard - held) return true;
+    }
+    return false;
+}
+
 /* The device's default pool, made on first use. Call with g_mu held. */
 static struct res *default_pool(int dev) {
     struct device *d = &g_dev[dev];
@@ -1143,6 +1178,10 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
             rc = CUDA_ERROR_OUT_OF_MEMORY;
             goto out;
         }
+        if (cgroup_limit_refuses(dev, g_cfg.context_bytes)) {
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+            goto out;
+        }
         d->used += g_cfg.context_bytes;
         d->primary->size = g_cfg.context_bytes;
         d->primary->active = true;
@@ -1200,6 +1239,8 @@ static CUresult ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     struct device *d = &g_dev[dev];
     struct res *c = NULL;
     if (d->used + g_cfg.context_bytes > g_cfg.memory) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    } else if (cgroup_limit_refuses(dev, g_cfg.context_bytes)) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     } else if (t_depth >= FAKE_CTX_STACK || !(c = new_handle(K_CTX, dev, NULL))) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
@@ -1335,6 +1376,10 @@ static CUresult alloc_record(enum kind k, uint64_t bytes, bool mapped, struct re
     if (rc) goto out;
     struct device *d = &g_dev[c->dev];
     if (bytes > g_cfg.memory || d->used > g_cfg.memory - bytes) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+        goto out;
+    }
+    if (cgroup_limit_refuses(c->dev, bytes)) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
         goto out;
     }
@@ -1600,6 +1645,7 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     rc = need_ctx(&c);
     if (!rc && (size > g_cfg.memory || g_dev[dev].used > g_cfg.memory - size))
         rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (!rc && cgroup_limit_refuses(dev, size)) rc = CUDA_ERROR_OUT_OF_MEMORY;
     if (!rc && !(r = new_handle(K_VMM, dev, c))) rc = CUDA_ERROR_OUT_OF_MEMORY;
     if (!rc) {
         r->size = size;
@@ -1844,6 +1890,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool
         uint64_t spare = p->reserved - p->used;
         grow = bytesize > spare ? bytesize - spare : 0;
         if (grow > g_cfg.memory || d->used > g_cfg.memory - grow) rc = CUDA_ERROR_OUT_OF_MEMORY;
+        if (!rc && cgroup_limit_refuses(p->dev, grow)) rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
     if (!rc) {
         r = calloc(1, sizeof *r);

@@ -92,6 +92,19 @@
  *
  * nvmlInit* calls are counted and nvmlShutdown undoes one; every device
  * call made while uninitialised returns NVML_ERROR_UNINITIALIZED.
+ *
+ * MEMORY LIMITS (driver r615+ per-cgroup limits): nvmlDeviceSetMemoryLimits_v1
+ * and nvmlDeviceGetMemoryLimits_v1 keep the limits in <FAKEGPU_STATE_DIR>/limits
+ * (fake_limits.h), where the fake driver enforces them on every allocation.
+ * Both answer NVML_ERROR_NOT_SUPPORTED on a MIG device handle, on a device
+ * listed in FAKENVML_NO_MEMORY_LIMITS ("i,j,...", read at each call) and when
+ * FAKEGPU_STATE_DIR is unset (no driver would enforce them);
+ * NVML_ERROR_INVALID_ARGUMENT for a nameSpace that is not an existing
+ * directory at or below the cgroup2 mount (or holds whitespace), or a soft
+ * limit above the hard one. Soft 0 and hard NVML_DEVICE_MEMORY_LIMIT_MAX
+ * (all ones) clears a limit; Get answers those where none is set, with
+ * currentUsed the memory the group's processes hold (their procs files).
+ * No root check.
  */
 #include <ctype.h>
 #include <errno.h>
@@ -1436,5 +1449,122 @@ static nvmlReturn_t mig_device_memory(nvmlDevice_t device, unsigned long long *t
     if (!gi) return rc;
     *total = geom_profile(dev, gi->profile)->memory_mib << 20;
     pthread_mutex_unlock(&g_mu);
+    return NVML_SUCCESS;
+}
+
+#include "fake_limits.h"
+
+/* ------------------------------------------------------------ memory limits
+ * nvmlSetMemoryLimits_v1_t / nvmlGetMemoryLimits_v1_t as nvml.h (CUDA 13.4)
+ * lays them out: no version field. */
+typedef struct {
+    const char *nameSpace;
+    unsigned long long softLimit, hardLimit;
+} FakeSetMemoryLimitsV1;
+typedef struct {
+    const char *nameSpace;
+    unsigned long long softLimit, hardLimit, currentUsed;
+} FakeGetMemoryLimitsV1;
+
+API nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, FakeSetMemoryLimitsV1 *limits);
+API nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, FakeGetMemoryLimitsV1 *limits);
+
+/* Whether FAKENVML_NO_MEMORY_LIMITS lists device `index`. */
+static bool limits_unsupported(unsigned int index) {
+    const char *s = getenv("FAKENVML_NO_MEMORY_LIMITS");
+    while (s && *s) {
+        char *end;
+        unsigned long v = strtoul(s, &end, 10);
+        if (end != s && v == index) return true;
+        s = strchr(end, ',');
+        if (s) s++;
+    }
+    return false;
+}
+
+/* The device index for a limits call, or an error: g_mu is not held after. */
+static nvmlReturn_t limits_device(nvmlDevice_t device, const char *ns, unsigned int *index,
+                                  char root[PATH_MAX]) {
+    if (is_mig_handle(device)) return NVML_ERROR_NOT_SUPPORTED;
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    *index = d->index;
+    pthread_mutex_unlock(&g_mu);
+    if (limits_unsupported(*index) || !fake_state_dir()) return NVML_ERROR_NOT_SUPPORTED;
+    struct stat st;
+    if (!ns || ns[0] != '/' || strpbrk(ns, " \t\n\r") || strlen(ns) >= PATH_MAX ||
+        !fake_cgroup2_root(root, PATH_MAX) || !fake_path_within(ns, root) || stat(ns, &st) != 0 ||
+        !S_ISDIR(st.st_mode))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, FakeSetMemoryLimitsV1 *limits) {
+    if (!limits) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int index;
+    char root[PATH_MAX];
+    nvmlReturn_t rc = limits_device(device, limits->nameSpace, &index, root);
+    if (rc) return rc;
+    if (limits->softLimit > limits->hardLimit) return NVML_ERROR_INVALID_ARGUMENT;
+    const char *dir = fake_state_dir();
+    char lock[PATH_MAX], path[PATH_MAX], tmp[PATH_MAX];
+    if (snprintf(lock, sizeof lock, "%s/limits.lock", dir) >= (int)sizeof lock ||
+        snprintf(path, sizeof path, "%s/limits", dir) >= (int)sizeof path ||
+        snprintf(tmp, sizeof tmp, "%s/limits.%d", dir, (int)getpid()) >= (int)sizeof tmp)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    static struct fake_limit have[FAKE_LIMITS_MAX]; /* under g_limits_mu */
+    static pthread_mutex_t g_limits_mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&g_limits_mu);
+    int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0 || flock(fd, LOCK_EX) != 0) {
+        if (fd >= 0) close(fd);
+        pthread_mutex_unlock(&g_limits_mu);
+        return NVML_ERROR_UNKNOWN;
+    }
+    int n = fake_limits_read(dir, have, FAKE_LIMITS_MAX);
+    FILE *out = fopen(tmp, "we");
+    rc = out ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
+    bool clear = limits->softLimit == 0 && limits->hardLimit == FAKE_LIMIT_NONE;
+    int kept = 0;
+    for (int i = 0; out && i < n; i++) {
+        if (have[i].dev == index && strcmp(have[i].ns, limits->nameSpace) == 0) continue;
+        fprintf(out, "%u %s %llu %llu\n", have[i].dev, have[i].ns,
+                (unsigned long long)have[i].soft, (unsigned long long)have[i].hard);
+        kept++;
+    }
+    if (out && !clear && kept >= FAKE_LIMITS_MAX) rc = FAKE_NVML_ERROR_INSUFFICIENT_RESOURCES;
+    if (out && !clear && !rc)
+        fprintf(out, "%u %s %llu %llu\n", index, limits->nameSpace, limits->softLimit,
+                limits->hardLimit);
+    if (out && fclose(out) != 0) rc = NVML_ERROR_UNKNOWN;
+    if (out && !rc && rename(tmp, path) != 0) rc = NVML_ERROR_UNKNOWN;
+    if (out && rc) unlink(tmp);
+    flock(fd, LOCK_UN);
+    close(fd);
+    pthread_mutex_unlock(&g_limits_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, FakeGetMemoryLimitsV1 *limits) {
+    if (!limits) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int index;
+    char root[PATH_MAX];
+    nvmlReturn_t rc = limits_device(device, limits->nameSpace, &index, root);
+    if (rc) return rc;
+    static struct fake_limit have[FAKE_LIMITS_MAX];
+    static pthread_mutex_t g_read_mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&g_read_mu);
+    int n = fake_limits_read(fake_state_dir(), have, FAKE_LIMITS_MAX);
+    limits->softLimit = 0;
+    limits->hardLimit = FAKE_LIMIT_NONE;
+    for (int i = 0; i < n; i++) {
+        if (have[i].dev == index && strcmp(have[i].ns, limits->nameSpace) == 0) {
+            limits->softLimit = have[i].soft;
+            limits->hardLimit = have[i].hard;
+        }
+    }
+    pthread_mutex_unlock(&g_read_mu);
+    limits->currentUsed = fake_ns_used(fake_state_dir(), index, limits->nameSpace, root, 0);
     return NVML_SUCCESS;
 }

@@ -19,6 +19,13 @@ tenant can move, but MPS partitions the cores: the grant gives no core limit,
 HAMi's limit variables are left out, and the container gets MPS's client
 variables and the daemon's directories (:mod:`gpuslice_deviceplugin.mps`).
 
+Where the node's driver limits device memory per cgroup on every card of the
+container (:mod:`gpuslice_deviceplugin.driverlimits`) and the container has the
+same grant on each, the environment also carries the grant as the hard limit
+nvidia-container-toolkit's ``apply-cuda-memory-limits`` CDI hook sets on the
+container's cgroup before its first process runs, where the runtime has that
+hook; the node agent sets and checks the limit itself either way.
+
 A grant on a MIG card stands for the MIG instance made for it
 (:func:`on_mig`): the container is given the instance's MIG device by UUID,
 with all of the instance's memory and no SM limit, since MIG divides the card
@@ -37,7 +44,7 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.grant import GRANT_DIR, Grant, GrantDevice
 from gpuslice_common.models import DeviceGrant, VgpuMode
 from gpuslice_common.nodeapi import AllocationReply
-from gpuslice_deviceplugin import mps
+from gpuslice_deviceplugin import driverlimits, mps
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.containers import REGION_FILE, HostDir
 from gpuslice_deviceplugin.mig import LiveInstance
@@ -175,8 +182,11 @@ def answer(
     host: HostDir,
     *,
     control: bool = True,
+    driver_support: Mapping[str, driverlimits.CardSupport] | None = None,
 ) -> pb.ContainerAllocateResponse:
-    """The response for one container; ``control=False`` leaves the preload out."""
+    """The response for one container; ``control=False`` leaves the preload out;
+    ``driver_support`` (card UUID -> whether the driver limits memory per cgroup)
+    adds the toolkit hook's limit where every card of the container has it."""
     placement = allocation.placement
     container = placement.containers[allocation.container_index]
     region_dir = host.container_dir(placement.pod.uid, container.name)
@@ -202,9 +212,13 @@ def answer(
     ]
     if by_mps(config):
         mounts += mps.mounts(config.mps)
-    return pb.ContainerAllocateResponse(
-        envs=environment(allocation, settings, config), mounts=mounts
-    )
+    envs = environment(allocation, settings, config)
+    if driver_support:
+        # a MIG instance's UUID is no card's: the hardware holds it, no limit is given
+        grants = {g.uuid: g.memory_mib * MIB for g in container.devices if g.memory_mib > 0}
+        if len(grants) == len(container.devices):
+            envs.update(driverlimits.hook_environment(grants, driver_support))
+    return pb.ContainerAllocateResponse(envs=envs, mounts=mounts)
 
 
 def control_wanted(pod: Mapping[str, Any], container: str) -> bool:

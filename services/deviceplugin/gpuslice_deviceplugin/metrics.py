@@ -87,6 +87,20 @@ class PluginMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.layers = Gauge(
+            "gpuslice_enforcement_layer",
+            "Whether a layer holds the containers on a GPU to their grants (1) or is "
+            "missing there (0); layer: driver, agent-memory, agent-compute, interposer.",
+            ["node", "uuid", "layer"],
+            registry=registry,
+        )
+        self.driver_limits = Counter(
+            "gpuslice_driver_limits",
+            "Driver memory limits ensured on a container's cgroup, by outcome (set, kept, "
+            "unsupported, failed).",
+            ["outcome"],
+            registry=registry,
+        )
         self.ambiguous = Counter(
             "gpuslice_deviceplugin_ambiguous_allocations",
             "Allocate calls answered while other pods waited for as many GPUs: kubelet "

@@ -23,7 +23,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, NoReturn
 
 import grpc
@@ -36,6 +36,7 @@ from gpuslice_deviceplugin.allocation import answer, control_wanted, grant, on_m
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
+from gpuslice_deviceplugin.driverlimits import CardSupport
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.metrics import PluginMetrics
 from gpuslice_deviceplugin.mig import LiveInstance, MigError, MigInstances
@@ -115,8 +116,10 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         *,
         kube: KubeApi | None = None,
         mig: MigInstances | None = None,
+        driver_support: Callable[[], Mapping[str, CardSupport]] | None = None,
     ) -> None:
         self.settings = settings
+        self.driver_support = driver_support  # cards whose driver limits memory per cgroup
         self.mig = mig
         self.devices = devices
         self.config = config
@@ -306,7 +309,10 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         allocation = on_mig(allocation, made)
         placement = allocation.placement
         container = placement.containers[allocation.container_index]
-        response = answer(allocation, self.settings, config, self.host, control=control)
+        support = self.driver_support() if self.driver_support is not None else None
+        response = answer(
+            allocation, self.settings, config, self.host, control=control, driver_support=support
+        )
         uuids = tuple(g.uuid for g in container.devices)
         owner = ContainerOwner(
             pod_uid=placement.pod.uid,

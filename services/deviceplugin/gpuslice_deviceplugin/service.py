@@ -250,6 +250,7 @@ async def running(
         metrics,
         kube=kube,
         mig=mig,
+        driver_support=lambda: agent.driver_support,
     )
     link = KubeletLink(
         plugin,

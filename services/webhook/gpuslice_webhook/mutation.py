@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gpuslice_common.config import WebhookSettings
-from gpuslice_common.models import NVIDIA, ContainerGpuRequest, PodGpuRequest
+from gpuslice_common.models import (
+    DRIVER_LIMIT_ENV,
+    DRIVER_REQUEST_ENV,
+    NVIDIA,
+    ContainerGpuRequest,
+    PodGpuRequest,
+)
 from gpuslice_common.requests import RequestError, has_gpu_request, parse_pod, parse_quantity
 from gpuslice_webhook.patch import Patch
 
@@ -56,6 +62,8 @@ RESERVED: Final = frozenset(
         "CUDA_DEVICE_MEMORY_LIMIT",
         "CUDA_DEVICE_SM_LIMIT",
         "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+        DRIVER_LIMIT_ENV,
+        DRIVER_REQUEST_ENV,
     }
 )
 RESERVED_PREFIXES: Final = ("CUDA_DEVICE_MEMORY_LIMIT_", "CUDA_DEVICE_SM_LIMIT_", "GPUSLICE_")
@@ -402,5 +410,7 @@ def _reserved_message(name: str, priority_resource: str) -> str:
     why = {
         VISIBLE_DEVICES: "GPUs are chosen by the scheduler and given by the device plugin",
         PRIORITY: f"ask for priority with the {priority_resource} resource",
+        DRIVER_LIMIT_ENV: "the driver's memory limit of the container is its grant",
+        DRIVER_REQUEST_ENV: "the driver's memory limit of the container is its grant",
     }.get(name, "it carries the container's GPU limits or identity")
     return f"env {name} is set by gpuslice ({why}); remove it"

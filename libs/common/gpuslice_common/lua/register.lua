@@ -3,7 +3,7 @@
 -- are released. Cards of other vendors on the node are left as they are.
 -- ARGV[1] JSON {vendor, devices = [{uuid, index, model, memory_mib, numa, healthy,
 --               mig, cap_mem, cap_cores, cap_slots, mode, mig_profiles,
---               mig_instances, mig_slices, mig_static}], config = {...}}
+--               mig_instances, mig_slices, mig_static, layers}], config = {...}}
 --         (the MIG facts as ledger.py's _mig_fields writes them; mig_used, the
 --         slices reservations take, is the reservations' own and kept)
 -- Only the node agent's own vendor (nvidia) is its heartbeat and its config.
@@ -52,6 +52,8 @@ for _, d in ipairs(inv.devices) do
       gkey(u, 'mode'), d.mode, gkey(u, 'mig_profiles'), d.mig_profiles,
       gkey(u, 'mig_instances'), d.mig_instances, gkey(u, 'mig_slices'), d.mig_slices,
       gkey(u, 'mig_static'), d.mig_static)
+    -- which enforcement layers hold the card's containers (ledger.py's _layers_field)
+    redis.call('HSET', GPUS, gkey(u, 'layers'), d.layers or '')
     if vendor ~= 'nvidia' then
       redis.call('HSET', GPUS, gkey(u, 'vendor'), vendor)
     end
@@ -73,7 +75,7 @@ for _, u in ipairs(before) do
       for _, field in ipairs({'index', 'model', 'memory', 'numa', 'healthy', 'mig', 'cap_mem',
           'cap_cores', 'cap_slots', 'present', 'mem', 'cores', 'slots', 'owner', 'cordoned',
           'vendor', 'mode', 'mig_profiles', 'mig_instances', 'mig_slices', 'mig_static',
-          'mig_used'}) do
+          'mig_used', 'layers'}) do
         redis.call('HDEL', GPUS, gkey(u, field))
       end
     end

@@ -276,6 +276,8 @@ class SnapshotBuilder:
                 "slots": card.used_slots,
             },
             "measured": measured,
+            # which enforcement layers hold its containers; None: its agent says not
+            "layers": None if card.layers is None else card.layers.model_dump(mode="json"),
             "pods": [
                 {
                     "uid": g.uid,

@@ -676,6 +676,7 @@
         card.vendor && card.vendor !== 'nvidia' ? h('span', null, ` · ${card.vendor}`) : null,
         ' · ', h('span', null, `${fmtCount(used.slots)}/${fmtCount(card.slots)} slots`),
         ' · ', h('code', { class: 'uuid', title: card.uuid }, String(card.uuid ?? ''))),
+      cardLayers(card),
       h('div', { class: 'metric' },
         h('div', { class: 'metric-head' }, h('span', { class: 'metric-name' }, 'Memory'),
           h('span', { class: 'metric-value' }, `${fmtMiB(memUsed)} / ${fmtMiB(memCap)}`)),
@@ -687,6 +688,21 @@
         coreBar,
         h('p', { class: 'metric-sub' }, sm === null ? 'no telemetry' : `SM ${fmtPercent(sm)} busy`)),
       cardPods(card));
+  }
+
+  // Which enforcement layers hold the card's containers to their grants, as its node reports.
+  const LAYER_NAMES = [['driver', 'driver'], ['agent_memory', 'agent memory'], ['agent_compute', 'agent compute'], ['interposer', 'interposer']];
+  function cardLayers(card) {
+    const layers = card.layers;
+    if (!layers || typeof layers !== 'object') {
+      return h('p', { class: 'card-layers', testid: `layers-${card.uuid}` }, 'Enforcement layers: not reported');
+    }
+    const on = LAYER_NAMES.filter(([key]) => layers[key] === 'enforcing').map(([, name]) => name);
+    const off = LAYER_NAMES.filter(([key]) => layers[key] !== 'enforcing').map(([, name]) => name);
+    const note = typeof layers.driver_note === 'string' && layers.driver_note ? ` (driver: ${layers.driver_note})` : '';
+    return h('p', { class: 'card-layers', testid: `layers-${card.uuid}` },
+      `Enforced by ${on.length ? on.join(', ') : 'nothing'}`,
+      off.length ? ` · missing: ${off.join(', ')}` : '', note);
   }
 
   function nodeSection(node) {
