@@ -72,7 +72,11 @@ def _from_events(namespace: str, name: str, events: list[FeedEvent]) -> list[Pod
         if pod is None:
             continue
         uid = real_uid(pod.uid)
-        state = STORY_STATES[fed.type]
+        state = STORY_STATES.get(fed.type)
+        if state is None:  # the node agent acted on a placed pod: a line, not a state
+            if uid is not None and uid in by_uid:
+                by_uid[uid].events.append(fed)
+            continue
         if uid is None or fed.type is EventType.POD_DENIED:
             if fed.type is EventType.POD_DENIED:
                 denied = PodSummary(
