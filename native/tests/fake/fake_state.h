@@ -30,4 +30,13 @@ struct fake_proc_state {
     uint64_t ctx_count[FAKE_STATE_DEVICES];    /* live contexts on each device */
 };
 
+/* The file goes on after the struct with this tail, which readers that do not
+ * know it leave unread: when the kernel running now will end on its device's
+ * timeline. A real card runs a kernel to its end whatever its process does; a
+ * frozen process's engine thread cannot say so, so a reader counts the running
+ * kernel from run_start_ns up to run_end_ns at most. */
+struct fake_proc_state_tail {
+    uint64_t run_end_ns[FAKE_STATE_DEVICES]; /* CLOCK_MONOTONIC, 0 if none */
+};
+
 #endif

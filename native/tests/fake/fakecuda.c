@@ -536,6 +536,8 @@ static void config(void) { pthread_once(&g_once, load_config); }
  * variable nothing is written. */
 static char g_state_dir[4096]; /* "" when unset */
 static struct fake_proc_state *g_state;
+static struct fake_proc_state_tail *g_state_tail; /* right after *g_state */
+#define FAKE_STATE_BYTES (sizeof(struct fake_proc_state) + sizeof(struct fake_proc_state_tail))
 static pid_t g_state_pid;
 static char g_state_path[4096 + 64];
 static pthread_mutex_t g_state_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -556,7 +558,7 @@ static struct fake_proc_state *state_get(void) {
     pid_t pid = getpid();
     pthread_mutex_lock(&g_state_mu);
     if (g_state && g_state_pid != pid) { /* a forked child: the mapping is the parent's */
-        munmap(g_state, sizeof *g_state);
+        munmap(g_state, FAKE_STATE_BYTES);
         g_state = NULL;
     }
     if (!g_state) {
@@ -566,10 +568,11 @@ static struct fake_proc_state *state_get(void) {
         snprintf(g_state_path, sizeof g_state_path, "%s/%d", procs, (int)pid);
         int fd = open(g_state_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
         if (fd >= 0) {
-            if (ftruncate(fd, sizeof *g_state) == 0) {
-                void *m = mmap(NULL, sizeof *g_state, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (ftruncate(fd, FAKE_STATE_BYTES) == 0) {
+                void *m = mmap(NULL, FAKE_STATE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
                 if (m != MAP_FAILED) {
                     g_state = m;
+                    g_state_tail = (struct fake_proc_state_tail *)(void *)((char *)m + sizeof *g_state);
                     g_state_pid = pid;
                     g_state->pid = (int32_t)pid;
                     g_state->ndev = (uint32_t)g_cfg.devices;
@@ -600,12 +603,13 @@ static void state_ctx(int dev, int delta) {
     state_used(dev);
 }
 
-/* The engine of dev started a kernel at start_ns (CLOCK_MONOTONIC), or (start_ns
- * 0) finished one, having run busy_ns in all. */
-static void state_engine(int dev, uint64_t start_ns, uint64_t busy_ns) {
+/* The engine of dev started a kernel at start_ns (CLOCK_MONOTONIC) that ends at
+ * end_ns, or (start_ns 0) finished one, having run busy_ns in all. */
+static void state_engine(int dev, uint64_t start_ns, uint64_t end_ns, uint64_t busy_ns) {
     struct fake_proc_state *s = state_get();
     if (!s || dev < 0 || dev >= FAKE_STATE_DEVICES) return;
     if (!start_ns) __atomic_store_n(&s->busy_ns[dev], busy_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_state_tail->run_end_ns[dev], start_ns ? end_ns : 0, __ATOMIC_RELAXED);
     __atomic_store_n(&s->run_start_ns[dev], start_ns, __ATOMIC_RELEASE);
 }
 
@@ -834,13 +838,13 @@ static void *engine_main(void *arg) {
         if (waited || timeline + 1000000000ull < now)
             timeline = now; /* idle (or stalled for over a second): start now */
         uint64_t ns = us > UINT64_MAX / 1000 ? UINT64_MAX / 2 : us * 1000;
-        state_engine(dev, timeline ? timeline : 1, 0);
+        state_engine(dev, timeline ? timeline : 1, timeline + ns, 0);
         timeline += ns;
         if (timeline > now) sleep_until(timeline); /* behind schedule: no syscall */
 
         pthread_mutex_lock(&e->mu);
         e->busy_ns += ns;
-        state_engine(dev, 0, e->busy_ns);
+        state_engine(dev, 0, 0, e->busy_ns);
         e->completed++;
         e->done_at[e->completed % FAKE_STAMPS] = timeline;
         if (e->waiters && e->completed >= e->wake_at) { /* waiters re-arm wake_at */

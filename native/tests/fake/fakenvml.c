@@ -68,7 +68,8 @@
  *                     nvmlDeviceGetProcessUtilization answers one sample per
  *                     such pid: smUtil = percent of the wall time since the
  *                     previous such call on that device that its kernels ran
- *                     (busy_ns, plus the kernel running now), timeStamp the
+ *                     (busy_ns, plus the kernel running now up to its end in
+ *                     the file's tail), timeStamp the
  *                     CLOCK_REALTIME now in microseconds; a pid seen for the
  *                     first time is only remembered (no sample yet), and a
  *                     call without samples answers NVML_ERROR_NOT_FOUND. The
@@ -828,15 +829,22 @@ static unsigned int state_rows(unsigned int dev, struct state_row *rows, unsigne
         }
         int fd = openat(dfd, ent->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
         if (fd < 0) continue;
-        struct fake_proc_state st;
-        ssize_t got = pread(fd, &st, sizeof st, 0);
+        struct {
+            struct fake_proc_state st;
+            struct fake_proc_state_tail tail;
+        } file;
+        memset(&file, 0, sizeof file);
+        ssize_t got = pread(fd, &file, sizeof file, 0);
         close(fd);
-        if (got != (ssize_t)sizeof st || st.magic != FAKE_STATE_MAGIC ||
+        struct fake_proc_state st = file.st;
+        if (got < (ssize_t)sizeof st || st.magic != FAKE_STATE_MAGIC ||
             st.version != FAKE_STATE_VERSION || st.pid != (int32_t)pid || dev >= FAKE_STATE_DEVICES)
             continue;
         if (!st.ctx_count[dev] && !st.used_bytes[dev]) continue;
         uint64_t busy = st.busy_ns[dev];
-        if (st.run_start_ns[dev] && st.run_start_ns[dev] < now) busy += now - st.run_start_ns[dev];
+        uint64_t run_end = got == (ssize_t)sizeof file ? file.tail.run_end_ns[dev] : 0;
+        uint64_t until = run_end && run_end < now ? run_end : now; /* a card runs a kernel to its end only */
+        if (st.run_start_ns[dev] && st.run_start_ns[dev] < until) busy += until - st.run_start_ns[dev];
         rows[n].pid = (unsigned int)pid;
         rows[n].used_bytes = st.used_bytes[dev];
         rows[n].busy_ns = busy;
