@@ -44,6 +44,8 @@ __all__ = [
     "ProcessInfo",
     "find_cgroup2_root",
     "grant_dir_key",
+    "host_path",
+    "namespace_root",
     "pod_cgroup",
     "read_process",
 ]
@@ -130,6 +132,11 @@ def pod_cgroup(path: str) -> PodCgroup | None:
     ``kubepods`` cgroup (not a pod's process); :class:`CgroupError` when it is but
     names no pod and container as kubelet does."""
     parts = [p for p in path.split("/") if p]
+    if ".." in parts:  # seen from another cgroup namespace: where it is cannot be told
+        raise CgroupError(
+            f"cgroup {path!r} is relative to the agent's cgroup namespace: the agent must "
+            "see the host's cgroup paths"
+        )
     start = next((i for i, p in enumerate(parts) if p in ("kubepods.slice", "kubepods")), None)
     if start is None:
         return None
@@ -174,6 +181,46 @@ def grant_dir_key(proc_root: str, pid: int, mount_point: str) -> tuple[int, int]
         return (st.st_dev, st.st_ino)
     finally:
         os.close(fd)
+
+
+def namespace_root(v2_root: str, proc_root: str = "/proc") -> str:
+    """Where this process's cgroup namespace is rooted in the host's v2 tree ("/" in
+    the host's namespace).
+
+    On cgroup v2 the runtime gives a container, the agent's own included, a cgroup
+    namespace of its own: ``/proc/<pid>/cgroup`` then names every other process's
+    cgroup relative to the agent's (``/../../kubepods-...``). The host's tree,
+    mounted at ``v2_root``, shows where the agent's cgroup really is: the group
+    whose ``cgroup.procs`` lists the agent's PID (a host PID, with hostPID).
+    CgroupError when it cannot be found.
+    """
+    me = read_process(proc_root, os.getpid())
+    seen = me.v2_path or "/"
+    wanted = str(os.getpid())
+    for directory, _, files in os.walk(v2_root):
+        if "cgroup.procs" not in files:
+            continue
+        try:
+            with open(os.path.join(directory, "cgroup.procs")) as f:
+                if wanted not in f.read().split():
+                    continue
+        except OSError:
+            continue
+        actual = "/" + os.path.relpath(directory, v2_root).strip(".").strip("/")
+        if seen == "/":
+            return actual
+        if actual == seen or actual.endswith(seen):
+            return actual[: len(actual) - len(seen)] or "/"
+        raise CgroupError(f"this process is in {actual} of the host's tree but sees {seen}")
+    raise CgroupError(f"this process ({wanted}) is in no cgroup of {v2_root}")
+
+
+def host_path(ns_root: str, path: str) -> str:
+    """``path`` as /proc shows it in a namespace rooted at ``ns_root``, as the host's."""
+    if ns_root == "/":
+        return path
+    joined = os.path.normpath(ns_root.rstrip("/") + "/" + path.lstrip("/"))
+    return "/" + joined.lstrip("/")
 
 
 def find_cgroup2_root(mountinfo: str = "/proc/self/mountinfo") -> str | None:

@@ -50,7 +50,7 @@ import time
 import uuid as uuidlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -65,6 +65,8 @@ from gpuslice_deviceplugin.cgroups import (
     ProcessInfo,
     find_cgroup2_root,
     grant_dir_key,
+    host_path,
+    namespace_root,
     pod_cgroup,
     read_process,
 )
@@ -208,6 +210,14 @@ class Enforcer:
         self.proc_root = settings.proc_root
         v2 = settings.cgroup_root or find_cgroup2_root()
         self.freezer = Freezer(v2, settings.cgroup_v1_freezer_root)
+        self.ns_root = "/"  # where the agent's cgroup namespace lies in the host's tree
+        if v2 is not None:
+            try:
+                self.ns_root = namespace_root(v2, self.proc_root)
+            except (CgroupError, ProcessLookupError, OSError) as exc:
+                log.warning("own cgroup not found in %s (%s): cgroup paths taken as seen", v2, exc)
+        if self.ns_root != "/":
+            log.info("cgroup paths seen from a namespace rooted at %s of the host's", self.ns_root)
         self.interval = settings.enforce_interval.total_seconds()
         self.window = settings.enforce_window.total_seconds()
         self.margin = int(settings.enforce_memory_margin)
@@ -342,6 +352,8 @@ class Enforcer:
         gone. Adds ``pid`` to ``unreadable`` when its cgroup cannot be read."""
         try:
             info = read_process(self.proc_root, pid)
+            if info.v2_path is not None and self.ns_root != "/":
+                info = replace(info, v2_path=host_path(self.ns_root, info.v2_path))
             path = info.v2_path if info.v2_path is not None else info.freezer_path
             cgroup = pod_cgroup(path or "")
             if cgroup is None and info.v2_path is not None and info.freezer_path is not None:
