@@ -230,6 +230,7 @@ class Enforcer:
         self._compute: dict[tuple[str, str, str], _Compute] = {}  # (pod, container, card)
         self._throttles: dict[str, _Throttle] = {}  # container cgroup -> throttle
         self._killed: dict[tuple[int, int], float] = {}  # (pid, start) -> when
+        self._needed: dict[str, float] = {}
 
     # ------------------------------------------------------------ reporting
 
@@ -264,6 +265,7 @@ class Enforcer:
                 self._set_layer(known, False, False)
             return actions
         self._refresh_grants()
+        self._needed = {}  # container cgroup -> largest fraction this sample
         procs: dict[int, _Proc | None] = {}  # None: not a pod's, gone, or unreadable
         unreadable: set[int] = set()
         live: set[str] = set()
@@ -567,6 +569,9 @@ class Enforcer:
                         reason=reason,
                     )
                 )
+            # a container on several cards is frozen for the largest need
+            fraction = max(fraction, self._needed.get(cgroup.container, 0.0))
+            self._needed[cgroup.container] = fraction
             throttle.fraction = fraction
         # a kernel holding the card while its process is frozen
         throttle = self._throttles.get(cgroup.container)
