@@ -89,6 +89,8 @@ HOG_PERCENT: Final = 90.0  # a sample this busy while frozen counts toward a com
 MAX_FROZEN: Final = 0.9  # the most of an interval a container is kept frozen
 MIN_FROZEN: Final = 0.02  # below this a throttle ends
 GRANT_MAX_BYTES: Final = grant_format.MAX_BYTES
+GRANTS_EVERY_S: Final = 1.0  # the container directories looked at again
+MAP_EVERY_S: Final = 1.0  # a process's pod and container read again
 
 
 @dataclass(frozen=True)
@@ -227,10 +229,13 @@ class Enforcer:
         self._said: set[str] = set()  # what was logged once
         self._grants: dict[tuple[int, int], Granted] = {}
         self._grant_stamps: dict[Path, tuple[int, int, int]] = {}
+        self._grants_at = -GRANTS_EVERY_S
+        self._grants_fresh = False
         self._compute: dict[tuple[str, str, str], _Compute] = {}  # (pod, container, card)
         self._throttles: dict[str, _Throttle] = {}  # container cgroup -> throttle
         self._killed: dict[tuple[int, int], float] = {}  # (pid, start) -> when
         self._needed: dict[str, float] = {}
+        self._map_cache: dict[int, tuple[float, _Proc | None]] = {}
 
     # ------------------------------------------------------------ reporting
 
@@ -264,7 +269,9 @@ class Enforcer:
             for known in self._layers:
                 self._set_layer(known, False, False)
             return actions
-        self._refresh_grants()
+        self._grants_fresh = False
+        if at - self._grants_at >= GRANTS_EVERY_S:
+            self._refresh_grants(at)
         self._needed = {}  # container cgroup -> largest fraction this sample
         procs: dict[int, _Proc | None] = {}  # None: not a pod's, gone, or unreadable
         unreadable: set[int] = set()
@@ -278,6 +285,8 @@ class Enforcer:
         self._end_gone_throttles(live, at)
         for key in [k for k, t in self._killed.items() if at - t > 60]:
             del self._killed[key]
+        for pid in [p for p, (t, _) in self._map_cache.items() if at - t >= MAP_EVERY_S]:
+            del self._map_cache[pid]
         self.metrics.throttled.set(sum(1 for t in self._throttles.values() if t.fraction > 0))
         self.metrics.sample_seconds.observe(time.perf_counter() - started)
         return actions
@@ -307,7 +316,7 @@ class Enforcer:
         by_container: dict[tuple[str, str], list[tuple[ProcessUse, _Proc]]] = {}
         for use in card.processes:
             if use.pid not in procs:
-                procs[use.pid] = self._map(use.pid, unreadable)
+                procs[use.pid] = self._mapped(use.pid, unreadable, at)
             proc = procs[use.pid]
             if use.pid in unreadable:
                 memory_ok = compute_ok = False
@@ -349,6 +358,18 @@ class Enforcer:
 
     # ------------------------------------------------------------ mapping
 
+    def _mapped(self, pid: int, unreadable: set[int], at: float) -> _Proc | None:
+        """:meth:`_map`, kept for ``MAP_EVERY_S``: a process's pod and container do not
+        change while it lives. A kill checks the process's start time again, so a PID
+        reused meanwhile is never signalled."""
+        cached = self._map_cache.get(pid)
+        if cached is not None and at - cached[0] < MAP_EVERY_S:
+            return cached[1]
+        found = self._map(pid, unreadable)
+        if pid not in unreadable:
+            self._map_cache[pid] = (at, found)
+        return found
+
     def _map(self, pid: int, unreadable: set[int]) -> _Proc | None:
         """The pod process ``pid`` is, with its grant; None for a host process or one
         gone. Adds ``pid`` to ``unreadable`` when its cgroup cannot be read."""
@@ -370,6 +391,8 @@ class Enforcer:
             self.metrics.unreadable.labels("cgroup").inc()
             self._once(f"cgroup/{pid}", "process %d: not enforced, its cgroup: %s", pid, exc)
             return None
+        if key is not None and key not in self._grants and not self._grants_fresh:
+            self._refresh_grants(time.monotonic())  # a container newer than the last look
         granted = self._grants.get(key) if key is not None else None
         if granted is not None and granted.owner.pod_uid != cgroup.pod_uid:
             self._once(
@@ -382,9 +405,12 @@ class Enforcer:
             granted = None
         return _Proc(info, cgroup, granted)
 
-    def _refresh_grants(self) -> None:
+    def _refresh_grants(self, at: float) -> None:
         """The agent's container directories by (st_dev, st_ino), grants re-read when
-        their directory or grant file changed."""
+        their directory or grant file changed. Done every ``GRANTS_EVERY_S`` and when
+        a process shows a directory not known yet."""
+        self._grants_at = at
+        self._grants_fresh = True
         found: dict[tuple[int, int], Granted] = {}
         stamps: dict[Path, tuple[int, int, int]] = {}
         old = {v.owner.pod_uid + "/" + v.owner.container: (k, v) for k, v in self._grants.items()}
