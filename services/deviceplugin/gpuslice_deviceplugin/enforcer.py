@@ -236,6 +236,7 @@ class Enforcer:
         self._killed: dict[tuple[int, int], float] = {}  # (pid, start) -> when
         self._needed: dict[str, float] = {}
         self._map_cache: dict[int, tuple[float, _Proc | None]] = {}
+        self._targets: dict[str, str | None] = {}  # container cgroup -> its freeze file
 
     # ------------------------------------------------------------ reporting
 
@@ -558,7 +559,9 @@ class Enforcer:
             state.frozen.popleft()
         if share <= 0 or share >= 100:  # no compute limit
             return [], True
-        target = throttle.target if throttle else self.freezer.target(members[0][1].info, cgroup)
+        if cgroup.container not in self._targets:
+            self._targets[cgroup.container] = self.freezer.target(members[0][1].info, cgroup)
+        target = self._targets[cgroup.container]
         if target is None:
             self.metrics.unreadable.labels("freeze").inc()
             self._once(f"freeze/{cgroup.container}", "no freezer for cgroup %s", cgroup.container)
@@ -646,6 +649,8 @@ class Enforcer:
 
     def _end_gone_throttles(self, live: set[str], at: float) -> None:
         """Thaw and forget containers that ran nothing on any card this sample."""
+        for container in [c for c in self._targets if c not in live]:
+            del self._targets[container]
         for container in [c for c in self._throttles if c not in live]:
             throttle = self._throttles.pop(container)
             if throttle.frozen:
