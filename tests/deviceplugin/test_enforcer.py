@@ -37,6 +37,7 @@ from gpuslice_deviceplugin.containers import HostDir
 from gpuslice_deviceplugin.enforcer import Enforcer, NvmlSampler
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.metrics import EnforcerMetrics
+from gpuslice_deviceplugin.service import Running as AgentRunning
 from tests.deviceplugin.conftest import NODE, an_inventory
 from tests.native.container import Container, fake_uuid
 from tests.native.probe import Native, ProbeProcess, ProbeSpawner
@@ -510,3 +511,15 @@ def test_the_fake_driver_state_file_is_the_shared_struct(node: Node, cgroups: Po
     assert ctx[1] == 1
     assert ctx[0] == 0
     assert json.dumps(probe.lines)  # the probe ran its commands
+
+
+async def test_the_agent_runs_an_enforcer_that_reports_no_layer_without_nvml(
+    agent: AgentRunning,
+) -> None:
+    """Wired into the agent process; the simulated backend has no NVML to sample, so
+    no card has a layer to report (the inventory's default, missing, stands)."""
+    assert agent.enforcer is not None
+    assert agent.enforcer.sampler is None
+    assert any(task.get_name() == "enforcer" for task in agent.tasks)
+    await asyncio.sleep(0.3)
+    assert agent.enforcer.card_layers() == {}
