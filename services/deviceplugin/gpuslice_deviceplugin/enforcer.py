@@ -91,6 +91,7 @@ MIN_FROZEN: Final = 0.02  # below this a throttle ends
 GRANT_MAX_BYTES: Final = grant_format.MAX_BYTES
 GRANTS_EVERY_S: Final = 1.0  # the container directories looked at again
 MAP_EVERY_S: Final = 1.0  # a process's pod and container read again
+SAID_MAX: Final = 10_000  # things logged once, remembered
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,8 @@ class Enforcer:
         return dict(self._layers)
 
     def _once(self, key: str, message: str, *args: object) -> None:
+        if len(self._said) >= SAID_MAX:  # keys name PIDs and paths: bounded, said again
+            self._said.clear()
         if key not in self._said:
             self._said.add(key)
             log.warning(message, *args)
