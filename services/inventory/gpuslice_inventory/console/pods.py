@@ -30,6 +30,12 @@ STORY_STATES = {
 }
 
 
+def story_type(event_type: EventType) -> str:
+    """A story line's type: the state an event moves the pod to, or, for what the
+    node agent did to it (enforce.*), the action (memory-kill, throttle, ...)."""
+    return STORY_STATES.get(event_type) or event_type.suffix.rsplit(".", 1)[-1]
+
+
 @dataclass
 class PodSummary:
     uid: str | None
@@ -208,7 +214,7 @@ def pod_document(builder: SnapshotBuilder, summary: PodSummary) -> dict[str, Any
         policy = next((f.policy for f in reversed(summary.events) if f.policy), None)
     story = [
         {
-            "type": STORY_STATES[f.type],
+            "type": story_type(f.type),
             "time": iso(f.time),
             "source": f.source,
             "reason": _event_reason(f),
