@@ -158,9 +158,12 @@ class Node:
         *commands: str,
         build: str = "none",
         env: dict[str, str | int] | None = None,
+        prefix_cmd: str = "",
     ) -> ProbeProcess:
-        """The probe as the first process of ``cgroup`` (in ``container``'s namespace)."""
-        prefix = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup)]
+        """The probe as the first process of ``cgroup`` (in ``container``'s namespace);
+        ``prefix_cmd`` runs first in the same shell (another hierarchy to join)."""
+        join = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
+        prefix = ["sh", "-c", f"{prefix_cmd} && {join}" if prefix_cmd else join, str(cgroup)]
         if container is not None:
             prefix += container.prefix()
         environment: dict[str, str | int] = {"FAKEGPU_STATE_DIR": str(self.state)}
@@ -428,6 +431,59 @@ async def test_a_container_over_its_compute_share_is_frozen_and_slowed(
     report = running.reports[0]
     assert report.share_percent == 20
     assert report.busy_percent > 50
+
+
+async def test_without_cgroup_v2_freezing_the_v1_freezer_throttles(
+    node: Node, cgroups: PodCgroups, tmp_path: Path
+) -> None:
+    """A node whose containers' freeze files are the v1 freezer's: the process is
+    placed in a kubelet-named freezer group too, and that group is frozen."""
+    v1 = Path("/sys/fs/cgroup/freezer")
+    if not (v1 / "cgroup.procs").exists():
+        pytest.skip("no cgroup v1 freezer hierarchy is mounted")
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 20)))
+    cgroup = node.cgroups.container(pod)
+    frozen_group = v1 / cgroup.relative_to(cgroups.root)
+    frozen_group.mkdir(parents=True)
+    try:
+        join = f'echo $$ > "{frozen_group}/cgroup.procs"'
+        probe = node.start(cgroup, box, "init", "ctx", "run", "60", "2000", "hold", prefix_cmd=join)
+        await until(lambda: (node.state / "procs" / str(probe.pid)).exists(), "the probe running")
+        no_v2 = tmp_path / "no-v2"  # a v2 tree without the container's freeze file
+        no_v2.mkdir()
+        settings = settings_for(
+            node, cgroups, cgroup_root=str(no_v2), cgroup_v1_freezer_root=str(v1)
+        )
+
+        def watch_freeze(seconds: float) -> bool:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if (frozen_group / "freezer.state").read_text().strip() != "THAWED":
+                    return True
+                time.sleep(0.01)
+            return False
+
+        async with enforcing(settings) as running:
+            await until(lambda: running.kinds() == ["throttle"], "a throttle report")
+            assert await asyncio.to_thread(watch_freeze, 2.0)
+        assert (frozen_group / "freezer.state").read_text().strip() == "THAWED"
+        assert (cgroup / "cgroup.freeze").read_text().strip() == "0"  # v2 left alone
+    finally:
+        with contextlib.suppress(OSError):
+            (frozen_group / "freezer.state").write_text("THAWED")
+        with contextlib.suppress(OSError):
+            (cgroup / "cgroup.kill").write_text("1")
+        for _ in range(100):
+            with contextlib.suppress(OSError):
+                if not (frozen_group / "cgroup.procs").read_text().strip():
+                    break
+            await asyncio.sleep(0.05)
+        for path in [frozen_group, *frozen_group.parents]:
+            if path == v1:
+                break
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 async def test_a_kernel_holding_the_card_while_frozen_is_killed(
