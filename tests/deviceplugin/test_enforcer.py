@@ -566,6 +566,21 @@ def test_the_fake_driver_state_file_is_the_shared_struct(node: Node, cgroups: Po
     assert used[0] == 0
     assert ctx[1] == 1
     assert ctx[0] == 0
+    # NVML's unversioned query (rows of pid, bytes) lists it on card 1 only
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    assert nvml.nvmlInit_v2() == 0
+    try:
+        rows = (ctypes.c_uint64 * 2 * 8)()
+        for card, expected in ((0, []), (1, [(probe.pid, 5 * MiB)])):
+            handle = ctypes.c_void_p()
+            assert nvml.nvmlDeviceGetHandleByIndex_v2(card, ctypes.byref(handle)) == 0
+            count = ctypes.c_uint(8)
+            fn = nvml.nvmlDeviceGetComputeRunningProcesses
+            assert fn(handle, ctypes.byref(count), rows) == 0
+            found = [(int(rows[i][0]) & 0xFFFFFFFF, int(rows[i][1])) for i in range(count.value)]
+            assert found == expected
+    finally:
+        nvml.nvmlShutdown()
     assert json.dumps(probe.lines)  # the probe ran its commands
 
 

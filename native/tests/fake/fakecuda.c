@@ -31,6 +31,11 @@
  *                           "GPU-" prefix): the other entries still apply to
  *                           their own devices. Entries past FAKE_MAX_DEVICES
  *                           are ignored; duplicates are not checked.
+ *   FAKEGPU_STATE_DIR       a directory: the process keeps <dir>/procs/<pid>
+ *                           (fake_state.h: its memory, contexts and kernel time
+ *                           per device, mapped shared and updated in place), the
+ *                           fake NVML's and other processes' view of it; unset:
+ *                           nothing is written
  * A value that does not parse (a size, a count) is taken as unset: the default
  * applies and nothing is printed.
  *
