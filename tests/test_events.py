@@ -14,6 +14,7 @@ from gpuslice_common.events import (
     PAYLOADS,
     AllocationEvent,
     CloudEvent,
+    EnforcementEvent,
     EventError,
     EventType,
     PodAdmitted,
@@ -48,6 +49,21 @@ def payload_for(t: EventType) -> Frozen:
         )
     if t is EventType.POD_DENIED:
         return PodDenied(pod=POD, reason="container 'main': nvidia.com/gpucores above 100")
+    if t.value.startswith("io.gpuslice.enforce."):
+        return EnforcementEvent(
+            pod=POD,
+            pod_uid=POD.uid,
+            node="gpu-1.example.com",
+            container="main",
+            card="GPU-a",
+            pid=4242,
+            used_bytes=3 << 30,
+            allowed_bytes=1 << 30,
+            busy_percent=97.5,
+            share_percent=20,
+            frozen_percent=80.0,
+            reason="killed process 4242 on GPU-a",
+        )
     grants = (
         DeviceGrant(uuid="GPU-a", memory_mib=4096, cores=30),
         DeviceGrant(uuid="GPU-b", memory_mib=4096, cores=30),

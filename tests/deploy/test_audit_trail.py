@@ -15,7 +15,14 @@ from nats.errors import Error as NatsError
 
 from gpuslice_common.bus import Bus, flush_client
 from gpuslice_common.config import CommonSettings
-from gpuslice_common.events import AllocationEvent, EventType, PodAdmitted, PodDenied, make_event
+from gpuslice_common.events import (
+    AllocationEvent,
+    EnforcementEvent,
+    EventType,
+    PodAdmitted,
+    PodDenied,
+    make_event,
+)
 from gpuslice_common.models import PodRef
 from gpuslice_common.servers import NatsServer
 from tests.deploy.test_credentials import PASSWORDS, connect, role_nats
@@ -32,6 +39,11 @@ OWNERS = {
     EventType.ALLOC_FAILED: {"scheduler", "inventory"},
     EventType.ALLOC_ALLOCATED: {"inventory"},
     EventType.ALLOC_RELEASED: {"inventory"},
+    # node agents report enforcement to the inventory, which records it
+    EventType.ENFORCE_MEMORY_KILL: {"inventory"},
+    EventType.ENFORCE_THROTTLE: {"inventory"},
+    EventType.ENFORCE_COMPUTE_KILL: {"inventory"},
+    EventType.ENFORCE_UNGRANTED_KILL: {"inventory"},
 }
 SERVICE_ROLES = ("webhook", "scheduler", "inventory", "auditor", "admin")
 
@@ -42,8 +54,10 @@ def role_settings(server: NatsServer, role: str) -> CommonSettings:
 
 def an_event(event_type: EventType, by: str) -> bytes:
     pod = PodRef(uid=f"{by}-{event_type.suffix}".replace(".", "-"))
-    payload: PodAdmitted | PodDenied | AllocationEvent
-    if event_type == EventType.POD_ADMITTED:
+    payload: PodAdmitted | PodDenied | AllocationEvent | EnforcementEvent
+    if event_type.suffix.startswith("enforce."):
+        payload = EnforcementEvent(pod=pod, pod_uid=pod.uid, node="node-1", card="GPU-a")
+    elif event_type == EventType.POD_ADMITTED:
         payload = PodAdmitted(pod=pod, containers=())
     elif event_type == EventType.POD_DENIED:
         payload = PodDenied(pod=pod, reason="forged?")

@@ -90,6 +90,7 @@ async def test_a_node_agent_publishes_for_its_own_node_only(roles: Roles) -> Non
             f"gpuslice.inventory.{B}",
             f"gpuslice.node.{B}.allocate",
             "gpuslice.events.alloc.allocated",
+            "gpuslice.events.enforce.memory-kill",  # reported through the inventory only
             "gpuslice.telemetry.gpu-b.pod-1",
         )
         for subject in refused:

@@ -347,6 +347,13 @@ def test_the_device_plugin_runs_on_gpu_nodes_with_the_kubelet_socket_directory(
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert paths["device-plugins"] == env["GPUSLICE_KUBELET_DIR"] == mounts["device-plugins"]
     assert paths["host-dir"] == env["GPUSLICE_HOST_DIR"] == mounts["host-dir"]
+    # the enforcer: host PIDs, the host's cgroup tree where its settings say
+    assert spec["hostPID"] is True
+    assert paths["cgroup"] == "/sys/fs/cgroup"
+    assert mounts["cgroup"] == env["GPUSLICE_CGROUP_ROOT"]
+    added = set(container["securityContext"]["capabilities"]["add"])
+    assert {"KILL", "SYS_PTRACE"} <= added
+    assert "SYS_ADMIN" not in added
 
 
 def test_node_agents_prove_their_node_with_a_projected_token_for_nats(

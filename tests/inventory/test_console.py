@@ -26,6 +26,7 @@ from gpuslice_common.config import InventorySettings
 from gpuslice_common.events import (
     AllocationEvent,
     CloudEvent,
+    EnforcementEvent,
     EventType,
     PodAdmitted,
     PodDenied,
@@ -389,6 +390,24 @@ async def test_a_pod_stream_follows_its_story(console: Console, bus: Bus) -> Non
         )
         assert doc["state"] == "reserved"
         assert doc["node"] == "gpu-1"
+        # what the node agent did: a line of the story, not a state
+        kill = EnforcementEvent(
+            pod=TRAIN,
+            pod_uid=TRAIN.uid,
+            node="gpu-1",
+            container="main",
+            card="GPU-x",
+            pid=42,
+            reason="killed process 42 on GPU-x: the container held 3 GiB, 1 GiB allowed",
+        )
+        await bus.publish_acked(
+            make_event(EventType.ENFORCE_MEMORY_KILL, kill, source="gpuslice/inventory")
+        )
+        _, doc = await first_event(
+            events, lambda n, d: n == "pod" and d["story"][-1]["type"] == "memory-kill"
+        )
+        assert doc["story"][-1]["reason"] == kill.reason
+        assert doc["state"] == "reserved"
 
 
 async def test_an_audit_stream_sends_only_matching_new_events(console: Console, bus: Bus) -> None:

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from gpuslice_common.bus import Bus
-from gpuslice_common.events import AllocationEvent, CloudEvent, EventType
+from gpuslice_common.events import AllocationEvent, CloudEvent, EnforcementEvent, EventType
 from gpuslice_common.ledger import (
     Ledger,
     LedgerError,
@@ -408,3 +408,45 @@ def test_pod_less_failure_ids_are_one_per_node_kind_count_and_window() -> None:
     assert podless_failure_id(B, "no-pending-pod", 1, base) != same
     assert podless_failure_id(A, "ledger-unavailable", 1, base) != same
     assert podless_failure_id(A, "no-pending-pod", 2, base) != same
+
+
+async def test_an_enforcement_report_is_recorded_for_the_node_the_subject_names(
+    inventory: Running, nodes: Ledger, bus: Bus, events: list[CloudEvent]
+) -> None:
+    """The node is the subject's; the pod is the ledger's placement on that node, or
+    none: node A cannot put its report on node B's pod."""
+    report = {
+        "request_id": "k1",
+        "kind": "memory-kill",
+        "pod_uid": "on-a",
+        "container": "main",
+        "card": "GPU-node-a-0",
+        "pid": 4242,
+        "used_bytes": 3 << 30,
+        "allowed_bytes": 1 << 30,
+        "reason": "killed process 4242",
+    }
+    assert isinstance(await ask(bus, A, "enforced", report), Done)
+    assert isinstance(await ask(bus, A, "enforced", {**report, "pod_uid": "on-b"}), Done)
+    bad = await ask(bus, A, "enforced", {**report, "kind": "reboot"})
+    assert isinstance(bad, ErrorReply)
+    assert bad.error == ErrorKind.BAD_REQUEST
+
+    def kills() -> list[EnforcementEvent]:
+        found = []
+        for e in events:
+            if e.type == EventType.ENFORCE_MEMORY_KILL:
+                payload = e.payload()
+                assert isinstance(payload, EnforcementEvent)
+                found.append(payload)
+        return found
+
+    await until(lambda: len(kills()) >= 2)
+    await asyncio.sleep(0.3)
+    own, other = sorted(kills(), key=lambda p: p.pod_uid)
+    assert own.node == A
+    assert own.pod == PodRef(uid="on-a", namespace="team", name="pod-on-a")
+    assert (own.container, own.pid, own.used_bytes) == ("main", 4242, 3 << 30)
+    assert other.node == A
+    assert other.pod is None  # on-b is not node A's
+    assert other.pod_uid == "on-b"

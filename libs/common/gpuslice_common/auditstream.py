@@ -29,6 +29,7 @@ from gpuslice_common.config import parse_duration
 from gpuslice_common.events import (
     AllocationEvent,
     CloudEvent,
+    EnforcementEvent,
     EventError,
     EventType,
     parse_event,
@@ -88,9 +89,9 @@ def event_pod(event: CloudEvent) -> PodRef | None:
 
 
 def event_node(event: CloudEvent) -> str | None:
-    """The node of an alloc.* event; None for admission events."""
+    """The node of an alloc.* or enforce.* event; None for admission events."""
     payload = event.payload()
-    return payload.node if isinstance(payload, AllocationEvent) else None
+    return payload.node if isinstance(payload, AllocationEvent | EnforcementEvent) else None
 
 
 @dataclass(frozen=True)

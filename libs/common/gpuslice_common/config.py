@@ -538,6 +538,23 @@ class DevicePluginSettings(BusSettings):
     kube_api: Literal["cluster", "local", "none"] = "cluster"
     # HTTP serves probes and metrics only: no request has a body
     max_request_body: BodyCap = ByteSize(64 * 1024)
+    # The enforcer (gpuslice_deviceplugin.enforcer): NVML's processes and their
+    # utilisation sampled every interval, compared with the grants. A container's
+    # memory on a card may pass its grant by the context allowance and this margin
+    # before its largest process there is killed; its compute share, averaged
+    # over the window, by the tolerance (percentage points) before it is throttled;
+    # a process keeping the card busy while throttled for hog_after is killed.
+    enforce: bool = True
+    enforce_interval: Duration = timedelta(milliseconds=250)
+    enforce_window: Duration = timedelta(seconds=3)
+    enforce_memory_margin: ByteSize = ByteSize(64 << 20)
+    enforce_compute_tolerance: Annotated[int, Field(ge=0, le=100)] = 10
+    enforce_hog_after: Duration = timedelta(seconds=10)
+    # where host processes and the cgroup trees are seen (hostPID, a hostPath of
+    # /sys/fs/cgroup): the v2 hierarchy is found in /proc/self/mountinfo when unset
+    proc_root: str = "/proc"
+    cgroup_root: str | None = None
+    cgroup_v1_freezer_root: str | None = "/sys/fs/cgroup/freezer"
 
 
 S = TypeVar("S", bound=BaseSettings)

@@ -38,6 +38,11 @@ class EventType(enum.StrEnum):
     ALLOC_ALLOCATED = "io.gpuslice.alloc.allocated"
     ALLOC_RELEASED = "io.gpuslice.alloc.released"
     ALLOC_FAILED = "io.gpuslice.alloc.failed"
+    # the node agent's enforcement (gpuslice_deviceplugin.enforcer), one type per action
+    ENFORCE_MEMORY_KILL = "io.gpuslice.enforce.memory-kill"
+    ENFORCE_THROTTLE = "io.gpuslice.enforce.throttle"
+    ENFORCE_COMPUTE_KILL = "io.gpuslice.enforce.compute-kill"
+    ENFORCE_UNGRANTED_KILL = "io.gpuslice.enforce.ungranted-kill"
 
     @property
     def suffix(self) -> str:
@@ -71,6 +76,30 @@ class AllocationEvent(Frozen):
     reason: str = ""
 
 
+class EnforcementEvent(Frozen):
+    """Payload of every enforce.* event: what the node agent did to a container's
+    process on one card, and the figures that made it act.
+
+    ``pod`` is the pod as the ledger places it on ``node``; None when the ledger
+    has no such pod there (a pod gpuslice did not place: an ungranted process).
+    ``pod_uid`` is always the one the process's cgroup names. Byte and percent
+    figures that do not apply to the action are 0.
+    """
+
+    pod: PodRef | None
+    pod_uid: Annotated[str, Field(min_length=1, max_length=128)]
+    node: str
+    container: str | None = None  # None: no grant directory of the pod matched
+    card: Annotated[str, Field(min_length=1, max_length=96)]
+    pid: Annotated[int, Field(ge=0)] = 0  # host PID acted on; 0 for a throttle
+    used_bytes: Annotated[int, Field(ge=0)] = 0  # the container's memory on the card
+    allowed_bytes: Annotated[int, Field(ge=0)] = 0  # grant + context allowance + margin
+    busy_percent: Annotated[float, Field(ge=0, le=100)] = 0.0  # card time over the window
+    share_percent: Annotated[int, Field(ge=0, le=100)] = 0  # the grant's compute share
+    frozen_percent: Annotated[float, Field(ge=0, le=100)] = 0.0  # duty cycle frozen
+    reason: Annotated[str, Field(max_length=1024)] = ""  # one readable line
+
+
 PAYLOADS: dict[EventType, type[Frozen]] = {
     EventType.POD_ADMITTED: PodAdmitted,
     EventType.POD_DENIED: PodDenied,
@@ -79,6 +108,10 @@ PAYLOADS: dict[EventType, type[Frozen]] = {
     EventType.ALLOC_ALLOCATED: AllocationEvent,
     EventType.ALLOC_RELEASED: AllocationEvent,
     EventType.ALLOC_FAILED: AllocationEvent,
+    EventType.ENFORCE_MEMORY_KILL: EnforcementEvent,
+    EventType.ENFORCE_THROTTLE: EnforcementEvent,
+    EventType.ENFORCE_COMPUTE_KILL: EnforcementEvent,
+    EventType.ENFORCE_UNGRANTED_KILL: EnforcementEvent,
 }
 
 

@@ -38,6 +38,7 @@ class Verb(enum.StrEnum):
     PREFERRED = "preferred"
     PLACEMENTS = "placements"
     FAILED = "failed"
+    ENFORCED = "enforced"
 
 
 class ErrorKind(enum.StrEnum):
@@ -85,12 +86,36 @@ class FailedRequest(Frozen):
     reason: Reason
 
 
+EnforceKind = Literal["memory-kill", "throttle", "compute-kill", "ungranted-kill"]
+
+
+class EnforcedRequest(Frozen):
+    """The agent acted on a container's process (gpuslice_deviceplugin.enforcer):
+    the inventory records it as an ``enforce.<kind>`` event of the node the subject
+    names, with the pod as its ledger places it there. A retry passes the same
+    ``request_id`` and is recorded once."""
+
+    request_id: RequestId
+    kind: EnforceKind
+    pod_uid: PodUid
+    container: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    card: Annotated[str, Field(min_length=1, max_length=96)]
+    pid: Annotated[int, Field(ge=0, le=2**31)] = 0
+    used_bytes: Annotated[int, Field(ge=0, le=2**64)] = 0
+    allowed_bytes: Annotated[int, Field(ge=0, le=2**64)] = 0
+    busy_percent: Annotated[float, Field(ge=0, le=100)] = 0.0
+    share_percent: Annotated[int, Field(ge=0, le=100)] = 0
+    frozen_percent: Annotated[float, Field(ge=0, le=100)] = 0.0
+    reason: Reason = ""
+
+
 REQUESTS: dict[Verb, type[Frozen]] = {
     Verb.PING: PingRequest,
     Verb.ALLOCATE: AllocateRequest,
     Verb.PREFERRED: PreferredRequest,
     Verb.PLACEMENTS: PlacementsRequest,
     Verb.FAILED: FailedRequest,
+    Verb.ENFORCED: EnforcedRequest,
 }
 
 

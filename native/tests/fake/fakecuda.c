@@ -31,6 +31,11 @@
  *                           "GPU-" prefix): the other entries still apply to
  *                           their own devices. Entries past FAKE_MAX_DEVICES
  *                           are ignored; duplicates are not checked.
+ *   FAKEGPU_STATE_DIR       a directory: the process keeps <dir>/procs/<pid>
+ *                           (fake_state.h: its memory, contexts and kernel time
+ *                           per device, mapped shared and updated in place), the
+ *                           fake NVML's and other processes' view of it; unset:
+ *                           nothing is written
  * A value that does not parse (a size, a count) is taken as unset: the default
  * applies and nothing is printed.
  *
@@ -167,22 +172,26 @@
  * Each returns 0 for an invalid device.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "gs_cuda.h"
 #include "fake_size.h"
 #include "fake_uuid.h"
+#include "fake_state.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -602,6 +611,98 @@ static void load_config(void) {
 
 static void config(void) { pthread_once(&g_once, load_config); }
 
+/* ------------------------------------------- shared state (FAKEGPU_STATE_DIR)
+ * fake_state.h: this process's <dir>/procs/<pid>, mapped shared and updated in
+ * place, so the fake NVML and other processes see what it holds and runs. The
+ * file is made at the first change to publish; a forked child makes its own at
+ * its first change (the parent's mapping is not its to write); a clean exit
+ * removes it, and readers skip the file of a pid that died. Without the
+ * variable nothing is written. */
+static char g_state_dir[4096]; /* "" when unset */
+static struct fake_proc_state *g_state;
+static struct fake_proc_state_tail *g_state_tail; /* right after *g_state */
+#define FAKE_STATE_BYTES (sizeof(struct fake_proc_state) + sizeof(struct fake_proc_state_tail))
+static pid_t g_state_pid;
+static char g_state_path[4096 + 64];
+static pthread_mutex_t g_state_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t g_state_ctx[FAKE_MAX_DEVICES]; /* live contexts per device, under g_mu */
+
+static void state_config(void);
+static pthread_once_t g_state_once = PTHREAD_ONCE_INIT;
+static void state_config(void) {
+    const char *dir = getenv("FAKEGPU_STATE_DIR");
+    if (!dir || !*dir || snprintf(g_state_dir, sizeof g_state_dir, "%s", dir) >= (int)sizeof g_state_dir)
+        g_state_dir[0] = '\0';
+}
+
+/* This process's mapped state, or NULL (no directory, or it cannot be made). */
+static struct fake_proc_state *state_get(void) {
+    pthread_once(&g_state_once, state_config);
+    if (!g_state_dir[0]) return NULL;
+    pid_t pid = getpid();
+    pthread_mutex_lock(&g_state_mu);
+    if (g_state && g_state_pid != pid) { /* a forked child: the mapping is the parent's */
+        munmap(g_state, FAKE_STATE_BYTES);
+        g_state = NULL;
+    }
+    if (!g_state) {
+        char procs[4096 + 16];
+        snprintf(procs, sizeof procs, "%s/procs", g_state_dir);
+        if (mkdir(procs, 0755) == 0) chmod(procs, 01777); /* tenants of any user write here */
+        snprintf(g_state_path, sizeof g_state_path, "%s/%d", procs, (int)pid);
+        int fd = open(g_state_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+        if (fd >= 0) {
+            if (ftruncate(fd, FAKE_STATE_BYTES) == 0) {
+                void *m = mmap(NULL, FAKE_STATE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+                if (m != MAP_FAILED) {
+                    g_state = m;
+                    g_state_tail = (struct fake_proc_state_tail *)(void *)((char *)m + sizeof *g_state);
+                    g_state_pid = pid;
+                    g_state->pid = (int32_t)pid;
+                    g_state->ndev = (uint32_t)g_cfg.devices;
+                    g_state->version = FAKE_STATE_VERSION;
+                    __atomic_store_n(&g_state->magic, FAKE_STATE_MAGIC, __ATOMIC_RELEASE);
+                }
+            }
+            close(fd);
+        }
+    }
+    struct fake_proc_state *s = g_state;
+    pthread_mutex_unlock(&g_state_mu);
+    return s;
+}
+
+/* Publishes device dev's used bytes and live contexts. Call with g_mu held. */
+static void state_used(int dev) {
+    struct fake_proc_state *s = state_get();
+    if (!s || dev < 0 || dev >= FAKE_STATE_DEVICES) return;
+    __atomic_store_n(&s->used_bytes[dev], g_dev[dev].used, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->ctx_count[dev], g_state_ctx[dev], __ATOMIC_RELAXED);
+}
+
+/* A context on dev came (+1) or went (-1). Call with g_mu held. */
+static void state_ctx(int dev, int delta) {
+    if (dev < 0 || dev >= FAKE_MAX_DEVICES) return;
+    if (delta > 0 || g_state_ctx[dev] > 0) g_state_ctx[dev] += (uint64_t)(int64_t)delta;
+    state_used(dev);
+}
+
+/* The engine of dev started a kernel at start_ns (CLOCK_MONOTONIC) that ends at
+ * end_ns, or (start_ns 0) finished one, having run busy_ns in all. */
+static void state_engine(int dev, uint64_t start_ns, uint64_t end_ns, uint64_t busy_ns) {
+    struct fake_proc_state *s = state_get();
+    if (!s || dev < 0 || dev >= FAKE_STATE_DEVICES) return;
+    if (!start_ns) __atomic_store_n(&s->busy_ns[dev], busy_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_state_tail->run_end_ns[dev], start_ns ? end_ns : 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->run_start_ns[dev], start_ns, __ATOMIC_RELEASE);
+}
+
+__attribute__((destructor)) static void state_remove(void) {
+    pthread_mutex_lock(&g_state_mu);
+    if (g_state && g_state_pid == getpid()) unlink(g_state_path);
+    pthread_mutex_unlock(&g_state_mu);
+}
+
 #define NEED_INIT()                                                                           \
     do {                                                                                      \
         if (!atomic_load_explicit(&g_inited, memory_order_acquire))                           \
@@ -724,6 +825,7 @@ static void pool_trim(struct res *p, uint64_t keep) {
     if (target < p->reserved) {
         g_dev[p->dev].used -= p->reserved - target;
         p->reserved = target;
+        state_used(p->dev);
     }
     if (p->destroyed && p->used == 0) free(p); /* already out of the table */
 }
@@ -737,6 +839,7 @@ static void res_free(struct res *r) {
     case K_MIPMAP:
     case K_VMM:
         g_dev[r->dev].used -= r->size;
+        state_used(r->dev);
         break;
     case K_ASYNC:
         r->pool->used -= r->size;
@@ -768,6 +871,7 @@ static void ctx_teardown(struct res *c) {
     d->used -= c->size;
     c->size = 0;
     c->active = false;
+    state_ctx(c->dev, -1);
 }
 
 static bool ctx_push(struct res *c) {
@@ -798,6 +902,7 @@ static void sleep_ms(uint64_t ms) {
  * a continuous timeline (back-to-back work starts where the previous ended). */
 static void *engine_main(void *arg) {
     struct engine *e = arg;
+    int dev = (int)((struct device *)(void *)((char *)e - offsetof(struct device, eng)) - g_dev);
     uint64_t timeline = 0;
     prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL); /* wake on time for short kernels */
     pthread_mutex_lock(&e->mu);
@@ -818,11 +923,13 @@ static void *engine_main(void *arg) {
         if (waited || timeline + 1000000000ull < now)
             timeline = now; /* idle (or stalled for over a second): start now */
         uint64_t ns = us > UINT64_MAX / 1000 ? UINT64_MAX / 2 : us * 1000;
+        state_engine(dev, timeline ? timeline : 1, timeline + ns, 0);
         timeline += ns;
         if (timeline > now) sleep_until(timeline); /* behind schedule: no syscall */
 
         pthread_mutex_lock(&e->mu);
         e->busy_ns += ns;
+        state_engine(dev, 0, 0, e->busy_ns);
         e->completed++;
         e->done_at[e->completed % FAKE_STAMPS] = timeline;
         if (e->waiters && e->completed >= e->wake_at) { /* waiters re-arm wake_at */
@@ -1185,6 +1292,7 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
         d->used += g_cfg.context_bytes;
         d->primary->size = g_cfg.context_bytes;
         d->primary->active = true;
+        state_ctx(dev, +1);
     }
     d->primary_refs++;
     *pctx = (CUcontext)d->primary;
@@ -1248,6 +1356,7 @@ static CUresult ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev) {
         c->active = true;
         c->size = g_cfg.context_bytes;
         d->used += c->size;
+        state_ctx(dev, +1);
         ctx_push(c);
         *pctx = (CUcontext)c;
     }
@@ -1404,6 +1513,7 @@ static CUresult alloc_record(enum kind k, uint64_t bytes, bool mapped, struct re
         goto out;
     }
     d->used += bytes;
+    state_used(c->dev);
     *out = r;
 out:
     pthread_mutex_unlock(&g_mu);
@@ -1650,6 +1760,7 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     if (!rc) {
         r->size = size;
         g_dev[dev].used += size;
+        state_used(dev);
         *handle = (CUmemGenericAllocationHandle)(uintptr_t)r;
     }
     pthread_mutex_unlock(&g_mu);
@@ -1911,6 +2022,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool
     }
     if (!rc) {
         g_dev[p->dev].used += grow;
+        state_used(p->dev);
         p->reserved += grow;
         p->used += bytesize;
         pool_note_high(p);

@@ -60,6 +60,24 @@
  *                     the same for the volatile and the aggregate counter)
  *                     For these four, a device with no entry (as for
  *                     FAKENVML_NUMA) answers NVML_ERROR_NOT_SUPPORTED.
+ *   FAKEGPU_STATE_DIR  the fake GPU state the fake driver's processes keep
+ *                     (fake_state.h): when set, a device's running processes
+ *                     are the live pids of the files in <dir>/procs with a context or
+ *                     memory on it (usedGpuMemory = used_bytes; FAKENVML_PROCS
+ *                     is then ignored; files of dead pids are removed), and
+ *                     nvmlDeviceGetProcessUtilization answers one sample per
+ *                     such pid: smUtil = percent of the wall time since the
+ *                     previous such call on that device that its kernels ran
+ *                     (busy_ns, plus the kernel running now up to its end in
+ *                     the file's tail), timeStamp the
+ *                     CLOCK_REALTIME now in microseconds; a pid seen for the
+ *                     first time is only remembered (no sample yet), and a
+ *                     call without samples answers NVML_ERROR_NOT_FOUND. The
+ *                     size query (samples NULL) counts and remembers nothing.
+ *                     Unset: no samples (NVML_ERROR_NOT_FOUND), as before.
+ *   FAKENVML_NO_PROCESS_INFO  "i,j,...": devices whose running-process and
+ *                     process-utilisation queries answer NVML_ERROR_NOT_SUPPORTED
+ *                     (a card or driver that cannot tell)
  * A size that does not parse is taken as unset (the default applies); nothing
  * is ever printed.
  *
@@ -68,7 +86,7 @@
  * unless FAKENVML_UUIDS gives it one. nvmlDeviceGetUUID prints UUIDs with
  * lower-case hex, as NVML does (an upper-case FAKENVML_UUIDS entry comes back
  * lower-cased); nvmlDeviceGetHandleByUUID takes the hex in either case.
- * Minor number and index are i, and
+ * Minor number and index are i; without FAKEGPU_STATE_DIR
  * nvmlDeviceGetProcessUtilization has no samples (NVML_ERROR_NOT_FOUND).
  * There is no event API (nvmlEventSet*, nvmlDeviceRegisterEvents) and no
  * nvmlDeviceGetPciInfo*: callers find the symbols missing.
@@ -107,7 +125,10 @@
  * No root check.
  */
 #include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -116,10 +137,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "gs_cuda.h"
 #include "fake_size.h"
 #include "fake_uuid.h"
+#include "fake_state.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -220,8 +244,14 @@ static struct {
     char uuid[FAKE_MAX_DEVICES][FAKE_UUID_LEN + 1];   /* lower-case hex */
     int geometry[FAKE_MAX_DEVICES];                   /* 0: A100-40GB, 1: H100-80GB */
     char mig_file[PATH_MAX];                          /* "" when unset */
+    char state_dir[PATH_MAX];                         /* FAKEGPU_STATE_DIR, "" when unset */
+    bool no_process_info[FAKE_MAX_DEVICES];           /* FAKENVML_NO_PROCESS_INFO */
 } g_cfg;
 static void mig_reset(void);
+static void state_load_config(void);
+static nvmlReturn_t state_processes(unsigned int dev, unsigned int *infoCount, void *infos, bool v1);
+static nvmlReturn_t state_utilization(unsigned int dev, FakeProcessUtilizationSample *samples,
+                                      unsigned int *count, unsigned long long lastSeen);
 static bool is_mig_handle(nvmlDevice_t device);
 static nvmlReturn_t mig_device_uuid(nvmlDevice_t device, char *uuid, unsigned int length);
 static nvmlReturn_t mig_device_memory(nvmlDevice_t device, unsigned long long *total);
@@ -358,6 +388,7 @@ static void load_config(void) {
     if (!mig_file || snprintf(g_cfg.mig_file, sizeof g_cfg.mig_file, "%s", mig_file) >= PATH_MAX)
         g_cfg.mig_file[0] = '\0';
     mig_reset();
+    state_load_config();
 }
 
 /* The device a handle names, or NULL; takes g_mu and keeps it when a device
@@ -612,6 +643,12 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *infoCou
     nvmlReturn_t rc;
     struct fdev *d = enter(device, &rc);
     if (!d) return rc;
+    if (g_cfg.no_process_info[d->index] || g_cfg.state_dir[0]) {
+        rc = g_cfg.no_process_info[d->index] ? NVML_ERROR_NOT_SUPPORTED
+                                             : state_processes(d->index, infoCount, infos, v1);
+        pthread_mutex_unlock(&g_mu);
+        return rc;
+    }
     unsigned int n = g_cfg.nprocs;
     rc = NVML_SUCCESS;
     if (!infoCount) {
@@ -729,10 +766,188 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
     nvmlReturn_t rc;
     struct fdev *d = enter(device, &rc);
     if (!d) return rc;
-    rc = processSamplesCount ? NVML_ERROR_NOT_FOUND : NVML_ERROR_INVALID_ARGUMENT;
-    if (processSamplesCount) *processSamplesCount = 0;
+    if (g_cfg.no_process_info[d->index]) {
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    } else if (g_cfg.state_dir[0] && processSamplesCount) {
+        rc = state_utilization(d->index, utilization, processSamplesCount, lastSeenTimeStamp);
+    } else {
+        rc = processSamplesCount ? NVML_ERROR_NOT_FOUND : NVML_ERROR_INVALID_ARGUMENT;
+        if (processSamplesCount) *processSamplesCount = 0;
+    }
     pthread_mutex_unlock(&g_mu);
     return rc;
+}
+
+
+/* --------------------------------------------- shared state (FAKEGPU_STATE_DIR)
+ * The processes of the fake driver, read from their state files (fake_state.h).
+ * Called with g_mu held. */
+#define FAKE_STATE_MAX_PIDS 1024 /* processes listed per device */
+#define FAKE_UTIL_HISTORY 1024   /* (device, pid) pairs remembered for utilisation */
+
+static struct {
+    unsigned int dev, pid;
+    bool used;
+    uint64_t at_ns, busy_ns; /* CLOCK_MONOTONIC of the previous sample, kernel time then */
+} g_util[FAKE_UTIL_HISTORY];
+
+struct state_row {
+    unsigned int pid;
+    uint64_t used_bytes, busy_ns; /* busy_ns: completed + the running kernel so far */
+};
+
+static void state_load_config(void) {
+    const char *dir = getenv("FAKEGPU_STATE_DIR");
+    if (!dir || snprintf(g_cfg.state_dir, sizeof g_cfg.state_dir, "%s", dir) >= PATH_MAX)
+        g_cfg.state_dir[0] = '\0';
+    int off[FAKE_MAX_DEVICES];
+    for (unsigned int i = 0; i < FAKE_MAX_DEVICES; i++) off[i] = FAKE_UNSET;
+    const char *s = getenv("FAKENVML_NO_PROCESS_INFO");
+    while (s && *s) { /* "i,j,...": indices, not per-device values */
+        char *end;
+        errno = 0;
+        unsigned long i = strtoul(s, &end, 10);
+        if (!errno && end != s && i < FAKE_MAX_DEVICES) off[i] = 1;
+        s = strchr(s, ',');
+        if (s) s++;
+    }
+    for (unsigned int i = 0; i < FAKE_MAX_DEVICES; i++) g_cfg.no_process_info[i] = off[i] == 1;
+    memset(g_util, 0, sizeof g_util);
+}
+
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The live processes with a context or memory on dev, at most `room`; how many. */
+static unsigned int state_rows(unsigned int dev, struct state_row *rows, unsigned int room) {
+    char procs[PATH_MAX + 8];
+    snprintf(procs, sizeof procs, "%s/procs", g_cfg.state_dir);
+    DIR *dir = opendir(procs);
+    if (!dir) return 0;
+    int dfd = dirfd(dir);
+    unsigned int n = 0;
+    uint64_t now = mono_ns();
+    struct dirent *ent;
+    while ((ent = readdir(dir)) != NULL && n < room) {
+        char *end;
+        errno = 0;
+        unsigned long pid = strtoul(ent->d_name, &end, 10);
+        if (errno || *end || end == ent->d_name || pid == 0 || pid > INT32_MAX) continue;
+        if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) {
+            unlinkat(dfd, ent->d_name, 0); /* a process that died: its file is stale */
+            continue;
+        }
+        int fd = openat(dfd, ent->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+        if (fd < 0) continue;
+        struct {
+            struct fake_proc_state st;
+            struct fake_proc_state_tail tail;
+        } file;
+        memset(&file, 0, sizeof file);
+        ssize_t got = pread(fd, &file, sizeof file, 0);
+        close(fd);
+        struct fake_proc_state st = file.st;
+        if (got < (ssize_t)sizeof st || st.magic != FAKE_STATE_MAGIC ||
+            st.version != FAKE_STATE_VERSION || st.pid != (int32_t)pid || dev >= FAKE_STATE_DEVICES)
+            continue;
+        if (!st.ctx_count[dev] && !st.used_bytes[dev]) continue;
+        uint64_t busy = st.busy_ns[dev];
+        uint64_t run_end = got == (ssize_t)sizeof file ? file.tail.run_end_ns[dev] : 0;
+        uint64_t until = run_end && run_end < now ? run_end : now; /* a card runs a kernel to its end only */
+        if (st.run_start_ns[dev] && st.run_start_ns[dev] < until) busy += until - st.run_start_ns[dev];
+        rows[n].pid = (unsigned int)pid;
+        rows[n].used_bytes = st.used_bytes[dev];
+        rows[n].busy_ns = busy;
+        n++;
+    }
+    closedir(dir);
+    return n;
+}
+
+static nvmlReturn_t state_processes(unsigned int dev, unsigned int *infoCount, void *infos, bool v1) {
+    static struct state_row rows[FAKE_STATE_MAX_PIDS]; /* under g_mu */
+    if (!infoCount) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int n = state_rows(dev, rows, FAKE_STATE_MAX_PIDS);
+    if (*infoCount < n) {
+        *infoCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    if (n > 0 && !infos) return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < n; i++) {
+        if (v1) {
+            FakeProcessInfoV1 *row = (FakeProcessInfoV1 *)infos + i;
+            row->pid = rows[i].pid;
+            row->usedGpuMemory = rows[i].used_bytes;
+        } else {
+            nvmlProcessInfo_t *row = (nvmlProcessInfo_t *)infos + i;
+            row->pid = rows[i].pid;
+            row->usedGpuMemory = rows[i].used_bytes;
+            row->gpuInstanceId = FAKE_INVALID_INSTANCE;
+            row->computeInstanceId = FAKE_INVALID_INSTANCE;
+        }
+    }
+    *infoCount = n;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t state_utilization(unsigned int dev, FakeProcessUtilizationSample *samples,
+                                      unsigned int *count, unsigned long long lastSeen) {
+    static struct state_row rows[FAKE_STATE_MAX_PIDS]; /* under g_mu */
+    unsigned int n = state_rows(dev, rows, FAKE_STATE_MAX_PIDS);
+    if (!samples) { /* the size query: counts, remembers nothing */
+        *count = n;
+        return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_ERROR_NOT_FOUND;
+    }
+    struct timespec real;
+    clock_gettime(CLOCK_REALTIME, &real);
+    unsigned long long stamp = (unsigned long long)real.tv_sec * 1000000ull +
+                               (unsigned long long)real.tv_nsec / 1000ull;
+    uint64_t now = mono_ns();
+    unsigned int out = 0;
+    for (unsigned int i = 0; i < n; i++) {
+        int slot = -1, free_slot = -1;
+        for (int h = 0; h < FAKE_UTIL_HISTORY; h++) {
+            if (g_util[h].used && g_util[h].dev == dev && g_util[h].pid == rows[i].pid) {
+                slot = h;
+                break;
+            }
+            if (!g_util[h].used && free_slot < 0) free_slot = h;
+        }
+        if (slot < 0) { /* first seen: remembered, no sample yet */
+            if (free_slot < 0) free_slot = (int)(rows[i].pid % FAKE_UTIL_HISTORY);
+            g_util[free_slot].used = true;
+            g_util[free_slot].dev = dev;
+            g_util[free_slot].pid = rows[i].pid;
+            g_util[free_slot].at_ns = now;
+            g_util[free_slot].busy_ns = rows[i].busy_ns;
+            continue;
+        }
+        uint64_t span = now - g_util[slot].at_ns;
+        uint64_t ran = rows[i].busy_ns > g_util[slot].busy_ns ? rows[i].busy_ns - g_util[slot].busy_ns : 0;
+        g_util[slot].at_ns = now;
+        g_util[slot].busy_ns = rows[i].busy_ns;
+        if (out >= *count || stamp <= lastSeen || span == 0) continue;
+        uint64_t pct = ran >= span ? 100 : ran * 100 / span;
+        samples[out].pid = rows[i].pid;
+        samples[out].timeStamp = stamp;
+        samples[out].smUtil = (unsigned int)pct;
+        samples[out].memUtil = 0;
+        samples[out].encUtil = 0;
+        samples[out].decUtil = 0;
+        out++;
+    }
+    /* forget the pairs of this device whose process is gone */
+    for (int h = 0; h < FAKE_UTIL_HISTORY; h++) {
+        if (!g_util[h].used || g_util[h].dev != dev) continue;
+        bool live = false;
+        for (unsigned int i = 0; i < n && !live; i++) live = rows[i].pid == g_util[h].pid;
+        if (!live) g_util[h].used = false;
+    }
+    *count = out;
+    return out ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }
 
 /* ------------------------------------------------------------------- MIG

@@ -25,6 +25,7 @@ from gpuslice_common.nodeapi import (
     AllocateRequest,
     AllocationReply,
     Done,
+    EnforcedRequest,
     ErrorKind,
     ErrorReply,
     FailedRequest,
@@ -83,6 +84,10 @@ class InventoryGateway:
         """Tell the inventory a container it handed out could not be prepared."""
         request = FailedRequest(pod_uid=pod_uid, container=container, reason=reason[:1024])
         await self._request(Verb.FAILED, request, Done, deadline)
+
+    async def enforced(self, request: EnforcedRequest, deadline: float) -> None:
+        """Tell the inventory what the enforcer did, asked again until ``deadline``."""
+        await self._request(Verb.ENFORCED, request, Done, deadline)
 
     async def _request(
         self, verb: Verb, request: Frozen, expect: type[R], deadline: float | None

@@ -37,6 +37,7 @@ from gpuslice_deviceplugin.physical import ContainerKey, GpuFigures
 __all__ = [
     "CONTAINER_LABELS",
     "GPU_LABELS",
+    "EnforcerMetrics",
     "Names",
     "NodeCollector",
     "NodeView",
@@ -105,6 +106,56 @@ class PluginMetrics:
             "gpuslice_deviceplugin_ambiguous_allocations",
             "Allocate calls answered while other pods waited for as many GPUs: kubelet "
             "names no pod, so the pod bound first was chosen.",
+            registry=registry,
+        )
+
+
+class EnforcerMetrics:
+    """What the enforcer (:mod:`gpuslice_deviceplugin.enforcer`) did and could see."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.kills = Counter(
+            "gpuslice_enforce_kills",
+            "Processes the node agent killed, by kind (memory, compute, ungranted).",
+            ["kind"],
+            registry=registry,
+        )
+        self.throttles = Counter(
+            "gpuslice_enforce_throttles",
+            "Times a container began to be throttled (its cgroup frozen in a duty cycle) "
+            "for running above its compute share.",
+            registry=registry,
+        )
+        self.throttled = Gauge(
+            "gpuslice_enforce_throttled_containers",
+            "Containers being throttled now.",
+            registry=registry,
+        )
+        self.layer = Gauge(
+            "gpuslice_enforce_layer",
+            "Whether the node agent enforces a layer on a card (1) or cannot (0): memory "
+            "needs NVML's processes and their cgroups, compute also their utilisation "
+            "and a freezer.",
+            ["uuid", "layer"],
+            registry=registry,
+        )
+        self.unreadable = Counter(
+            "gpuslice_enforce_unreadable",
+            "Samples in which something could not be read, by what (processes, "
+            "utilization, cgroup, grant, freeze).",
+            ["what"],
+            registry=registry,
+        )
+        self.foreign = Gauge(
+            "gpuslice_enforce_host_processes",
+            "Processes on a card not in a pod's cgroup (left alone), at the last sample.",
+            ["uuid"],
+            registry=registry,
+        )
+        self.sample_seconds = Histogram(
+            "gpuslice_enforce_sample_seconds",
+            "Time one enforcement sample took (NVML, /proc, decisions).",
+            buckets=ALLOCATE_BUCKETS,
             registry=registry,
         )
 

@@ -4,8 +4,9 @@ Parts: the kubelet link (plugin socket and registration), one more per
 static MIG profile (:mod:`gpuslice_deviceplugin.static_mig`), the node agent
 (discovery, configuration reload, inventory heartbeat), the coordinator (region
 flags and heartbeat), the GPUs' physical figures (read every health interval),
-the clean-up of container directories, and an HTTP server for ``/healthz``,
-``/readyz`` and ``/metrics``.
+the clean-up of container directories, the enforcer (NVML's processes held to
+the grants: :mod:`gpuslice_deviceplugin.enforcer`; it thaws what it froze when
+the agent stops), and an HTTP server for ``/healthz``, ``/readyz`` and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
 from gpuslice_common.models import PlacementState
-from gpuslice_common.nodeapi import NodeRequestError
+from gpuslice_common.nodeapi import EnforcedRequest, NodeRequestError
 from gpuslice_common.service import (
     HAMI_PATH,
     SharedCheck,
@@ -39,9 +40,11 @@ from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
 from gpuslice_deviceplugin.discovery import open_backend
+from gpuslice_deviceplugin.enforcer import Enforcer, open_sampler
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.kubelet import KubeletLink, LinkTiming
 from gpuslice_deviceplugin.metrics import (
+    EnforcerMetrics,
     Names,
     NodeCollector,
     NodeView,
@@ -57,6 +60,7 @@ from gpuslice_deviceplugin.static_mig import StaticMig
 log = logging.getLogger(__name__)
 
 CLEANUP_INTERVAL_S = 60.0
+ENFORCED_REPORT_S = 30.0  # how long an enforcement report is sent again while the inventory is away
 GONE_PODS_INTERVAL_S = 2.0
 READY_CHECK_TTL_S = 1.0  # how long callers of /readyz share the inventory's answer
 
@@ -84,6 +88,7 @@ class Running:
     mig: MigInstances
     static: StaticMig
     kube: KubeApi | None = None
+    enforcer: Enforcer | None = None
     hami_registry: CollectorRegistry | None = None  # /metrics/hami; None while off
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     snapshot: CoordinatorSnapshot | None = None
@@ -97,6 +102,11 @@ class Running:
 
     def __post_init__(self) -> None:
         self.inventory_answers = SharedCheck(self._ping_inventory, ttl=READY_CHECK_TTL_S)
+
+    async def report_enforced(self, request: EnforcedRequest) -> None:
+        """Hand an enforcement action to the inventory, which records its event."""
+        deadline = asyncio.get_running_loop().time() + ENFORCED_REPORT_S
+        await self.gateway.enforced(request, deadline)
 
     async def coordinate(self) -> None:
         """One coordination pass (also run every ``coordinate_interval``)."""
@@ -274,6 +284,9 @@ async def running(
         static,
         kube=kube,
     )
+    if settings.enforce:
+        sampler = await asyncio.to_thread(open_sampler, backend.name)
+        state.enforcer = Enforcer(settings, host, sampler, EnforcerMetrics(registry))
     names = Names.GPUSLICE_AND_HAMI if settings.hami_metrics else Names.GPUSLICE
     registry.register(NodeCollector(state.view, names=names))
     if settings.hami_metrics:
@@ -312,6 +325,10 @@ async def running(
                 )
             ),
         ]
+        if state.enforcer is not None:
+            state.tasks.append(
+                asyncio.create_task(state.enforcer.run(state.report_enforced), name="enforcer")
+            )
         if serve_http:
             http_config = plain_http(
                 create_app(state), settings.listen_host, settings.metrics_port, settings.log_level
@@ -336,6 +353,8 @@ async def running(
                 await task
         await state.static.close()
         state.coordinator.close()
+        if state.enforcer is not None:
+            await asyncio.to_thread(state.enforcer.close)
         await asyncio.to_thread(backend.close)
 
 

@@ -31,7 +31,13 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from pydantic import ValidationError
 
-from gpuslice_common.events import AllocationEvent, EventType, make_event
+from gpuslice_common.events import (
+    AllocationEvent,
+    CloudEvent,
+    EnforcementEvent,
+    EventType,
+    make_event,
+)
 from gpuslice_common.ledger import (
     Allocation,
     Ledger,
@@ -46,6 +52,7 @@ from gpuslice_common.nodeapi import (
     AllocateRequest,
     AllocationReply,
     Done,
+    EnforcedRequest,
     ErrorKind,
     ErrorReply,
     FailedRequest,
@@ -77,6 +84,13 @@ def podless_failure_id(node: str, kind: str, count: int, now: float | None = Non
     window = int((time.time() if now is None else now) // PODLESS_FAILURE_WINDOW_S)
     return str(uuid.uuid5(EVENT_NAMESPACE, f"{node}/{kind}/{count}/{window}"))
 
+
+ENFORCE_TYPES = {
+    "memory-kill": EventType.ENFORCE_MEMORY_KILL,
+    "throttle": EventType.ENFORCE_THROTTLE,
+    "compute-kill": EventType.ENFORCE_COMPUTE_KILL,
+    "ungranted-kill": EventType.ENFORCE_UNGRANTED_KILL,
+}
 
 MAX_IN_FLIGHT = 512
 PING_TIMEOUT_S = 1.0
@@ -140,6 +154,7 @@ class NodeGateway:
             Verb.PREFERRED: self._preferred,
             Verb.PLACEMENTS: self._placements,
             Verb.FAILED: self._failed,
+            Verb.ENFORCED: self._enforced,
         }
 
     async def start(self, nc: NATS, queue: str) -> Subscription:
@@ -338,6 +353,40 @@ class NodeGateway:
             partial(self._publish, EventType.ALLOC_FAILED, node, allocation, request.reason)
         )
         return Done()
+
+    async def _enforced(self, node: str, request: Frozen, after: After) -> Answer:
+        """Record what the node's agent did to a process: the node is the subject's,
+        the pod the ledger's placement on that node (None when it has none there)."""
+        assert isinstance(request, EnforcedRequest)
+        placement = await self.ledger.placement(request.pod_uid)
+        pod = placement.pod if placement is not None and placement.node == node else None
+        payload = EnforcementEvent(
+            pod=pod,
+            pod_uid=request.pod_uid,
+            node=node,
+            container=request.container,
+            card=request.card,
+            pid=request.pid,
+            used_bytes=request.used_bytes,
+            allowed_bytes=request.allowed_bytes,
+            busy_percent=request.busy_percent,
+            share_percent=request.share_percent,
+            frozen_percent=request.frozen_percent,
+            reason=request.reason,
+        )
+        event = make_event(
+            ENFORCE_TYPES[request.kind],
+            payload,
+            source=SOURCE,
+            subject=request.pod_uid,
+            event_id=str(uuid.uuid5(EVENT_NAMESPACE, f"{node}/enforce/{request.request_id}")),
+        )
+        after.append(partial(self._submit, event))
+        return Done()
+
+    def _submit(self, event: CloudEvent) -> None:
+        if self.outbox is not None:
+            self.outbox.submit(event)
 
     def _podless_failure(self, after: After, node: str, kind: str, count: int, why: str) -> None:
         """Record, after the reply, an allocation failure that names no pod."""

@@ -67,11 +67,12 @@ accounts {
       # the inventory: reads inventories, node agents' requests (and
       # answers them in the node's own inbox: never on a subject the
       # requester names elsewhere), telemetry and pod ends; publishes
-      # allocations and releases; checks the audit stream and reads it
+      # allocations, releases and node agents' enforcement; checks the audit stream and reads it
       { user: inventory, password: $NATS_INVENTORY_PASSWORD,
         permissions: { publish: ["gpuslice.events.alloc.allocated",
                                  "gpuslice.events.alloc.released",
                                  "gpuslice.events.alloc.failed",
+                                 "gpuslice.events.enforce.*",
                                  "$JS.API.STREAM.INFO.gpuslice_audit",
                                  "$JS.API.CONSUMER.CREATE.gpuslice_audit",
                                  "$JS.API.CONSUMER.CREATE.gpuslice_audit.>",

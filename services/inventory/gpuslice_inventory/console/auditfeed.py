@@ -29,7 +29,13 @@ from gpuslice_common.auditstream import (
     event_pod,
 )
 from gpuslice_common.bus import Bus, BusError
-from gpuslice_common.events import AllocationEvent, CloudEvent, EventType, PodDenied
+from gpuslice_common.events import (
+    AllocationEvent,
+    CloudEvent,
+    EnforcementEvent,
+    EventType,
+    PodDenied,
+)
 from gpuslice_common.models import PodRef
 from gpuslice_inventory.console.scope import namespace_visible
 
@@ -80,6 +86,8 @@ class FeedEvent:
             reason = payload.reason
         elif isinstance(payload, AllocationEvent):
             reason, policy = payload.reason or None, payload.policy or None
+        elif isinstance(payload, EnforcementEvent):
+            reason = payload.reason or None
         return cls(
             event.id,
             event.source,

@@ -30,6 +30,12 @@ STORY_STATES = {
 }
 
 
+def story_type(event_type: EventType) -> str:
+    """A story line's type: the state an event moves the pod to, or, for what the
+    node agent did to it (enforce.*), the action (memory-kill, throttle, ...)."""
+    return STORY_STATES.get(event_type) or event_type.suffix.rsplit(".", 1)[-1]
+
+
 @dataclass
 class PodSummary:
     uid: str | None
@@ -72,7 +78,11 @@ def _from_events(namespace: str, name: str, events: list[FeedEvent]) -> list[Pod
         if pod is None:
             continue
         uid = real_uid(pod.uid)
-        state = STORY_STATES[fed.type]
+        state = STORY_STATES.get(fed.type)
+        if state is None:  # the node agent acted on a placed pod: a line, not a state
+            if uid is not None and uid in by_uid:
+                by_uid[uid].events.append(fed)
+            continue
         if uid is None or fed.type is EventType.POD_DENIED:
             if fed.type is EventType.POD_DENIED:
                 denied = PodSummary(
@@ -204,7 +214,7 @@ def pod_document(builder: SnapshotBuilder, summary: PodSummary) -> dict[str, Any
         policy = next((f.policy for f in reversed(summary.events) if f.policy), None)
     story = [
         {
-            "type": STORY_STATES[f.type],
+            "type": story_type(f.type),
             "time": iso(f.time),
             "source": f.source,
             "reason": _event_reason(f),

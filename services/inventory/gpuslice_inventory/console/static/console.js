@@ -17,6 +17,7 @@
   const EVENT_TYPES = [
     'pod.admitted', 'pod.denied', 'alloc.reserved', 'alloc.bound',
     'alloc.allocated', 'alloc.released', 'alloc.failed',
+    'enforce.memory-kill', 'enforce.throttle', 'enforce.compute-kill', 'enforce.ungranted-kill',
   ];
   const STATES = ['reserved', 'bound', 'allocated', 'released', 'denied', 'failed'];
   const FRAGMENTED = 0.25; // from this fraction of the free share in fragments, say so loudly
@@ -966,7 +967,7 @@
 
   function typeBadge(type) {
     const t = shortType(type);
-    const kind = /denied|failed/.test(t) ? 'bad' : /released/.test(t) ? 'muted' : /allocated/.test(t) ? 'ok' : 'info';
+    const kind = /denied|failed|kill/.test(t) ? 'bad' : /released/.test(t) ? 'muted' : /allocated/.test(t) ? 'ok' : 'info';
     return badge(t, kind);
   }
 

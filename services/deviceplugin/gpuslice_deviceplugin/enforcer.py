@@ -1,0 +1,742 @@
+"""The node agent's enforcement: what NVML sees on each card, held to the grants.
+
+The interposer inside a container refuses an allocation past the grant and paces
+its kernels; it runs in the tenant's own process, so a process that leaves it
+out (a private copy of the driver, memory the driver takes outside hooked
+calls) escapes it. This layer runs outside every container and reads what the
+driver itself reports. Every ``enforce_interval`` it asks NVML, per card, for
+the running processes with their used memory and for each process's share of
+the card's time since the last sample; it maps each host PID to its pod (the
+pod's cgroup, :mod:`gpuslice_deviceplugin.cgroups`) and its container (the
+grant directory mounted in its mount namespace), compares with the grant the
+agent wrote at Allocate, and acts:
+
+* **memory**: a container whose processes hold more on a card than its grant,
+  plus the grant's context overhead for each of its processes there, plus
+  ``enforce_memory_margin``, has its largest process on that card SIGKILLed in
+  the sample that shows it;
+* **compute**: a container whose busy share of a card, averaged over
+  ``enforce_window``, passes its grant's share by ``enforce_compute_tolerance``
+  points is throttled: its cgroup is frozen (cgroup v2 ``cgroup.freeze``, else the
+  v1 freezer) for part of every interval, the part that brings its estimated
+  unthrottled rate down to its share (at most ``MAX_FROZEN``), and thawed when it
+  is back below. Freezing stops launches, not a kernel already on the card: a
+  process whose kernels keep the card ``HOG_PERCENT`` busy while frozen for
+  ``enforce_hog_after`` is killed;
+* **ungranted**: a pod's process on a card its container has no grant for (or
+  in no container the agent made a grant directory for) is killed.
+
+A kill goes to the process sampled, checked by its start time through a pidfd,
+never to a PID reused since. Each action is logged, counted
+(:class:`~gpuslice_deviceplugin.metrics.EnforcerMetrics`) and reported to the
+inventory, which records it as an ``io.gpuslice.enforce.*`` event. A process
+outside ``kubepods`` is the host's, not a pod's: it is counted and left alone.
+
+What cannot be read is never guessed: a card whose processes or utilisation
+NVML cannot give, or a PID whose cgroup cannot be read, is said once (log line,
+``gpuslice_enforce_unreadable``), nothing is done to that process, and the card
+reports the layer missing (:meth:`Enforcer.card_layers`). Bad bytes anywhere
+are a reading failure, never the loop's end. Stopping thaws everything frozen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid as uuidlib
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from gpuslice_common import grant as grant_format
+from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.grant import Grant
+from gpuslice_common.nodeapi import EnforcedRequest, EnforceKind
+from gpuslice_deviceplugin.cgroups import (
+    CgroupError,
+    Freezer,
+    PodCgroup,
+    ProcessInfo,
+    find_cgroup2_root,
+    grant_dir_key,
+    host_path,
+    namespace_root,
+    pod_cgroup,
+    read_process,
+)
+from gpuslice_deviceplugin.containers import GRANT_FILE, ContainerOwner, HostDir
+from gpuslice_deviceplugin.metrics import EnforcerMetrics
+
+__all__ = [
+    "HOG_PERCENT",
+    "MAX_FROZEN",
+    "CardSample",
+    "Enforcer",
+    "NvmlSampler",
+    "ProcessUse",
+    "Sampler",
+]
+
+log = logging.getLogger(__name__)
+
+HOG_PERCENT: Final = 90.0  # a sample this busy while frozen counts toward a compute kill
+MAX_FROZEN: Final = 0.9  # the most of an interval a container is kept frozen
+MIN_FROZEN: Final = 0.02  # below this a throttle ends
+GRANT_MAX_BYTES: Final = grant_format.MAX_BYTES
+GRANTS_EVERY_S: Final = 1.0  # the container directories looked at again
+MAP_EVERY_S: Final = 1.0  # a process's pod and container read again
+SAID_MAX: Final = 10_000  # things logged once, remembered
+
+
+@dataclass(frozen=True)
+class ProcessUse:
+    pid: int
+    used_bytes: int
+
+
+@dataclass(frozen=True)
+class CardSample:
+    """One card as NVML saw it: None where it could not say."""
+
+    uuid: str
+    processes: tuple[ProcessUse, ...] | None
+    busy: Mapping[int, float] | None  # pid -> percent of the card since the last sample
+
+
+class Sampler(Protocol):
+    def sample(self) -> list[CardSample]: ...
+
+    def close(self) -> None: ...
+
+
+class NvmlSampler:
+    """The cards' processes and utilisation through NVML (pynvml)."""
+
+    def __init__(self) -> None:
+        import pynvml  # type: ignore[import-untyped]
+
+        self._nvml: Any = pynvml
+        pynvml.nvmlInit()
+        self._seen: dict[str, int] = {}  # card -> newest utilisation timestamp (µs)
+
+    def sample(self) -> list[CardSample]:
+        n = self._nvml
+        cards = []
+        for index in range(int(n.nvmlDeviceGetCount())):
+            handle = n.nvmlDeviceGetHandleByIndex(index)
+            uuid = str(n.nvmlDeviceGetUUID(handle))
+            processes: tuple[ProcessUse, ...] | None
+            try:
+                processes = tuple(
+                    ProcessUse(int(p.pid), int(p.usedGpuMemory or 0))
+                    for p in n.nvmlDeviceGetComputeRunningProcesses(handle)
+                )
+            except n.NVMLError:
+                processes = None
+            busy: dict[int, float] | None
+            try:
+                samples = n.nvmlDeviceGetProcessUtilization(handle, self._seen.get(uuid, 0))
+            except n.NVMLError_NotFound:
+                busy = {}
+            except n.NVMLError:
+                busy = None
+            else:
+                sums: dict[int, list[float]] = {}
+                for s in samples:
+                    sums.setdefault(int(s.pid), []).append(float(s.smUtil))
+                    self._seen[uuid] = max(self._seen.get(uuid, 0), int(s.timeStamp))
+                busy = {pid: min(100.0, sum(v) / len(v)) for pid, v in sums.items()}
+            cards.append(CardSample(uuid, processes, busy))
+        return cards
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._nvml.nvmlShutdown()
+
+
+@dataclass(frozen=True)
+class Granted:
+    """A container directory the agent made, with its grant."""
+
+    owner: ContainerOwner
+    grant: Grant
+
+    def device(self, card: str) -> grant_format.GrantDevice | None:
+        return next((d for d in self.grant.devices if d.uuid == card), None)
+
+
+@dataclass
+class _Compute:
+    """A container's use of one card over the window."""
+
+    busy: deque[tuple[float, float]] = field(default_factory=deque)  # (time, percent)
+    frozen: deque[tuple[float, float]] = field(default_factory=deque)  # (time, fraction)
+    hog_since: float | None = None
+
+
+@dataclass
+class _Throttle:
+    target: str  # the freeze file
+    pod_uid: str
+    container: str
+    fraction: float = 0.0
+    frozen: bool = False
+
+
+@dataclass(frozen=True)
+class _Proc:
+    info: ProcessInfo
+    cgroup: PodCgroup
+    granted: Granted | None
+
+
+class Enforcer:
+    """Samples, maps and acts; :meth:`run` every ``enforce_interval`` until cancelled."""
+
+    def __init__(
+        self,
+        settings: DevicePluginSettings,
+        host: HostDir,
+        sampler: Sampler | None,
+        metrics: EnforcerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.host = host
+        self.sampler = sampler
+        self.metrics = metrics
+        self.proc_root = settings.proc_root
+        v2 = settings.cgroup_root or find_cgroup2_root()
+        self.freezer = Freezer(v2, settings.cgroup_v1_freezer_root)
+        self.ns_root = "/"  # where the agent's cgroup namespace lies in the host's tree
+        if v2 is not None:
+            try:
+                self.ns_root = namespace_root(v2, self.proc_root)
+            except (CgroupError, ProcessLookupError, OSError) as exc:
+                log.warning("own cgroup not found in %s (%s): cgroup paths taken as seen", v2, exc)
+        if self.ns_root != "/":
+            log.info("cgroup paths seen from a namespace rooted at %s of the host's", self.ns_root)
+        self.interval = settings.enforce_interval.total_seconds()
+        self.window = settings.enforce_window.total_seconds()
+        self.margin = int(settings.enforce_memory_margin)
+        self.tolerance = settings.enforce_compute_tolerance
+        self.hog_after = settings.enforce_hog_after.total_seconds()
+        self._layers: dict[str, tuple[bool, bool]] = {}
+        self._said: set[str] = set()  # what was logged once
+        self._grants: dict[tuple[int, int], Granted] = {}
+        self._grant_stamps: dict[Path, tuple[int, int, int]] = {}
+        self._grants_at = -GRANTS_EVERY_S
+        self._grants_fresh = False
+        self._compute: dict[tuple[str, str, str], _Compute] = {}  # (pod, container, card)
+        self._throttles: dict[str, _Throttle] = {}  # container cgroup -> throttle
+        self._killed: dict[tuple[int, int], float] = {}  # (pid, start) -> when
+        self._needed: dict[str, float] = {}
+        self._map_cache: dict[int, tuple[float, _Proc | None]] = {}
+        self._targets: dict[str, str | None] = {}  # container cgroup -> its freeze file
+
+    # ------------------------------------------------------------ reporting
+
+    def card_layers(self) -> dict[str, tuple[bool, bool]]:
+        """Per card UUID, (memory_ok, compute_ok) at the last sample: whether this
+        layer could enforce memory (NVML listed the processes and every pod
+        process's cgroup was read) and compute (also their utilisation, and a freezer
+        for every throttled container). A card not sampled yet is absent: missing."""
+        return dict(self._layers)
+
+    def _once(self, key: str, message: str, *args: object) -> None:
+        if len(self._said) >= SAID_MAX:  # keys name PIDs and paths: bounded, said again
+            self._said.clear()
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(message, *args)
+
+    # ------------------------------------------------------------ one sample
+
+    def tick(self, now: float | None = None) -> list[EnforcedRequest]:
+        """One sample: read, map, kill; the duty cycle for the next interval is
+        left in the throttles. What was done, as reports for the inventory."""
+        at = time.monotonic() if now is None else now
+        started = time.perf_counter()
+        actions: list[EnforcedRequest] = []
+        if self.sampler is None:
+            return actions
+        try:
+            cards = self.sampler.sample()
+        except Exception as exc:  # NVML failing as a whole: every card is missing
+            self.metrics.unreadable.labels("processes").inc()
+            self._once("nvml", "enforcement: NVML sample failed: %s", exc)
+            for known in self._layers:
+                self._set_layer(known, False, False)
+            return actions
+        self._grants_fresh = False
+        if at - self._grants_at >= GRANTS_EVERY_S:
+            self._refresh_grants(at)
+        self._needed = {}  # container cgroup -> largest fraction this sample
+        procs: dict[int, _Proc | None] = {}  # None: not a pod's, gone, or unreadable
+        unreadable: set[int] = set()
+        live: set[str] = set()
+        for card in cards:
+            try:
+                actions += self._card(card, at, procs, unreadable, live)
+            except Exception:  # a defect must not end enforcement of the other cards
+                log.exception("enforcement of card %s failed", card.uuid)
+                self._set_layer(card.uuid, False, False)
+        self._end_gone_throttles(live, at)
+        for key in [k for k, t in self._killed.items() if at - t > 60]:
+            del self._killed[key]
+        for pid in [p for p, (t, _) in self._map_cache.items() if at - t >= MAP_EVERY_S]:
+            del self._map_cache[pid]
+        self.metrics.throttled.set(sum(1 for t in self._throttles.values() if t.fraction > 0))
+        self.metrics.sample_seconds.observe(time.perf_counter() - started)
+        return actions
+
+    def _card(
+        self,
+        card: CardSample,
+        at: float,
+        procs: dict[int, _Proc | None],
+        unreadable: set[int],
+        live: set[str],
+    ) -> list[EnforcedRequest]:
+        actions: list[EnforcedRequest] = []
+        memory_ok = card.processes is not None
+        compute_ok = memory_ok and card.busy is not None
+        if card.processes is None:
+            self.metrics.unreadable.labels("processes").inc()
+            self._once(f"procs/{card.uuid}", "card %s: NVML cannot list its processes", card.uuid)
+            self._set_layer(card.uuid, False, False)
+            return actions
+        if card.busy is None:
+            self.metrics.unreadable.labels("utilization").inc()
+            self._once(
+                f"util/{card.uuid}", "card %s: NVML cannot give process utilisation", card.uuid
+            )
+        foreign = 0
+        by_container: dict[tuple[str, str], list[tuple[ProcessUse, _Proc]]] = {}
+        for use in card.processes:
+            if use.pid not in procs:
+                procs[use.pid] = self._mapped(use.pid, unreadable, at)
+            proc = procs[use.pid]
+            if use.pid in unreadable:
+                memory_ok = compute_ok = False
+                continue
+            if proc is None:
+                foreign += 1
+                continue
+            if proc.info.zombie or (use.pid, proc.info.start_ticks) in self._killed:
+                continue
+            granted = proc.granted
+            device = granted.device(card.uuid) if granted is not None else None
+            if granted is None or device is None:
+                actions += self._kill_ungranted(card.uuid, use, proc, at)
+                continue
+            key = (granted.owner.pod_uid, granted.owner.container)
+            by_container.setdefault(key, []).append((use, proc))
+        self.metrics.foreign.labels(card.uuid).set(foreign)
+        for members in by_container.values():
+            granted = members[0][1].granted
+            assert granted is not None
+            device = granted.device(card.uuid)
+            assert device is not None
+            actions += self._memory(card.uuid, granted, device, members, at)
+            live.add(members[0][1].cgroup.container)
+            if card.busy is not None:
+                action, ok = self._share(card.uuid, granted, device, members, card.busy, at)
+                compute_ok = compute_ok and ok
+                actions += action
+        self._set_layer(card.uuid, memory_ok, compute_ok)
+        return actions
+
+    def _set_layer(self, card: str, memory_ok: bool, compute_ok: bool) -> None:
+        before = self._layers.get(card)
+        self._layers[card] = (memory_ok, compute_ok)
+        self.metrics.layer.labels(card, "memory").set(int(memory_ok))
+        self.metrics.layer.labels(card, "compute").set(int(compute_ok))
+        if before is not None and before != (memory_ok, compute_ok) and memory_ok and compute_ok:
+            log.info("card %s: enforcement layers readable again", card)
+
+    # ------------------------------------------------------------ mapping
+
+    def _mapped(self, pid: int, unreadable: set[int], at: float) -> _Proc | None:
+        """:meth:`_map`, kept for ``MAP_EVERY_S``: a process's pod and container do not
+        change while it lives. A kill checks the process's start time again, so a PID
+        reused meanwhile is never signalled."""
+        cached = self._map_cache.get(pid)
+        if cached is not None and at - cached[0] < MAP_EVERY_S:
+            return cached[1]
+        found = self._map(pid, unreadable)
+        if pid not in unreadable:
+            self._map_cache[pid] = (at, found)
+        return found
+
+    def _map(self, pid: int, unreadable: set[int]) -> _Proc | None:
+        """The pod process ``pid`` is, with its grant; None for a host process or one
+        gone. Adds ``pid`` to ``unreadable`` when its cgroup cannot be read."""
+        try:
+            info = read_process(self.proc_root, pid)
+            if info.v2_path is not None and self.ns_root != "/":
+                info = replace(info, v2_path=host_path(self.ns_root, info.v2_path))
+            path = info.v2_path if info.v2_path is not None else info.freezer_path
+            cgroup = pod_cgroup(path or "")
+            if cgroup is None and info.v2_path is not None and info.freezer_path is not None:
+                cgroup = pod_cgroup(info.freezer_path)
+            if cgroup is None:
+                return None
+            key = grant_dir_key(self.proc_root, pid, grant_format.GRANT_DIR)
+        except ProcessLookupError:
+            return None
+        except (CgroupError, OSError, ValueError) as exc:
+            unreadable.add(pid)
+            self.metrics.unreadable.labels("cgroup").inc()
+            self._once(f"cgroup/{pid}", "process %d: not enforced, its cgroup: %s", pid, exc)
+            return None
+        if key is not None and key not in self._grants and not self._grants_fresh:
+            self._refresh_grants(time.monotonic())  # a container newer than the last look
+        granted = self._grants.get(key) if key is not None else None
+        if granted is not None and granted.owner.pod_uid != cgroup.pod_uid:
+            self._once(
+                f"foreign-grant/{pid}",
+                "process %d of pod %s shows the grant directory of pod %s: taken as ungranted",
+                pid,
+                cgroup.pod_uid,
+                granted.owner.pod_uid,
+            )
+            granted = None
+        return _Proc(info, cgroup, granted)
+
+    def _refresh_grants(self, at: float) -> None:
+        """The agent's container directories by (st_dev, st_ino), grants re-read when
+        their directory or grant file changed. Done every ``GRANTS_EVERY_S`` and when
+        a process shows a directory not known yet."""
+        self._grants_at = at
+        self._grants_fresh = True
+        found: dict[tuple[int, int], Granted] = {}
+        stamps: dict[Path, tuple[int, int, int]] = {}
+        old = {v.owner.pod_uid + "/" + v.owner.container: (k, v) for k, v in self._grants.items()}
+        for owner, directory in self.host.containers():
+            try:
+                st = os.stat(directory, follow_symlinks=False)
+                gst = os.stat(directory / GRANT_FILE, follow_symlinks=False)
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            stamp = (gst.st_ino, gst.st_size, gst.st_mtime_ns)
+            stamps[directory] = stamp
+            previous = old.get(owner.pod_uid + "/" + owner.container)
+            if (
+                previous is not None
+                and previous[0] == key
+                and self._grant_stamps.get(directory) == stamp
+            ):
+                found[key] = previous[1]
+                continue
+            try:
+                with open(directory / GRANT_FILE, "rb") as f:
+                    text = f.read(GRANT_MAX_BYTES + 1).decode()
+                grant = grant_format.parse(text)
+            except (OSError, UnicodeDecodeError, grant_format.GrantError) as exc:
+                self.metrics.unreadable.labels("grant").inc()
+                self._once(f"grant/{directory}/{stamp}", "grant in %s not read: %s", directory, exc)
+                continue
+            found[key] = Granted(owner, grant)
+        self._grants = found
+        self._grant_stamps = stamps
+
+    # ------------------------------------------------------------ actions
+
+    def _kill(self, proc: _Proc, at: float) -> bool:
+        """SIGKILL the very process sampled (pidfd, start time checked again)."""
+        pid = proc.info.pid
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        try:
+            again = read_process(self.proc_root, pid)
+            if again.start_ticks != proc.info.start_ticks:
+                return False
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except (ProcessLookupError, CgroupError):
+            return False
+        finally:
+            os.close(fd)
+        self._killed[(pid, proc.info.start_ticks)] = at
+        # a frozen process dies only once thawed
+        throttle = self._throttles.get(proc.cgroup.container)
+        if throttle is not None and throttle.frozen:
+            self._freeze(throttle, False)
+        return True
+
+    @staticmethod
+    def _report(kind: EnforceKind, **fields: Any) -> EnforcedRequest:
+        return EnforcedRequest(request_id=uuidlib.uuid4().hex, kind=kind, **fields)
+
+    def _kill_ungranted(
+        self, card: str, use: ProcessUse, proc: _Proc, at: float
+    ) -> list[EnforcedRequest]:
+        if not self._kill(proc, at):
+            return []
+        container = proc.granted.owner.container if proc.granted else None
+        reason = (
+            f"killed process {use.pid} on {card}: its container has no grant on this card"
+            if container
+            else f"killed process {use.pid} on {card}: in no container gpuslice granted"
+        )
+        log.warning("pod %s: %s", proc.cgroup.pod_uid, reason)
+        self.metrics.kills.labels("ungranted").inc()
+        return [
+            self._report(
+                "ungranted-kill",
+                pod_uid=proc.cgroup.pod_uid,
+                container=container,
+                card=card,
+                pid=use.pid,
+                used_bytes=use.used_bytes,
+                reason=reason,
+            )
+        ]
+
+    def _memory(
+        self,
+        card: str,
+        granted: Granted,
+        device: grant_format.GrantDevice,
+        members: list[tuple[ProcessUse, _Proc]],
+        at: float,
+    ) -> list[EnforcedRequest]:
+        used = sum(u.used_bytes for u, _ in members)
+        allowed = (
+            device.memory_bytes + granted.grant.context_overhead_bytes * len(members) + self.margin
+        )
+        if device.memory_bytes == 0 or used <= allowed:  # 0: no memory limit
+            return []
+        use, proc = max(members, key=lambda m: m[0].used_bytes)
+        if not self._kill(proc, at):
+            return []
+        reason = (
+            f"killed process {use.pid} on {card}: the container held {used} bytes, "
+            f"{allowed} allowed (grant {device.memory_bytes} + context allowance + margin)"
+        )
+        log.warning(
+            "pod %s container %s: %s", granted.owner.pod_uid, granted.owner.container, reason
+        )
+        self.metrics.kills.labels("memory").inc()
+        return [
+            self._report(
+                "memory-kill",
+                pod_uid=granted.owner.pod_uid,
+                container=granted.owner.container,
+                card=card,
+                pid=use.pid,
+                used_bytes=used,
+                allowed_bytes=allowed,
+                reason=reason,
+            )
+        ]
+
+    def _share(
+        self,
+        card: str,
+        granted: Granted,
+        device: grant_format.GrantDevice,
+        members: list[tuple[ProcessUse, _Proc]],
+        busy: Mapping[int, float],
+        at: float,
+    ) -> tuple[list[EnforcedRequest], bool]:
+        """Throttle or kill for the compute share; (reports, whether a freezer exists)."""
+        share = device.sm_percent
+        cgroup = members[0][1].cgroup
+        key = (granted.owner.pod_uid, granted.owner.container, card)
+        state = self._compute.setdefault(key, _Compute())
+        now_busy = min(100.0, sum(busy.get(u.pid, 0.0) for u, _ in members))
+        throttle = self._throttles.get(cgroup.container)
+        state.busy.append((at, now_busy))
+        state.frozen.append((at, throttle.fraction if throttle else 0.0))
+        while state.busy and at - state.busy[0][0] > self.window:
+            state.busy.popleft()
+            state.frozen.popleft()
+        if share <= 0 or share >= 100:  # no compute limit
+            return [], True
+        if cgroup.container not in self._targets:
+            self._targets[cgroup.container] = self.freezer.target(members[0][1].info, cgroup)
+        target = self._targets[cgroup.container]
+        if target is None:
+            self.metrics.unreadable.labels("freeze").inc()
+            self._once(f"freeze/{cgroup.container}", "no freezer for cgroup %s", cgroup.container)
+            return [], False
+        full = at - state.busy[0][0] >= self.window / 2
+        average = sum(b for _, b in state.busy) / len(state.busy)
+        frozen = sum(f for _, f in state.frozen) / len(state.frozen)
+        actions: list[EnforcedRequest] = []
+        throttling = throttle is not None and throttle.fraction > 0
+        if throttling or (full and average > share + self.tolerance):
+            rate = average / max(1.0 - frozen, 1.0 - MAX_FROZEN)  # what it would run unfrozen
+            fraction = min(MAX_FROZEN, max(0.0, 1.0 - share / rate)) if rate > 0 else 0.0
+            if fraction < MIN_FROZEN:
+                fraction = 0.0
+            if throttle is None:
+                throttle = _Throttle(target, granted.owner.pod_uid, granted.owner.container)
+                self._throttles[cgroup.container] = throttle
+            if not throttling and fraction > 0:
+                reason = (
+                    f"throttled on {card}: {average:.0f}% of the card over "
+                    f"{self.window:g} s, share {share}%; frozen {fraction:.0%} of each interval"
+                )
+                log.warning("pod %s container %s: %s", *key[:2], reason)
+                self.metrics.throttles.inc()
+                actions.append(
+                    self._report(
+                        "throttle",
+                        pod_uid=granted.owner.pod_uid,
+                        container=granted.owner.container,
+                        card=card,
+                        busy_percent=round(average, 1),
+                        share_percent=share,
+                        frozen_percent=round(fraction * 100, 1),
+                        reason=reason,
+                    )
+                )
+            # a container on several cards is frozen for the largest need
+            fraction = max(fraction, self._needed.get(cgroup.container, 0.0))
+            self._needed[cgroup.container] = fraction
+            throttle.fraction = fraction
+        # a kernel holding the card while its process is frozen
+        throttle = self._throttles.get(cgroup.container)
+        if throttle is not None and throttle.fraction > 0 and now_busy >= HOG_PERCENT:
+            state.hog_since = at if state.hog_since is None else state.hog_since
+            if at - state.hog_since >= self.hog_after:
+                use, proc = max(members, key=lambda m: busy.get(m[0].pid, 0.0))
+                state.hog_since = None
+                if self._kill(proc, at):
+                    reason = (
+                        f"killed process {use.pid} on {card}: the card {now_busy:.0f}% busy "
+                        f"for {self.hog_after:g} s while throttled, share {share}%"
+                    )
+                    log.warning("pod %s container %s: %s", *key[:2], reason)
+                    self.metrics.kills.labels("compute").inc()
+                    actions.append(
+                        self._report(
+                            "compute-kill",
+                            pod_uid=granted.owner.pod_uid,
+                            container=granted.owner.container,
+                            card=card,
+                            pid=use.pid,
+                            busy_percent=round(now_busy, 1),
+                            share_percent=share,
+                            frozen_percent=round(throttle.fraction * 100, 1),
+                            reason=reason,
+                        )
+                    )
+        else:
+            state.hog_since = None
+        return actions, True
+
+    # ------------------------------------------------------------ duty cycle
+
+    def _freeze(self, throttle: _Throttle, frozen: bool) -> None:
+        try:
+            Freezer.set(throttle.target, frozen)
+        except OSError as exc:
+            if frozen:
+                self.metrics.unreadable.labels("freeze").inc()
+                self._once(
+                    f"freeze-write/{throttle.target}", "cannot freeze %s: %s", throttle.target, exc
+                )
+            return
+        throttle.frozen = frozen
+
+    def _end_gone_throttles(self, live: set[str], at: float) -> None:
+        """Thaw and forget containers that ran nothing on any card this sample."""
+        for container in [c for c in self._targets if c not in live]:
+            del self._targets[container]
+        for container in [c for c in self._throttles if c not in live]:
+            throttle = self._throttles.pop(container)
+            if throttle.frozen:
+                self._freeze(throttle, False)
+        stale = [
+            k for k, s in self._compute.items() if not s.busy or s.busy[-1][0] < at - self.window
+        ]
+        for key in stale:
+            del self._compute[key]
+
+    def thaw_all(self) -> None:
+        """Thaw every container this enforcer froze (on stop)."""
+        for throttle in self._throttles.values():
+            if throttle.frozen:
+                self._freeze(throttle, False)
+        self._throttles.clear()
+
+    async def cycle(self) -> None:
+        """Freeze the throttled containers for their part of one interval."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        active = sorted(
+            (t for t in self._throttles.values() if t.fraction > 0), key=lambda t: t.fraction
+        )
+        for throttle in active:
+            self._freeze(throttle, True)
+        for throttle in active:
+            await asyncio.sleep(max(0.0, start + throttle.fraction * self.interval - loop.time()))
+            self._freeze(throttle, False)
+        for throttle in self._throttles.values():
+            if throttle.fraction == 0 and throttle.frozen:
+                self._freeze(throttle, False)
+
+    async def run(self, send: Send | None = None) -> None:
+        """Sample every interval, acting and throttling, until cancelled; thaws all at
+        the end. Each action is handed to ``send`` (the inventory) in a task of its
+        own: a slow inventory never holds up the next sample."""
+        loop = asyncio.get_running_loop()
+        sending: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                start = loop.time()
+                try:
+                    actions = await asyncio.to_thread(self.tick)
+                except Exception:  # never the loop's end
+                    log.exception("enforcement sample failed")
+                    actions = []
+                for action in actions:
+                    if send is None:
+                        break
+                    task = asyncio.create_task(_send(send, action))
+                    sending.add(task)
+                    task.add_done_callback(sending.discard)
+                await self.cycle()
+                await asyncio.sleep(max(0.0, start + self.interval - loop.time()))
+        finally:
+            self.thaw_all()
+
+    def close(self) -> None:
+        self.thaw_all()
+        if self.sampler is not None:
+            self.sampler.close()
+
+
+Send = Callable[[EnforcedRequest], Awaitable[None]]
+
+
+async def _send(send: Send, action: EnforcedRequest) -> None:
+    try:
+        await send(action)
+    except Exception as exc:
+        log.warning(
+            "%s of pod %s not reported to the inventory: %s", action.kind, action.pod_uid, exc
+        )
+
+
+def open_sampler(backend_name: str) -> Sampler | None:
+    """NVML's sampler on a node whose GPUs come from NVML; None otherwise (or when
+    NVML will not start: every card then reports the layer missing)."""
+    if backend_name != "nvml":
+        return None
+    try:
+        return NvmlSampler()
+    except Exception as exc:
+        log.warning("enforcement off: NVML did not start: %s", exc)
+        return None
