@@ -32,9 +32,10 @@ from gpuslice_common.events import EnforcementEvent, EventType, parse_event
 from gpuslice_common.grant import Grant, GrantDevice
 from gpuslice_common.nodeapi import EnforcedRequest
 from gpuslice_common.servers import NatsServer
+from gpuslice_deviceplugin import driverlimits
 from gpuslice_deviceplugin.cgroups import find_cgroup2_root
 from gpuslice_deviceplugin.containers import HostDir
-from gpuslice_deviceplugin.enforcer import Enforcer, NvmlSampler
+from gpuslice_deviceplugin.enforcer import DriverLimit, Enforcer, NvmlSampler
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.metrics import EnforcerMetrics
 from gpuslice_deviceplugin.service import Running as AgentRunning
@@ -217,12 +218,18 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def enforcing(
-    settings: DevicePluginSettings, send: Callable[[EnforcedRequest], Any] | None = None
+    settings: DevicePluginSettings,
+    send: Callable[[EnforcedRequest], Any] | None = None,
+    driver_limit: DriverLimit | None = None,
 ) -> AsyncIterator[Running]:
     registry = CollectorRegistry()
     sampler = NvmlSampler()
     enforcer = Enforcer(
-        settings, HostDir(Path(settings.host_dir)), sampler, EnforcerMetrics(registry)
+        settings,
+        HostDir(Path(settings.host_dir)),
+        sampler,
+        EnforcerMetrics(registry),
+        driver_limit=driver_limit,
     )
     running = Running(enforcer, registry)
 
@@ -345,6 +352,39 @@ async def test_a_container_within_its_grant_is_left_alone(node: Node, cgroups: P
         await asyncio.sleep(1.0)
     assert not dead(probe)
     assert running.reports == []
+
+
+async def test_a_container_seen_on_a_card_is_then_held_by_the_driver(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """Layer 1 reached through layer 2: the container's cgroup, learnt from its first
+    GPU process, gets its grant as the driver's hard limit; a later process of the
+    container allocating past the grant without the interposer is refused by the
+    driver itself, and nothing needs killing."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0)))
+    group = node.cgroups.container(pod)
+    first = node.start(group, box, "init", "ctx", "alloc", "100m", "hold")
+    first.wait_for("hold")
+    held: list[tuple[str, str, driverlimits.LimitResult]] = []
+
+    def hold(card: str, cgroup: str, memory: int) -> None:
+        held.append(
+            (card, cgroup, driverlimits.ensure_limit(card, cgroup, memory, root=cgroups.root))
+        )
+
+    async with enforcing(settings_for(node, cgroups), driver_limit=hold) as running:
+        await until(lambda: bool(held), "the container's driver limit ensured")
+        card, cgroup, result = held[0]
+        assert (card, result.outcome) == (fake_uuid(0), "set"), held
+        assert Path(cgroups.root, cgroup.lstrip("/")) == group
+        second = node.start(group, box, "init", "ctx", "alloc", "2g", "hold")
+        assert second.wait_for("alloc")["rc"] == 2, second.describe()  # out of memory
+        await asyncio.sleep(0.5)
+        assert not dead(first)
+        assert not dead(second)
+        assert running.reports == []
+    assert len({(c, g) for c, g, _ in held}) == 1  # one container on one card
 
 
 # ----------------------------------------------------------------------------- ungranted

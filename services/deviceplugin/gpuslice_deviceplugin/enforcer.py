@@ -26,6 +26,13 @@ agent wrote at Allocate, and acts:
 * **ungranted**: a pod's process on a card its container has no grant for (or
   in no container the agent made a grant directory for) is killed.
 
+Where the node's driver limits device memory per cgroup (layer 1,
+:mod:`gpuslice_deviceplugin.driverlimits`), the enforcer also hands each GPU
+container's cgroup v2 group and grant to ``driver_limit`` when the container
+first shows on a card, and again every ``DRIVER_LIMIT_EVERY_S`` while it runs:
+the agent learns a container's group only from its processes, and re-checking
+puts back a limit something raised.
+
 A kill goes to the process sampled, checked by its start time through a pidfd,
 never to a PID reused since. Each action is logged, counted
 (:class:`~gpuslice_deviceplugin.metrics.EnforcerMetrics`) and reported to the
@@ -92,6 +99,10 @@ GRANT_MAX_BYTES: Final = grant_format.MAX_BYTES
 GRANTS_EVERY_S: Final = 1.0  # the container directories looked at again
 MAP_EVERY_S: Final = 1.0  # a process's pod and container read again
 SAID_MAX: Final = 10_000  # things logged once, remembered
+DRIVER_LIMIT_EVERY_S: Final = 10.0  # a container's driver limit ensured again
+
+DriverLimit = Callable[[str, str, int], None]
+"""Layer 1 for one container: (card UUID, the container's cgroup v2 path, grant bytes)."""
 
 
 @dataclass(frozen=True)
@@ -205,8 +216,11 @@ class Enforcer:
         host: HostDir,
         sampler: Sampler | None,
         metrics: EnforcerMetrics,
+        driver_limit: DriverLimit | None = None,
     ) -> None:
         self.settings = settings
+        self.driver_limit = driver_limit
+        self._limited: dict[tuple[str, str], float] = {}  # (card, container cgroup) -> when
         self.host = host
         self.sampler = sampler
         self.metrics = metrics
@@ -289,6 +303,8 @@ class Enforcer:
         self._end_gone_throttles(live, at)
         for key in [k for k, t in self._killed.items() if at - t > 60]:
             del self._killed[key]
+        for held in [k for k, t in self._limited.items() if at - t > 6 * DRIVER_LIMIT_EVERY_S]:
+            del self._limited[held]
         for pid in [p for p, (t, _) in self._map_cache.items() if at - t >= MAP_EVERY_S]:
             del self._map_cache[pid]
         self.metrics.throttled.set(sum(1 for t in self._throttles.values() if t.fraction > 0))
@@ -344,6 +360,7 @@ class Enforcer:
             device = granted.device(card.uuid)
             assert device is not None
             actions += self._memory(card.uuid, granted, device, members, at)
+            self._hold_by_driver(card.uuid, device.memory_bytes, members[0][1], at)
             live.add(members[0][1].cgroup.container)
             if card.busy is not None:
                 action, ok = self._share(card.uuid, granted, device, members, card.busy, at)
@@ -351,6 +368,21 @@ class Enforcer:
                 actions += action
         self._set_layer(card.uuid, memory_ok, compute_ok)
         return actions
+
+    def _hold_by_driver(self, card: str, memory_bytes: int, proc: _Proc, at: float) -> None:
+        """Layer 1 for the container of ``proc`` on ``card``: its own cgroup v2 group
+        (the pod's container group, never a deeper one a process made) held to the
+        grant by the driver, ensured again every ``DRIVER_LIMIT_EVERY_S``."""
+        if self.driver_limit is None or memory_bytes == 0 or proc.info.v2_path is None:
+            return
+        key = (card, proc.cgroup.container)
+        if at - self._limited.get(key, -DRIVER_LIMIT_EVERY_S) < DRIVER_LIMIT_EVERY_S:
+            return
+        self._limited[key] = at
+        try:
+            self.driver_limit(card, proc.cgroup.container, memory_bytes)
+        except Exception as exc:  # layer 1 failing leaves layer 2 working
+            self._once(f"driver/{card}", "card %s: driver limit not ensured: %s", card, exc)
 
     def _set_layer(self, card: str, memory_ok: bool, compute_ok: bool) -> None:
         before = self._layers.get(card)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable
@@ -36,6 +37,7 @@ from gpuslice_common.service import (
     plain_http,
 )
 from gpuslice_common.subjects import Subjects
+from gpuslice_deviceplugin import driverlimits
 from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
@@ -199,6 +201,17 @@ class Running:
         return True
 
 
+def _hold_by_driver(agent: NodeAgent, card: str, cgroup: str, memory_bytes: int) -> None:
+    """Layer 1 for one container, where the driver offers it on ``card``: the
+    container's group held to its grant through NVML (the enforcer calls this
+    from its sampling thread), and the outcome in the agent's per-card report."""
+    support = agent.driver_support.get(card)
+    if support is None or not support.supported:
+        return
+    result = driverlimits.ensure_limit(card, cgroup, memory_bytes, root=agent.cgroup_root())
+    agent.note_driver_limit(card, cgroup, result)
+
+
 def create_app(running: Running) -> FastAPI:
     app = FastAPI(title="gpuslice device plugin", docs_url=None, redoc_url=None)
 
@@ -286,7 +299,14 @@ async def running(
     )
     if settings.enforce:
         sampler = await asyncio.to_thread(open_sampler, backend.name)
-        state.enforcer = Enforcer(settings, host, sampler, EnforcerMetrics(registry))
+        state.enforcer = Enforcer(
+            settings,
+            host,
+            sampler,
+            EnforcerMetrics(registry),
+            driver_limit=functools.partial(_hold_by_driver, agent),
+        )
+        agent.card_layers = state.enforcer.card_layers
     names = Names.GPUSLICE_AND_HAMI if settings.hami_metrics else Names.GPUSLICE
     registry.register(NodeCollector(state.view, names=names))
     if settings.hami_metrics:
