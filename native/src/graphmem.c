@@ -16,17 +16,20 @@
  * plain allocation of its pointer, until cuMemFree(Async) of that pointer or the
  * context's end.
  *
+ * The driver lets a graph holding allocation or free nodes be neither cloned
+ * nor embedded as a child, nor lose nodes, and instantiated once at a time: its
+ * memory is in it and its executable only.
+ *
  * Where the exact figure cannot be known, more is charged, never less:
  *  - each graph is charged in full, though the driver may let graphs that never
  *    run at once share physical memory;
  *  - an allocation whose capturing graph cannot be named (no
  *    cuStreamGetCaptureInfo) stays charged until its context ends, as does one
  *    from a capture that fails (the driver drops that graph unseen);
- *  - removing an allocation node (cuGraphDestroyNode) gives nothing back until
- *    the graph goes;
- *  - an allocation freed outside the graph while the graph lives stays charged
- *    (the graph may allocate it again at its next launch) until the graph is
- *    gone and its pointer is freed again, or its context ends;
+ *  - a free node of one graph for another graph's allocation gives nothing back;
+ *  - an allocation the graph does not free, freed outside it while the graph
+ *    lives, stays charged until its context ends (the graph allocates it again
+ *    at its next launch, and launches are not followed here);
  *  - cuDeviceGraphMemTrim by the application gives nothing back: the charge
  *    follows the graphs, not the driver's cache.
  */
