@@ -17,6 +17,7 @@ static void after_fork_child(void) {
     atomic_store(&gs_attached, 0);
     gs_track_forget_all();
     gs_pools_after_fork();
+    gs_graphs_after_fork();
     primary_after_fork();
     gs_region_after_fork();
     gs_telemetry_after_fork();

@@ -222,6 +222,22 @@ void gs_pools_after_fork(void);
  * record in every process, whatever CUDA_VISIBLE_DEVICES each one has. */
 int gs_record_of(int ordinal);
 
+/* ------------------------------------------------------------ graph memory (graphmem.c) */
+/* The graph a stream under capture is building (cuStreamGetCaptureInfo); NULL
+ * when it cannot be named. */
+CUgraph gs_capture_graph(CUstream s, bool ptsz);
+/* Charges `graph` an allocation the caller reserved and the driver made (a
+ * captured stream-ordered allocation, an allocation node) on device `ordinal`
+ * (-1: the current context's); a NULL graph keeps it charged until its context ends. */
+void gs_graph_charge(CUgraph graph, CUdeviceptr ptr, int dev, uint64_t bytes, CUdevice ordinal);
+/* A free captured into the stream's graph: marks the graph's own allocation freed
+ * (given back with the graph); gives nothing back now. */
+void gs_graph_free_captured(CUstream s, bool ptsz, CUdeviceptr ptr);
+/* A destroyed context: the graph memory charged in it is given back; returns the bytes. */
+uint64_t gs_graphs_drop_ctx(CUcontext ctx);
+/* In a fork child: the parent's graphs are not the child's. */
+void gs_graphs_after_fork(void);
+
 /* ------------------------------------------------------------ compute limiter (launch.c) */
 /* Decides once, when the process joins, whether launches take the limiter path
  * (a limit or a low priority is set); the agent's flags are read per launch. */

@@ -243,10 +243,9 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
  * reservation does not fit, the process's pools are trimmed (cuMemPoolTrimTo) and
  * it is tried once more; a pool whose cached bytes do not fit is trimmed at once.
  *
- * Allocations captured into a graph (a capturing stream) and graph memory nodes
- * are refused while control is on: the graph keeps that memory while it lives, in
- * a pool of the driver's that no call of the process names, and a captured free
- * gives nothing back. */
+ * An allocation or free into a stream under capture joins the graph being
+ * built: graphmem.c charges it to that graph (not to a pool), and a captured
+ * free gives nothing back. */
 enum { GS_MEMPOOL_RESERVED = 5, GS_MEMPOOL_USED = 7, GS_MAX_POOLS = 64 };
 
 typedef struct {
@@ -341,28 +340,22 @@ static bool capturing(CUstream s, bool ptsz) {
     return is_capturing && is_capturing(s, &status) == CUDA_SUCCESS && status != 0;
 }
 
-static void capture_refused(void) {
-    static atomic_int logged;
-    if (!atomic_exchange(&logged, 1))
-        gs_log(GS_LOG_WARN, "a stream-ordered allocation into a stream under graph capture was "
-               "refused: graph-held memory is not counted against the container's limit "
-               "(logged once)");
-}
-
 #define GS_ASYNC_ALLOC(fn, args, pool_, explicit_)                                            \
     do {                                                                                      \
         int dev_;                                                                             \
         if (!gs_enter() || !dptr || bytesize == 0 || (dev_ = gs_current_device()) == -1)        \
             return GS_CALL(fn, args);                                                         \
-        if (capturing(hStream, ptsz_)) {                                                      \
-            capture_refused();                                                                \
-            return CUDA_ERROR_NOT_SUPPORTED;                                                  \
-        }                                                                                     \
+        bool captured_ = capturing(hStream, ptsz_);                                           \
+        CUgraph graph_ = captured_ ? gs_capture_graph(hStream, ptsz_) : NULL;                 \
         CUmemoryPool p_ = (explicit_) ? (pool_) : current_pool();                             \
         if (!gs_reserve_trimming(dev_, bytesize)) return CUDA_ERROR_OUT_OF_MEMORY;                \
         CUresult rc_ = GS_CALL(fn, args);                                                     \
         if (rc_ != CUDA_SUCCESS) {                                                            \
             gs_unreserve(dev_, bytesize);                                                     \
+            return rc_;                                                                       \
+        }                                                                                     \
+        if (captured_) {                                                                      \
+            gs_graph_charge(graph_, *dptr, dev_, bytesize, -1);                               \
             return rc_;                                                                       \
         }                                                                                     \
         gs_track_add(GS_K_MEM, *dptr, dev_, bytesize, current_ctx());                         \
@@ -400,7 +393,8 @@ CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
     return rc;
 }
 
-/* The freed block goes back to its pool: what the pools hold is settled again. */
+/* The freed block goes back to its pool: what the pools hold is settled again.
+ * A free captured into a graph frees nothing now (graphmem.c). */
 static CUresult async_freed(CUresult rc, CUdeviceptr dptr) {
     released(rc, GS_K_MEM, dptr);
     if (rc == CUDA_SUCCESS) pools_settle(NULL, -1);
@@ -409,51 +403,19 @@ static CUresult async_freed(CUresult rc, CUdeviceptr dptr) {
 
 CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
     if (!gs_enter()) return GS_CALL(cuMemFreeAsync, (dptr, hStream));
-    return async_freed(GS_CALL(cuMemFreeAsync, (dptr, hStream)), dptr);
+    if (!capturing(hStream, false)) return async_freed(GS_CALL(cuMemFreeAsync, (dptr, hStream)), dptr);
+    CUresult rc = GS_CALL(cuMemFreeAsync, (dptr, hStream));
+    if (rc == CUDA_SUCCESS) gs_graph_free_captured(hStream, false, dptr);
+    return rc;
 }
 
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
     if (!gs_enter()) return GS_CALL(cuMemFreeAsync_ptsz, (dptr, hStream));
-    return async_freed(GS_CALL(cuMemFreeAsync_ptsz, (dptr, hStream)), dptr);
-}
-
-/* ------------------------------------------------------------ graph memory nodes */
-#define GS_GRAPH_NODE_TYPE_MEM_ALLOC 10 /* CU_GRAPH_NODE_TYPE_MEM_ALLOC */
-
-static CUresult graph_alloc_refused(void) {
-    static atomic_int logged;
-    if (!atomic_exchange(&logged, 1))
-        gs_log(GS_LOG_WARN, "a graph memory allocation node was refused: graph-held memory is not "
-               "counted against the container's limit (logged once)");
-    return CUDA_ERROR_NOT_SUPPORTED;
-}
-
-CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph,
-                                const CUgraphNode *dependencies, size_t numDependencies,
-                                void *nodeParams) {
-    if (gs_enter()) return graph_alloc_refused();
-    return GS_CALL(cuGraphAddMemAllocNode,
-                   (phGraphNode, hGraph, dependencies, numDependencies, nodeParams));
-}
-
-/* CUgraphNodeParams begins with the node's type. */
-static bool mem_alloc_node(const void *nodeParams) {
-    return nodeParams && *(const int *)nodeParams == GS_GRAPH_NODE_TYPE_MEM_ALLOC;
-}
-
-CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
-                        size_t numDependencies, void *nodeParams) {
-    gs_init();
-    if (mem_alloc_node(nodeParams) && gs_enter()) return graph_alloc_refused();
-    return GS_CALL(cuGraphAddNode, (phGraphNode, hGraph, dependencies, numDependencies, nodeParams));
-}
-
-CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
-                           const void *dependencyData, size_t numDependencies, void *nodeParams) {
-    gs_init();
-    if (mem_alloc_node(nodeParams) && gs_enter()) return graph_alloc_refused();
-    return GS_CALL(cuGraphAddNode_v2,
-                   (phGraphNode, hGraph, dependencies, dependencyData, numDependencies, nodeParams));
+    if (!capturing(hStream, true))
+        return async_freed(GS_CALL(cuMemFreeAsync_ptsz, (dptr, hStream)), dptr);
+    CUresult rc = GS_CALL(cuMemFreeAsync_ptsz, (dptr, hStream));
+    if (rc == CUDA_SUCCESS) gs_graph_free_captured(hStream, true, dptr);
+    return rc;
 }
 
 void gs_pools_after_fork(void) {

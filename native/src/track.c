@@ -195,7 +195,7 @@ uint64_t gs_track_drop_ctx(CUcontext ctx) {
         }
         pthread_mutex_unlock(&s->mu);
     }
-    return total;
+    return total + gs_graphs_drop_ctx(ctx); /* graph memory made in it */
 }
 
 /* ------------------------------------------------------------ VMM mappings

@@ -51,8 +51,12 @@
  *     entry point, linked, from dlsym on the driver, or cuGetProcAddress_v2 at 3010)
  *   vmmretain ID (cuMemRetainAllocationHandle at map ID's address: a new vmm id)
  *   vmmshare ID (vmm ID exported as a file descriptor and imported: a new vmm id)
- *   capalloc SIZE (cuMemAllocAsync into a stream under capture)
- *   graphalloc SIZE [node] (cuGraphAddMemAllocNode, or cuGraphAddNode_v2, into a new graph)
+ *   capalloc SIZE [freed] (cuMemAllocAsync into a stream under capture, and its
+ *     cuMemFreeAsync captured too: the graph is a new id; see cmd_capalloc)
+ *   graphalloc SIZE [node|freed|nodefreed] (an allocation node, and a free node, in a
+ *     new graph: a new id; see cmd_graphalloc)
+ *   instantiate ID (graph ID: an executable graph, a new id) | graphlaunch ID
+ *   (`free` of a graph's or executable graph's id destroys it)
  *   setlimit LIMIT VALUE (cuCtxSetLimit: 0 stack, 1 printf FIFO, 2 malloc heap)
  * nvmlbyuuid looks the device up with nvmlDeviceGetHandleByUUID and prints its
  * "index" and "nvml_uuid" (nvmlDeviceGetUUID), null when the lookup fails.
@@ -316,9 +320,9 @@ static void j_fail_args(const char *fmt, ...) {
 }
 
 /* ------------------------------------------------------------------ handle table */
-enum kind { K_NONE = 0, K_MEM, K_ARRAY, K_MIPMAP, K_VMM, K_ASYNC, K_CTX, K_MAP };
-static const char *const kind_names[] = {"none",  "mem", "array", "mipmap",
-                                         "vmm",   "async", "ctx", "map"};
+enum kind { K_NONE = 0, K_MEM, K_ARRAY, K_MIPMAP, K_VMM, K_ASYNC, K_CTX, K_MAP, K_GRAPH, K_EXEC };
+static const char *const kind_names[] = {"none",  "mem", "array", "mipmap", "vmm",
+                                         "async", "ctx", "map",   "graph",  "exec"};
 
 typedef struct {
     enum kind kind;
@@ -793,6 +797,8 @@ static void cmd_free(int argc, char **argv) {
     case K_MAP: rc = CALL(cuMemUnmap, (CUdeviceptr)e->handle, e->bytes); break;
     case K_ASYNC: rc = CALL(cuMemFreeAsync, (CUdeviceptr)e->handle, NULL); break;
     case K_CTX: rc = CALL(cuCtxDestroy_v2, (CUcontext)(uintptr_t)e->handle); break;
+    case K_GRAPH: rc = cuGraphDestroy((CUgraph)(uintptr_t)e->handle); break;
+    case K_EXEC: rc = cuGraphExecDestroy((CUgraphExec)(uintptr_t)e->handle); break;
     case K_NONE: break;
     }
     j_int("rc", rc);
@@ -1232,7 +1238,9 @@ static void cmd_capture(int argc, char **argv) {
     j_begin("capture");
     j_int("rc", rc);
     j_int("end_rc", end);
-    j_u64("graph_us", (unsigned long long)(uintptr_t)exec);
+    unsigned long long (*exec_us)(CUgraphExec) =
+        (unsigned long long (*)(CUgraphExec))dlsym(RTLD_DEFAULT, "fakecuda_exec_us");
+    j_u64("graph_us", exec_us ? exec_us(exec) : (unsigned long long)(uintptr_t)exec);
     j_u64("ran", ran);
     j_end();
 }
@@ -1607,6 +1615,8 @@ static void cmd_vmmshare(int argc, char **argv) {
     j_end();
 }
 
+/* cuMemAllocAsync into a new stream under capture, with "freed" its cuMemFreeAsync
+ * captured too; the graph captured is a new id ("rc": the allocation's). */
 static void cmd_capalloc(int argc, char **argv) {
     size_t size = arg_size(argv[0]);
     CUstream s = NULL;
@@ -1615,17 +1625,28 @@ static void cmd_capalloc(int argc, char **argv) {
     CUresult rc = CALL(cuStreamCreate, &s, 0);
     if (rc == CUDA_SUCCESS) rc = CALL(cuStreamBeginCapture_v2, s, 0);
     CUresult alloc = rc == CUDA_SUCCESS ? CALL(cuMemAllocAsync, &p, size, s) : rc;
-    if (s) CALL(cuStreamEndCapture, s, &g);
+    CUresult freed = alloc == CUDA_SUCCESS && argc > 1 ? CALL(cuMemFreeAsync, p, s) : PROBE_ERROR;
+    CUresult end = s ? CALL(cuStreamEndCapture, s, &g) : PROBE_ERROR;
     if (s) CALL(cuStreamDestroy_v2, s);
     j_begin("capalloc");
     j_int("rc", alloc);
+    j_int("free_rc", freed);
+    j_int("end_rc", end);
+    if (end == CUDA_SUCCESS) j_int("id", table_add(K_GRAPH, (uintptr_t)g, size));
+    else j_null("id");
     j_end();
 }
 
+/* A new graph (a new id) with an allocation node: cuGraphAddMemAllocNode, or with
+ * "node" cuGraphAddNode_v2; "freed" adds a free node of it (cuGraphAddMemFreeNode),
+ * "nodefreed" both through cuGraphAddNode_v2. "rc": the allocation node's. */
 static void cmd_graphalloc(int argc, char **argv) {
     size_t size = arg_size(argv[0]);
+    const char *how = argc > 1 ? argv[1] : "";
+    bool by_node = !strcmp(how, "node") || !strcmp(how, "nodefreed");
+    bool with_free = !strcmp(how, "freed") || !strcmp(how, "nodefreed");
     CUgraph g = NULL;
-    CUgraphNode node = NULL;
+    CUgraphNode node = NULL, free_node = NULL;
     struct {
         unsigned char poolProps[88];
         const void *accessDescs;
@@ -1642,17 +1663,51 @@ static void cmd_graphalloc(int argc, char **argv) {
     memset(&params, 0, sizeof params);
     params.poolProps[0] = CU_MEM_ALLOCATION_TYPE_PINNED;
     params.poolProps[8] = CU_MEM_LOCATION_TYPE_DEVICE;
+    params.poolProps[12] = (unsigned char)current_device();
     params.bytesize = size;
     memset(&node_params, 0, sizeof node_params);
     node_params.type = 10; /* CU_GRAPH_NODE_TYPE_MEM_ALLOC */
     node_params.alloc = params;
-    CUresult rc = cuGraphCreate(&g, 0);
+    CUresult made = cuGraphCreate(&g, 0), rc = made, freed = PROBE_ERROR;
     if (rc == CUDA_SUCCESS)
-        rc = argc > 1 ? cuGraphAddNode_v2(&node, g, NULL, NULL, 0, &node_params)
-                      : cuGraphAddMemAllocNode(&node, g, NULL, 0, &params);
+        rc = by_node ? cuGraphAddNode_v2(&node, g, NULL, NULL, 0, &node_params)
+                     : cuGraphAddMemAllocNode(&node, g, NULL, 0, &params);
+    CUdeviceptr p = by_node ? node_params.alloc.dptr : params.dptr;
+    if (rc == CUDA_SUCCESS && with_free && by_node) {
+        memset(&node_params, 0, sizeof node_params);
+        node_params.type = 11; /* CU_GRAPH_NODE_TYPE_MEM_FREE */
+        memcpy(&node_params.alloc, &p, sizeof p);
+        freed = cuGraphAddNode_v2(&free_node, g, &node, NULL, 1, &node_params);
+    } else if (rc == CUDA_SUCCESS && with_free) {
+        freed = cuGraphAddMemFreeNode(&free_node, g, &node, 1, p);
+    }
     j_begin("graphalloc");
     j_int("rc", rc);
+    j_int("free_rc", freed);
+    if (made == CUDA_SUCCESS) j_int("id", table_add(K_GRAPH, (uintptr_t)g, size));
+    else j_null("id");
     j_end();
+}
+
+/* cuGraphInstantiateWithFlags of graph ID: the executable graph is a new id. */
+static void cmd_instantiate(int argc, char **argv) {
+    unsigned long long id = arg_u64(argv[0]);
+    CUgraphExec exec = NULL;
+    CUresult rc = PROBE_ERROR;
+    if (id < table_len && table[id].kind == K_GRAPH)
+        rc = CALL(cuGraphInstantiateWithFlags, &exec, (CUgraph)(uintptr_t)table[id].handle, 0);
+    j_created("instantiate", rc, K_EXEC, (uintptr_t)exec, BYTES_UNKNOWN);
+    j_end();
+}
+
+/* cuGraphLaunch of executable graph ID on the NULL stream, then cuCtxSynchronize. */
+static void cmd_graphlaunch(int argc, char **argv) {
+    unsigned long long id = arg_u64(argv[0]);
+    CUresult rc = PROBE_ERROR;
+    if (id < table_len && table[id].kind == K_EXEC)
+        rc = CALL(cuGraphLaunch, (CUgraphExec)(uintptr_t)table[id].handle, NULL);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuCtxSynchronize);
+    j_rc("graphlaunch", rc);
 }
 
 static void cmd_setlimit(int argc, char **argv) {
@@ -1725,8 +1780,10 @@ static const command_t commands[] = {
     {"legacy", "WWS", NULL, cmd_legacy},
     {"vmmretain", "N", NULL, cmd_vmmretain},
     {"vmmshare", "N", NULL, cmd_vmmshare},
-    {"capalloc", "S", NULL, cmd_capalloc},
-    {"graphalloc", "Sw", "node", cmd_graphalloc},
+    {"capalloc", "Sw", "freed", cmd_capalloc},
+    {"graphalloc", "Sw", "node|freed|nodefreed", cmd_graphalloc},
+    {"instantiate", "N", NULL, cmd_instantiate},
+    {"graphlaunch", "N", NULL, cmd_graphlaunch},
     {"setlimit", "NS", NULL, cmd_setlimit},
     /* run by main: they decide which commands run next */
     {"fork", "", NULL, NULL},

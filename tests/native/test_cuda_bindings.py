@@ -45,9 +45,10 @@ PTDS = {"CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM": "1"}
 HOOKED = tuple(re.findall(r"^CUDA_HOOK\((\w+),", (NATIVE / "src/hooks.def").read_text(), re.M))
 # The names applications ask cuGetProcAddress for: no version or stream suffix.
 BASES = tuple(dict.fromkeys(re.sub(r"(_v\d)?(_ptsz)?$", "", name) for name in HOOKED))
-# Hooked names of the pre-CUDA 3.2 ABI (refused, or counted as their _v2): the bindings
-# hold only the later forms.
-LEGACY = frozenset(name for name in HOOKED if f"{name}_v2" in HOOKED)
+# Hooked names of the pre-CUDA 3.2 ABI (refused, or counted as their _v2), and the forms
+# of cuGraphInstantiate before CUDA 12 (WithFlags took its name): the bindings hold only
+# the later forms.
+LEGACY = frozenset(name for name in HOOKED if f"{name}_v2" in HOOKED) | {"cuGraphInstantiate_v2"}
 VERSIONS = (2000, 3020, 4000, 6000, 10020, 11000, 11020, 11040, 12000, 12050, 13000)
 
 

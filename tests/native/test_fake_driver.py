@@ -866,6 +866,19 @@ def test_graph_memory_nodes_hold_memory(fake: FakeProbe) -> None:
     assert used(res) == [300 * MiB]
 
 
+def test_a_graph_holds_its_memory_until_it_and_its_executables_are_destroyed(
+    fake: FakeProbe,
+) -> None:
+    # What a graph frees inside itself stays the graph's. ids: captured graph 0,
+    # its executable 1, a graph of nodes 2 (allocation and free node).
+    res = fake(
+        "init ctx capalloc 100m freed instantiate 0 graphlaunch 1 fakeused free 0 fakeused "
+        "free 1 fakeused graphalloc 100m nodefreed fakeused free 2 fakeused"
+    )
+    assert res.rcs() == [0] * len(res), res.describe()
+    assert used(res) == [100 * MiB, 100 * MiB, 0, 100 * MiB, 0]
+
+
 def test_context_limits_take_device_memory(fake: FakeProbe) -> None:
     # The heap beyond its 8 MiB default; the stack per thread beyond 1 KiB, for
     # 132 SMs x 2048 threads.

@@ -6,6 +6,8 @@ the preloaded library, the driver's pre-CUDA 3.2 entry points, memory pools that
 keep what was freed, handles retained or imported, graph memory, context limits.
 Each must be held to the grant (or refused); host-attached managed memory, which
 cannot hold a neighbour's device memory, is the one thing let through uncharged.
+Graph memory is charged to its graph while the graph or an executable of it
+lives, whatever the graph frees inside itself.
 """
 
 from __future__ import annotations
@@ -187,16 +189,73 @@ def test_an_imported_handle_is_charged_to_the_importer(
 # ----------------------------------------------------------------------------- graphs, limits
 
 
-def test_graph_memory_is_refused(run_probe: ProbeRunner, region_path: Path, build: Build) -> None:
+def test_the_memory_a_graph_keeps_is_charged_until_the_graph_goes(
+    run_probe: ProbeRunner, region_path: Path, build: Build
+) -> None:
+    # The graph allocates and frees 900 MiB inside itself (ids: graph 0, its
+    # executable 1): the driver keeps the 900 MiB for the graph while it or its
+    # executable lives, so the grant has no room for another 900 MiB until both go.
     result = run_probe(
-        "init", "ctx", "capalloc", "900m", "graphalloc", "900m", "graphalloc", "900m", "node",
-        "fakeused", "alloc", "900m",
+        "init", "ctx", "capalloc", "900m", "freed", "alloc", "900m", "fakeused",
+        "instantiate", 0, "graphlaunch", 1, "free", 0, "alloc", "900m",
+        "free", 1, "fakeused", "alloc", "900m", "info",
         build=build, env=limited(region_path),
     )  # fmt: skip
-    assert result.one("capalloc")["rc"] == NOT_SUPPORTED, result.describe()
-    assert rcs(result.lines, "graphalloc") == [NOT_SUPPORTED] * 2
-    assert result.one("fakeused")["bytes"] == 0
-    assert result.one("alloc")["rc"] == OK
+    captured = result.one("capalloc")
+    assert (captured["rc"], captured["free_rc"], captured["end_rc"]) == (OK, OK, OK), (
+        result.describe()
+    )
+    assert rcs(result.lines, "alloc") == [OOM, OOM, OK], result.describe()
+    held, gone = (line["bytes"] for line in result.by_cmd("fakeused"))
+    assert (held, gone) == (900 * MiB, 0)
+    assert result.one("info")["free"] == GiB - 900 * MiB
+
+
+@pytest.mark.parametrize("how", ["capture", "alloc node", "add node"])
+def test_a_graph_within_the_grant_runs_end_to_end(
+    run_probe: ProbeRunner, region_path: Path, build: Build, how: str
+) -> None:
+    # A graph that allocates and frees 600 MiB (ids: graph 0, executable 1):
+    # captured, or built of an allocation and a free node (cuGraphAddMemAllocNode
+    # and cuGraphAddMemFreeNode, or both through cuGraphAddNode_v2).
+    make = {
+        "capture": ("capalloc", "600m", "freed"),
+        "alloc node": ("graphalloc", "600m", "freed"),
+        "add node": ("graphalloc", "600m", "nodefreed"),
+    }[how]
+    result = run_probe(
+        "init", "ctx", *make, "info", "instantiate", 0, "graphlaunch", 1, "alloc", "300m",
+        "alloc", "300m", "free", 1, "free", 0, "free", 2, "info", "alloc", "600m", "info",
+        build=build, env=limited(region_path),
+    )  # fmt: skip
+    made = result.one(make[0])
+    assert (made["rc"], made["free_rc"]) == (OK, OK), result.describe()
+    assert result.one("instantiate")["rc"] == OK
+    assert result.one("graphlaunch")["rc"] == OK
+    assert rcs(result.lines, "alloc") == [OK, OOM, OK], result.describe()
+    assert rcs(result.lines, "free") == [OK, OK, OK]
+    with_graph, gone, again = (line["free"] for line in result.by_cmd("info"))
+    assert with_graph == GiB - 600 * MiB, result.describe()
+    assert gone == GiB
+    assert again == GiB - 600 * MiB
+
+
+def test_graph_memory_goes_with_its_context_and_outlives_a_graph_not_freeing_it(
+    run_probe: ProbeRunner, region_path: Path, build: Build
+) -> None:
+    # ids: context 0, a graph allocating 900 MiB in it 1 (never freed by the graph);
+    # then in the primary context a graph allocating 600 MiB 2, destroyed.
+    result = run_probe(
+        "init", "ctx", "newctx", "graphalloc", "900m", "info", "destroyctx", 0, "ctx", "info",
+        "graphalloc", "600m", "free", 2, "info",
+        build=build, env=limited(region_path),
+    )  # fmt: skip
+    assert rcs(result.lines, "graphalloc") == [OK, OK], result.describe()
+    held, ctx_gone, outlived = (line["free"] for line in result.by_cmd("info"))
+    assert held == GiB - 900 * MiB, result.describe()
+    assert ctx_gone == GiB
+    # Launched, the allocation would live on until freed: it stays charged.
+    assert outlived == GiB - 600 * MiB
 
 
 def test_context_limits_are_charged(run_probe: ProbeRunner, box: Container, build: Build) -> None:

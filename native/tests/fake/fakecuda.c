@@ -105,9 +105,11 @@
  * legacy or per-thread one: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) starts a
  * capture, whatever the mode: launches into the stream then run nothing and
  * only add their microseconds to the capture. cuStreamEndCapture ends it and
- * hands back a CUgraph whose value is those microseconds; cuGraphInstantiate-
- * WithFlags makes it a CUgraphExec of the same value, which cuGraphLaunch runs
- * for that long. Stricter than the driver: recording an event into a capturing
+ * hands back the CUgraph captured (a handle, made at cuStreamBeginCapture_v2 and
+ * named by cuStreamGetCaptureInfo_v2/_v3 meanwhile), as long as those
+ * microseconds; cuGraphInstantiate (every form) makes it a CUgraphExec of that
+ * length, which cuGraphLaunch runs for that long (a CUgraphExec the fake did not
+ * make runs for its numeric value, as a kernel does). Stricter than the driver: recording an event into a capturing
  * stream, or querying or synchronising it, invalidates the capture (the driver
  * would make the event part of the graph); cuStreamIsCapturing(_ptsz) then says
  * INVALIDATED (2), else ACTIVE (1) or NONE (0), and cuStreamEndCapture fails
@@ -144,10 +146,21 @@
  *     the size) and cuMemImportFromShareableHandle: the import is a new handle
  *     of that size, counted on the current context's device as memory the
  *     importing process holds;
- *   - cuGraphCreate hands out a 1 us graph; cuGraphAddMemAllocNode and
- *     cuGraphAddNode(_v2) with a memory-allocation node allocate bytesize on the
- *     current context's device at once (graph-held memory), returned in dptr;
- *     any other node type is CUDA_ERROR_NOT_SUPPORTED;
+ *   - GRAPH MEMORY: cuGraphCreate hands out a 1 us graph; cuGraphAddMemAllocNode
+ *     and cuGraphAddNode(_v2) with a memory-allocation node take bytesize on
+ *     poolProps' device at once, returned in dptr, and a cuMemAllocAsync* into a
+ *     capturing stream takes it on the stream's device for the graph being
+ *     captured: memory the graph holds, counted against the device until the
+ *     graph (cuGraphDestroy) and every executable graph made from it
+ *     (cuGraphExecDestroy) are destroyed, or its context is; a capture that
+ *     fails drops its graph and that memory. A free does not give it back:
+ *     cuMemFreeAsync into a capturing stream and cuGraphAddMemFreeNode /
+ *     cuGraphAddNode(_v2) with a memory-free node free nothing (any pointer),
+ *     nor does cuMemFree(Async) of a graph's pointer outside a capture.
+ *     Simpler than the driver: the memory is taken when the node is made, not
+ *     at the first launch, and everything the graph allocated goes with it,
+ *     freed inside the graph or not; cuDeviceGraphMemTrim has nothing to trim.
+ *     Any other node type is CUDA_ERROR_NOT_SUPPORTED;
  *   - cuCtxSetLimit / cuCtxGetLimit: stack size (per thread, times
  *     FAKECUDA_SM_COUNT * 2048 resident threads), printf FIFO and malloc heap;
  *     what a limit takes beyond its default (1 KiB, 1 MiB, 8 MiB) counts as
@@ -399,18 +412,52 @@ API CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
                                size_t numDependencies, void *nodeParams);
 API CUresult cuCtxSetLimit(int limit, size_t value);
 API CUresult cuCtxGetLimit(size_t *pvalue, int limit);
+API CUresult cuGraphDestroy(CUgraph hGraph);
+API CUresult cuGraphExecDestroy(CUgraphExec hGraphExec);
+API CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                char *logBuffer, size_t bufferSize);
+API CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                   CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize);
+API CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph, void *params);
+API CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                               void *params);
+API CUresult cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                   const CUgraphNode *dependencies, size_t numDependencies,
+                                   CUdeviceptr dptr);
+API CUresult cuStreamGetCaptureInfo_v2(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
+                                       const CUgraphNode **deps, size_t *ndeps);
+API CUresult cuStreamGetCaptureInfo_v2_ptsz(CUstream hStream, int *status, cuuint64_t *id,
+                                            CUgraph *graph, const CUgraphNode **deps, size_t *ndeps);
+API CUresult cuStreamGetCaptureInfo_v3(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
+                                       const CUgraphNode **deps, const void **edges, size_t *ndeps);
+API CUresult cuStreamGetCaptureInfo_v3_ptsz(CUstream hStream, int *status, cuuint64_t *id,
+                                            CUgraph *graph, const CUgraphNode **deps,
+                                            const void **edges, size_t *ndeps);
+API CUresult cuDeviceGraphMemTrim(CUdevice device);
+API unsigned long long fakecuda_exec_us(CUgraphExec exec);
 static void fake_map_note(uintptr_t ptr, size_t size, uintptr_t handle);
 static void fake_map_forget(uintptr_t ptr, size_t size);
 static bool fake_release_retained(uintptr_t handle);
 struct res;
 static void fake_ctx_limits_gone(struct res *c);
+static bool fake_captured_alloc(CUdeviceptr *dptr, size_t bytesize, CUstream s, CUresult *rc);
+static bool fake_captured_free(CUdeviceptr dptr, CUstream s, CUresult *rc);
+static uint64_t fake_exec_us(CUgraphExec exec);
+static struct res *fake_graph_new(struct res *c);
+static void fake_graph_release(struct res *g);
 
 #define FAKE_SYMBOLS_MEMORY(X)                                                                \
     X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemGetInfo) X(cuDeviceTotalMem) X(cuArrayCreate)     \
     X(cuArray3DCreate) X(cuCtxCreate) X(cuMemRetainAllocationHandle)                          \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuGraphCreate)        \
     X(cuGraphAddMemAllocNode) X(cuGraphAddNode) X(cuGraphAddNode_v2) X(cuCtxSetLimit)         \
-    X(cuCtxGetLimit)
+    X(cuCtxGetLimit) FAKE_SYMBOLS_GRAPHS(X)
+/* graphs and graph memory */
+#define FAKE_SYMBOLS_GRAPHS(X)                                                                \
+    X(cuGraphDestroy) X(cuGraphExecDestroy) X(cuGraphInstantiate) X(cuGraphInstantiate_v2)    \
+    X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz)                      \
+    X(cuGraphAddMemFreeNode) X(cuStreamGetCaptureInfo_v2) X(cuStreamGetCaptureInfo_v2_ptsz)   \
+    X(cuStreamGetCaptureInfo_v3) X(cuStreamGetCaptureInfo_v3_ptsz) X(cuDeviceGraphMemTrim)
 
 /* ------------------------------------------------------------ symbol table
  * The one name -> function table: what cuGetProcAddress can hand out. */
@@ -496,6 +543,11 @@ static const struct {
     {"cuCtxCreate", 0, "cuCtxCreate"},
     {"cuGraphAddNode", 12030, "cuGraphAddNode_v2"},
     {"cuGraphAddNode", 0, "cuGraphAddNode"},
+    {"cuGraphInstantiate", 12000, "cuGraphInstantiateWithFlags"},
+    {"cuGraphInstantiate", 11000, "cuGraphInstantiate_v2"},
+    {"cuGraphInstantiate", 0, "cuGraphInstantiate"},
+    {"cuStreamGetCaptureInfo", 12030, "cuStreamGetCaptureInfo_v3"},
+    {"cuStreamGetCaptureInfo", 11030, "cuStreamGetCaptureInfo_v2"},
 };
 
 /* ------------------------------------------------------------------ config */
@@ -521,7 +573,8 @@ static void parse_uuids(const char *s, unsigned char out[FAKE_MAX_DEVICES][16]) 
 }
 
 /* ------------------------------------------------------------------ state */
-enum kind { K_CTX = 1, K_ALLOC, K_ASYNC, K_ARRAY, K_MIPMAP, K_VMM, K_VA, K_POOL, K_EVENT, K_STREAM };
+enum kind { K_CTX = 1, K_ALLOC, K_ASYNC, K_ARRAY, K_MIPMAP, K_VMM, K_VA, K_POOL, K_EVENT, K_STREAM,
+            K_GRAPH, K_EXEC, K_GALLOC /* graphs, executable graphs, graph memory */ };
 
 /* One record for every live object. Handles given out are the record's own
  * address (contexts, arrays, pools, events, streams, cuMemCreate handles); a
@@ -550,6 +603,12 @@ struct res {
     /* K_EVENT: recorded at queue position `target` of engine `dev`; `stamp` is when
      * the engine got there (0 until known) */
     uint64_t target, stamp;
+    /* graphs (see GRAPH MEMORY): K_STREAM the graph it captures into, K_EXEC its
+     * graph, K_GALLOC the graph holding it (compared, never followed); K_GRAPH and
+     * K_EXEC the microseconds a launch runs; K_GRAPH its live executables */
+    struct res *graph;
+    uint64_t us;
+    int execs;
 };
 
 #define FAKE_STAMPS 4096 /* completion times kept for cuEventElapsedTime */
@@ -838,6 +897,7 @@ static void res_free(struct res *r) {
     case K_ARRAY:
     case K_MIPMAP:
     case K_VMM:
+    case K_GALLOC:
         g_dev[r->dev].used -= r->size;
         state_used(r->dev);
         break;
@@ -1559,6 +1619,8 @@ API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int 
 /* Frees a device pointer from cuMemAlloc* or a pool (either free call takes either). */
 static CUresult free_pointer(CUdeviceptr dptr, CUstream s, bool with_stream) {
     NEED_INIT();
+    CUresult captured_rc;
+    if (with_stream && fake_captured_free(dptr, s, &captured_rc)) return captured_rc;
     pthread_mutex_lock(&g_mu);
     struct res *c, *r;
     int dev = 0;
@@ -1568,6 +1630,8 @@ static CUresult free_pointer(CUdeviceptr dptr, CUstream s, bool with_stream) {
         r = dptr ? tab_find((uintptr_t)dptr) : NULL;
         if (r && (r->kind == K_ALLOC || r->kind == K_ASYNC))
             res_free(r);
+        else if (r && r->kind == K_GALLOC)
+            ; /* a graph's: the graph keeps it */
         else
             rc = CUDA_ERROR_INVALID_VALUE;
     }
@@ -1983,6 +2047,8 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool
                            bool explicit_pool) {
     NEED_INIT();
     if (!dptr || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+    CUresult captured_rc;
+    if (fake_captured_alloc(dptr, bytesize, s, &captured_rc)) return captured_rc;
     pthread_mutex_lock(&g_mu);
     struct res *c, *p = NULL, *r = NULL;
     int dev = 0;
@@ -2090,10 +2156,10 @@ API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, v
 }
 
 API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
-    return launch(hStream, (uintptr_t)hGraphExec);
+    return launch(hStream, (uintptr_t)fake_exec_us(hGraphExec));
 }
 API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
-    return launch(hStream, (uintptr_t)hGraphExec);
+    return launch(hStream, (uintptr_t)fake_exec_us(hGraphExec));
 }
 
 /* ------------------------------------------------------------------ events */
@@ -2266,6 +2332,7 @@ API CUresult cuStreamBeginCapture_v2(CUstream hStream, int mode) {
     struct res *r = rc ? NULL : tab_find_kind((uintptr_t)hStream, K_STREAM);
     if (!rc && !r) rc = FAKE_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* NULL, legacy, per-thread */
     else if (r && r->capturing) rc = FAKE_ERROR_ILLEGAL_STATE;
+    if (r && !rc && !(r->graph = fake_graph_new(r->ctx))) rc = CUDA_ERROR_OUT_OF_MEMORY;
     if (r && !rc) {
         r->capturing = true;
         r->capture_invalid = false;
@@ -2286,8 +2353,14 @@ API CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
         rc = FAKE_ERROR_ILLEGAL_STATE;
     } else {
         r->capturing = false;
-        if (r->capture_invalid) rc = FAKE_ERROR_STREAM_CAPTURE_INVALIDATED;
-        else *phGraph = (CUgraph)(uintptr_t)r->captured_us;
+        if (r->capture_invalid) {
+            rc = FAKE_ERROR_STREAM_CAPTURE_INVALIDATED;
+            fake_graph_release(r->graph); /* the graph and what it held go */
+        } else {
+            r->graph->us = r->captured_us;
+            *phGraph = (CUgraph)r->graph;
+        }
+        r->graph = NULL;
     }
     pthread_mutex_unlock(&g_mu);
     return rc;
@@ -2313,8 +2386,19 @@ API CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGrap
                                          unsigned long long flags) {
     NEED_INIT();
     if (!phGraphExec) return CUDA_ERROR_INVALID_VALUE;
-    *phGraphExec = (CUgraphExec)hGraph;
-    return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_mu);
+    struct res *g = tab_find_kind((uintptr_t)hGraph, K_GRAPH), *x = NULL;
+    CUresult rc = CUDA_SUCCESS;
+    if (g && g->destroyed) rc = CUDA_ERROR_INVALID_VALUE;
+    else if (g && !(x = new_handle(K_EXEC, g->dev, g->ctx))) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (x) {
+        x->graph = g;
+        x->us = g->us;
+        g->execs++;
+    }
+    pthread_mutex_unlock(&g_mu);
+    if (!rc) *phGraphExec = x ? (CUgraphExec)x : (CUgraphExec)hGraph; /* not a graph: its value */
+    return rc;
 }
 
 /* ---------------------------------------------------------- fake-only exports */
@@ -2515,8 +2599,9 @@ API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle
     return rc;
 }
 
-/* ---- graph memory */
+/* ---- graphs and graph memory (see GRAPH MEMORY at the top) */
 #define FAKE_GRAPH_NODE_TYPE_MEM_ALLOC 10
+#define FAKE_GRAPH_NODE_TYPE_MEM_FREE 11
 
 typedef struct {
     FakeMemPoolProps poolProps;
@@ -2526,27 +2611,227 @@ typedef struct {
     CUdeviceptr dptr;
 } FakeMemAllocNodeParams;
 
-API CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags) {
-    NEED_INIT();
-    if (!phGraph || flags != 0) return CUDA_ERROR_INVALID_VALUE;
-    *phGraph = (CUgraph)(uintptr_t)1;
+
+/* A new, empty graph of context c (g_mu held). */
+static struct res *fake_graph_new(struct res *c) {
+    return new_handle(K_GRAPH, c ? c->dev : 0, c);
+}
+
+/* The graph's memory and the graph itself go (g_mu held). */
+static void fake_graph_release(struct res *g) {
+    for (size_t i = 0; i < g_nbuckets; i++) {
+        struct res *r = g_buckets[i];
+        while (r) {
+            struct res *next = r->hnext;
+            if (r->kind == K_GALLOC && r->graph == g) res_free(r);
+            r = next;
+        }
+    }
+    res_free(g);
+}
+
+/* A live (not destroyed) graph of this handle (g_mu held). */
+static struct res *live_graph(CUgraph h) {
+    struct res *g = tab_find_kind((uintptr_t)h, K_GRAPH);
+    return g && !g->destroyed ? g : NULL;
+}
+
+/* Device memory held by graph g on its device, at ptr (g_mu held). */
+static CUresult graph_alloc(struct res *g, struct res *c, int dev, size_t bytes, CUdeviceptr *ptr) {
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_VALUE;
+    struct device *d = &g_dev[dev];
+    if (bytes > g_cfg.memory || d->used > g_cfg.memory - bytes) return CUDA_ERROR_OUT_OF_MEMORY;
+    struct res *r = calloc(1, sizeof *r);
+    if (r) r->map = map_bytes(bytes, &r->maplen);
+    if (!r || !r->map) {
+        free(r);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *r = (struct res){.key = (uintptr_t)r->map, .kind = K_GALLOC, .dev = dev, .ctx = c,
+                      .size = bytes, .map = r->map, .maplen = r->maplen, .graph = g};
+    if (!tab_insert(r)) {
+        munmap(r->map, r->maplen);
+        free(r);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    d->used += bytes;
+    *ptr = (CUdeviceptr)r->key;
     return CUDA_SUCCESS;
 }
 
+/* A stream-ordered allocation into a capturing stream joins its graph: true
+ * (with *rc) when s is capturing. */
+static bool fake_captured_alloc(CUdeviceptr *dptr, size_t bytesize, CUstream s, CUresult *rc) {
+    pthread_mutex_lock(&g_mu);
+    struct res *cap = capture_of(s), *c = NULL;
+    if (cap) {
+        *rc = need_ctx(&c);
+        if (!*rc && cap->capture_invalid) *rc = FAKE_ERROR_STREAM_CAPTURE_INVALIDATED;
+        if (!*rc) *rc = graph_alloc(cap->graph, c, cap->dev, bytesize, dptr);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return cap != NULL;
+}
+
+/* A stream-ordered free into a capturing stream joins its graph and frees nothing. */
+static bool fake_captured_free(CUdeviceptr dptr, CUstream s, CUresult *rc) {
+    pthread_mutex_lock(&g_mu);
+    struct res *cap = capture_of(s), *r = NULL;
+    if (cap) {
+        r = dptr ? tab_find((uintptr_t)dptr) : NULL;
+        *rc = r && (r->kind == K_ALLOC || r->kind == K_ASYNC || r->kind == K_GALLOC)
+                  ? CUDA_SUCCESS
+                  : CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return cap != NULL;
+}
+
+static uint64_t fake_exec_us(CUgraphExec exec) {
+    pthread_mutex_lock(&g_mu);
+    struct res *x = tab_find_kind((uintptr_t)exec, K_EXEC);
+    uint64_t us = x ? x->us : (uint64_t)(uintptr_t)exec;
+    pthread_mutex_unlock(&g_mu);
+    return us;
+}
+
+API unsigned long long fakecuda_exec_us(CUgraphExec exec) { return fake_exec_us(exec); }
+
+API CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags) {
+    NEED_INIT();
+    if (!phGraph || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct res *c = NULL, *g = NULL;
+    CUresult rc = need_ctx(&c);
+    if (!rc && !(g = fake_graph_new(c))) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (!rc) {
+        g->us = 1;
+        *phGraph = (CUgraph)g;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API CUresult cuGraphDestroy(CUgraph hGraph) {
+    NEED_INIT();
+    pthread_mutex_lock(&g_mu);
+    struct res *g = live_graph(hGraph);
+    if (g && g->execs == 0) fake_graph_release(g);
+    else if (g) g->destroyed = true; /* its executables keep it */
+    pthread_mutex_unlock(&g_mu);
+    return g ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {
+    NEED_INIT();
+    pthread_mutex_lock(&g_mu);
+    struct res *x = tab_find_kind((uintptr_t)hGraphExec, K_EXEC);
+    if (x) {
+        struct res *g = x->graph;
+        res_free(x);
+        if (--g->execs == 0 && g->destroyed) fake_graph_release(g);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return x ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                char *logBuffer, size_t bufferSize) {
+    return cuGraphInstantiateWithFlags(phGraphExec, hGraph, 0);
+}
+API CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                   CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize) {
+    return cuGraphInstantiateWithFlags(phGraphExec, hGraph, 0);
+}
+API CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph, void *params) {
+    return cuGraphInstantiateWithFlags(phGraphExec, hGraph, 0);
+}
+API CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                               void *params) {
+    return cuGraphInstantiateWithFlags(phGraphExec, hGraph, 0);
+}
+
+/* Graph memory is the graph's until it goes: nothing cached to trim. */
+API CUresult cuDeviceGraphMemTrim(CUdevice device) {
+    NEED_INIT();
+    return valid_dev(device) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+API CUresult cuStreamGetCaptureInfo_v3(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
+                                       const CUgraphNode **deps, const void **edges, size_t *ndeps) {
+    NEED_INIT();
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    int dev;
+    CUresult rc = stream_dev(hStream, &dev);
+    struct res *r = rc ? NULL : capture_of(hStream);
+    if (!rc) {
+        *status = !r ? 0 : r->capture_invalid ? 2 : 1;
+        if (id) *id = r ? (cuuint64_t)(uintptr_t)r->graph : 0;
+        if (graph) *graph = r && !r->capture_invalid ? (CUgraph)r->graph : NULL;
+        if (deps) *deps = NULL;
+        if (edges) *edges = NULL;
+        if (ndeps) *ndeps = 0;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+API CUresult cuStreamGetCaptureInfo_v3_ptsz(CUstream hStream, int *status, cuuint64_t *id,
+                                            CUgraph *graph, const CUgraphNode **deps,
+                                            const void **edges, size_t *ndeps) {
+    return cuStreamGetCaptureInfo_v3(hStream, status, id, graph, deps, edges, ndeps);
+}
+API CUresult cuStreamGetCaptureInfo_v2(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
+                                       const CUgraphNode **deps, size_t *ndeps) {
+    return cuStreamGetCaptureInfo_v3(hStream, status, id, graph, deps, NULL, ndeps);
+}
+API CUresult cuStreamGetCaptureInfo_v2_ptsz(CUstream hStream, int *status, cuuint64_t *id,
+                                            CUgraph *graph, const CUgraphNode **deps, size_t *ndeps) {
+    return cuStreamGetCaptureInfo_v3(hStream, status, id, graph, deps, NULL, ndeps);
+}
+
+/* An allocation node: bytesize held by the graph on poolProps' device. */
 API CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph,
                                     const CUgraphNode *dependencies, size_t numDependencies,
                                     void *nodeParams) {
+    NEED_INIT();
     FakeMemAllocNodeParams *p = nodeParams;
-    if (!phGraphNode || !hGraph || !p || p->bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = cuMemAlloc_v2(&p->dptr, p->bytesize);
+    if (!phGraphNode || !p || p->bytesize == 0 || !device_location(&p->poolProps.location))
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct res *g = live_graph(hGraph), *c = NULL;
+    CUresult rc = g ? need_ctx(&c) : CUDA_ERROR_INVALID_VALUE;
+    if (!rc) rc = graph_alloc(g, c, p->poolProps.location.id, p->bytesize, &p->dptr);
     if (!rc) *phGraphNode = (CUgraphNode)(uintptr_t)p->dptr;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* A free node frees nothing: the graph keeps its memory until it goes. */
+API CUresult cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                   const CUgraphNode *dependencies, size_t numDependencies,
+                                   CUdeviceptr dptr) {
+    NEED_INIT();
+    if (!phGraphNode) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct res *g = live_graph(hGraph), *r = dptr ? tab_find((uintptr_t)dptr) : NULL;
+    CUresult rc = g && r && (r->kind == K_GALLOC || r->kind == K_ALLOC || r->kind == K_ASYNC)
+                      ? CUDA_SUCCESS
+                      : CUDA_ERROR_INVALID_VALUE;
+    if (!rc) *phGraphNode = (CUgraphNode)((uintptr_t)dptr + 1);
+    pthread_mutex_unlock(&g_mu);
     return rc;
 }
 
 static CUresult add_node(CUgraphNode *phGraphNode, CUgraph hGraph, void *nodeParams) {
     if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
-    if (*(int *)nodeParams != FAKE_GRAPH_NODE_TYPE_MEM_ALLOC) return CUDA_ERROR_NOT_SUPPORTED;
-    return cuGraphAddMemAllocNode(phGraphNode, hGraph, NULL, 0, (char *)nodeParams + 16);
+    int type = *(int *)nodeParams;
+    void *params = (char *)nodeParams + 16;
+    if (type == FAKE_GRAPH_NODE_TYPE_MEM_ALLOC)
+        return cuGraphAddMemAllocNode(phGraphNode, hGraph, NULL, 0, params);
+    if (type == FAKE_GRAPH_NODE_TYPE_MEM_FREE)
+        return cuGraphAddMemFreeNode(phGraphNode, hGraph, NULL, 0, *(CUdeviceptr *)params);
+    return CUDA_ERROR_NOT_SUPPORTED;
 }
 
 API CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
