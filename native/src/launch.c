@@ -4,12 +4,22 @@
  * With one, a launch first waits while the container is ahead of its share, then
  * runs inside a measuring window, one per device of the process: a timing event
  * is recorded before the window's first kernel and one after its last, and the
- * GPU time between them is charged to the device's shared virtual clock (tat_ns
- * in the region, a generic cell rate algorithm): busy / share of wall time. A
- * launch may start once now >= tat - GS_TAU_NS. Every process of the container
- * charges the same clock, so the container as a whole gets its share. A window
- * closes after GS_WINDOW_NS of launching or a number of launches (so the queue
- * stays short); closing waits for its last event.
+ * GPU time between them is charged as busy / share of wall time to two virtual
+ * clocks (a generic cell rate algorithm): the process's own, in its private
+ * memory, and the container's (tat_ns in the region), which every process of the
+ * container charges, so that the container as a whole gets its share. A launch
+ * may start once now >= max(both clocks, the agent's floor) - GS_TAU_NS. The
+ * region is writable by every process of the container, so nothing read from it
+ * lets a process run above its own share: winding the container's clock back
+ * leaves the private one, and the container's clock is only ever pushed later.
+ * A process starts its own clock at the container's (or the floor the agent
+ * last saw, from the control file), so the debt of the container's earlier
+ * processes carries to the next one. A window closes after GS_WINDOW_NS of
+ * launching or a number of launches (so the queue stays short); closing waits
+ * for its last event. A window still open when the process exits is charged
+ * then (a kernel still running: the time it ran so far), and a window whose
+ * last kernel is still running at the next launch is charged the time it ran so
+ * far before that launch waits (a kernel that never ends is paid while it runs).
  *
  * Pauses: a window must not charge the time the GPU sat idle because no launch
  * came (GS_GAP_NS or more between two). Where the GPU's work ended is known from
@@ -36,10 +46,21 @@
  * When the limit applies: `force` always; `default` unless a live node agent says
  * the GPU is not shared right now; `disable` never. A low-priority process
  * (CUDA_TASK_PRIORITY >= 1) also pauses while a live agent sets GS_DEV_YIELD.
+ * The agent's flags and heartbeat come from its control file (gs_control_t),
+ * which the container cannot write: beside the grant (mounted read-only), or
+ * without a grant at the region's path + ".control". Without one the agent is
+ * taken as absent: limited, and nobody yields.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "gs.h"
 
@@ -64,6 +85,7 @@
 /* Launches per pause below which windows are marked: an event per launch costs
  * little next to the pauses then, and an estimate would weigh on little work. */
 #define GS_BURST 32
+#define GS_CONTROL_FILE "control"
 
 static atomic_bool limiter_on;
 static bool limiter_usable; /* the driver has what windows need */
@@ -74,6 +96,11 @@ static uint32_t limit_of[GS_MAX_DEVICES]; /* the policy's: 0 under `disable` */
 static uint8_t agent_may;
 /* Moves when a context is destroyed: per-thread device caches start afresh. */
 static atomic_uint ctx_epoch;
+/* The agent's control file, mapped read-only; NULL while there is none. */
+static const gs_control_t *_Atomic control;
+static _Atomic uint64_t control_tried_ns; /* the last attempt to map it */
+/* The process's own clock per device: private, so the region cannot wind it back. */
+static _Atomic uint64_t own_tat[GS_MAX_DEVICES];
 
 /* window_t.gate: bit 0 is set while an unmarked window is open to the lock-free
  * path; each launch on that path adds GS_INFLIGHT until its driver call returns. */
@@ -101,6 +128,7 @@ typedef struct {
     bool ended; /* `end` was recorded after the last launch */
     CUevent start, end;
     uint64_t cpu_start, end_at; /* when `start` and `end` were recorded */
+    uint64_t charged;           /* charged already, while its last kernel ran */
     /* kept from window to window: a window opens marked while `behind`,
      * `need_pause` or `sparse` is set */
     bool late;       /* the GPU finished the last window more than GS_PACE_NS late */
@@ -126,6 +154,12 @@ static __thread struct {
 } t_dev __attribute__((tls_model("initial-exec")));
 
 static int launch_device(CUcontext *ctx_out);
+static inline uint64_t now_ns(void);
+static void control_open(uint64_t now);
+static inline const gs_control_t *control_now(void);
+static uint64_t clock_of(int d, uint64_t now);
+static void limiter_exit(void);
+static int exit_pid; /* the process whose windows these are (not a fork child's) */
 
 /* The cache follows the thread to its new context at once, so that a thread
  * moving between devices keeps the lock-free path. */
@@ -166,9 +200,17 @@ void gs_limiter_setup(void) {
         w->need_pause = true; /* until a pause shows the GPU keeping pace */
         w->trust = w->calm = 0;
     }
+    /* The control file is the agent's: mapped once per process, kept by a fork
+     * child. A process joins the container's clock (and the agent's floor). */
+    uint64_t now = now_ns();
+    if (!control_now()) control_open(now);
+    for (int d = 0; d < GS_MAX_DEVICES; d++) atomic_store(&own_tat[d], 0);
+    for (int d = 0; d < GS_MAX_DEVICES; d++) atomic_store(&own_tat[d], clock_of(d, now));
+    exit_pid = getpid();
     static bool atfork_done;
     if (!atfork_done) {
         pthread_atfork(NULL, NULL, limiter_after_fork);
+        atexit(limiter_exit);
         atfork_done = true;
     }
     atomic_fetch_add_explicit(&ctx_epoch, 1, memory_order_release);
@@ -187,13 +229,88 @@ static void sleep_ns(uint64_t ns) {
     }
 }
 
+/* ------------------------------------------------------------ the agent's control file */
+/* Maps the control file when it is there and valid; tried at most once a second
+ * (the agent may make it after the process started). Checked on the open
+ * descriptor: with a grant, a regular file of the grant directory's owner that
+ * no one may write, of the full size and this layout. */
+static void control_open(uint64_t now) {
+    uint64_t tried = atomic_load_explicit(&control_tried_ns, memory_order_relaxed);
+    if ((tried && now - tried < 1000000000ULL) ||
+        !atomic_compare_exchange_strong(&control_tried_ns, &tried, now ? now : 1))
+        return;
+    int fd = -1;
+    uid_t owner = geteuid();
+    char where[600];
+    if (gs_cfg.granted) {
+        struct stat dst;
+        snprintf(where, sizeof where, "%s/%s", GS_GRANT_DIR, GS_CONTROL_FILE);
+        if (gs_cfg.grant_dir_fd >= 0 && fstat(gs_cfg.grant_dir_fd, &dst) == 0) {
+            owner = dst.st_uid;
+            fd = openat(gs_cfg.grant_dir_fd, GS_CONTROL_FILE,
+                        O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+        }
+    } else if (gs_cfg.region_path[0]) {
+        snprintf(where, sizeof where, "%s.control", gs_cfg.region_path);
+        fd = gs_open_nofollow(where, O_RDONLY | O_NONBLOCK, 0);
+    } else {
+        return;
+    }
+    static bool warned;
+    if (fd < 0) {
+        if (gs_cfg.granted && !warned) {
+            warned = true;
+            GS_LOG(GS_LOG_WARN, "no node agent control file %s (%s): compute limits apply and "
+                   "nothing yields", where, gs_errname(errno));
+        }
+        return;
+    }
+    struct stat st;
+    const char *why = NULL;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) why = "not a regular file";
+    else if ((size_t)st.st_size != sizeof(gs_control_t)) why = "not the size of a control file";
+    else if (gs_cfg.granted && (st.st_uid != owner || (st.st_mode & 0222)))
+        why = "writable, or not the node agent's";
+    void *m = MAP_FAILED;
+    if (!why) {
+        m = mmap(NULL, sizeof(gs_control_t), PROT_READ, MAP_SHARED, fd, 0);
+        if (m == MAP_FAILED) why = "cannot be mapped";
+    }
+    close(fd);
+    if (!why) {
+        const gs_control_t *c = m;
+        if (__atomic_load_n(&c->magic, __ATOMIC_ACQUIRE) != GS_CONTROL_MAGIC ||
+            c->version != GS_CONTROL_VERSION)
+            why = "not a control file of this layout version";
+    }
+    if (why) {
+        if (m != MAP_FAILED) munmap(m, sizeof(gs_control_t));
+        if (!warned) {
+            warned = true;
+            GS_LOG(GS_LOG_WARN, "node agent control file %s refused: %s (owner %u, mode %04o, "
+                   "layout version %u expected): compute limits apply and nothing yields",
+                   where, why, (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777),
+                   GS_CONTROL_VERSION);
+        }
+        return;
+    }
+    atomic_store_explicit(&control, (const gs_control_t *)m, memory_order_release);
+}
+
+static inline const gs_control_t *control_now(void) {
+    return atomic_load_explicit(&control, memory_order_acquire);
+}
+
 static bool agent_live(uint64_t now) {
-    uint64_t hb = __atomic_load_n(&gs_region->agent_heartbeat_ns, __ATOMIC_ACQUIRE);
+    const gs_control_t *c = control_now();
+    if (!c) return false;
+    uint64_t hb = __atomic_load_n(&c->heartbeat_ns, __ATOMIC_ACQUIRE);
     return hb && now >= hb && now - hb < GS_AGENT_FRESH_NS;
 }
 
 static inline uint32_t dev_flags(int d) {
-    return __atomic_load_n(&gs_region->devices[d].flags, __ATOMIC_ACQUIRE);
+    const gs_control_t *c = control_now();
+    return c ? __atomic_load_n(&c->flags[d], __ATOMIC_ACQUIRE) : 0;
 }
 
 static inline uint32_t active_limit(int d, uint64_t now) {
@@ -201,6 +318,26 @@ static inline uint32_t active_limit(int d, uint64_t now) {
     if (limit && (agent_may & GS_AGENT_LIFTS) && agent_live(now) && !(dev_flags(d) & GS_DEV_SHARED))
         return 0;
     return limit;
+}
+
+/* A container clock (the region's, the agent's floor) counts unless it is
+ * further ahead than any window may charge: a stale one from another boot. */
+static inline uint64_t sane_clock(uint64_t tat, uint64_t now) {
+    return tat > now + GS_MAX_AHEAD_NS ? 0 : tat;
+}
+
+/* When the device's next launch may start, less GS_TAU_NS: the latest of the
+ * process's own clock, the container's and the agent's floor. */
+static uint64_t clock_of(int d, uint64_t now) {
+    uint64_t tat = atomic_load_explicit(&own_tat[d], memory_order_acquire);
+    uint64_t shared = sane_clock(__atomic_load_n(&gs_region->devices[d].tat_ns, __ATOMIC_ACQUIRE), now);
+    if (shared > tat) tat = shared;
+    const gs_control_t *c = control_now();
+    if (c) {
+        uint64_t floor = sane_clock(__atomic_load_n(&c->tat_floor_ns[d], __ATOMIC_ACQUIRE), now);
+        if (floor > tat) tat = floor;
+    }
+    return tat;
 }
 
 /* Region record of the current context's device, and that context, read from
@@ -224,13 +361,21 @@ static int launch_device(CUcontext *ctx_out) {
     return d;
 }
 
+/* Charges `busy` ns of GPU time, at `limit` percent, from `start` on: to the
+ * process's own clock, and to the container's (pushed later only). */
 static void charge(int d, uint64_t busy, uint32_t limit, uint64_t start) {
     gs_device_t *dev = &gs_region->devices[d];
     uint64_t cost = busy * 100 / limit;
-    uint64_t tat = __atomic_load_n(&dev->tat_ns, __ATOMIC_ACQUIRE);
+    uint64_t own = atomic_load_explicit(&own_tat[d], memory_order_acquire);
     uint64_t next;
     do {
-        next = (tat > start ? tat : start) + cost;
+        next = (own > start ? own : start) + cost;
+    } while (!atomic_compare_exchange_weak_explicit(&own_tat[d], &own, next, memory_order_acq_rel,
+                                                    memory_order_acquire));
+    uint64_t tat = __atomic_load_n(&dev->tat_ns, __ATOMIC_ACQUIRE);
+    uint64_t now = now_ns();
+    do {
+        next = (sane_clock(tat, now) > start ? tat : start) + cost;
     } while (!__atomic_compare_exchange_n(&dev->tat_ns, &tat, next, true, __ATOMIC_ACQ_REL,
                                           __ATOMIC_ACQUIRE));
     __atomic_add_fetch(&dev->busy_ns, busy, __ATOMIC_RELAXED);
@@ -319,6 +464,7 @@ static void close_window(window_t *w, int d, bool full) {
         w->trust = w->trust > pauses ? w->trust - pauses : 0;
         if (!w->trust) w->need_pause = true;
     }
+    busy = busy > w->charged ? busy - w->charged : 0;
     charge(d, busy, w->limit, w->cpu_start);
     w->open = w->ended = false;
 }
@@ -390,8 +536,59 @@ static bool open_window(window_t *w, CUcontext ctx, uint32_t limit, CUstream str
     w->marked = w->behind || w->need_pause || w->sparse;
     w->length = w->behind ? GS_WINDOW_LAUNCHES : GS_PACED_LAUNCHES;
     w->ended = false;
+    w->charged = 0;
     w->open = true;
     return true;
+}
+
+/* Before a launch after a pause, whose window would close (waiting for its
+ * last kernel): when that kernel still runs, the time the window ran so far is
+ * charged now, so the container's other processes see it (a kernel that never
+ * ends is paid while it runs); closing takes it off what it charges. */
+static void charge_running(window_t *w, int d, uint64_t now) {
+    if (!gs_real.cuEventQuery || !w->open || !w->ended ||
+        now <= atomic_load_explicit(&w->last_launch, memory_order_relaxed) + GS_GAP_NS)
+        return; /* read without the mutex: a hint, checked again under it */
+    pthread_mutex_lock(&w->mu);
+    shut(w);
+    if (w->open && w->ended && gs_real.cuEventQuery(w->end) == CUDA_ERROR_NOT_READY) {
+        uint64_t ran = now_ns() - w->cpu_start;
+        if (ran > w->charged) {
+            charge(d, ran - w->charged, w->limit, w->cpu_start);
+            w->charged = ran;
+        }
+    }
+    release(w);
+}
+
+/* At exit: every open window is charged, so that a short-lived process pays
+ * too (its debt is the container's: the next process starts from it). A
+ * window whose last kernel still runs is charged the time it ran. A window
+ * whose mutex another thread holds through the exit is left. */
+static void limiter_exit(void) {
+    if (getpid() != exit_pid || !atomic_load(&limiter_on) || !limiter_usable ||
+        atomic_load_explicit(&gs_attached, memory_order_acquire) != 1)
+        return;
+    for (int d = 0; d < GS_MAX_DEVICES; d++) {
+        window_t *w = &windows[d];
+        bool locked = false;
+        for (int i = 0; i < 100 && !(locked = pthread_mutex_trylock(&w->mu) == 0); i++)
+            sleep_ns(1000000);
+        if (!locked) continue;
+        shut(w);
+        if (w->open) {
+            if (w->ended && gs_real.cuEventQuery &&
+                gs_real.cuEventQuery(w->end) == CUDA_ERROR_NOT_READY) {
+                uint64_t ran = now_ns() - w->cpu_start;
+                if (ran > w->charged) charge(d, ran - w->charged, w->limit, w->cpu_start);
+                w->open = w->ended = false;
+            } else {
+                close_window(w, d, false);
+            }
+        }
+        w->open = false;
+        pthread_mutex_unlock(&w->mu);
+    }
 }
 
 enum { GS_SLOW = -1, GS_PLAIN, GS_JOINED, GS_FILLS };
@@ -418,7 +615,9 @@ static inline __attribute__((always_inline)) int fast_begin(window_t **out) {
         limit = active_limit(d, seen);
     }
     if (!limit) return GS_PLAIN;
-    if (__atomic_load_n(w->tat, __ATOMIC_ACQUIRE) > seen + GS_TAU_NS) return GS_SLOW;
+    if (__atomic_load_n(w->tat, __ATOMIC_ACQUIRE) > seen + GS_TAU_NS ||
+        atomic_load_explicit(&own_tat[d], memory_order_relaxed) > seen + GS_TAU_NS)
+        return GS_SLOW;
     if (GS_UNLIKELY(!(atomic_fetch_add_explicit(&w->gate, GS_INFLIGHT, memory_order_acquire) &
                       GS_OPEN) ||
                     w->ctx != ctx)) {
@@ -484,6 +683,8 @@ static int before_launch(CUstream stream, bool ptds) {
     gs_device_t *dev = &gs_region->devices[d];
     uint64_t now = now_ns();
     uint64_t waited = 0;
+    if (!control_now()) control_open(now);
+    charge_running(w, d, now);
     while ((agent_may & GS_AGENT_YIELDS) && agent_live(now) && (dev_flags(d) & GS_DEV_YIELD)) {
         sleep_ns(1000000);
         uint64_t later = now_ns();
@@ -498,8 +699,8 @@ static int before_launch(CUstream stream, bool ptds) {
                                         __ATOMIC_ACQUIRE)) {
             GS_LOG(GS_LOG_WARN, "device %d: limiter clock was %llu s ahead; reset", d,
                    (unsigned long long)((tat - now) / 1000000000ULL));
-            tat = now;
         }
+        tat = clock_of(d, now);
         if (tat > now + GS_TAU_NS) {
             sleep_ns(tat - GS_TAU_NS - now);
             uint64_t later = now_ns();
