@@ -826,3 +826,15 @@ GS_LAUNCH_ENTRY(cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), (hGra
                 hStream, false)
 GS_LAUNCH_ENTRY(cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream),
                 (hGraphExec, hStream), hStream, true)
+/* The legacy launches run on the NULL stream (cuLaunchGridAsync: its own). A
+ * multi-device cooperative launch is measured in the window of the current
+ * context's device, on the stream of its first entry. */
+GS_LAUNCH_ENTRY(cuLaunch, (CUfunction f), (f), NULL, false)
+GS_LAUNCH_ENTRY(cuLaunchGrid, (CUfunction f, int grid_width, int grid_height),
+                (f, grid_width, grid_height), NULL, false)
+GS_LAUNCH_ENTRY(cuLaunchGridAsync, (CUfunction f, int grid_width, int grid_height, CUstream hStream),
+                (f, grid_width, grid_height, hStream), hStream, false)
+GS_LAUNCH_ENTRY(cuLaunchCooperativeKernelMultiDevice,
+                (CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices, unsigned int flags),
+                (launchParamsList, numDevices, flags),
+                launchParamsList && numDevices ? launchParamsList[0].hStream : NULL, false)

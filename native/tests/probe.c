@@ -34,7 +34,8 @@
  *   async SIZE | poolalloc SIZE | free ID | freeraw PTR | trim BYTES | poolattr
  *   info | totalmem [DEV] | fakeused [DEV] | uuid [DEV]
  *   fill SIZE | race SIZE COUNT START_NS (CLOCK_REALTIME)
- *   launch N US [kernel|ex|coop|graph] | sync | run SECONDS US [kernel|ex|coop|graph]
+ *   launch N US [KIND] | sync | run SECONDS US [KIND] (KIND: kernel|ex|coop|graph, or the
+ *   legacy legacy|grid|gridasync, or multi: cuLaunchCooperativeKernelMultiDevice)
  *   threads T SECONDS US (`run` of kernels in T threads at once, on the current context)
  *   capture N US (N kernels launched into a new stream under capture; see cmd_capture)
  *   push [DEV] | pop (the primary context of DEV pushed onto / popped off the stack)
@@ -101,6 +102,11 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
 CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                              unsigned long long flags);
 CUresult cuCtxSynchronize(void);
+CUresult cuLaunch(CUfunction f);
+CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height);
+CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream);
+CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                              unsigned int numDevices, unsigned int flags);
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev);
 CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value);
 CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep);
@@ -166,6 +172,10 @@ typedef unsigned long long (*fake_counter_t)(int);
     X(cuLaunchKernelEx, "cuLaunchKernelEx", PROC_VERSION)                                   \
     X(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", PROC_VERSION)                 \
     X(cuGraphLaunch, "cuGraphLaunch", PROC_VERSION)                                         \
+    X(cuLaunch, "cuLaunch", PROC_VERSION)                                                   \
+    X(cuLaunchGrid, "cuLaunchGrid", PROC_VERSION)                                           \
+    X(cuLaunchGridAsync, "cuLaunchGridAsync", PROC_VERSION)                                 \
+    X(cuLaunchCooperativeKernelMultiDevice, "cuLaunchCooperativeKernelMultiDevice", PROC_VERSION) \
     X(cuStreamCreate, "cuStreamCreate", PROC_VERSION)                                       \
     X(cuStreamDestroy_v2, "cuStreamDestroy", PROC_VERSION)                                  \
     X(cuStreamBeginCapture_v2, "cuStreamBeginCapture", PROC_VERSION)                       \
@@ -989,16 +999,17 @@ static void j_fake_launches(fake_counter_t counted, int dev, unsigned long long 
         j_null("fake_launches");
 }
 
-enum launch_kind { L_KERNEL, L_EX, L_COOP, L_GRAPH };
+enum launch_kind { L_KERNEL, L_EX, L_COOP, L_GRAPH, L_LEGACY, L_GRID, L_GRIDASYNC, L_MULTI };
+
+static const char *const launch_names[] = {"kernel", "ex",   "coop",      "graph",
+                                           "legacy", "grid", "gridasync", "multi"};
 
 static enum launch_kind parse_launch_kind(int argc, char **argv, int i) {
-    if (i >= argc || !strcmp(argv[i], "kernel")) return L_KERNEL;
-    if (!strcmp(argv[i], "ex")) return L_EX;
-    if (!strcmp(argv[i], "coop")) return L_COOP;
-    return L_GRAPH;
+    if (i >= argc) return L_KERNEL;
+    for (int k = 0; k <= L_MULTI; k++)
+        if (!strcmp(argv[i], launch_names[k])) return (enum launch_kind)k;
+    return L_KERNEL;
 }
-
-static const char *const launch_names[] = {"kernel", "ex", "coop", "graph"};
 
 /* One kernel of `us` microseconds on stream 0: the fake runs a CUfunction for as
  * many microseconds as its handle's value. */
@@ -1014,6 +1025,15 @@ static CUresult launch_one(enum launch_kind kind, unsigned long long us) {
     }
     case L_COOP: return CALL(cuLaunchCooperativeKernel, f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL);
     case L_GRAPH: return CALL(cuGraphLaunch, (CUgraphExec)(uintptr_t)us, NULL);
+    /* the legacy entry points, and a multi-device launch of one entry */
+    case L_LEGACY: return CALL(cuLaunch, f);
+    case L_GRID: return CALL(cuLaunchGrid, f, 1, 1);
+    case L_GRIDASYNC: return CALL(cuLaunchGridAsync, f, 1, 1, NULL);
+    case L_MULTI: {
+        CUDA_LAUNCH_PARAMS p = {.function = f, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1,
+                                .blockDimX = 1, .blockDimY = 1, .blockDimZ = 1};
+        return CALL(cuLaunchCooperativeKernelMultiDevice, &p, 1, 0);
+    }
     }
     return PROBE_ERROR;
 }
@@ -1486,9 +1506,9 @@ static const command_t commands[] = {
     {"uuid", "i", NULL, cmd_uuid},
     {"fill", "S", NULL, cmd_fill},
     {"race", "SNN", NULL, cmd_race},
-    {"launch", "NNw", "kernel|ex|coop|graph", cmd_launch},
+    {"launch", "NNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_launch},
     {"sync", "", NULL, cmd_sync},
-    {"run", "FNw", "kernel|ex|coop|graph", cmd_run},
+    {"run", "FNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_run},
     {"threads", "NFN", NULL, cmd_threads},
     {"capture", "NN", NULL, cmd_capture},
     {"push", "i", NULL, cmd_push},

@@ -45,7 +45,7 @@ def test_force_holds_the_share_within_five_points(
     assert abs(got - limit / 100) <= 0.05, got
 
 
-@pytest.mark.parametrize("kind", ["ex", "coop", "graph"])
+@pytest.mark.parametrize("kind", ["ex", "coop", "graph", "legacy", "grid", "gridasync", "multi"])
 def test_every_launch_path_is_limited(run_probe: ProbeRunner, region_path: Path, kind: str) -> None:
     got = share(run_probe, sm(region_path, 40), kind=kind, seconds=1.5)
     assert abs(got - 0.40) <= 0.07, got

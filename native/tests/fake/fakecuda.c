@@ -80,7 +80,9 @@
  *     cuLaunchKernel((CUfunction)1000, 1,1,1, 1,1,1, 0, stream, NULL, NULL)
  * queues a 1 ms kernel. cuLaunchCooperativeKernel and cuLaunchKernelEx use
  * (uintptr_t)f, cuGraphLaunch uses (uintptr_t)hGraphExec; each has a _ptsz
- * twin. A NULL handle is a kernel of zero length. Launches return at once;
+ * twin. The legacy cuLaunch, cuLaunchGrid, cuLaunchGridAsync and
+ * cuLaunchCooperativeKernelMultiDevice (each entry's function, on its stream)
+ * use (uintptr_t)f too. A NULL handle is a kernel of zero length. Launches return at once;
  * the engine sleeps through each kernel on a continuous timeline (a kernel
  * queued while the engine is busy starts exactly when the previous one ends),
  * so N back-to-back kernels of d us take N*d us of wall time. cuEventRecord
@@ -310,6 +312,11 @@ API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void *
 API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                                    void **extra);
 API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
+API CUresult cuLaunch(CUfunction f);
+API CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height);
+API CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream);
+API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                                  unsigned int numDevices, unsigned int flags);
 API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream);
 
 API CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
@@ -362,6 +369,7 @@ API unsigned long long fakecuda_used_bytes(int dev);
     X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchCooperativeKernel)                     \
     X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)            \
     X(cuGraphLaunch) X(cuGraphLaunch_ptsz)                                                    \
+    X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuLaunchCooperativeKernelMultiDevice)  \
     X(cuEventCreate) X(cuEventRecord) X(cuEventRecord_ptsz) X(cuEventQuery)                   \
     X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuStreamCreate) X(cuStreamCreateWithPriority) \
     X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuStreamQuery)  \
@@ -1858,6 +1866,28 @@ API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
 }
 API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
     return launch(hStream, (uintptr_t)hGraphExec);
+}
+
+/* The legacy launches (cuLaunch, cuLaunchGrid on the NULL stream, cuLaunchGridAsync
+ * on its own) run (uintptr_t)f microseconds like cuLaunchKernel; grid sizes are
+ * not checked. cuLaunchCooperativeKernelMultiDevice runs each entry's function on
+ * its entry's stream (and so on that stream's device), in order. */
+API CUresult cuLaunch(CUfunction f) { return launch(NULL, (uintptr_t)f); }
+API CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height) {
+    return launch(NULL, (uintptr_t)f);
+}
+API CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream) {
+    return launch(hStream, (uintptr_t)f);
+}
+API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                                  unsigned int numDevices, unsigned int flags) {
+    NEED_INIT();
+    if (!launchParamsList || !numDevices) return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned int i = 0; i < numDevices; i++) {
+        CUresult rc = launch(launchParamsList[i].hStream, (uintptr_t)launchParamsList[i].function);
+        if (rc) return rc;
+    }
+    return CUDA_SUCCESS;
 }
 
 /* ------------------------------------------------------------------ events */
