@@ -32,7 +32,7 @@
  *   vmmmap ID (maps vmm ID at a new address; `free` of the map's id unmaps it)
  *   vmmpair SIZE (two handles mapped side by side, released, one unmap over both)
  *   async SIZE | poolalloc SIZE | free ID | freeraw PTR | trim BYTES | poolattr
- *   info | totalmem [DEV] | fakeused [DEV] | uuid [DEV]
+ *   info | totalmem [DEV] | fakeused [DEV] | fakebusy [DEV] | uuid [DEV]
  *   fill SIZE | race SIZE COUNT START_NS (CLOCK_REALTIME)
  *   launch N US [KIND] | sync | run SECONDS US [KIND] (KIND: kernel|ex|coop|graph, or the
  *   legacy legacy|grid|gridasync, or multi: cuLaunchCooperativeKernelMultiDevice)
@@ -923,6 +923,21 @@ static void cmd_fakeused(int argc, char **argv) {
     j_end();
 }
 
+/* fakebusy [DEV]: the kernel time the fake engine of DEV ran ("busy_ns"), and the
+ * monotonic clock now ("at_ns"): a test takes the share of a stretch from two. */
+static void cmd_fakebusy(int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    fake_counter_t fn = fake_counter("fakecuda_busy_ns");
+    j_begin("fakebusy");
+    j_int("rc", fn ? 0 : PROBE_UNRESOLVED);
+    if (fn)
+        j_u64("busy_ns", fn(ordinal));
+    else
+        j_null("busy_ns");
+    j_u64("at_ns", now_ns(CLOCK_MONOTONIC));
+    j_end();
+}
+
 #define FILL_MAX 1000000
 
 static void cmd_fill(int argc, char **argv) {
@@ -1503,6 +1518,7 @@ static const command_t commands[] = {
     {"info", "", NULL, cmd_info},
     {"totalmem", "i", NULL, cmd_totalmem},
     {"fakeused", "i", NULL, cmd_fakeused},
+    {"fakebusy", "i", NULL, cmd_fakebusy},
     {"uuid", "i", NULL, cmd_uuid},
     {"fill", "S", NULL, cmd_fill},
     {"race", "SNN", NULL, cmd_race},
