@@ -30,18 +30,23 @@
  *  - unmarked: no events but the two. Launches take a lock-free path: no driver
  *    call but the launch, no mutex, and no clock read before it (the clock read
  *    after the previous launch stands for now; that only errs towards the slow
- *    path, where the clock decides whether to wait). A pause is seen after the
- *    launch that ends it, and the window keeps it: closing, the window takes its
- *    pauses out of its time, less GS_PACE_NS each, the most the GPU may have run
- *    past the launch before one. Pauses lengthen a window, to GS_WINDOW_SPAN_NS
- *    of wall time at most.
- * Windows are unmarked only while that bound holds and the estimate pays: the
- * GPU finished the last windows within GS_PACE_NS of their last launch (one late
- * window is let pass), a marked window measured a pause with the GPU keeping pace
- * within the last GS_TRUST estimated ones (or no pause came for GS_TRUST
- * windows), and bursts between pauses have GS_BURST launches or more. No event is
- * ever recorded into a stream being captured: a launch that records one checks
- * its stream first (on the lock-free path, the launch that fills the window).
+ *    path, where the clock decides whether to wait). The pause watcher, a thread
+ *    of the limiter, sees a pause begin: once the device had no launch for
+ *    GS_WATCH_NS it records the window's end on the last launch's stream (the
+ *    GPU reaches it when that work is done, however long the last kernel runs)
+ *    and sends the next launch to the slow path, which closes the window at a
+ *    pause, measured as a marked one, and goes on with it otherwise. A pause the
+ *    watcher missed (starved of the CPU) is charged as busy: an estimate from
+ *    the CPU's side would let a kernel queued last run through the pause free.
+ * Windows are unmarked only while the GPU keeps pace: it finished the last
+ * windows within GS_PACE_NS of their last launch (one late window is let pass),
+ * a marked window measured a pause with the GPU keeping pace within the last
+ * GS_TRUST pauses (or no pause came for GS_TRUST windows), and bursts between
+ * pauses have GS_BURST launches or more. No event is ever recorded into a
+ * stream being captured: a launch that records one checks its stream first (on
+ * the lock-free path, the launch that fills the window), and so does the
+ * watcher (a capture begun by another thread in the instant between its check
+ * and its record would take the event in).
  *
  * When the limit applies: `force` always; `default` unless a live node agent says
  * the GPU is not shared right now; `disable` never. A low-priority process
@@ -58,6 +63,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -65,9 +71,6 @@
 #include "gs.h"
 
 #define GS_WINDOW_NS 4000000ULL
-/* An unmarked window's pauses extend its time, up to this much of wall time:
- * whether the GPU ran on through them shows when the window closes. */
-#define GS_WINDOW_SPAN_NS (8 * GS_WINDOW_NS)
 /* A window's launches while the GPU falls behind; while it keeps pace the queue
  * stays short without the count, and windows may hold more, which spreads
  * their driver calls thinner. */
@@ -80,12 +83,15 @@
 #define GS_MAX_AHEAD_NS 120000000000ULL
 /* The GPU keeps pace when it finishes a window within this of its last launch. */
 #define GS_PACE_NS 250000ULL
-/* Pauses estimated between two measured ones. */
+/* Pauses through unmarked windows between two measured by marked ones. */
 #define GS_TRUST 256
 /* Launches per pause below which windows are marked: an event per launch costs
  * little next to the pauses then, and an estimate would weigh on little work. */
 #define GS_BURST 32
 #define GS_CONTROL_FILE "control"
+/* The pause watcher records a window's end once its device had no launch for
+ * this long: a pause may have begun (the GPU idle since is charged as busy). */
+#define GS_WATCH_NS 100000ULL
 
 static atomic_bool limiter_on;
 static bool limiter_usable; /* the driver has what windows need */
@@ -116,8 +122,7 @@ typedef struct {
     _Atomic uint64_t seen; /* the clock after the device's last launch */
     uint64_t *tat;         /* the device's clock in the region */
     CUcontext ctx;
-    _Atomic uint64_t deadline; /* GS_WINDOW_NS of launching after cpu_start: pauses extend it */
-    uint64_t horizon;          /* ...to no later than cpu_start + GS_WINDOW_SPAN_NS */
+    _Atomic uint64_t deadline; /* GS_WINDOW_NS of launching after cpu_start */
     unsigned length;   /* launches it may hold */
     uint32_t limit;
     _Atomic uint64_t last_launch; /* the clock after the window's last launch */
@@ -129,6 +134,9 @@ typedef struct {
     CUevent start, end;
     uint64_t cpu_start, end_at; /* when `start` and `end` were recorded */
     uint64_t charged;           /* charged already, while its last kernel ran */
+    /* The stream of the window's last launch, for the pause watcher: the legacy
+     * stream (NULL) for a per-thread one, which only its own thread can reach. */
+    _Atomic(CUstream) last_stream;
     /* kept from window to window: a window opens marked while `behind`,
      * `need_pause` or `sparse` is set */
     bool late;       /* the GPU finished the last window more than GS_PACE_NS late */
@@ -159,6 +167,12 @@ static void control_open(uint64_t now);
 static inline const gs_control_t *control_now(void);
 static uint64_t clock_of(int d, uint64_t now);
 static void limiter_exit(void);
+static void watch_opened(void);
+/* the pause watcher (see there) */
+static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t watch_cv = PTHREAD_COND_INITIALIZER;
+static bool watcher_started;
+static atomic_bool watcher_idle; /* waiting for an unmarked window to open */
 static int exit_pid; /* the process whose windows these are (not a fork child's) */
 
 /* The cache follows the thread to its new context at once, so that a thread
@@ -176,6 +190,11 @@ void gs_limiter_ctx_switched(void) {
 static void limiter_after_fork(void) {
     atomic_fetch_add_explicit(&ctx_epoch, 1, memory_order_relaxed);
     t_dev.ctx = NULL;
+    /* the watcher thread is the parent's */
+    pthread_mutex_init(&watch_mu, NULL);
+    pthread_cond_init(&watch_cv, NULL);
+    watcher_started = false;
+    atomic_store(&watcher_idle, false);
 }
 
 void gs_limiter_setup(void) {
@@ -393,25 +412,12 @@ static void release(window_t *w) {
     pthread_mutex_unlock(&w->mu);
 }
 
-/* A launch `gap` after the window's previous one, in an unmarked window. */
+/* A launch `gap` after the window's previous one, in an unmarked window, that
+ * the pause watcher did not see: the GPU may have run through it, so it is
+ * charged as busy (counted for the window's statistics only). */
 static void note_pause(window_t *w, uint64_t gap) {
     atomic_fetch_add_explicit(&w->gaps, gap, memory_order_relaxed);
     atomic_fetch_add_explicit(&w->pauses, 1, memory_order_relaxed);
-    uint64_t deadline = atomic_load_explicit(&w->deadline, memory_order_relaxed);
-    while (deadline < w->horizon &&
-           !atomic_compare_exchange_weak_explicit(&w->deadline, &deadline,
-                                                  gs_min_u64(deadline + gap, w->horizon),
-                                                  memory_order_relaxed, memory_order_relaxed)) {
-    }
-}
-
-/* The time an unmarked window's pauses were idle, taken low: while windows are
- * unmarked the GPU finishes within GS_PACE_NS of a launch, so each pause is
- * counted idle only after that much (charged at most GS_PACE_NS too much). */
-static uint64_t idle_of(window_t *w, unsigned pauses) {
-    uint64_t gaps = atomic_load_explicit(&w->gaps, memory_order_relaxed);
-    uint64_t ran = (uint64_t)pauses * GS_PACE_NS;
-    return gaps > ran ? gaps - ran : 0;
 }
 
 /* Ends the open window (mutex held, gate shut) and charges the time it took.
@@ -434,8 +440,6 @@ static void close_window(window_t *w, int d, bool full) {
         uint64_t lag = busy > span ? busy - span : 0;
         w->behind = w->late && lag > GS_PACE_NS; /* once may be a hiccup */
         w->late = lag > GS_PACE_NS;
-        uint64_t idle = idle_of(w, pauses);
-        busy = busy > idle ? busy - idle : 0;
         if (pauses && w->late) { /* it may have run on through them: measure again */
             w->need_pause = true;
             w->trust = 0;
@@ -449,13 +453,12 @@ static void close_window(window_t *w, int d, bool full) {
             w->calm = 0;
             w->sparse = launches < GS_BURST;
         }
-    } else { /* unmarked, at a pause: up to its last launch and GS_PACE_NS past it */
-        uint64_t last = atomic_load_explicit(&w->last_launch, memory_order_relaxed);
-        uint64_t now = now_ns();
-        if (last < w->cpu_start) last = w->cpu_start;
-        uint64_t idle = idle_of(w, pauses);
-        busy = last - w->cpu_start + GS_PACE_NS;
-        busy = gs_min_u64(busy > idle ? busy - idle : 0, now - w->cpu_start);
+    } else {
+        /* Unmarked, and no end recorded: at a change (context, limit, a capture),
+         * where it ends about now, or at a pause the watcher did not get to
+         * (starved of the CPU), where the GPU may have run through it: charged
+         * until now, never less than the GPU may have run. */
+        busy = now_ns() - w->cpu_start;
         pauses++;
         w->sparse = launches < GS_BURST * pauses;
     }
@@ -531,13 +534,15 @@ static bool open_window(window_t *w, CUcontext ctx, uint32_t limit, CUstream str
     atomic_store_explicit(&w->gaps, 0, memory_order_relaxed);
     atomic_store_explicit(&w->pauses, 0, memory_order_relaxed);
     atomic_store_explicit(&w->deadline, w->cpu_start + GS_WINDOW_NS, memory_order_relaxed);
-    w->horizon = w->cpu_start + GS_WINDOW_SPAN_NS;
     w->limit = limit;
     w->marked = w->behind || w->need_pause || w->sparse;
     w->length = w->behind ? GS_WINDOW_LAUNCHES : GS_PACED_LAUNCHES;
     w->ended = false;
     w->charged = 0;
     w->open = true;
+    atomic_store_explicit(&w->last_stream, ptds || stream == (CUstream)0x2 ? NULL : stream,
+                          memory_order_relaxed);
+    if (!w->marked) watch_opened();
     return true;
 }
 
@@ -591,6 +596,99 @@ static void limiter_exit(void) {
     }
 }
 
+/* ------------------------------------------------------------ the pause watcher */
+/*
+ * An unmarked window has no event after each launch, so where the GPU's work
+ * ended before a pause is unknown, and a kernel queued last before a pause may
+ * run through it. The watcher thread sees the pause begin instead: once an open
+ * unmarked window has had no launch for GS_PACE_NS, it records the window's end
+ * event on the stream of its last launch (the GPU reaches it when that work is
+ * done, or at once if it was) and shuts the lock-free path, so the launch after
+ * the pause takes the slow path: at a pause the window closes measured, as a
+ * marked one does; after a shorter gap it goes on (its end recorded again
+ * later). The watcher sleeps while no unmarked window is open.
+ */
+
+/* With the window's mutex held and its gate shut: records `end` for the pause
+ * that began after its last launch. */
+static void watch_mark(window_t *w) {
+    static __thread CUcontext current;
+    CUstream stream = atomic_load_explicit(&w->last_stream, memory_order_relaxed);
+    if (current != w->ctx) {
+        if (!gs_real.cuCtxSetCurrent || gs_real.cuCtxSetCurrent(w->ctx) != CUDA_SUCCESS) return;
+        current = w->ctx;
+    }
+    if (capturing(stream, false) || record(w->end, stream, false) != CUDA_SUCCESS) return;
+    w->end_at = now_ns();
+    w->ended = true;
+}
+
+static void *watcher_main(void *arg) {
+    (void)arg;
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* its sleeps are short and their end matters */
+    for (;;) {
+        uint64_t now = now_ns(), next = now + GS_GAP_NS;
+        bool any = false; /* an unmarked window whose pause may still come */
+        for (int d = 0; d < GS_MAX_DEVICES; d++) {
+            window_t *w = &windows[d];
+            if (pthread_mutex_trylock(&w->mu) != 0) {
+                any = true;
+                continue;
+            }
+            if (!w->open || w->marked || w->ended || !w->start) {
+                pthread_mutex_unlock(&w->mu);
+                continue;
+            }
+            any = true;
+            uint64_t last = atomic_load_explicit(&w->last_launch, memory_order_relaxed);
+            if (now < last + GS_WATCH_NS) {
+                next = gs_min_u64(next, last + GS_WATCH_NS);
+                pthread_mutex_unlock(&w->mu);
+                continue;
+            }
+            shut(w);
+            if (atomic_load_explicit(&w->last_launch, memory_order_relaxed) == last) watch_mark(w);
+            if (w->ended) /* the gate stays shut: the next launch takes the slow path */
+                pthread_mutex_unlock(&w->mu);
+            else
+                release(w);
+        }
+        if (!any) {
+            pthread_mutex_lock(&watch_mu);
+            atomic_store(&watcher_idle, true);
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_sec += 1; /* a window may have opened unseen: look again now and then */
+            pthread_cond_timedwait(&watch_cv, &watch_mu, &until);
+            atomic_store(&watcher_idle, false);
+            pthread_mutex_unlock(&watch_mu);
+            continue;
+        }
+        now = now_ns();
+        sleep_ns(next > now ? gs_min_u64(next - now, GS_GAP_NS) : GS_WATCH_NS / 4);
+    }
+    return NULL;
+}
+
+/* An unmarked window opened: the watcher starts, or wakes. */
+static void watch_opened(void) {
+    if (GS_LIKELY(watcher_started && !atomic_load_explicit(&watcher_idle, memory_order_acquire)))
+        return;
+    pthread_mutex_lock(&watch_mu);
+    if (!watcher_started) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        watcher_started = pthread_create(&t, &attr, watcher_main, NULL) == 0;
+        pthread_attr_destroy(&attr);
+        if (!watcher_started)
+            GS_LOG(GS_LOG_WARN, "cannot start the pause watcher: pauses are charged as busy");
+    }
+    pthread_cond_signal(&watch_cv);
+    pthread_mutex_unlock(&watch_mu);
+}
+
 enum { GS_SLOW = -1, GS_PLAIN, GS_JOINED, GS_FILLS };
 
 /*
@@ -635,8 +733,14 @@ static inline __attribute__((always_inline)) int fast_begin(window_t **out) {
 }
 
 /* After the driver call of a launch that joined: the clock, and a pause before it. */
-static inline void fast_end(window_t *w) {
+static inline void fast_end(window_t *w, CUstream stream, bool ptds) {
     uint64_t now = now_ns();
+    if (!ptds && stream != (CUstream)0x2 &&
+        atomic_load_explicit(&w->last_stream, memory_order_relaxed) != stream)
+        atomic_store_explicit(&w->last_stream, stream, memory_order_relaxed);
+    else if ((ptds || stream == (CUstream)0x2) &&
+             atomic_load_explicit(&w->last_stream, memory_order_relaxed))
+        atomic_store_explicit(&w->last_stream, NULL, memory_order_relaxed);
     atomic_store_explicit(&w->seen, now, memory_order_relaxed);
     uint64_t prev = atomic_exchange_explicit(&w->last_launch, now, memory_order_relaxed);
     if (GS_UNLIKELY(now > prev + GS_GAP_NS)) note_pause(w, now - prev);
@@ -717,6 +821,8 @@ static int before_launch(CUstream stream, bool ptds) {
     if (w->open && (w->ctx != ctx || w->limit != limit ||
                     now > atomic_load_explicit(&w->last_launch, memory_order_relaxed) + GS_GAP_NS))
         close_window(w, d, false);
+    else if (w->open && !w->marked && w->ended)
+        w->ended = false; /* the watcher's end, at a gap shorter than a pause: it goes on */
     if (!w->open && !open_window(w, ctx, limit, stream, ptds)) {
         release(w);
         return -1;
@@ -742,6 +848,8 @@ static void after_launch(int d, CUstream stream, bool ptds, CUresult rc) {
         }
         atomic_store_explicit(&w->last_launch, now, memory_order_relaxed);
         atomic_store_explicit(&w->seen, now, memory_order_relaxed);
+        atomic_store_explicit(&w->last_stream, ptds || stream == (CUstream)0x2 ? NULL : stream,
+                              memory_order_relaxed);
         if (full) close_window(w, d, true);
     } else if (atomic_load_explicit(&w->launches, memory_order_relaxed) == 0) {
         w->open = false; /* nothing ran in it */
@@ -789,7 +897,7 @@ static void fill_end(window_t *w, CUstream stream, bool ptds, CUresult rc) {
             switch (fast_begin(&w_)) {                                                        \
             case GS_JOINED:                                                                   \
                 rc_ = gs_real.fn args;                                                        \
-                fast_end(w_);                                                                 \
+                fast_end(w_, (stream), (ptds));                                               \
                 return rc_;                                                                   \
             case GS_PLAIN:                                                                    \
                 rc_ = gs_real.fn args;                                                        \

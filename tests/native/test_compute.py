@@ -363,3 +363,22 @@ def test_threads_launching_at_once_share_the_limit(
     ).one("threads")  # fmt: skip
     assert (line["rc"], line["threads"]) == (0, 4), line
     assert abs(line["share"] - 0.40) <= 0.07, line
+
+
+def test_a_long_kernel_before_each_pause_is_charged_its_gpu_time(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # Each round a short pause the GPU keeps pace through (so windows are unmarked,
+    # the next pauses estimated), then 40 empty kernels and a 50 ms one before a
+    # 100 ms pause: the long kernel runs into the pause. Charged only up to its
+    # launch (the pause taken as idle), this ran at 65-99 % under a 10 % share
+    # (47 % with these pauses); the pause watcher records the window's end as the
+    # pause begins.
+    cycles = (*measured_pause(), "launch 1 50000", "sleep 100") * 6
+    result = run_probe(
+        "init", "ctx", *measured_pause(), "fakebusy", *cycles, "sync", "fakebusy",
+        env=sm(region_path, 10), timeout=120,
+    )  # fmt: skip
+    before, after = result.by_cmd("fakebusy")
+    got = (after["busy_ns"] - before["busy_ns"]) / (after["at_ns"] - before["at_ns"])
+    assert got < 0.20, result.describe()
