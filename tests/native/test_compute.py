@@ -382,3 +382,25 @@ def test_a_long_kernel_before_each_pause_is_charged_its_gpu_time(
     before, after = result.by_cmd("fakebusy")
     got = (after["busy_ns"] - before["busy_ns"]) / (after["at_ns"] - before["at_ns"])
     assert got < 0.20, result.describe()
+
+
+def test_a_kernel_still_running_is_charged_before_the_next_launch(
+    spawn_probe: ProbeSpawner, run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # A process of the container queues a 2 s kernel and launches again 0.5 s
+    # later: the window's kernel still runs, so the 0.5 s it ran is charged then
+    # (2.5 s at 20 %), before that launch waits for it. Another process of the
+    # container launching meanwhile waits for that debt; it used to be charged
+    # only once the kernel had ended, and the other process ran at once.
+    holder = spawn_probe(
+        "init", "ctx", "launch", 1, 2_000_000, "sleep", 500, "launch", 1, 0, "sync",
+        env=sm(region_path, 20),
+    )  # fmt: skip
+    holder.wait_for("launch")
+    time.sleep(1.0)
+    line = run_probe("init", "ctx", "launch", 1, 1000, env=sm(region_path, 20), timeout=30).one(
+        "launch"
+    )
+    assert line["rc"] == 0
+    assert line["ns"] > 0.6e9, line
+    holder.result(timeout=30)
