@@ -631,3 +631,26 @@ def test_a_forged_record_does_not_throttle_a_high_priority_victim(
         line = proc.result(timeout=20).one("run")
     assert flags(victim) == (False, False)
     assert line["share"] > 0.6, line
+
+
+@pytest.mark.parametrize("control", ["missing", "writable"])
+def test_without_a_valid_control_file_a_granted_container_is_limited(
+    host: HostDir, spawn_probe: ProbeSpawner, control: str
+) -> None:
+    # No agent has set up the container's control file, or one the container
+    # could write stands there saying "not shared" with a fresh heartbeat: the
+    # agent counts as absent, and the container is held to its share.
+    region = prepare(host, "a", sm=30, policy="default")
+    path = region.parent / CONTROL_FILE
+    if control == "writable":
+        path.chmod(0o666)
+        with Control.open(path, writable=True) as c:
+            c.set_flags(0, shared=False, yield_=False)
+            c.heartbeat()
+    else:
+        path.unlink()
+    proc = spawn_probe("init", "ctx", "run", 1.5, 2000, env=env(region))
+    result = proc.result(timeout=30)
+    line = result.one("run")
+    assert abs(line["share"] - 0.30) <= 0.07, line
+    assert "control file" in result.stderr, result.stderr

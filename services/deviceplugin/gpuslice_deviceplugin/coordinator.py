@@ -168,6 +168,8 @@ class Coordinator:
         self._controls: dict[Path, Control] = {}
         self._refused: dict[Path, tuple[int, int]] = {}  # warned about this inode
         self._bad_grants: dict[Path, str] = {}  # warned about this
+        # parsed grants by file identity: the agent replaces a grant, never edits it
+        self._grants: dict[Path, tuple[tuple[int, int, int, int], Grant]] = {}
         self._lock = threading.Lock()
 
     def tick(self, gone: Collection[str] = ()) -> CoordinatorSnapshot:
@@ -190,6 +192,8 @@ class Coordinator:
                 del self._refused[path]
             for path in [p for p in self._bad_grants if p.parent not in present]:
                 del self._bad_grants[path]
+            for path in [p for p in self._grants if p.parent not in present]:
+                del self._grants[path]
             active, high = _by_gpu(readings)
             states = tuple(self._decide(r, active, high) for r in readings)
             for r in readings:
@@ -249,18 +253,26 @@ class Coordinator:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
                     raise OSError(f"{path} is not a regular file")
+                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                cached = self._grants.get(path)
+                if cached is not None and cached[0] == key:
+                    return cached[1]
                 text = os.pread(fd, _GRANT_MAX_BYTES + 1, 0)
             finally:
                 os.close(fd)
             if len(text) > _GRANT_MAX_BYTES:
                 raise GrantError(f"more than {_GRANT_MAX_BYTES} bytes")
             found = grant_format.parse(text.decode("utf-8"))
+            self._grants[path] = (key, found)
         except FileNotFoundError:
             log.debug("%s: no grant yet", directory)
+            self._grants.pop(path, None)
             return None
         except (OSError, UnicodeDecodeError, GrantError) as e:
+            self._grants.pop(path, None)
             why = str(e)
             if self._bad_grants.get(path) != why:
                 log.warning("not coordinating %s: its grant cannot be read: %s", directory, why)
