@@ -3,8 +3,11 @@
  *
  * With one, a launch first waits while the container is ahead of its share, then
  * runs inside a measuring window, one per device of the process: a timing event
- * is recorded before the window's first kernel and one after its last, and the
- * GPU time between them is charged as busy / share of wall time to two virtual
+ * is recorded before the window's first kernel and one after its last on every
+ * stream the window launched into (work on one stream is not ordered before an
+ * event on another: up to GS_WINDOW_STREAMS, a launch into one more starts a new
+ * window; a launch into a stream new to the window takes the slow path), and the
+ * GPU time from the first to the latest of them is charged as busy / share of wall time to two virtual
  * clocks (a generic cell rate algorithm): the process's own, in its private
  * memory, and the container's (tat_ns in the region), which every process of the
  * container charges, so that the container as a whole gets its share. A launch
@@ -89,6 +92,8 @@
  * little next to the pauses then, and an estimate would weigh on little work. */
 #define GS_BURST 32
 #define GS_CONTROL_FILE "control"
+/* Streams one window follows (a launch into one more starts a new window). */
+#define GS_WINDOW_STREAMS 8
 /* The pause watcher records a window's end once its device had no launch for
  * this long: a pause may have begun (the GPU idle since is charged as busy). */
 #define GS_WATCH_NS 100000ULL
@@ -134,9 +139,13 @@ typedef struct {
     CUevent start, end;
     uint64_t cpu_start, end_at; /* when `start` and `end` were recorded */
     uint64_t charged;           /* charged already, while its last kernel ran */
-    /* The stream of the window's last launch, for the pause watcher: the legacy
-     * stream (NULL) for a per-thread one, which only its own thread can reach. */
-    _Atomic(CUstream) last_stream;
+    /* The streams launched into in the window, by stream_key(), each with an end
+     * event of its own (streams[0]'s is `end`, the others' more_end[i - 1]):
+     * work on one stream is not ordered before an event on another. */
+    CUstream streams[GS_WINDOW_STREAMS];
+    CUevent more_end[GS_WINDOW_STREAMS - 1];
+    unsigned nstreams;
+    unsigned recorded; /* bit i: stream i's end was recorded in this window */
     /* kept from window to window: a window opens marked while `behind`,
      * `need_pause` or `sparse` is set */
     bool late;       /* the GPU finished the last window more than GS_PACE_NS late */
@@ -168,6 +177,8 @@ static inline const gs_control_t *control_now(void);
 static uint64_t clock_of(int d, uint64_t now);
 static void limiter_exit(void);
 static void watch_opened(void);
+static CUresult record(CUevent event, CUstream stream, bool ptds);
+static bool capturing(CUstream stream, bool ptds);
 /* the pause watcher (see there) */
 static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t watch_cv = PTHREAD_COND_INITIALIZER;
@@ -213,6 +224,8 @@ void gs_limiter_setup(void) {
         w->tat = &gs_region->devices[d].tat_ns;
         atomic_init(&w->seen, 0);
         w->start = w->end = NULL; /* a fork child's are its parent's */
+        for (int i = 0; i < GS_WINDOW_STREAMS - 1; i++) w->more_end[i] = NULL;
+        w->nstreams = w->recorded = 0;
         w->ctx = NULL;
         w->open = w->ended = false;
         w->late = w->behind = w->sparse = false;
@@ -420,6 +433,84 @@ static void note_pause(window_t *w, uint64_t gap) {
     atomic_fetch_add_explicit(&w->pauses, 1, memory_order_relaxed);
 }
 
+/* A stream as windows tell streams apart: the per-thread stream is (CUstream)2
+ * however it was named (NULL under the _ptsz entry points; its events are
+ * recorded by the thread launching). */
+static inline CUstream stream_key(CUstream stream, bool ptds) {
+    return (ptds && !stream) || stream == (CUstream)0x2 ? (CUstream)0x2 : stream;
+}
+
+static inline int stream_slot(const window_t *w, CUstream key) {
+    for (unsigned i = 0; i < w->nstreams; i++)
+        if (w->streams[i] == key) return (int)i;
+    return -1;
+}
+
+static inline CUevent slot_end(const window_t *w, unsigned i) {
+    return i == 0 ? w->end : w->more_end[i - 1];
+}
+
+/* Records stream i's end event. `watcher`: from the pause watcher's thread,
+ * which reaches a per-thread stream only through the legacy one. */
+static CUresult record_slot(window_t *w, unsigned i, bool watcher) {
+    CUstream key = w->streams[i];
+    CUstream stream = watcher && key == (CUstream)0x2 ? NULL : key;
+    if (capturing(stream, false)) return CUDA_ERROR_NOT_READY;
+    CUresult rc = record(slot_end(w, i), stream, false);
+    if (rc == CUDA_SUCCESS) w->recorded |= 1u << i;
+    return rc;
+}
+
+/* Records the end of every stream of the window; true when each one was. */
+static bool record_all(window_t *w, bool watcher) {
+    bool all = true;
+    for (unsigned i = 0; i < w->nstreams; i++) all &= record_slot(w, i, watcher) == CUDA_SUCCESS;
+    return all;
+}
+
+/* Adds a stream to the window (mutex held, gate shut): false when it follows
+ * as many as it can, or no event could be made for it. */
+static bool add_stream(window_t *w, CUstream key) {
+    if (w->nstreams >= GS_WINDOW_STREAMS) return false;
+    unsigned i = w->nstreams;
+    if (i > 0 && !w->more_end[i - 1] &&
+        gs_real.cuEventCreate(&w->more_end[i - 1], 0) != CUDA_SUCCESS) {
+        w->more_end[i - 1] = NULL;
+        return false;
+    }
+    w->streams[i] = key;
+    w->nstreams = i + 1;
+    return true;
+}
+
+/* Whether a recorded end is still ahead of the GPU. */
+static bool still_running(window_t *w) {
+    if (!gs_real.cuEventQuery) return false;
+    for (unsigned i = 0; i < w->nstreams; i++)
+        if ((w->recorded & (1u << i)) && gs_real.cuEventQuery(slot_end(w, i)) == CUDA_ERROR_NOT_READY)
+            return true;
+    return false;
+}
+
+/* The GPU time from `start` to the latest recorded end, after waiting for them;
+ * false when the driver cannot say. */
+static bool measured(window_t *w, uint64_t *busy) {
+    bool any = false;
+    uint64_t most = 0;
+    for (unsigned i = 0; i < w->nstreams; i++) {
+        if (!(w->recorded & (1u << i))) continue;
+        CUevent e = slot_end(w, i);
+        gs_real.cuEventSynchronize(e);
+        float ms = 0;
+        if (!gs_real.cuEventElapsedTime || gs_real.cuEventElapsedTime(&ms, w->start, e) != CUDA_SUCCESS)
+            return false;
+        if (ms > 0) most = ((uint64_t)((double)ms * 1e6) > most ? (uint64_t)((double)ms * 1e6) : most);
+        any = true;
+    }
+    *busy = most;
+    return any;
+}
+
 /* Ends the open window (mutex held, gate shut) and charges the time it took.
  * `full`: it reached its length, and `end` was just recorded after its last
  * launch; otherwise it ends at a pause or a change. */
@@ -428,14 +519,8 @@ static void close_window(window_t *w, int d, bool full) {
     unsigned launches = atomic_load_explicit(&w->launches, memory_order_relaxed);
     uint64_t busy;
     if (w->ended) {
-        gs_real.cuEventSynchronize(w->end);
-        uint64_t done = now_ns();
-        float ms = 0;
-        if (gs_real.cuEventElapsedTime &&
-            gs_real.cuEventElapsedTime(&ms, w->start, w->end) == CUDA_SUCCESS && ms >= 0)
-            busy = (uint64_t)((double)ms * 1e6);
-        else /* the CPU's view: until the wait at the length, the last launch at a pause */
-            busy = (full ? done : w->end_at) - w->cpu_start;
+        if (!measured(w, &busy)) /* the CPU's view: until the wait at the length, the last launch at a pause */
+            busy = (full ? now_ns() : w->end_at) - w->cpu_start;
         uint64_t span = w->end_at - w->cpu_start;
         uint64_t lag = busy > span ? busy - span : 0;
         w->behind = w->late && lag > GS_PACE_NS; /* once may be a hiccup */
@@ -470,6 +555,7 @@ static void close_window(window_t *w, int d, bool full) {
     busy = busy > w->charged ? busy - w->charged : 0;
     charge(d, busy, w->limit, w->cpu_start);
     w->open = w->ended = false;
+    w->nstreams = w->recorded = 0;
 }
 
 static CUresult record(CUevent event, CUstream stream, bool ptds) {
@@ -496,6 +582,8 @@ void gs_limiter_forget_ctx(CUcontext ctx) {
         shut(w);
         if (w->start && w->ctx == ctx) {
             w->start = w->end = NULL; /* destroyed with the context */
+            for (int i = 0; i < GS_WINDOW_STREAMS - 1; i++) w->more_end[i] = NULL;
+            w->nstreams = w->recorded = 0;
             w->ctx = NULL;
             w->open = w->ended = false;
         }
@@ -509,6 +597,10 @@ static bool window_events(window_t *w, CUcontext ctx) {
         gs_real.cuEventDestroy_v2(w->start);
         gs_real.cuEventDestroy_v2(w->end);
         w->start = w->end = NULL;
+        for (int i = 0; i < GS_WINDOW_STREAMS - 1; i++) {
+            if (w->more_end[i]) gs_real.cuEventDestroy_v2(w->more_end[i]);
+            w->more_end[i] = NULL;
+        }
     }
     if (gs_real.cuEventCreate(&w->start, 0) != CUDA_SUCCESS) return false;
     if (gs_real.cuEventCreate(&w->end, 0) != CUDA_SUCCESS) {
@@ -525,6 +617,7 @@ static bool open_window(window_t *w, CUcontext ctx, uint32_t limit, CUstream str
     CUresult rc = record(w->start, stream, ptds);
     if (rc != CUDA_SUCCESS) { /* events from a context since destroyed: once more */
         w->start = w->end = NULL;
+        for (int i = 0; i < GS_WINDOW_STREAMS - 1; i++) w->more_end[i] = NULL;
         if (window_events(w, ctx)) rc = record(w->start, stream, ptds);
     }
     if (rc != CUDA_SUCCESS) return false;
@@ -539,9 +632,10 @@ static bool open_window(window_t *w, CUcontext ctx, uint32_t limit, CUstream str
     w->length = w->behind ? GS_WINDOW_LAUNCHES : GS_PACED_LAUNCHES;
     w->ended = false;
     w->charged = 0;
+    w->streams[0] = stream_key(stream, ptds);
+    w->nstreams = 1;
+    w->recorded = 0;
     w->open = true;
-    atomic_store_explicit(&w->last_stream, ptds || stream == (CUstream)0x2 ? NULL : stream,
-                          memory_order_relaxed);
     if (!w->marked) watch_opened();
     return true;
 }
@@ -556,7 +650,7 @@ static void charge_running(window_t *w, int d, uint64_t now) {
         return; /* read without the mutex: a hint, checked again under it */
     pthread_mutex_lock(&w->mu);
     shut(w);
-    if (w->open && w->ended && gs_real.cuEventQuery(w->end) == CUDA_ERROR_NOT_READY) {
+    if (w->open && w->ended && still_running(w)) {
         uint64_t ran = now_ns() - w->cpu_start;
         if (ran > w->charged) {
             charge(d, ran - w->charged, w->limit, w->cpu_start);
@@ -582,8 +676,7 @@ static void limiter_exit(void) {
         if (!locked) continue;
         shut(w);
         if (w->open) {
-            if (w->ended && gs_real.cuEventQuery &&
-                gs_real.cuEventQuery(w->end) == CUDA_ERROR_NOT_READY) {
+            if (w->ended && still_running(w)) {
                 uint64_t ran = now_ns() - w->cpu_start;
                 if (ran > w->charged) charge(d, ran - w->charged, w->limit, w->cpu_start);
                 w->open = w->ended = false;
@@ -613,12 +706,12 @@ static void limiter_exit(void) {
  * that began after its last launch. */
 static void watch_mark(window_t *w) {
     static __thread CUcontext current;
-    CUstream stream = atomic_load_explicit(&w->last_stream, memory_order_relaxed);
     if (current != w->ctx) {
         if (!gs_real.cuCtxSetCurrent || gs_real.cuCtxSetCurrent(w->ctx) != CUDA_SUCCESS) return;
         current = w->ctx;
     }
-    if (capturing(stream, false) || record(w->end, stream, false) != CUDA_SUCCESS) return;
+    w->recorded = 0;
+    if (!record_all(w, true)) return; /* left unended: a pause is charged as busy */
     w->end_at = now_ns();
     w->ended = true;
 }
@@ -699,7 +792,7 @@ enum { GS_SLOW = -1, GS_PLAIN, GS_JOINED, GS_FILLS };
  * GS_FILLS: it is the last launch of that window (fill_begin). GS_SLOW: the rest
  * (no cached device, a wait or a yield due, no window or a marked one).
  */
-static inline __attribute__((always_inline)) int fast_begin(window_t **out) {
+static inline __attribute__((always_inline)) int fast_begin(window_t **out, CUstream key) {
     CUcontext ctx = t_dev.ctx;
     if (GS_UNLIKELY(!ctx || t_dev.epoch != atomic_load_explicit(&ctx_epoch, memory_order_relaxed)))
         return GS_SLOW;
@@ -718,7 +811,8 @@ static inline __attribute__((always_inline)) int fast_begin(window_t **out) {
         return GS_SLOW;
     if (GS_UNLIKELY(!(atomic_fetch_add_explicit(&w->gate, GS_INFLIGHT, memory_order_acquire) &
                       GS_OPEN) ||
-                    w->ctx != ctx)) {
+                    w->ctx != ctx || (w->streams[0] != key && stream_slot(w, key) < 0))) {
+        /* (a stream new to the window joins it on the slow path) */
         atomic_fetch_sub_explicit(&w->gate, GS_INFLIGHT, memory_order_release);
         return GS_SLOW;
     }
@@ -733,14 +827,8 @@ static inline __attribute__((always_inline)) int fast_begin(window_t **out) {
 }
 
 /* After the driver call of a launch that joined: the clock, and a pause before it. */
-static inline void fast_end(window_t *w, CUstream stream, bool ptds) {
+static inline void fast_end(window_t *w) {
     uint64_t now = now_ns();
-    if (!ptds && stream != (CUstream)0x2 &&
-        atomic_load_explicit(&w->last_stream, memory_order_relaxed) != stream)
-        atomic_store_explicit(&w->last_stream, stream, memory_order_relaxed);
-    else if ((ptds || stream == (CUstream)0x2) &&
-             atomic_load_explicit(&w->last_stream, memory_order_relaxed))
-        atomic_store_explicit(&w->last_stream, NULL, memory_order_relaxed);
     atomic_store_explicit(&w->seen, now, memory_order_relaxed);
     uint64_t prev = atomic_exchange_explicit(&w->last_launch, now, memory_order_relaxed);
     if (GS_UNLIKELY(now > prev + GS_GAP_NS)) note_pause(w, now - prev);
@@ -827,6 +915,19 @@ static int before_launch(CUstream stream, bool ptds) {
         release(w);
         return -1;
     }
+    CUstream key = stream_key(stream, ptds);
+    if (stream_slot(w, key) < 0 && !add_stream(w, key)) {
+        /* it follows all the streams it can: the next window follows this one */
+        if (record_all(w, false)) {
+            w->ended = true;
+            w->end_at = now_ns();
+        }
+        close_window(w, d, false);
+        if (!open_window(w, ctx, limit, stream, ptds)) {
+            release(w);
+            return -1;
+        }
+    }
     return d;
 }
 
@@ -838,7 +939,11 @@ static void after_launch(int d, CUstream stream, bool ptds, CUresult rc) {
         uint64_t now = now_ns();
         bool full = n >= w->length || now >= atomic_load_explicit(&w->deadline, memory_order_relaxed);
         if (w->marked || full) {
-            if (record(w->end, stream, ptds) == CUDA_SUCCESS) {
+            /* marked: this stream's end after this launch; full: every stream's */
+            int slot = stream_slot(w, stream_key(stream, ptds));
+            bool ok = full ? record_all(w, false)
+                           : slot >= 0 && record_slot(w, (unsigned)slot, false) == CUDA_SUCCESS;
+            if (ok) {
                 now = now_ns();
                 w->ended = true;
                 w->end_at = now;
@@ -848,8 +953,6 @@ static void after_launch(int d, CUstream stream, bool ptds, CUresult rc) {
         }
         atomic_store_explicit(&w->last_launch, now, memory_order_relaxed);
         atomic_store_explicit(&w->seen, now, memory_order_relaxed);
-        atomic_store_explicit(&w->last_stream, ptds || stream == (CUstream)0x2 ? NULL : stream,
-                              memory_order_relaxed);
         if (full) close_window(w, d, true);
     } else if (atomic_load_explicit(&w->launches, memory_order_relaxed) == 0) {
         w->open = false; /* nothing ran in it */
@@ -894,10 +997,10 @@ static void fill_end(window_t *w, CUstream stream, bool ptds, CUresult rc) {
         window_t *w_ = NULL;                                                                  \
         CUresult rc_;                                                                         \
         if (GS_LIKELY(gs_real.fn != NULL)) { /* and t_dev is empty until the library joined */ \
-            switch (fast_begin(&w_)) {                                                        \
+            switch (fast_begin(&w_, stream_key((stream), (ptds)))) {                          \
             case GS_JOINED:                                                                   \
                 rc_ = gs_real.fn args;                                                        \
-                fast_end(w_, (stream), (ptds));                                               \
+                fast_end(w_);                                                                 \
                 return rc_;                                                                   \
             case GS_PLAIN:                                                                    \
                 rc_ = gs_real.fn args;                                                        \

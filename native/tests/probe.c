@@ -37,6 +37,7 @@
  *   launch N US [KIND] | sync | run SECONDS US [KIND] (KIND: kernel|ex|coop|graph, or the
  *   legacy legacy|grid|gridasync, or multi: cuLaunchCooperativeKernelMultiDevice)
  *   threads T SECONDS US (`run` of kernels in T threads at once, on the current context)
+ *   twostreams SECONDS US (see cmd_twostreams)
  *   capture N US (N kernels launched into a new stream under capture; see cmd_capture)
  *   push [DEV] | pop (the primary context of DEV pushed onto / popped off the stack)
  *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
@@ -1078,6 +1079,59 @@ static void cmd_launch(int argc, char **argv) {
     j_end();
 }
 
+/*
+ * twostreams SECONDS US: for SECONDS, a kernel of US microseconds on a stream of
+ * its own (made here), then an empty kernel on the NULL stream, paced as `run`
+ * paces (a few kernels' worth queued); "share" = kernel time the fake engines
+ * ran / wall time. Under FAKECUDA_STREAM_ENGINES=1 the stream's kernels run
+ * beside the NULL stream's: a timing event on the NULL stream does not wait for
+ * them.
+ */
+static void cmd_twostreams(int argc, char **argv) {
+    double seconds = 0;
+    (void)parse_float(argv[0], &seconds);
+    unsigned long long us = arg_u64(argv[1]);
+    int dev = current_device();
+    fake_counter_t busy = fake_counter("fakecuda_busy_ns");
+    CUstream side = NULL;
+    CUresult rc = CALL(cuStreamCreate, &side, 0);
+    uint64_t duration = (uint64_t)(seconds * 1e9), kernel_ns = us * 1000ULL;
+    uint64_t lookahead = kernel_ns * 4 > 2000000ULL ? kernel_ns * 4 : 2000000ULL;
+    unsigned long long busy0 = busy ? busy(dev) : 0;
+    uint64_t submitted = 0;
+    long long launches = 0;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    while (rc == CUDA_SUCCESS && now_ns(CLOCK_MONOTONIC) - t0 < duration) {
+        uint64_t done = busy ? (uint64_t)(busy(dev) - busy0) : now_ns(CLOCK_MONOTONIC) - t0;
+        if (submitted > done + lookahead) {
+            sleep_ns(200000);
+            continue;
+        }
+        rc = CALL(cuLaunchKernel, (CUfunction)(uintptr_t)us, 1, 1, 1, 1, 1, 1, 0, side, NULL, NULL);
+        if (rc == CUDA_SUCCESS)
+            rc = CALL(cuLaunchKernel, (CUfunction)0, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        launches += 2;
+        submitted += kernel_ns;
+    }
+    CUresult src = CALL(cuCtxSynchronize);
+    if (rc == CUDA_SUCCESS) rc = src;
+    uint64_t wall = now_ns(CLOCK_MONOTONIC) - t0;
+    j_begin("twostreams");
+    j_int("rc", rc);
+    j_int("launches", launches);
+    j_u64("wall_ns", wall);
+    if (busy) {
+        unsigned long long b = busy(dev) - busy0;
+        j_u64("busy_ns", b);
+        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
+    } else {
+        j_null("busy_ns");
+        j_null("share");
+    }
+    j_end();
+    if (side) CALL(cuStreamDestroy_v2, side);
+}
+
 static void cmd_sync(int argc, char **argv) {
     uint64_t t0 = now_ns(CLOCK_MONOTONIC);
     CUresult rc = CALL(cuCtxSynchronize);
@@ -1524,6 +1578,7 @@ static const command_t commands[] = {
     {"race", "SNN", NULL, cmd_race},
     {"launch", "NNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_launch},
     {"sync", "", NULL, cmd_sync},
+    {"twostreams", "FN", NULL, cmd_twostreams},
     {"run", "FNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_run},
     {"threads", "NFN", NULL, cmd_threads},
     {"capture", "NN", NULL, cmd_capture},

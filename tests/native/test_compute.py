@@ -404,3 +404,19 @@ def test_a_kernel_still_running_is_charged_before_the_next_launch(
     assert line["rc"] == 0
     assert line["ns"] > 0.6e9, line
     holder.result(timeout=30)
+
+
+@pytest.mark.parametrize("options", [(), ("--proc", "--ptds")])
+def test_work_on_another_stream_is_charged(
+    run_probe: ProbeRunner, region_path: Path, options: tuple[str, ...]
+) -> None:
+    # 2 ms kernels on a stream of their own, each followed by an empty kernel on
+    # the NULL stream, with the streams running side by side (as non-blocking
+    # streams do on a GPU): a window timed by events on the streams of its first
+    # and last launch saw none of the other stream's work, and ran it at 100 %.
+    line = run_probe(
+        "init", "ctx", "twostreams", 1.5, 2000,
+        env={**sm(region_path, 30), "FAKECUDA_STREAM_ENGINES": 1}, options=options, timeout=60,
+    ).one("twostreams")  # fmt: skip
+    assert line["rc"] == 0, line
+    assert abs(line["share"] - 0.30) <= 0.07, line
