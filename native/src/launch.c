@@ -183,7 +183,7 @@ static bool capturing(CUstream stream, bool ptds);
 static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t watch_cv = PTHREAD_COND_INITIALIZER;
 static bool watcher_started;
-static atomic_bool watcher_idle; /* waiting for an unmarked window to open */
+static atomic_uint watch_gen;     /* unmarked windows opened so far */
 static int exit_pid; /* the process whose windows these are (not a fork child's) */
 
 /* The cache follows the thread to its new context at once, so that a thread
@@ -205,7 +205,6 @@ static void limiter_after_fork(void) {
     pthread_mutex_init(&watch_mu, NULL);
     pthread_cond_init(&watch_cv, NULL);
     watcher_started = false;
-    atomic_store(&watcher_idle, false);
 }
 
 void gs_limiter_setup(void) {
@@ -720,20 +719,22 @@ static void *watcher_main(void *arg) {
     (void)arg;
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* its sleeps are short and their end matters */
     for (;;) {
+        unsigned gen = atomic_load_explicit(&watch_gen, memory_order_acquire);
         uint64_t now = now_ns(), next = now + GS_GAP_NS;
         bool any = false; /* an unmarked window whose pause may still come */
         for (int d = 0; d < GS_MAX_DEVICES; d++) {
             window_t *w = &windows[d];
-            if (pthread_mutex_trylock(&w->mu) != 0) {
+            if (pthread_mutex_trylock(&w->mu) != 0) { /* a launch holds it: look again soon */
                 any = true;
+                next = gs_min_u64(next, now + GS_WATCH_NS);
                 continue;
             }
             if (!w->open || w->marked || w->ended || !w->start) {
                 pthread_mutex_unlock(&w->mu);
                 continue;
             }
-            any = true;
             uint64_t last = atomic_load_explicit(&w->last_launch, memory_order_relaxed);
+            any = true; /* (a window it ends below no longer needs it) */
             if (now < last + GS_WATCH_NS) {
                 next = gs_min_u64(next, last + GS_WATCH_NS);
                 pthread_mutex_unlock(&w->mu);
@@ -741,34 +742,35 @@ static void *watcher_main(void *arg) {
             }
             shut(w);
             if (atomic_load_explicit(&w->last_launch, memory_order_relaxed) == last) watch_mark(w);
-            if (w->ended) /* the gate stays shut: the next launch takes the slow path */
+            if (w->ended) { /* the gate stays shut: the next launch takes the slow path */
                 pthread_mutex_unlock(&w->mu);
-            else
+            } else {
+                next = gs_min_u64(next, now + GS_WATCH_NS); /* not recorded: again soon */
                 release(w);
+            }
         }
-        if (!any) {
-            pthread_mutex_lock(&watch_mu);
-            atomic_store(&watcher_idle, true);
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_sec += 1; /* a window may have opened unseen: look again now and then */
-            pthread_cond_timedwait(&watch_cv, &watch_mu, &until);
-            atomic_store(&watcher_idle, false);
-            pthread_mutex_unlock(&watch_mu);
-            continue;
-        }
-        now = now_ns();
-        sleep_ns(next > now ? gs_min_u64(next - now, GS_GAP_NS) : GS_WATCH_NS / 4);
+        /* Until the next window may be due, or a second with none open; a window
+         * opened since the scan began (maybe unseen) wakes it at once. */
+        uint64_t until = any ? next : now_ns() + 1000000000ULL;
+        struct timespec ts = {(time_t)(until / 1000000000ULL), (long)(until % 1000000000ULL)};
+        pthread_mutex_lock(&watch_mu);
+        if (atomic_load_explicit(&watch_gen, memory_order_acquire) == gen)
+            pthread_cond_timedwait(&watch_cv, &watch_mu, &ts);
+        pthread_mutex_unlock(&watch_mu);
     }
     return NULL;
 }
 
-/* An unmarked window opened: the watcher starts, or wakes. */
+/* An unmarked window opened: the watcher starts, or wakes to time it. */
 static void watch_opened(void) {
-    if (GS_LIKELY(watcher_started && !atomic_load_explicit(&watcher_idle, memory_order_acquire)))
-        return;
+    atomic_fetch_add_explicit(&watch_gen, 1, memory_order_acq_rel);
     pthread_mutex_lock(&watch_mu);
     if (!watcher_started) {
+        pthread_condattr_t ca;
+        pthread_condattr_init(&ca);
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+        pthread_cond_init(&watch_cv, &ca);
+        pthread_condattr_destroy(&ca);
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);

@@ -58,12 +58,22 @@ class Control:
     @staticmethod
     def create(dir_fd: int, name: str = CONTROL_FILE) -> None:
         """Make an empty control file (no heartbeat: the agent is not live yet) in
-        ``dir_fd`` unless a valid one is there; written in full under a temporary
-        name and renamed into place."""
-        with contextlib.suppress(ControlError):
+        ``dir_fd`` unless a valid one is there (this layout, this user's, mode
+        0444, one link); written in full under a temporary name and renamed into
+        place."""
+        with contextlib.suppress(ControlError, OSError):
             fd = _open(name, os.O_RDONLY, dir_fd)
-            os.close(fd)
-            return
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            # the interposer takes only the agent's own file that no one may write
+            if (st.st_uid, stat.S_IMODE(st.st_mode), st.st_nlink) == (
+                os.geteuid(),
+                CONTROL_MODE,
+                1,
+            ):
+                return
         c = ffi.new("gs_control_t *")
         c.magic, c.version = MAGIC, VERSION
         tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
