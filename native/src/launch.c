@@ -1039,15 +1039,74 @@ GS_LAUNCH_ENTRY(cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), (hGra
                 hStream, false)
 GS_LAUNCH_ENTRY(cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream),
                 (hGraphExec, hStream), hStream, true)
-/* The legacy launches run on the NULL stream (cuLaunchGridAsync: its own). A
- * multi-device cooperative launch is measured in the window of the current
- * context's device, on the stream of its first entry. */
+/* The legacy launches run on the NULL stream (cuLaunchGridAsync: its own). */
 GS_LAUNCH_ENTRY(cuLaunch, (CUfunction f), (f), NULL, false)
 GS_LAUNCH_ENTRY(cuLaunchGrid, (CUfunction f, int grid_width, int grid_height),
                 (f, grid_width, grid_height), NULL, false)
 GS_LAUNCH_ENTRY(cuLaunchGridAsync, (CUfunction f, int grid_width, int grid_height, CUstream hStream),
                 (f, grid_width, grid_height, hStream), hStream, false)
-GS_LAUNCH_ENTRY(cuLaunchCooperativeKernelMultiDevice,
-                (CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices, unsigned int flags),
-                (launchParamsList, numDevices, flags),
-                launchParamsList && numDevices ? launchParamsList[0].hStream : NULL, false)
+
+/*
+ * A multi-device cooperative launch runs a kernel on each entry's stream, each
+ * on that stream's device: every device's share is waited for and each kernel
+ * measured in its device's window, the stream's context made current for it.
+ * The windows are held in device order (no other path holds two at once), and
+ * the driver is called with all of them held. An entry whose stream's context
+ * cannot be read, or a device seen twice, is left to the driver's own checks.
+ */
+CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                              unsigned int numDevices, unsigned int flags) {
+    gs_init();
+    if (!atomic_load_explicit(&limiter_on, memory_order_relaxed) || !launchParamsList ||
+        !numDevices || numDevices > GS_MAX_DEVICES || !gs_real.cuStreamGetCtx ||
+        !gs_real.cuCtxPushCurrent_v2 || !gs_real.cuCtxPopCurrent_v2 || !gs_enter())
+        return GS_CALL(cuLaunchCooperativeKernelMultiDevice, (launchParamsList, numDevices, flags));
+    struct {
+        CUcontext ctx;
+        CUstream stream;
+        int dev; /* the window held, -1: none */
+    } held[GS_MAX_DEVICES];
+    unsigned n = 0;
+    for (unsigned i = 0; i < numDevices; i++) {
+        CUcontext ctx = NULL;
+        if (gs_real.cuStreamGetCtx(launchParamsList[i].hStream, &ctx) != CUDA_SUCCESS || !ctx)
+            continue;
+        held[n].ctx = ctx;
+        held[n].stream = launchParamsList[i].hStream;
+        held[n].dev = -1;
+        n++;
+    }
+    /* each entry's device, then in device order: wait and join its window */
+    int devs[GS_MAX_DEVICES];
+    for (unsigned i = 0; i < n; i++) {
+        devs[i] = -1;
+        if (gs_real.cuCtxPushCurrent_v2(held[i].ctx) != CUDA_SUCCESS) continue;
+        devs[i] = gs_current_device();
+        CUcontext popped;
+        gs_real.cuCtxPopCurrent_v2(&popped);
+    }
+    bool taken[GS_MAX_DEVICES] = {false};
+    for (int d = 0; d < GS_MAX_DEVICES; d++)
+        for (unsigned i = 0; i < n; i++) {
+            if (devs[i] != d || taken[d]) continue;
+            taken[d] = true;
+            if (gs_real.cuCtxPushCurrent_v2(held[i].ctx) != CUDA_SUCCESS) continue;
+            t_dev.ctx = NULL;
+            held[i].dev = before_launch(held[i].stream, false);
+            CUcontext popped;
+            gs_real.cuCtxPopCurrent_v2(&popped);
+        }
+    t_dev.ctx = NULL; /* the per-thread cache followed the pushes */
+    CUresult rc = GS_CALL(cuLaunchCooperativeKernelMultiDevice, (launchParamsList, numDevices, flags));
+    for (unsigned i = 0; i < n; i++) {
+        if (held[i].dev < 0) continue;
+        bool pushed = gs_real.cuCtxPushCurrent_v2(held[i].ctx) == CUDA_SUCCESS;
+        after_launch(held[i].dev, held[i].stream, false, rc);
+        if (pushed) {
+            CUcontext popped;
+            gs_real.cuCtxPopCurrent_v2(&popped);
+        }
+    }
+    t_dev.ctx = NULL;
+    return rc;
+}

@@ -37,7 +37,7 @@
  *   launch N US [KIND] | sync | run SECONDS US [KIND] (KIND: kernel|ex|coop|graph, or the
  *   legacy legacy|grid|gridasync, or multi: cuLaunchCooperativeKernelMultiDevice)
  *   threads T SECONDS US (`run` of kernels in T threads at once, on the current context)
- *   twostreams SECONDS US (see cmd_twostreams)
+ *   twostreams SECONDS US (see cmd_twostreams) | multi2 SECONDS US (see cmd_multi2)
  *   capture N US (N kernels launched into a new stream under capture; see cmd_capture)
  *   push [DEV] | pop (the primary context of DEV pushed onto / popped off the stack)
  *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
@@ -1132,6 +1132,70 @@ static void cmd_twostreams(int argc, char **argv) {
     if (side) CALL(cuStreamDestroy_v2, side);
 }
 
+/*
+ * multi2 SECONDS US: for SECONDS, cuLaunchCooperativeKernelMultiDevice with two
+ * entries: an empty kernel on the current device's NULL stream and a kernel of
+ * US microseconds on a stream of device 1's primary context, paced as `run`
+ * paces; "share" = kernel time device 1's fake engine ran / wall time.
+ */
+static void cmd_multi2(int argc, char **argv) {
+    double seconds = 0;
+    (void)parse_float(argv[0], &seconds);
+    unsigned long long us = arg_u64(argv[1]);
+    fake_counter_t busy = fake_counter("fakecuda_busy_ns");
+    CUdevice dev1 = 0;
+    CUcontext ctx1 = NULL, popped = NULL;
+    CUstream s1 = NULL;
+    CUresult rc = CALL(cuDeviceGet, &dev1, 1);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuDevicePrimaryCtxRetain, &ctx1, dev1);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuCtxPushCurrent_v2, ctx1);
+    if (rc == CUDA_SUCCESS) {
+        rc = CALL(cuStreamCreate, &s1, 0);
+        CALL(cuCtxPopCurrent_v2, &popped);
+    }
+    CUDA_LAUNCH_PARAMS p[2] = {
+        {.function = (CUfunction)0, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 1,
+         .blockDimY = 1, .blockDimZ = 1, .hStream = NULL},
+        {.function = (CUfunction)(uintptr_t)us, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1,
+         .blockDimX = 1, .blockDimY = 1, .blockDimZ = 1, .hStream = s1},
+    };
+    uint64_t duration = (uint64_t)(seconds * 1e9), kernel_ns = us * 1000ULL;
+    uint64_t lookahead = kernel_ns * 4 > 2000000ULL ? kernel_ns * 4 : 2000000ULL;
+    unsigned long long busy0 = busy ? busy(1) : 0;
+    uint64_t submitted = 0;
+    long long launches = 0;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    while (rc == CUDA_SUCCESS && now_ns(CLOCK_MONOTONIC) - t0 < duration) {
+        uint64_t done = busy ? (uint64_t)(busy(1) - busy0) : now_ns(CLOCK_MONOTONIC) - t0;
+        if (submitted > done + lookahead) {
+            sleep_ns(200000);
+            continue;
+        }
+        rc = CALL(cuLaunchCooperativeKernelMultiDevice, p, 2, 0);
+        launches++;
+        submitted += kernel_ns;
+    }
+    if (ctx1 && CALL(cuCtxPushCurrent_v2, ctx1) == CUDA_SUCCESS) {
+        CALL(cuCtxSynchronize);
+        if (s1) CALL(cuStreamDestroy_v2, s1);
+        CALL(cuCtxPopCurrent_v2, &popped);
+    }
+    uint64_t wall = now_ns(CLOCK_MONOTONIC) - t0;
+    j_begin("multi2");
+    j_int("rc", rc);
+    j_int("launches", launches);
+    j_u64("wall_ns", wall);
+    if (busy) {
+        unsigned long long b = busy(1) - busy0;
+        j_u64("busy_ns", b);
+        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
+    } else {
+        j_null("busy_ns");
+        j_null("share");
+    }
+    j_end();
+}
+
 static void cmd_sync(int argc, char **argv) {
     uint64_t t0 = now_ns(CLOCK_MONOTONIC);
     CUresult rc = CALL(cuCtxSynchronize);
@@ -1579,6 +1643,7 @@ static const command_t commands[] = {
     {"launch", "NNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_launch},
     {"sync", "", NULL, cmd_sync},
     {"twostreams", "FN", NULL, cmd_twostreams},
+    {"multi2", "FN", NULL, cmd_multi2},
     {"run", "FNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_run},
     {"threads", "NFN", NULL, cmd_threads},
     {"capture", "NN", NULL, cmd_capture},

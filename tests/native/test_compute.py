@@ -420,3 +420,17 @@ def test_work_on_another_stream_is_charged(
     ).one("twostreams")  # fmt: skip
     assert line["rc"] == 0, line
     assert abs(line["share"] - 0.30) <= 0.07, line
+
+
+def test_a_multi_device_launch_is_limited_on_each_device(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # cuLaunchCooperativeKernelMultiDevice with an empty kernel on device 0 and a
+    # 2 ms one on device 1: each device's kernel is measured in its own window
+    # (it used to be timed on the current device's stream only: device 1 at 100 %).
+    line = run_probe(
+        "init", "ctx", 0, "multi2", 1.5, 2000,
+        env={**sm(region_path, 30), "FAKECUDA_DEVICES": 2}, timeout=60,
+    ).one("multi2")  # fmt: skip
+    assert line["rc"] == 0, line
+    assert abs(line["share"] - 0.30) <= 0.07, line

@@ -315,6 +315,7 @@ API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, v
                                    void **extra);
 API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
 API CUresult cuLaunch(CUfunction f);
+API CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx);
 API CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height);
 API CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream);
 API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
@@ -372,6 +373,7 @@ API unsigned long long fakecuda_used_bytes(int dev);
     X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)            \
     X(cuGraphLaunch) X(cuGraphLaunch_ptsz)                                                    \
     X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuLaunchCooperativeKernelMultiDevice)  \
+    X(cuStreamGetCtx)                                                                         \
     X(cuEventCreate) X(cuEventRecord) X(cuEventRecord_ptsz) X(cuEventQuery)                   \
     X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuStreamCreate) X(cuStreamCreateWithPriority) \
     X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuStreamQuery)  \
@@ -1931,6 +1933,26 @@ API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
 }
 API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
     return launch(hStream, (uintptr_t)hGraphExec);
+}
+
+/* cuStreamGetCtx: a created stream's context; the NULL, legacy and per-thread
+ * streams are the current context's. */
+API CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
+    NEED_INIT();
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct res *c = NULL;
+    CUresult rc = CUDA_SUCCESS;
+    if (hStream == NULL || hStream == FAKE_CU_STREAM_LEGACY || hStream == FAKE_CU_STREAM_PER_THREAD) {
+        rc = need_ctx(&c);
+    } else {
+        struct res *r = tab_find_kind((uintptr_t)hStream, K_STREAM);
+        if (!r) rc = CUDA_ERROR_INVALID_HANDLE;
+        else c = r->ctx;
+    }
+    if (!rc) *pctx = (CUcontext)c;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
 }
 
 /* The legacy launches (cuLaunch, cuLaunchGrid on the NULL stream, cuLaunchGridAsync
