@@ -116,6 +116,15 @@ typedef struct {
     CUlaunchAttribute *attrs;
     unsigned int numAttrs;
 } CUlaunchConfig;
+/* cuLaunchCooperativeKernelMultiDevice: one kernel per device */
+typedef struct {
+    CUfunction function;
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    void **kernelParams;
+} CUDA_LAUNCH_PARAMS;
 
 enum { CU_EVENT_DISABLE_TIMING = 0x2 };
 enum { CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16 };

@@ -404,12 +404,11 @@ bool gs_region_attach(void) {
     STORE(&slot->start_time, start_time_of(me));
     STORE(&slot->priority, gs_cfg.priority);
     /* Alone (under the lock, every other slot dead or free): nothing can be in
-     * flight, so the counters restart from zero, healing any drift. */
+     * flight, so the counters restart from zero, healing any drift. Not the
+     * limiter's clock: the debt of the container's past processes carries to
+     * this one (launch.c takes a clock from another boot, far ahead, as stale). */
     if (!others && held)
-        for (int d = 0; d < GS_MAX_DEVICES; d++) {
-            STORE(&gs_region->devices[d].used, 0);
-            STORE(&gs_region->devices[d].tat_ns, 0); /* the limiter's clock, maybe from another boot */
-        }
+        for (int d = 0; d < GS_MAX_DEVICES; d++) STORE(&gs_region->devices[d].used, 0);
     for (int d = 0; d < GS_MAX_DEVICES; d++) {
         gs_device_t *dev = &gs_region->devices[d];
         uint64_t limit = gs_cfg.mem_limit[d];

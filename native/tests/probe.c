@@ -32,10 +32,12 @@
  *   vmmmap ID (maps vmm ID at a new address; `free` of the map's id unmaps it)
  *   vmmpair SIZE (two handles mapped side by side, released, one unmap over both)
  *   async SIZE | poolalloc SIZE | free ID | freeraw PTR | trim BYTES | poolattr
- *   info | totalmem [DEV] | fakeused [DEV] | uuid [DEV]
+ *   info | totalmem [DEV] | fakeused [DEV] | fakebusy [DEV] | uuid [DEV]
  *   fill SIZE | race SIZE COUNT START_NS (CLOCK_REALTIME)
- *   launch N US [kernel|ex|coop|graph] | sync | run SECONDS US [kernel|ex|coop|graph]
+ *   launch N US [KIND] | sync | run SECONDS US [KIND] (KIND: kernel|ex|coop|graph, or the
+ *   legacy legacy|grid|gridasync, or multi: cuLaunchCooperativeKernelMultiDevice)
  *   threads T SECONDS US (`run` of kernels in T threads at once, on the current context)
+ *   twostreams SECONDS US (see cmd_twostreams) | multi2 SECONDS US (see cmd_multi2)
  *   capture N US (N kernels launched into a new stream under capture; see cmd_capture)
  *   push [DEV] | pop (the primary context of DEV pushed onto / popped off the stack)
  *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
@@ -116,6 +118,11 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
 CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                              unsigned long long flags);
 CUresult cuCtxSynchronize(void);
+CUresult cuLaunch(CUfunction f);
+CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height);
+CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream);
+CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                              unsigned int numDevices, unsigned int flags);
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev);
 CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value);
 CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep);
@@ -181,6 +188,10 @@ typedef unsigned long long (*fake_counter_t)(int);
     X(cuLaunchKernelEx, "cuLaunchKernelEx", PROC_VERSION)                                   \
     X(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", PROC_VERSION)                 \
     X(cuGraphLaunch, "cuGraphLaunch", PROC_VERSION)                                         \
+    X(cuLaunch, "cuLaunch", PROC_VERSION)                                                   \
+    X(cuLaunchGrid, "cuLaunchGrid", PROC_VERSION)                                           \
+    X(cuLaunchGridAsync, "cuLaunchGridAsync", PROC_VERSION)                                 \
+    X(cuLaunchCooperativeKernelMultiDevice, "cuLaunchCooperativeKernelMultiDevice", PROC_VERSION) \
     X(cuStreamCreate, "cuStreamCreate", PROC_VERSION)                                       \
     X(cuStreamDestroy_v2, "cuStreamDestroy", PROC_VERSION)                                  \
     X(cuStreamBeginCapture_v2, "cuStreamBeginCapture", PROC_VERSION)                       \
@@ -932,6 +943,21 @@ static void cmd_fakeused(int argc, char **argv) {
     j_end();
 }
 
+/* fakebusy [DEV]: the kernel time the fake engine of DEV ran ("busy_ns"), and the
+ * monotonic clock now ("at_ns"): a test takes the share of a stretch from two. */
+static void cmd_fakebusy(int argc, char **argv) {
+    int ordinal = arg_dev(argc, argv, 0);
+    fake_counter_t fn = fake_counter("fakecuda_busy_ns");
+    j_begin("fakebusy");
+    j_int("rc", fn ? 0 : PROBE_UNRESOLVED);
+    if (fn)
+        j_u64("busy_ns", fn(ordinal));
+    else
+        j_null("busy_ns");
+    j_u64("at_ns", now_ns(CLOCK_MONOTONIC));
+    j_end();
+}
+
 #define FILL_MAX 1000000
 
 static void cmd_fill(int argc, char **argv) {
@@ -1008,16 +1034,17 @@ static void j_fake_launches(fake_counter_t counted, int dev, unsigned long long 
         j_null("fake_launches");
 }
 
-enum launch_kind { L_KERNEL, L_EX, L_COOP, L_GRAPH };
+enum launch_kind { L_KERNEL, L_EX, L_COOP, L_GRAPH, L_LEGACY, L_GRID, L_GRIDASYNC, L_MULTI };
+
+static const char *const launch_names[] = {"kernel", "ex",   "coop",      "graph",
+                                           "legacy", "grid", "gridasync", "multi"};
 
 static enum launch_kind parse_launch_kind(int argc, char **argv, int i) {
-    if (i >= argc || !strcmp(argv[i], "kernel")) return L_KERNEL;
-    if (!strcmp(argv[i], "ex")) return L_EX;
-    if (!strcmp(argv[i], "coop")) return L_COOP;
-    return L_GRAPH;
+    if (i >= argc) return L_KERNEL;
+    for (int k = 0; k <= L_MULTI; k++)
+        if (!strcmp(argv[i], launch_names[k])) return (enum launch_kind)k;
+    return L_KERNEL;
 }
-
-static const char *const launch_names[] = {"kernel", "ex", "coop", "graph"};
 
 /* One kernel of `us` microseconds on stream 0: the fake runs a CUfunction for as
  * many microseconds as its handle's value. */
@@ -1033,6 +1060,15 @@ static CUresult launch_one(enum launch_kind kind, unsigned long long us) {
     }
     case L_COOP: return CALL(cuLaunchCooperativeKernel, f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL);
     case L_GRAPH: return CALL(cuGraphLaunch, (CUgraphExec)(uintptr_t)us, NULL);
+    /* the legacy entry points, and a multi-device launch of one entry */
+    case L_LEGACY: return CALL(cuLaunch, f);
+    case L_GRID: return CALL(cuLaunchGrid, f, 1, 1);
+    case L_GRIDASYNC: return CALL(cuLaunchGridAsync, f, 1, 1, NULL);
+    case L_MULTI: {
+        CUDA_LAUNCH_PARAMS p = {.function = f, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1,
+                                .blockDimX = 1, .blockDimY = 1, .blockDimZ = 1};
+        return CALL(cuLaunchCooperativeKernelMultiDevice, &p, 1, 0);
+    }
     }
     return PROBE_ERROR;
 }
@@ -1059,6 +1095,123 @@ static void cmd_launch(int argc, char **argv) {
     j_str("via", launch_names[kind]);
     j_u64("ns", now_ns(CLOCK_MONOTONIC) - t0);
     j_fake_launches(counted, dev, counted0);
+    j_end();
+}
+
+/*
+ * twostreams SECONDS US: for SECONDS, a kernel of US microseconds on a stream of
+ * its own (made here), then an empty kernel on the NULL stream, paced as `run`
+ * paces (a few kernels' worth queued); "share" = kernel time the fake engines
+ * ran / wall time. Under FAKECUDA_STREAM_ENGINES=1 the stream's kernels run
+ * beside the NULL stream's: a timing event on the NULL stream does not wait for
+ * them.
+ */
+static void cmd_twostreams(int argc, char **argv) {
+    double seconds = 0;
+    (void)parse_float(argv[0], &seconds);
+    unsigned long long us = arg_u64(argv[1]);
+    int dev = current_device();
+    fake_counter_t busy = fake_counter("fakecuda_busy_ns");
+    CUstream side = NULL;
+    CUresult rc = CALL(cuStreamCreate, &side, 0);
+    uint64_t duration = (uint64_t)(seconds * 1e9), kernel_ns = us * 1000ULL;
+    uint64_t lookahead = kernel_ns * 4 > 2000000ULL ? kernel_ns * 4 : 2000000ULL;
+    unsigned long long busy0 = busy ? busy(dev) : 0;
+    uint64_t submitted = 0;
+    long long launches = 0;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    while (rc == CUDA_SUCCESS && now_ns(CLOCK_MONOTONIC) - t0 < duration) {
+        uint64_t done = busy ? (uint64_t)(busy(dev) - busy0) : now_ns(CLOCK_MONOTONIC) - t0;
+        if (submitted > done + lookahead) {
+            sleep_ns(200000);
+            continue;
+        }
+        rc = CALL(cuLaunchKernel, (CUfunction)(uintptr_t)us, 1, 1, 1, 1, 1, 1, 0, side, NULL, NULL);
+        if (rc == CUDA_SUCCESS)
+            rc = CALL(cuLaunchKernel, (CUfunction)0, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        launches += 2;
+        submitted += kernel_ns;
+    }
+    CUresult src = CALL(cuCtxSynchronize);
+    if (rc == CUDA_SUCCESS) rc = src;
+    uint64_t wall = now_ns(CLOCK_MONOTONIC) - t0;
+    j_begin("twostreams");
+    j_int("rc", rc);
+    j_int("launches", launches);
+    j_u64("wall_ns", wall);
+    if (busy) {
+        unsigned long long b = busy(dev) - busy0;
+        j_u64("busy_ns", b);
+        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
+    } else {
+        j_null("busy_ns");
+        j_null("share");
+    }
+    j_end();
+    if (side) CALL(cuStreamDestroy_v2, side);
+}
+
+/*
+ * multi2 SECONDS US: for SECONDS, cuLaunchCooperativeKernelMultiDevice with two
+ * entries: an empty kernel on the current device's NULL stream and a kernel of
+ * US microseconds on a stream of device 1's primary context, paced as `run`
+ * paces; "share" = kernel time device 1's fake engine ran / wall time.
+ */
+static void cmd_multi2(int argc, char **argv) {
+    double seconds = 0;
+    (void)parse_float(argv[0], &seconds);
+    unsigned long long us = arg_u64(argv[1]);
+    fake_counter_t busy = fake_counter("fakecuda_busy_ns");
+    CUdevice dev1 = 0;
+    CUcontext ctx1 = NULL, popped = NULL;
+    CUstream s1 = NULL;
+    CUresult rc = CALL(cuDeviceGet, &dev1, 1);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuDevicePrimaryCtxRetain, &ctx1, dev1);
+    if (rc == CUDA_SUCCESS) rc = CALL(cuCtxPushCurrent_v2, ctx1);
+    if (rc == CUDA_SUCCESS) {
+        rc = CALL(cuStreamCreate, &s1, 0);
+        CALL(cuCtxPopCurrent_v2, &popped);
+    }
+    CUDA_LAUNCH_PARAMS p[2] = {
+        {.function = (CUfunction)0, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 1,
+         .blockDimY = 1, .blockDimZ = 1, .hStream = NULL},
+        {.function = (CUfunction)(uintptr_t)us, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1,
+         .blockDimX = 1, .blockDimY = 1, .blockDimZ = 1, .hStream = s1},
+    };
+    uint64_t duration = (uint64_t)(seconds * 1e9), kernel_ns = us * 1000ULL;
+    uint64_t lookahead = kernel_ns * 4 > 2000000ULL ? kernel_ns * 4 : 2000000ULL;
+    unsigned long long busy0 = busy ? busy(1) : 0;
+    uint64_t submitted = 0;
+    long long launches = 0;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    while (rc == CUDA_SUCCESS && now_ns(CLOCK_MONOTONIC) - t0 < duration) {
+        uint64_t done = busy ? (uint64_t)(busy(1) - busy0) : now_ns(CLOCK_MONOTONIC) - t0;
+        if (submitted > done + lookahead) {
+            sleep_ns(200000);
+            continue;
+        }
+        rc = CALL(cuLaunchCooperativeKernelMultiDevice, p, 2, 0);
+        launches++;
+        submitted += kernel_ns;
+    }
+    if (ctx1 && CALL(cuCtxPushCurrent_v2, ctx1) == CUDA_SUCCESS) {
+        CALL(cuCtxSynchronize);
+        if (s1) CALL(cuStreamDestroy_v2, s1);
+        CALL(cuCtxPopCurrent_v2, &popped);
+    }
+    uint64_t wall = now_ns(CLOCK_MONOTONIC) - t0;
+    j_begin("multi2");
+    j_int("rc", rc);
+    j_int("launches", launches);
+    j_u64("wall_ns", wall);
+    if (busy) {
+        unsigned long long b = busy(1) - busy0;
+        j_u64("busy_ns", b);
+        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
+    } else {
+        j_null("busy_ns");
+        j_null("share");
+    }
     j_end();
 }
 
@@ -1754,12 +1907,15 @@ static const command_t commands[] = {
     {"info", "", NULL, cmd_info},
     {"totalmem", "i", NULL, cmd_totalmem},
     {"fakeused", "i", NULL, cmd_fakeused},
+    {"fakebusy", "i", NULL, cmd_fakebusy},
     {"uuid", "i", NULL, cmd_uuid},
     {"fill", "S", NULL, cmd_fill},
     {"race", "SNN", NULL, cmd_race},
-    {"launch", "NNw", "kernel|ex|coop|graph", cmd_launch},
+    {"launch", "NNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_launch},
     {"sync", "", NULL, cmd_sync},
-    {"run", "FNw", "kernel|ex|coop|graph", cmd_run},
+    {"twostreams", "FN", NULL, cmd_twostreams},
+    {"multi2", "FN", NULL, cmd_multi2},
+    {"run", "FNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_run},
     {"threads", "NFN", NULL, cmd_threads},
     {"capture", "NN", NULL, cmd_capture},
     {"push", "i", NULL, cmd_push},

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice_common.control import CONTROL_FILE
 from gpuslice_common.grant import Grant, GrantDevice
 from gpuslice_common.grant import parse as parse_grant
 from gpuslice_common.region import REGION_SIZE, Region
@@ -184,6 +185,7 @@ def test_prepare_lays_out_the_container_with_fixed_modes_whatever_the_umask(
     assert mode(directory) == 0o755  # the container cannot add, swap or link files here
     assert mode(directory / OWNER_FILE) == 0o644
     assert mode(directory / GRANT_FILE) == 0o444
+    assert mode(directory / CONTROL_FILE) == 0o444  # the agent's alone
     assert mode(directory / REGION_FILE) == 0o666  # the container may run as any user
     assert ContainerOwner.from_json((directory / OWNER_FILE).read_text()) == o
     assert parse_grant((directory / GRANT_FILE).read_text()) == grant(o)
@@ -195,7 +197,12 @@ def test_prepare_lays_out_the_container_with_fixed_modes_whatever_the_umask(
     assert (directory / REGION_FILE).stat().st_size == REGION_SIZE
     assert (directory / REGION_FILE).stat().st_nlink == 1
     # no temporary left
-    assert sorted(p.name for p in directory.iterdir()) == [GRANT_FILE, OWNER_FILE, REGION_FILE]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        CONTROL_FILE,
+        GRANT_FILE,
+        OWNER_FILE,
+        REGION_FILE,
+    ]
 
 
 def test_a_container_directory_of_the_older_layout_is_closed_again(host: HostDir) -> None:
@@ -233,7 +240,12 @@ def test_preparing_again_replaces_the_records_and_keeps_a_valid_region(host: Hos
     assert region.stat().st_ino == inode  # a running container maps it: kept as it is
     with Region.open(region) as r:
         assert (r.devices()[0].shared, r.devices()[0].yield_) == (True, True)
-    assert sorted(p.name for p in directory.iterdir()) == [GRANT_FILE, OWNER_FILE, REGION_FILE]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        CONTROL_FILE,
+        GRANT_FILE,
+        OWNER_FILE,
+        REGION_FILE,
+    ]
 
 
 def _symlink(region: Path, tmp_path: Path) -> Path:
@@ -294,7 +306,7 @@ def test_preparing_again_replaces_what_the_interposer_would_refuse_at_region(
         assert aside.read_bytes() == kept
         assert not aside.is_symlink()
     left = {p.name for p in directory.iterdir()} - {aside.name if aside else ""}
-    assert left == {GRANT_FILE, OWNER_FILE, REGION_FILE}
+    assert left == {CONTROL_FILE, GRANT_FILE, OWNER_FILE, REGION_FILE}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away takes root")
@@ -329,7 +341,7 @@ def test_open_container_dir_opens_the_directory_itself(host: HostDir) -> None:
     directory = host.prepare_container(o, grant(o))
     with host.open_container_dir(directory) as fd:
         assert os.fstat(fd).st_ino == directory.stat().st_ino
-        assert sorted(os.listdir(fd)) == [GRANT_FILE, OWNER_FILE, REGION_FILE]
+        assert sorted(os.listdir(fd)) == [CONTROL_FILE, GRANT_FILE, OWNER_FILE, REGION_FILE]
 
 
 def test_containers_lists_prepared_directories_and_skips_bad_records(

@@ -10,6 +10,7 @@ mount at ``/run/gpuslice``), with no limit in their environment."""
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
@@ -20,8 +21,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuslice_common.control import CONTROL_FILE, Control
 from gpuslice_common.models import GpuDevice
-from gpuslice_common.region import Region
+from gpuslice_common.region import REGION_SIZE
+from gpuslice_common.region import ffi as region_ffi
 from gpuslice_deviceplugin.containers import REGION_FILE, ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import (
     ContainerState,
@@ -112,11 +115,11 @@ def active_on(snapshot: CoordinatorSnapshot, uuid: str) -> int:
     return found.active_containers
 
 
-def flags(region: Path, uuid: str = gpu(0)) -> tuple[bool, bool]:
-    """(shared, yield) as the interposer reads them from the file."""
-    with Region.open(region) as r:
-        (device,) = (d for d in r.devices() if d.uuid == uuid)
-        return device.shared, device.yield_
+def flags(region: Path, index: int = 0) -> tuple[bool, bool]:
+    """(shared, yield) of the grant's device ``index`` as the interposer reads them
+    from the agent's control file beside the region."""
+    with Control.open(region.parent / CONTROL_FILE) as control:
+        return control.flags(index)
 
 
 def mapped(path: Path) -> bool:
@@ -220,7 +223,7 @@ def test_containers_on_different_gpus_do_not_share(
     assert state(snap, "b", gpu(1)).active
     assert not state(snap, "a", gpu(0)).shared
     assert not state(snap, "b", gpu(1)).shared
-    assert flags(a_region, gpu(0)) == flags(b_region, gpu(1)) == (False, False)
+    assert flags(a_region) == flags(b_region) == (False, False)
     assert [(g.uuid, g.active_containers) for g in snap.gpus] == [(gpu(0), 1), (gpu(1), 1)]
 
 
@@ -273,14 +276,14 @@ def test_every_tick_stamps_a_heartbeat(
 ) -> None:
     region = prepare(host, "a")
     holding(spawn_probe, region)
-    with Region.open(region) as r:
-        assert r.agent_heartbeat_ns == 0
+    with Control.open(region.parent / CONTROL_FILE) as control:
+        assert control.heartbeat_ns == 0
         coordinator.tick()
-        first = r.agent_heartbeat_ns
+        first = control.heartbeat_ns
         assert 0 < time.monotonic_ns() - first < 1_000_000_000
         time.sleep(0.01)
         coordinator.tick()
-        assert r.agent_heartbeat_ns > first
+        assert control.heartbeat_ns > first
 
 
 # ----------------------------------------------------------------------------- regions
@@ -560,3 +563,94 @@ def test_simulated_figures_and_hami_series_come_from_the_regions(
     assert {name for name, _ in off} == {n for n, _ in got if n.startswith("gpuslice_")}
     assert not [labels for _, labels in off if ("zone", "vGPU") in labels]
     assert off[("gpuslice_gpu_nvml_memory_used_bytes", gpu_labels)] == 64 * MiB
+
+
+# ----------------------------------------------------------------------------- forged regions
+
+
+def forge(region: Path, uuid: str) -> None:
+    """What a hostile container writes into its own region: record 0 and record 1
+    (past its one-device grant) naming ``uuid`` with memory held and work done, and
+    a priority-0 process slot whose PID is long gone."""
+    ids = region_ffi.offsetof("gs_region_t", "devices")
+    size = region_ffi.sizeof("gs_device_t")
+    procs = region_ffi.offsetof("gs_region_t", "procs")
+    with region.open("r+b") as f, mmap.mmap(f.fileno(), REGION_SIZE) as m:
+
+        def put(offset: int, value: int, width: int = 8) -> None:
+            m[offset : offset + width] = value.to_bytes(width, "little")
+
+        put(region_ffi.offsetof("gs_region_t", "device_count"), 2, 4)
+        for index in (0, 1):
+            base = ids + index * size
+            raw = uuid.encode().ljust(96, b"\0")
+            m[base : base + 96] = raw
+            put(base + region_ffi.offsetof("gs_device_t", "used"), 64 * MiB)
+            put(base + region_ffi.offsetof("gs_device_t", "busy_ns"), 10**9)
+        put(procs + region_ffi.offsetof("gs_proc_t", "pid"), 4_000_000, 4)
+        put(procs + region_ffi.offsetof("gs_proc_t", "priority"), 0, 4)
+        put(region_ffi.offsetof("gs_region_t", "proc_high"), 1, 4)
+
+
+def test_a_forged_region_record_neither_makes_a_victim_yield_nor_shares_its_gpu(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    # The victim, low priority by its grant, holds memory on GPU 0; the attacker,
+    # granted GPU 1 and holding nothing, forges records naming GPU 0 and a
+    # priority-0 slot of a dead process. Card and priority come from the grants:
+    # the victim is alone on its GPU, and nobody makes it yield.
+    victim = prepare(host, "victim", priority=1, sm=10, policy="default")
+    attacker = prepare(host, "attacker", (gpu(1),), priority=1)
+    holding(spawn_probe, victim)
+    forge(attacker, gpu(0))
+    for _ in range(2):  # the second tick sees busy_ns "grow" if it counted
+        snap = coordinator.tick()
+        forge(attacker, gpu(0))
+    assert flags(victim) == (False, False)
+    assert active_on(snap, gpu(0)) == 1
+    assert not container(snap, "attacker").high_priority
+    assert [d.usage.uuid for d in container(snap, "attacker").devices] == [gpu(1)]
+    # The victim's launches neither wait for a yield nor run at its 10 % share.
+    with Ticker(coordinator, 0.1):
+        proc = spawn_probe("init", "ctx", "run", 1, 2000, env=env(victim))
+        line = proc.result(timeout=20).one("run")
+    assert line["rc"] == 0
+    assert line["share"] > 0.6, line
+
+
+def test_a_forged_record_does_not_throttle_a_high_priority_victim(
+    host: HostDir, coordinator: Coordinator, spawn_probe: ProbeSpawner
+) -> None:
+    # The same forgery against a high-priority victim alone on its GPU: it would
+    # have been "shared" and held to its 10 % share.
+    victim = prepare(host, "victim", priority=0, sm=10, policy="default")
+    attacker = prepare(host, "attacker", (gpu(1),), priority=0)
+    forge(attacker, gpu(0))
+    with Ticker(coordinator, 0.1):
+        proc = spawn_probe("init", "ctx", "run", 1.5, 2000, env=env(victim))
+        line = proc.result(timeout=20).one("run")
+    assert flags(victim) == (False, False)
+    assert line["share"] > 0.6, line
+
+
+@pytest.mark.parametrize("control", ["missing", "writable"])
+def test_without_a_valid_control_file_a_granted_container_is_limited(
+    host: HostDir, spawn_probe: ProbeSpawner, control: str
+) -> None:
+    # No agent has set up the container's control file, or one the container
+    # could write stands there saying "not shared" with a fresh heartbeat: the
+    # agent counts as absent, and the container is held to its share.
+    region = prepare(host, "a", sm=30, policy="default")
+    path = region.parent / CONTROL_FILE
+    if control == "writable":
+        path.chmod(0o666)
+        with Control.open(path, writable=True) as c:
+            c.set_flags(0, shared=False, yield_=False)
+            c.heartbeat()
+    else:
+        path.unlink()
+    proc = spawn_probe("init", "ctx", "run", 1.5, 2000, env=env(region))
+    result = proc.result(timeout=30)
+    line = result.one("run")
+    assert abs(line["share"] - 0.30) <= 0.07, line
+    assert "control file" in result.stderr, result.stderr

@@ -3,12 +3,16 @@ every launch path, and the node agent's flags."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from gpuslice_common.region import Region
+from gpuslice_common.control import Control
+from gpuslice_common.region import REGION_SIZE, Region, ffi
 from tests.native.probe import Build, ProbeRunner, ProbeSpawner
 
 
@@ -41,7 +45,7 @@ def test_force_holds_the_share_within_five_points(
     assert abs(got - limit / 100) <= 0.05, got
 
 
-@pytest.mark.parametrize("kind", ["ex", "coop", "graph"])
+@pytest.mark.parametrize("kind", ["ex", "coop", "graph", "legacy", "grid", "gridasync", "multi"])
 def test_every_launch_path_is_limited(run_probe: ProbeRunner, region_path: Path, kind: str) -> None:
     got = share(run_probe, sm(region_path, 40), kind=kind, seconds=1.5)
     assert abs(got - 0.40) <= 0.07, got
@@ -67,9 +71,80 @@ def test_disable_never_limits(run_probe: ProbeRunner, region_path: Path) -> None
 
 
 def agent(region_path: Path, *, shared: bool, yield_: bool = False) -> None:
-    with Region.open(region_path, writable=True) as region:
-        region.set_flags(0, shared=shared, yield_=yield_)
-        region.heartbeat()
+    """The node agent's control file of a container without a grant (beside its
+    region), as the coordinator writes it for a granted one."""
+    dir_fd = os.open(region_path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        Control.create(dir_fd, f"{region_path.name}.control")
+    finally:
+        os.close(dir_fd)
+    with Control.open(Path(f"{region_path}.control"), writable=True) as control:
+        control.set_flags(0, shared=shared, yield_=yield_)
+        control.heartbeat()
+
+
+class Scribbler:
+    """A process of the container writing the region in a loop, as a hostile one
+    would between its launches: ``fields`` maps offsets to the 8 bytes put there."""
+
+    def __init__(self, region_path: Path, fields: dict[int, int]) -> None:
+        self._path = region_path
+        self._fields = fields
+        self._stop = threading.Event()
+        self.writes = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with self._path.open("r+b") as f, mmap.mmap(f.fileno(), REGION_SIZE) as m:
+            while not self._stop.is_set():
+                for offset, value in self._fields.items():
+                    m[offset : offset + 8] = value.to_bytes(8, "little")
+                self.writes += 1
+                time.sleep(0.0002)
+
+    def __enter__(self) -> Scribbler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def device_field(name: str, index: int = 0) -> int:
+    return (
+        ffi.offsetof("gs_region_t", "devices")
+        + index * ffi.sizeof("gs_device_t")
+        + ffi.offsetof("gs_device_t", name)
+    )
+
+
+def test_stamping_the_regions_heartbeat_does_not_lift_the_limit(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # The agent's heartbeat and flags come from its control file: a process that
+    # stamps the region's old heartbeat field and clears the flags (what made a
+    # 10 % share run at 99.99 %) is still held to its share.
+    run_probe("init", "ctx", env=sm(region_path, 30, "default"))  # creates the region
+    heartbeat = ffi.offsetof("gs_region_t", "agent_heartbeat_ns")
+    flags = device_field("flags")  # with the 4 bytes after it (sm_limit: unread under force)
+    now = time.monotonic_ns
+    with Scribbler(region_path, {heartbeat: now(), flags: 0}) as scribbler:
+        got = share(run_probe, sm(region_path, 30, "default"), seconds=1.5)
+    assert scribbler.writes > 100
+    assert abs(got - 0.30) <= 0.07, got
+
+
+def test_winding_the_regions_clock_back_does_not_lift_the_limit(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # Zeroing the container's clock in the region before each launch made a 10 %
+    # share run at 97 %: the process keeps a clock of its own.
+    run_probe("init", "ctx", env=sm(region_path, 20))
+    with Scribbler(region_path, {device_field("tat_ns"): 0}) as scribbler:
+        got = share(run_probe, sm(region_path, 20), seconds=2)
+    assert scribbler.writes > 100
+    assert abs(got - 0.20) <= 0.05, got
 
 
 def test_default_limits_while_the_agent_says_the_gpu_is_shared(
@@ -154,12 +229,24 @@ def test_a_stale_clock_far_ahead_does_not_stall_launches(
     holder.stop()
 
 
-def test_joining_alone_restarts_the_clock(run_probe: ProbeRunner, region_path: Path) -> None:
-    run_probe("init", "ctx", env=sm(region_path, 50))
-    set_clock(region_path, 30 * 10**9)  # within what a window may legitimately charge
+def test_a_new_process_pays_the_debt_of_the_containers_earlier_ones(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # Five processes one after the other, each one 100 ms kernel at 10 %: each
+    # is charged at exit, and the next starts from the container's clock. (A
+    # process joining alone used to reset it, and one whose only window was never
+    # charged by a later launch paid nothing: five ran in about 0.5 s.)
     started = time.monotonic()
-    run_probe("init", "ctx", "launch", 4, 1000, "sync", env=sm(region_path, 50), timeout=20)
-    assert time.monotonic() - started < 5
+    for _ in range(5):
+        result = run_probe(
+            "init", "ctx", "launch", 1, 100000, "sync", env=sm(region_path, 10), timeout=60
+        )
+        assert result.one("launch")["rc"] == 0
+    took = time.monotonic() - started
+    # 0.5 s of kernels at 10 % is 5 s; the last process's debt is left to a next one
+    assert took >= 0.6 * 5 * 0.1 / 0.10, took
+    with Region.open(region_path) as region:
+        assert 0.45e9 < region.devices()[0].busy_ns < 0.7e9
 
 
 @pytest.mark.parametrize("teardown", [("reset", "0"), ("release", "0")])
@@ -276,3 +363,74 @@ def test_threads_launching_at_once_share_the_limit(
     ).one("threads")  # fmt: skip
     assert (line["rc"], line["threads"]) == (0, 4), line
     assert abs(line["share"] - 0.40) <= 0.07, line
+
+
+def test_a_long_kernel_before_each_pause_is_charged_its_gpu_time(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # Each round a short pause the GPU keeps pace through (so windows are unmarked,
+    # the next pauses estimated), then 40 empty kernels and a 50 ms one before a
+    # 100 ms pause: the long kernel runs into the pause. Charged only up to its
+    # launch (the pause taken as idle), this ran at 65-99 % under a 10 % share
+    # (47 % with these pauses); the pause watcher records the window's end as the
+    # pause begins.
+    cycles = (*measured_pause(), "launch 1 50000", "sleep 100") * 6
+    result = run_probe(
+        "init", "ctx", *measured_pause(), "fakebusy", *cycles, "sync", "fakebusy",
+        env=sm(region_path, 10), timeout=120,
+    )  # fmt: skip
+    before, after = result.by_cmd("fakebusy")
+    got = (after["busy_ns"] - before["busy_ns"]) / (after["at_ns"] - before["at_ns"])
+    assert got < 0.20, result.describe()
+
+
+def test_a_kernel_still_running_is_charged_before_the_next_launch(
+    spawn_probe: ProbeSpawner, run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # A process of the container queues a 2 s kernel and launches again 0.5 s
+    # later: the window's kernel still runs, so the 0.5 s it ran is charged then
+    # (2.5 s at 20 %), before that launch waits for it. Another process of the
+    # container launching meanwhile waits for that debt; it used to be charged
+    # only once the kernel had ended, and the other process ran at once.
+    holder = spawn_probe(
+        "init", "ctx", "launch", 1, 2_000_000, "sleep", 500, "launch", 1, 0, "sync",
+        env=sm(region_path, 20),
+    )  # fmt: skip
+    holder.wait_for("launch")
+    time.sleep(1.0)
+    line = run_probe("init", "ctx", "launch", 1, 1000, env=sm(region_path, 20), timeout=30).one(
+        "launch"
+    )
+    assert line["rc"] == 0
+    assert line["ns"] > 0.6e9, line
+    holder.result(timeout=30)
+
+
+@pytest.mark.parametrize("options", [(), ("--proc", "--ptds")])
+def test_work_on_another_stream_is_charged(
+    run_probe: ProbeRunner, region_path: Path, options: tuple[str, ...]
+) -> None:
+    # 2 ms kernels on a stream of their own, each followed by an empty kernel on
+    # the NULL stream, with the streams running side by side (as non-blocking
+    # streams do on a GPU): a window timed by events on the streams of its first
+    # and last launch saw none of the other stream's work, and ran it at 100 %.
+    line = run_probe(
+        "init", "ctx", "twostreams", 1.5, 2000,
+        env={**sm(region_path, 30), "FAKECUDA_STREAM_ENGINES": 1}, options=options, timeout=60,
+    ).one("twostreams")  # fmt: skip
+    assert line["rc"] == 0, line
+    assert abs(line["share"] - 0.30) <= 0.07, line
+
+
+def test_a_multi_device_launch_is_limited_on_each_device(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # cuLaunchCooperativeKernelMultiDevice with an empty kernel on device 0 and a
+    # 2 ms one on device 1: each device's kernel is measured in its own window
+    # (it used to be timed on the current device's stream only: device 1 at 100 %).
+    line = run_probe(
+        "init", "ctx", 0, "multi2", 1.5, 2000,
+        env={**sm(region_path, 30), "FAKECUDA_DEVICES": 2}, timeout=60,
+    ).one("multi2")  # fmt: skip
+    assert line["rc"] == 0, line
+    assert abs(line["share"] - 0.30) <= 0.07, line

@@ -1,9 +1,12 @@
-"""Read a container's shared region without CUDA, and set the flags its limiter obeys.
+"""Read a container's shared region without CUDA.
 
 Every CUDA process of a container maps one "shared region" file (its path is the
 container's ``CUDA_DEVICE_MEMORY_SHARED_CACHE``); the interposer in ``native/``
-accounts memory and compute there, and the node agent reads it and writes the
-per-device flags the compute limiter obeys.
+accounts memory and compute there, and the node agent reads it. Every process of
+the container can write it, so nothing read from it decides a limit: the flags
+the compute limiter obeys come from the agent's control file
+(:mod:`gpuslice_common.control`). ``set_flags`` and ``heartbeat`` write fields
+the interposer no longer reads (kept for tools of the earlier layout).
 
 The layout has one definition, the C header ``region_layout.h`` shipped inside this
 package. This module does not restate it: at import it reads the header with
@@ -148,8 +151,9 @@ class DeviceUsage(Frozen):
     throttled_ns: NonNegInt
     busy_ns: NonNegInt
     sm_limit_percent: NonNegInt  # 0: no limit
-    shared: bool
+    shared: bool  # what the region's unused flags field holds (see region_layout.h)
     yield_: bool
+    clock_ns: NonNegInt = 0  # the container's limiter clock (tat_ns)
 
 
 class ProcessUsage(Frozen):
@@ -429,4 +433,5 @@ def _device(index: int, dev: Any) -> DeviceUsage:
         sm_limit_percent=int(dev.sm_limit),
         shared=bool(flags & DEV_SHARED),
         yield_=bool(flags & DEV_YIELD),
+        clock_ns=int(dev.tat_ns),
     )

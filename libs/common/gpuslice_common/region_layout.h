@@ -7,8 +7,10 @@
  * Rules that keep both readers honest:
  *  - fixed-size fields only, naturally aligned, no pointers;
  *  - every field the interposer updates concurrently is accessed with atomic
- *    builtins on the C side; the node agent writes only `flags` and
- *    `agent_heartbeat_ns`;
+ *    builtins on the C side; the node agent writes nothing here (its flags and
+ *    heartbeat live in the control file below, which the container cannot
+ *    write); `flags` and `agent_heartbeat_ns` are left from an earlier agent
+ *    and read by no one;
  *  - any change of layout bumps GS_REGION_VERSION; readers refuse another version.
  * Only `#define NAME number` lines and typedefs appear here (the Python side
  * parses it with cffi).
@@ -24,12 +26,27 @@
 #define GS_MAX_PROCS 1024
 #define GS_UUID_LEN 96
 
-/* device flags, set by the node agent */
+/* device flags, set by the node agent in the control file */
 #define GS_DEV_SHARED 1
 #define GS_DEV_YIELD 2
 
 /* the agent's flags count only while its heartbeat is younger than this */
 #define GS_AGENT_FRESH_NS 5000000000
+
+/* The node agent's control file ("control" beside the grant, mode 0444, in the
+ * directory the container sees read-only): written by the agent alone, in
+ * place, and mapped read-only by the interposer. Device i is the grant's i-th
+ * device (the region's record i). */
+#define GS_CONTROL_MAGIC 0x31435347
+#define GS_CONTROL_VERSION 1
+typedef struct {
+    uint32_t magic;              /* GS_CONTROL_MAGIC */
+    uint32_t version;            /* GS_CONTROL_VERSION */
+    uint64_t heartbeat_ns;       /* CLOCK_MONOTONIC of the agent's last tick; 0: none yet */
+    uint32_t flags[GS_MAX_DEVICES];        /* GS_DEV_* */
+    uint64_t tat_floor_ns[GS_MAX_DEVICES]; /* the highest limiter clock the agent saw in the region */
+    uint64_t reserved[8];
+} gs_control_t;                  /* 272 bytes */
 
 typedef struct {
     char uuid[GS_UUID_LEN];      /* "GPU-..." as NVML prints it; empty until a process attached */
@@ -39,9 +56,9 @@ typedef struct {
     uint64_t denied;             /* allocations refused for the limit */
     uint64_t throttled_ns;       /* time launches waited in the compute limiter */
     uint64_t busy_ns;            /* kernel time measured by the compute limiter */
-    uint64_t tat_ns;             /* limiter's theoretical arrival time (CLOCK_MONOTONIC ns) */
+    uint64_t tat_ns;             /* the container's limiter clock (CLOCK_MONOTONIC ns): pushed later only */
     uint32_t sm_limit;           /* percent of the device's compute; 0 = no limit */
-    uint32_t flags;              /* GS_DEV_* */
+    uint32_t flags;              /* unused (the agent's flags are in the control file) */
     uint64_t reserved[12];
 } gs_device_t;                   /* 256 bytes */
 
@@ -58,7 +75,7 @@ typedef struct {
     uint32_t version;            /* GS_REGION_VERSION */
     uint32_t size;               /* sizeof(gs_region_t) */
     uint32_t device_count;       /* devices the container's processes have seen */
-    uint64_t agent_heartbeat_ns; /* CLOCK_MONOTONIC of the node agent's last write */
+    uint64_t agent_heartbeat_ns; /* unused (the agent's heartbeat is in the control file) */
     uint32_t proc_high;          /* slots [0, proc_high) have ever been used */
     uint32_t pad0;
     uint64_t reserved[12];

@@ -91,7 +91,9 @@
  *     cuLaunchKernel((CUfunction)1000, 1,1,1, 1,1,1, 0, stream, NULL, NULL)
  * queues a 1 ms kernel. cuLaunchCooperativeKernel and cuLaunchKernelEx use
  * (uintptr_t)f, cuGraphLaunch uses (uintptr_t)hGraphExec; each has a _ptsz
- * twin. A NULL handle is a kernel of zero length. Launches return at once;
+ * twin. The legacy cuLaunch, cuLaunchGrid, cuLaunchGridAsync and
+ * cuLaunchCooperativeKernelMultiDevice (each entry's function, on its stream)
+ * use (uintptr_t)f too. A NULL handle is a kernel of zero length. Launches return at once;
  * the engine sleeps through each kernel on a continuous timeline (a kernel
  * queued while the engine is busy starts exactly when the previous one ends),
  * so N back-to-back kernels of d us take N*d us of wall time. cuEventRecord
@@ -99,7 +101,9 @@
  * CUDA_ERROR_NOT_READY until the engine gets there; cuEventSynchronize,
  * cuStreamSynchronize, cuCtxSynchronize and the synchronous memcpys wait for
  * everything queued on that device so far. Grid and block sizes are not
- * checked. Streams are cheap records that only remember their device.
+ * checked. Streams are cheap records that only remember their device (with
+ * FAKECUDA_STREAM_ENGINES=1, each created stream runs on an engine of its own:
+ * see CONCURRENT STREAMS).
  *
  * STREAM CAPTURE. cuStreamBeginCapture_v2 on a created stream (not the NULL,
  * legacy or per-thread one: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) starts a
@@ -360,6 +364,12 @@ API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void *
 API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                                    void **extra);
 API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
+API CUresult cuLaunch(CUfunction f);
+API CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx);
+API CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height);
+API CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream);
+API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                                  unsigned int numDevices, unsigned int flags);
 API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream);
 
 API CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
@@ -484,6 +494,8 @@ static void fake_graph_release(struct res *g);
     X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchCooperativeKernel)                     \
     X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)            \
     X(cuGraphLaunch) X(cuGraphLaunch_ptsz)                                                    \
+    X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuLaunchCooperativeKernelMultiDevice)  \
+    X(cuStreamGetCtx)                                                                         \
     X(cuEventCreate) X(cuEventRecord) X(cuEventRecord_ptsz) X(cuEventQuery)                   \
     X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuStreamCreate) X(cuStreamCreateWithPriority) \
     X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuStreamQuery)  \
@@ -600,6 +612,7 @@ struct res {
     /* K_STREAM: a capture in progress, and the microseconds launched into it */
     bool capturing, capture_invalid;
     uint64_t captured_us;
+    int eng; /* K_STREAM: an engine of its own (see CONCURRENT STREAMS), 0: the device's */
     /* K_EVENT: recorded at queue position `target` of engine `dev`; `stamp` is when
      * the engine got there (0 until known) */
     uint64_t target, stamp;
@@ -940,6 +953,57 @@ static bool ctx_push(struct res *c) {
     return true;
 }
 
+/* ------------------------------------------------------- concurrent streams */
+/* FAKECUDA_STREAM_ENGINES=1: each stream made by cuStreamCreate(WithPriority)
+ * gets an engine of its own (the first FAKE_STREAM_ENGINES of the process; later
+ * ones share their device's), so its work runs beside the work of the device's
+ * other streams, as a non-blocking stream's does on a GPU. An event recorded
+ * into it marks that engine's queue only; cuStreamSynchronize waits for it;
+ * cuCtxSynchronize, the synchronous copies and fakecuda_busy_ns /
+ * fakecuda_launches cover every engine of the device. The NULL, legacy and
+ * per-thread streams stay on the device's engine. Engine ids below
+ * FAKE_MAX_DEVICES are the devices'; the others are these. */
+#define FAKE_STREAM_ENGINES 16
+static struct engine g_seng[FAKE_STREAM_ENGINES];
+static int g_seng_dev[FAKE_STREAM_ENGINES];
+static int g_seng_count; /* under g_mu */
+
+static struct engine *eng_at(int id) {
+    return id < FAKE_MAX_DEVICES ? &g_dev[id].eng : &g_seng[id - FAKE_MAX_DEVICES];
+}
+
+/* A new stream's engine id, with g_mu held: its own when the mode is on. */
+static int stream_engine_new(int dev) {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *v = getenv("FAKECUDA_STREAM_ENGINES");
+        mode = v && !strcmp(v, "1");
+    }
+    if (!mode || g_seng_count >= FAKE_STREAM_ENGINES) return 0;
+    struct engine *e = &g_seng[g_seng_count];
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->work, NULL);
+    pthread_cond_init(&e->done, NULL);
+    e->wake_at = UINT64_MAX;
+    g_seng_dev[g_seng_count] = dev;
+    return FAKE_MAX_DEVICES + g_seng_count++;
+}
+
+/* The engine a stream's work goes to, with g_mu held (`dev`: the stream's device). */
+static int stream_engine(CUstream s, int dev) {
+    if (s == NULL || s == FAKE_CU_STREAM_LEGACY || s == FAKE_CU_STREAM_PER_THREAD) return dev;
+    struct res *r = tab_find_kind((uintptr_t)s, K_STREAM);
+    return r && r->eng ? r->eng : dev;
+}
+
+/* The stream engines of `dev`, with g_mu held: how many, ids into `ids`. */
+static int device_stream_engines(int dev, int ids[FAKE_STREAM_ENGINES]) {
+    int n = 0;
+    for (int i = 0; i < g_seng_count; i++)
+        if (g_seng_dev[i] == dev) ids[n++] = FAKE_MAX_DEVICES + i;
+    return n;
+}
+
 /* ------------------------------------------------------------------ engine */
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -1001,7 +1065,7 @@ static void *engine_main(void *arg) {
 }
 
 static CUresult engine_submit(int dev, uint64_t us) {
-    struct engine *e = &g_dev[dev].eng;
+    struct engine *e = eng_at(dev);
     CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&e->mu);
     if (!e->started) {
@@ -1045,7 +1109,7 @@ out:
 }
 
 static uint64_t engine_mark(int dev) {
-    struct engine *e = &g_dev[dev].eng;
+    struct engine *e = eng_at(dev);
     pthread_mutex_lock(&e->mu);
     uint64_t t = e->submitted;
     pthread_mutex_unlock(&e->mu);
@@ -1053,7 +1117,7 @@ static uint64_t engine_mark(int dev) {
 }
 
 static bool engine_reached(int dev, uint64_t target) {
-    struct engine *e = &g_dev[dev].eng;
+    struct engine *e = eng_at(dev);
     pthread_mutex_lock(&e->mu);
     bool done = e->completed >= target;
     pthread_mutex_unlock(&e->mu);
@@ -1063,7 +1127,7 @@ static bool engine_reached(int dev, uint64_t target) {
 /* Waits until the engine has run everything up to queue position `target`
  * (UINT64_MAX: everything queued so far). */
 static void engine_wait(int dev, uint64_t target) {
-    struct engine *e = &g_dev[dev].eng;
+    struct engine *e = eng_at(dev);
     pthread_mutex_lock(&e->mu);
     if (target == UINT64_MAX) target = e->submitted;
     e->waiters++;
@@ -1073,6 +1137,16 @@ static void engine_wait(int dev, uint64_t target) {
     }
     e->waiters--;
     pthread_mutex_unlock(&e->mu);
+}
+
+/* Everything queued on a device so far, on every engine of it, is done. */
+static void engine_wait_device(int dev) {
+    int ids[FAKE_STREAM_ENGINES];
+    pthread_mutex_lock(&g_mu);
+    int n = device_stream_engines(dev, ids);
+    pthread_mutex_unlock(&g_mu);
+    engine_wait(dev, UINT64_MAX);
+    for (int i = 0; i < n; i++) engine_wait(ids[i], UINT64_MAX);
 }
 
 /* ------------------------------------------------------------- init, misc */
@@ -1517,7 +1591,7 @@ API CUresult cuCtxSynchronize(void) {
     CUresult rc = need_ctx(&c);
     int dev = rc ? 0 : c->dev;
     pthread_mutex_unlock(&g_mu);
-    if (!rc) engine_wait(dev, UINT64_MAX);
+    if (!rc) engine_wait_device(dev);
     return rc;
 }
 
@@ -1682,7 +1756,7 @@ static CUresult copy_check(uintptr_t dptr, const void *host, size_t n, int *dev)
         if (n && (!host || !range_mapped(dptr, n, dev))) rc = CUDA_ERROR_INVALID_VALUE;
     }
     pthread_mutex_unlock(&g_mu);
-    if (!rc) engine_wait(*dev, UINT64_MAX);
+    if (!rc) engine_wait_device(*dev);
     return rc;
 }
 
@@ -2135,8 +2209,9 @@ static CUresult launch(CUstream s, uintptr_t us) {
     CUresult rc = need_ctx(&c);
     if (!rc) rc = stream_dev(s, &dev);
     if (!rc && (cap = capture_of(s))) cap->captured_us += us; /* joins the graph, runs nothing */
+    int eng = rc ? 0 : stream_engine(s, dev);
     pthread_mutex_unlock(&g_mu);
-    return rc || cap ? rc : engine_submit(dev, (uint64_t)us);
+    return rc || cap ? rc : engine_submit(eng, (uint64_t)us);
 }
 
 API CUresult cuLaunchKernel FAKE_LAUNCH_PARAMS { return launch(hStream, (uintptr_t)f); }
@@ -2162,6 +2237,48 @@ API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
     return launch(hStream, (uintptr_t)fake_exec_us(hGraphExec));
 }
 
+/* cuStreamGetCtx: a created stream's context; the NULL, legacy and per-thread
+ * streams are the current context's. */
+API CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
+    NEED_INIT();
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct res *c = NULL;
+    CUresult rc = CUDA_SUCCESS;
+    if (hStream == NULL || hStream == FAKE_CU_STREAM_LEGACY || hStream == FAKE_CU_STREAM_PER_THREAD) {
+        rc = need_ctx(&c);
+    } else {
+        struct res *r = tab_find_kind((uintptr_t)hStream, K_STREAM);
+        if (!r) rc = CUDA_ERROR_INVALID_HANDLE;
+        else c = r->ctx;
+    }
+    if (!rc) *pctx = (CUcontext)c;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* The legacy launches (cuLaunch, cuLaunchGrid on the NULL stream, cuLaunchGridAsync
+ * on its own) run (uintptr_t)f microseconds like cuLaunchKernel; grid sizes are
+ * not checked. cuLaunchCooperativeKernelMultiDevice runs each entry's function on
+ * its entry's stream (and so on that stream's device), in order. */
+API CUresult cuLaunch(CUfunction f) { return launch(NULL, (uintptr_t)f); }
+API CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height) {
+    return launch(NULL, (uintptr_t)f);
+}
+API CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream) {
+    return launch(hStream, (uintptr_t)f);
+}
+API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                                  unsigned int numDevices, unsigned int flags) {
+    NEED_INIT();
+    if (!launchParamsList || !numDevices) return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned int i = 0; i < numDevices; i++) {
+        CUresult rc = launch(launchParamsList[i].hStream, (uintptr_t)launchParamsList[i].function);
+        if (rc) return rc;
+    }
+    return CUDA_SUCCESS;
+}
+
 /* ------------------------------------------------------------------ events */
 API CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
     NEED_INIT();
@@ -2185,9 +2302,9 @@ API CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
     if (cap) {
         cap->capture_invalid = true; /* see STREAM CAPTURE */
     } else if (!rc) {
-        e->dev = dev;
-        e->target = engine_mark(dev); /* engine lock nests inside g_mu, never the reverse */
-        e->stamp = engine_reached(dev, e->target) ? now_ns() : 0;
+        e->dev = stream_engine(hStream, dev); /* an engine id (CONCURRENT STREAMS) */
+        e->target = engine_mark(e->dev); /* engine lock nests inside g_mu, never the reverse */
+        e->stamp = engine_reached(e->dev, e->target) ? now_ns() : 0;
     }
     pthread_mutex_unlock(&g_mu);
     return rc;
@@ -2233,7 +2350,7 @@ static CUresult event_stamp(CUevent hEvent, uint64_t *stamp) {
     CUresult rc = CUDA_SUCCESS;
     if (!ev) rc = CUDA_ERROR_INVALID_HANDLE;
     else if (!ev->stamp) {
-        struct engine *e = &g_dev[ev->dev].eng;
+        struct engine *e = eng_at(ev->dev);
         pthread_mutex_lock(&e->mu);
         if (e->completed < ev->target) rc = CUDA_ERROR_NOT_READY;
         else if (e->completed - ev->target >= FAKE_STAMPS) rc = CUDA_ERROR_INVALID_VALUE;
@@ -2271,6 +2388,7 @@ API CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
     struct res *c, *s = NULL;
     CUresult rc = need_ctx(&c);
     if (!rc && !(s = new_handle(K_STREAM, c->dev, c))) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (!rc) s->eng = stream_engine_new(c->dev);
     if (!rc) *phStream = (CUstream)s;
     pthread_mutex_unlock(&g_mu);
     return rc;
@@ -2298,6 +2416,7 @@ static CUresult stream_target(CUstream s, int *dev, uint64_t *target) {
         cap->capture_invalid = true;
         rc = FAKE_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     }
+    if (!rc) *dev = stream_engine(s, *dev);
     if (!rc) *target = engine_mark(*dev);
     pthread_mutex_unlock(&g_mu);
     return rc;
@@ -2407,23 +2526,27 @@ static struct engine *engine_of(int dev) {
     return dev >= 0 && dev < g_cfg.devices ? &g_dev[dev].eng : NULL;
 }
 
-API unsigned long long fakecuda_busy_ns(int dev) {
-    struct engine *e = engine_of(dev);
-    if (!e) return 0;
-    pthread_mutex_lock(&e->mu);
-    unsigned long long v = e->busy_ns;
-    pthread_mutex_unlock(&e->mu);
+/* A counter of a device's engines, its streams' own included. */
+static unsigned long long engines_sum(int dev, bool busy) {
+    if (!engine_of(dev)) return 0;
+    int ids[FAKE_STREAM_ENGINES + 1];
+    pthread_mutex_lock(&g_mu);
+    int n = device_stream_engines(dev, ids + 1);
+    pthread_mutex_unlock(&g_mu);
+    ids[0] = dev;
+    unsigned long long v = 0;
+    for (int i = 0; i <= n; i++) {
+        struct engine *e = eng_at(ids[i]);
+        pthread_mutex_lock(&e->mu);
+        v += busy ? e->busy_ns : e->launches;
+        pthread_mutex_unlock(&e->mu);
+    }
     return v;
 }
 
-API unsigned long long fakecuda_launches(int dev) {
-    struct engine *e = engine_of(dev);
-    if (!e) return 0;
-    pthread_mutex_lock(&e->mu);
-    unsigned long long v = e->launches;
-    pthread_mutex_unlock(&e->mu);
-    return v;
-}
+API unsigned long long fakecuda_busy_ns(int dev) { return engines_sum(dev, true); }
+
+API unsigned long long fakecuda_launches(int dev) { return engines_sum(dev, false); }
 
 API unsigned long long fakecuda_used_bytes(int dev) {
     if (!engine_of(dev)) return 0;

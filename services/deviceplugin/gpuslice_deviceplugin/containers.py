@@ -9,6 +9,7 @@ Layout under ``root`` (``DevicePluginSettings.host_dir``)::
         <pod uid>/<container>/              0755, mounted read-only at /run/gpuslice
             owner.json                      who the directory belongs to
             grant                           0444, the container's limits (gpuslice_common.grant)
+            control                         0444, compute flags (gpuslice_common.control)
             region                          0666, the shared region, bind-mounted read-write
 
 Everything in a container directory is written by the agent, at Allocate. The
@@ -45,6 +46,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
 from gpuslice_common import grant as grant_format
+from gpuslice_common.control import CONTROL_FILE, Control
 from gpuslice_common.grant import Grant
 from gpuslice_common.region import Region
 
@@ -203,6 +205,7 @@ class HostDir:
         devices = [(d.uuid, d.memory_bytes, d.sm_percent) for d in grant.devices]
         with self.open_container_dir(directory) as dir_fd:
             Region.create(dir_fd, REGION_FILE, devices, mode=REGION_MODE)
+            Control.create(dir_fd, CONTROL_FILE)
         return directory
 
     @contextlib.contextmanager

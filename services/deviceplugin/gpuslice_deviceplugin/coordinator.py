@@ -1,7 +1,10 @@
 """Compute coordination between the containers sharing a GPU on this node.
 
-Every tick the coordinator reads each container's shared region and writes, per
-device record, the two flags the interposer's compute limiter obeys:
+Every tick the coordinator reads each container's grant (written by the agent at
+Allocate, read-only to the container) and its shared region, and writes, per
+device of the grant, the two flags the interposer's compute limiter obeys into
+the container's control file (:mod:`gpuslice_common.control`: written by the
+agent only, read-only to the container):
 
 * ``shared``: another container is *active* on the same GPU. Under
   ``GPU_CORE_UTILIZATION_POLICY=default`` a container with ``CUDA_DEVICE_SM_LIMIT``
@@ -9,30 +12,46 @@ device record, the two flags the interposer's compute limiter obeys:
   gets all of it.
 * ``yield``: another container with *high priority* is active on the same GPU;
   set only for containers that are not high priority there. Their
-  low-priority processes (``CUDA_TASK_PRIORITY=1``) wait before each launch
-  while it is set.
+  low-priority processes wait before each launch while it is set.
 
-A container is *active* on a GPU when its record for that UUID shows memory held
+What decides a neighbour's treatment comes from the agent's own files, never
+from the region, which every process of the container can write: which GPUs a
+container holds are its grant's devices (record i of its region is the grant's
+i-th device, whatever UUID the region shows; records past the grant are
+ignored), and its priority is the grant's (``priority 0``: high). The region's
+process slots (priorities, PIDs that may be long dead) are not read.
+
+Activity is read from the region, for the container's own granted devices
+only: a container is *active* on a GPU when its record shows memory held
 (``used_bytes > 0``, which includes each context's overhead) or its ``busy_ns``
-grew since the previous tick (``busy_ns`` grows only while a limit applies; the
-first sight of a region sets the baseline). It has *high priority* there when it
-is active and one of its live processes has priority 0. Records without a UUID
-(no process has named the device yet) take no part.
+grew since the previous tick (the first sight of a region sets the baseline).
+A container can fake that, but only about itself: it makes itself look busy on
+the GPUs it was granted, which is what running kernels there would do anyway
+(it can make neighbours on those GPUs limited, or yield to it if the grant made
+it high priority there, exactly as real work would); it cannot name a GPU it
+was not granted, nor lift a flag the agent set on it.
 
-Then every region gets a heartbeat. The interposer honours the flags only while
-the heartbeat is younger than 5 s (``AGENT_FRESH_NS``): if the agent stops,
-containers fall back to being limited and nobody yields. Flags are written only
-when they differ from what the record holds, and before the heartbeat, so a
-region the agent has just found becomes live with its flags already right.
+Each tick also raises the control file's clock floor of each device to the
+limiter clock the region shows (at most ``MAX_AHEAD_NS`` ahead, as the
+interposer bounds it): a process joining the container starts from it, so
+winding the region's clock back between two processes buys at most a tick.
 
-Regions stay mapped between ticks, keyed by directory and re-opened when the
-file's inode changes (the agent made a new region). A region not there yet,
-or one an older interposer is still setting up, is skipped quietly; one the
-binding refuses (foreign, another layout version), a symlink or anything but a
-regular file is skipped with one warning per file, and so is a mapped region
-whose file shrank (reading a mapping past the end of its file would fault; the
-size is checked every tick, just before the region is read). Nothing a container
-puts in its directory makes a tick raise or wait.
+Then every control file gets a heartbeat. The interposer honours the flags only
+while the heartbeat is younger than 5 s (``AGENT_FRESH_NS``): if the agent stops,
+containers fall back to being limited and nobody yields; a container with a
+grant and no control file is treated so too. Flags are written before the
+heartbeat, so a control file the agent has just made becomes live with its
+flags already right.
+
+Regions and control files stay mapped between ticks, keyed by directory and
+re-opened when a file's inode changes. A region not there yet, or one an older
+interposer is still setting up, is skipped quietly; one the binding refuses
+(foreign, another layout version), a symlink or anything but a regular file is
+skipped with one warning per file, and so is a mapped region whose file shrank
+(reading a mapping past the end of its file would fault; the size is checked
+every tick, just before the region is read). A missing or invalid control file
+is made afresh. Nothing a container puts in its directory makes a tick raise or
+wait.
 """
 
 from __future__ import annotations
@@ -46,10 +65,14 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuslice_common.region import REGION_SIZE, DeviceUsage, ProcessUsage, Region, RegionError
-from gpuslice_deviceplugin.containers import REGION_FILE, ContainerOwner, HostDir
+from gpuslice_common import grant as grant_format
+from gpuslice_common.control import CONTROL_FILE, Control, ControlError
+from gpuslice_common.grant import Grant, GrantError
+from gpuslice_common.region import REGION_SIZE, DeviceUsage, Region, RegionError
+from gpuslice_deviceplugin.containers import GRANT_FILE, REGION_FILE, ContainerOwner, HostDir
 
 __all__ = [
+    "MAX_AHEAD_NS",
     "ContainerState",
     "Coordinator",
     "CoordinatorSnapshot",
@@ -61,14 +84,18 @@ log = logging.getLogger(__name__)
 
 # magic and version: zero while the interposer is still setting the file up
 _HEADER_BYTES = 8
+_GRANT_MAX_BYTES = grant_format.MAX_BYTES
+# A limiter clock further ahead than this is stale (GS_MAX_AHEAD_NS in launch.c).
+MAX_AHEAD_NS = 120_000_000_000
 
 
 @dataclass(frozen=True)
 class DeviceState:
-    """One device record of a container's region, and what the coordinator made of it."""
+    """One device of a container's grant, its region record, and what the coordinator
+    made of it. ``usage.uuid`` and ``usage.index`` are the grant's."""
 
-    usage: DeviceUsage  # as read this tick (its flags: as the previous tick left them)
-    shared: bool  # the flags as this tick left them
+    usage: DeviceUsage  # as read this tick
+    shared: bool  # the flags as this tick left them in the control file
     yield_: bool
     active: bool
     processes: int  # live processes of the container holding memory on this device
@@ -76,17 +103,17 @@ class DeviceState:
 
 @dataclass(frozen=True)
 class ContainerState:
-    """A prepared container; ``devices`` is empty until its region can be read."""
+    """A prepared container; ``devices`` is empty until its grant and region can be read."""
 
     owner: ContainerOwner
     directory: Path
     devices: tuple[DeviceState, ...]
-    high_priority: bool  # one of its live processes has priority 0
+    high_priority: bool  # its grant says priority 0
 
 
 @dataclass(frozen=True)
 class GpuState:
-    """A GPU some container's region names."""
+    """A GPU some container's grant names."""
 
     uuid: str
     active_containers: int
@@ -124,23 +151,29 @@ class _Tracked:
 class _Reading:
     owner: ContainerOwner
     directory: Path
+    grant: Grant | None
     tracked: _Tracked | None
-    devices: tuple[DeviceUsage, ...]
-    processes: tuple[ProcessUsage, ...]
-    active: frozenset[int]  # record indices
+    control: Control | None
+    devices: tuple[DeviceUsage, ...]  # the grant's, each with its region record
+    holders: tuple[int, ...]  # per device: live processes holding memory on it
+    active: frozenset[int]  # grant device indices
 
 
 class Coordinator:
-    """Sets the ``shared`` and ``yield`` flags of every container region under ``host``."""
+    """Sets the ``shared`` and ``yield`` flags of every container under ``host``."""
 
     def __init__(self, host: HostDir) -> None:
         self._host = host
         self._tracked: dict[Path, _Tracked] = {}
+        self._controls: dict[Path, Control] = {}
         self._refused: dict[Path, tuple[int, int]] = {}  # warned about this inode
+        self._bad_grants: dict[Path, str] = {}  # warned about this
+        # parsed grants by file identity: the agent replaces a grant, never edits it
+        self._grants: dict[Path, tuple[tuple[int, int, int, int], Grant]] = {}
         self._lock = threading.Lock()
 
     def tick(self, gone: Collection[str] = ()) -> CoordinatorSnapshot:
-        """Read every region, write the flags that changed and the heartbeats.
+        """Read every grant and region, write the flags that changed and the heartbeats.
 
         A container of a pod in ``gone`` (known to have ended) is never active,
         whatever its region still shows: a killed process's usage stays there
@@ -154,37 +187,121 @@ class Coordinator:
             ]
             present = {r.directory for r in readings}
             self._forget(set(self._tracked) - present)
+            self._forget_controls(set(self._controls) - present)
             for path in [p for p in self._refused if p.parent not in present]:
                 del self._refused[path]
+            for path in [p for p in self._bad_grants if p.parent not in present]:
+                del self._bad_grants[path]
+            for path in [p for p in self._grants if p.parent not in present]:
+                del self._grants[path]
             active, high = _by_gpu(readings)
             states = tuple(self._decide(r, active, high) for r in readings)
             for r in readings:
-                if r.tracked is not None:
-                    r.tracked.region.heartbeat()
+                if r.control is not None and r.grant is not None:
+                    r.control.heartbeat()
         gpus = tuple(GpuState(uuid, len(active[uuid])) for uuid in sorted(active))
         return CoordinatorSnapshot(taken_at=time.time(), containers=states, gpus=gpus)
 
     def close(self) -> None:
-        """Unmap every region; a later tick maps them again."""
+        """Unmap every region and control file; a later tick maps them again."""
         with self._lock:
             self._forget(set(self._tracked))
+            self._forget_controls(set(self._controls))
 
     # ------------------------------------------------------------ reading
 
     def _read(self, owner: ContainerOwner, directory: Path, alive: bool) -> _Reading:
-        tracked = self._region(directory)
-        devices: tuple[DeviceUsage, ...] = ()
-        processes: tuple[ProcessUsage, ...] = ()
+        grant = self._grant(directory)
+        tracked = self._region(directory) if grant is not None else None
+        control = self._control(directory) if grant is not None else None
+        devices: list[DeviceUsage] = []
+        holders: list[int] = []
         active: set[int] = set()
-        if tracked is not None:
-            devices = tuple(d for d in tracked.region.devices() if d.uuid)
+        if grant is not None and tracked is not None:
+            records = {d.index: d for d in tracked.region.devices()}
             processes = tracked.region.processes()
-            for dev in devices:
-                before = tracked.busy.get(dev.index, dev.busy_ns)
+            now = time.monotonic_ns()
+            for index, granted in enumerate(grant.devices):
+                record = records.get(index)
+                if record is None:
+                    continue
+                dev = record.model_copy(update={"uuid": granted.uuid})
+                devices.append(dev)
+                holders.append(
+                    sum(1 for p in processes if index < len(p.used_bytes) and p.used_bytes[index])
+                )
+                before = tracked.busy.get(index, dev.busy_ns)
                 if alive and (dev.used_bytes > 0 or dev.busy_ns > before):
-                    active.add(dev.index)
-                tracked.busy[dev.index] = dev.busy_ns
-        return _Reading(owner, directory, tracked, devices, processes, frozenset(active))
+                    active.add(index)
+                tracked.busy[index] = dev.busy_ns
+                if control is not None:
+                    control.raise_floor(index, min(dev.clock_ns, now + MAX_AHEAD_NS))
+        return _Reading(
+            owner,
+            directory,
+            grant,
+            tracked,
+            control,
+            tuple(devices),
+            tuple(holders),
+            frozenset(active),
+        )
+
+    def _grant(self, directory: Path) -> Grant | None:
+        """The grant the agent wrote for the container; None (warned once) if unreadable."""
+        path = directory / GRANT_FILE
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(f"{path} is not a regular file")
+                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                cached = self._grants.get(path)
+                if cached is not None and cached[0] == key:
+                    return cached[1]
+                text = os.pread(fd, _GRANT_MAX_BYTES + 1, 0)
+            finally:
+                os.close(fd)
+            if len(text) > _GRANT_MAX_BYTES:
+                raise GrantError(f"more than {_GRANT_MAX_BYTES} bytes")
+            found = grant_format.parse(text.decode("utf-8"))
+            self._grants[path] = (key, found)
+        except FileNotFoundError:
+            log.debug("%s: no grant yet", directory)
+            self._grants.pop(path, None)
+            return None
+        except (OSError, UnicodeDecodeError, GrantError) as e:
+            self._grants.pop(path, None)
+            why = str(e)
+            if self._bad_grants.get(path) != why:
+                log.warning("not coordinating %s: its grant cannot be read: %s", directory, why)
+                self._bad_grants[path] = why
+            return None
+        self._bad_grants.pop(path, None)
+        return found
+
+    def _control(self, directory: Path) -> Control | None:
+        """The container's control file, mapped for writing; made afresh when missing
+        or invalid. None (logged) when it cannot be made."""
+        path = directory / CONTROL_FILE
+        control = self._controls.get(directory)
+        try:
+            st = os.lstat(path)
+            if control is not None and control.inode == (st.st_dev, st.st_ino):
+                return control
+        except OSError:
+            pass
+        self._forget_controls({directory})
+        try:
+            with self._host.open_container_dir(directory) as dir_fd:
+                Control.create(dir_fd, CONTROL_FILE)
+            control = Control.open(path, writable=True)
+        except (OSError, ControlError) as e:
+            log.warning("cannot set up the control file of %s: %s", directory, e)
+            return None
+        self._controls[directory] = control
+        return control
 
     def _region(self, directory: Path) -> _Tracked | None:
         """The mapped region of a container directory, (re)opened as needed.
@@ -220,7 +337,7 @@ class Coordinator:
             log.debug("%s: not set up yet", path)
             return None
         try:
-            region = Region.open(path, writable=True)
+            region = Region.open(path)
         except RegionError as e:
             self._refuse(path, inode, str(e))
             return None
@@ -245,6 +362,12 @@ class Coordinator:
                 tracked.region.close()
                 log.info("no longer coordinating %s", directory / REGION_FILE)
 
+    def _forget_controls(self, directories: Iterable[Path]) -> None:
+        for directory in directories:
+            control = self._controls.pop(directory, None)
+            if control is not None:
+                control.close()
+
     # ------------------------------------------------------------ deciding
 
     def _decide(
@@ -255,18 +378,14 @@ class Coordinator:
     ) -> ContainerState:
         me = reading.directory
         states: list[DeviceState] = []
-        for dev in reading.devices:
+        for dev, holding in zip(reading.devices, reading.holders, strict=True):
             high_here = high.get(dev.uuid, set())
             shared = bool(active[dev.uuid] - {me})
             yield_ = me not in high_here and bool(high_here)
-            if reading.tracked is not None and (dev.shared, dev.yield_) != (shared, yield_):
-                reading.tracked.region.set_flags(dev.index, shared=shared, yield_=yield_)
-                log.debug("%s device %d: shared=%s yield=%s", me, dev.index, shared, yield_)
-            holding = sum(
-                1
-                for p in reading.processes
-                if dev.index < len(p.used_bytes) and p.used_bytes[dev.index] > 0
-            )
+            if reading.control is not None:
+                if reading.control.flags(dev.index) != (shared, yield_):
+                    log.debug("%s device %d: shared=%s yield=%s", me, dev.index, shared, yield_)
+                reading.control.set_flags(dev.index, shared=shared, yield_=yield_)
             states.append(
                 DeviceState(
                     usage=dev,
@@ -280,20 +399,17 @@ class Coordinator:
             owner=reading.owner,
             directory=me,
             devices=tuple(states),
-            high_priority=_high_priority(reading.processes),
+            high_priority=reading.grant is not None and reading.grant.priority == 0,
         )
 
 
-def _high_priority(processes: tuple[ProcessUsage, ...]) -> bool:
-    return any(p.priority == 0 for p in processes)
-
-
 def _by_gpu(readings: list[_Reading]) -> tuple[dict[str, set[Path]], dict[str, set[Path]]]:
-    """Per GPU UUID: the containers active on it, and those of them with high priority."""
+    """Per GPU UUID of a grant: the containers active on it, and those of them whose
+    grant gives them high priority."""
     active: dict[str, set[Path]] = {}
     high: dict[str, set[Path]] = {}
     for r in readings:
-        is_high = _high_priority(r.processes)
+        is_high = r.grant is not None and r.grant.priority == 0
         for dev in r.devices:
             active.setdefault(dev.uuid, set())
             if dev.index in r.active:
