@@ -16,6 +16,7 @@ from gpuslice_common.config import CommonSettings
 from gpuslice_common.events import (
     AllocationEvent,
     CloudEvent,
+    EnforcementEvent,
     EventType,
     PodAdmitted,
     PodDenied,
@@ -42,6 +43,18 @@ def sample_payload(t: EventType) -> Frozen:
         return PodAdmitted(pod=POD, containers=(req,))
     if t is EventType.POD_DENIED:
         return PodDenied(pod=POD, reason="container 'main': nvidia.com/gpucores above 100")
+    if t.value.startswith("io.gpuslice.enforce."):
+        return EnforcementEvent(
+            pod=POD,
+            pod_uid=POD.uid,
+            node="gpu-node-1",
+            container="main",
+            card="GPU-1",
+            pid=4242,
+            used_bytes=3 << 30,
+            allowed_bytes=1 << 30,
+            reason="killed process 4242 on GPU-1",
+        )
     grant = DeviceGrant(uuid="GPU-1", memory_mib=4096, cores=30)
     return AllocationEvent(
         pod=POD,
