@@ -30,7 +30,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
-from gpuslice_common.region import _DEFINES, DEV_SHARED, DEV_YIELD, MAX_DEVICES, ffi
+from gpuslice_common.region import (
+    _DEFINES,
+    DEV_SHARED,
+    DEV_YIELD,
+    MAX_DEVICES,
+    ffi,
+    replace_at,
+)
 
 __all__ = ["CONTROL_FILE", "CONTROL_MODE", "CONTROL_SIZE", "Control", "ControlError"]
 
@@ -76,24 +83,7 @@ class Control:
                 return
         c = ffi.new("gs_control_t *")
         c.magic, c.version = MAGIC, VERSION
-        tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-        fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=dir_fd,
-        )
-        try:
-            try:
-                os.write(fd, bytes(ffi.buffer(c)))
-                os.fchmod(fd, CONTROL_MODE)
-            finally:
-                os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
+        replace_at(dir_fd, name, bytes(ffi.buffer(c)), CONTROL_MODE)
 
     @classmethod
     def open(cls, path: Path, *, writable: bool = False) -> Control:

@@ -79,6 +79,7 @@ __all__ = [
     "ffi",
     "header_ffi",
     "layout_cdef",
+    "replace_at",
 ]
 
 HEADER: Final = "region_layout.h"
@@ -133,6 +134,30 @@ REGION_SIZE: Final[int] = ffi.sizeof("gs_region_t")
 
 # magic, version, size: the leading fields checked before the region is mapped
 _HEADER_BYTES: Final[int] = ffi.offsetof("gs_region_t", "device_count")
+
+
+def replace_at(dir_fd: int, name: str, data: bytes, mode: int) -> None:
+    """Write ``data`` as ``name`` in the directory ``dir_fd``, whole: under a
+    temporary name made without following a link, given ``mode``, then renamed
+    into place, so a reader (the interposer) sees the old file or the new one."""
+    tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=dir_fd,
+    )
+    try:
+        try:
+            os.write(fd, data)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 class RegionError(Exception):
@@ -244,24 +269,7 @@ class Region:
             r.devices[i].uuid = raw
             r.devices[i].limit = limit
             r.devices[i].sm_limit = 0 if sm >= 100 else sm
-        tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-        fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=dir_fd,
-        )
-        try:
-            try:
-                os.write(fd, bytes(ffi.buffer(r)))
-                os.fchmod(fd, mode)
-            finally:
-                os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
+        replace_at(dir_fd, name, bytes(ffi.buffer(r)), mode)
 
     def close(self) -> None:
         """Unmap the region; idempotent."""
