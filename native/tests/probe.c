@@ -460,6 +460,19 @@ static fake_counter_t fake_counter(const char *name) {
     return fn;
 }
 
+/* "busy_ns" (the fake engine's kernel time since busy0) and "share" (of `wall`),
+ * or nulls where the driver is not the fake. */
+static void j_busy_share(fake_counter_t busy, int dev, unsigned long long busy0, uint64_t wall) {
+    if (busy) {
+        unsigned long long b = busy(dev) - busy0;
+        j_u64("busy_ns", b);
+        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
+    } else {
+        j_null("busy_ns");
+        j_null("share");
+    }
+}
+
 /* dladdr's library basename and symbol name for a pointer. */
 static void j_where(const void *p) {
     Dl_info info;
@@ -1139,14 +1152,7 @@ static void cmd_twostreams(int argc, char **argv) {
     j_int("rc", rc);
     j_int("launches", launches);
     j_u64("wall_ns", wall);
-    if (busy) {
-        unsigned long long b = busy(dev) - busy0;
-        j_u64("busy_ns", b);
-        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
-    } else {
-        j_null("busy_ns");
-        j_null("share");
-    }
+    j_busy_share(busy, dev, busy0, wall);
     j_end();
     if (side) CALL(cuStreamDestroy_v2, side);
 }
@@ -1204,14 +1210,7 @@ static void cmd_multi2(int argc, char **argv) {
     j_int("rc", rc);
     j_int("launches", launches);
     j_u64("wall_ns", wall);
-    if (busy) {
-        unsigned long long b = busy(1) - busy0;
-        j_u64("busy_ns", b);
-        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
-    } else {
-        j_null("busy_ns");
-        j_null("share");
-    }
+    j_busy_share(busy, 1, busy0, wall);
     j_end();
 }
 
@@ -1268,14 +1267,7 @@ static void cmd_run(int argc, char **argv) {
     j_int("launches", launches);
     j_str("via", launch_names[kind]);
     j_u64("wall_ns", wall);
-    if (busy) {
-        unsigned long long b = busy(dev) - busy0;
-        j_u64("busy_ns", b);
-        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
-    } else {
-        j_null("busy_ns");
-        j_null("share");
-    }
+    j_busy_share(busy, dev, busy0, wall);
     j_fake_launches(counted, dev, counted0);
     j_end();
 }
@@ -1353,14 +1345,7 @@ static void cmd_threads(int argc, char **argv) {
     j_int("threads", (long long)started);
     j_int("launches", launches);
     j_u64("wall_ns", wall);
-    if (busy) {
-        unsigned long long b = busy(dev) - busy0;
-        j_u64("busy_ns", b);
-        j_dbl("share", wall ? (double)b / (double)wall : 0.0);
-    } else {
-        j_null("busy_ns");
-        j_null("share");
-    }
+    j_busy_share(busy, dev, busy0, wall);
     j_end();
 }
 
