@@ -1423,6 +1423,25 @@ static void cmd_lock(int argc, char **argv) {
     j_end();
 }
 
+/* The main thread leaves and another keeps the process: /proc/<pid>/stat then
+ * says "Z" for the whole process and /proc/<pid>/root is gone, while its memory
+ * and contexts live on. */
+static void *hide_leader_thread(void *arg) {
+    (void)arg;
+    for (;;) pause();
+    return NULL;
+}
+
+static void cmd_hideleader(int argc, char **argv) {
+    pthread_t th;
+    int rc = pthread_create(&th, NULL, hide_leader_thread, NULL);
+    j_begin("hideleader");
+    j_int("rc", rc);
+    j_int("pid", getpid());
+    j_end();
+    if (rc == 0) pthread_exit(NULL);
+}
+
 static void cmd_getppid(int argc, char **argv) {
     pid_t v = getppid();
     void *sym = dlsym(RTLD_DEFAULT, "other_interposer_calls");
@@ -1728,6 +1747,7 @@ static const command_t commands[] = {
     {"capalloc", "S", NULL, cmd_capalloc},
     {"graphalloc", "Sw", "node", cmd_graphalloc},
     {"setlimit", "NS", NULL, cmd_setlimit},
+    {"hideleader", "", NULL, cmd_hideleader},
     /* run by main: they decide which commands run next */
     {"fork", "", NULL, NULL},
     {"forkwait", "", NULL, NULL},

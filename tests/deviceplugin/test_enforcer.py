@@ -337,6 +337,27 @@ async def test_memory_the_driver_takes_outside_hooked_calls_is_caught(
     assert report.used_bytes >= 3 * GiB + 512 * MiB, report
 
 
+async def test_a_process_whose_main_thread_left_is_still_held_to_its_grant(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """A process that escapes the interposer and then ends its main thread (another
+    thread keeps it and its memory) reads "Z" in /proc/<pid>/stat and has no
+    /proc/<pid>/root: it is no zombie, and is killed like any escape."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "3g", "hideleader")
+    assert probe.wait_for("hideleader")["rc"] == 0, probe.describe()
+    stat = Path(f"/proc/{probe.pid}/stat")
+    await until(
+        lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "the main thread gone"
+    )
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: dead(probe), "the process without its main thread killed")
+        await until(lambda: running.kinds() == ["memory-kill"], "one memory-kill report")
+    assert running.reports[0].pid == probe.pid
+    assert running.reports[0].container == "main"
+
+
 async def test_a_container_within_its_grant_is_left_alone(node: Node, cgroups: PodCgroups) -> None:
     pod = str(uuid.uuid4())
     box = node.container(grant(pod, "main", (0, 1 * GiB, 0)))
