@@ -614,6 +614,29 @@ async def test_a_card_whose_nvml_cannot_list_processes_reports_the_layer_missing
     assert running.reports == []
 
 
+async def test_a_process_whose_memory_nvml_cannot_give_reports_the_layer_missing(
+    node: Node, cgroups: PodCgroups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML lists a process with usedGpuMemory NVML_VALUE_NOT_AVAILABLE (pynvml: None):
+    what it holds is unknown, not 0, so the card's memory layer is missing (said and
+    counted) rather than reported as holding the container to its grant."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0), (1, 1 * GiB, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "hold")
+    probe.wait_for("hold")
+    monkeypatch.delenv("FAKEGPU_STATE_DIR")  # the fake NVML lists FAKENVML_PROCS instead
+    monkeypatch.setenv("FAKENVML_PROCS", f"{probe.pid}:{(1 << 64) - 1}")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: len(running.enforcer.card_layers()) == CARDS, "both cards sampled")
+        await asyncio.sleep(0.5)
+        layers = running.enforcer.card_layers()
+    assert layers == {fake_uuid(0): (False, True), fake_uuid(1): (False, True)}
+    assert running.metric("gpuslice_enforce_unreadable_total", what="memory") >= 2
+    assert running.metric("gpuslice_enforce_layer", uuid=fake_uuid(0), layer="memory") == 0
+    assert not dead(probe)
+    assert running.reports == []
+
+
 def test_the_fake_driver_state_file_is_the_shared_struct(node: Node, cgroups: PodCgroups) -> None:
     """Contract 1's layout, read here with Python's struct as another process would."""
     probe = node.start(node.cgroups.host(), None, "init", "ctx", "1", "alloc", "5m", "hold")

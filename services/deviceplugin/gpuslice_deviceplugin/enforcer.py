@@ -118,6 +118,8 @@ class CardSample:
     uuid: str
     processes: tuple[ProcessUse, ...] | None
     busy: Mapping[int, float] | None  # pid -> percent of the card since the last sample
+    # pids NVML lists without their used memory (NVML_VALUE_NOT_AVAILABLE): shown as 0
+    unknown_memory: frozenset[int] = frozenset()
 
 
 class Sampler(Protocol):
@@ -143,13 +145,17 @@ class NvmlSampler:
             handle = n.nvmlDeviceGetHandleByIndex(index)
             uuid = str(n.nvmlDeviceGetUUID(handle))
             processes: tuple[ProcessUse, ...] | None
+            unknown: set[int] = set()
             try:
-                processes = tuple(
-                    ProcessUse(int(p.pid), int(p.usedGpuMemory or 0))
-                    for p in n.nvmlDeviceGetComputeRunningProcesses(handle)
-                )
+                running = n.nvmlDeviceGetComputeRunningProcesses(handle)
             except n.NVMLError:
                 processes = None
+            else:
+                # pynvml gives None for NVML_VALUE_NOT_AVAILABLE: unknown, not 0
+                unknown = {int(p.pid) for p in running if p.usedGpuMemory is None}
+                processes = tuple(
+                    ProcessUse(int(p.pid), int(p.usedGpuMemory or 0)) for p in running
+                )
             busy: dict[int, float] | None
             try:
                 samples = n.nvmlDeviceGetProcessUtilization(handle, self._seen.get(uuid, 0))
@@ -163,7 +169,7 @@ class NvmlSampler:
                     sums.setdefault(int(s.pid), []).append(float(s.smUtil))
                     self._seen[uuid] = max(self._seen.get(uuid, 0), int(s.timeStamp))
                 busy = {pid: min(100.0, sum(v) / len(v)) for pid, v in sums.items()}
-            cards.append(CardSample(uuid, processes, busy))
+            cards.append(CardSample(uuid, processes, busy, frozenset(unknown)))
         return cards
 
     def close(self) -> None:
@@ -331,6 +337,15 @@ class Enforcer:
             self.metrics.unreadable.labels("utilization").inc()
             self._once(
                 f"util/{card.uuid}", "card %s: NVML cannot give process utilisation", card.uuid
+            )
+        if card.unknown_memory:  # what they hold cannot be told: not held to a grant
+            memory_ok = False
+            self.metrics.unreadable.labels("memory").inc()
+            self._once(
+                f"memory/{card.uuid}",
+                "card %s: NVML does not give the used memory of processes %s",
+                card.uuid,
+                sorted(card.unknown_memory)[:8],
             )
         foreign = 0
         by_container: dict[tuple[str, str], list[tuple[ProcessUse, _Proc]]] = {}

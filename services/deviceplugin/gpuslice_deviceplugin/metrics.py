@@ -141,7 +141,7 @@ class EnforcerMetrics:
         )
         self.unreadable = Counter(
             "gpuslice_enforce_unreadable",
-            "Samples in which something could not be read, by what (processes, "
+            "Samples in which something could not be read, by what (processes, memory, "
             "utilization, cgroup, grant, freeze).",
             ["what"],
             registry=registry,
