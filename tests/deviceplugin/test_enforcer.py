@@ -358,6 +358,21 @@ async def test_a_process_whose_main_thread_left_is_still_held_to_its_grant(
     assert running.reports[0].container == "main"
 
 
+async def test_a_grant_of_no_memory_is_not_taken_as_no_limit(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """A grant's 0 bytes on a card is nothing (the interposer refuses every allocation
+    under it), so a process past it without the interposer is killed."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 0, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1g", "hold")
+    assert probe.wait_for("alloc")["rc"] == 0, probe.describe()
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: dead(probe), "the process past a grant of 0 bytes killed")
+        await until(lambda: running.kinds() == ["memory-kill"], "one memory-kill report")
+    assert running.reports[0].allowed_bytes < 1 * GiB
+
+
 async def test_a_container_within_its_grant_is_left_alone(node: Node, cgroups: PodCgroups) -> None:
     pod = str(uuid.uuid4())
     box = node.container(grant(pod, "main", (0, 1 * GiB, 0)))

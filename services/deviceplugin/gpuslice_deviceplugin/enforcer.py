@@ -560,7 +560,8 @@ class Enforcer:
         allowed = (
             device.memory_bytes + granted.grant.context_overhead_bytes * len(members) + self.margin
         )
-        if device.memory_bytes == 0 or used <= allowed:  # 0: no memory limit
+        # a grant of 0 bytes is none at all, as the interposer reads it: never "no limit"
+        if used <= allowed:
             return []
         use, proc = max(members, key=lambda m: m[0].used_bytes)
         if not self._kill(proc, at):
