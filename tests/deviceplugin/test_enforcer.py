@@ -579,6 +579,26 @@ async def test_a_kernel_holding_the_card_while_frozen_is_killed(
     assert running.reports[1].busy_percent >= 90
 
 
+async def test_kernels_that_outlast_the_freeze_with_short_gaps_are_killed(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """Kernels shorter than enforce_hog_after with a short idle gap between them: no
+    run of samples at 90 % lasts long enough to count as one hog, freezing does not
+    stop a kernel on the card, and the container keeps ~80 % of the card against a
+    10 % share. Its busy share far above the part of the time it is left thawed says
+    freezing does not hold it: killed."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 10)))
+    kernels = ["launch", "1", "1500000", "sync", "sleep", "300"] * 30
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", *kernels, "hold")
+    probe.wait_for("ctx")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: dead(probe), "the container its freezing does not hold killed", 40)
+        await until(lambda: "compute-kill" in running.kinds(), "a compute-kill report")
+    assert running.kinds() == ["throttle", "compute-kill"]
+    assert running.reports[1].share_percent == 10
+
+
 # ----------------------------------------------------------------------------- what cannot be read
 
 

@@ -22,7 +22,10 @@ agent wrote at Allocate, and acts:
   unthrottled rate down to its share (at most ``MAX_FROZEN``), and thawed when it
   is back below. Freezing stops launches, not a kernel already on the card: a
   process whose kernels keep the card ``HOG_PERCENT`` busy while frozen for
-  ``enforce_hog_after`` is killed;
+  ``enforce_hog_after`` is killed, and so is the busiest process of a container
+  that, throttled over ``enforce_hog_after``, was busier than the time it was
+  really left thawed (plus the tolerance): shorter kernels with short gaps, or
+  launches queued deep while thawed, outlast every freeze without a hog's run;
 * **ungranted**: a pod's process on a card its container has no grant for (or
   in no container the agent made a grant directory for) is killed.
 
@@ -195,6 +198,8 @@ class _Compute:
     busy: deque[tuple[float, float]] = field(default_factory=deque)  # (time, percent)
     frozen: deque[tuple[float, float]] = field(default_factory=deque)  # (time, fraction)
     hog_since: float | None = None
+    # (time, seconds frozen so far, busy percent) while throttled, over enforce_hog_after
+    held: deque[tuple[float, float, float]] = field(default_factory=deque)
 
 
 @dataclass
@@ -204,6 +209,12 @@ class _Throttle:
     container: str
     fraction: float = 0.0
     frozen: bool = False
+    frozen_s: float = 0.0  # time spent frozen, up to the last thaw
+    frozen_at: float | None = None  # monotonic time of the freeze in force
+
+    def frozen_total(self, now: float) -> float:
+        """Seconds this container has really been frozen (writes, not targets)."""
+        return self.frozen_s + (now - self.frozen_at if self.frozen_at is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -682,7 +693,67 @@ class Enforcer:
                     )
         else:
             state.hog_since = None
+        actions += self._unheld(card, granted, members, busy, state, now_busy, share, at)
         return actions, True
+
+    def _unheld(
+        self,
+        card: str,
+        granted: Granted,
+        members: list[tuple[ProcessUse, _Proc]],
+        busy: Mapping[int, float],
+        state: _Compute,
+        now_busy: float,
+        share: int,
+        at: float,
+    ) -> list[EnforcedRequest]:
+        """Kill a throttled container whose work freezing does not stop: over the last
+        ``enforce_hog_after``, busier than the part of the time it was really left
+        thawed (and than its share) by more than the tolerance. Kernels shorter than
+        ``enforce_hog_after`` with short gaps (or launches queued deep while thawed)
+        never make a run of ``HOG_PERCENT`` samples, yet hold the card far past the
+        share; work that stops when frozen cannot be busier than the thawed time."""
+        throttle = self._throttles.get(members[0][1].cgroup.container)
+        if throttle is None or throttle.fraction <= 0:
+            state.held.clear()
+            return []
+        state.held.append((at, throttle.frozen_total(time.monotonic()), now_busy))
+        while at - state.held[0][0] > self.hog_after:
+            state.held.popleft()
+        first, last = state.held[0], state.held[-1]
+        span = last[0] - first[0]
+        if span < self.hog_after * 0.9:
+            return []
+        thawed = 100.0 * (1.0 - min(1.0, (last[1] - first[1]) / span))
+        average = sum(b for _, _, b in list(state.held)[1:]) / (len(state.held) - 1)
+        if average <= max(thawed, share) + self.tolerance:
+            return []
+        use, proc = max(members, key=lambda m: busy.get(m[0].pid, 0.0))
+        state.held.clear()
+        if not self._kill(proc, at):
+            return []
+        reason = (
+            f"killed process {use.pid} on {card}: the card {average:.0f}% busy over "
+            f"{self.hog_after:g} s while left thawed {thawed:.0f}% of the time, share {share}%: "
+            "freezing does not hold its work"
+        )
+        log.warning(
+            "pod %s container %s: %s", granted.owner.pod_uid, granted.owner.container, reason
+        )
+        self.metrics.kills.labels("compute").inc()
+        return [
+            self._report(
+                "compute-kill",
+                pod_uid=granted.owner.pod_uid,
+                container=granted.owner.container,
+                card=card,
+                pid=use.pid,
+                busy_percent=round(min(100.0, average), 1),
+                share_percent=share,
+                frozen_percent=round(100.0 - thawed, 1),
+                reason=reason,
+            )
+        ]
 
     # ------------------------------------------------------------ duty cycle
 
@@ -697,6 +768,12 @@ class Enforcer:
                 )
             return
         throttle.frozen = frozen
+        now = time.monotonic()
+        if frozen and throttle.frozen_at is None:
+            throttle.frozen_at = now
+        elif not frozen and throttle.frozen_at is not None:
+            throttle.frozen_s += now - throttle.frozen_at
+            throttle.frozen_at = None
 
     def _end_gone_throttles(self, live: set[str], at: float) -> None:
         """Thaw and forget containers that ran nothing on any card this sample."""
