@@ -449,6 +449,35 @@ async def test_a_pod_process_on_a_card_without_a_grant_is_killed(
     assert (by_pod[stranger].container, by_pod[stranger].card) == (None, fake_uuid(0))
 
 
+async def test_a_process_showing_another_containers_grant_directory_is_killed(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """A process of one container that takes another container's root as its own
+    (chroot into /proc/<pid>/root, with the pod's process namespace shared) shows
+    that container's grant directory from its own cgroup. Counted as that container,
+    it would have the duty cycle freeze its own cgroup while the other runs free:
+    once a container's processes are seen in one cgroup, one in another is killed."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 10)))
+    first = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1m", "hold")
+    first.wait_for("hold")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(
+            lambda: (
+                running.metric("gpuslice_enforce_layer", uuid=fake_uuid(0), layer="memory") == 1
+            ),
+            "the container seen on its card",
+        )
+        other = node.start(node.cgroups.container(pod), box, "init", "ctx", "hold")
+        other.wait_for("hold")
+        await until(lambda: dead(other), "the process in another container's cgroup killed")
+        await until(lambda: running.kinds() == ["ungranted-kill"], "one ungranted-kill report")
+        await asyncio.sleep(0.5)
+    assert not dead(first)
+    assert running.reports[0].pid == other.pid
+    assert running.reports[0].container == "main"
+
+
 async def test_a_host_process_outside_kubepods_is_left_alone(
     node: Node, cgroups: PodCgroups
 ) -> None:

@@ -265,6 +265,8 @@ class Enforcer:
         self._grants_fresh = False
         self._compute: dict[tuple[str, str, str], _Compute] = {}  # (pod, container, card)
         self._throttles: dict[str, _Throttle] = {}  # container cgroup -> throttle
+        self._bound: dict[tuple[str, str], str] = {}  # (pod, container) -> its cgroup
+        self._bound_seen: set[tuple[str, str]] = set()  # containers seen this sample
         self._killed: dict[tuple[int, int], float] = {}  # (pid, start) -> when
         self._needed: dict[str, float] = {}
         self._map_cache: dict[int, tuple[float, _Proc | None]] = {}
@@ -318,6 +320,9 @@ class Enforcer:
                 log.exception("enforcement of card %s failed", card.uuid)
                 self._set_layer(card.uuid, False, False)
         self._end_gone_throttles(live, at)
+        for gone in [k for k in self._bound if k not in self._bound_seen]:
+            del self._bound[gone]  # a restarted container comes back in a new cgroup
+        self._bound_seen.clear()
         for key in [k for k, t in self._killed.items() if at - t > 60]:
             del self._killed[key]
         for held in [k for k, t in self._limited.items() if at - t > 6 * DRIVER_LIMIT_EVERY_S]:
@@ -378,6 +383,15 @@ class Enforcer:
                 actions += self._kill_ungranted(card.uuid, use, proc, at)
                 continue
             key = (granted.owner.pod_uid, granted.owner.container)
+            # a container runs in one cgroup: a process showing its grant directory
+            # from another (a chroot into its root) would be counted, frozen and held
+            # by the driver as that container while being elsewhere
+            bound = self._bound.setdefault(key, proc.cgroup.container)
+            self._bound_seen.add(key)
+            if bound != proc.cgroup.container:
+                why = f"it shows container {granted.owner.container}'s grant from another cgroup"
+                actions += self._kill_ungranted(card.uuid, use, proc, at, why)
+                continue
             by_container.setdefault(key, []).append((use, proc))
         self.metrics.foreign.labels(card.uuid).set(foreign)
         for members in by_container.values():
@@ -535,16 +549,18 @@ class Enforcer:
         return EnforcedRequest(request_id=uuidlib.uuid4().hex, kind=kind, **fields)
 
     def _kill_ungranted(
-        self, card: str, use: ProcessUse, proc: _Proc, at: float
+        self, card: str, use: ProcessUse, proc: _Proc, at: float, why: str | None = None
     ) -> list[EnforcedRequest]:
         if not self._kill(proc, at):
             return []
         container = proc.granted.owner.container if proc.granted else None
-        reason = (
-            f"killed process {use.pid} on {card}: its container has no grant on this card"
-            if container
-            else f"killed process {use.pid} on {card}: in no container gpuslice granted"
-        )
+        if why is None:
+            why = (
+                "its container has no grant on this card"
+                if container
+                else "in no container gpuslice granted"
+            )
+        reason = f"killed process {use.pid} on {card}: {why}"
         log.warning("pod %s: %s", proc.cgroup.pod_uid, reason)
         self.metrics.kills.labels("ungranted").inc()
         return [
