@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,7 +46,13 @@ from gpuslice_common.nodeapi import (
     parse_reply,
 )
 from gpuslice_common.servers import NatsServer
-from gpuslice_inventory.gateway import PODLESS_FAILURE_WINDOW_S, error_kind, podless_failure_id
+from gpuslice_inventory.gateway import (
+    ENFORCE_BURST,
+    ENFORCE_PER_S,
+    PODLESS_FAILURE_WINDOW_S,
+    error_kind,
+    podless_failure_id,
+)
 from gpuslice_inventory.service import Running, running
 from tests.conftest import make_inventory
 from tests.inventory.conftest import settings_for, until
@@ -450,3 +457,40 @@ async def test_an_enforcement_report_is_recorded_for_the_node_the_subject_names(
     assert other.node == A
     assert other.pod is None  # on-b is not node A's
     assert other.pod_uid == "on-b"
+
+
+async def test_a_node_flooding_enforcement_reports_has_a_burst_recorded_not_the_flood(
+    inventory: Running, nodes: Ledger, bus: Bus, events: list[CloudEvent]
+) -> None:
+    """A node's credential can say anything in its reports; what it cannot do is fill
+    the audit stream (and push other nodes' events out of its retention): past a
+    burst, its reports are answered and counted, not recorded. Another node's are."""
+    report = {
+        "kind": "ungranted-kill",
+        "pod_uid": "not-placed",
+        "card": "GPU-node-a-0",
+        "reason": "flood",
+    }
+    sent = 3 * ENFORCE_BURST
+    started = time.monotonic()
+    for i in range(sent):
+        assert isinstance(await ask(bus, A, "enforced", {**report, "request_id": f"f{i}"}), Done)
+    elapsed = time.monotonic() - started
+    assert isinstance(await ask(bus, B, "enforced", {**report, "request_id": "b1"}), Done)
+
+    def recorded(node: str) -> int:
+        return sum(
+            1
+            for e in events
+            if e.type == EventType.ENFORCE_UNGRANTED_KILL
+            and isinstance(p := e.payload(), EnforcementEvent)
+            and p.node == node
+        )
+
+    await until(lambda: recorded(B) == 1)
+    await ask(bus, A, "ping")
+    await bus.flush()
+    await asyncio.sleep(0.3)
+    on_a = recorded(A)
+    assert ENFORCE_BURST <= on_a <= ENFORCE_BURST + ENFORCE_PER_S * elapsed + 1
+    assert inventory.gateway.stats.enforce_dropped == sent - on_a

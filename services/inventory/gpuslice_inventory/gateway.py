@@ -76,6 +76,12 @@ EVENT_NAMESPACE = uuid.UUID("5b0c6e1e-6c59-4c1b-9d1e-6a4f0c2f7a31")
 # audit stream) adds no events within one window (the stream's duplicate window
 # drops the repeats, whose id is the same).
 PODLESS_FAILURE_WINDOW_S = 60
+# Enforcement reports a node may have recorded: a burst, then so many a second. The
+# enforcer acts rarely (a kill, a throttle's start); a node's credential sending
+# more is flooding the audit stream, whose retention would push real events out.
+ENFORCE_BURST = 100
+ENFORCE_PER_S = 5.0
+MAX_BUDGETS = 100_000
 RECENT_PODLESS = 4096  # ids remembered to keep repeats out of the outbox's queue
 
 
@@ -124,6 +130,7 @@ class GatewayStats:
     unanswerable: int = 0  # requests without a reply subject
     foreign_replies: int = 0  # requests whose reply subject is not the node's own inbox
     repeated_failures: int = 0  # pod-less failures not recorded again within their window
+    enforce_dropped: int = 0  # enforcement reports past their node's rate, not recorded
 
 
 class NodeGateway:
@@ -148,6 +155,8 @@ class NodeGateway:
         self._subscription: Subscription | None = None
         # ids of pod-less failures recorded lately: a repeat is not queued again
         self._recent_podless: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # node -> (enforcement reports it may still have recorded, when that was counted)
+        self._enforce_budget: dict[str, tuple[float, float]] = {}
         self._handlers: dict[Verb, Callable[[str, Frozen, After], Awaitable[Answer]]] = {
             Verb.PING: self._ping,
             Verb.ALLOCATE: self._allocate,
@@ -358,6 +367,16 @@ class NodeGateway:
         """Record what the node's agent did to a process: the node is the subject's,
         the pod the ledger's placement on that node (None when it has none there)."""
         assert isinstance(request, EnforcedRequest)
+        if not self._enforce_allowed(node):
+            self.stats.enforce_dropped += 1
+            if self.stats.enforce_dropped % 1000 == 1:
+                log.warning(
+                    "node %s: enforcement reports past %g a second not recorded (%d so far)",
+                    node,
+                    ENFORCE_PER_S,
+                    self.stats.enforce_dropped,
+                )
+            return Done()  # answered: a retry would only send it again
         placement = await self.ledger.placement(request.pod_uid)
         pod = placement.pod if placement is not None and placement.node == node else None
         payload = EnforcementEvent(
@@ -383,6 +402,17 @@ class NodeGateway:
         )
         after.append(partial(self._submit, event))
         return Done()
+
+    def _enforce_allowed(self, node: str) -> bool:
+        """Take one of ``node``'s enforcement reports from its budget (a token bucket)."""
+        now = time.monotonic()
+        tokens, then = self._enforce_budget.get(node, (float(ENFORCE_BURST), now))
+        tokens = min(float(ENFORCE_BURST), tokens + (now - then) * ENFORCE_PER_S)
+        allowed = tokens >= 1.0
+        if len(self._enforce_budget) >= MAX_BUDGETS and node not in self._enforce_budget:
+            self._enforce_budget.clear()  # nodes are few: only a defect gets here
+        self._enforce_budget[node] = (tokens - 1.0 if allowed else tokens, now)
+        return allowed
 
     def _submit(self, event: CloudEvent) -> None:
         if self.outbox is not None:
