@@ -313,6 +313,24 @@ async def test_a_process_escaping_the_interposer_is_killed_and_the_event_recorde
             await watcher.close()
 
 
+@pytest.mark.parametrize("listed", ["FAKENVML_GRAPHICS_PROCS", "FAKENVML_MPS_PROCS"])
+async def test_a_process_nvml_lists_as_graphics_or_mps_is_held_to_the_grant(
+    node: Node, cgroups: PodCgroups, monkeypatch: pytest.MonkeyPatch, listed: str
+) -> None:
+    """A tenant's own Vulkan or OpenGL driver, or an MPS server of its own, uses the
+    card without a compute context of its own: NVML lists such processes apart from
+    the compute ones, and they are held to the grant the same."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0), (1, 1 * GiB, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "hold")
+    probe.wait_for("hold")
+    monkeypatch.setenv(listed, f"{probe.pid}:3g")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: dead(probe), "the process past its grant killed")
+        await until(lambda: running.kinds() == ["memory-kill"], "one memory-kill report")
+    assert running.reports[0].used_bytes == 3 * GiB
+
+
 async def test_memory_the_driver_takes_outside_hooked_calls_is_caught(
     node: Node, cgroups: PodCgroups, native: Native
 ) -> None:

@@ -5,8 +5,9 @@ its kernels; it runs in the tenant's own process, so a process that leaves it
 out (a private copy of the driver, memory the driver takes outside hooked
 calls) escapes it. This layer runs outside every container and reads what the
 driver itself reports. Every ``enforce_interval`` it asks NVML, per card, for
-the running processes with their used memory and for each process's share of
-the card's time since the last sample; it maps each host PID to its pod (the
+the running processes (compute, graphics and MPS clients) with their used
+memory and for each process's share of the card's time since the last sample;
+it maps each host PID to its pod (the
 pod's cgroup, :mod:`gpuslice_deviceplugin.cgroups`) and its container (the
 grant directory mounted in its mount namespace), compares with the grant the
 agent wrote at Allocate, and acts:
@@ -150,15 +151,22 @@ class NvmlSampler:
             processes: tuple[ProcessUse, ...] | None
             unknown: set[int] = set()
             try:
-                running = n.nvmlDeviceGetComputeRunningProcesses(handle)
+                # a process with a graphics context only (a tenant's own Vulkan or
+                # OpenGL driver) or an MPS client is not in the compute list
+                running = [
+                    *n.nvmlDeviceGetComputeRunningProcesses(handle),
+                    *n.nvmlDeviceGetGraphicsRunningProcesses(handle),
+                    *n.nvmlDeviceGetMPSComputeRunningProcesses(handle),
+                ]
             except n.NVMLError:
                 processes = None
             else:
                 # pynvml gives None for NVML_VALUE_NOT_AVAILABLE: unknown, not 0
                 unknown = {int(p.pid) for p in running if p.usedGpuMemory is None}
-                processes = tuple(
-                    ProcessUse(int(p.pid), int(p.usedGpuMemory or 0)) for p in running
-                )
+                used: dict[int, int] = {}  # a process in two lists is one process
+                for p in running:
+                    used[int(p.pid)] = max(used.get(int(p.pid), 0), int(p.usedGpuMemory or 0))
+                processes = tuple(ProcessUse(pid, b) for pid, b in used.items())
             busy: dict[int, float] | None
             try:
                 samples = n.nvmlDeviceGetProcessUtilization(handle, self._seen.get(uuid, 0))
