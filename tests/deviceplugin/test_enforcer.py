@@ -33,7 +33,7 @@ from gpuslice_common.grant import Grant, GrantDevice
 from gpuslice_common.nodeapi import EnforcedRequest
 from gpuslice_common.servers import NatsServer
 from gpuslice_deviceplugin import driverlimits
-from gpuslice_deviceplugin.cgroups import find_cgroup2_root
+from gpuslice_deviceplugin.cgroups import Freezer, find_cgroup2_root
 from gpuslice_deviceplugin.containers import HostDir
 from gpuslice_deviceplugin.enforcer import DriverLimit, Enforcer, NvmlSampler
 from gpuslice_deviceplugin.gateway import InventoryGateway
@@ -554,6 +554,32 @@ async def test_a_container_over_its_compute_share_is_frozen_and_slowed(
     report = running.reports[0]
     assert report.share_percent == 20
     assert report.busy_percent > 50
+
+
+async def test_a_container_frozen_when_the_agent_died_is_thawed_when_it_starts_again(
+    node: Node, cgroups: PodCgroups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent killed outright (OOM, SIGKILL) never runs its thaw: a container it
+    had frozen for its part of an interval would stay frozen for good. The agent
+    notes the freeze files of the containers it throttles and thaws them at start."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 20)))
+    cgroup = node.cgroups.container(pod)
+    probe = node.start(cgroup, box, "init", "ctx", "run", "60", "2000", "hold")
+    await until(lambda: (node.state / "procs" / str(probe.pid)).exists(), "the probe running")
+    settings = settings_for(node, cgroups)
+    monkeypatch.setattr(Enforcer, "thaw_all", lambda self: None)  # it dies: nothing thaws
+    async with enforcing(settings) as running:
+        await until(lambda: running.kinds() == ["throttle"], "a throttle report")
+    Freezer.set(str(cgroup / "cgroup.freeze"), True)  # it died in a frozen part
+    assert (cgroup / "cgroup.freeze").read_text().strip() == "1"
+    monkeypatch.undo()
+    again = Enforcer(
+        settings, HostDir(Path(settings.host_dir)), None, EnforcerMetrics(CollectorRegistry())
+    )
+    assert (cgroup / "cgroup.freeze").read_text().strip() == "0"
+    again.close()
+    assert not dead(probe)
 
 
 async def test_without_cgroup_v2_freezing_the_v1_freezer_throttles(

@@ -47,7 +47,10 @@ What cannot be read is never guessed: a card whose processes or utilisation
 NVML cannot give, or a PID whose cgroup cannot be read, is said once (log line,
 ``gpuslice_enforce_unreadable``), nothing is done to that process, and the card
 reports the layer missing (:meth:`Enforcer.card_layers`). Bad bytes anywhere
-are a reading failure, never the loop's end. Stopping thaws everything frozen.
+are a reading failure, never the loop's end. Stopping thaws everything frozen;
+an agent killed outright cannot, so the freeze files of the containers it
+throttles are kept in ``FROZEN_RECORD`` in its host directory and thawed when
+the next one starts.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ GRANTS_EVERY_S: Final = 1.0  # the container directories looked at again
 MAP_EVERY_S: Final = 1.0  # a process's pod and container read again
 SAID_MAX: Final = 10_000  # things logged once, remembered
 DRIVER_LIMIT_EVERY_S: Final = 10.0  # a container's driver limit ensured again
+FROZEN_RECORD: Final = "enforcer-frozen"  # throttled containers' freeze files, one a line
 
 DriverLimit = Callable[[str, str, int], None]
 """Layer 1 for one container: (card UUID, the container's cgroup v2 path, grant bytes)."""
@@ -279,6 +283,9 @@ class Enforcer:
         self._needed: dict[str, float] = {}
         self._map_cache: dict[int, tuple[float, _Proc | None]] = {}
         self._targets: dict[str, str | None] = {}  # container cgroup -> its freeze file
+        self._record = host.root / FROZEN_RECORD
+        self._recorded: list[str] = []
+        self._thaw_recorded()
 
     # ------------------------------------------------------------ reporting
 
@@ -328,6 +335,7 @@ class Enforcer:
                 log.exception("enforcement of card %s failed", card.uuid)
                 self._set_layer(card.uuid, False, False)
         self._end_gone_throttles(live, at)
+        self._record_frozen()
         for gone in [k for k in self._bound if k not in self._bound_seen]:
             del self._bound[gone]  # a restarted container comes back in a new cgroup
         self._bound_seen.clear()
@@ -819,6 +827,49 @@ class Enforcer:
             if throttle.frozen:
                 self._freeze(throttle, False)
         self._throttles.clear()
+        self._record_frozen()
+
+    def _record_frozen(self) -> None:
+        """Write down the freeze files of the throttled containers (when they change),
+        before the duty cycle first freezes one."""
+        targets = sorted({t.target for t in self._throttles.values()})
+        if targets == self._recorded:
+            return
+        try:
+            temporary = self._record.with_name(FROZEN_RECORD + ".new")
+            temporary.write_text("".join(f"{t}\n" for t in targets))
+            temporary.replace(self._record)
+        except OSError as exc:
+            self._once("record", "cannot record frozen containers in %s: %s", self._record, exc)
+            return
+        self._recorded = targets
+
+    def _thaw_recorded(self) -> None:
+        """Thaw what an agent before this one may have left frozen: the freeze files it
+        recorded, each checked to be one under this node's freezer roots."""
+        try:
+            lines = self._record.read_text().splitlines()
+        except FileNotFoundError:
+            return
+        except (OSError, UnicodeDecodeError) as exc:
+            self._once("record", "cannot read frozen containers from %s: %s", self._record, exc)
+            return
+        roots = [r for r in (self.freezer.v2_root, self.freezer.v1_root) if r]
+        for line in lines:
+            if (
+                ".." in line.split("/")
+                or not line.endswith(("/cgroup.freeze", "/freezer.state"))
+                or not any(line.startswith(r.rstrip("/") + "/") for r in roots)
+            ):
+                self._once(f"record/{line}", "not a freeze file, not thawed: %r", line[:300])
+                continue
+            try:
+                Freezer.set(line, False)
+            except OSError:
+                continue  # the container is gone
+            log.info("thawed %s, throttled by the agent before this one", line)
+        with contextlib.suppress(OSError):
+            self._record.unlink()
 
     async def cycle(self) -> None:
         """Freeze the throttled containers for their part of one interval."""
