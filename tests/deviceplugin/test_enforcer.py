@@ -496,6 +496,37 @@ async def test_a_process_showing_another_containers_grant_directory_is_killed(
     assert running.reports[0].container == "main"
 
 
+async def test_a_restarted_container_in_a_new_cgroup_is_not_taken_for_another(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """A container restarted between two samples runs in a new cgroup with the same
+    grant directory; its old cgroup runs nothing any more, so the new one is the
+    container's, not a stray's."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0)))
+    first = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1m", "hold")
+    first.wait_for("hold")
+    settings = settings_for(node, cgroups, enforce_interval="3s")
+    async with enforcing(settings) as running:
+        await until(
+            lambda: (
+                running.metric("gpuslice_enforce_layer", uuid=fake_uuid(0), layer="memory") == 1
+            ),
+            "the container seen on its card",
+        )
+        first.kill()
+        first.wait()
+        second = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1m", "hold")
+        second.wait_for("hold")
+        sampled = running.metric("gpuslice_enforce_sample_seconds_count")
+        await until(
+            lambda: running.metric("gpuslice_enforce_sample_seconds_count") >= sampled + 2,
+            "two samples since",
+        )
+    assert not dead(second)
+    assert running.reports == []
+
+
 async def test_a_host_process_outside_kubepods_is_left_alone(
     node: Node, cgroups: PodCgroups
 ) -> None:

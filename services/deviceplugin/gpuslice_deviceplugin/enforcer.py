@@ -278,7 +278,6 @@ class Enforcer:
         self._compute: dict[tuple[str, str, str], _Compute] = {}  # (pod, container, card)
         self._throttles: dict[str, _Throttle] = {}  # container cgroup -> throttle
         self._bound: dict[tuple[str, str], str] = {}  # (pod, container) -> its cgroup
-        self._bound_seen: set[tuple[str, str]] = set()  # containers seen this sample
         self._killed: dict[tuple[int, int], float] = {}  # (pid, start) -> when
         self._needed: dict[str, float] = {}
         self._map_cache: dict[int, tuple[float, _Proc | None]] = {}
@@ -328,6 +327,7 @@ class Enforcer:
         procs: dict[int, _Proc | None] = {}  # None: not a pod's, gone, or unreadable
         unreadable: set[int] = set()
         live: set[str] = set()
+        self._bind(cards, at, procs, unreadable)
         for card in cards:
             try:
                 actions += self._card(card, at, procs, unreadable, live)
@@ -336,9 +336,6 @@ class Enforcer:
                 self._set_layer(card.uuid, False, False)
         self._end_gone_throttles(live, at)
         self._record_frozen()
-        for gone in [k for k in self._bound if k not in self._bound_seen]:
-            del self._bound[gone]  # a restarted container comes back in a new cgroup
-        self._bound_seen.clear()
         for key in [k for k, t in self._killed.items() if at - t > 60]:
             del self._killed[key]
         for held in [k for k, t in self._limited.items() if at - t > 6 * DRIVER_LIMIT_EVERY_S]:
@@ -399,12 +396,7 @@ class Enforcer:
                 actions += self._kill_ungranted(card.uuid, use, proc, at)
                 continue
             key = (granted.owner.pod_uid, granted.owner.container)
-            # a container runs in one cgroup: a process showing its grant directory
-            # from another (a chroot into its root) would be counted, frozen and held
-            # by the driver as that container while being elsewhere
-            bound = self._bound.setdefault(key, proc.cgroup.container)
-            self._bound_seen.add(key)
-            if bound != proc.cgroup.container:
+            if self._bound.get(key, proc.cgroup.container) != proc.cgroup.container:
                 why = f"it shows container {granted.owner.container}'s grant from another cgroup"
                 actions += self._kill_ungranted(card.uuid, use, proc, at, why)
                 continue
@@ -424,6 +416,35 @@ class Enforcer:
                 actions += action
         self._set_layer(card.uuid, memory_ok, compute_ok)
         return actions
+
+    def _bind(
+        self,
+        cards: list[CardSample],
+        at: float,
+        procs: dict[int, _Proc | None],
+        unreadable: set[int],
+    ) -> None:
+        """Each container seen this sample bound to one cgroup: the one it was bound to
+        while a process of it still runs there, else the first seen (a restarted
+        container comes back in a new one). A container runs in one cgroup; a
+        process showing its grant directory from another (a chroot into its root,
+        the pod's process namespace shared) would be counted, frozen and held by the
+        driver as that container while being elsewhere: it is killed as ungranted."""
+        seen: dict[tuple[str, str], list[str]] = {}
+        for card in cards:
+            for use in card.processes or ():
+                if use.pid not in procs:
+                    procs[use.pid] = self._mapped(use.pid, unreadable, at)
+                proc = procs[use.pid]
+                if proc is None or proc.granted is None or proc.info.zombie:
+                    continue
+                owner = proc.granted.owner
+                seen.setdefault((owner.pod_uid, owner.container), []).append(proc.cgroup.container)
+        bound = {}
+        for key, groups in seen.items():
+            before = self._bound.get(key)
+            bound[key] = before if before in groups else groups[0]
+        self._bound = bound
 
     def _hold_by_driver(self, card: str, memory_bytes: int, proc: _Proc, at: float) -> None:
         """Layer 1 for the container of ``proc`` on ``card``: its own cgroup v2 group
