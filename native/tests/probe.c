@@ -38,7 +38,7 @@
  *   threads T SECONDS US (`run` of kernels in T threads at once, on the current context)
  *   capture N US (N kernels launched into a new stream under capture; see cmd_capture)
  *   push [DEV] | pop (the primary context of DEV pushed onto / popped off the stack)
- *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
+ *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml|default (RTLD_DEFAULT)]
  *   nvml | nvmlmem IDX | nvmlprocs IDX | nvmlbyuuid UUID
  *   sleep MS | hold | lock PATH | getppid
  *   deepalloc SIZE (cuMemAlloc_v2 from deepbind.so beside the probe, loaded RTLD_DEEPBIND)
@@ -1287,10 +1287,11 @@ static void cmd_proc(int argc, char **argv) {
 static void cmd_dlsym(int argc, char **argv) {
     const char *name = argv[0];
     bool nvml = argc > 1 && !strcmp(argv[1], "nvml");
-    void *h = nvml ? libnvml_handle() : libcuda_handle();
-    void *fn = h ? dlsym(h, name) : NULL;
+    bool scope = argc > 1 && !strcmp(argv[1], "default"); /* RTLD_DEFAULT */
+    void *h = scope ? RTLD_DEFAULT : nvml ? libnvml_handle() : libcuda_handle();
+    void *fn = h || scope ? dlsym(h, name) : NULL;
     j_begin("dlsym");
-    j_int("rc", h ? 0 : PROBE_ERROR);
+    j_int("rc", h || scope ? 0 : PROBE_ERROR);
     j_str("name", name);
     j_bool("found", fn != NULL);
     j_where(fn);
@@ -1729,7 +1730,7 @@ static const command_t commands[] = {
     {"push", "i", NULL, cmd_push},
     {"pop", "", NULL, cmd_pop},
     {"proc", "WNNw", "v1", cmd_proc},
-    {"dlsym", "Ww", "cuda|nvml", cmd_dlsym},
+    {"dlsym", "Ww", "cuda|nvml|default", cmd_dlsym},
     {"nvml", "", NULL, cmd_nvml},
     {"nvmlmem", "N", NULL, cmd_nvmlmem},
     {"nvmlprocs", "N", NULL, cmd_nvmlprocs},
