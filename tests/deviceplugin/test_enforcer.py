@@ -703,6 +703,23 @@ async def test_kernels_that_outlast_the_freeze_with_short_gaps_are_killed(
     assert running.reports[1].share_percent == 10
 
 
+async def test_a_container_leaving_the_card_between_processes_stays_throttled(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """The same kernels from a new process each time, with a moment between two in
+    which no process of the container is on the card: that moment must not end the
+    throttle and its record, or freezing that does not hold the container is never
+    found out (it was reset before enforce_hog_after each time)."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 10)))
+    child = ["fork", "init", "ctx", "launch", "1", "600000", "sync", "forkwait", "sleep", "300"]
+    probe = node.start(node.cgroups.container(pod), box, *(child * 60), "hold")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: "compute-kill" in running.kinds(), "a compute-kill report", 40)
+    assert running.kinds()[-1] == "compute-kill"
+    assert not dead(probe)  # the parent, on no card, is not the one killed
+
+
 # ----------------------------------------------------------------------------- what cannot be read
 
 

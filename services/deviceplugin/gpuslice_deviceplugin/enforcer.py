@@ -278,6 +278,8 @@ class Enforcer:
         self._compute: dict[tuple[str, str, str], _Compute] = {}  # (pod, container, card)
         self._throttles: dict[str, _Throttle] = {}  # container cgroup -> throttle
         self._bound: dict[tuple[str, str], str] = {}  # (pod, container) -> its cgroup
+        # container cgroup -> (seconds frozen under its ended throttles, when one ended)
+        self._frozen_before: dict[str, tuple[float, float]] = {}
         self._killed: dict[tuple[int, int], float] = {}  # (pid, start) -> when
         self._needed: dict[str, float] = {}
         self._map_cache: dict[int, tuple[float, _Proc | None]] = {}
@@ -770,7 +772,8 @@ class Enforcer:
         if throttle is None or throttle.fraction <= 0:
             state.held.clear()
             return []
-        state.held.append((at, throttle.frozen_total(time.monotonic()), now_busy))
+        before = self._frozen_before.get(members[0][1].cgroup.container, (0.0, at))[0]
+        state.held.append((at, before + throttle.frozen_total(time.monotonic()), now_busy))
         while at - state.held[0][0] > self.hog_after:
             state.held.popleft()
         first, last = state.held[0], state.held[-1]
@@ -836,6 +839,14 @@ class Enforcer:
             throttle = self._throttles.pop(container)
             if throttle.frozen:
                 self._freeze(throttle, False)
+            # kept for its next throttle: a moment off the card between two processes
+            # must not reset how long the container was really frozen
+            carried = self._frozen_before.get(container, (0.0, at))[0]
+            frozen = carried + throttle.frozen_total(time.monotonic())
+            self._frozen_before[container] = (frozen, at)
+        for container in [c for c, (_, t) in self._frozen_before.items() if at - t > self.window]:
+            if container not in self._throttles:
+                del self._frozen_before[container]
         stale = [
             k for k, s in self._compute.items() if not s.busy or s.busy[-1][0] < at - self.window
         ]
