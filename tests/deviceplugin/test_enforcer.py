@@ -717,6 +717,7 @@ async def test_a_container_leaving_the_card_between_processes_stays_throttled(
     async with enforcing(settings_for(node, cgroups)) as running:
         await until(lambda: "compute-kill" in running.kinds(), "a compute-kill report", 40)
     assert running.kinds()[-1] == "compute-kill"
+    assert running.kinds().count("throttle") == 1  # one throttle, however many processes
     assert not dead(probe)  # the parent, on no card, is not the one killed
 
 

@@ -696,7 +696,9 @@ class Enforcer:
             if throttle is None:
                 throttle = _Throttle(target, granted.owner.pod_uid, granted.owner.container)
                 self._throttles[cgroup.container] = throttle
-            if not throttling and fraction > 0:
+            # back on the card within the window after a moment off it: the same
+            # throttle, not a new one to report
+            if not throttling and fraction > 0 and cgroup.container not in self._frozen_before:
                 reason = (
                     f"throttled on {card}: {average:.0f}% of the card over "
                     f"{self.window:g} s, share {share}%; frozen {fraction:.0%} of each interval"
