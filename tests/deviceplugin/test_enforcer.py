@@ -31,6 +31,7 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.events import EnforcementEvent, EventType, parse_event
 from gpuslice_common.grant import Grant, GrantDevice
 from gpuslice_common.nodeapi import EnforcedRequest
+from gpuslice_common.region import REGION_SIZE
 from gpuslice_common.servers import NatsServer
 from gpuslice_deviceplugin import driverlimits
 from gpuslice_deviceplugin.cgroups import Freezer, find_cgroup2_root
@@ -389,6 +390,26 @@ async def test_a_grant_of_no_memory_is_not_taken_as_no_limit(
         await until(lambda: dead(probe), "the process past a grant of 0 bytes killed")
         await until(lambda: running.kinds() == ["memory-kill"], "one memory-kill report")
     assert running.reports[0].allowed_bytes < 1 * GiB
+
+
+async def test_a_region_written_past_its_size_is_cut_back(node: Node, cgroups: PodCgroups) -> None:
+    """The region is the one file a container may write, and it lies on the node's
+    disk: a tenant writing past its end (through its /run/gpuslice/region) would
+    fill that disk. The agent cuts it back to its size; the container runs on."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1m", "hold")
+    probe.wait_for("hold")
+    region = box.region
+    with region.open("r+b") as f:  # what the tenant's writes do to the host's file
+        f.seek(REGION_SIZE + 64 * MiB)
+        f.write(b"x" * MiB)
+    assert region.stat().st_size > REGION_SIZE
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: region.stat().st_size == REGION_SIZE, "the region cut back")
+        assert running.metric("gpuslice_enforce_regions_truncated_total") == 1
+    assert not dead(probe)
+    assert running.reports == []
 
 
 async def test_a_container_within_its_grant_is_left_alone(node: Node, cgroups: PodCgroups) -> None:

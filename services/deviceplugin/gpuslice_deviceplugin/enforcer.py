@@ -60,6 +60,7 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import time
 import uuid as uuidlib
 from collections import deque
@@ -72,6 +73,7 @@ from gpuslice_common import grant as grant_format
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.grant import Grant
 from gpuslice_common.nodeapi import EnforcedRequest, EnforceKind
+from gpuslice_common.region import REGION_SIZE
 from gpuslice_deviceplugin.cgroups import (
     CgroupError,
     Freezer,
@@ -84,7 +86,7 @@ from gpuslice_deviceplugin.cgroups import (
     pod_cgroup,
     read_process,
 )
-from gpuslice_deviceplugin.containers import GRANT_FILE, ContainerOwner, HostDir
+from gpuslice_deviceplugin.containers import GRANT_FILE, REGION_FILE, ContainerOwner, HostDir
 from gpuslice_deviceplugin.metrics import EnforcerMetrics
 
 __all__ = [
@@ -535,6 +537,7 @@ class Enforcer:
                 gst = os.stat(directory / GRANT_FILE, follow_symlinks=False)
             except OSError:
                 continue
+            self._hold_region(directory)
             key = (st.st_dev, st.st_ino)
             stamp = (gst.st_ino, gst.st_size, gst.st_mtime_ns)
             stamps[directory] = stamp
@@ -557,6 +560,36 @@ class Enforcer:
             found[key] = Granted(owner, grant)
         self._grants = found
         self._grant_stamps = stamps
+
+    def _hold_region(self, directory: Path) -> None:
+        """Cut a container's region back to its size. It is the one file a container
+        may write, and it lies on the node's disk: written past its end it would fill
+        that disk. Every process maps only the region's size, so what lies beyond is
+        nobody's."""
+        try:
+            fd = os.open(
+                directory / REGION_FILE, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            )
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size <= REGION_SIZE:
+                return
+            os.ftruncate(fd, REGION_SIZE)
+        except OSError as exc:
+            self._once(f"region/{directory}", "region in %s not cut back: %s", directory, exc)
+            return
+        finally:
+            os.close(fd)
+        self.metrics.regions_truncated.inc()
+        self._once(
+            f"region-cut/{directory}",
+            "region in %s written to %d bytes, past its %d: cut back",
+            directory,
+            st.st_size,
+            REGION_SIZE,
+        )
 
     # ------------------------------------------------------------ actions
 

@@ -158,6 +158,12 @@ class EnforcerMetrics:
             buckets=ALLOCATE_BUCKETS,
             registry=registry,
         )
+        self.regions_truncated = Counter(
+            "gpuslice_enforce_regions_truncated",
+            "Containers' shared regions found written past their size (the tenant's one "
+            "writable file, on the node's disk) and cut back.",
+            registry=registry,
+        )
 
 
 @dataclass(frozen=True)
