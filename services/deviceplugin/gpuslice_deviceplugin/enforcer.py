@@ -819,7 +819,10 @@ class Enforcer:
         average = sum(b for _, _, b in list(state.held)[1:]) / (len(state.held) - 1)
         if average <= max(thawed, share) + self.tolerance:
             return []
-        use, proc = max(members, key=lambda m: busy.get(m[0].pid, 0.0))
+        alive = [m for m in members if (m[0].pid, m[1].info.start_ticks) not in self._killed]
+        if not alive:  # killed as a hog in this very sample
+            return []
+        use, proc = max(alive, key=lambda m: busy.get(m[0].pid, 0.0))
         state.held.clear()
         if not self._kill(proc, at):
             return []
