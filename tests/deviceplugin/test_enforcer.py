@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -123,13 +123,20 @@ def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_tools: Nat
     return path
 
 
-def grant(pod_uid: str, container: str, *devices: tuple[int, int, int], overhead: int = 0) -> Grant:
-    """A grant of (card index, memory bytes, sm percent) per card."""
+def grant(
+    pod_uid: str,
+    container: str,
+    *devices: tuple[int, int, int],
+    overhead: int = 0,
+    policy: Literal["default", "force", "disable"] = "force",
+) -> Grant:
+    """A grant of (card index, memory bytes, sm percent) per card; policy ``force``
+    holds a share whether or not the card is shared."""
     return Grant(
         node=NODE,
         pod_uid=pod_uid,
         container=container,
-        policy="default",
+        policy=policy,
         priority=0,
         control_optional=False,
         context_overhead_bytes=overhead,
@@ -631,6 +638,42 @@ async def test_a_container_frozen_when_the_agent_died_is_thawed_when_it_starts_a
     )
     assert (cgroup / "cgroup.freeze").read_text().strip() == "0"
     again.close()
+    assert not dead(probe)
+
+
+@pytest.mark.parametrize("policy", ["default", "disable"])
+async def test_a_policy_that_lets_a_container_use_a_card_it_has_alone_is_kept(
+    node: Node, cgroups: PodCgroups, policy: Literal["default", "disable"]
+) -> None:
+    """Under the node's ``default`` policy a share holds only while the card is shared
+    (the interposer lets a container alone on its card run free), under ``disable``
+    never: an honest container running so is not throttled. With ``default``, once
+    another pod's container runs on the card, the share holds again."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 20), policy=policy))
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", "run", "60", "2000", "hold")
+    await until(lambda: (node.state / "procs" / str(probe.pid)).exists(), "the probe running")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        sampled = running.metric("gpuslice_enforce_sample_seconds_count")
+        await until(
+            lambda: running.metric("gpuslice_enforce_sample_seconds_count") >= sampled + 20,
+            "twenty samples",
+        )
+        assert running.reports == []
+        other = str(uuid.uuid4())
+        neighbour = node.container(grant(other, "main", (0, 1 * GiB, 50)))
+        node.start(node.cgroups.container(other), neighbour, "init", "ctx", "hold")
+        if policy == "default":
+            await until(
+                lambda: running.kinds() == ["throttle"], "throttled once the card is shared"
+            )
+        else:
+            sampled = running.metric("gpuslice_enforce_sample_seconds_count")
+            await until(
+                lambda: running.metric("gpuslice_enforce_sample_seconds_count") >= sampled + 20,
+                "twenty samples more",
+            )
+            assert running.reports == []
     assert not dead(probe)
 
 

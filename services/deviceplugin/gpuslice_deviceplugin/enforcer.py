@@ -415,7 +415,8 @@ class Enforcer:
             self._hold_by_driver(card.uuid, device.memory_bytes, members[0][1], at)
             live.add(members[0][1].cgroup.container)
             if card.busy is not None:
-                action, ok = self._share(card.uuid, granted, device, members, card.busy, at)
+                alone = len(by_container) == 1
+                action, ok = self._share(card.uuid, granted, device, members, card.busy, at, alone)
                 compute_ok = compute_ok and ok
                 actions += action
         self._set_layer(card.uuid, memory_ok, compute_ok)
@@ -694,8 +695,12 @@ class Enforcer:
         members: list[tuple[ProcessUse, _Proc]],
         busy: Mapping[int, float],
         at: float,
+        alone: bool,
     ) -> tuple[list[EnforcedRequest], bool]:
-        """Throttle or kill for the compute share; (reports, whether a freezer exists)."""
+        """Throttle or kill for the compute share; (reports, whether a freezer exists).
+        The grant's policy says when the share holds, as the interposer reads it:
+        ``force`` always, ``default`` while another container runs on the card (the
+        interposer lets one alone on its card run free), ``disable`` never."""
         share = device.sm_percent
         cgroup = members[0][1].cgroup
         key = (granted.owner.pod_uid, granted.owner.container, card)
@@ -707,7 +712,19 @@ class Enforcer:
         while state.busy and at - state.busy[0][0] > self.window:
             state.busy.popleft()
             state.frozen.popleft()
-        if share <= 0 or share >= 100:  # no compute limit
+        policy = granted.grant.policy
+        if (
+            share <= 0
+            or share >= 100  # no compute limit
+            or policy == "disable"
+            or (policy == "default" and alone)
+        ):
+            throttle = self._throttles.get(cgroup.container)
+            if throttle is not None and self._needed.get(cgroup.container, 0.0) == 0.0:
+                throttle.fraction = 0.0  # no card needs it frozen (so far): thawed
+            self._needed.setdefault(cgroup.container, 0.0)
+            state.hog_since = None
+            state.held.clear()
             return [], True
         if cgroup.container not in self._targets:
             self._targets[cgroup.container] = self.freezer.target(members[0][1].info, cgroup)
