@@ -11,7 +11,7 @@ into this process, as NVML is into the agent.
 1. Cost: ``--samples`` samples at ``--interval``, each measured in CPU seconds
    of this process (``time.process_time``): the enforcer's whole sample (NVML,
    /proc, cgroups, grants, decisions), and beside it, in the same run and
-   interleaved, NVML's two calls per card alone (the baseline the mapping adds to).
+   interleaved, the sampler's NVML calls alone (the baseline the mapping adds to).
 2. Escape to kill: ``--escapes`` times, a probe in a container of its own (no
    interposer) allocates 2 GiB past its 1 GiB grant and holds; the enforcer runs
    its loop. The time from the probe's line saying the allocation succeeded to

@@ -188,20 +188,17 @@ static __attribute__((noinline)) void *hooked_lookup(void *handle, const char *s
     if (loading) return NULL;
     void *w = gs_wrapper_for(symbol);
     bool scope = handle == RTLD_NEXT || handle == RTLD_DEFAULT;
-    if (!w && (scope || !in_family(symbol))) return NULL;
+    if (!w && !in_family(symbol)) return NULL;
     if (!scope && !driver_handle(handle)) return NULL;
     gs_init();
     if (gs_cfg.disabled) return NULL;
     dlsym_fn real = real_dlsym();
     if (!real) return NULL;
-    if (!w) {
-        if (!real(handle, symbol)) return NULL; /* missing stays missing */
-        family_refused("dlsym", symbol);
-        return REFUSED;
-    }
     /* RTLD_NEXT from a library loaded after us (linked against the driver) and
      * RTLD_DEFAULT find the driver's function past our export: hand out the
-     * wrapper where the driver has the function. */
+     * wrapper where the driver has the function, and refuse an accounted
+     * family's name we do not wrap (a version newer than this library) there
+     * as on the driver's handle. */
     void *lib = handle;
     if (scope) {
         if (symbol[0] == 'n') gs_nvml_init();
@@ -209,7 +206,12 @@ static __attribute__((noinline)) void *hooked_lookup(void *handle, const char *s
         if (!lib) return NULL;
     }
     /* A function this driver lacks stays missing: callers probe for new APIs. */
-    return real(lib, symbol) ? w : NULL;
+    if (!real(lib, symbol)) return NULL;
+    if (!w) {
+        family_refused("dlsym", symbol);
+        return REFUSED;
+    }
+    return w;
 }
 
 /*

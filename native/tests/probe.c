@@ -40,7 +40,7 @@
  *   twostreams SECONDS US (see cmd_twostreams) | multi2 SECONDS US (see cmd_multi2)
  *   capture N US (N kernels launched into a new stream under capture; see cmd_capture)
  *   push [DEV] | pop (the primary context of DEV pushed onto / popped off the stack)
- *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml]
+ *   proc NAME VERSION FLAGS [v1] | dlsym NAME [cuda|nvml|default (RTLD_DEFAULT)]
  *   nvml | nvmlmem IDX | nvmlprocs IDX | nvmlbyuuid UUID
  *   sleep MS | hold | lock PATH | getppid
  *   deepalloc SIZE (cuMemAlloc_v2 from deepbind.so beside the probe, loaded RTLD_DEEPBIND)
@@ -1433,10 +1433,11 @@ static void cmd_proc(int argc, char **argv) {
 static void cmd_dlsym(int argc, char **argv) {
     const char *name = argv[0];
     bool nvml = argc > 1 && !strcmp(argv[1], "nvml");
-    void *h = nvml ? libnvml_handle() : libcuda_handle();
-    void *fn = h ? dlsym(h, name) : NULL;
+    bool scope = argc > 1 && !strcmp(argv[1], "default"); /* RTLD_DEFAULT */
+    void *h = scope ? RTLD_DEFAULT : nvml ? libnvml_handle() : libcuda_handle();
+    void *fn = h || scope ? dlsym(h, name) : NULL;
     j_begin("dlsym");
-    j_int("rc", h ? 0 : PROBE_ERROR);
+    j_int("rc", h || scope ? 0 : PROBE_ERROR);
     j_str("name", name);
     j_bool("found", fn != NULL);
     j_where(fn);
@@ -1567,6 +1568,25 @@ static void cmd_lock(int argc, char **argv) {
     j_int("rc", rc);
     j_str("path", path);
     j_end();
+}
+
+/* The main thread leaves and another keeps the process: /proc/<pid>/stat then
+ * says "Z" for the whole process and /proc/<pid>/root is gone, while its memory
+ * and contexts live on. */
+static void *hide_leader_thread(void *arg) {
+    (void)arg;
+    for (;;) pause();
+    return NULL;
+}
+
+static void cmd_hideleader(int argc, char **argv) {
+    pthread_t th;
+    int rc = pthread_create(&th, NULL, hide_leader_thread, NULL);
+    j_begin("hideleader");
+    j_int("rc", rc);
+    j_int("pid", getpid());
+    j_end();
+    if (rc == 0) pthread_exit(NULL);
 }
 
 static void cmd_getppid(int argc, char **argv) {
@@ -1906,7 +1926,7 @@ static const command_t commands[] = {
     {"push", "i", NULL, cmd_push},
     {"pop", "", NULL, cmd_pop},
     {"proc", "WNNw", "v1", cmd_proc},
-    {"dlsym", "Ww", "cuda|nvml", cmd_dlsym},
+    {"dlsym", "Ww", "cuda|nvml|default", cmd_dlsym},
     {"nvml", "", NULL, cmd_nvml},
     {"nvmlmem", "N", NULL, cmd_nvmlmem},
     {"nvmlprocs", "N", NULL, cmd_nvmlprocs},
@@ -1926,6 +1946,7 @@ static const command_t commands[] = {
     {"instantiate", "N", NULL, cmd_instantiate},
     {"graphlaunch", "N", NULL, cmd_graphlaunch},
     {"setlimit", "NS", NULL, cmd_setlimit},
+    {"hideleader", "", NULL, cmd_hideleader},
     /* run by main: they decide which commands run next */
     {"fork", "", NULL, NULL},
     {"forkwait", "", NULL, NULL},

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -31,9 +31,10 @@ from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.events import EnforcementEvent, EventType, parse_event
 from gpuslice_common.grant import Grant, GrantDevice
 from gpuslice_common.nodeapi import EnforcedRequest
+from gpuslice_common.region import REGION_SIZE
 from gpuslice_common.servers import NatsServer
 from gpuslice_deviceplugin import driverlimits
-from gpuslice_deviceplugin.cgroups import find_cgroup2_root
+from gpuslice_deviceplugin.cgroups import Freezer, find_cgroup2_root
 from gpuslice_deviceplugin.containers import HostDir
 from gpuslice_deviceplugin.enforcer import DriverLimit, Enforcer, NvmlSampler
 from gpuslice_deviceplugin.gateway import InventoryGateway
@@ -122,13 +123,20 @@ def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_tools: Nat
     return path
 
 
-def grant(pod_uid: str, container: str, *devices: tuple[int, int, int], overhead: int = 0) -> Grant:
-    """A grant of (card index, memory bytes, sm percent) per card."""
+def grant(
+    pod_uid: str,
+    container: str,
+    *devices: tuple[int, int, int],
+    overhead: int = 0,
+    policy: Literal["default", "force", "disable"] = "force",
+) -> Grant:
+    """A grant of (card index, memory bytes, sm percent) per card; policy ``force``
+    holds a share whether or not the card is shared."""
     return Grant(
         node=NODE,
         pod_uid=pod_uid,
         container=container,
-        policy="default",
+        policy=policy,
         priority=0,
         control_optional=False,
         context_overhead_bytes=overhead,
@@ -313,6 +321,24 @@ async def test_a_process_escaping_the_interposer_is_killed_and_the_event_recorde
             await watcher.close()
 
 
+@pytest.mark.parametrize("listed", ["FAKENVML_GRAPHICS_PROCS", "FAKENVML_MPS_PROCS"])
+async def test_a_process_nvml_lists_as_graphics_or_mps_is_held_to_the_grant(
+    node: Node, cgroups: PodCgroups, monkeypatch: pytest.MonkeyPatch, listed: str
+) -> None:
+    """A tenant's own Vulkan or OpenGL driver, or an MPS server of its own, uses the
+    card without a compute context of its own: NVML lists such processes apart from
+    the compute ones, and they are held to the grant the same."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0), (1, 1 * GiB, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "hold")
+    probe.wait_for("hold")
+    monkeypatch.setenv(listed, f"{probe.pid}:3g")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: dead(probe), "the process past its grant killed")
+        await until(lambda: running.kinds() == ["memory-kill"], "one memory-kill report")
+    assert running.reports[0].used_bytes == 3 * GiB
+
+
 async def test_memory_the_driver_takes_outside_hooked_calls_is_caught(
     node: Node, cgroups: PodCgroups, native: Native
 ) -> None:
@@ -335,6 +361,62 @@ async def test_memory_the_driver_takes_outside_hooked_calls_is_caught(
         await until(lambda: running.kinds() == ["memory-kill"], "one memory-kill report")
     report = running.reports[0]
     assert report.used_bytes >= 3 * GiB + 512 * MiB, report
+
+
+async def test_a_process_whose_main_thread_left_is_still_held_to_its_grant(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """A process that escapes the interposer and then ends its main thread (another
+    thread keeps it and its memory) reads "Z" in /proc/<pid>/stat and has no
+    /proc/<pid>/root: it is no zombie, and is killed like any escape."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "3g", "hideleader")
+    assert probe.wait_for("hideleader")["rc"] == 0, probe.describe()
+    stat = Path(f"/proc/{probe.pid}/stat")
+    await until(
+        lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "the main thread gone"
+    )
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: dead(probe), "the process without its main thread killed")
+        await until(lambda: running.kinds() == ["memory-kill"], "one memory-kill report")
+    assert running.reports[0].pid == probe.pid
+    assert running.reports[0].container == "main"
+
+
+async def test_a_grant_of_no_memory_is_not_taken_as_no_limit(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """A grant's 0 bytes on a card is nothing (the interposer refuses every allocation
+    under it), so a process past it without the interposer is killed."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 0, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1g", "hold")
+    assert probe.wait_for("alloc")["rc"] == 0, probe.describe()
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: dead(probe), "the process past a grant of 0 bytes killed")
+        await until(lambda: running.kinds() == ["memory-kill"], "one memory-kill report")
+    assert running.reports[0].allowed_bytes < 1 * GiB
+
+
+async def test_a_region_written_past_its_size_is_cut_back(node: Node, cgroups: PodCgroups) -> None:
+    """The region is the one file a container may write, and it lies on the node's
+    disk: a tenant writing past its end (through its /run/gpuslice/region) would
+    fill that disk. The agent cuts it back to its size; the container runs on."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1m", "hold")
+    probe.wait_for("hold")
+    region = box.region
+    with region.open("r+b") as f:  # what the tenant's writes do to the host's file
+        f.seek(REGION_SIZE + 64 * MiB)
+        f.write(b"x" * MiB)
+    assert region.stat().st_size > REGION_SIZE
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: region.stat().st_size == REGION_SIZE, "the region cut back")
+        assert running.metric("gpuslice_enforce_regions_truncated_total") == 1
+    assert not dead(probe)
+    assert running.reports == []
 
 
 async def test_a_container_within_its_grant_is_left_alone(node: Node, cgroups: PodCgroups) -> None:
@@ -413,6 +495,66 @@ async def test_a_pod_process_on_a_card_without_a_grant_is_killed(
     assert (by_pod[stranger].container, by_pod[stranger].card) == (None, fake_uuid(0))
 
 
+async def test_a_process_showing_another_containers_grant_directory_is_killed(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """A process of one container that takes another container's root as its own
+    (chroot into /proc/<pid>/root, with the pod's process namespace shared) shows
+    that container's grant directory from its own cgroup. Counted as that container,
+    it would have the duty cycle freeze its own cgroup while the other runs free:
+    once a container's processes are seen in one cgroup, one in another is killed."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 10)))
+    first = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1m", "hold")
+    first.wait_for("hold")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(
+            lambda: (
+                running.metric("gpuslice_enforce_layer", uuid=fake_uuid(0), layer="memory") == 1
+            ),
+            "the container seen on its card",
+        )
+        other = node.start(node.cgroups.container(pod), box, "init", "ctx", "hold")
+        other.wait_for("hold")
+        await until(lambda: dead(other), "the process in another container's cgroup killed")
+        await until(lambda: running.kinds() == ["ungranted-kill"], "one ungranted-kill report")
+        await asyncio.sleep(0.5)
+    assert not dead(first)
+    assert running.reports[0].pid == other.pid
+    assert running.reports[0].container == "main"
+
+
+async def test_a_restarted_container_in_a_new_cgroup_is_not_taken_for_another(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """A container restarted between two samples runs in a new cgroup with the same
+    grant directory; its old cgroup runs nothing any more, so the new one is the
+    container's, not a stray's."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0)))
+    first = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1m", "hold")
+    first.wait_for("hold")
+    settings = settings_for(node, cgroups, enforce_interval="3s")
+    async with enforcing(settings) as running:
+        await until(
+            lambda: (
+                running.metric("gpuslice_enforce_layer", uuid=fake_uuid(0), layer="memory") == 1
+            ),
+            "the container seen on its card",
+        )
+        first.kill()
+        first.wait()
+        second = node.start(node.cgroups.container(pod), box, "init", "ctx", "alloc", "1m", "hold")
+        second.wait_for("hold")
+        sampled = running.metric("gpuslice_enforce_sample_seconds_count")
+        await until(
+            lambda: running.metric("gpuslice_enforce_sample_seconds_count") >= sampled + 2,
+            "two samples since",
+        )
+    assert not dead(second)
+    assert running.reports == []
+
+
 async def test_a_host_process_outside_kubepods_is_left_alone(
     node: Node, cgroups: PodCgroups
 ) -> None:
@@ -471,6 +613,68 @@ async def test_a_container_over_its_compute_share_is_frozen_and_slowed(
     report = running.reports[0]
     assert report.share_percent == 20
     assert report.busy_percent > 50
+
+
+async def test_a_container_frozen_when_the_agent_died_is_thawed_when_it_starts_again(
+    node: Node, cgroups: PodCgroups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent killed outright (OOM, SIGKILL) never runs its thaw: a container it
+    had frozen for its part of an interval would stay frozen for good. The agent
+    notes the freeze files of the containers it throttles and thaws them at start."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 20)))
+    cgroup = node.cgroups.container(pod)
+    probe = node.start(cgroup, box, "init", "ctx", "run", "60", "2000", "hold")
+    await until(lambda: (node.state / "procs" / str(probe.pid)).exists(), "the probe running")
+    settings = settings_for(node, cgroups)
+    monkeypatch.setattr(Enforcer, "thaw_all", lambda self: None)  # it dies: nothing thaws
+    async with enforcing(settings) as running:
+        await until(lambda: running.kinds() == ["throttle"], "a throttle report")
+    Freezer.set(str(cgroup / "cgroup.freeze"), True)  # it died in a frozen part
+    assert (cgroup / "cgroup.freeze").read_text().strip() == "1"
+    monkeypatch.undo()
+    again = Enforcer(
+        settings, HostDir(Path(settings.host_dir)), None, EnforcerMetrics(CollectorRegistry())
+    )
+    assert (cgroup / "cgroup.freeze").read_text().strip() == "0"
+    again.close()
+    assert not dead(probe)
+
+
+@pytest.mark.parametrize("policy", ["default", "disable"])
+async def test_a_policy_that_lets_a_container_use_a_card_it_has_alone_is_kept(
+    node: Node, cgroups: PodCgroups, policy: Literal["default", "disable"]
+) -> None:
+    """Under the node's ``default`` policy a share holds only while the card is shared
+    (the interposer lets a container alone on its card run free), under ``disable``
+    never: an honest container running so is not throttled. With ``default``, once
+    another pod's container runs on the card, the share holds again."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 20), policy=policy))
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", "run", "60", "2000", "hold")
+    await until(lambda: (node.state / "procs" / str(probe.pid)).exists(), "the probe running")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        sampled = running.metric("gpuslice_enforce_sample_seconds_count")
+        await until(
+            lambda: running.metric("gpuslice_enforce_sample_seconds_count") >= sampled + 20,
+            "twenty samples",
+        )
+        assert running.reports == []
+        other = str(uuid.uuid4())
+        neighbour = node.container(grant(other, "main", (0, 1 * GiB, 50)))
+        node.start(node.cgroups.container(other), neighbour, "init", "ctx", "hold")
+        if policy == "default":
+            await until(
+                lambda: running.kinds() == ["throttle"], "throttled once the card is shared"
+            )
+        else:
+            sampled = running.metric("gpuslice_enforce_sample_seconds_count")
+            await until(
+                lambda: running.metric("gpuslice_enforce_sample_seconds_count") >= sampled + 20,
+                "twenty samples more",
+            )
+            assert running.reports == []
+    assert not dead(probe)
 
 
 async def test_without_cgroup_v2_freezing_the_v1_freezer_throttles(
@@ -543,6 +747,44 @@ async def test_a_kernel_holding_the_card_while_frozen_is_killed(
     assert running.reports[1].busy_percent >= 90
 
 
+async def test_kernels_that_outlast_the_freeze_with_short_gaps_are_killed(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """Kernels shorter than enforce_hog_after with a short idle gap between them: no
+    run of samples at 90 % lasts long enough to count as one hog, freezing does not
+    stop a kernel on the card, and the container keeps ~80 % of the card against a
+    10 % share. Its busy share far above the part of the time it is left thawed says
+    freezing does not hold it: killed."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 10)))
+    kernels = ["launch", "1", "1500000", "sync", "sleep", "300"] * 30
+    probe = node.start(node.cgroups.container(pod), box, "init", "ctx", *kernels, "hold")
+    probe.wait_for("ctx")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: dead(probe), "the container its freezing does not hold killed", 40)
+        await until(lambda: "compute-kill" in running.kinds(), "a compute-kill report")
+    assert running.kinds() == ["throttle", "compute-kill"]
+    assert running.reports[1].share_percent == 10
+
+
+async def test_a_container_leaving_the_card_between_processes_stays_throttled(
+    node: Node, cgroups: PodCgroups
+) -> None:
+    """The same kernels from a new process each time, with a moment between two in
+    which no process of the container is on the card: that moment must not end the
+    throttle and its record, or freezing that does not hold the container is never
+    found out (it was reset before enforce_hog_after each time)."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 10)))
+    child = ["fork", "init", "ctx", "launch", "1", "600000", "sync", "forkwait", "sleep", "300"]
+    probe = node.start(node.cgroups.container(pod), box, *(child * 60), "hold")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: "compute-kill" in running.kinds(), "a compute-kill report", 40)
+    assert running.kinds()[-1] == "compute-kill"
+    assert running.kinds().count("throttle") == 1  # one throttle, however many processes
+    assert not dead(probe)  # the parent, on no card, is not the one killed
+
+
 # ----------------------------------------------------------------------------- what cannot be read
 
 
@@ -589,6 +831,29 @@ async def test_a_card_whose_nvml_cannot_list_processes_reports_the_layer_missing
         await asyncio.sleep(0.5)
         layers = running.enforcer.card_layers()
     assert layers == {fake_uuid(0): (True, True), fake_uuid(1): (False, False)}
+    assert not dead(probe)
+    assert running.reports == []
+
+
+async def test_a_process_whose_memory_nvml_cannot_give_reports_the_layer_missing(
+    node: Node, cgroups: PodCgroups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML lists a process with usedGpuMemory NVML_VALUE_NOT_AVAILABLE (pynvml: None):
+    what it holds is unknown, not 0, so the card's memory layer is missing (said and
+    counted) rather than reported as holding the container to its grant."""
+    pod = str(uuid.uuid4())
+    box = node.container(grant(pod, "main", (0, 1 * GiB, 0), (1, 1 * GiB, 0)))
+    probe = node.start(node.cgroups.container(pod), box, "hold")
+    probe.wait_for("hold")
+    monkeypatch.delenv("FAKEGPU_STATE_DIR")  # the fake NVML lists FAKENVML_PROCS instead
+    monkeypatch.setenv("FAKENVML_PROCS", f"{probe.pid}:{(1 << 64) - 1}")
+    async with enforcing(settings_for(node, cgroups)) as running:
+        await until(lambda: len(running.enforcer.card_layers()) == CARDS, "both cards sampled")
+        await asyncio.sleep(0.5)
+        layers = running.enforcer.card_layers()
+    assert layers == {fake_uuid(0): (False, True), fake_uuid(1): (False, True)}
+    assert running.metric("gpuslice_enforce_unreadable_total", what="memory") >= 2
+    assert running.metric("gpuslice_enforce_layer", uuid=fake_uuid(0), layer="memory") == 0
     assert not dead(probe)
     assert running.reports == []
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,7 +46,15 @@ from gpuslice_common.nodeapi import (
     parse_reply,
 )
 from gpuslice_common.servers import NatsServer
-from gpuslice_inventory.gateway import PODLESS_FAILURE_WINDOW_S, error_kind, podless_failure_id
+from gpuslice_inventory.gateway import (
+    ENFORCE_BURST,
+    ENFORCE_PER_S,
+    ENFORCE_POD_BURST,
+    ENFORCE_POD_PER_S,
+    PODLESS_FAILURE_WINDOW_S,
+    error_kind,
+    podless_failure_id,
+)
 from gpuslice_inventory.service import Running, running
 from tests.conftest import make_inventory
 from tests.inventory.conftest import settings_for, until
@@ -450,3 +459,52 @@ async def test_an_enforcement_report_is_recorded_for_the_node_the_subject_names(
     assert other.node == A
     assert other.pod is None  # on-b is not node A's
     assert other.pod_uid == "on-b"
+
+
+async def test_a_node_flooding_enforcement_reports_has_a_burst_recorded_not_the_flood(
+    inventory: Running, nodes: Ledger, bus: Bus, events: list[CloudEvent]
+) -> None:
+    """A node's credential can say anything in its reports; what it cannot do is fill
+    the audit stream (and push other nodes' events out of its retention): past a
+    burst, its reports are answered and counted, not recorded. One pod's reports
+    (a tenant having its processes killed over and over) use up that pod's budget,
+    not its neighbours'. Another node's reports are recorded."""
+    report = {"kind": "ungranted-kill", "card": "GPU-node-a-0", "reason": "flood"}
+    sent = 0
+    started = time.monotonic()
+
+    async def send(node: str, pod: str) -> None:
+        nonlocal sent
+        request = {**report, "pod_uid": pod, "request_id": f"r{sent}"}
+        sent += node == A
+        assert isinstance(await ask(bus, node, "enforced", request), Done)
+
+    for _ in range(3 * ENFORCE_POD_BURST):
+        await send(A, "noisy")
+    noisy_s = time.monotonic() - started
+    await send(A, "quiet")
+    for i in range(3 * ENFORCE_BURST):
+        await send(A, f"pod-{i}")
+    elapsed = time.monotonic() - started
+    await send(B, "other-node")
+
+    def recorded(node: str, pod: str | None = None) -> int:
+        return sum(
+            1
+            for e in events
+            if e.type == EventType.ENFORCE_UNGRANTED_KILL
+            and isinstance(p := e.payload(), EnforcementEvent)
+            and p.node == node
+            and (pod is None or p.pod_uid == pod)
+        )
+
+    await until(lambda: recorded(B) == 1)
+    await ask(bus, A, "ping")
+    await bus.flush()
+    await asyncio.sleep(0.3)
+    noisy = recorded(A, "noisy")
+    assert ENFORCE_POD_BURST <= noisy <= ENFORCE_POD_BURST + ENFORCE_POD_PER_S * noisy_s + 1
+    assert recorded(A, "quiet") == 1
+    on_a = recorded(A)
+    assert ENFORCE_BURST <= on_a <= ENFORCE_BURST + ENFORCE_PER_S * elapsed + 1
+    assert inventory.gateway.stats.enforce_dropped == sent - on_a

@@ -77,6 +77,28 @@ def test_a_linked_library_looking_past_the_interposer_gets_the_wrapper(
     assert result.one("info")["free"] == GiB - 900 * MiB
 
 
+def test_a_version_the_library_does_not_wrap_is_refused_in_every_lookup(
+    run_probe: ProbeRunner, region_path: Path, build: Build
+) -> None:
+    # The fake driver's cuMemAlloc_v3 stands for a version a later driver adds:
+    # looked up on the driver's handle or in the global scope (RTLD_DEFAULT, which
+    # finds the driver past the library), it is refused, not handed out.
+    result = run_probe(
+        "init", "ctx", "dlsym", "cuMemAlloc_v3", "cuda", "dlsym", "cuMemAlloc_v3", "default",
+        "dlsym", "cuMemAlloc_v2", "default", "dlsym", "cuMemAlloc_v3", "default",
+        build=build, env=limited(region_path),
+    )  # fmt: skip
+    found = [(line["found"], line.get("lib")) for line in result.by_cmd("dlsym")]
+    assert found[0][0] is False, result.describe()
+    assert found[1][0] is False, result.describe()
+    assert found[2] == (True, "libgpuslice.so"), result.describe()
+    assert found[3][0] is False, result.describe()
+    off = run_probe(
+        "dlsym", "cuMemAlloc_v3", "default", build=build, env={"CUDA_DISABLE_CONTROL": "true"}
+    )
+    assert off.one("dlsym")["found"] is True, off.describe()  # control off: the driver's own
+
+
 @pytest.mark.parametrize("how", ["link", "dlsym", "proc"])
 def test_the_legacy_entry_points_are_refused_or_counted(
     run_probe: ProbeRunner, region_path: Path, build: Build, how: str

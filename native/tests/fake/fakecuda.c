@@ -3038,3 +3038,12 @@ API CUresult cuCtxGetLimit(size_t *pvalue, int limit) {
     pthread_mutex_unlock(&g_mu);
     return rc;
 }
+
+/*
+ * A DRIVER NEWER THAN THE LIBRARY: cuMemAlloc_v3 stands for a version of an
+ * accounted family that a later driver adds and the interposer does not wrap
+ * (no CUDA release has it). It allocates as cuMemAlloc_v2 does and is reached by
+ * its name only (dlsym), never from cuGetProcAddress.
+ */
+API CUresult cuMemAlloc_v3(CUdeviceptr *dptr, size_t bytesize);
+API CUresult cuMemAlloc_v3(CUdeviceptr *dptr, size_t bytesize) { return cuMemAlloc_v2(dptr, bytesize); }

@@ -1783,3 +1783,95 @@ API nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, FakeGetMemory
     limits->currentUsed = fake_ns_used(fake_state_dir(), index, limits->nameSpace, root, 0);
     return NVML_SUCCESS;
 }
+
+/*
+ * GRAPHICS AND MPS PROCESSES: FAKENVML_GRAPHICS_PROCS and FAKENVML_MPS_PROCS
+ * ("pid:bytes,pid:bytes,...", read at each call, at most 64 entries, malformed
+ * ones skipped) are the processes every device lists in
+ * nvmlDeviceGetGraphicsRunningProcesses* (a Vulkan or OpenGL process, which the
+ * compute list does not show) and nvmlDeviceGetMPSComputeRunningProcesses* (MPS
+ * clients); none by default. A device in FAKENVML_NO_PROCESS_INFO answers
+ * NVML_ERROR_NOT_SUPPORTED, as for the compute list.
+ */
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                          nvmlProcessInfo_t *infos);
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                          nvmlProcessInfo_t *infos);
+API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                            nvmlProcessInfo_t *infos);
+API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                            nvmlProcessInfo_t *infos);
+
+static nvmlReturn_t env_processes(const char *var, nvmlDevice_t device, unsigned int *infoCount,
+                                  nvmlProcessInfo_t *infos) {
+    nvmlReturn_t rc;
+    struct fdev *d = enter(device, &rc);
+    if (!d) return rc;
+    unsigned int pids[64];
+    uint64_t bytes[64];
+    unsigned int n = 0;
+    for (const char *s = getenv(var); s && *s && n < 64;) {
+        const char *comma = strchr(s, ',');
+        size_t len = comma ? (size_t)(comma - s) : strlen(s);
+        char item[96];
+        char *colon, *end;
+        if (len < sizeof item) {
+            memcpy(item, s, len);
+            item[len] = '\0';
+            colon = strchr(item, ':');
+            if (colon && colon > item) {
+                *colon = '\0';
+                errno = 0;
+                unsigned long pid = strtoul(item, &end, 10);
+                if (!errno && !*end && pid <= 0xFFFFFFFFul && parse_size(colon + 1, NULL, &bytes[n]))
+                    pids[n++] = (unsigned int)pid;
+            }
+        }
+        s = comma ? comma + 1 : NULL;
+    }
+    if (g_cfg.no_process_info[d->index]) {
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    } else if (!infoCount) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (*infoCount < n) {
+        *infoCount = n;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else if (n > 0 && !infos) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        for (unsigned int i = 0; i < n; i++) {
+            infos[i].pid = pids[i];
+            infos[i].usedGpuMemory = bytes[i];
+            infos[i].gpuInstanceId = FAKE_INVALID_INSTANCE;
+            infos[i].computeInstanceId = FAKE_INVALID_INSTANCE;
+        }
+        *infoCount = n;
+        rc = NVML_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device,
+                                                          unsigned int *infoCount,
+                                                          nvmlProcessInfo_t *infos) {
+    return env_processes("FAKENVML_GRAPHICS_PROCS", device, infoCount, infos);
+}
+
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device,
+                                                          unsigned int *infoCount,
+                                                          nvmlProcessInfo_t *infos) {
+    return env_processes("FAKENVML_GRAPHICS_PROCS", device, infoCount, infos);
+}
+
+API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device,
+                                                            unsigned int *infoCount,
+                                                            nvmlProcessInfo_t *infos) {
+    return env_processes("FAKENVML_MPS_PROCS", device, infoCount, infos);
+}
+
+API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device,
+                                                            unsigned int *infoCount,
+                                                            nvmlProcessInfo_t *infos) {
+    return env_processes("FAKENVML_MPS_PROCS", device, infoCount, infos);
+}

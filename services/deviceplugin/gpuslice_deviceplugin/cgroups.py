@@ -124,7 +124,12 @@ def read_process(proc_root: str, pid: int) -> ProcessInfo:
             freezer = path
     if v2 is None and freezer is None:
         raise CgroupError(f"process {pid}: no cgroup v2 or freezer line in /proc/{pid}/cgroup")
-    return ProcessInfo(pid, int(fields[19]), fields[0] == b"Z", v2, freezer)
+    # "Z" with threads left is a process whose main thread ended (pthread_exit) while
+    # the others run on, holding its memory and contexts: a zombie only when alone
+    if not fields[17].isdigit():
+        raise CgroupError(f"process {pid}: /proc/{pid}/stat does not parse")
+    zombie = fields[0] == b"Z" and int(fields[17]) <= 1
+    return ProcessInfo(pid, int(fields[19]), zombie, v2, freezer)
 
 
 def pod_cgroup(path: str) -> PodCgroup | None:
@@ -161,12 +166,7 @@ def grant_dir_key(proc_root: str, pid: int, mount_point: str) -> tuple[int, int]
     """(st_dev, st_ino) of ``mount_point`` (e.g. /run/gpuslice) as ``pid`` sees it, each
     component opened without following a link; None when the process has none."""
     flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(f"{proc_root}/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ProcessLookupError(pid) from None
-    except OSError as exc:
-        raise CgroupError(f"process {pid}: its root cannot be opened: {exc.strerror}") from None
+    fd = _open_root(proc_root, pid)
     try:
         for part in (p for p in mount_point.split("/") if p):
             try:
@@ -181,6 +181,36 @@ def grant_dir_key(proc_root: str, pid: int, mount_point: str) -> tuple[int, int]
         return (st.st_dev, st.st_ino)
     finally:
         os.close(fd)
+
+
+def _open_root(proc_root: str, pid: int) -> int:
+    """``pid``'s root directory, opened. A process whose main thread has ended has
+    none at ``/proc/<pid>/root``: a thread still running it gives it."""
+    how = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        return os.open(f"{proc_root}/{pid}/root", how)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise CgroupError(f"process {pid}: its root cannot be opened: {exc.strerror}") from None
+    try:
+        threads = sorted(int(t) for t in os.listdir(f"{proc_root}/{pid}/task") if t.isdigit())
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    except OSError as exc:
+        raise CgroupError(f"process {pid}: its threads cannot be listed: {exc.strerror}") from None
+    for tid in threads:
+        if tid == pid:
+            continue
+        try:
+            return os.open(f"{proc_root}/{pid}/task/{tid}/root", how)
+        except FileNotFoundError:
+            continue  # that thread ended meanwhile
+        except OSError as exc:
+            raise CgroupError(
+                f"process {pid}: thread {tid}'s root cannot be opened: {exc.strerror}"
+            ) from None
+    raise ProcessLookupError(pid)
 
 
 def namespace_root(v2_root: str, proc_root: str = "/proc") -> str:

@@ -5,8 +5,9 @@ its kernels; it runs in the tenant's own process, so a process that leaves it
 out (a private copy of the driver, memory the driver takes outside hooked
 calls) escapes it. This layer runs outside every container and reads what the
 driver itself reports. Every ``enforce_interval`` it asks NVML, per card, for
-the running processes with their used memory and for each process's share of
-the card's time since the last sample; it maps each host PID to its pod (the
+the running processes (compute, graphics and MPS clients) with their used
+memory and for each process's share of the card's time since the last sample;
+it maps each host PID to its pod (the
 pod's cgroup, :mod:`gpuslice_deviceplugin.cgroups`) and its container (the
 grant directory mounted in its mount namespace), compares with the grant the
 agent wrote at Allocate, and acts:
@@ -22,7 +23,10 @@ agent wrote at Allocate, and acts:
   unthrottled rate down to its share (at most ``MAX_FROZEN``), and thawed when it
   is back below. Freezing stops launches, not a kernel already on the card: a
   process whose kernels keep the card ``HOG_PERCENT`` busy while frozen for
-  ``enforce_hog_after`` is killed;
+  ``enforce_hog_after`` is killed, and so is the busiest process of a container
+  that, throttled over ``enforce_hog_after``, was busier than the time it was
+  really left thawed (plus the tolerance): shorter kernels with short gaps, or
+  launches queued deep while thawed, outlast every freeze without a hog's run;
 * **ungranted**: a pod's process on a card its container has no grant for (or
   in no container the agent made a grant directory for) is killed.
 
@@ -43,7 +47,10 @@ What cannot be read is never guessed: a card whose processes or utilisation
 NVML cannot give, or a PID whose cgroup cannot be read, is said once (log line,
 ``gpuslice_enforce_unreadable``), nothing is done to that process, and the card
 reports the layer missing (:meth:`Enforcer.card_layers`). Bad bytes anywhere
-are a reading failure, never the loop's end. Stopping thaws everything frozen.
+are a reading failure, never the loop's end. Stopping thaws everything frozen;
+an agent killed outright cannot, so the freeze files of the containers it
+throttles are kept in ``FROZEN_RECORD`` in its host directory and thawed when
+the next one starts.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import time
 import uuid as uuidlib
 from collections import deque
@@ -65,6 +73,7 @@ from gpuslice_common import grant as grant_format
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.grant import Grant
 from gpuslice_common.nodeapi import EnforcedRequest, EnforceKind
+from gpuslice_common.region import REGION_SIZE
 from gpuslice_deviceplugin.cgroups import (
     CgroupError,
     Freezer,
@@ -77,7 +86,7 @@ from gpuslice_deviceplugin.cgroups import (
     pod_cgroup,
     read_process,
 )
-from gpuslice_deviceplugin.containers import GRANT_FILE, ContainerOwner, HostDir
+from gpuslice_deviceplugin.containers import GRANT_FILE, REGION_FILE, ContainerOwner, HostDir
 from gpuslice_deviceplugin.metrics import EnforcerMetrics
 
 __all__ = [
@@ -100,6 +109,7 @@ GRANTS_EVERY_S: Final = 1.0  # the container directories looked at again
 MAP_EVERY_S: Final = 1.0  # a process's pod and container read again
 SAID_MAX: Final = 10_000  # things logged once, remembered
 DRIVER_LIMIT_EVERY_S: Final = 10.0  # a container's driver limit ensured again
+FROZEN_RECORD: Final = "enforcer-frozen"  # throttled containers' freeze files, one a line
 
 DriverLimit = Callable[[str, str, int], None]
 """Layer 1 for one container: (card UUID, the container's cgroup v2 path, grant bytes)."""
@@ -118,6 +128,8 @@ class CardSample:
     uuid: str
     processes: tuple[ProcessUse, ...] | None
     busy: Mapping[int, float] | None  # pid -> percent of the card since the last sample
+    # pids NVML lists without their used memory (NVML_VALUE_NOT_AVAILABLE): shown as 0
+    unknown_memory: frozenset[int] = frozenset()
 
 
 class Sampler(Protocol):
@@ -143,13 +155,24 @@ class NvmlSampler:
             handle = n.nvmlDeviceGetHandleByIndex(index)
             uuid = str(n.nvmlDeviceGetUUID(handle))
             processes: tuple[ProcessUse, ...] | None
+            unknown: set[int] = set()
             try:
-                processes = tuple(
-                    ProcessUse(int(p.pid), int(p.usedGpuMemory or 0))
-                    for p in n.nvmlDeviceGetComputeRunningProcesses(handle)
-                )
+                # a process with a graphics context only (a tenant's own Vulkan or
+                # OpenGL driver) or an MPS client is not in the compute list
+                running = [
+                    *n.nvmlDeviceGetComputeRunningProcesses(handle),
+                    *n.nvmlDeviceGetGraphicsRunningProcesses(handle),
+                    *n.nvmlDeviceGetMPSComputeRunningProcesses(handle),
+                ]
             except n.NVMLError:
                 processes = None
+            else:
+                # pynvml gives None for NVML_VALUE_NOT_AVAILABLE: unknown, not 0
+                unknown = {int(p.pid) for p in running if p.usedGpuMemory is None}
+                used: dict[int, int] = {}  # a process in two lists is one process
+                for p in running:
+                    used[int(p.pid)] = max(used.get(int(p.pid), 0), int(p.usedGpuMemory or 0))
+                processes = tuple(ProcessUse(pid, b) for pid, b in used.items())
             busy: dict[int, float] | None
             try:
                 samples = n.nvmlDeviceGetProcessUtilization(handle, self._seen.get(uuid, 0))
@@ -163,7 +186,7 @@ class NvmlSampler:
                     sums.setdefault(int(s.pid), []).append(float(s.smUtil))
                     self._seen[uuid] = max(self._seen.get(uuid, 0), int(s.timeStamp))
                 busy = {pid: min(100.0, sum(v) / len(v)) for pid, v in sums.items()}
-            cards.append(CardSample(uuid, processes, busy))
+            cards.append(CardSample(uuid, processes, busy, frozenset(unknown)))
         return cards
 
     def close(self) -> None:
@@ -189,6 +212,8 @@ class _Compute:
     busy: deque[tuple[float, float]] = field(default_factory=deque)  # (time, percent)
     frozen: deque[tuple[float, float]] = field(default_factory=deque)  # (time, fraction)
     hog_since: float | None = None
+    # (time, seconds frozen so far, busy percent) while throttled, over enforce_hog_after
+    held: deque[tuple[float, float, float]] = field(default_factory=deque)
 
 
 @dataclass
@@ -198,6 +223,12 @@ class _Throttle:
     container: str
     fraction: float = 0.0
     frozen: bool = False
+    frozen_s: float = 0.0  # time spent frozen, up to the last thaw
+    frozen_at: float | None = None  # monotonic time of the freeze in force
+
+    def frozen_total(self, now: float) -> float:
+        """Seconds this container has really been frozen (writes, not targets)."""
+        return self.frozen_s + (now - self.frozen_at if self.frozen_at is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -248,10 +279,16 @@ class Enforcer:
         self._grants_fresh = False
         self._compute: dict[tuple[str, str, str], _Compute] = {}  # (pod, container, card)
         self._throttles: dict[str, _Throttle] = {}  # container cgroup -> throttle
+        self._bound: dict[tuple[str, str], str] = {}  # (pod, container) -> its cgroup
+        # container cgroup -> (seconds frozen under its ended throttles, when one ended)
+        self._frozen_before: dict[str, tuple[float, float]] = {}
         self._killed: dict[tuple[int, int], float] = {}  # (pid, start) -> when
         self._needed: dict[str, float] = {}
         self._map_cache: dict[int, tuple[float, _Proc | None]] = {}
         self._targets: dict[str, str | None] = {}  # container cgroup -> its freeze file
+        self._record = host.root / FROZEN_RECORD
+        self._recorded: list[str] = []
+        self._thaw_recorded()
 
     # ------------------------------------------------------------ reporting
 
@@ -294,6 +331,7 @@ class Enforcer:
         procs: dict[int, _Proc | None] = {}  # None: not a pod's, gone, or unreadable
         unreadable: set[int] = set()
         live: set[str] = set()
+        self._bind(cards, at, procs, unreadable)
         for card in cards:
             try:
                 actions += self._card(card, at, procs, unreadable, live)
@@ -301,6 +339,7 @@ class Enforcer:
                 log.exception("enforcement of card %s failed", card.uuid)
                 self._set_layer(card.uuid, False, False)
         self._end_gone_throttles(live, at)
+        self._record_frozen()
         for key in [k for k, t in self._killed.items() if at - t > 60]:
             del self._killed[key]
         for held in [k for k, t in self._limited.items() if at - t > 6 * DRIVER_LIMIT_EVERY_S]:
@@ -332,6 +371,15 @@ class Enforcer:
             self._once(
                 f"util/{card.uuid}", "card %s: NVML cannot give process utilisation", card.uuid
             )
+        if card.unknown_memory:  # what they hold cannot be told: not held to a grant
+            memory_ok = False
+            self.metrics.unreadable.labels("memory").inc()
+            self._once(
+                f"memory/{card.uuid}",
+                "card %s: NVML does not give the used memory of processes %s",
+                card.uuid,
+                sorted(card.unknown_memory)[:8],
+            )
         foreign = 0
         by_container: dict[tuple[str, str], list[tuple[ProcessUse, _Proc]]] = {}
         for use in card.processes:
@@ -352,6 +400,10 @@ class Enforcer:
                 actions += self._kill_ungranted(card.uuid, use, proc, at)
                 continue
             key = (granted.owner.pod_uid, granted.owner.container)
+            if self._bound.get(key, proc.cgroup.container) != proc.cgroup.container:
+                why = f"it shows container {granted.owner.container}'s grant from another cgroup"
+                actions += self._kill_ungranted(card.uuid, use, proc, at, why)
+                continue
             by_container.setdefault(key, []).append((use, proc))
         self.metrics.foreign.labels(card.uuid).set(foreign)
         for members in by_container.values():
@@ -363,11 +415,41 @@ class Enforcer:
             self._hold_by_driver(card.uuid, device.memory_bytes, members[0][1], at)
             live.add(members[0][1].cgroup.container)
             if card.busy is not None:
-                action, ok = self._share(card.uuid, granted, device, members, card.busy, at)
+                alone = len(by_container) == 1
+                action, ok = self._share(card.uuid, granted, device, members, card.busy, at, alone)
                 compute_ok = compute_ok and ok
                 actions += action
         self._set_layer(card.uuid, memory_ok, compute_ok)
         return actions
+
+    def _bind(
+        self,
+        cards: list[CardSample],
+        at: float,
+        procs: dict[int, _Proc | None],
+        unreadable: set[int],
+    ) -> None:
+        """Each container seen this sample bound to one cgroup: the one it was bound to
+        while a process of it still runs there, else the first seen (a restarted
+        container comes back in a new one). A container runs in one cgroup; a
+        process showing its grant directory from another (a chroot into its root,
+        the pod's process namespace shared) would be counted, frozen and held by the
+        driver as that container while being elsewhere: it is killed as ungranted."""
+        seen: dict[tuple[str, str], list[str]] = {}
+        for card in cards:
+            for use in card.processes or ():
+                if use.pid not in procs:
+                    procs[use.pid] = self._mapped(use.pid, unreadable, at)
+                proc = procs[use.pid]
+                if proc is None or proc.granted is None or proc.info.zombie:
+                    continue
+                owner = proc.granted.owner
+                seen.setdefault((owner.pod_uid, owner.container), []).append(proc.cgroup.container)
+        bound = {}
+        for key, groups in seen.items():
+            before = self._bound.get(key)
+            bound[key] = before if before in groups else groups[0]
+        self._bound = bound
 
     def _hold_by_driver(self, card: str, memory_bytes: int, proc: _Proc, at: float) -> None:
         """Layer 1 for the container of ``proc`` on ``card``: its own cgroup v2 group
@@ -456,6 +538,7 @@ class Enforcer:
                 gst = os.stat(directory / GRANT_FILE, follow_symlinks=False)
             except OSError:
                 continue
+            self._hold_region(directory)
             key = (st.st_dev, st.st_ino)
             stamp = (gst.st_ino, gst.st_size, gst.st_mtime_ns)
             stamps[directory] = stamp
@@ -478,6 +561,36 @@ class Enforcer:
             found[key] = Granted(owner, grant)
         self._grants = found
         self._grant_stamps = stamps
+
+    def _hold_region(self, directory: Path) -> None:
+        """Cut a container's region back to its size. It is the one file a container
+        may write, and it lies on the node's disk: written past its end it would fill
+        that disk. Every process maps only the region's size, so what lies beyond is
+        nobody's."""
+        try:
+            fd = os.open(
+                directory / REGION_FILE, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            )
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size <= REGION_SIZE:
+                return
+            os.ftruncate(fd, REGION_SIZE)
+        except OSError as exc:
+            self._once(f"region/{directory}", "region in %s not cut back: %s", directory, exc)
+            return
+        finally:
+            os.close(fd)
+        self.metrics.regions_truncated.inc()
+        self._once(
+            f"region-cut/{directory}",
+            "region in %s written to %d bytes, past its %d: cut back",
+            directory,
+            st.st_size,
+            REGION_SIZE,
+        )
 
     # ------------------------------------------------------------ actions
 
@@ -509,16 +622,18 @@ class Enforcer:
         return EnforcedRequest(request_id=uuidlib.uuid4().hex, kind=kind, **fields)
 
     def _kill_ungranted(
-        self, card: str, use: ProcessUse, proc: _Proc, at: float
+        self, card: str, use: ProcessUse, proc: _Proc, at: float, why: str | None = None
     ) -> list[EnforcedRequest]:
         if not self._kill(proc, at):
             return []
         container = proc.granted.owner.container if proc.granted else None
-        reason = (
-            f"killed process {use.pid} on {card}: its container has no grant on this card"
-            if container
-            else f"killed process {use.pid} on {card}: in no container gpuslice granted"
-        )
+        if why is None:
+            why = (
+                "its container has no grant on this card"
+                if container
+                else "in no container gpuslice granted"
+            )
+        reason = f"killed process {use.pid} on {card}: {why}"
         log.warning("pod %s: %s", proc.cgroup.pod_uid, reason)
         self.metrics.kills.labels("ungranted").inc()
         return [
@@ -545,7 +660,8 @@ class Enforcer:
         allowed = (
             device.memory_bytes + granted.grant.context_overhead_bytes * len(members) + self.margin
         )
-        if device.memory_bytes == 0 or used <= allowed:  # 0: no memory limit
+        # a grant of 0 bytes is none at all, as the interposer reads it: never "no limit"
+        if used <= allowed:
             return []
         use, proc = max(members, key=lambda m: m[0].used_bytes)
         if not self._kill(proc, at):
@@ -579,8 +695,12 @@ class Enforcer:
         members: list[tuple[ProcessUse, _Proc]],
         busy: Mapping[int, float],
         at: float,
+        alone: bool,
     ) -> tuple[list[EnforcedRequest], bool]:
-        """Throttle or kill for the compute share; (reports, whether a freezer exists)."""
+        """Throttle or kill for the compute share; (reports, whether a freezer exists).
+        The grant's policy says when the share holds, as the interposer reads it:
+        ``force`` always, ``default`` while another container runs on the card (the
+        interposer lets one alone on its card run free), ``disable`` never."""
         share = device.sm_percent
         cgroup = members[0][1].cgroup
         key = (granted.owner.pod_uid, granted.owner.container, card)
@@ -592,7 +712,19 @@ class Enforcer:
         while state.busy and at - state.busy[0][0] > self.window:
             state.busy.popleft()
             state.frozen.popleft()
-        if share <= 0 or share >= 100:  # no compute limit
+        policy = granted.grant.policy
+        if (
+            share <= 0
+            or share >= 100  # no compute limit
+            or policy == "disable"
+            or (policy == "default" and alone)
+        ):
+            throttle = self._throttles.get(cgroup.container)
+            if throttle is not None and self._needed.get(cgroup.container, 0.0) == 0.0:
+                throttle.fraction = 0.0  # no card needs it frozen (so far): thawed
+            self._needed.setdefault(cgroup.container, 0.0)
+            state.hog_since = None
+            state.held.clear()
             return [], True
         if cgroup.container not in self._targets:
             self._targets[cgroup.container] = self.freezer.target(members[0][1].info, cgroup)
@@ -614,7 +746,9 @@ class Enforcer:
             if throttle is None:
                 throttle = _Throttle(target, granted.owner.pod_uid, granted.owner.container)
                 self._throttles[cgroup.container] = throttle
-            if not throttling and fraction > 0:
+            # back on the card within the window after a moment off it: the same
+            # throttle, not a new one to report
+            if not throttling and fraction > 0 and cgroup.container not in self._frozen_before:
                 reason = (
                     f"throttled on {card}: {average:.0f}% of the card over "
                     f"{self.window:g} s, share {share}%; frozen {fraction:.0%} of each interval"
@@ -666,7 +800,71 @@ class Enforcer:
                     )
         else:
             state.hog_since = None
+        actions += self._unheld(card, granted, members, busy, state, now_busy, share, at)
         return actions, True
+
+    def _unheld(
+        self,
+        card: str,
+        granted: Granted,
+        members: list[tuple[ProcessUse, _Proc]],
+        busy: Mapping[int, float],
+        state: _Compute,
+        now_busy: float,
+        share: int,
+        at: float,
+    ) -> list[EnforcedRequest]:
+        """Kill a throttled container whose work freezing does not stop: over the last
+        ``enforce_hog_after``, busier than the part of the time it was really left
+        thawed (and than its share) by more than the tolerance. Kernels shorter than
+        ``enforce_hog_after`` with short gaps (or launches queued deep while thawed)
+        never make a run of ``HOG_PERCENT`` samples, yet hold the card far past the
+        share; work that stops when frozen cannot be busier than the thawed time."""
+        throttle = self._throttles.get(members[0][1].cgroup.container)
+        if throttle is None or throttle.fraction <= 0:
+            state.held.clear()
+            return []
+        before = self._frozen_before.get(members[0][1].cgroup.container, (0.0, at))[0]
+        state.held.append((at, before + throttle.frozen_total(time.monotonic()), now_busy))
+        while at - state.held[0][0] > self.hog_after:
+            state.held.popleft()
+        first, last = state.held[0], state.held[-1]
+        span = last[0] - first[0]
+        if span < self.hog_after * 0.9:
+            return []
+        thawed = 100.0 * (1.0 - min(1.0, (last[1] - first[1]) / span))
+        average = sum(b for _, _, b in list(state.held)[1:]) / (len(state.held) - 1)
+        if average <= max(thawed, share) + self.tolerance:
+            return []
+        alive = [m for m in members if (m[0].pid, m[1].info.start_ticks) not in self._killed]
+        if not alive:  # killed as a hog in this very sample
+            return []
+        use, proc = max(alive, key=lambda m: busy.get(m[0].pid, 0.0))
+        state.held.clear()
+        if not self._kill(proc, at):
+            return []
+        reason = (
+            f"killed process {use.pid} on {card}: the card {average:.0f}% busy over "
+            f"{self.hog_after:g} s while left thawed {thawed:.0f}% of the time, share {share}%: "
+            "freezing does not hold its work"
+        )
+        log.warning(
+            "pod %s container %s: %s", granted.owner.pod_uid, granted.owner.container, reason
+        )
+        self.metrics.kills.labels("compute").inc()
+        return [
+            self._report(
+                "compute-kill",
+                pod_uid=granted.owner.pod_uid,
+                container=granted.owner.container,
+                card=card,
+                pid=use.pid,
+                busy_percent=round(min(100.0, average), 1),
+                share_percent=share,
+                frozen_percent=round(100.0 - thawed, 1),
+                reason=reason,
+            )
+        ]
 
     # ------------------------------------------------------------ duty cycle
 
@@ -681,6 +879,12 @@ class Enforcer:
                 )
             return
         throttle.frozen = frozen
+        now = time.monotonic()
+        if frozen and throttle.frozen_at is None:
+            throttle.frozen_at = now
+        elif not frozen and throttle.frozen_at is not None:
+            throttle.frozen_s += now - throttle.frozen_at
+            throttle.frozen_at = None
 
     def _end_gone_throttles(self, live: set[str], at: float) -> None:
         """Thaw and forget containers that ran nothing on any card this sample."""
@@ -690,6 +894,14 @@ class Enforcer:
             throttle = self._throttles.pop(container)
             if throttle.frozen:
                 self._freeze(throttle, False)
+            # kept for its next throttle: a moment off the card between two processes
+            # must not reset how long the container was really frozen
+            carried = self._frozen_before.get(container, (0.0, at))[0]
+            frozen = carried + throttle.frozen_total(time.monotonic())
+            self._frozen_before[container] = (frozen, at)
+        for container in [c for c, (_, t) in self._frozen_before.items() if at - t > self.window]:
+            if container not in self._throttles:
+                del self._frozen_before[container]
         stale = [
             k for k, s in self._compute.items() if not s.busy or s.busy[-1][0] < at - self.window
         ]
@@ -702,6 +914,49 @@ class Enforcer:
             if throttle.frozen:
                 self._freeze(throttle, False)
         self._throttles.clear()
+        self._record_frozen()
+
+    def _record_frozen(self) -> None:
+        """Write down the freeze files of the throttled containers (when they change),
+        before the duty cycle first freezes one."""
+        targets = sorted({t.target for t in self._throttles.values()})
+        if targets == self._recorded:
+            return
+        try:
+            temporary = self._record.with_name(FROZEN_RECORD + ".new")
+            temporary.write_text("".join(f"{t}\n" for t in targets))
+            temporary.replace(self._record)
+        except OSError as exc:
+            self._once("record", "cannot record frozen containers in %s: %s", self._record, exc)
+            return
+        self._recorded = targets
+
+    def _thaw_recorded(self) -> None:
+        """Thaw what an agent before this one may have left frozen: the freeze files it
+        recorded, each checked to be one under this node's freezer roots."""
+        try:
+            lines = self._record.read_text().splitlines()
+        except FileNotFoundError:
+            return
+        except (OSError, UnicodeDecodeError) as exc:
+            self._once("record", "cannot read frozen containers from %s: %s", self._record, exc)
+            return
+        roots = [r for r in (self.freezer.v2_root, self.freezer.v1_root) if r]
+        for line in lines:
+            if (
+                ".." in line.split("/")
+                or not line.endswith(("/cgroup.freeze", "/freezer.state"))
+                or not any(line.startswith(r.rstrip("/") + "/") for r in roots)
+            ):
+                self._once(f"record/{line}", "not a freeze file, not thawed: %r", line[:300])
+                continue
+            try:
+                Freezer.set(line, False)
+            except OSError:
+                continue  # the container is gone
+            log.info("thawed %s, throttled by the agent before this one", line)
+        with contextlib.suppress(OSError):
+            self._record.unlink()
 
     async def cycle(self) -> None:
         """Freeze the throttled containers for their part of one interval."""

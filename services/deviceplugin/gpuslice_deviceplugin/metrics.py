@@ -141,7 +141,7 @@ class EnforcerMetrics:
         )
         self.unreadable = Counter(
             "gpuslice_enforce_unreadable",
-            "Samples in which something could not be read, by what (processes, "
+            "Samples in which something could not be read, by what (processes, memory, "
             "utilization, cgroup, grant, freeze).",
             ["what"],
             registry=registry,
@@ -156,6 +156,12 @@ class EnforcerMetrics:
             "gpuslice_enforce_sample_seconds",
             "Time one enforcement sample took (NVML, /proc, decisions).",
             buckets=ALLOCATE_BUCKETS,
+            registry=registry,
+        )
+        self.regions_truncated = Counter(
+            "gpuslice_enforce_regions_truncated",
+            "Containers' shared regions found written past their size (the tenant's one "
+            "writable file, on the node's disk) and cut back.",
             registry=registry,
         )
 

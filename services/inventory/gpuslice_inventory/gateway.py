@@ -76,6 +76,16 @@ EVENT_NAMESPACE = uuid.UUID("5b0c6e1e-6c59-4c1b-9d1e-6a4f0c2f7a31")
 # audit stream) adds no events within one window (the stream's duplicate window
 # drops the repeats, whose id is the same).
 PODLESS_FAILURE_WINDOW_S = 60
+# Enforcement reports a node may have recorded: a burst, then so many a second. The
+# enforcer acts rarely (a kill, a throttle's start); a node's credential sending
+# more is flooding the audit stream, whose retention would push real events out.
+# Each pod has a budget of its own within its node's, so that a tenant making its
+# processes be killed over and over cannot use up its neighbours' records.
+ENFORCE_BURST = 100
+ENFORCE_PER_S = 5.0
+ENFORCE_POD_BURST = 20
+ENFORCE_POD_PER_S = 1.0
+MAX_BUDGETS = 100_000
 RECENT_PODLESS = 4096  # ids remembered to keep repeats out of the outbox's queue
 
 
@@ -98,6 +108,14 @@ PING_TIMEOUT_S = 1.0
 TokenIssuer = Callable[[str, str], str]
 After = list[Callable[[], None]]  # what follows a reply: its events
 Answer = Pong | AllocationReply | PreferredReply | PlacementsReply | Done | ErrorReply
+
+
+def _refill(budget: tuple[float, float] | None, now: float, burst: int, per_s: float) -> float:
+    """A token bucket's tokens at ``now``: full when new."""
+    if budget is None:
+        return float(burst)
+    tokens, then = budget
+    return min(float(burst), tokens + (now - then) * per_s)
 
 
 def error_kind(exc: Exception) -> ErrorKind:
@@ -124,6 +142,7 @@ class GatewayStats:
     unanswerable: int = 0  # requests without a reply subject
     foreign_replies: int = 0  # requests whose reply subject is not the node's own inbox
     repeated_failures: int = 0  # pod-less failures not recorded again within their window
+    enforce_dropped: int = 0  # enforcement reports past their node's rate, not recorded
 
 
 class NodeGateway:
@@ -148,6 +167,9 @@ class NodeGateway:
         self._subscription: Subscription | None = None
         # ids of pod-less failures recorded lately: a repeat is not queued again
         self._recent_podless: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # node -> (enforcement reports it may still have recorded, when that was counted)
+        self._enforce_budget: dict[str, tuple[float, float]] = {}
+        self._enforce_pod_budget: dict[tuple[str, str], tuple[float, float]] = {}
         self._handlers: dict[Verb, Callable[[str, Frozen, After], Awaitable[Answer]]] = {
             Verb.PING: self._ping,
             Verb.ALLOCATE: self._allocate,
@@ -358,6 +380,16 @@ class NodeGateway:
         """Record what the node's agent did to a process: the node is the subject's,
         the pod the ledger's placement on that node (None when it has none there)."""
         assert isinstance(request, EnforcedRequest)
+        if not self._enforce_allowed(node, request.pod_uid):
+            self.stats.enforce_dropped += 1
+            if self.stats.enforce_dropped % 1000 == 1:
+                log.warning(
+                    "node %s: enforcement reports past %g a second not recorded (%d so far)",
+                    node,
+                    ENFORCE_PER_S,
+                    self.stats.enforce_dropped,
+                )
+            return Done()  # answered: a retry would only send it again
         placement = await self.ledger.placement(request.pod_uid)
         pod = placement.pod if placement is not None and placement.node == node else None
         payload = EnforcementEvent(
@@ -383,6 +415,31 @@ class NodeGateway:
         )
         after.append(partial(self._submit, event))
         return Done()
+
+    def _enforce_allowed(self, node: str, pod_uid: str) -> bool:
+        """Take one enforcement report from the pod's budget and its node's (token
+        buckets); False, taking nothing, when either is spent."""
+        now = time.monotonic()
+        pod_key = (node, pod_uid)
+        node_tokens = _refill(self._enforce_budget.get(node), now, ENFORCE_BURST, ENFORCE_PER_S)
+        pod_tokens = _refill(
+            self._enforce_pod_budget.get(pod_key), now, ENFORCE_POD_BURST, ENFORCE_POD_PER_S
+        )
+        allowed = node_tokens >= 1.0 and pod_tokens >= 1.0
+        taken = 1.0 if allowed else 0.0
+        if len(self._enforce_budget) >= MAX_BUDGETS and node not in self._enforce_budget:
+            self._enforce_budget.clear()  # nodes are few: only a defect gets here
+        self._enforce_budget[node] = (node_tokens - taken, now)
+        if allowed or pod_key in self._enforce_pod_budget:
+            # a pod's budget is kept once a report of it was recorded: a node naming
+            # ever new pods fills the table only as fast as its own budget allows
+            if (
+                len(self._enforce_pod_budget) >= MAX_BUDGETS
+                and pod_key not in self._enforce_pod_budget
+            ):
+                self._enforce_pod_budget.clear()
+            self._enforce_pod_budget[pod_key] = (pod_tokens - taken, now)
+        return allowed
 
     def _submit(self, event: CloudEvent) -> None:
         if self.outbox is not None:

@@ -381,6 +381,8 @@ WORK_METRICS = {
     "no reply subject, or a reply subject outside the node's own inbox.",
     "node_failures_repeated": "Allocation failures naming no pod not recorded again: the same "
     "node, kind and count were recorded within the last minute.",
+    "node_enforce_reports_dropped": "Node agents' enforcement reports not recorded: past "
+    "their node's rate (a burst of 100, then 5 a second) or their pod's (20, then 1).",
     "telemetry_dropped": "Well-formed telemetry samples not stored, by reason: too many "
     "waiting (full, containers, flush-failed), or not the placement's (not-placed, "
     "foreign-container, foreign-device).",

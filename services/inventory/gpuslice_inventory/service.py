@@ -218,6 +218,7 @@ class Running:
                 }
             ),
             "node_failures_repeated": self.gateway.stats.repeated_failures,
+            "node_enforce_reports_dropped": self.gateway.stats.enforce_dropped,
         }
         if self.callout is not None:
             c = self.callout.stats
