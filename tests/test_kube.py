@@ -610,6 +610,24 @@ async def test_a_watch_from_now_the_server_cannot_stream_lists_first_and_remembe
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 
+async def test_leaving_a_watch_that_listed_first_leaves_no_thread_reading(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    stand_in = WithoutWatchList([pod_at("a", 11)], 50, [("DELETED", pod_at("a", 51))], hold=60)
+    server.answer("GET", "/api/v1/pods", 200, stand_in)
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+    events = api.watch_pods()
+    kinds = [(await anext(events))[0] for _ in range(3)]
+    assert kinds == ["ADDED", "BOOKMARK", "DELETED"]
+    reading = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0.2)  # the one worker thread is now blocked on the quiet stream
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    await events.aclose()
+    await asyncio.wait_for(asyncio.to_thread(lambda: None), 5)
+
+
 async def test_a_watch_that_fails_after_its_first_event_or_from_a_version_does_not_list(
     server: FakeApiServer, api: KubernetesApi
 ) -> None:

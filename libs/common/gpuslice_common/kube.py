@@ -589,8 +589,12 @@ class KubernetesApi:
             "annotations": {INITIAL_EVENTS_END: "true"},
         }
         yield "BOOKMARK", {"metadata": metadata}
-        async for event in self._stream(what, lister, listing.resource_version):
-            yield event
+        # closed with this watch, so no worker thread is left reading its stream
+        async with contextlib.aclosing(
+            self._stream(what, lister, listing.resource_version)
+        ) as rest:
+            async for event in rest:
+                yield event
 
     def _watch_list_refused(self) -> bool:
         """Whether the server refused the streaming form of a watch from now lately."""
