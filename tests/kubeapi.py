@@ -7,7 +7,11 @@ for test pods, as the API server does for projected tokens: bound to a pod and
 its node (``authentication.kubernetes.io/node-name``), for some audiences,
 until they expire; and the user tokens ``tokens.mint_user`` made. It answers
 SubjectAccessReviews from ``access``, a rule table the test fills (who may
-list pods where, or cluster-wide)."""
+list pods where, or cluster-wide).
+
+:class:`WithoutWatchList` answers a collection as kube-apiserver 1.34 does when
+its etcd lacks progress notifications (etcd before 3.5.13): lists and watches
+from a version work, a watch from now is refused."""
 
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ __all__ = [
     "FakeApiServer",
     "Recorded",
     "Stream",
+    "WithoutWatchList",
     "fake_api_server",
     "review",
     "status_body",
@@ -62,6 +67,64 @@ class Stream:
     events: list[Any]
     hold: float = 0.0
     cut: bool = False
+
+
+# kube-apiserver's words (its watch cache) for a watch-list it cannot serve
+WATCH_LIST_REFUSED = (
+    "a watch stream was requested by the client but the required storage feature "
+    "RequestWatchProgress is disabled"
+)
+
+
+@dataclass
+class WithoutWatchList:
+    """A collection's GET (``server.answer("GET", path, 200, WithoutWatchList(...))``)
+    as kube-apiserver 1.34 serves it over an etcd without progress notifications.
+
+    A list is paged (``limit``, ``continue``) and read at ``version``. A watch from
+    a version streams the ``changes`` newer than it, then is held open ``hold``
+    seconds. A watch from now ("" or "0", no ``resourceVersionMatch``), which the
+    server's WatchList feature turns into ``sendInitialEvents=true``, or one that
+    asks for that itself, is with bookmarks a watch-list: the server cannot
+    stream the current state without progress notifications, and answers
+    HTTP 200 with a single ERROR event (Status code 500, reason InternalError),
+    then ends the response."""
+
+    items: list[dict[str, Any]]
+    version: int
+    changes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    hold: float = 30.0
+    refused: int = 0  # watch-lists refused so far
+
+    def __call__(self, query: dict[str, str]) -> Any:
+        if query.get("watch") != "true":
+            return self.page(query)
+        since = query.get("resourceVersion", "")
+        defaulted = "sendInitialEvents" not in query and "resourceVersionMatch" not in query
+        initial = query.get("sendInitialEvents") == "true" or (defaulted and since in ("", "0"))
+        if initial and query.get("allowWatchBookmarks") == "true":
+            self.refused += 1
+            error = status_body(500, "InternalError", WATCH_LIST_REFUSED)
+            return Stream([{"type": "ERROR", "object": error}])
+        newer = [
+            {"type": kind, "object": obj}
+            for kind, obj in self.changes
+            if int(obj["metadata"]["resourceVersion"]) > int(since or 0)
+        ]
+        return Stream(newer, hold=self.hold)
+
+    def page(self, query: dict[str, str]) -> dict[str, Any]:
+        start = int(query.get("continue") or 0)
+        end = start + int(query.get("limit") or len(self.items) or 1)
+        metadata: dict[str, Any] = {"resourceVersion": str(self.version)}
+        if end < len(self.items):
+            metadata["continue"] = str(end)
+        return {
+            "kind": "List",
+            "apiVersion": "v1",
+            "metadata": metadata,
+            "items": self.items[start:end],
+        }
 
 
 @dataclass

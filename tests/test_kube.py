@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from gpuslice_common import kube as kube_module
 from gpuslice_common.kube import (
     Conflict,
     KubeApi,
@@ -31,7 +33,7 @@ from gpuslice_common.kube import (
     pod_terminated,
     resource_version,
 )
-from tests.kubeapi import FakeApiServer, Stream, fake_api_server, status_body
+from tests.kubeapi import FakeApiServer, Stream, WithoutWatchList, fake_api_server, status_body
 
 POD_PATH = "/api/v1/namespaces/ns/pods/name"
 NAMESPACE_PATH = "/api/v1/namespaces/team-a"
@@ -544,9 +546,101 @@ async def test_watch_garbage_is_a_kube_error(
 ) -> None:
     raw = line.encode() if isinstance(line, str) else line
     server.answer("GET", "/api/v1/pods", 200, Stream([raw]))
+    # from a version: a watch from now that fails at once lists first instead
     with pytest.raises(KubeError, match=says) as caught:
-        await first_events(api, 1)
+        await first_events(api, 1, "41")
     assert "watching the pods of every namespace" in str(caught.value)
+
+
+def pod_at(name: str, version: int, phase: str = "Running") -> dict[str, Any]:
+    pod = pod_named(name)
+    pod["metadata"]["resourceVersion"] = str(version)
+    pod["status"] = {"phase": phase}
+    return pod
+
+
+def watches(server: FakeApiServer) -> list[str]:
+    """The resource version of each watch asked for ("" when from now)."""
+    return [r.query.get("resourceVersion", "") for r in server.requests if "watch" in r.query]
+
+
+async def test_a_watch_from_now_the_server_cannot_stream_lists_first_and_remembers(
+    server: FakeApiServer,
+    api: KubernetesApi,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kube_module, "PAGE_SIZE", 2)
+    pods = [pod_at("a", 11), pod_at("b", 12, "Succeeded"), pod_at("c", 13)]
+    gone = pod_at("a", 51)
+    stand_in = WithoutWatchList(pods, 50, [("DELETED", gone)], hold=0)
+    server.answer("GET", "/api/v1/pods", 200, stand_in)
+    caplog.set_level(logging.DEBUG, "gpuslice_common.kube")
+
+    got = [event async for event in api.watch_pods()]
+
+    end = {"resourceVersion": "50", "annotations": {"k8s.io/initial-events-end": "true"}}
+    assert got == [
+        *[("ADDED", pod) for pod in pods],
+        ("BOOKMARK", {"metadata": end}),
+        ("DELETED", gone),
+    ]
+    refused, first_page, second_page, watch = server.requests
+    assert refused.query["watch"] == "true"
+    assert "resourceVersion" not in refused.query
+    assert "watch" not in first_page.query
+    assert first_page.query["limit"] == "2"
+    assert second_page.query["continue"] == "2"
+    assert (watch.query["watch"], watch.query["resourceVersion"]) == ("true", "50")
+    assert stand_in.refused == 1
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "RequestWatchProgress is disabled" in warnings[0].getMessage()
+
+    # remembered: the next watch from now lists at once, and says nothing again
+    assert [event async for event in api.watch_pods()] == got
+    assert watches(server) == ["", "50", "50"]
+    assert api.watches_listed_first == 2
+
+    # once the refusal is old, the streaming form is asked for again, quietly
+    api.watch_list_refused_at = time.monotonic() - api.watch_list_retry_s - 1
+    assert [event async for event in api.watch_pods()] == got
+    assert watches(server) == ["", "50", "50", "", "50"]
+    assert stand_in.refused == 2
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+
+
+async def test_leaving_a_watch_that_listed_first_leaves_no_thread_reading(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    stand_in = WithoutWatchList([pod_at("a", 11)], 50, [("DELETED", pod_at("a", 51))], hold=60)
+    server.answer("GET", "/api/v1/pods", 200, stand_in)
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+    events = api.watch_pods()
+    kinds = [(await anext(events))[0] for _ in range(3)]
+    assert kinds == ["ADDED", "BOOKMARK", "DELETED"]
+    reading = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0.2)  # the one worker thread is now blocked on the quiet stream
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    await events.aclose()
+    await asyncio.wait_for(asyncio.to_thread(lambda: None), 5)
+
+
+async def test_a_watch_that_fails_after_its_first_event_or_from_a_version_does_not_list(
+    server: FakeApiServer, api: KubernetesApi
+) -> None:
+    error = {"type": "ERROR", "object": status_body(500, "InternalError", "boom")}
+    server.answer("GET", "/api/v1/pods", 200, Stream([{"type": "ADDED", "object": POD}, error]))
+    with pytest.raises(KubeError, match="boom"):
+        await first_events(api, 2)
+    server.answer("GET", "/api/v1/pods", 200, Stream([error]))
+    with pytest.raises(KubeError, match="boom"):
+        await first_events(api, 1, "41")
+    assert len(server.requests) == 2
+    assert watches(server) == ["", "41"]
+    assert api.watch_list_refused_at is None
 
 
 async def test_watch_forbidden_is_a_kube_error_with_server_message(

@@ -29,7 +29,7 @@ from gpuslice_inventory.upkeep import Upkeep
 from tests.conftest import make_inventory
 from tests.inventory.conftest import announce, rebuilt, settings_for, until
 from tests.inventory.test_reconcile import pod_for
-from tests.kubeapi import FakeApiServer, Stream, status_body
+from tests.kubeapi import FakeApiServer, Stream, WithoutWatchList, status_body
 from tests.test_ledger import placement
 from tests.test_ledger_vendors import dcus
 
@@ -115,6 +115,50 @@ async def test_a_failing_api_server_is_retried_and_an_inactive_replica_does_not_
         await kube.close()
 
 
+async def test_releases_flow_where_the_api_server_cannot_stream_the_current_state(
+    kube_api_server: FakeApiServer, ledger: Ledger
+) -> None:
+    # kube-apiserver 1.34 over an etcd without progress notifications refuses
+    # every watch from now; no reconciliation pass runs here, so only the watch
+    # (listing first) can release these pods
+    await ledger.register_node(make_inventory(NODE, gpus=1), rebuilt=True)
+    records = {uid: placement(uid, NODE, [[(0, 100, 1)]]) for uid in ("done", "held", "running")}
+    for record in records.values():
+        await ledger.reserve(record)
+    pods = {
+        "done": pod_for(records["done"], "Succeeded"),
+        "held": pod_for(records["held"], "Running"),
+        "running": pod_for(records["running"], "Running"),
+    }
+    for version, pod in enumerate(pods.values(), start=3):
+        pod["metadata"]["resourceVersion"] = str(version)
+    deleted = json.loads(json.dumps(pods["held"]))
+    deleted["metadata"]["resourceVersion"] = "21"
+    stand_in = WithoutWatchList(list(pods.values()), 20, [("DELETED", deleted)])
+    kube_api_server.answer("GET", "/api/v1/pods", 200, stand_in)
+    kube = KubernetesApi.connect(kube_api_server.host, timeout=2)
+    watcher = PodWatcher(kube, upkeep(ledger), lambda: True)
+    task = asyncio.create_task(watcher.run(idle_s=0.05))
+    try:
+        await until(lambda: released_reason(ledger, "held"))
+        await until(lambda: released_reason(ledger, "done"))
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await kube.close()
+    assert await released_reason(ledger, "done") == "pod succeeded"
+    assert await released_reason(ledger, "held") == "pod deleted"
+    assert await released_reason(ledger, "running") is None
+    assert stand_in.refused == 1  # asked once, not again and again
+    watched = [
+        r.query.get("resourceVersion", "") for r in kube_api_server.requests if "watch" in r.query
+    ]
+    assert watched == ["", "20"]
+    assert watcher.stats.restarts == 0
+    assert watcher.version == "21"
+
+
 def upkeep(ledger: Ledger) -> Upkeep:
     return Upkeep(ledger, timedelta(seconds=10), timedelta(minutes=5))
 
@@ -152,6 +196,39 @@ async def test_the_leader_releases_pods_as_the_watch_reports_them_ending(
         and p.pod is not None
     )
     assert reasons == [("deleted", "pod deleted"), ("failed", "pod failed")]
+
+
+async def test_the_running_inventory_releases_a_deleted_pod_where_watch_lists_are_refused(
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    bus: Bus,
+    kube_api_server: FakeApiServer,
+) -> None:
+    # the server ends each watch at once (hold), so a change made later reaches
+    # the renewed watch; reconciliation far off: only the watch can release here
+    stand_in = WithoutWatchList([], 1, hold=0.2)
+    kube_api_server.answer("GET", "/api/v1/pods", 200, stand_in)
+    kube = KubernetesApi.connect(kube_api_server.host, timeout=2)
+    config = settings_for(nats_server, redis_url, prefix, reconcile_interval=3600)
+    try:
+        async with running(config, bus, kube=kube, serve_http=False) as state:
+            led = state.ledger
+            await announce(bus, make_inventory(NODE, gpus=1))
+            await until(lambda: rebuilt(led, NODE))
+            await until(lambda: stand_in.refused == 1)
+            await led.reserve(placement("held", NODE, [[(0, 1000, 10)]]))
+            pod = bound_pod("held")
+            pod["metadata"]["resourceVersion"] = "5"
+            stand_in.items.append(pod)
+            stand_in.changes.append(("DELETED", pod))
+            stand_in.version = 5
+            await until(lambda: released_reason(led, "held"))
+            assert await released_reason(led, "held") == "pod deleted"
+            assert state.work_values()["pod_watch_listed_first"] == 1
+            assert stand_in.refused == 1
+    finally:
+        await kube.close()
 
 
 async def test_pods_reported_ended_on_the_bus_are_released_once(

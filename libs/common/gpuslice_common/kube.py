@@ -11,6 +11,14 @@ may do something (SubjectAccessReview). Two implementations stand behind it:
   thread, under a request timeout. Objects come back as the server's own JSON
   (camelCase keys), never as client model objects; lists are read page by page;
   a watch is one streamed request, read chunk by chunk in a worker thread.
+  A watch from now is, on kube-apiserver 1.32 and later, served as a
+  *watch-list* (the server turns it into ``sendInitialEvents=true``); a server
+  whose etcd lacks progress notifications (etcd before 3.5.13) refuses that
+  with an ERROR event of code 500. The watch then falls back to what client-go
+  does: a paged list, an ADDED for each item and a BOOKMARK at the list's
+  resource version, then a watch from that version. The refusal is remembered
+  for :data:`WATCH_LIST_RETRY_S` (watches from now list first meanwhile) and
+  logged once.
 * :class:`LocalKubeApi` keeps Pods, Nodes, namespace labels and ResourceQuotas in
   memory, for the dev stack and for tests of the services that use this interface.
   Its tokens are those its :class:`ServiceAccountTokens` minted, and its
@@ -32,10 +40,11 @@ import copy
 import dataclasses
 import functools
 import json
+import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -81,7 +90,15 @@ REVIEW_THREADS = 64
 # How long one watch request lasts before the server ends it and it is renewed.
 WATCH_SECONDS = 300
 WATCH_HISTORY = 1000  # LocalKubeApi: changes a resumed watch can catch up on
+# How long a refused watch-list is remembered: meanwhile a watch from now lists
+# first instead of asking the server for the streaming form again.
+WATCH_LIST_RETRY_S = 600.0
+# The annotation of the BOOKMARK that ends a watch's initial state, as the API
+# server marks it at the end of a watch-list's initial events.
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # One change of a watched object: the type (ADDED, MODIFIED, DELETED, BOOKMARK)
 # and the object as the server sent it.
@@ -300,6 +317,9 @@ class KubernetesApi:
         self.host = host
         # threads start as reviews need them
         self._reviews = ThreadPoolExecutor(REVIEW_THREADS, thread_name_prefix="tokenreview")
+        self.watch_list_retry_s = WATCH_LIST_RETRY_S
+        self.watch_list_refused_at: float | None = None  # time.monotonic() of the last refusal
+        self.watches_listed_first = 0  # watches from now begun with a list instead
 
     @classmethod
     def connect(
@@ -538,6 +558,67 @@ class KubernetesApi:
     async def _watch(
         self, what: str, lister: Callable[..., Any], resource_version: str
     ) -> AsyncIterator[WatchEvent]:
+        """The changes through ``lister`` (the client's list call) from
+        ``resource_version``; from now (""), the current state first: as the
+        server streams it, or, where it refuses to, listed first."""
+        if resource_version or not self._watch_list_refused():
+            refusal: KubeError | None = None
+            events = self._stream(what, lister, resource_version)
+            started = False
+            try:
+                async for event in events:
+                    started = True
+                    yield event
+            except KubeError as error:
+                if started or resource_version or not _refuses_watch_list(error):
+                    raise
+                refusal = error
+            finally:
+                await events.aclose()
+            if refusal is None:
+                return
+            self._note_watch_list_refused(refusal)
+        self.watches_listed_first += 1
+        listing = await self._list(
+            f"{what} (listing first)", functools.partial(_page, lister, self._timeout)
+        )
+        for item in listing:
+            yield "ADDED", item
+        metadata = {
+            "resourceVersion": listing.resource_version,
+            "annotations": {INITIAL_EVENTS_END: "true"},
+        }
+        yield "BOOKMARK", {"metadata": metadata}
+        # closed with this watch, so no worker thread is left reading its stream
+        async with contextlib.aclosing(
+            self._stream(what, lister, listing.resource_version)
+        ) as rest:
+            async for event in rest:
+                yield event
+
+    def _watch_list_refused(self) -> bool:
+        """Whether the server refused the streaming form of a watch from now lately."""
+        refused = self.watch_list_refused_at
+        return refused is not None and time.monotonic() - refused < self.watch_list_retry_s
+
+    def _note_watch_list_refused(self, error: KubeError) -> None:
+        first = self.watch_list_refused_at is None
+        self.watch_list_refused_at = time.monotonic()
+        # once per client: the same refusal every WATCH_LIST_RETRY_S says nothing new
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "the Kubernetes API at %s refused to stream the current state in a watch "
+            "(watch-list; an etcd without progress notifications, before 3.5.13, causes "
+            "this): %s. Watches from now list first, then watch from the list's version; "
+            "the streaming form is asked for again after %.0f s",
+            self.host,
+            error,
+            self.watch_list_retry_s,
+        )
+
+    async def _stream(
+        self, what: str, lister: Callable[..., Any], resource_version: str
+    ) -> AsyncGenerator[WatchEvent, None]:
         """One watch request through ``lister`` (the client's list call), its
         events as they come."""
 
@@ -679,6 +760,22 @@ class KubernetesApi:
         if status == 409:
             return Conflict(text, status)
         return KubeError(text, status)
+
+
+def _refuses_watch_list(error: KubeError) -> bool:
+    """Whether a watch from now failed, before any event, as a server does that
+    cannot stream the current state: it answered, with a server error (500:
+    kube-apiserver's InternalError "a watch stream was requested by the client
+    but the required storage feature RequestWatchProgress is disabled").
+    Refusals of the client (401, 403) and outages (no answer) are not that."""
+    return error.status is not None and error.status >= 500
+
+
+def _page(lister: Callable[..., Any], timeout: float, token: str | None) -> Any:
+    """One page of the list ``lister`` (the client's list call) makes."""
+    return lister(
+        limit=PAGE_SIZE, _continue=token, _preload_content=False, _request_timeout=timeout
+    )
 
 
 def _describe(error: BaseException) -> str:

@@ -9,7 +9,9 @@ Either way the release is one atomic ledger step, so a pod reported twice, or by
 both paths, is released once and announced once.
 
 A watch that breaks is resumed from the last resource version it saw; one the
-server no longer remembers starts again from now, which lists every pod again.
+server no longer remembers starts again from now, which lists every pod again
+(streamed by the server, or, where it refuses to stream the current state, as
+over an etcd without progress notifications, listed first by the client).
 What a gap between watches hides, reconciliation finds on its next pass.
 """
 

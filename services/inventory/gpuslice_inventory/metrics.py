@@ -369,6 +369,8 @@ WORK_METRICS = {
     "releases": "Pods released by the inventory, by reason.",
     "pod_watch_events": "Pod changes received from the Kubernetes watch.",
     "pod_watch_restarts": "Pod watches begun again after a failure or an expired version.",
+    "pod_watch_listed_first": "Pod watches from now begun with a paged list, because the API "
+    "server refused to stream the current state (watch-list; etcd without progress notifications).",
     "nodes_marked_unavailable": "Nodes marked unavailable after missed heartbeats.",
     "sweeps": "Liveness and expiry passes run by this replica.",
     "nodes_rebuilt": "Nodes stamped rebuilt by a reconciliation pass (they take pods again).",

@@ -202,6 +202,10 @@ class Running:
             "releases": Counter(self.upkeep.stats.released),
             "pod_watch_events": watch.events,
             "pod_watch_restarts": watch.restarts,
+            # KubernetesApi counts them (LocalKubeApi always streams a watch from now)
+            "pod_watch_listed_first": getattr(
+                self.watcher.kube if self.watcher is not None else None, "watches_listed_first", 0
+            ),
             "nodes_marked_unavailable": self.upkeep.stats.nodes_marked,
             "sweeps": self.upkeep.stats.sweeps,
             "nodes_rebuilt": self.work.nodes_rebuilt,
