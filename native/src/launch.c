@@ -950,7 +950,11 @@ static void after_launch(int d, CUstream stream, bool ptds, CUresult rc) {
                 w->ended = true;
                 w->end_at = now;
             } else if (!w->marked) {
-                full = false; /* no end to close on: the next launch tries again */
+                /* A stream whose end cannot be recorded (destroyed, or being
+                 * captured): closed unmeasured, charged until now, which the GPU
+                 * may have run; waiting for an end that never comes left the
+                 * window open, and nothing charged while launches kept coming. */
+                w->ended = false;
             }
         }
         atomic_store_explicit(&w->last_launch, now, memory_order_relaxed);

@@ -434,3 +434,18 @@ def test_a_multi_device_launch_is_limited_on_each_device(
     ).one("multi2")  # fmt: skip
     assert line["rc"] == 0, line
     assert abs(line["share"] - 0.30) <= 0.07, line
+
+
+@pytest.mark.parametrize("how", ["none", "destroy", "capture"])
+def test_a_stream_whose_end_cannot_be_recorded_does_not_stop_the_charging(
+    run_probe: ProbeRunner, region_path: Path, how: str
+) -> None:
+    # A process whose windows run unmarked launches once into a second stream and
+    # then destroys it (or leaves it capturing): no end event can be recorded
+    # there, so no full window could close, and with launches coming without a
+    # pause nothing was charged again (the NULL stream's kernels ran at 100 %).
+    line = run_probe(
+        "init", "ctx", "lostream", 1.5, 100, how, env=sm(region_path, 30), timeout=60
+    ).one("lostream")  # fmt: skip
+    assert line["rc"] == 0, line
+    assert line["share"] <= 0.40, line
