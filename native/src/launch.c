@@ -980,7 +980,12 @@ static void fill_end(window_t *w, CUstream stream, bool ptds, CUresult rc) {
  * driver (a sibling call: no frame of its own), and an out-of-line path for
  * limited launches: lock-free when it can be, else the slow path.
  */
-#define GS_LAUNCH_ENTRY(fn, params, args, stream, ptds)                                       \
+#define GS_LAUNCH_ENTRY(fn, params, args, stream, ptds) \
+    GS_LAUNCH_ENTRY_COPYING(fn, params, args, stream, ptds, (void)0)
+/* `copy`: a statement that points a parameter the launch reads through (a
+ * config) at a copy of it first, so that the stream the window follows is the
+ * one the driver launches into, whatever another thread writes meanwhile. */
+#define GS_LAUNCH_ENTRY_COPYING(fn, params, args, stream, ptds, copy)                        \
     static __attribute__((noinline)) CUresult fn##_slow params {                              \
         gs_init();                                                                            \
         if (!atomic_load_explicit(&limiter_on, memory_order_relaxed)) return GS_CALL(fn, args); \
@@ -1002,6 +1007,7 @@ static void fill_end(window_t *w, CUstream stream, bool ptds, CUresult rc) {
     static __attribute__((noinline)) CUresult fn##_limited params {                           \
         window_t *w_ = NULL;                                                                  \
         CUresult rc_;                                                                         \
+        copy;                                                                                 \
         if (GS_LIKELY(gs_real.fn != NULL)) { /* and t_dev is empty until the library joined */ \
             switch (fast_begin(&w_, stream_key((stream), (ptds)))) {                          \
             case GS_JOINED:                                                                   \
@@ -1031,12 +1037,25 @@ static void fill_end(window_t *w, CUstream stream, bool ptds, CUresult rc) {
 
 GS_LAUNCH_ENTRY(cuLaunchKernel, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream, false)
 GS_LAUNCH_ENTRY(cuLaunchKernel_ptsz, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream, true)
-GS_LAUNCH_ENTRY(cuLaunchKernelEx,
-                (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
-                (config, f, kernelParams, extra), config ? config->hStream : NULL, false)
-GS_LAUNCH_ENTRY(cuLaunchKernelEx_ptsz,
-                (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
-                (config, f, kernelParams, extra), config ? config->hStream : NULL, true)
+/* The config is read once, into a copy the driver gets: its stream read from
+ * the caller's config, then read again by the driver, could differ (another
+ * thread flipping it ran kernels on a stream the window did not follow). */
+#define GS_COPY_CONFIG                                                                        \
+    CUlaunchConfig config_copy_;                                                              \
+    if (config) {                                                                             \
+        config_copy_ = *(const volatile CUlaunchConfig *)config;                              \
+        config = &config_copy_;                                                               \
+    }
+GS_LAUNCH_ENTRY_COPYING(cuLaunchKernelEx,
+                        (const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                         void **extra),
+                        (config, f, kernelParams, extra), config ? config->hStream : NULL, false,
+                        GS_COPY_CONFIG)
+GS_LAUNCH_ENTRY_COPYING(cuLaunchKernelEx_ptsz,
+                        (const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                         void **extra),
+                        (config, f, kernelParams, extra), config ? config->hStream : NULL, true,
+                        GS_COPY_CONFIG)
 GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel, GS_COOP_PARAMS, GS_COOP_ARGS, hStream, false)
 GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel_ptsz, GS_COOP_PARAMS, GS_COOP_ARGS, hStream, true)
 GS_LAUNCH_ENTRY(cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), (hGraphExec, hStream),
@@ -1065,6 +1084,11 @@ CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsLi
         !numDevices || numDevices > GS_MAX_DEVICES || !gs_real.cuStreamGetCtx ||
         !gs_real.cuCtxPushCurrent_v2 || !gs_real.cuCtxPopCurrent_v2 || !gs_enter())
         return GS_CALL(cuLaunchCooperativeKernelMultiDevice, (launchParamsList, numDevices, flags));
+    /* read once, and the driver gets the copy: the streams the windows follow
+     * are those it launches into, whatever another thread writes meanwhile */
+    CUDA_LAUNCH_PARAMS list[GS_MAX_DEVICES];
+    for (unsigned i = 0; i < numDevices; i++)
+        list[i] = ((const volatile CUDA_LAUNCH_PARAMS *)launchParamsList)[i];
     struct {
         CUcontext ctx;
         CUstream stream;
@@ -1073,10 +1097,9 @@ CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsLi
     unsigned n = 0;
     for (unsigned i = 0; i < numDevices; i++) {
         CUcontext ctx = NULL;
-        if (gs_real.cuStreamGetCtx(launchParamsList[i].hStream, &ctx) != CUDA_SUCCESS || !ctx)
-            continue;
+        if (gs_real.cuStreamGetCtx(list[i].hStream, &ctx) != CUDA_SUCCESS || !ctx) continue;
         held[n].ctx = ctx;
-        held[n].stream = launchParamsList[i].hStream;
+        held[n].stream = list[i].hStream;
         held[n].dev = -1;
         n++;
     }
@@ -1101,7 +1124,7 @@ CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsLi
             gs_real.cuCtxPopCurrent_v2(&popped);
         }
     t_dev.ctx = NULL; /* the per-thread cache followed the pushes */
-    CUresult rc = GS_CALL(cuLaunchCooperativeKernelMultiDevice, (launchParamsList, numDevices, flags));
+    CUresult rc = GS_CALL(cuLaunchCooperativeKernelMultiDevice, (list, numDevices, flags));
     for (unsigned i = 0; i < n; i++) {
         if (held[i].dev < 0) continue;
         bool pushed = gs_real.cuCtxPushCurrent_v2(held[i].ctx) == CUDA_SUCCESS;

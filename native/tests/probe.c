@@ -1207,6 +1207,71 @@ static void cmd_lostream(int argc, char **argv) {
 }
 
 /*
+ * exflip SECONDS US: for SECONDS, cuLaunchKernelEx of US microseconds with one
+ * config whose stream a second thread flips between the NULL stream and a stream
+ * of its own all the while (the library reads it, then the driver does), paced
+ * as `twostreams` paces; "share" = kernel time the fake engines ran / wall time.
+ */
+static CUstream volatile exflip_side;
+static volatile int exflip_stop;
+static CUlaunchConfig exflip_cfg;
+
+static void *exflip_thread(void *arg) {
+    (void)arg;
+    CUstream volatile *target = &exflip_cfg.hStream;
+    while (!exflip_stop) {
+        *target = exflip_side;
+        *target = NULL;
+    }
+    return NULL;
+}
+
+static void cmd_exflip(int argc, char **argv) {
+    double seconds = 0;
+    (void)parse_float(argv[0], &seconds);
+    unsigned long long us = arg_u64(argv[1]);
+    int dev = current_device();
+    fake_counter_t busy = fake_counter("fakecuda_busy_ns");
+    CUstream side = NULL;
+    CUresult rc = CALL(cuStreamCreate, &side, 0);
+    exflip_side = side;
+    exflip_cfg = (CUlaunchConfig){.gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 1,
+                                  .blockDimY = 1, .blockDimZ = 1, .hStream = NULL};
+    exflip_stop = 0;
+    pthread_t flipper;
+    if (rc == CUDA_SUCCESS && pthread_create(&flipper, NULL, exflip_thread, NULL) != 0) rc = PROBE_ERROR;
+    bool started = rc == CUDA_SUCCESS;
+    uint64_t duration = (uint64_t)(seconds * 1e9), kernel_ns = us * 1000ULL;
+    uint64_t lookahead = kernel_ns * 4 > 2000000ULL ? kernel_ns * 4 : 2000000ULL;
+    unsigned long long busy0 = busy ? busy(dev) : 0;
+    uint64_t submitted = 0;
+    long long launches = 0;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    while (rc == CUDA_SUCCESS && now_ns(CLOCK_MONOTONIC) - t0 < duration) {
+        uint64_t done = busy ? (uint64_t)(busy(dev) - busy0) : now_ns(CLOCK_MONOTONIC) - t0;
+        if (submitted > done + lookahead) {
+            sleep_ns(200000);
+            continue;
+        }
+        rc = CALL(cuLaunchKernelEx, &exflip_cfg, (CUfunction)(uintptr_t)us, NULL, NULL);
+        launches++;
+        submitted += kernel_ns;
+    }
+    exflip_stop = 1;
+    if (started) pthread_join(flipper, NULL);
+    CUresult src = CALL(cuCtxSynchronize);
+    if (rc == CUDA_SUCCESS) rc = src;
+    uint64_t wall = now_ns(CLOCK_MONOTONIC) - t0;
+    j_begin("exflip");
+    j_int("rc", rc);
+    j_int("launches", launches);
+    j_u64("wall_ns", wall);
+    j_busy_share(busy, dev, busy0, wall);
+    j_end();
+    if (side) CALL(cuStreamDestroy_v2, side);
+}
+
+/*
  * multi2 SECONDS US: for SECONDS, cuLaunchCooperativeKernelMultiDevice with two
  * entries: an empty kernel on the current device's NULL stream and a kernel of
  * US microseconds on a stream of device 1's primary context, paced as `run`
@@ -1969,6 +2034,7 @@ static const command_t commands[] = {
     {"sync", "", NULL, cmd_sync},
     {"twostreams", "FN", NULL, cmd_twostreams},
     {"multi2", "FN", NULL, cmd_multi2},
+    {"exflip", "FN", NULL, cmd_exflip},
     {"lostream", "FNw", "none|destroy|capture", cmd_lostream},
     {"run", "FNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_run},
     {"threads", "NFN", NULL, cmd_threads},

@@ -449,3 +449,18 @@ def test_a_stream_whose_end_cannot_be_recorded_does_not_stop_the_charging(
     ).one("lostream")  # fmt: skip
     assert line["rc"] == 0, line
     assert line["share"] <= 0.40, line
+
+
+def test_a_launch_config_changed_under_the_launch_is_measured_as_launched(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # cuLaunchKernelEx with a config whose stream another thread flips between
+    # the NULL stream and one of its own: the library read the stream from the
+    # config, then the driver read it again, so a kernel could run on a stream
+    # the window did not follow.
+    line = run_probe(
+        "init", "ctx", "exflip", 1.5, 2000,
+        env={**sm(region_path, 30), "FAKECUDA_STREAM_ENGINES": 1}, timeout=60,
+    ).one("exflip")  # fmt: skip
+    assert line["rc"] == 0, line
+    assert abs(line["share"] - 0.30) <= 0.07, line
