@@ -22,7 +22,8 @@
  * for its last event. A window still open when the process exits is charged
  * then (a kernel still running: the time it ran so far), and a window whose
  * last kernel is still running at the next launch is charged the time it ran so
- * far before that launch waits (a kernel that never ends is paid while it runs).
+ * far before that launch waits, and the pause watcher charges it while it runs
+ * with no launch after it (a kernel that never ends is paid while it runs).
  *
  * Pauses: a window must not charge the time the GPU sat idle because no launch
  * came (GS_GAP_NS or more between two). Where the GPU's work ended is known from
@@ -97,6 +98,9 @@
 /* The pause watcher records a window's end once its device had no launch for
  * this long: a pause may have begun (the GPU idle since is charged as busy). */
 #define GS_WATCH_NS 100000ULL
+/* How often the watcher charges a window whose last kernel runs on after its
+ * launches stopped (a pause, or no launch ever again). */
+#define GS_RUNNING_NS 10000000ULL
 
 static atomic_bool limiter_on;
 static bool limiter_usable; /* the driver has what windows need */
@@ -204,7 +208,7 @@ static void limiter_after_fork(void) {
     /* the watcher thread is the parent's */
     pthread_mutex_init(&watch_mu, NULL);
     pthread_cond_init(&watch_cv, NULL);
-    watcher_started = false;
+    __atomic_store_n(&watcher_started, false, __ATOMIC_RELAXED);
 }
 
 void gs_limiter_setup(void) {
@@ -635,8 +639,21 @@ static bool open_window(window_t *w, CUcontext ctx, uint32_t limit, CUstream str
     w->nstreams = 1;
     w->recorded = 0;
     w->open = true;
-    if (!w->marked) watch_opened();
+    /* marked windows need the watcher too, for a kernel running on after them */
+    if (!w->marked || !__atomic_load_n(&watcher_started, __ATOMIC_ACQUIRE)) watch_opened();
     return true;
+}
+
+/* With the mutex held and the gate shut: a window whose recorded end the GPU
+ * has not reached is charged the time it ran so far (closing takes it off). */
+static void charge_ran(window_t *w, int d) {
+    if (w->open && w->ended && still_running(w)) {
+        uint64_t ran = now_ns() - w->cpu_start;
+        if (ran > w->charged) {
+            charge(d, ran - w->charged, w->limit, w->cpu_start);
+            w->charged = ran;
+        }
+    }
 }
 
 /* Before a launch after a pause, whose window would close (waiting for its
@@ -649,13 +666,7 @@ static void charge_running(window_t *w, int d, uint64_t now) {
         return; /* read without the mutex: a hint, checked again under it */
     pthread_mutex_lock(&w->mu);
     shut(w);
-    if (w->open && w->ended && still_running(w)) {
-        uint64_t ran = now_ns() - w->cpu_start;
-        if (ran > w->charged) {
-            charge(d, ran - w->charged, w->limit, w->cpu_start);
-            w->charged = ran;
-        }
-    }
+    charge_ran(w, d);
     release(w);
 }
 
@@ -698,17 +709,26 @@ static void limiter_exit(void) {
  * done, or at once if it was) and shuts the lock-free path, so the launch after
  * the pause takes the slow path: at a pause the window closes measured, as a
  * marked one does; after a shorter gap it goes on (its end recorded again
- * later). The watcher sleeps while no unmarked window is open.
+ * later). It also charges, every GS_RUNNING_NS, the time a window whose last
+ * kernel runs on a pause after its last launch has run so far (a process that
+ * queues a long kernel and launches nothing after it would otherwise pay only
+ * at its next launch or exit, and its container's other processes ran their
+ * full share beside it). The watcher sleeps while no window is open.
  */
 
 /* With the window's mutex held and its gate shut: records `end` for the pause
  * that began after its last launch. */
-static void watch_mark(window_t *w) {
+static bool watch_ctx(window_t *w) {
     static __thread CUcontext current;
     if (current != w->ctx) {
-        if (!gs_real.cuCtxSetCurrent || gs_real.cuCtxSetCurrent(w->ctx) != CUDA_SUCCESS) return;
+        if (!gs_real.cuCtxSetCurrent || gs_real.cuCtxSetCurrent(w->ctx) != CUDA_SUCCESS) return false;
         current = w->ctx;
     }
+    return true;
+}
+
+static void watch_mark(window_t *w) {
+    if (!watch_ctx(w)) return;
     w->recorded = 0;
     if (!record_all(w, true)) return; /* left unended: a pause is charged as busy */
     w->end_at = now_ns();
@@ -729,7 +749,22 @@ static void *watcher_main(void *arg) {
                 next = gs_min_u64(next, now + GS_WATCH_NS);
                 continue;
             }
-            if (!w->open || w->marked || w->ended || !w->start) {
+            if (!w->open || !w->start) {
+                pthread_mutex_unlock(&w->mu);
+                continue;
+            }
+            if (w->ended) { /* a kernel may run on after the last launch */
+                any = true;
+                next = gs_min_u64(next, now + GS_RUNNING_NS);
+                if (now > atomic_load_explicit(&w->last_launch, memory_order_relaxed) + GS_GAP_NS &&
+                    watch_ctx(w)) {
+                    shut(w);
+                    charge_ran(w, d);
+                }
+                pthread_mutex_unlock(&w->mu); /* its gate stays as it was: shut */
+                continue;
+            }
+            if (w->marked) {
                 pthread_mutex_unlock(&w->mu);
                 continue;
             }
@@ -765,7 +800,7 @@ static void *watcher_main(void *arg) {
 static void watch_opened(void) {
     atomic_fetch_add_explicit(&watch_gen, 1, memory_order_acq_rel);
     pthread_mutex_lock(&watch_mu);
-    if (!watcher_started) {
+    if (!__atomic_load_n(&watcher_started, __ATOMIC_ACQUIRE)) {
         pthread_condattr_t ca;
         pthread_condattr_init(&ca);
         pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -775,9 +810,10 @@ static void watch_opened(void) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        watcher_started = pthread_create(&t, &attr, watcher_main, NULL) == 0;
+        __atomic_store_n(&watcher_started, pthread_create(&t, &attr, watcher_main, NULL) == 0,
+                         __ATOMIC_RELEASE);
         pthread_attr_destroy(&attr);
-        if (!watcher_started)
+        if (!__atomic_load_n(&watcher_started, __ATOMIC_ACQUIRE))
             GS_LOG(GS_LOG_WARN, "cannot start the pause watcher: pauses are charged as busy");
     }
     pthread_cond_signal(&watch_cv);

@@ -464,3 +464,19 @@ def test_a_launch_config_changed_under_the_launch_is_measured_as_launched(
     ).one("exflip")  # fmt: skip
     assert line["rc"] == 0, line
     assert abs(line["share"] - 0.30) <= 0.07, line
+
+
+def test_a_kernel_running_on_with_no_launch_after_it_is_charged_while_it_runs(
+    spawn_probe: ProbeSpawner, region_path: Path
+) -> None:
+    # One process queues a 4 s kernel and launches nothing after it (nor exits):
+    # its window was charged only at its next launch or its exit, so the
+    # container's other process ran at its full share beside it.
+    env = sm(region_path, 30)
+    hog = spawn_probe("init", "ctx", "launch", 1, 4000000, "sleep", 6000, env=env)
+    time.sleep(1.5)
+    other = spawn_probe("init", "ctx", "run", 2, 2000, "kernel", env=env)
+    line = other.result(timeout=60).one("run")
+    assert line["rc"] == 0, line
+    assert line["share"] < 0.15, line
+    hog.stop()
