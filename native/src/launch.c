@@ -645,15 +645,16 @@ static bool open_window(window_t *w, CUcontext ctx, uint32_t limit, CUstream str
 }
 
 /* With the mutex held and the gate shut: a window whose recorded end the GPU
- * has not reached is charged the time it ran so far (closing takes it off). */
-static void charge_ran(window_t *w, int d) {
-    if (w->open && w->ended && still_running(w)) {
-        uint64_t ran = now_ns() - w->cpu_start;
-        if (ran > w->charged) {
-            charge(d, ran - w->charged, w->limit, w->cpu_start);
-            w->charged = ran;
-        }
+ * has not reached is charged the time it ran so far (closing takes it off);
+ * false when it is not running on. */
+static bool charge_ran(window_t *w, int d) {
+    if (!w->open || !w->ended || !still_running(w)) return false;
+    uint64_t ran = now_ns() - w->cpu_start;
+    if (ran > w->charged) {
+        charge(d, ran - w->charged, w->limit, w->cpu_start);
+        w->charged = ran;
     }
+    return true;
 }
 
 /* Before a launch after a pause, whose window would close (waiting for its
@@ -666,7 +667,7 @@ static void charge_running(window_t *w, int d, uint64_t now) {
         return; /* read without the mutex: a hint, checked again under it */
     pthread_mutex_lock(&w->mu);
     shut(w);
-    charge_ran(w, d);
+    (void)charge_ran(w, d);
     release(w);
 }
 
@@ -713,7 +714,8 @@ static void limiter_exit(void) {
  * kernel runs on a pause after its last launch has run so far (a process that
  * queues a long kernel and launches nothing after it would otherwise pay only
  * at its next launch or exit, and its container's other processes ran their
- * full share beside it). The watcher sleeps while no window is open.
+ * full share beside it): seen within a second, then every GS_RUNNING_NS while
+ * it runs. The watcher sleeps while no window needs it.
  */
 
 /* With the window's mutex held and its gate shut: records `end` for the pause
@@ -753,13 +755,15 @@ static void *watcher_main(void *arg) {
                 pthread_mutex_unlock(&w->mu);
                 continue;
             }
-            if (w->ended) { /* a kernel may run on after the last launch */
-                any = true;
-                next = gs_min_u64(next, now + GS_RUNNING_NS);
+            if (w->ended) { /* a kernel may run on after the last launch: looked at
+                             * within a second, then every GS_RUNNING_NS while it runs */
                 if (now > atomic_load_explicit(&w->last_launch, memory_order_relaxed) + GS_GAP_NS &&
                     watch_ctx(w)) {
                     shut(w);
-                    charge_ran(w, d);
+                    if (charge_ran(w, d)) {
+                        any = true;
+                        next = gs_min_u64(next, now + GS_RUNNING_NS);
+                    }
                 }
                 pthread_mutex_unlock(&w->mu); /* its gate stays as it was: shut */
                 continue;
