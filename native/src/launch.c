@@ -22,7 +22,8 @@
  * for its last event. A window still open when the process exits is charged
  * then (a kernel still running: the time it ran so far), and a window whose
  * last kernel is still running at the next launch is charged the time it ran so
- * far before that launch waits (a kernel that never ends is paid while it runs).
+ * far before that launch waits, and the pause watcher charges it while it runs
+ * with no launch after it (a kernel that never ends is paid while it runs).
  *
  * Pauses: a window must not charge the time the GPU sat idle because no launch
  * came (GS_GAP_NS or more between two). Where the GPU's work ended is known from
@@ -97,6 +98,9 @@
 /* The pause watcher records a window's end once its device had no launch for
  * this long: a pause may have begun (the GPU idle since is charged as busy). */
 #define GS_WATCH_NS 100000ULL
+/* How often the watcher charges a window whose last kernel runs on after its
+ * launches stopped (a pause, or no launch ever again). */
+#define GS_RUNNING_NS 10000000ULL
 
 static atomic_bool limiter_on;
 static bool limiter_usable; /* the driver has what windows need */
@@ -204,7 +208,7 @@ static void limiter_after_fork(void) {
     /* the watcher thread is the parent's */
     pthread_mutex_init(&watch_mu, NULL);
     pthread_cond_init(&watch_cv, NULL);
-    watcher_started = false;
+    __atomic_store_n(&watcher_started, false, __ATOMIC_RELAXED);
 }
 
 void gs_limiter_setup(void) {
@@ -635,7 +639,21 @@ static bool open_window(window_t *w, CUcontext ctx, uint32_t limit, CUstream str
     w->nstreams = 1;
     w->recorded = 0;
     w->open = true;
-    if (!w->marked) watch_opened();
+    /* marked windows need the watcher too, for a kernel running on after them */
+    if (!w->marked || !__atomic_load_n(&watcher_started, __ATOMIC_ACQUIRE)) watch_opened();
+    return true;
+}
+
+/* With the mutex held and the gate shut: a window whose recorded end the GPU
+ * has not reached is charged the time it ran so far (closing takes it off);
+ * false when it is not running on. */
+static bool charge_ran(window_t *w, int d) {
+    if (!w->open || !w->ended || !still_running(w)) return false;
+    uint64_t ran = now_ns() - w->cpu_start;
+    if (ran > w->charged) {
+        charge(d, ran - w->charged, w->limit, w->cpu_start);
+        w->charged = ran;
+    }
     return true;
 }
 
@@ -649,13 +667,7 @@ static void charge_running(window_t *w, int d, uint64_t now) {
         return; /* read without the mutex: a hint, checked again under it */
     pthread_mutex_lock(&w->mu);
     shut(w);
-    if (w->open && w->ended && still_running(w)) {
-        uint64_t ran = now_ns() - w->cpu_start;
-        if (ran > w->charged) {
-            charge(d, ran - w->charged, w->limit, w->cpu_start);
-            w->charged = ran;
-        }
-    }
+    (void)charge_ran(w, d);
     release(w);
 }
 
@@ -698,17 +710,27 @@ static void limiter_exit(void) {
  * done, or at once if it was) and shuts the lock-free path, so the launch after
  * the pause takes the slow path: at a pause the window closes measured, as a
  * marked one does; after a shorter gap it goes on (its end recorded again
- * later). The watcher sleeps while no unmarked window is open.
+ * later). It also charges, every GS_RUNNING_NS, the time a window whose last
+ * kernel runs on a pause after its last launch has run so far (a process that
+ * queues a long kernel and launches nothing after it would otherwise pay only
+ * at its next launch or exit, and its container's other processes ran their
+ * full share beside it): seen within a second, then every GS_RUNNING_NS while
+ * it runs. The watcher sleeps while no window needs it.
  */
 
 /* With the window's mutex held and its gate shut: records `end` for the pause
  * that began after its last launch. */
-static void watch_mark(window_t *w) {
+static bool watch_ctx(window_t *w) {
     static __thread CUcontext current;
     if (current != w->ctx) {
-        if (!gs_real.cuCtxSetCurrent || gs_real.cuCtxSetCurrent(w->ctx) != CUDA_SUCCESS) return;
+        if (!gs_real.cuCtxSetCurrent || gs_real.cuCtxSetCurrent(w->ctx) != CUDA_SUCCESS) return false;
         current = w->ctx;
     }
+    return true;
+}
+
+static void watch_mark(window_t *w) {
+    if (!watch_ctx(w)) return;
     w->recorded = 0;
     if (!record_all(w, true)) return; /* left unended: a pause is charged as busy */
     w->end_at = now_ns();
@@ -729,7 +751,24 @@ static void *watcher_main(void *arg) {
                 next = gs_min_u64(next, now + GS_WATCH_NS);
                 continue;
             }
-            if (!w->open || w->marked || w->ended || !w->start) {
+            if (!w->open || !w->start) {
+                pthread_mutex_unlock(&w->mu);
+                continue;
+            }
+            if (w->ended) { /* a kernel may run on after the last launch: looked at
+                             * within a second, then every GS_RUNNING_NS while it runs */
+                if (now > atomic_load_explicit(&w->last_launch, memory_order_relaxed) + GS_GAP_NS &&
+                    watch_ctx(w)) {
+                    shut(w);
+                    if (charge_ran(w, d)) {
+                        any = true;
+                        next = gs_min_u64(next, now + GS_RUNNING_NS);
+                    }
+                }
+                pthread_mutex_unlock(&w->mu); /* its gate stays as it was: shut */
+                continue;
+            }
+            if (w->marked) {
                 pthread_mutex_unlock(&w->mu);
                 continue;
             }
@@ -765,7 +804,7 @@ static void *watcher_main(void *arg) {
 static void watch_opened(void) {
     atomic_fetch_add_explicit(&watch_gen, 1, memory_order_acq_rel);
     pthread_mutex_lock(&watch_mu);
-    if (!watcher_started) {
+    if (!__atomic_load_n(&watcher_started, __ATOMIC_ACQUIRE)) {
         pthread_condattr_t ca;
         pthread_condattr_init(&ca);
         pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -775,9 +814,10 @@ static void watch_opened(void) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        watcher_started = pthread_create(&t, &attr, watcher_main, NULL) == 0;
+        __atomic_store_n(&watcher_started, pthread_create(&t, &attr, watcher_main, NULL) == 0,
+                         __ATOMIC_RELEASE);
         pthread_attr_destroy(&attr);
-        if (!watcher_started)
+        if (!__atomic_load_n(&watcher_started, __ATOMIC_ACQUIRE))
             GS_LOG(GS_LOG_WARN, "cannot start the pause watcher: pauses are charged as busy");
     }
     pthread_cond_signal(&watch_cv);
@@ -950,7 +990,11 @@ static void after_launch(int d, CUstream stream, bool ptds, CUresult rc) {
                 w->ended = true;
                 w->end_at = now;
             } else if (!w->marked) {
-                full = false; /* no end to close on: the next launch tries again */
+                /* A stream whose end cannot be recorded (destroyed, or being
+                 * captured): closed unmeasured, charged until now, which the GPU
+                 * may have run; waiting for an end that never comes left the
+                 * window open, and nothing charged while launches kept coming. */
+                w->ended = false;
             }
         }
         atomic_store_explicit(&w->last_launch, now, memory_order_relaxed);
@@ -976,7 +1020,12 @@ static void fill_end(window_t *w, CUstream stream, bool ptds, CUresult rc) {
  * driver (a sibling call: no frame of its own), and an out-of-line path for
  * limited launches: lock-free when it can be, else the slow path.
  */
-#define GS_LAUNCH_ENTRY(fn, params, args, stream, ptds)                                       \
+#define GS_LAUNCH_ENTRY(fn, params, args, stream, ptds) \
+    GS_LAUNCH_ENTRY_COPYING(fn, params, args, stream, ptds, (void)0)
+/* `copy`: a statement that points a parameter the launch reads through (a
+ * config) at a copy of it first, so that the stream the window follows is the
+ * one the driver launches into, whatever another thread writes meanwhile. */
+#define GS_LAUNCH_ENTRY_COPYING(fn, params, args, stream, ptds, copy)                        \
     static __attribute__((noinline)) CUresult fn##_slow params {                              \
         gs_init();                                                                            \
         if (!atomic_load_explicit(&limiter_on, memory_order_relaxed)) return GS_CALL(fn, args); \
@@ -998,6 +1047,7 @@ static void fill_end(window_t *w, CUstream stream, bool ptds, CUresult rc) {
     static __attribute__((noinline)) CUresult fn##_limited params {                           \
         window_t *w_ = NULL;                                                                  \
         CUresult rc_;                                                                         \
+        copy;                                                                                 \
         if (GS_LIKELY(gs_real.fn != NULL)) { /* and t_dev is empty until the library joined */ \
             switch (fast_begin(&w_, stream_key((stream), (ptds)))) {                          \
             case GS_JOINED:                                                                   \
@@ -1027,12 +1077,25 @@ static void fill_end(window_t *w, CUstream stream, bool ptds, CUresult rc) {
 
 GS_LAUNCH_ENTRY(cuLaunchKernel, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream, false)
 GS_LAUNCH_ENTRY(cuLaunchKernel_ptsz, GS_LAUNCH_PARAMS, GS_LAUNCH_ARGS, hStream, true)
-GS_LAUNCH_ENTRY(cuLaunchKernelEx,
-                (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
-                (config, f, kernelParams, extra), config ? config->hStream : NULL, false)
-GS_LAUNCH_ENTRY(cuLaunchKernelEx_ptsz,
-                (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
-                (config, f, kernelParams, extra), config ? config->hStream : NULL, true)
+/* The config is read once, into a copy the driver gets: its stream read from
+ * the caller's config, then read again by the driver, could differ (another
+ * thread flipping it ran kernels on a stream the window did not follow). */
+#define GS_COPY_CONFIG                                                                        \
+    CUlaunchConfig config_copy_;                                                              \
+    if (config) {                                                                             \
+        config_copy_ = *(const volatile CUlaunchConfig *)config;                              \
+        config = &config_copy_;                                                               \
+    }
+GS_LAUNCH_ENTRY_COPYING(cuLaunchKernelEx,
+                        (const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                         void **extra),
+                        (config, f, kernelParams, extra), config ? config->hStream : NULL, false,
+                        GS_COPY_CONFIG)
+GS_LAUNCH_ENTRY_COPYING(cuLaunchKernelEx_ptsz,
+                        (const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                         void **extra),
+                        (config, f, kernelParams, extra), config ? config->hStream : NULL, true,
+                        GS_COPY_CONFIG)
 GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel, GS_COOP_PARAMS, GS_COOP_ARGS, hStream, false)
 GS_LAUNCH_ENTRY(cuLaunchCooperativeKernel_ptsz, GS_COOP_PARAMS, GS_COOP_ARGS, hStream, true)
 GS_LAUNCH_ENTRY(cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), (hGraphExec, hStream),
@@ -1061,6 +1124,11 @@ CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsLi
         !numDevices || numDevices > GS_MAX_DEVICES || !gs_real.cuStreamGetCtx ||
         !gs_real.cuCtxPushCurrent_v2 || !gs_real.cuCtxPopCurrent_v2 || !gs_enter())
         return GS_CALL(cuLaunchCooperativeKernelMultiDevice, (launchParamsList, numDevices, flags));
+    /* read once, and the driver gets the copy: the streams the windows follow
+     * are those it launches into, whatever another thread writes meanwhile */
+    CUDA_LAUNCH_PARAMS list[GS_MAX_DEVICES];
+    for (unsigned i = 0; i < numDevices; i++)
+        list[i] = ((const volatile CUDA_LAUNCH_PARAMS *)launchParamsList)[i];
     struct {
         CUcontext ctx;
         CUstream stream;
@@ -1069,10 +1137,9 @@ CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsLi
     unsigned n = 0;
     for (unsigned i = 0; i < numDevices; i++) {
         CUcontext ctx = NULL;
-        if (gs_real.cuStreamGetCtx(launchParamsList[i].hStream, &ctx) != CUDA_SUCCESS || !ctx)
-            continue;
+        if (gs_real.cuStreamGetCtx(list[i].hStream, &ctx) != CUDA_SUCCESS || !ctx) continue;
         held[n].ctx = ctx;
-        held[n].stream = launchParamsList[i].hStream;
+        held[n].stream = list[i].hStream;
         held[n].dev = -1;
         n++;
     }
@@ -1097,7 +1164,7 @@ CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsLi
             gs_real.cuCtxPopCurrent_v2(&popped);
         }
     t_dev.ctx = NULL; /* the per-thread cache followed the pushes */
-    CUresult rc = GS_CALL(cuLaunchCooperativeKernelMultiDevice, (launchParamsList, numDevices, flags));
+    CUresult rc = GS_CALL(cuLaunchCooperativeKernelMultiDevice, (list, numDevices, flags));
     for (unsigned i = 0; i < n; i++) {
         if (held[i].dev < 0) continue;
         bool pushed = gs_real.cuCtxPushCurrent_v2(held[i].ctx) == CUDA_SUCCESS;

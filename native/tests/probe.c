@@ -1158,6 +1158,120 @@ static void cmd_twostreams(int argc, char **argv) {
 }
 
 /*
+ * lostream SECONDS US HOW: kernels of US microseconds on the NULL stream, each
+ * waited for (the GPU keeps pace), for one second; then one empty kernel on a
+ * stream of its own, which is then destroyed (HOW "destroy") or left capturing
+ * (HOW "capture"; "none": neither, the stream only made); then the NULL stream's
+ * kernels again for SECONDS. "share" = kernel time the fake engine ran in that
+ * last part / its wall time.
+ */
+static void cmd_lostream(int argc, char **argv) {
+    double seconds = 0;
+    (void)parse_float(argv[0], &seconds);
+    unsigned long long us = arg_u64(argv[1]);
+    const char *how = argc > 2 ? argv[2] : "none";
+    int dev = current_device();
+    fake_counter_t busy = fake_counter("fakecuda_busy_ns");
+    CUstream side = NULL;
+    CUresult rc = CALL(cuStreamCreate, &side, 0);
+    long long launches = 0;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    while (rc == CUDA_SUCCESS && now_ns(CLOCK_MONOTONIC) - t0 < 1000000000ULL) {
+        rc = CALL(cuLaunchKernel, (CUfunction)(uintptr_t)us, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        if (rc == CUDA_SUCCESS) rc = CALL(cuCtxSynchronize);
+        launches++;
+    }
+    if (rc == CUDA_SUCCESS && strcmp(how, "none") != 0) {
+        rc = CALL(cuLaunchKernel, (CUfunction)0, 1, 1, 1, 1, 1, 1, 0, side, NULL, NULL);
+        if (rc == CUDA_SUCCESS && !strcmp(how, "destroy")) {
+            rc = CALL(cuStreamDestroy_v2, side);
+            side = NULL;
+        } else if (rc == CUDA_SUCCESS) {
+            rc = CALL(cuStreamBeginCapture_v2, side, 0);
+        }
+    }
+    unsigned long long busy0 = busy ? busy(dev) : 0;
+    uint64_t t1 = now_ns(CLOCK_MONOTONIC), duration = (uint64_t)(seconds * 1e9);
+    while (rc == CUDA_SUCCESS && now_ns(CLOCK_MONOTONIC) - t1 < duration) {
+        rc = CALL(cuLaunchKernel, (CUfunction)(uintptr_t)us, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        if (rc == CUDA_SUCCESS) rc = CALL(cuCtxSynchronize);
+        launches++;
+    }
+    uint64_t wall = now_ns(CLOCK_MONOTONIC) - t1;
+    j_begin("lostream");
+    j_int("rc", rc);
+    j_int("launches", launches);
+    j_u64("wall_ns", wall);
+    j_busy_share(busy, dev, busy0, wall);
+    j_end();
+}
+
+/*
+ * exflip SECONDS US: for SECONDS, cuLaunchKernelEx of US microseconds with one
+ * config whose stream a second thread flips between the NULL stream and a stream
+ * of its own all the while (the library reads it, then the driver does), paced
+ * as `twostreams` paces; "share" = kernel time the fake engines ran / wall time.
+ */
+static CUstream volatile exflip_side;
+static volatile int exflip_stop;
+static CUlaunchConfig exflip_cfg;
+
+static void *exflip_thread(void *arg) {
+    (void)arg;
+    CUstream volatile *target = &exflip_cfg.hStream;
+    while (!exflip_stop) {
+        *target = exflip_side;
+        *target = NULL;
+    }
+    return NULL;
+}
+
+static void cmd_exflip(int argc, char **argv) {
+    double seconds = 0;
+    (void)parse_float(argv[0], &seconds);
+    unsigned long long us = arg_u64(argv[1]);
+    int dev = current_device();
+    fake_counter_t busy = fake_counter("fakecuda_busy_ns");
+    CUstream side = NULL;
+    CUresult rc = CALL(cuStreamCreate, &side, 0);
+    exflip_side = side;
+    exflip_cfg = (CUlaunchConfig){.gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 1,
+                                  .blockDimY = 1, .blockDimZ = 1, .hStream = NULL};
+    exflip_stop = 0;
+    pthread_t flipper;
+    if (rc == CUDA_SUCCESS && pthread_create(&flipper, NULL, exflip_thread, NULL) != 0) rc = PROBE_ERROR;
+    bool started = rc == CUDA_SUCCESS;
+    uint64_t duration = (uint64_t)(seconds * 1e9), kernel_ns = us * 1000ULL;
+    uint64_t lookahead = kernel_ns * 4 > 2000000ULL ? kernel_ns * 4 : 2000000ULL;
+    unsigned long long busy0 = busy ? busy(dev) : 0;
+    uint64_t submitted = 0;
+    long long launches = 0;
+    uint64_t t0 = now_ns(CLOCK_MONOTONIC);
+    while (rc == CUDA_SUCCESS && now_ns(CLOCK_MONOTONIC) - t0 < duration) {
+        uint64_t done = busy ? (uint64_t)(busy(dev) - busy0) : now_ns(CLOCK_MONOTONIC) - t0;
+        if (submitted > done + lookahead) {
+            sleep_ns(200000);
+            continue;
+        }
+        rc = CALL(cuLaunchKernelEx, &exflip_cfg, (CUfunction)(uintptr_t)us, NULL, NULL);
+        launches++;
+        submitted += kernel_ns;
+    }
+    exflip_stop = 1;
+    if (started) pthread_join(flipper, NULL);
+    CUresult src = CALL(cuCtxSynchronize);
+    if (rc == CUDA_SUCCESS) rc = src;
+    uint64_t wall = now_ns(CLOCK_MONOTONIC) - t0;
+    j_begin("exflip");
+    j_int("rc", rc);
+    j_int("launches", launches);
+    j_u64("wall_ns", wall);
+    j_busy_share(busy, dev, busy0, wall);
+    j_end();
+    if (side) CALL(cuStreamDestroy_v2, side);
+}
+
+/*
  * multi2 SECONDS US: for SECONDS, cuLaunchCooperativeKernelMultiDevice with two
  * entries: an empty kernel on the current device's NULL stream and a kernel of
  * US microseconds on a stream of device 1's primary context, paced as `run`
@@ -1920,6 +2034,8 @@ static const command_t commands[] = {
     {"sync", "", NULL, cmd_sync},
     {"twostreams", "FN", NULL, cmd_twostreams},
     {"multi2", "FN", NULL, cmd_multi2},
+    {"exflip", "FN", NULL, cmd_exflip},
+    {"lostream", "FNw", "none|destroy|capture", cmd_lostream},
     {"run", "FNw", "kernel|ex|coop|graph|legacy|grid|gridasync|multi", cmd_run},
     {"threads", "NFN", NULL, cmd_threads},
     {"capture", "NN", NULL, cmd_capture},

@@ -434,3 +434,49 @@ def test_a_multi_device_launch_is_limited_on_each_device(
     ).one("multi2")  # fmt: skip
     assert line["rc"] == 0, line
     assert abs(line["share"] - 0.30) <= 0.07, line
+
+
+@pytest.mark.parametrize("how", ["none", "destroy", "capture"])
+def test_a_stream_whose_end_cannot_be_recorded_does_not_stop_the_charging(
+    run_probe: ProbeRunner, region_path: Path, how: str
+) -> None:
+    # A process whose windows run unmarked launches once into a second stream and
+    # then destroys it (or leaves it capturing): no end event can be recorded
+    # there, so no full window could close, and with launches coming without a
+    # pause nothing was charged again (the NULL stream's kernels ran at 100 %).
+    line = run_probe(
+        "init", "ctx", "lostream", 1.5, 100, how, env=sm(region_path, 30), timeout=60
+    ).one("lostream")  # fmt: skip
+    assert line["rc"] == 0, line
+    assert line["share"] <= 0.40, line
+
+
+def test_a_launch_config_changed_under_the_launch_is_measured_as_launched(
+    run_probe: ProbeRunner, region_path: Path
+) -> None:
+    # cuLaunchKernelEx with a config whose stream another thread flips between
+    # the NULL stream and one of its own: the library read the stream from the
+    # config, then the driver read it again, so a kernel could run on a stream
+    # the window did not follow.
+    line = run_probe(
+        "init", "ctx", "exflip", 1.5, 2000,
+        env={**sm(region_path, 30), "FAKECUDA_STREAM_ENGINES": 1}, timeout=60,
+    ).one("exflip")  # fmt: skip
+    assert line["rc"] == 0, line
+    assert abs(line["share"] - 0.30) <= 0.07, line
+
+
+def test_a_kernel_running_on_with_no_launch_after_it_is_charged_while_it_runs(
+    spawn_probe: ProbeSpawner, region_path: Path
+) -> None:
+    # One process queues a 4 s kernel and launches nothing after it (nor exits):
+    # its window was charged only at its next launch or its exit, so the
+    # container's other process ran at its full share beside it.
+    env = sm(region_path, 30)
+    hog = spawn_probe("init", "ctx", "launch", 1, 4000000, "sleep", 6000, env=env)
+    time.sleep(1.5)
+    other = spawn_probe("init", "ctx", "run", 2, 2000, "kernel", env=env)
+    line = other.result(timeout=60).one("run")
+    assert line["rc"] == 0, line
+    assert line["share"] < 0.15, line
+    hog.stop()

@@ -13,7 +13,10 @@ file is treated as having no live agent: limited, and nobody yields.
 Besides the flags the agent writes, per device, the highest limiter clock it
 has seen in the container's region (``tat_floor_ns``): a process that joins
 starts from it, so a process of the container that winds the region's clock
-back between two processes wins at most what one tick of the agent missed.
+back once between two processes wins at most what one tick of the agent
+missed. (A process that keeps the region's clock at zero leaves the agent
+little to see: each process is then held to the share alone, and the node
+agent's throttling from NVML holds the container.)
 
 The layout is ``gs_control_t`` in ``region_layout.h`` (read with the same cffi
 :data:`gpuslice_common.region.ffi`). Every field is one aligned store.

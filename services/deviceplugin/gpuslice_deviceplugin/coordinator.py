@@ -34,7 +34,9 @@ was not granted, nor lift a flag the agent set on it.
 Each tick also raises the control file's clock floor of each device to the
 limiter clock the region shows (at most ``MAX_AHEAD_NS`` ahead, as the
 interposer bounds it): a process joining the container starts from it, so
-winding the region's clock back between two processes buys at most a tick.
+winding the region's clock back once between two processes buys at most a
+tick (kept at zero, it shows the floor little: each process is then held to
+its share alone, and the enforcer's throttling holds the container).
 
 Then every control file gets a heartbeat. The interposer honours the flags only
 while the heartbeat is younger than 5 s (``AGENT_FRESH_NS``): if the agent stops,
