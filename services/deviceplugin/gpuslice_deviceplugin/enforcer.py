@@ -107,6 +107,11 @@ MIN_FROZEN: Final = 0.02  # below this a throttle ends
 GRANT_MAX_BYTES: Final = grant_format.MAX_BYTES
 GRANTS_EVERY_S: Final = 1.0  # the container directories looked at again
 MAP_EVERY_S: Final = 1.0  # a process's pod and container read again
+KILL_LABELS: Final[dict[EnforceKind, str]] = {
+    "memory-kill": "memory",
+    "compute-kill": "compute",
+    "ungranted-kill": "ungranted",
+}  # gpuslice_enforce_kills_total's kind
 SAID_MAX: Final = 10_000  # things logged once, remembered
 DRIVER_LIMIT_EVERY_S: Final = 10.0  # a container's driver limit ensured again
 FROZEN_RECORD: Final = "enforcer-frozen"  # throttled containers' freeze files, one a line
@@ -617,9 +622,26 @@ class Enforcer:
             self._freeze(throttle, False)
         return True
 
-    @staticmethod
-    def _report(kind: EnforceKind, **fields: Any) -> EnforcedRequest:
-        return EnforcedRequest(request_id=uuidlib.uuid4().hex, kind=kind, **fields)
+    def _acted(
+        self, kind: EnforceKind, pod_uid: str, container: str | None, reason: str, **figures: Any
+    ) -> EnforcedRequest:
+        """What was done, logged and counted; the report for the inventory."""
+        if container:
+            log.warning("pod %s container %s: %s", pod_uid, container, reason)
+        else:
+            log.warning("pod %s: %s", pod_uid, reason)
+        if kind == "throttle":
+            self.metrics.throttles.inc()
+        else:
+            self.metrics.kills.labels(KILL_LABELS[kind]).inc()
+        return EnforcedRequest(
+            request_id=uuidlib.uuid4().hex,
+            kind=kind,
+            pod_uid=pod_uid,
+            container=container,
+            reason=reason,
+            **figures,
+        )
 
     def _kill_ungranted(
         self, card: str, use: ProcessUse, proc: _Proc, at: float, why: str | None = None
@@ -634,17 +656,15 @@ class Enforcer:
                 else "in no container gpuslice granted"
             )
         reason = f"killed process {use.pid} on {card}: {why}"
-        log.warning("pod %s: %s", proc.cgroup.pod_uid, reason)
-        self.metrics.kills.labels("ungranted").inc()
         return [
-            self._report(
+            self._acted(
                 "ungranted-kill",
-                pod_uid=proc.cgroup.pod_uid,
-                container=container,
+                proc.cgroup.pod_uid,
+                container,
+                reason,
                 card=card,
                 pid=use.pid,
                 used_bytes=use.used_bytes,
-                reason=reason,
             )
         ]
 
@@ -670,20 +690,16 @@ class Enforcer:
             f"killed process {use.pid} on {card}: the container held {used} bytes, "
             f"{allowed} allowed (grant {device.memory_bytes} + context allowance + margin)"
         )
-        log.warning(
-            "pod %s container %s: %s", granted.owner.pod_uid, granted.owner.container, reason
-        )
-        self.metrics.kills.labels("memory").inc()
         return [
-            self._report(
+            self._acted(
                 "memory-kill",
-                pod_uid=granted.owner.pod_uid,
-                container=granted.owner.container,
+                granted.owner.pod_uid,
+                granted.owner.container,
+                reason,
                 card=card,
                 pid=use.pid,
                 used_bytes=used,
                 allowed_bytes=allowed,
-                reason=reason,
             )
         ]
 
@@ -753,18 +769,16 @@ class Enforcer:
                     f"throttled on {card}: {average:.0f}% of the card over "
                     f"{self.window:g} s, share {share}%; frozen {fraction:.0%} of each interval"
                 )
-                log.warning("pod %s container %s: %s", *key[:2], reason)
-                self.metrics.throttles.inc()
                 actions.append(
-                    self._report(
+                    self._acted(
                         "throttle",
-                        pod_uid=granted.owner.pod_uid,
-                        container=granted.owner.container,
+                        granted.owner.pod_uid,
+                        granted.owner.container,
+                        reason,
                         card=card,
                         busy_percent=round(average, 1),
                         share_percent=share,
                         frozen_percent=round(fraction * 100, 1),
-                        reason=reason,
                     )
                 )
             # a container on several cards is frozen for the largest need
@@ -783,19 +797,17 @@ class Enforcer:
                         f"killed process {use.pid} on {card}: the card {now_busy:.0f}% busy "
                         f"for {self.hog_after:g} s while throttled, share {share}%"
                     )
-                    log.warning("pod %s container %s: %s", *key[:2], reason)
-                    self.metrics.kills.labels("compute").inc()
                     actions.append(
-                        self._report(
+                        self._acted(
                             "compute-kill",
-                            pod_uid=granted.owner.pod_uid,
-                            container=granted.owner.container,
+                            granted.owner.pod_uid,
+                            granted.owner.container,
+                            reason,
                             card=card,
                             pid=use.pid,
                             busy_percent=round(now_busy, 1),
                             share_percent=share,
                             frozen_percent=round(throttle.fraction * 100, 1),
-                            reason=reason,
                         )
                     )
         else:
@@ -848,21 +860,17 @@ class Enforcer:
             f"{self.hog_after:g} s while left thawed {thawed:.0f}% of the time, share {share}%: "
             "freezing does not hold its work"
         )
-        log.warning(
-            "pod %s container %s: %s", granted.owner.pod_uid, granted.owner.container, reason
-        )
-        self.metrics.kills.labels("compute").inc()
         return [
-            self._report(
+            self._acted(
                 "compute-kill",
-                pod_uid=granted.owner.pod_uid,
-                container=granted.owner.container,
+                granted.owner.pod_uid,
+                granted.owner.container,
+                reason,
                 card=card,
                 pid=use.pid,
                 busy_percent=round(min(100.0, average), 1),
                 share_percent=share,
                 frozen_percent=round(100.0 - thawed, 1),
-                reason=reason,
             )
         ]
 
