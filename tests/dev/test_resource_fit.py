@@ -40,20 +40,29 @@ async def test_two_pods_wanting_more_instances_than_there_are_do_not_both_bind(
     native: Native, tmp_path: Path
 ) -> None:
     """Both fit the empty node; the one that comes second to it finds 1 of 4
-    instances left and stays unscheduled with kube-scheduler's reason."""
+    instances left and stays unscheduled with kube-scheduler's reason. The one
+    that runs holds its instances until that outcome is in: on a loaded
+    machine a fixed sleep could end first and free them."""
     stack = Stack(tmp_path / "stack", nodes=(STATIC,), heartbeat_s=1.0)
+    release = tmp_path / "release"
+    hold = ["sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done"]
     async with stack_up(stack) as (_, driver, _bus, _ledger):
         plugin = stack.plugin("static-node", "nvidia.com/mig-3g.20gb")
         assert len(plugin.free()) == 4
-        holder = mig_pod("holder", 3, ["sh", "-c", "sleep 8"])
-        other = mig_pod("other", 3, ["probe", "init"])
-        first, second = await asyncio.gather(driver.run_pod(holder), driver.run_pod(other))
-        outcomes = sorted([(first.phase, first.reason), (second.phase, second.reason)])
-        assert outcomes == [
-            ("Succeeded", ""),
-            ("Unschedulable", "0/1 nodes are available: 1 Insufficient nvidia.com/mig-3g.20gb."),
-        ], outcomes
-        ran = first if first.phase == "Succeeded" else second
+        runs = [asyncio.ensure_future(driver.run_pod(mig_pod(n, 3, hold))) for n in ("a", "b")]
+        try:
+            done, _ = await asyncio.wait(runs, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            release.touch()
+        first, second = await asyncio.gather(*runs)
+        assert done, "neither pod was found unschedulable while the other held the node"
+        [refused] = [run.result() for run in done]
+        assert (refused.phase, refused.reason) == (
+            "Unschedulable",
+            "0/1 nodes are available: 1 Insufficient nvidia.com/mig-3g.20gb.",
+        ), (refused.phase, refused.reason)
+        ran = first if first is not refused else second
+        assert (ran.phase, ran.reason) == ("Succeeded", ""), (ran.phase, ran.reason)
         [run] = ran.containers
         instances = run.extended["nvidia.com/mig-3g.20gb"]
         assert len(set(instances)) == 3

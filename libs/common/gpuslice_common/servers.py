@@ -91,15 +91,41 @@ def find_binary(name: str, env_var: str) -> str:
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+    """Wait until ``proc`` itself listens on ``port``: a connection alone could
+    reach another process that took the port first, while ``proc`` is exiting."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise ServerError(f"server exited with code {proc.returncode}:\n{tail}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        if _listens(proc.pid, port):
             return
         time.sleep(0.02)
     raise ServerError(f"server did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a socket listening on loopback ``port``
+    (read from /proc: the listening sockets' inodes, then the process's fds)."""
+    wanted = f"0100007F:{port:04X}"
+    inodes: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 9 and fields[1] == wanted and fields[3] == "0A":  # LISTEN
+                inodes.add(fields[9])
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
 
 
 class _Managed:
@@ -127,7 +153,11 @@ class _Managed:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> Self:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.cleanup()  # what did start (a cluster's other members) stops too
+            raise
         return self
 
     def __exit__(
@@ -145,9 +175,19 @@ class ServerProcess(_Managed):
     def __init__(self, workdir: Path | None = None, port: int | None = None) -> None:
         super().__init__(workdir)
         self.port = port or free_port()
+        self._ports_chosen = port is None  # ours to choose again if taken meanwhile
+        self._listened = False  # once it has, its ports stay (a restart keeps them)
         self.log_path = self.workdir / f"{self.name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self.env: dict[str, str] = {}  # added to this process's environment
+
+    def repick_ports(self) -> bool:
+        """Choose fresh ports after one chosen here was taken between choosing and
+        binding (another test's server); False where the ports were given."""
+        if not self._ports_chosen:
+            return False
+        self.port = free_port()
+        return True
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -161,6 +201,21 @@ class ServerProcess(_Managed):
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout: float = 15.0) -> None:
+        for attempt in range(3):
+            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+            try:
+                self._start_once(timeout)
+            except ServerError:
+                with self.log_path.open("rb") as log:
+                    log.seek(logged)
+                    taken = b"already in use" in log.read().lower()
+                if not taken or self._listened or attempt == 2 or not self.repick_ports():
+                    raise
+            else:
+                self._listened = True
+                return
+
+    def _start_once(self, timeout: float) -> None:
         if self.running:
             return
         with self.log_path.open("ab") as log:
@@ -319,6 +374,10 @@ class _ClusterNode(RedisServer):
         super().__init__(workdir, persist=False)
         self.bus_port = free_port()
 
+    def repick_ports(self) -> bool:
+        self.bus_port = free_port()
+        return super().repick_ports()
+
     def command(self) -> list[str]:
         return [
             *super().command(),
@@ -348,6 +407,11 @@ class NatsClusterMember(NatsServer):
         self.cluster_port = free_port()
         self.monitor_port = free_port()
         self.routes: list[str] = []  # the other members' route URLs
+
+    def repick_ports(self) -> bool:
+        # the route port stays: the other members' routes name it
+        self.monitor_port = free_port()
+        return super().repick_ports()
 
     @property
     def route_url(self) -> str:
@@ -498,6 +562,10 @@ class RedisMember(RedisServer):
         super().__init__(workdir, persist=True)
         self.primary_port = primary_port
         self.min_replicas = min_replicas
+
+    def repick_ports(self) -> bool:
+        # a group's primary keeps its port: its replicas and sentinels name it
+        return self.primary_port is not None and super().repick_ports()
 
     def command(self) -> list[str]:
         cmd = super().command()
