@@ -17,11 +17,13 @@ from redis.exceptions import ResponseError
 
 from gpuslice_common.ledger import (
     AlreadyReserved,
+    AmbiguousAllocation,
     BadRecord,
     Ledger,
     LedgerError,
     LedgerRebuilding,
     LedgerUnavailable,
+    NodeBusy,
     NotReserved,
     Release,
     ReservationConflict,
@@ -214,22 +216,70 @@ async def test_init_containers_count_at_the_pods_peak(ledger: Ledger) -> None:
     assert order == [0, 1, 2, 3]
 
 
-async def test_allocate_serves_oldest_bound_pod_and_is_idempotent_per_request(
+async def test_allocate_serves_the_bound_pod_and_is_idempotent_per_request(
     ledger: Ledger,
 ) -> None:
     await ledger.register_node(make_inventory("node-a"), rebuilt=True)
-    for uid in ("old", "new"):
+    for uid in ("first", "second"):
         await ledger.reserve(placement(uid, "node-a", [[(0, 100, 1)]]))
     await ledger.reserve(placement("unbound", "node-a", [[(1, 100, 1)]]))
-    await ledger.mark_bound("old")
-    await ledger.mark_bound("new")
+    await ledger.mark_bound("first", exclusive=True)
     a = await ledger.allocate("node-a", 1, request_id="req-1")
     retry = await ledger.allocate("node-a", 1, request_id="req-1")
-    assert a.placement.pod.uid == retry.placement.pod.uid == "old"
+    assert a.placement.pod.uid == retry.placement.pod.uid == "first"
+    await ledger.mark_bound("second", exclusive=True)
     b = await ledger.allocate("node-a", 1, request_id="req-2")
-    assert b.placement.pod.uid == "new"
+    assert b.placement.pod.uid == "second"
     with pytest.raises(NotReserved, match="0 pod"):
         await ledger.allocate("node-a", 1)  # 'unbound' is reserved but not bound
+
+
+async def test_an_exclusive_bind_waits_while_another_pod_awaits_allocate(
+    ledger: Ledger,
+) -> None:
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    await ledger.register_node(make_inventory("node-b"), rebuilt=True)
+    await ledger.reserve(placement("a", "node-a", [[(0, 100, 1)], [(1, 100, 1)]]))
+    await ledger.reserve(placement("b", "node-a", [[(0, 100, 1)]]))
+    await ledger.reserve(placement("elsewhere", "node-b", [[(0, 100, 1)]]))
+    await ledger.mark_bound("a", exclusive=True)
+    with pytest.raises(NodeBusy, match="node node-a is taking pod a") as busy:
+        await ledger.mark_bound("b", exclusive=True)
+    assert busy.value.pending == "a"
+    assert (await ledger.placement("b")).state == PlacementState.RESERVED  # type: ignore[union-attr]
+    await ledger.mark_bound("elsewhere", exclusive=True)  # another node binds meanwhile
+    await ledger.allocate("node-a", 1)  # a's first container: a still waits for its second
+    with pytest.raises(NodeBusy):
+        await ledger.mark_bound("b", exclusive=True)
+    await ledger.allocate("node-a", 1)
+    bound = await ledger.mark_bound("b", exclusive=True)
+    assert bound.state == PlacementState.BOUND
+
+
+async def test_the_turn_passes_when_the_waiting_pod_is_released(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    await ledger.reserve(placement("a", "node-a", [[(0, 100, 1)]]))
+    await ledger.reserve(placement("b", "node-a", [[(1, 100, 1)]]))
+    await ledger.mark_bound("a", exclusive=True)
+    with pytest.raises(NodeBusy):
+        await ledger.mark_bound("b", exclusive=True)
+    await ledger.release("a", "deleted before kubelet admitted it")
+    assert (await ledger.mark_bound("b", exclusive=True)).state == PlacementState.BOUND
+
+
+async def test_an_exclusive_bind_ignores_pods_another_vendor_allocates(ledger: Ledger) -> None:
+    """A pod whose only containers left are another vendor's is never allocated
+    here: it cannot make an Allocate of ours ambiguous, so it holds no turn."""
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    await ledger.reserve(placement("a", "node-a", [[(0, 100, 1)], [(1, 100, 1)]]))
+    await ledger.mark_bound("a", exclusive=True)
+    await ledger.allocate("node-a", 1)
+    raw = await ledger.redis.hget(ledger.node_keys("node-a").pods, "a")
+    record = json.loads(raw)
+    record["containers"][1]["vendor"] = "ascend"  # the second is another vendor's
+    await ledger.redis.hset(ledger.node_keys("node-a").pods, "a", json.dumps(record))
+    await ledger.reserve(placement("b", "node-a", [[(0, 100, 1)]]))
+    assert (await ledger.mark_bound("b", exclusive=True)).state == PlacementState.BOUND
 
 
 async def test_next_allocation_looks_without_handing_out(ledger: Ledger) -> None:
@@ -248,24 +298,31 @@ async def test_next_allocation_looks_without_handing_out(ledger: Ledger) -> None
     pair = await ledger.next_allocation("node-a", 2)
     assert pair is not None
     assert [d.uuid for d in pair.devices] == ["GPU-node-a-0", "GPU-node-a-1"]
-    assert (seen.rivals, pair.rivals) == (0, 0)
     taken = await ledger.allocate("node-a", 1)
     assert taken.placement.pod.uid == "one"
     assert await ledger.next_allocation("node-a", 1) is None
     assert (await ledger.placement("two")).state == PlacementState.BOUND  # type: ignore[union-attr]
 
 
-async def test_allocate_counts_the_pods_it_could_have_meant(ledger: Ledger) -> None:
+async def test_allocate_refuses_when_it_could_mean_several_pods(ledger: Ledger) -> None:
+    """Two pods bound together (a ledger restored after Redis lost data, a bind
+    that skipped the turn): an Allocate of a count both wait for is refused,
+    naming them, and hands out nothing; a count only one waits for is served."""
     await ledger.register_node(make_inventory("node-a"), rebuilt=True)
-    for uid in ("a", "b", "c"):
-        await ledger.reserve(placement(uid, "node-a", [[(0, 100, 1)]]))
+    await ledger.reserve(placement("a", "node-a", [[(0, 100, 1)]]))
+    await ledger.reserve(placement("b", "node-a", [[(1, 100, 1)]]))
+    await ledger.reserve(placement("pair", "node-a", [[(0, 100, 1), (1, 100, 1)]]))
+    for uid in ("a", "b", "pair"):
         await ledger.mark_bound(uid)
-    first = await ledger.allocate("node-a", 1)
-    assert (first.placement.pod.uid, first.rivals) == ("a", 2)
-    second = await ledger.allocate("node-a", 1)
-    assert (second.placement.pod.uid, second.rivals) == ("b", 1)
-    last = await ledger.allocate("node-a", 1)
-    assert (last.placement.pod.uid, last.rivals) == ("c", 0)
+    assert await ledger.next_allocation("node-a", 1) is None  # no preference either
+    with pytest.raises(AmbiguousAllocation, match="any of pods a, b") as refused:
+        await ledger.allocate("node-a", 1, request_id="r1")
+    assert refused.value.pods == ("a", "b")
+    assert {(await ledger.placement(u)).state for u in ("a", "b")} == {PlacementState.BOUND}  # type: ignore[union-attr]
+    pair = await ledger.allocate("node-a", 2)
+    assert pair.placement.pod.uid == "pair"
+    await ledger.release("b", "deleted")
+    assert (await ledger.allocate("node-a", 1, request_id="r2")).placement.pod.uid == "a"
 
 
 async def test_bind_requires_a_live_reservation(ledger: Ledger) -> None:
@@ -983,3 +1040,27 @@ async def test_a_node_name_that_is_no_node_s_writes_nothing(redis_url: str, fast
         assert await led.redis.keys("*") == []
     finally:
         await led.close()
+
+
+async def test_a_bind_in_turn_waits_for_the_allocate_then_binds(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    await ledger.reserve(placement("a", "node-a", [[(0, 100, 1)]]))
+    await ledger.reserve(placement("b", "node-a", [[(1, 100, 1)]]))
+    _, waited = await ledger.mark_bound_in_turn("a", "node-a", 5.0)
+    assert not waited
+    turn = asyncio.ensure_future(ledger.mark_bound_in_turn("b", "node-a", 30.0))
+    await asyncio.sleep(0.1)
+    assert not turn.done()  # a still waits for kubelet
+    assert (await ledger.allocate("node-a", 1)).placement.pod.uid == "a"
+    bound, waited = await turn
+    assert (bound.pod.uid, bound.state, waited) == ("b", PlacementState.BOUND, True)
+
+
+async def test_a_bind_in_turn_gives_up_after_its_wait(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    await ledger.reserve(placement("a", "node-a", [[(0, 100, 1)]]))
+    await ledger.reserve(placement("b", "node-a", [[(1, 100, 1)]]))
+    await ledger.mark_bound_in_turn("a", "node-a", 5.0)
+    with pytest.raises(NodeBusy, match="taking pod a"):
+        await ledger.mark_bound_in_turn("b", "node-a", 0.1)
+    assert (await ledger.placement("b")).state == PlacementState.RESERVED  # type: ignore[union-attr]

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -104,6 +105,10 @@ async def test_http_health_readiness_and_metrics(
             gpu = uuids(state)[0]
             await bind(plugin_ledger, placement("m1", [[(gpu, 512, 10)]]))
             await bind(plugin_ledger, placement("m2", [[(gpu, 512, 10)]]))  # the same shape
+            with pytest.raises(grpc.aio.AioRpcError, match="any of pods m1, m2") as refused:
+                await plugin.admit_container(1)  # either pod's: refused, not guessed
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            await plugin_ledger.release("m2", "deleted")
             await plugin.admit_container(1)
             text = (await http.get("/metrics")).text
             await plugin.close()  # kubelet stops watching: not ready, once the stream ends
@@ -113,7 +118,10 @@ async def test_http_health_readiness_and_metrics(
                 await asyncio.sleep(0.05)
         finally:
             await kubelet.stop()
-    assert samples(text, "gpuslice_deviceplugin_allocations_total") == {(("outcome", "ok"),): 1.0}
+    assert samples(text, "gpuslice_deviceplugin_allocations_total") == {
+        (("outcome", "ok"),): 1.0,
+        (("outcome", "error"),): 1.0,
+    }
     assert samples(text, "gpuslice_deviceplugin_ambiguous_allocations_total") == {(): 1.0}
     assert samples(text, "gpuslice_deviceplugin_registrations_total")[(("outcome", "ok"),)] == 1.0
     assert samples(text, "gpuslice_deviceplugin_devices") == {

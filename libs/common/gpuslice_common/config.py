@@ -405,6 +405,10 @@ class SchedulerSettings(CommonSettings):
     # webhook's GPUSLICE_ROUTE_CPU_PODS) and the extender lists no
     # managedResources: k8s/cpu-pods does both, and turns this on
     score_cpu_pods: bool = False
+    # a GPU bind waits this long for its node's turn: while another pod bound
+    # there waits for kubelet's Allocate (which names no pod), none binds. Keep
+    # it under kube-scheduler's extender httpTimeout (10 s in k8s/scheduler.yaml)
+    bind_wait: Duration = timedelta(seconds=8)
 
 
 class InventorySettings(CommonSettings):

@@ -39,8 +39,9 @@ import functools
 import json
 import logging
 import re
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from importlib import resources
@@ -126,6 +127,32 @@ class NotReserved(LedgerError):
     """The pod has no live reservation."""
 
 
+class AmbiguousAllocation(NotReserved):
+    """Kubelet's Allocate could be for any of several bound pods (its call names
+    none): refused, since no answer is known to be the right pod's grant."""
+
+    def __init__(self, node: str, count: int, pods: Sequence[str]) -> None:
+        super().__init__(
+            f"Allocate for {count} GPU(s) on node {node} could be for any of pods "
+            f"{', '.join(pods)} (each waits for a container with {count}); refused, "
+            "not guessed: one of them would run with another's grant"
+        )
+        self.node = node
+        self.pods = tuple(pods)
+
+
+class NodeBusy(LedgerError):
+    """Another pod bound to the node still waits for kubelet's Allocate: binds
+    take one pod per node at a time (:meth:`Ledger.mark_bound`, ``exclusive``)."""
+
+    def __init__(self, node: str, pending: str) -> None:
+        super().__init__(
+            f"node {node} is taking pod {pending} (bound, waiting for kubelet's Allocate)"
+        )
+        self.node = node
+        self.pending = pending
+
+
 class LedgerRebuilding(LedgerError):
     """The node's part of the ledger is being rebuilt (Redis lost its data, or the
     node is new): retry once the inventory's reconciliation has stamped it."""
@@ -190,7 +217,6 @@ class Allocation:
 
     placement: Placement
     container_index: int
-    rivals: int = 0  # other bound pods whose next container asked for as many GPUs
 
     @property
     def devices(self) -> tuple[DeviceGrant, ...]:
@@ -365,6 +391,8 @@ class _PrimaryPool(SentinelConnectionPool, BlockingConnectionPool):
 
 P = ParamSpec("P")
 T = TypeVar("T")
+TURN_POLL_FIRST_S = 0.02  # a bind waiting for its node's turn looks again after this,
+TURN_POLL_MAX_S = 0.25  # doubling up to this, unless a change notice comes first
 
 
 def _gated(
@@ -998,22 +1026,60 @@ class Ledger:
         return await self._run("index", [self.pod_index_key(uid)], [op, *args])
 
     @_gated
-    async def mark_bound(self, pod_uid: str, node: str | None = None) -> Placement:
+    async def mark_bound(
+        self, pod_uid: str, node: str | None = None, *, exclusive: bool = False
+    ) -> Placement:
         """Move a reservation to ``bound``: kubelet may now ask to allocate it.
 
         Pass the node when known, to save looking it up in the pod index.
+        ``exclusive``: raise :class:`NodeBusy`, binding nothing, while another pod
+        bound to the node waits for kubelet to allocate a container of ours, so
+        that kubelet's Allocate calls, which name no pod, are never ambiguous.
         """
         node = node or await self._node_of(pod_uid)
-        reply = await self._run("bind", self.node_keys(node).all(), [pod_uid])
+        reply = await self._run(
+            "bind", self.node_keys(node).all(), [pod_uid, "1" if exclusive else "0"]
+        )
         if reply[0] == "rebuilding":
             raise LedgerRebuilding(node)
+        if reply[0] == "busy":
+            raise NodeBusy(node, reply[1])
         if reply[0] != "ok":
             raise NotReserved(f"pod {pod_uid} has no live reservation to bind ({reply[0]})")
         return _placement_from_record(reply[1])
 
+    async def mark_bound_in_turn(
+        self,
+        pod_uid: str,
+        node: str,
+        wait: float,
+        changed: Callable[[str, float], Awaitable[None]] | None = None,
+    ) -> tuple[Placement, bool]:
+        """:meth:`mark_bound` ``exclusive``, waiting up to ``wait`` seconds for the
+        node's turn. ``changed(node, timeout)`` returns at the node's next change
+        notice (the allocation or release that passes the turn announces the
+        node) or after ``timeout``; without it, or where notices are lost, the
+        bind looks again after 20 ms, doubling to 250 ms. Returns the placement
+        and whether it waited; raises the last :class:`NodeBusy`."""
+        deadline = time.monotonic() + wait
+        delay, waited = TURN_POLL_FIRST_S, False
+        while True:
+            try:
+                return await self.mark_bound(pod_uid, node, exclusive=True), waited
+            except NodeBusy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+            waited = True
+            pause = min(delay, left)
+            await (changed(node, pause) if changed is not None else asyncio.sleep(pause))
+            delay = min(delay * 2, TURN_POLL_MAX_S)
+
     @_gated
     async def allocate(self, node: str, count: int, request_id: str | None = None) -> Allocation:
-        """Take the next container of the oldest bound pod on ``node`` asking for ``count`` GPUs.
+        """Take the next container of the bound pod on ``node`` whose next container
+        asks for ``count`` GPUs. Raises :class:`AmbiguousAllocation` where more than
+        one such pod waits (kubelet's call names none), NotReserved where none does.
 
         Pass the same ``request_id`` when retrying one kubelet call: the answer is
         remembered, so a retry never hands out a second container. Raises
@@ -1046,6 +1112,8 @@ class Ledger:
         )
         if reply[0] == "rebuilding":
             raise LedgerRebuilding(node)
+        if reply[0] == "ambiguous":
+            raise AmbiguousAllocation(node, count, json.loads(reply[1]))
         if reply[0] != "ok":
             return int(reply[1])
         answer = json.loads(reply[1])
@@ -1053,7 +1121,6 @@ class Ledger:
         return Allocation(
             placement=placement,
             container_index=int(answer["index"]),
-            rivals=int(answer.get("rivals", 0)),
         )
 
     @_gated

@@ -44,6 +44,7 @@ class Verb(enum.StrEnum):
 class ErrorKind(enum.StrEnum):
     BAD_REQUEST = "bad-request"  # not a valid request (subject, verb or payload)
     NOT_RESERVED = "not-reserved"  # no pod waits for it on this node
+    AMBIGUOUS = "ambiguous"  # several pods could be the one kubelet admits: refused
     LEDGER_UNAVAILABLE = "ledger-unavailable"  # Redis unreachable: try again
     REBUILDING = "rebuilding"  # the node's ledger is being rebuilt: try again soon
     LEDGER_ERROR = "ledger-error"  # Redis refused the operation
@@ -132,7 +133,9 @@ class AllocationReply(Frozen):
     kind: Literal["allocation"] = "allocation"
     placement: Placement
     container_index: Annotated[int, Field(ge=0)]
-    rivals: Annotated[int, Field(ge=0)] = 0  # other pods waiting for as many GPUs
+    # 0: an Allocate that more than one pod could be meant by is refused
+    # (ErrorKind.AMBIGUOUS); kept so that replies stay readable across versions
+    rivals: Annotated[int, Field(ge=0)] = 0
     # the container's own telemetry credential; empty where no auth callout runs
     telemetry_token: Annotated[str, Field(max_length=4096)] = ""
 

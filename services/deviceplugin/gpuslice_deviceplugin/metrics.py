@@ -104,8 +104,8 @@ class PluginMetrics:
         )
         self.ambiguous = Counter(
             "gpuslice_deviceplugin_ambiguous_allocations",
-            "Allocate calls answered while other pods waited for as many GPUs: kubelet "
-            "names no pod, so the pod bound first was chosen.",
+            "Allocate calls refused because more than one bound pod waited for as many "
+            "GPUs: kubelet names no pod, and a guess could give one pod another's grant.",
             registry=registry,
         )
 

@@ -51,6 +51,7 @@ FAILED_REPORT_S = 2.0
 STATUS = {
     ErrorKind.BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorKind.NOT_RESERVED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.AMBIGUOUS: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.LEDGER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.REBUILDING: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.LEDGER_ERROR: grpc.StatusCode.UNAVAILABLE,
@@ -223,7 +224,11 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         try:
             allocation = await self.gateway.allocate(len(ids), uuid.uuid4().hex, deadline)
         except NodeRequestError as exc:
-            log.warning("Allocate on %s failed: %s", self.node, exc)
+            if exc.kind == ErrorKind.AMBIGUOUS:
+                self.metrics.ambiguous.inc()
+                log.error("Allocate on %s refused: %s", self.node, exc)
+            else:
+                log.warning("Allocate on %s failed: %s", self.node, exc)
             await self._refuse(context, *refusal(exc))
         try:
             response = await self._answer(allocation, ids)
@@ -324,15 +329,6 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         )
         limits = grant(allocation, self.settings, config, control=control)
         await asyncio.to_thread(self.host.prepare_container, owner, limits)
-        if allocation.rivals:
-            self.metrics.ambiguous.inc()
-            log.warning(
-                "Allocate for %d GPU(s) had %d other pod(s) waiting for as many; pod %s, "
-                "bound first, was chosen (kubelet names no pod)",
-                len(ids),
-                allocation.rivals,
-                placement.pod.uid,
-            )
         kubelet_chose = {self.devices.replicas.uuid_of(i) for i in ids}
         if kubelet_chose != set(cards.devices):
             log.info(

@@ -40,6 +40,7 @@ from gpuslice_common.events import (
 )
 from gpuslice_common.ledger import (
     Allocation,
+    AmbiguousAllocation,
     Ledger,
     LedgerError,
     LedgerRebuilding,
@@ -122,6 +123,8 @@ def error_kind(exc: Exception) -> ErrorKind:
     """The error kind of a ledger exception: the one place that maps them."""
     if isinstance(exc, LedgerRebuilding):
         return ErrorKind.REBUILDING
+    if isinstance(exc, AmbiguousAllocation):
+        return ErrorKind.AMBIGUOUS
     if isinstance(exc, NotReserved):
         return ErrorKind.NOT_RESERVED
     if isinstance(exc, LedgerUnavailable):
@@ -328,7 +331,8 @@ class NodeGateway:
         try:
             allocation = await self.ledger.allocate(node, request.count, request.request_id)
         except NotReserved as exc:
-            self._podless_failure(after, node, "no-pending-pod", request.count, str(exc))
+            why = "ambiguous" if isinstance(exc, AmbiguousAllocation) else "no-pending-pod"
+            self._podless_failure(after, node, why, request.count, str(exc))
             raise
         except LedgerError as exc:
             if not isinstance(exc, LedgerRebuilding):  # asked again soon, not a failure yet
@@ -347,7 +351,6 @@ class NodeGateway:
         return AllocationReply(
             placement=allocation.placement,
             container_index=allocation.container_index,
-            rivals=allocation.rivals,
             telemetry_token=token,
         )
 

@@ -54,6 +54,7 @@ from gpuslice_common.ledger import (
     Ledger,
     LedgerError,
     LedgerRebuilding,
+    NodeBusy,
     ReservationConflict,
 )
 from gpuslice_common.models import (
@@ -479,7 +480,7 @@ class Extender:
             annotations[PLACEMENT_ANNOTATION] = chosen.to_annotation()
             await self.kube.patch_pod_annotations(args.pod_namespace, args.pod_name, annotations)
             if chosen.state is PlacementState.RESERVED:
-                await self.ledger.mark_bound(args.pod_uid, args.node)
+                await self._bind_in_turn(args)
             await self._create_binding(args)
         except (KubeError, LedgerError, BindError, EncodingError) as exc:
             if isinstance(exc, KubeError) and await self._bound_here(args):
@@ -492,6 +493,22 @@ class Extender:
                 ) from None
         self.metrics.placements.labels(chosen.policy or "unknown").inc()
         await self._publish(EventType.ALLOC_BOUND, chosen)
+
+    async def _bind_in_turn(self, args: BindingArgs) -> None:
+        """Mark the reservation bound once no other pod bound to the node waits for
+        kubelet's Allocate (kubelet's call names no pod: with one such pod per
+        node, each call is that pod's). Waits up to ``bind_wait`` for the pod the
+        node is taking, well inside kube-scheduler's extender timeout; then the
+        bind fails and kube-scheduler tries again after its backoff."""
+        wait = self.settings.bind_wait.total_seconds()
+        try:
+            _, waited = await self.ledger.mark_bound_in_turn(
+                args.pod_uid, args.node, wait, self.view.changed
+            )
+        except NodeBusy as exc:
+            self.metrics.bind_turns.labels("gave-up").inc()
+            raise BindError(f"{exc}; kube-scheduler tries again") from None
+        self.metrics.bind_turns.labels("waited" if waited else "at-once").inc()
 
     async def _create_binding(self, args: BindingArgs) -> None:
         await self.kube.bind_pod(args.pod_namespace, args.pod_name, args.pod_uid, args.node)

@@ -35,6 +35,13 @@ class Metrics:
             ["verb", "reason"],
             registry=self.registry,
         )
+        self.bind_turns = Counter(
+            "gpuslice_scheduler_bind_turns",
+            "GPU binds by how they got their node's turn (one pod per node waits for "
+            "kubelet's Allocate at a time): at-once, waited, gave-up.",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.nodes = Gauge(
             "gpuslice_scheduler_known_nodes",
             "Nodes in the scheduler's copy of the ledger.",

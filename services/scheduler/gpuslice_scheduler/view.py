@@ -87,6 +87,7 @@ class ClusterView:
         self.listening = False
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
+        self._heard: dict[str, asyncio.Event] = {}  # per node, set at its next notice
         self._resync_due = 0.0
         self.rows: dict[str, list[Row]] = {}
         self.modes: dict[str, list[CardMode]] = {}  # per node, each card's mode (rows' order)
@@ -291,6 +292,13 @@ class ClusterView:
     async def refresh_node(self, node: str) -> None:
         await self.refresh([node])
 
+    async def changed(self, node: str, timeout: float) -> None:
+        """Return at the next notice of a change to ``node`` (a bind waiting for the
+        node's turn hears it pass), or after ``timeout`` seconds without one."""
+        heard = self._heard.setdefault(node, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(heard.wait(), timeout)
+
     async def _listen(self) -> None:
         """Follow the ledger's change notices: an announced node is re-read at once."""
 
@@ -304,6 +312,9 @@ class ClusterView:
                 async for node in self.ledger.watch_changes(on_subscribed=subscribed):
                     self._dirty.add(node)
                     self._wake.set()
+                    heard = self._heard.pop(node, None)
+                    if heard is not None:
+                        heard.set()
             except NotImplementedError:  # Redis Cluster: polling only
                 return
             except LedgerError as exc:

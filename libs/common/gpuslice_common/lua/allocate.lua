@@ -7,6 +7,11 @@
 -- GetPreferredAllocation comes before its Allocate)
 -- Returns {'ok', answer JSON {uid, index, record, rivals}} | {'none', pending count}
 -- | {'rebuilding'} (the pods bound here may not all be back yet: no choice is safe)
+-- | {'ambiguous', JSON list of the pods it could be}: more than one bound pod's next
+-- container asks for that many devices, and kubelet's call names no pod, so
+-- no answer is known to be right (binds take one pod per node at a time,
+-- bind.lua; two wait together only where that was bypassed: a ledger
+-- restored after Redis lost data, binds of an older scheduler)
 local peek = ARGV[3] == '1'
 local prior = (not peek) and redis.call('GET', KEYS[6])
 if prior then
@@ -16,10 +21,8 @@ if not rebuilt() then
   return {'rebuilding'}
 end
 local want = tonumber(ARGV[1])
--- the oldest match is handed out; the others that match too ('rivals') are
--- counted, since kubelet, whose call names no pod, may be admitting one of them
 local found, found_rec, found_index
-local rivals = 0
+local rivals = {}
 for _, uid in ipairs(redis.call('ZRANGE', PENDING, 0, -1)) do
   local rec = load_pod(uid)
   if not rec or rec.state ~= 'bound' then
@@ -33,7 +36,7 @@ for _, uid in ipairs(redis.call('ZRANGE', PENDING, 0, -1)) do
     local ours = container and (container.vendor == nil or container.vendor == 'nvidia')
     if ours and #container.devices == want then
       if found then
-        rivals = rivals + 1
+        rivals[#rivals + 1] = uid
       else
         found, found_rec, found_index = uid, rec, index
       end
@@ -43,6 +46,13 @@ end
 if not found then
   return {'none', tostring(redis.call('ZCARD', PENDING))}
 end
+if #rivals > 0 then
+  if peek then
+    return {'none', tostring(redis.call('ZCARD', PENDING))}
+  end
+  table.insert(rivals, 1, found)
+  return {'ambiguous', cjson.encode(rivals)}
+end
 local rec, index = found_rec, found_index
 if not peek then
   rec.allocated_containers = index
@@ -51,9 +61,12 @@ if not peek then
     rec.times.allocated = now_ms()
     redis.call('ZREM', PENDING, found)
   end
+  if not awaits_allocate(rec) then
+    bump()  -- the node's turn passes (bind.lua): binds waiting for it hear so
+  end
   save_pod(found, rec)
 end
-local answer = cjson.encode({uid = found, index = index - 1, record = rec, rivals = rivals})
+local answer = cjson.encode({uid = found, index = index - 1, record = rec, rivals = 0})
 if not peek then
   redis.call('SET', KEYS[6], answer, 'EX', tonumber(ARGV[2]))
 end

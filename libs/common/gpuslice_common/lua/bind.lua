@@ -1,6 +1,10 @@
 -- Mark a reserved pod as bound: from now on kubelet may ask to allocate it.
--- ARGV[1] pod uid
+-- ARGV[1] pod uid, ARGV[2] '1' for one pod at a time: refused while another pod
+-- bound to the node still waits for kubelet to allocate one of NVIDIA's
+-- containers (kubelet's Allocate names no pod: with one such pod, every call is
+-- its; with two, a call could be either's)
 -- Returns {'ok', record} | {'absent'} | {'released', record} | {'rebuilding'}
+-- | {'busy', uid of the pod the node is taking}
 local uid = ARGV[1]
 local rec = load_pod(uid)
 if not rec then
@@ -13,6 +17,14 @@ if rec.state == 'released' then
   return {'released', redis.call('HGET', PODS, uid)}
 end
 if rec.state == 'reserved' then
+  if ARGV[2] == '1' and awaits_allocate(rec) then
+    for _, other in ipairs(redis.call('ZRANGE', PENDING, 0, -1)) do
+      local o = other ~= uid and load_pod(other)
+      if o and o.state == 'bound' and awaits_allocate(o) then
+        return {'busy', other}
+      end
+    end
+  end
   rec.state = 'bound'
   rec.times.bound = now_ms()
   local seq = redis.call('HINCRBY', META, 'bind_seq', 1)

@@ -38,6 +38,18 @@ local function save_pod(uid, rec)
   return raw
 end
 
+-- Whether a pod record has a container left that kubelet allocates through
+-- gpuslice (NVIDIA's: another vendor's plugin allocates its own).
+local function awaits_allocate(rec)
+  for i = (rec.allocated_containers or 0) + 1, #rec.containers do
+    local vendor = rec.containers[i].vendor
+    if vendor == nil or vendor == 'nvidia' then
+      return true
+    end
+  end
+  return false
+end
+
 -- Every change to a node's cards or usage bumps its revision and announces the
 -- node's meta key on <p>:changes, so readers that keep a copy re-read only the
 -- nodes that changed.
