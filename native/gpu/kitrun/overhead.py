@@ -83,6 +83,10 @@ class OverheadSection:
                 for run_key in ("launch", "allocpair", "torch"):
                     if run_key in rec:
                         ok, why = self.script_ok(rec[run_key])
+                        res = rec[run_key].get("result") or {}
+                        loaded = res.get("interposed") or res.get("interposer_mapped")
+                        if ok and lib is not None and loaded is not True:
+                            ok, why = False, "the library was not loaded in the process"
                         who = f"{name} round {i + 1} {run_key}"
                         if lib is None or lib.ours:
                             checks.add(f"{who}: ran", ok, detail=why or None)

@@ -294,6 +294,8 @@ def human_summary(report: dict) -> str:
     for w in s.get("warnings", [])[:10]:
         out.append(f"  warning {w}")
     for peer, items in (s.get("peer_findings") or {}).items():
+        if not items:
+            continue
         out.append(f"peer {peer}: {len(items)} findings (not gpuslice's failures)")
         for f in items[:8]:
             out.append(f"  {peer}: {f}")
