@@ -8,6 +8,9 @@
  *   kit nvml --limit B --hold B [--wait]      NVML memory numbers while B bytes are held
  *   kit calibrate [--target-ms 2]             loop count for a ~2 ms fixed-work kernel
  *   kit compute --iters N [--seconds 4]       kernels per second of that kernel
+ *               [--hold B]                    ... while holding B bytes (cuMemAlloc_v2)
+ *   kit region --region PATH                  the region file's counters and processes
+ *                                             (no CUDA: a reader beside the workload)
  *   kit launch [--count 200000]               ns per launch of an empty kernel
  *   kit allocpair [--count 20000]             ns per cuMemAlloc_v2 + cuMemFree_v2 pair
  *
@@ -397,6 +400,18 @@ static void jregion(jw_t *w, const char *key) {
         for (uint32_t i = 0; i < high && i < GS_MAX_PROCS; i++)
             if (__atomic_load_n(&r->procs[i].pid, __ATOMIC_RELAXED) != 0) live++;
         ju64(w, "procs", live);
+        jarr(w, "proc_list");
+        for (uint32_t i = 0; i < high && i < GS_MAX_PROCS; i++) {
+            const gs_proc_t *p = &r->procs[i];
+            int32_t pid = __atomic_load_n(&p->pid, __ATOMIC_RELAXED);
+            if (pid == 0) continue;
+            jobj(w, NULL);
+            ji64(w, "pid", pid);
+            ju64(w, "priority", __atomic_load_n(&p->priority, __ATOMIC_RELAXED));
+            ju64(w, "used", __atomic_load_n(&p->used[g_ordinal], __ATOMIC_RELAXED));
+            jend(w);
+        }
+        jend(w);
     }
     munmap(map, sizeof(gs_region_t));
     jend(w);
@@ -1107,8 +1122,12 @@ static int cmd_compute(void) {
     }
     if (q < 1) q = 1;
     if (q > 64) q = 64;
+    unsigned long long hold_bytes = arg_size("hold", 0);
+    CUdeviceptr held = 0;
     jinterposed(&R);
     compute_setup(&m, &f, &out, &st, &grid);
+    if (hold_bytes) CK(cuMemAlloc_v2(&held, (size_t)hold_bytes));
+    ju64(&R, "held", hold_bytes);
     ju64(&R, "iters", iters);
     ji64(&R, "queue", q);
     CUevent ev[64];
@@ -1163,6 +1182,17 @@ static int cmd_compute(void) {
     jepoch(&R, "t_end_epoch", e1);
     jregion(&R, "region");
     for (int i = 0; i < q; i++) cuEventDestroy_v2(ev[i]);
+    if (held) cuMemFree_v2(held);
+    return 0;
+}
+
+/* The region file as a node agent reads it, from a process without CUDA. */
+static int cmd_region(void) {
+    if (!arg_str("region", NULL)) {
+        fprintf(stderr, "kit region: --region PATH is required\n");
+        return 2;
+    }
+    jregion(&R, "region");
     return 0;
 }
 
@@ -1237,7 +1267,7 @@ static int cmd_allocpair(void) {
 
 /* ------------------------------------------------------------------ main */
 static void usage(void) {
-    fputs("usage: kit {env|alloc|lookup|nvml|calibrate|compute|launch|allocpair} [--opt value]...\n"
+    fputs("usage: kit {env|alloc|lookup|nvml|calibrate|compute|launch|allocpair|region} [--opt value]...\n"
           "  see the top of kit.c (or native/gpu/README.md) for each subcommand's options\n",
           stderr);
 }
@@ -1274,6 +1304,8 @@ int main(int argc, char **argv) {
         rc = cmd_launch();
     else if (strcmp(cmd, "allocpair") == 0)
         rc = cmd_allocpair();
+    else if (strcmp(cmd, "region") == 0)
+        rc = cmd_region();
     else {
         usage();
         return 2;

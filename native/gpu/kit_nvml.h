@@ -11,6 +11,8 @@ typedef int kit_nvmlReturn_t;
 typedef struct kit_nvmlDevice_st *kit_nvmlDevice_t;
 
 #define KIT_NVML_SUCCESS 0
+#define KIT_NVML_ERROR_NOT_FOUND 6
+#define KIT_NVML_ERROR_INSUFFICIENT_SIZE 7
 
 typedef struct {
     unsigned long long total;
@@ -25,6 +27,24 @@ typedef struct {
     unsigned long long free;
     unsigned long long used;
 } kit_nvmlMemory_v2_t;
+
+/* nvmlProcessInfo_t (the v2 layout, which ..._v3 fills) */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} kit_nvmlProcessInfo_t;
+
+/* nvmlProcessUtilizationSample_t */
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+} kit_nvmlProcessUtilizationSample_t;
 
 /* NVML_STRUCT_VERSION(Memory, 2) */
 #define KIT_NVML_MEMORY_V2_VERSION ((unsigned int)sizeof(kit_nvmlMemory_v2_t) | (2U << 24U))

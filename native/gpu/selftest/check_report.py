@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
 """Checks the report of `make selftest` (the kit run against the fake driver):
 every section must reach the verdict the perfect fake deserves, so a broken
-kit (argument, JSON or check bug) shows here without a GPU."""
+kit (argument, JSON or check bug) shows here without a GPU. The run has a
+peer (--peer fakepeer=, a copy of the fake): it must be measured beside
+gpuslice in every per-library section and land in the Markdown table."""
 
 import json
+import os
 import sys
+
+PER_LIBRARY = ("allocation", "pytorch", "workloads", "compute", "agent_view")
 
 EXPECTED = {
     "environment": {"pass"},
@@ -12,7 +17,9 @@ EXPECTED = {
     "lookup": {"pass"},
     "nvml": {"pass"},
     "pytorch": {"pass"},  # selftest/fake_torch stands in for PyTorch
+    "workloads": {"pass"},
     "compute": {"pass"},
+    "agent_view": {"info"},
     "overhead": {"info"},
 }
 
@@ -49,6 +56,97 @@ def check_broken(rep: dict) -> list:
     return problems
 
 
+def check_peer_broken(rep: dict) -> list:
+    """--peer broken= (a copy of the fake with every bug planted) beside the
+    perfect fake as gpuslice: the peer's failures are findings, ours pass."""
+    problems = []
+    summary = rep.get("summary", {})
+    if summary.get("status") != "pass":
+        problems.append(f"peer-broken: our verdict is not pass: {summary.get('failed_checks')}")
+    found = "\n".join((summary.get("peer_findings") or {}).get("broken", []))
+    for want in ("allocation/paths/cuMemAllocManaged", "compute: limit 50%"):
+        if want not in found:
+            problems.append(f"peer-broken: no finding {want!r} about the peer: {found[:400]}")
+    if (rep.get("allocation") or {}).get("peers", {}).get("broken", {}).get("status") != "fail":
+        problems.append("peer-broken: the peer's allocation status is not fail")
+    return problems
+
+
+def check_peers(rep: dict, md_path: str) -> list:
+    problems = []
+    libs = rep.get("libraries") or {}
+    peer = libs.get("fakepeer") or {}
+    if not peer.get("sha256") or "copy" not in (peer.get("note") or ""):
+        problems.append(f"libraries: fakepeer has no sha256 or note: {peer}")
+    # the compute status of the peer is checked through its findings below
+    for name in PER_LIBRARY:
+        p = ((rep.get(name) or {}).get("peers") or {}).get("fakepeer")
+        if not isinstance(p, dict):
+            problems.append(f"{name}: no result for the peer fakepeer")
+        elif name not in ("agent_view", "compute") and p.get("status") != "pass":
+            problems.append(f"{name}: fakepeer status {p.get('status')}")
+    for name in ("workloads", "agent_view"):
+        if not isinstance((rep.get(name) or {}).get("none"), dict):
+            problems.append(f"{name}: no run without a library")
+    # the fake peer honours nothing of gpuslice's stand-in agent: its low-priority
+    # process runs on, which is its one finding
+    found = (rep.get("summary", {}).get("peer_findings") or {}).get("fakepeer", [])
+    other = [f for f in found if "priority pair low" not in f]
+    if not found or other:
+        problems.append(f"peer findings: want only the priority pair's, got {found}")
+    comp = rep.get("compute") or {}
+    if sorted(comp.get("pairs") or {}) != ["30/70", "50/50"]:
+        problems.append(f"compute: pairs {sorted(comp.get('pairs') or {})}")
+    procs = {p.get("role"): p for p in (comp.get("priority") or {}).get("procs", [])}
+    if not (95 <= procs.get("high", {}).get("achieved_pct", 0) <= 105) or not (
+        procs.get("low", {}).get("achieved_pct", 100) <= 5
+    ):
+        problems.append(f"compute: priority pair high/low {procs}")
+    train = comp.get("train") or {}
+    if train.get("achieved_pct") is None or abs(train.get("error_pp", 99)) > 5:
+        problems.append(f"compute: training at 50 %: {train}")
+    wl = rep.get("workloads") or {}
+    for who, e in (
+        ("none", wl.get("none")),
+        ("gpuslice", wl),
+        ("fakepeer", wl.get("peers", {}).get("fakepeer")),
+    ):
+        e = e or {}
+        if (
+            not (e.get("train") or {}).get("steps_per_s")
+            or (e.get("graph") or {}).get("max_abs_diff") != 0
+        ):
+            problems.append(
+                f"workloads {who}: train/graph missing: {e.get('train')} {e.get('graph')}"
+            )
+    av = rep.get("agent_view") or {}
+    hold = av.get("hold") or 0
+    for who, e in (
+        ("none", av.get("none")),
+        ("gpuslice", av),
+        ("fakepeer", av.get("peers", {}).get("fakepeer")),
+    ):
+        used = (e or {}).get("nvml_used_max")
+        if used is None or used < hold:
+            problems.append(f"agent_view {who}: NVML per-process used {used}, want >= {hold}")
+    ov = rep.get("overhead") or {}
+    want = ["none", "gpuslice", "gpuslice_limits", "fakepeer", "fakepeer_limits"]
+    if ov.get("order") != want:
+        problems.append(f"overhead: configs {ov.get('order')}, want {want}")
+    for name, c in (ov.get("configs") or {}).items():
+        if len(c.get("rounds", [])) != ov.get("rounds") or c.get("train_steps_per_s") is None:
+            problems.append(f"overhead {name}: rounds or training figure missing")
+    try:
+        with open(md_path) as f:
+            md = f.read()
+    except OSError as e:
+        return [*problems, f"markdown: {e}"]
+    for want_text in ("| none | gpuslice | fakepeer |", "## Compute", "## Overhead", "## Memory"):
+        if want_text not in md:
+            problems.append(f"markdown: no {want_text!r}")
+    return problems
+
+
 def main() -> int:
     path = sys.argv[-1]
     with open(path) as f:
@@ -61,7 +159,14 @@ def main() -> int:
             f"selftest (planted bugs): {'FAILED' if problems else 'ok, every planted bug reported'}"
         )
         return 1 if problems else 0
-    problems = []
+    if "--peer-broken" in sys.argv:
+        problems = check_peer_broken(rep)
+        for p in problems:
+            print("selftest: " + p, file=sys.stderr)
+        verdict = "FAILED" if problems else "ok, findings about the peer only"
+        print(f"selftest (broken peer): {verdict}")
+        return 1 if problems else 0
+    problems = check_peers(rep, os.path.splitext(path)[0] + ".md")
     for name, ok in EXPECTED.items():
         st = (rep.get(name) or {}).get("status")
         if st not in ok:

@@ -12,11 +12,20 @@
  * GS_FAKE_PLAIN=1 makes it a plain driver instead (an 80 GiB GPU, no limits of
  * its own), for running the real libgpuslice.so on top of it (`make fake-check`).
  *
+ * Priority, as the interposer plays it: with CUDA_TASK_PRIORITY >= 1 launches
+ * wait while the control file beside the region (CUDA_DEVICE_MEMORY_SHARED_CACHE
+ * + ".control", gs_control_t) has a fresh heartbeat and GS_DEV_YIELD set.
+ *
+ * GS_FAKE_PROC_DIR: each process keeps <dir>/<pid> (gs_fake_proc_t: bytes held,
+ * kernel time, start) for the fake NVML's per-process queries.
+ *
  * GS_FAKE_BREAK (comma-separated) plants interposer bugs, so the selftest can
  * show that the kit's checks catch them:
  *   managed-unlimited  cuMemAllocManaged ignores the limit
  *   array-leak         cuArrayDestroy does not give the bytes back
  *   sm-skew            kernels are spaced 25 % too far apart (share 0.8x)
+ * A copy of this library under a file name holding "broken" has them all: a
+ * peer library with bugs, for the selftest of the kit's --peer.
  */
 #include <cuda.h>
 #include <dlfcn.h>
@@ -25,9 +34,15 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
+
+#include "region_layout.h"
+#include "selftest/fake_proc.h"
 
 #undef cuGetProcAddress
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
@@ -70,9 +85,21 @@ static unsigned sm_limit(void) {
     return (unsigned)env_size("CUDA_DEVICE_SM_LIMIT");
 }
 
+/* A copy of this library whose file name holds "broken" (a stand-in for a
+ * peer library with bugs) has every bug planted. */
+static int broken_copy(void) {
+    static int known = -1;
+    if (known < 0) {
+        Dl_info di;
+        const char *base = NULL;
+        if (dladdr((void *)&broken_copy, &di) && di.dli_fname) base = strrchr(di.dli_fname, '/');
+        known = base && strstr(base, "broken") != NULL;
+    }
+    return known;
+}
 static int broken(const char *what) {
     const char *b = getenv("GS_FAKE_BREAK");
-    return b && strstr(b, what) != NULL;
+    return broken_copy() || (b && strstr(b, what) != NULL);
 }
 
 static double now_s(void) {
@@ -85,6 +112,77 @@ static void sleep_until(double t) {
     if (d <= 0) return;
     struct timespec ts = {(time_t)d, (long)((d - (double)(time_t)d) * 1e9)};
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* ---- this process's record for the fake NVML (GS_FAKE_PROC_DIR) */
+static gs_fake_proc_t *proc_rec(void) {
+    static gs_fake_proc_t *rec;
+    static int tried;
+    if (tried) return rec;
+    tried = 1;
+    const char *dir = getenv("GS_FAKE_PROC_DIR");
+    char path[512];
+    if (!dir || !*dir) return NULL;
+    snprintf(path, sizeof path, "%s/%d", dir, (int)getpid());
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return NULL;
+    if (ftruncate(fd, sizeof(gs_fake_proc_t)) == 0) {
+        void *m = mmap(NULL, sizeof(gs_fake_proc_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (m != MAP_FAILED) rec = m;
+    }
+    close(fd);
+    if (rec) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        rec->start_ns = (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+    }
+    return rec;
+}
+static void proc_used(unsigned long long used_now) {
+    gs_fake_proc_t *r = proc_rec();
+    if (r) __atomic_store_n(&r->used, used_now, __ATOMIC_RELAXED);
+}
+
+/* ---- priority: the control file beside the region, as the interposer reads it */
+static const gs_control_t *control_map(void) {
+    static const gs_control_t *c;
+    static double tried;
+    if (c) return c;
+    double now = 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    if (tried && now - tried < 0.2) return NULL;
+    tried = now;
+    const char *region = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    char path[600];
+    if (!region || !*region) return NULL;
+    snprintf(path, sizeof path, "%s.control", region);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return NULL;
+    void *m = mmap(NULL, sizeof(gs_control_t), PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) return NULL;
+    c = m;
+    return c;
+}
+static int low_priority(void) {
+    const char *p = getenv("CUDA_TASK_PRIORITY");
+    return !plain() && p && atoi(p) >= 1;
+}
+static void wait_while_yield(void) {
+    for (;;) {
+        const gs_control_t *c = control_map();
+        if (!c || c->magic != GS_CONTROL_MAGIC) return;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        unsigned long long now = (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+        unsigned long long hb = __atomic_load_n(&c->heartbeat_ns, __ATOMIC_ACQUIRE);
+        if (!hb || now < hb || now - hb >= GS_AGENT_FRESH_NS) return;
+        if (!(__atomic_load_n(&c->flags[0], __ATOMIC_ACQUIRE) & GS_DEV_YIELD)) return;
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
     }
 }
 
@@ -111,6 +209,7 @@ static CUresult take_ex(unsigned long long bytes, unsigned long long *key_out, i
             table[i].key = key;
             table[i].bytes = bytes;
             used += bytes;
+            proc_used(used);
             *key_out = key;
             pthread_mutex_unlock(&mu);
             return CUDA_SUCCESS;
@@ -127,6 +226,7 @@ static CUresult give(unsigned long long key) {
     for (int i = 0; i < SLOTS; i++) {
         if (table[i].key == key && key) {
             used -= table[i].bytes;
+            proc_used(used);
             table[i].key = 0;
             pthread_mutex_unlock(&mu);
             return CUDA_SUCCESS;
@@ -400,6 +500,9 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
                         CUstream hs, void **params, void **extra) {
     CUstream s = S(hs);
     double dur = f->empty ? 0 : (double)*(unsigned *)params[1] * NS_PER_ITER;
+    if (low_priority()) wait_while_yield();
+    gs_fake_proc_t *rec = proc_rec();
+    if (rec) __atomic_add_fetch(&rec->busy_ns, (unsigned long long)(dur * 1e9), __ATOMIC_RELAXED);
     double start = now_s();
     if (s->busy_until > start) start = s->busy_until;
     if (s->next_allowed > start) start = s->next_allowed;

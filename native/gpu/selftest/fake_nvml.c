@@ -5,11 +5,19 @@
  * the GPU kit calls (and the interposer's NVML hooks need).
  */
 #include <cuda.h>
+#include <dirent.h>
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "kit_nvml.h"
+#include "selftest/fake_proc.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -25,6 +33,13 @@ EXPORT kit_nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v);
 EXPORT kit_nvmlReturn_t nvmlDeviceGetName(kit_nvmlDevice_t d, char *buf, unsigned int n);
 EXPORT kit_nvmlReturn_t nvmlDeviceGetUUID(kit_nvmlDevice_t d, char *buf, unsigned int n);
 EXPORT kit_nvmlReturn_t nvmlDeviceGetIndex(kit_nvmlDevice_t d, unsigned int *i);
+EXPORT kit_nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(kit_nvmlDevice_t d,
+                                                                unsigned int *count,
+                                                                kit_nvmlProcessInfo_t *infos);
+EXPORT kit_nvmlReturn_t nvmlDeviceGetProcessUtilization(kit_nvmlDevice_t d,
+                                                        kit_nvmlProcessUtilizationSample_t *s,
+                                                        unsigned int *count,
+                                                        unsigned long long last_seen);
 
 static int dev_dummy;
 
@@ -88,5 +103,80 @@ kit_nvmlReturn_t nvmlDeviceGetUUID(kit_nvmlDevice_t d, char *buf, unsigned int n
 }
 kit_nvmlReturn_t nvmlDeviceGetIndex(kit_nvmlDevice_t d, unsigned int *i) {
     *i = 0;
+    return KIT_NVML_SUCCESS;
+}
+
+/* ---- per process: GS_FAKE_PROC_DIR/<pid> of live processes */
+typedef struct {
+    unsigned int pid;
+    gs_fake_proc_t rec;
+} live_t;
+
+static unsigned int live_procs(live_t *out, unsigned int max) {
+    const char *dir = getenv("GS_FAKE_PROC_DIR");
+    unsigned int n = 0;
+    DIR *d = dir && *dir ? opendir(dir) : NULL;
+    if (!d) return 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL && n < max) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (*end || pid <= 0 || kill((pid_t)pid, 0) != 0) continue;
+        char path[600];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        if (pread(fd, &out[n].rec, sizeof out[n].rec, 0) == (ssize_t)sizeof out[n].rec) {
+            out[n].pid = (unsigned int)pid;
+            n++;
+        }
+        close(fd);
+    }
+    closedir(d);
+    return n;
+}
+
+kit_nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(kit_nvmlDevice_t d, unsigned int *count,
+                                                         kit_nvmlProcessInfo_t *infos) {
+    live_t live[64];
+    unsigned int n = live_procs(live, 64);
+    if (!infos || *count < n) {
+        *count = n;
+        return n ? KIT_NVML_ERROR_INSUFFICIENT_SIZE : KIT_NVML_SUCCESS;
+    }
+    for (unsigned int i = 0; i < n; i++) {
+        infos[i].pid = live[i].pid;
+        infos[i].usedGpuMemory = live[i].rec.used;
+        infos[i].gpuInstanceId = infos[i].computeInstanceId = 0xFFFFFFFFu;
+    }
+    *count = n;
+    return KIT_NVML_SUCCESS;
+}
+
+kit_nvmlReturn_t nvmlDeviceGetProcessUtilization(kit_nvmlDevice_t d,
+                                                 kit_nvmlProcessUtilizationSample_t *s,
+                                                 unsigned int *count,
+                                                 unsigned long long last_seen) {
+    live_t live[64];
+    unsigned int n = live_procs(live, 64);
+    struct timespec mono, real;
+    clock_gettime(CLOCK_MONOTONIC, &mono);
+    clock_gettime(CLOCK_REALTIME, &real);
+    unsigned long long now = (unsigned long long)mono.tv_sec * 1000000000ULL + (unsigned long long)mono.tv_nsec;
+    unsigned long long stamp = (unsigned long long)real.tv_sec * 1000000ULL + (unsigned long long)real.tv_nsec / 1000ULL;
+    if (!n) return KIT_NVML_ERROR_NOT_FOUND;
+    if (!s || *count < n) {
+        *count = n;
+        return KIT_NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned int i = 0; i < n; i++) {
+        unsigned long long life = now > live[i].rec.start_ns ? now - live[i].rec.start_ns : 1;
+        unsigned long long util = live[i].rec.busy_ns * 100ULL / (life ? life : 1);
+        s[i].pid = live[i].pid;
+        s[i].timeStamp = stamp > last_seen ? stamp : last_seen + 1;
+        s[i].smUtil = (unsigned int)(util > 100 ? 100 : util);
+        s[i].memUtil = s[i].encUtil = s[i].decUtil = 0;
+    }
+    *count = n;
     return KIT_NVML_SUCCESS;
 }
