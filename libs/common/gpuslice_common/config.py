@@ -405,6 +405,12 @@ class SchedulerSettings(CommonSettings):
     # webhook's GPUSLICE_ROUTE_CPU_PODS) and the extender lists no
     # managedResources: k8s/cpu-pods does both, and turns this on
     score_cpu_pods: bool = False
+    # where a node fails filter or bind for cards that reservations hold, ask the
+    # API server about their pods and release those it says are gone or
+    # terminal, at once (kube-scheduler may retry before the inventory has
+    # released them); off, such cards are free only once the inventory releases
+    # them. Never with kube_api "local", whose pods are only those it was shown
+    free_ended_holders: bool = True
 
 
 class InventorySettings(CommonSettings):
