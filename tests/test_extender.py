@@ -310,6 +310,58 @@ async def test_prioritize_with_a_bad_body_answers_400_with_an_error(stack: Stack
     assert "not valid JSON" in response.json()["Error"]
 
 
+async def test_cards_of_a_deleted_pod_the_inventory_has_not_released_pass_filter_and_bind(
+    stack: Stack,
+) -> None:
+    """kube-scheduler may retry a pod as soon as it sees another deleted, before
+    the inventory has released that pod's cards: the API server's word frees them."""
+    hog = await stack.add(gpu_pod("hog", gpus=1))
+    assert (await stack.bind(hog, "node-c")).json() == {"Error": ""}
+    other = await stack.add(gpu_pod("other", gpus=1))
+    assert (await stack.bind(other, "node-a")).json() == {"Error": ""}
+    waiting = await stack.add(gpu_pod("waiting", mem=1000, cores=10))
+    reply = (await stack.post("filter", args(waiting, "node-c"))).json()
+    assert reply["NodeNames"] == []  # the hog is alive: its card stays its own
+    assert (await stack.ledger.placement("uid-hog")).state is PlacementState.BOUND  # type: ignore[union-attr]
+
+    stack.kube.delete_pod("team", "hog")
+    reply = (await stack.post("filter", args(waiting, "node-c"))).json()
+    assert reply["NodeNames"] == ["node-c"], reply
+    released = await stack.ledger.placement("uid-hog")
+    assert released is not None
+    assert (released.state, released.release_reason) == (PlacementState.RELEASED, "pod deleted")
+    assert (await stack.ledger.placement("uid-other")).state is PlacementState.BOUND  # type: ignore[union-attr]
+    types = await stack.wait_events(5)
+    assert types.count(EventType.ALLOC_RELEASED) == 1
+    [event] = [e for e in stack.events if e.type == EventType.ALLOC_RELEASED]
+    assert event.source == "gpuslice-scheduler"
+
+    # bind finds the same where its filter did not run: the pod's card ended
+    assert (await stack.bind(waiting, "node-c")).json() == {"Error": ""}
+    stack.kube.set_phase("team", "waiting", "Succeeded")
+    late = await stack.add(gpu_pod("late", gpus=1))
+    assert (await stack.bind(late, "node-c")).json() == {"Error": ""}
+    ended = await stack.ledger.placement("uid-waiting")
+    assert ended is not None
+    assert (ended.state, ended.release_reason) == (PlacementState.RELEASED, "pod succeeded")
+    assert await stack.ledger.check_node("node-c") == []
+
+
+async def test_with_the_in_memory_api_no_holder_is_asked_about(redis_url: str) -> None:
+    """The in-memory API knows only the pods it was shown: its "not found" frees nothing."""
+    ledger = Ledger.from_url(redis_url)
+    try:
+        view = ClusterView(ledger)
+        extender = Extender(local_settings(redis_url), ledger, view, LocalKubeApi())
+        assert extender.holders is None
+        on = Extender(load(SchedulerSettings, redis_url=redis_url), ledger, view, LocalKubeApi())
+        assert on.holders is not None
+        await extender.close()
+        await on.close()
+    finally:
+        await ledger.close()
+
+
 # ---------------------------------------------------------------- bind
 
 

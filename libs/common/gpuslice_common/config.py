@@ -409,6 +409,12 @@ class SchedulerSettings(CommonSettings):
     # there waits for kubelet's Allocate (which names no pod), none binds. Keep
     # it under kube-scheduler's extender httpTimeout (10 s in k8s/scheduler.yaml)
     bind_wait: Duration = timedelta(seconds=8)
+    # where a node fails filter or bind for cards that reservations hold, ask the
+    # API server about their pods and release those it says are gone or
+    # terminal, at once (kube-scheduler may retry before the inventory has
+    # released them); off, such cards are free only once the inventory releases
+    # them. Never with kube_api "local", whose pods are only those it was shown
+    free_ended_holders: bool = True
 
 
 class InventorySettings(CommonSettings):

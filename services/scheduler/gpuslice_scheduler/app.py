@@ -53,7 +53,7 @@ class Verbs:
         self.metrics = extender.metrics
 
         async def filter_(body: bytes) -> Any:
-            return extender.filter(ExtenderArgs.parse(body, "filter"))
+            return await extender.filter(ExtenderArgs.parse(body, "filter"))
 
         async def prioritize(body: bytes) -> Any:
             return extender.prioritize(ExtenderArgs.parse(body, "prioritize"))

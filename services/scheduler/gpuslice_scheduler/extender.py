@@ -78,6 +78,7 @@ from gpuslice_scheduler.engine import (
 from gpuslice_scheduler.fit import REASONS, CardDemand, Code
 from gpuslice_scheduler.fragmentation import MixLearner, WorkloadMix
 from gpuslice_scheduler.hamivendor import EncodingError, vendor_annotations
+from gpuslice_scheduler.holders import MAX_NODES, Freed, HolderCheck
 from gpuslice_scheduler.metrics import Metrics
 from gpuslice_scheduler.requested import pod_request
 from gpuslice_scheduler.view import ClusterView
@@ -107,6 +108,12 @@ def _lower_priority() -> None:
     the verbs, Redis and NATS unless it yields to them."""
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: no setpriority
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def _uid(pod: dict[str, Any]) -> str:
+    metadata = pod.get("metadata")
+    uid = metadata.get("uid") if isinstance(metadata, dict) else None
+    return uid if isinstance(uid, str) else ""
 
 
 class BindError(Exception):
@@ -139,6 +146,11 @@ class Extender:
         # one thread, at the lowest CPU priority: the verbs come first
         self._warmer = ThreadPoolExecutor(1, "mix-warm-up", initializer=_lower_priority)
         self._parsed: dict[tuple[str, str], PodGpuRequest | None] = {}
+        # the API server's word on pods holding cards a pending pod needs; not
+        # with the in-memory API, which knows only the pods it was shown
+        self.holders: HolderCheck | None = None
+        if settings.free_ended_holders and settings.kube_api == "cluster":
+            self.holders = HolderCheck(ledger, kube, self.metrics, self._announce_freed)
 
     # ------------------------------------------------------------ reading verbs
 
@@ -253,7 +265,7 @@ class Extender:
         nodes, unknown = self.view.node_indexes(names)
         return self._evaluator().evaluate(demand).subset(nodes), unknown
 
-    def filter(self, args: ExtenderArgs) -> dict[str, Any]:
+    async def filter(self, args: ExtenderArgs) -> dict[str, Any]:
         local = isinstance(self.kube, LocalKubeApi)
         if local:
             self._learn_nodes(args)  # first: the pod's demand weighs the nodes learned
@@ -268,6 +280,11 @@ class Extender:
         if demand is None or demand.request is None:  # not a GPU pod: every node passes
             return args.filter_reply(args.node_names, {}, {})
         ev, unknown = self._evaluate(demand, args.node_names)
+        if self.holders is not None and not ev.feasible.all():
+            held = self._held(demand, ev)
+            if held:
+                await self._free_held(held, _uid(args.pod), "filter")
+                ev, unknown = self._evaluate(demand, args.node_names)
         names = self.view.cluster.names
         passed = names[ev.nodes[ev.feasible]].tolist()  # in the order they were sent
         failed: dict[str, str] = {}
@@ -291,6 +308,45 @@ class Extender:
                 reason = REASONS.get(Code(code))
                 self.metrics.failures.labels("filter", reason or "unknown").inc(count)
         return args.filter_reply(passed, failed, unresolvable)
+
+    def _held(self, demand: Demand, ev: Evaluation) -> list[str]:
+        """The nodes ``ev`` failed that could take the pod were their cards
+        empty: what reservations hold stands in the way there."""
+        rows = np.flatnonzero(~ev.feasible)
+        nodes = ev.nodes[rows]
+        could = nodes[~self._ceiling.never_fit(demand, nodes)]  # current: _evaluate
+        return self.view.cluster.names[could].tolist()  # type: ignore[no-any-return]
+
+    async def _free_held(self, nodes: list[str], pending: str, verb: str) -> None:
+        """The fail path (:mod:`gpuslice_scheduler.holders`): release the
+        reservations on ``nodes`` of pods the API server says are gone or
+        terminal, and read again those of ``nodes`` the ledger changed since the
+        copy read them (released here, or by the inventory a moment ago). The
+        caller evaluates again: the copy may also have moved on meanwhile by
+        itself (a change notice), and nodes it did not change are not evaluated
+        again."""
+        assert self.holders is not None
+        nodes = nodes[:MAX_NODES]
+        await self.holders.free(nodes, pending, verb)
+        try:
+            revs = await self.ledger.revisions(nodes)
+            stale = [n for n in nodes if revs.get(n) != self.view.revs.get(n)]
+            if stale:
+                await self.view.refresh(stale)
+        except LedgerError as exc:  # the copy's next sync reads them
+            log.info("cannot read again nodes %s: %s", nodes, exc)
+
+    async def _announce_freed(self, freed: Freed) -> None:
+        """``alloc.released`` for a reservation the holder check released."""
+        record = freed.placement
+        payload = AllocationEvent(
+            pod=record.pod,
+            node=record.node,
+            containers=record.containers,
+            policy=record.policy,
+            reason=freed.reason,
+        )
+        await self._send(EventType.ALLOC_RELEASED, payload)
 
     def _learn_nodes(self, args: ExtenderArgs) -> None:
         """With the in-memory API (the dev stack, the trace replay), learn the
@@ -436,6 +492,8 @@ class Extender:
                 earlier = await self._earlier(args)  # its own reservation fills the node
                 if earlier is not None:
                     return earlier, False
+                if attempt == 0 and await self._bind_freed(args, demand, ev):
+                    continue
                 reason = ev.reason(0)
                 await self._failed(args, reason.value if reason else "unknown", ev.detail[0])
                 raise BindError(f"node {args.node} cannot take the pod: {ev.detail[0]}")
@@ -445,6 +503,9 @@ class Extender:
             except ReservationConflict as exc:
                 await self._reread(args.node)
                 if attempt == 0:
+                    if self.holders is not None:
+                        await self.holders.free([args.node], args.pod_uid, "bind")
+                        await self._reread(args.node)
                     continue
                 await self._failed(args, exc.reason, str(exc))
                 raise BindError(
@@ -463,6 +524,17 @@ class Extender:
                 await self._publish(EventType.ALLOC_RESERVED, reserved)
             return reserved, created
         raise BindError(f"node {args.node} keeps changing; try again")  # pragma: no cover
+
+    async def _bind_freed(self, args: BindingArgs, demand: Demand, ev: Evaluation) -> bool:
+        """A bind on a node the copy finds short: whether the holder check ran
+        there (reservations of ended pods released, the copy read again): then
+        evaluate once more."""
+        if self.holders is None:
+            return False
+        held = self._held(demand, ev)
+        if held:
+            await self._free_held(held, args.pod_uid, "bind")
+        return bool(held)
 
     async def _reread(self, node: str) -> None:
         """Read ``node`` from the ledger again; if Redis cannot answer, the next

@@ -42,6 +42,19 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.holder_checks = Counter(
+            "gpuslice_scheduler_holder_checks",
+            "Pods holding cards a pending pod needs, asked about at the API server, "
+            "by answer (gone, terminal, alive, error).",
+            ["answer"],
+            registry=self.registry,
+        )
+        self.holders_freed = Counter(
+            "gpuslice_scheduler_holders_freed",
+            "Reservations of gone or terminal pods released by the extender, by verb.",
+            ["verb"],
+            registry=self.registry,
+        )
         self.nodes = Gauge(
             "gpuslice_scheduler_known_nodes",
             "Nodes in the scheduler's copy of the ledger.",

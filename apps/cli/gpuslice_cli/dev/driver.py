@@ -18,7 +18,13 @@ For each pod spec, :meth:`ClusterDriver.run_pod`:
    reported so; one for kube-scheduler's default goes to the first candidate).
    Where the extender runs as several replicas, the calls are spread over them
    in turn, as a Service in front of them does, and a call that finds one down
-   goes to the next;
+   goes to the next. A pod the extender's filter passes on no node is, as
+   kube-scheduler 1.34 does with a pod that only an extender rejected, parked
+   and tried again only when a cluster event comes (an assigned pod deleted
+   from the API server, a node added, changed or deleted; one that came during
+   the failed attempt counts) or after ``park_s`` (kube-scheduler's
+   ``podMaxInUnschedulablePodsDuration``, five minutes); with ``park_s`` 0
+   (the default) it is reported unschedulable at once;
 4. as the node's kubelet, asks each resource's device plugin over gRPC to
    Allocate what every container asks of it (``nvidia.com/gpu`` and any other
    device-plugin resource), merging one container's responses as kubelet does;
@@ -33,6 +39,9 @@ For each pod spec, :meth:`ClusterDriver.run_pod`:
 6. when every container has ended, sets the phase (``Succeeded`` or ``Failed``),
    gives the replicas back to the kubelet, deletes the pod and says so on the bus
    (:class:`~gpuslice_common.models.PodEnded`).
+
+:meth:`ClusterDriver.delete_pod` is ``kubectl delete --force`` of a running pod:
+it leaves the API server at once, then its containers are killed.
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ from gpuslice_cli.dev.stack import NATIVE_BUILD, NodeSpec, Stack, StackError
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import ResourceNames
 from gpuslice_common.grant import GRANT_DIR
-from gpuslice_common.kube import PodNotFound
+from gpuslice_common.kube import PodNotFound, WatchEvent, WatchExpired
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PodEnded, PodRef, utcnow
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 
@@ -118,7 +127,8 @@ class PodOutcome:
     name: str
     namespace: str
     uid: str
-    phase: str  # Denied, Pending (another scheduler's), Unschedulable, Succeeded, Failed
+    # Denied, Pending (another scheduler's), Unschedulable, Succeeded, Failed, Deleted
+    phase: str
     reason: str = ""
     node: str = ""
     warnings: tuple[str, ...] = ()
@@ -237,6 +247,20 @@ class Retry(Exception):
     """A step that a real cluster would try again (a component restarting)."""
 
 
+class Unschedulable(Exception):
+    """The extender's filter passed no node: kube-scheduler parks the pod."""
+
+
+def requeues(event: WatchEvent, node_event: bool) -> bool:
+    """Whether kube-scheduler 1.34 moves a pod that only an extender rejected
+    out of its unschedulable pods on this change: any node change, and the
+    deletion of a pod bound to a node (a pending pod's deletion frees nothing)."""
+    kind, obj = event
+    if node_event:
+        return kind in ("ADDED", "MODIFIED", "DELETED")
+    return kind == "DELETED" and bool((obj.get("spec") or {}).get("nodeName"))
+
+
 # (the admitted pod, "", warnings) or (None, the refusal, ())
 Admission = tuple[dict[str, Any] | None, str, tuple[str, ...]]
 
@@ -246,8 +270,19 @@ class ClusterDriver:
     reports; containers' output is kept under ``log_dir`` (default: the
     stack's ``pods`` directory)."""
 
-    def __init__(self, stack: Stack, bus: Bus | None = None, log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        stack: Stack,
+        bus: Bus | None = None,
+        log_dir: Path | None = None,
+        park_s: float = 0.0,
+    ) -> None:
         self.stack = stack
+        # how long a pod the extender found unschedulable stays parked without
+        # a cluster event (module docstring); 0: reported unschedulable at once
+        self.park_s = park_s
+        self.parked: dict[str, str] = {}  # pods parked now (namespace/name) -> why
+        self._processes: dict[str, set[int]] = {}  # per pod UID, its containers' pids
         self.bus = bus
         self.log_dir = log_dir or stack.workdir / "pods"
         self.http = httpx.AsyncClient(timeout=15)
@@ -307,15 +342,57 @@ class ClusterDriver:
 
     async def _schedule_retrying(self, pod: dict[str, Any]) -> tuple[str, str]:
         delay, deadline = RETRY_FIRST_S, asyncio.get_running_loop().time() + RETRY_FOR_S
+        timed_out = False
         while True:
+            since = self.stack.kube.resource_version  # changes during the attempt count
             try:
                 return await self.schedule(pod)
             except Retry as exc:
                 self.retries["schedule"] += 1
                 if asyncio.get_running_loop().time() > deadline:
                     return "", str(exc)
+            except Unschedulable as exc:
+                if self.park_s <= 0 or timed_out:
+                    return "", str(exc)
+                timed_out = not await self._parked(pod, str(exc), since)
+                continue
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
+
+    async def _parked(self, pod: dict[str, Any], why: str, since: str) -> bool:
+        """Park ``pod`` until a change after version ``since`` that kube-scheduler
+        requeues it on (:func:`requeues`): True, or False after ``park_s``."""
+        meta = pod["metadata"]
+        ref = f"{meta['namespace']}/{meta['name']}"
+        self.parked[ref] = why
+        kube = self.stack.kube
+
+        async def first(changes: Any, node_event: bool) -> None:
+            async for event in changes:
+                if requeues(event, node_event):
+                    name = (event[1].get("metadata") or {}).get("name")
+                    log.info("pod %s tried again: %s %s", ref, event[0], name)
+                    return
+
+        watches = [
+            asyncio.ensure_future(first(kube.watch_pods(since), False)),
+            asyncio.ensure_future(first(kube.watch_nodes(since), True)),
+        ]
+        try:
+            done, _ = await asyncio.wait(
+                watches, timeout=self.park_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            self.parked.pop(ref, None)
+            for watch in watches:
+                watch.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
+        for watch in done:  # a version too old to resume from: changes were missed
+            if isinstance(watch.exception(), WatchExpired):
+                return True
+            watch.result()
+        self.retries["parked"] += 1
+        return bool(done)
 
     async def _allocate(
         self, node: str, count: int, resource: str = GPU_RESOURCE
@@ -376,7 +453,8 @@ class ClusterDriver:
     # ------------------------------------------------------------ kube-scheduler's part
 
     async def schedule(self, pod: dict[str, Any]) -> tuple[str, str]:
-        """(node, "") once bound, or ("", why not)."""
+        """(node, "") once bound, or ("", why not); :class:`Unschedulable` when
+        the extender's filter passed no node."""
         names = [node.name for node in self.stack.nodes]
         scheduler = pod["spec"].get("schedulerName") or DEFAULT_SCHEDULER
         if scheduler not in (DEFAULT_SCHEDULER, GPUSLICE_SCHEDULER):
@@ -416,7 +494,7 @@ class ClusterDriver:
             if any(reason.startswith("NodeLedgerRebuilding") for reason in failed.values()):
                 # kube-scheduler tries an unschedulable pod again as the nodes change
                 raise Retry(f"0/{len(names)} nodes are available: {why}")
-            return "", f"0/{len(names)} nodes are available: {why}"
+            raise Unschedulable(f"0/{len(names)} nodes are available: {why}")
         body = {"Pod": pod, "NodeNames": passed}
         scored = await self._post(
             [f"{url}/prioritize" for url in replicas], body, "the extender", ok=(200, 400)
@@ -543,6 +621,7 @@ class ClusterDriver:
         env: dict[str, str],
         run: ContainerRun,
         log_path: Path,
+        pod_uid: str = "",
     ) -> None:
         argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not argv:
@@ -561,11 +640,16 @@ class ClusterDriver:
                 start_new_session=True,  # its own process group: the container's processes
             )
             note = ""
+            running = self._processes.setdefault(pod_uid, set())
+            running.add(proc.pid)
             try:
                 await asyncio.wait_for(proc.wait(), CONTAINER_TIMEOUT_S)
             except TimeoutError:
                 note = f"killed after {CONTAINER_TIMEOUT_S:.0f}s\n"
             finally:
+                running.discard(proc.pid)
+                if not running:
+                    self._processes.pop(pod_uid, None)
                 # the container ends with its first process: the rest of its group too
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -651,17 +735,22 @@ class ClusterDriver:
             while unlock:
                 unlock.pop()()
             meta = pod["metadata"]
-            self.stack.kube.set_phase(meta["namespace"], meta["name"], "Running")
+            with contextlib.suppress(PodNotFound):  # deleted meanwhile (delete_pod)
+                self.stack.kube.set_phase(meta["namespace"], meta["name"], "Running")
             pairs = list(zip(containers, envs, outcome.containers, strict=True))
             for (kind, container), env, run in pairs:
                 if kind == "init":
-                    await self.run_container(container, env, run, self.log_path(pod, run.name))
+                    await self.run_container(
+                        container, env, run, self.log_path(pod, run.name), meta["uid"]
+                    )
                     if run.returncode != 0:
                         break
             else:
                 await asyncio.gather(
                     *(
-                        self.run_container(container, env, run, self.log_path(pod, run.name))
+                        self.run_container(
+                            container, env, run, self.log_path(pod, run.name), meta["uid"]
+                        )
                         for (kind, container), env, run in pairs
                         if kind == "app"
                     )
@@ -675,10 +764,24 @@ class ClusterDriver:
                     if r.returncode not in (0, None)  # None: not run after a failed init
                 ]
                 outcome.reason = f"containers failed: {', '.join(failed)}"
-            self.stack.kube.set_phase(meta["namespace"], meta["name"], outcome.phase)
+            try:
+                self.stack.kube.set_phase(meta["namespace"], meta["name"], outcome.phase)
+            except PodNotFound:
+                outcome.phase, outcome.reason = "Deleted", "deleted while it ran"
         finally:
             for plugin, device in held:
                 plugin.allocated.discard(device)
+
+    async def delete_pod(self, namespace: str, name: str) -> None:
+        """``kubectl delete --force``: the pod leaves the API server now (its
+        DELETED event goes to every watch: the inventory's, the parked pods'),
+        then its containers are killed, as kubelet does; its run ends
+        ``Deleted``. PodNotFound when there is no such pod."""
+        pod = await self.stack.kube.get_pod(namespace, name)
+        self.stack.kube.delete_pod(namespace, name)
+        for pid in list(self._processes.get(pod["metadata"].get("uid", ""), ())):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
 
     async def _delete(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]

@@ -52,8 +52,10 @@ accounts {
   GPUSLICE {
     jetstream: enabled
     users: [
-      # Each event type has one publisher (alloc.failed: the extender for
-      # placements, the inventory for allocations a node reports); no
+      # Each event type has one publisher but two (alloc.failed: the extender for
+      # placements, the inventory for allocations a node reports;
+      # alloc.released: the inventory as pods end, the extender for a
+      # reservation of an ended pod that stood in a pending pod's way); no
       # service may create, change, delete or purge the audit stream.
       # the webhook: admission events
       { user: webhook, password: $NATS_WEBHOOK_PASSWORD,
@@ -62,7 +64,8 @@ accounts {
       # the extender: placement events
       { user: scheduler, password: $NATS_SCHEDULER_PASSWORD,
         permissions: { publish: ["gpuslice.events.alloc.reserved", "gpuslice.events.alloc.bound",
-                                 "gpuslice.events.alloc.failed"],
+                                 "gpuslice.events.alloc.failed",
+                                 "gpuslice.events.alloc.released"],
                        subscribe: ["_INBOX.>"] } }
       # the inventory: reads inventories, node agents' requests (and
       # answers them in the node's own inbox: never on a subject the
