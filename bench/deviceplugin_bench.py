@@ -117,32 +117,37 @@ def start_inventory(work: Path, redis_url: str, nats_url: str) -> subprocess.Pop
         time.sleep(0.1)
 
 
-async def bind_pods(ledger: Ledger, gpus: list[str], names: list[str]) -> None:
-    for i, uid in enumerate(names):
-        grant = DeviceGrant(uuid=gpus[i % GPUS], memory_mib=100, cores=1)
-        await ledger.reserve(
-            Placement(
-                pod=PodRef(uid=uid, namespace="bench", name=uid),
-                node=NODE,
-                containers=(ContainerAssignment(name="main", devices=(grant,)),),
-            )
+async def bind_pod(ledger: Ledger, gpus: list[str], uid: str, containers: int) -> None:
+    """One pod of ``containers`` one-GPU containers, bound: a node waits for one
+    pod's Allocates at a time (the extender's binds take turns)."""
+    await ledger.reserve(
+        Placement(
+            pod=PodRef(uid=uid, namespace="bench", name=uid),
+            node=NODE,
+            containers=tuple(
+                ContainerAssignment(
+                    name=f"c{i}",
+                    devices=(DeviceGrant(uuid=gpus[i % GPUS], memory_mib=100, cores=1),),
+                )
+                for i in range(containers)
+            ),
         )
-        await ledger.mark_bound(uid)
+    )
+    await ledger.mark_bound(uid)
 
 
 async def ledger_part(
     args: argparse.Namespace, ledger: Ledger, gateway: InventoryGateway, gpus: list[str]
 ) -> tuple[list[float], list[float]]:
-    """The ledger's part of Allocate, through the bus and directly, interleaved, in
-    batches of a few bound pods, as a node has waiting (the allocate script reads
-    every waiting pod), released afterwards."""
+    """The ledger's part of Allocate, through the bus and directly, interleaved,
+    for the containers of one bound pod at a time, released afterwards."""
     loop = asyncio.get_running_loop()
     bus: list[float] = []
     direct: list[float] = []
     batch = 5
     for first in range(0, args.pods + 4 * batch, batch):  # the first batches warm up
-        names = [f"ledger-{first + i}" for i in range(2 * batch)]
-        await bind_pods(ledger, gpus, names)
+        uid = f"ledger-{first}"
+        await bind_pod(ledger, gpus, uid, 2 * batch)
         for _ in range(batch):
             start = time.perf_counter()
             await gateway.allocate(1, uuid.uuid4().hex, loop.time() + 5)
@@ -153,8 +158,7 @@ async def ledger_part(
             if first >= 4 * batch:
                 bus.append(took_bus)
                 direct.append(took_direct)
-        for uid in names:
-            await ledger.release(uid, "benchmark")
+        await ledger.release(uid, "benchmark")
     return bus, direct
 
 
@@ -198,7 +202,7 @@ async def bench(
             gpus = [d.uuid for d in state.agent.device_list.replicas.devices]
             await ledger.register_node(state.agent.inventory(), rebuilt=True)
             through_bus, direct = await ledger_part(args, ledger, state.gateway, gpus)
-            await bind_pods(ledger, gpus, [f"bench-{i}" for i in range(args.pods)])
+            await bind_pod(ledger, gpus, "bench", args.pods)
             async with grpc.aio.insecure_channel(f"unix://{kubelet_dir / 'gpuslice.sock'}") as ch:
                 stub = pb_grpc.DevicePluginStub(ch)
                 stream = stub.ListAndWatch(pb.Empty())

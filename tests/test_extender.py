@@ -21,7 +21,7 @@ from gpuslice_common.bus import Bus
 from gpuslice_common.config import SchedulerSettings, load
 from gpuslice_common.events import CloudEvent, EventType
 from gpuslice_common.kube import KubeError, LocalKubeApi, WatchEvent
-from gpuslice_common.ledger import Ledger
+from gpuslice_common.ledger import Ledger, NotReserved
 from gpuslice_common.models import PLACEMENT_ANNOTATION, DeviceSelector, Placement, PlacementState
 from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_scheduler.extender import UNKNOWN_NODE, Extender
@@ -459,7 +459,18 @@ async def test_a_node_being_rebuilt_is_filtered_out_and_a_bind_there_is_retryabl
 async def test_concurrent_binds_never_double_allocate(stack: Stack) -> None:
     # node-c has one 8 GiB card; ten pods of 3 GiB race for it: at most two fit.
     pods = [await stack.add(gpu_pod(f"race{i}", mem=3000, cores=10)) for i in range(10)]
-    replies = await asyncio.gather(*(stack.bind(p, "node-c") for p in pods))
+
+    async def kubelet() -> None:  # admits each pod bound to node-c: the node's turn passes
+        while True:
+            with contextlib.suppress(NotReserved):
+                await stack.ledger.allocate("node-c", 1)
+            await asyncio.sleep(0.01)
+
+    admitting = asyncio.ensure_future(kubelet())
+    try:
+        replies = await asyncio.gather(*(stack.bind(p, "node-c") for p in pods))
+    finally:
+        admitting.cancel()
     ok = [r.json()["Error"] == "" for r in replies]
     assert sum(ok) == 2
     [card] = await stack.ledger.node_gpus("node-c")

@@ -129,7 +129,7 @@ async def test_a_reply_lost_after_the_ledger_took_the_container_is_asked_again_t
 ) -> None:
     """An inventory replica that dies between the ledger's allocation and its reply:
     the agent asks again with the same request id and gets the same container, not
-    the next pod's."""
+    the pod's next one."""
     subjects = Subjects(prefix)
     dying = NodeGateway(plugin_ledger, subjects)
     took: asyncio.Queue[AllocationReply] = asyncio.Queue()
@@ -145,24 +145,20 @@ async def test_a_reply_lost_after_the_ledger_took_the_container_is_asked_again_t
         await plugin.list_after(0)
         await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
         gpu = uuids(state)[0]
-        await bind(
-            plugin_ledger,
-            placement("first", [[(gpu, 100, 5)]]),
-            placement("second", [[(gpu, 100, 5)]]),
-        )
+        await bind(plugin_ledger, placement("pod", [[(gpu, 100, 5)], [(gpu, 100, 5)]]))
         sub = await bus.nc.subscribe(
             subjects.node_request(NODE, "allocate"), queue=f"{prefix}-inventory", cb=answer_then_die
         )
         await bus.flush()
         admitting = asyncio.create_task(plugin.admit_container(1))
         lost = await asyncio.wait_for(took.get(), 10)
-        assert lost.placement.pod.uid == "first"
+        assert lost.container_index == 0
         async with an_inventory(nats_server.url, redis_url, prefix):
             response = await asyncio.wait_for(admitting, 15)
-    assert response.envs["GPUSLICE_POD_UID"] == "first"
-    second = await plugin_ledger.placement("second")
-    assert second is not None
-    assert second.state == PlacementState.BOUND  # not handed out by the retry
+    assert response.envs["GPUSLICE_CONTAINER_NAME"] == "c0"
+    pod = await plugin_ledger.placement("pod")
+    assert pod is not None
+    assert pod.state == PlacementState.BOUND  # its second container not handed out by the retry
 
 
 async def test_rebuilding_answers_are_waited_out(
@@ -274,21 +270,21 @@ async def test_an_inventory_restart_between_allocates_loses_nothing(
         await plugin.list_after(0)
         await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
         gpu = uuids(state)[0]
-        await bind(plugin_ledger, *(placement(f"p{i}", [[(gpu, 100, 5)]]) for i in range(4)))
+        await bind(plugin_ledger, placement("p", [[(gpu, 100, 5)]] * 4))  # four containers
         served = []
         async with an_inventory(nats_server.url, redis_url, prefix):
             for _ in range(2):
-                served.append((await plugin.admit_container(1)).envs["GPUSLICE_POD_UID"])
+                served.append((await plugin.admit_container(1)).envs["GPUSLICE_CONTAINER_NAME"])
         admitting = asyncio.create_task(plugin.admit_container(1))
         await asyncio.sleep(0.3)
         async with an_inventory(nats_server.url, redis_url, prefix):
-            served.append((await asyncio.wait_for(admitting, 15)).envs["GPUSLICE_POD_UID"])
-            served.append((await plugin.admit_container(1)).envs["GPUSLICE_POD_UID"])
-    assert served == ["p0", "p1", "p2", "p3"]
-    for i in range(4):
-        record = await plugin_ledger.placement(f"p{i}")
-        assert record is not None
-        assert record.state == PlacementState.ALLOCATED
+            response = await asyncio.wait_for(admitting, 15)
+            served.append(response.envs["GPUSLICE_CONTAINER_NAME"])
+            served.append((await plugin.admit_container(1)).envs["GPUSLICE_CONTAINER_NAME"])
+    assert served == ["c0", "c1", "c2", "c3"]
+    record = await plugin_ledger.placement("p")
+    assert record is not None
+    assert record.state == PlacementState.ALLOCATED
 
 
 async def test_the_agent_serves_kubelet_while_nats_is_down_and_connects_later(

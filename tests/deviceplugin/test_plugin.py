@@ -326,9 +326,10 @@ async def test_multi_container_pods_are_served_in_bind_order(
     await bind(
         plugin_ledger,
         placement("first", [[(a, 100, 10)], [(a, 200, 10), (b, 300, 10)]], init=[[(b, 50, 5)]]),
-        placement("second", [[(b, 400, 10)]]),
     )
-    answers = [await plugin.admit_container(n) for n in (1, 1, 2, 1)]
+    answers = [await plugin.admit_container(n) for n in (1, 1, 2)]
+    await bind(plugin_ledger, placement("second", [[(b, 400, 10)]]))  # the node's next turn
+    answers.append(await plugin.admit_container(1))
     got = [
         (
             r.envs["GPUSLICE_POD_UID"],
@@ -384,8 +385,8 @@ async def test_concurrent_allocates_hand_out_each_container_once(
 ) -> None:
     plugin = await registered(kubelet)
     a, b = uuids(agent)
-    pods = [placement(f"pod{i}", [[(a if i % 2 else b, 100, 5)]]) for i in range(8)]
-    await bind(plugin_ledger, *pods)
+    pod = placement("pod", [[(a if i % 2 else b, 100, 5)] for i in range(8)])
+    await bind(plugin_ledger, pod)
     ids = plugin.free()
     calls = [
         plugin.stub.Allocate(
@@ -394,8 +395,8 @@ async def test_concurrent_allocates_hand_out_each_container_once(
         for i in ids[:8]
     ]
     responses = await asyncio.gather(*calls)
-    served = sorted(r.container_responses[0].envs["GPUSLICE_POD_UID"] for r in responses)
-    assert served == sorted(p.pod.uid for p in pods)
+    served = sorted(r.container_responses[0].envs["GPUSLICE_CONTAINER_NAME"] for r in responses)
+    assert served == sorted(c.name for c in pod.containers)
 
 
 @pytest.mark.parametrize(
@@ -540,12 +541,9 @@ async def test_disable_control_leaves_the_preload_out(
     async with running(settings, bus=bus, kube=kube, serve_http=False, timing=FAST) as state:
         await plugin_ledger.register_node(state.agent.inventory(), rebuilt=True)
         plugin = await registered(kubelet)
-        await bind(
-            plugin_ledger,
-            placement("dbg", [[(uuids(state)[0], 100, 5)]]),
-            placement("ctl", [[(uuids(state)[0], 100, 5)]]),
-        )
+        await bind(plugin_ledger, placement("dbg", [[(uuids(state)[0], 100, 5)]]))
         debug = await plugin.admit_container(1)
+        await bind(plugin_ledger, placement("ctl", [[(uuids(state)[0], 100, 5)]]))
         normal = await plugin.admit_container(1)  # pod 'ctl' is not known to the API: enforced
         host = state.host
     assert "/etc/ld.so.preload" not in {m.container_path for m in debug.mounts}

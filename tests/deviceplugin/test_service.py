@@ -144,8 +144,8 @@ async def test_clean_up_removes_directories_of_pods_gone_from_the_ledger(
         await plugin.list_after(0)
         gpu = uuids(state)[0]
         await bind(plugin_ledger, placement("done", [[(gpu, 100, 5)]]))
-        await bind(plugin_ledger, placement("live", [[(gpu, 100, 5)]]))
         await plugin.admit_container(1)
+        await bind(plugin_ledger, placement("live", [[(gpu, 100, 5)]]))
         await plugin.admit_container(1)
         await plugin_ledger.release("done", reason="pod deleted")
         await asyncio.sleep(0.01)
@@ -175,8 +175,8 @@ async def test_with_the_api_a_pod_unknown_to_both_is_gone(
         await plugin.list_after(0)
         gpu = uuids(state)[0]
         await bind(plugin_ledger, placement("kept", [[(gpu, 100, 5)]]))
-        await bind(plugin_ledger, placement("lost", [[(gpu, 100, 5)]]))
         await plugin.admit_container(1)
+        await bind(plugin_ledger, placement("lost", [[(gpu, 100, 5)]]))
         await plugin.admit_container(1)
         await plugin_ledger.redis.flushdb()
         await asyncio.sleep(0.01)

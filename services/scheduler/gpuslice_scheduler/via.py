@@ -4,7 +4,9 @@ The replay plays kube-scheduler: it registers the trace's nodes in the ledger,
 then for each pod of a sample (the same seeded arrival order as the offline
 replay) applies the node CPU/memory fit kube-scheduler's own filters would,
 POSTs ``filter``, ``prioritize`` (when more than one node is left) and ``bind``
-to the extender, and takes the best-scored node. The extender must run with
+to the extender, and takes the best-scored node; a bound GPU pod is then
+allocated in the ledger, as kubelet's Allocate does at once (the extender binds
+one GPU pod per node at a time until then). The extender must run with
 ``GPUSLICE_KUBE_API=local`` so that it learns each pod from its filter call; the
 first filter call carries the trace's nodes as full Node objects (allocatable
 CPU and memory, kube-scheduler's nodeCacheCapable=false form), from which it
@@ -274,6 +276,7 @@ async def replay_via_replicas(
                 *(
                     _drive(
                         c,
+                        ledger,
                         nodes,
                         pods,
                         order[k :: len(urls)],
@@ -318,6 +321,7 @@ async def replay_via_replicas(
 
 async def _drive(
     http: Connection,
+    ledger: Ledger,
     nodes: Sequence[TraceNode],
     pods: Sequence[PodClass],
     order: Sequence[int],
@@ -386,6 +390,10 @@ async def _drive(
                 if chosen != -2:
                     break
                 bind_errors += 1
+        if chosen >= 0 and pod.num_gpu:
+            # kubelet's Allocate, as soon as the pod is bound: the node's turn
+            # passes (the extender binds one GPU pod per node at a time)
+            await ledger.allocate(names[chosen], pod.num_gpu)
         if chosen >= 0:
             cpu[chosen] -= pod.cpu_milli
             mem[chosen] -= pod.memory_mib

@@ -42,6 +42,15 @@ from gpuslice_scheduler.resources import NodeResources
 log = logging.getLogger(__name__)
 
 
+def _stop_if_cancelled() -> None:
+    """Raise CancelledError where this task was asked to stop and something on the
+    way swallowed the cancel (the Redis client, amid a call; on Python 3.11, a
+    timeout that ended as the cancel came): the task still counts the request."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _row(card: StoredCard) -> Row:
     return (
         card.uuid,
@@ -297,7 +306,8 @@ class ClusterView:
         node's turn hears it pass), or after ``timeout`` seconds without one."""
         heard = self._heard.setdefault(node, asyncio.Event())
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(heard.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await heard.wait()
 
     async def _listen(self) -> None:
         """Follow the ledger's change notices: an announced node is re-read at once."""
@@ -361,8 +371,11 @@ class ClusterView:
                 wait = self.interval
                 if self.listening and not failing:
                     wait = max(0.0, self._resync_due - time.monotonic())
+                _stop_if_cancelled()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
+                _stop_if_cancelled()
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
