@@ -405,6 +405,12 @@ class SchedulerSettings(CommonSettings):
     # webhook's GPUSLICE_ROUTE_CPU_PODS) and the extender lists no
     # managedResources: k8s/cpu-pods does both, and turns this on
     score_cpu_pods: bool = False
+    # GPU preemption at filter time: a GPU pod that fits no node evicts GPU pods
+    # of lower priority (docs/architecture.md, Scheduler: Preemption)
+    preemption: bool = True
+    # how long the room freed by a preemption stays held for its pod if it
+    # does not bind before
+    nomination_ttl: Duration = timedelta(minutes=5)
 
 
 class InventorySettings(CommonSettings):
