@@ -38,7 +38,8 @@ async def test_a_second_caller_gets_the_pods_nomination_not_a_second_one(ledger:
     store = Nominations(ledger)
     first = await store.claim(on("n1", "p1"), 100, ["v1"], 60, [], store.new_token())
     second = await store.claim(on("n2", "p1"), 100, ["v9"], 60, [], store.new_token())
-    assert first.outcome == "ok" and second.outcome == "held"
+    assert first.outcome == "ok"
+    assert second.outcome == "held"
     assert second.nomination is not None
     assert (second.nomination.node, second.nomination.victims) == ("n1", ("v1",))
 
@@ -88,4 +89,5 @@ async def test_a_record_no_gpuslice_writes_is_left_out_and_named(ledger: Ledger)
     )
     live, problems = await store.live()
     assert live == []
-    assert len(problems) == 2 and any("forged" in p for p in problems)
+    assert len(problems) == 2
+    assert any("forged" in p for p in problems)

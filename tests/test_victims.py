@@ -104,7 +104,8 @@ def test_the_lowest_victims_on_one_node_go_and_the_pod_takes_their_card() -> Non
     ]
     chosen = best(choices)
     # one victim on each node; b's is of lower priority
-    assert chosen is not None and chosen.node == "b"
+    assert chosen is not None
+    assert chosen.node == "b"
     assert uids(chosen.victims) == ["b3"]
     assert [d.uuid for c in chosen.placement.containers for d in c.devices] == ["GPU-b-1"]
 
@@ -126,7 +127,9 @@ def test_fewest_victims_win_over_lower_priority() -> None:
         for i, n in enumerate(("a", "b"))
     ]
     chosen = best(choices)
-    assert chosen is not None and chosen.node == "a" and uids(chosen.victims) == ["a1"]
+    assert chosen is not None
+    assert chosen.node == "a"
+    assert uids(chosen.victims) == ["a1"]
 
 
 def test_pods_of_equal_or_higher_priority_are_never_victims() -> None:
@@ -144,10 +147,12 @@ def test_the_more_important_are_spared_first_and_the_youngest_go() -> None:
     cluster = Cluster.build([("a", node_cards("a", 2, pods))])
     # half a card: one of the two low ones is enough, and it is the youngest
     half = choose_on_node(NodeRoom(cluster, "a"), whole_card(50), 10, pods)
-    assert half is not None and uids(half.victims) == ["young"]
+    assert half is not None
+    assert uids(half.victims) == ["young"]
     # a whole card: both low ones go (spared first: the more important pod)
     whole = choose_on_node(NodeRoom(cluster, "a"), whole_card(), 10, pods)
-    assert whole is not None and sorted(uids(whole.victims)) == ["old", "young"]
+    assert whole is not None
+    assert sorted(uids(whole.victims)) == ["old", "young"]
 
 
 def test_no_victim_can_be_spared_alone() -> None:
@@ -155,7 +160,8 @@ def test_no_victim_can_be_spared_alone() -> None:
     cluster = Cluster.build([("a", node_cards("a", 2, pods))])
     room, demand = NodeRoom(cluster, "a"), whole_card(70)
     choice = choose_on_node(room, demand, 10, pods)
-    assert choice is not None and choice.victims
+    assert choice is not None
+    assert choice.victims
     for spared in choice.victims:
         rest = [v for v in choice.victims if v is not spared]
         assert not room.fits(demand, rest), f"{spared.uid} need not have gone"
@@ -166,7 +172,8 @@ def test_pods_already_going_make_room_without_a_victim() -> None:
     staying = holder("low", "a", 1, 100, priority=0)
     cluster = Cluster.build([("a", node_cards("a", 2, [going, staying]))])
     choice = choose_on_node(NodeRoom(cluster, "a"), whole_card(), 10, [staying], going=[going])
-    assert choice is not None and choice.victims == ()
+    assert choice is not None
+    assert choice.victims == ()
 
 
 def test_a_room_held_for_another_nomination_is_not_taken() -> None:
@@ -176,9 +183,11 @@ def test_a_room_held_for_another_nomination_is_not_taken() -> None:
     room = NodeRoom(cluster, "a")
     # without the hold the free card 1 fits: no victim; with it, "low" must go
     free = choose_on_node(room, whole_card(), 10, pods)
-    assert free is not None and free.victims == ()
+    assert free is not None
+    assert free.victims == ()
     held = choose_on_node(room, whole_card(), 10, pods, held=[other])
-    assert held is not None and uids(held.victims) == ["low"]
+    assert held is not None
+    assert uids(held.victims) == ["low"]
     # and a node whose only room is held cannot help at all
     full = choose_on_node(room, whole_card(), 10, [], held=[other, pods[0].placement])
     assert full is None
