@@ -140,6 +140,9 @@ class Preemptor:
         self.ttl_s = ttl_s
         self.live: list[Nomination] = []  # as last read; the filter's holds use it
         self._facts: collections.OrderedDict[str, tuple[float, Facts]] = collections.OrderedDict()
+        # per node: (the ledger revision, the lowest priority of its GPU pods), where
+        # every one of them was there: a pod not above it has nothing to look at
+        self._floors: dict[str, tuple[int, int]] = {}
         self._problems: set[str] = set()
         self._instance = socket.gethostname()
 
@@ -349,6 +352,10 @@ class Preemptor:
         for order, node in enumerate(nodes):
             if node not in self.view.cluster.node_index:
                 continue
+            rev = self.view.revs.get(node)
+            floor = self._floors.get(node)
+            if rev is not None and floor is not None and floor[0] == rev and floor[1] >= priority:
+                continue  # no pod of lower priority there, and the node has not changed
             try:
                 placements = await self.ledger.node_placements(node)
             except LedgerError as exc:  # BadRecord included: that node cannot be judged
@@ -368,6 +375,9 @@ class Preemptor:
                 level = MAX_PRIORITY if placement.pod.uid in refused else fact.priority
                 holder = Holder(placement, level, fact.started, fact.cpu, fact.memory)
                 (holders if stays else going).append(holder)
+            if rev is not None and not going:
+                lowest = min((f.priority for f in facts), default=MAX_PRIORITY)
+                self._floors[node] = (rev, lowest)
             held = [
                 n.placement
                 for n in live
