@@ -141,3 +141,14 @@ async def test_kube_schedulers_own_victims_are_kept_only_where_they_free_gpu_roo
     # a node that fits already stays a candidate too
     assert list(await proposal({"node-b": []})) == ["node-b"]
     assert stack.kube.evictions == []  # kube-scheduler evicts its own; the verb only narrows
+
+
+async def test_a_filter_with_node_objects_preempts_too(stack: Stack) -> None:
+    """kube-scheduler's nodeCacheCapable=false form: the nodes as objects."""
+    await fill(stack)
+    high = await stack.add(prioritised("high", 1000))
+    body = {"Pod": high, "Nodes": {"items": [{"metadata": {"name": NODE}}]}}
+    reply = (await stack.post("filter", body)).json()
+    assert reply["Nodes"]["items"] == []
+    assert reply["FailedNodes"][NODE].startswith("GpuPreemption"), reply
+    assert stack.kube.evictions == [("team", "low-b")]

@@ -324,7 +324,8 @@ class Extender:
         (:mod:`gpuslice_scheduler.preemption`) on those that failed for a reason
         it can cure: the node it nominates shows why the pod waits there."""
         reply = self.filter(args)
-        if self.preemptor is None or reply["Error"] or reply["NodeNames"] or reply["Nodes"]:
+        passed = reply["NodeNames"] or (reply["Nodes"] or {}).get("items")
+        if self.preemptor is None or reply["Error"] or passed:
             return reply
         failed: dict[str, str] = reply["FailedNodes"]
         curable = [n for n in args.node_names if n in failed and failed[n] != REBUILDING]
