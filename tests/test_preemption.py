@@ -152,3 +152,30 @@ async def test_a_filter_with_node_objects_preempts_too(stack: Stack) -> None:
     assert reply["Nodes"]["items"] == []
     assert reply["FailedNodes"][NODE].startswith("GpuPreemption"), reply
     assert stack.kube.evictions == [("team", "low-b")]
+
+
+async def test_a_nomination_whose_victims_are_gone_is_kept_while_the_pod_fits_there(
+    stack: Stack,
+) -> None:
+    """A replica whose copy of the ledger has not yet seen the victims' release
+    must not take the pod's room for lost and nominate it again."""
+    await fill(stack)
+    high = await stack.add(prioritised("high", 1000))
+    assert (
+        (await stack.post("filter", args(high, NODE)))
+        .json()["FailedNodes"][NODE]
+        .startswith("GpuPreemption")
+    )
+    preemptor = stack.extender.preemptor
+    assert preemptor is not None
+    before = await preemptor.nominations.get("uid-high")
+    assert before is not None
+    assert before.victims == ("uid-low-b",)
+    await stack.ledger.release("uid-low-b", "ended")
+    demand = stack.extender._demand(high)
+    assert demand is not None
+    answer = await preemptor.preempt(high, demand, [NODE])
+    assert answer is not None
+    assert answer[1].startswith("GpuPreemption")
+    assert await preemptor.nominations.get("uid-high") == before  # the same, not a new one
+    assert stack.kube.evictions == [("team", "low-b")]

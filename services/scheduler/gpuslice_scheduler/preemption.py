@@ -262,7 +262,7 @@ class Preemptor:
     ) -> tuple[str, str] | None:
         existing = await self.nominations.get(uid)
         if existing is not None:
-            if await self._victims_remain(existing):
+            if await self._victims_remain(existing) or await self._fits_now(existing, demand):
                 return existing.node, _waiting(existing)
             # its victims are gone and still it fits nowhere (the room went to a
             # pod of higher priority, or the node changed): choose afresh
@@ -337,6 +337,22 @@ class Preemptor:
         return any(
             p.pod.uid in victims and p.state is not PlacementState.RELEASED for p in placements
         )
+
+    async def _fits_now(self, nomination: Nomination, demand: Demand) -> bool:
+        """Whether the pod fits its nominated node as the ledger has it now: this
+        copy of the ledger may not show the victims' release yet (the next
+        filter call passes the node then)."""
+        node = nomination.node
+        with contextlib.suppress(LedgerError):
+            await self.view.refresh_node(node)
+        if node not in self.view.cluster.node_index:
+            return False
+        held = [
+            n.placement
+            for n in self.live
+            if n.node == node and n.uid != nomination.uid and n.priority >= nomination.priority
+        ]
+        return NodeRoom(self.view.cluster, node).fits(demand, adding=held)
 
     async def _choose(
         self,
