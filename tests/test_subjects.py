@@ -56,6 +56,7 @@ EVENT_SUBJECTS = {
     EventType.ALLOC_ALLOCATED: "gpuslice.events.alloc.allocated",
     EventType.ALLOC_RELEASED: "gpuslice.events.alloc.released",
     EventType.ALLOC_FAILED: "gpuslice.events.alloc.failed",
+    EventType.ALLOC_PREEMPTED: "gpuslice.events.alloc.preempted",
     EventType.ENFORCE_MEMORY_KILL: "gpuslice.events.enforce.memory-kill",
     EventType.ENFORCE_THROTTLE: "gpuslice.events.enforce.throttle",
     EventType.ENFORCE_COMPUTE_KILL: "gpuslice.events.enforce.compute-kill",

@@ -37,6 +37,7 @@ OWNERS = {
     EventType.ALLOC_RESERVED: {"scheduler"},
     EventType.ALLOC_BOUND: {"scheduler"},
     EventType.ALLOC_FAILED: {"scheduler", "inventory"},
+    EventType.ALLOC_PREEMPTED: {"scheduler"},
     EventType.ALLOC_ALLOCATED: {"inventory"},
     EventType.ALLOC_RELEASED: {"inventory"},
     # node agents report enforcement to the inventory, which records it

@@ -30,6 +30,7 @@ from gpuslice_common.events import AllocationEvent, EventType, PodDenied, make_e
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import DeviceTelemetry, PodRef, TelemetrySample
 from gpuslice_common.nkeys import KeyPair, Role
+from gpuslice_common.nominations import Nominations
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.telemetry import TelemetryStore
@@ -249,6 +250,14 @@ async def test_each_redis_user_runs_its_part_of_the_ledger_and_nothing_else(
             released = await scheduler.release("p2", "bind failed")
             assert released is not None
             assert released.first
+            # and keeps the nominations of GPU preemption
+            nominations = Nominations(scheduler)
+            claim = await nominations.claim(
+                placement("p9", "node-2", [[(0, 100, 1)]]), 100, ["p3"], 60, [], "t"
+            )
+            assert claim.outcome == "ok"
+            assert [n.uid for n in (await nominations.live())[0]] == ["p9"]
+            await nominations.drop(["p9"])
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

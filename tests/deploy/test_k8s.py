@@ -189,6 +189,10 @@ def test_each_service_has_exactly_the_permissions_it_uses(objects: list[dict[str
         ("", "pods", "get"),
         ("", "pods", "patch"),
         ("", "pods/binding", "create"),
+        # GPU preemption: evictions (never deletes), the nominated node, Events
+        ("", "pods/eviction", "create"),
+        ("", "pods/status", "patch"),
+        ("", "events", "create"),
         # node CPU and memory: a list and a watch of nodes and of pods, cluster-wide
         ("", "pods", "list"),
         ("", "pods", "watch"),

@@ -17,6 +17,8 @@ import pytest
 from gpuslice_cli.dev.apiserver import DevApiServer
 from gpuslice_common.kube import (
     Conflict,
+    EvictionRefused,
+    KubeError,
     KubernetesApi,
     LocalKubeApi,
     PodNotFound,
@@ -259,3 +261,85 @@ async def test_user_tokens_and_access_reviews_through_the_real_client(
     assert not await client.access_review("dev", ["devs"], "delete", "pods", "team")
     store.access.grant(user="dev")
     assert await client.access_review("dev", [], "list", "pods")
+
+
+def running_pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    held = pod(name, f"uid-{name}", "Running")
+    held["metadata"]["labels"] = labels
+    held["spec"]["nodeName"] = "node-1"
+    held["spec"]["terminationGracePeriodSeconds"] = 7
+    return held
+
+
+async def test_evictions_honour_a_disruption_budget_as_the_api_server_does(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    store, _, client = served
+    for name in ("a", "b"):
+        store.add_pod(running_pod(name, {"app": "batch"}))
+    store.add_pod(running_pod("free", {"app": "other"}))
+    budget = store.add_pdb(
+        "team",
+        {
+            "metadata": {"name": "batch"},
+            "spec": {"selector": {"matchLabels": {"app": "batch"}}, "minAvailable": 1},
+        },
+    )
+    assert budget["status"]["disruptionsAllowed"] == 1
+    # a dry run changes nothing
+    await client.evict_pod("team", "a", "uid-a", dry_run=True)
+    assert store.evictions == []
+    assert "deletionTimestamp" not in (await client.get_pod("team", "a"))["metadata"]
+    # the UID is a precondition
+    with pytest.raises(Conflict):
+        await client.evict_pod("team", "a", "uid-other")
+    await client.evict_pod("team", "a", "uid-a")
+    evicted = await client.get_pod("team", "a")
+    assert evicted["metadata"]["deletionTimestamp"]
+    assert evicted["metadata"]["deletionGracePeriodSeconds"] == 7
+    assert {c["type"]: c["reason"] for c in evicted["status"]["conditions"]} == {
+        "DisruptionTarget": "EvictionByEvictionAPI"
+    }
+    # one healthy pod is left of the two: the budget allows no more (429), dry run or not
+    for dry in (True, False):
+        with pytest.raises(EvictionRefused, match="disruption budget"):
+            await client.evict_pod("team", "b", "uid-b", dry_run=dry)
+    await client.evict_pod("team", "free", "uid-free")  # another budget's pods: none
+    assert store.evictions == [("team", "a"), ("team", "free")]
+    with pytest.raises(PodNotFound):
+        await client.evict_pod("team", "gone", "uid-gone")
+
+
+async def test_nominated_node_and_events_are_written_as_asked_and_only_so(
+    served: tuple[LocalKubeApi, DevApiServer, KubernetesApi],
+) -> None:
+    store, server, client = served
+    store.add_pod(pod("a", "uid-a"))
+    await client.patch_pod_status("team", "a", {"nominatedNodeName": "node-1"})
+    assert (await client.get_pod("team", "a"))["status"]["nominatedNodeName"] == "node-1"
+    with pytest.raises(KubeError, match="nominatedNodeName only"):
+        await client.patch_pod_status("team", "a", {"phase": "Running"})
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": "a.1", "namespace": "team"},
+        "involvedObject": {"kind": "Pod", "namespace": "team", "name": "a", "uid": "uid-a"},
+        "reason": "Preempted",
+        "message": "by team/b",
+        "type": "Normal",
+    }
+    await client.create_event("team", event)
+    with pytest.raises(KubeError, match=r"involvedObject\.namespace"):
+        await client.create_event("team", {**event, "involvedObject": {"namespace": "other"}})
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {server.token}"}) as http:
+        listed = (await http.get(f"{server.url}/api/v1/namespaces/team/events")).json()
+        # an eviction whose name differs from the URL's is refused, as the API server does
+        wrong = await http.post(
+            f"{server.url}/api/v1/namespaces/team/pods/a/eviction",
+            json={"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "b"}},
+        )
+    assert [(e["reason"], e["involvedObject"]["name"]) for e in listed["items"]] == [
+        ("Preempted", "a")
+    ]
+    assert wrong.status_code == 400
+    assert store.evictions == []

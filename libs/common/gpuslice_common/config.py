@@ -415,6 +415,12 @@ class SchedulerSettings(CommonSettings):
     # released them); off, such cards are free only once the inventory releases
     # them. Never with kube_api "local", whose pods are only those it was shown
     free_ended_holders: bool = True
+    # GPU preemption at filter time: a GPU pod that fits no node evicts GPU pods
+    # of lower priority (docs/architecture.md, Scheduler: Preemption)
+    preemption: bool = True
+    # how long the room freed by a preemption stays held for its pod if it
+    # does not bind before
+    nomination_ttl: Duration = timedelta(minutes=5)
 
 
 class InventorySettings(CommonSettings):

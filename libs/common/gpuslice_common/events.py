@@ -38,6 +38,7 @@ class EventType(enum.StrEnum):
     ALLOC_ALLOCATED = "io.gpuslice.alloc.allocated"
     ALLOC_RELEASED = "io.gpuslice.alloc.released"
     ALLOC_FAILED = "io.gpuslice.alloc.failed"
+    ALLOC_PREEMPTED = "io.gpuslice.alloc.preempted"  # evicted for a pod of higher priority
     # the node agent's enforcement (gpuslice_deviceplugin.enforcer), one type per action
     ENFORCE_MEMORY_KILL = "io.gpuslice.enforce.memory-kill"
     ENFORCE_THROTTLE = "io.gpuslice.enforce.throttle"
@@ -108,6 +109,7 @@ PAYLOADS: dict[EventType, type[Frozen]] = {
     EventType.ALLOC_ALLOCATED: AllocationEvent,
     EventType.ALLOC_RELEASED: AllocationEvent,
     EventType.ALLOC_FAILED: AllocationEvent,
+    EventType.ALLOC_PREEMPTED: AllocationEvent,
     EventType.ENFORCE_MEMORY_KILL: EnforcementEvent,
     EventType.ENFORCE_THROTTLE: EnforcementEvent,
     EventType.ENFORCE_COMPUTE_KILL: EnforcementEvent,

@@ -44,6 +44,7 @@ import logging
 import os
 import secrets
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -58,6 +59,7 @@ __all__ = [
     "DEFAULT_AUDIENCE",
     "AccessRules",
     "Conflict",
+    "EvictionRefused",
     "KubeApi",
     "KubeError",
     "KubernetesApi",
@@ -184,6 +186,11 @@ class Conflict(KubeError):
     already bound to another node."""
 
 
+class EvictionRefused(KubeError):
+    """An eviction the API server refused for now (429): a PodDisruptionBudget
+    allows no more disruption of the pod's set."""
+
+
 class KubeApi(Protocol):
     """What gpuslice services need from the Kubernetes API server."""
 
@@ -201,6 +208,24 @@ class KubeApi(Protocol):
     async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
         """Bind the pod to ``node``. ``uid`` guards against binding a newer pod
         that took the same name. Raises :class:`Conflict` if it is already bound."""
+        ...
+
+    async def evict_pod(
+        self, namespace: str, name: str, uid: str, *, dry_run: bool = False
+    ) -> None:
+        """Evict the pod through the Eviction API (``policy/v1``), which honours
+        PodDisruptionBudgets; only the pod of this ``uid`` (a precondition). With
+        ``dry_run`` the server checks and changes nothing. Raises
+        :class:`EvictionRefused` (429: a budget forbids it now), :class:`PodNotFound`,
+        :class:`Conflict` (the UID differs)."""
+        ...
+
+    async def patch_pod_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Merge ``status`` into the pod's status (the ``pods/status`` subresource)."""
+        ...
+
+    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        """Create a core/v1 Event in ``namespace``."""
         ...
 
     async def get_namespace(self, name: str) -> dict[str, Any]:
@@ -425,6 +450,62 @@ class KubernetesApi:
             ),
             not_found=f"pod {_pod_ref(namespace, name)} not found",
             missing=PodNotFound,
+        )
+
+    async def evict_pod(
+        self, namespace: str, name: str, uid: str, *, dry_run: bool = False
+    ) -> None:
+        eviction = k8s.V1Eviction(
+            api_version="policy/v1",
+            kind="Eviction",
+            metadata=k8s.V1ObjectMeta(name=name, namespace=namespace),
+            delete_options=k8s.V1DeleteOptions(
+                preconditions=k8s.V1Preconditions(uid=uid), dry_run=["All"] if dry_run else None
+            ),
+        )
+        try:
+            await self._call(
+                f"evicting pod {_pod_ref(namespace, name)}",
+                lambda: self._core.create_namespaced_pod_eviction(
+                    name=name,
+                    namespace=namespace,
+                    body=eviction,
+                    _preload_content=False,
+                    _request_timeout=self._timeout,
+                ),
+                not_found=f"pod {_pod_ref(namespace, name)} not found",
+                missing=PodNotFound,
+            )
+        except KubeError as exc:
+            if exc.status == 429:
+                raise EvictionRefused(str(exc), 429) from None
+            raise
+
+    async def patch_pod_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        await self._call(
+            f"patching the status of pod {_pod_ref(namespace, name)}",
+            lambda: self._core.patch_namespaced_pod_status(
+                name=name,
+                namespace=namespace,
+                body={"status": dict(status)},
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+            not_found=f"pod {_pod_ref(namespace, name)} not found",
+            missing=PodNotFound,
+        )
+
+    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        await self._call(
+            f"recording an event in namespace {namespace}",
+            lambda: self._core.create_namespaced_event(
+                namespace=namespace,
+                body=dict(event),  # type: ignore[arg-type]  # the client serialises a dict as is
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+            not_found=f"namespace {namespace} not found",
         )
 
     async def get_namespace(self, name: str) -> dict[str, Any]:
@@ -963,6 +1044,22 @@ class AccessRules:
         return {"allowed": False, "reason": "no rule matches"}
 
 
+def _rfc3339(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def _budget_count(value: Any, total: int, what: str) -> int:
+    """A PodDisruptionBudget's count: a whole number, or a percentage of
+    ``total`` rounded up, as the disruption controller rounds it."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.endswith("%") and value[:-1].isdigit():
+        percent = int(value[:-1])
+        if percent <= 100:
+            return -(-total * percent // 100)
+    raise KubeError(f"spec.{what} must be a count or a percentage, got {value!r}", 422)
+
+
 class _Changes:
     """One kind's changes as :class:`LocalKubeApi` numbers them: the last
     WATCH_HISTORY kept for watches that resume from a version, and the watches
@@ -1025,6 +1122,10 @@ class LocalKubeApi:
         self._nodes: dict[str, dict[str, Any]] = {}
         self._namespaces: dict[str, dict[str, str]] = {}
         self._quotas: dict[tuple[str, str], dict[str, Any]] = {}
+        self._budgets: dict[tuple[str, str], dict[str, Any]] = {}  # PodDisruptionBudgets
+        self.priority_classes: dict[str, dict[str, Any]] = {}  # name -> PriorityClass
+        self.events: list[dict[str, Any]] = []  # core/v1 Events, in the order made
+        self.evictions: list[tuple[str, str]] = []  # pods evicted (not dry runs), in order
         self.bindings: list[tuple[str, str, str]] = []
         self.patches: list[tuple[str, str, dict[str, str | None]]] = []
         self.closed = False
@@ -1149,6 +1250,178 @@ class LocalKubeApi:
             raise ValueError("a ResourceQuota needs metadata.name")
         metadata["namespace"] = namespace
         self._quotas[(namespace, name)] = stored
+
+    def add_priority_class(
+        self, name: str, value: int, preemption_policy: str = "PreemptLowerPriority"
+    ) -> None:
+        """Store a PriorityClass (what the API server's priority admission reads)."""
+        self.priority_classes[name] = {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": name},
+            "value": value,
+            "preemptionPolicy": preemption_policy,
+        }
+
+    def add_pdb(self, namespace: str, budget: Mapping[str, Any]) -> dict[str, Any]:
+        """Store (a copy of) a PodDisruptionBudget (``policy/v1``): ``spec.selector``
+        with ``matchLabels`` only, and ``minAvailable`` or ``maxUnavailable`` (a
+        count or a percentage). Returns it with its status as now computed."""
+        stored = copy.deepcopy(dict(budget))
+        metadata = stored.setdefault("metadata", {})
+        name = metadata.get("name")
+        if not isinstance(name, str) or not name:
+            raise KubeError("a PodDisruptionBudget needs metadata.name", 422)
+        spec = stored.get("spec")
+        if not isinstance(spec, dict):
+            raise KubeError("a PodDisruptionBudget needs a spec", 422)
+        selector = spec.get("selector")
+        labels = selector.get("matchLabels") if isinstance(selector, dict) else None
+        if not isinstance(selector, dict) or not isinstance(labels, dict) or len(selector) != 1:
+            raise KubeError(
+                "spec.selector must hold matchLabels only (all this server serves)", 422
+            )
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+            raise KubeError("spec.selector.matchLabels must map names to strings", 422)
+        if ("minAvailable" in spec) == ("maxUnavailable" in spec):
+            raise KubeError("a PodDisruptionBudget needs one of minAvailable, maxUnavailable", 422)
+        for key in ("minAvailable", "maxUnavailable"):
+            if key in spec:
+                _budget_count(spec[key], 1, key)  # refused now, not at the first eviction
+        metadata["namespace"] = namespace
+        stored.pop("status", None)
+        self._budgets[(namespace, name)] = stored
+        return self._with_status(stored)
+
+    def list_pdbs(self, namespace: str) -> list[dict[str, Any]]:
+        """The namespace's PodDisruptionBudgets, each with its status as now computed."""
+        return [self._with_status(b) for (ns, _), b in self._budgets.items() if ns == namespace]
+
+    def _with_status(self, budget: dict[str, Any]) -> dict[str, Any]:
+        shown = copy.deepcopy(budget)
+        expected, healthy, desired = self._budget_counts(budget)
+        shown["status"] = {
+            "expectedPods": expected,
+            "currentHealthy": healthy,
+            "desiredHealthy": desired,
+            "disruptionsAllowed": max(0, healthy - desired),
+        }
+        return shown
+
+    def _budget_counts(self, budget: Mapping[str, Any]) -> tuple[int, int, int]:
+        """(pods it covers, healthy ones, how many must stay healthy), as the
+        disruption controller computes them: a covered pod is one of the
+        namespace that matches the selector and has not ended; a healthy one
+        runs and is not being deleted."""
+        spec = budget["spec"]
+        namespace = budget["metadata"]["namespace"]
+        labels = spec["selector"]["matchLabels"]
+        covered = [
+            pod
+            for (ns, _), pod in self._pods.items()
+            if ns == namespace
+            and not pod_terminated(pod)
+            and all((pod["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items())
+        ]
+        healthy = sum(
+            1
+            for pod in covered
+            if pod_phase(pod) == "Running" and not pod["metadata"].get("deletionTimestamp")
+        )
+        expected = len(covered)
+        if "minAvailable" in spec:
+            desired = _budget_count(spec["minAvailable"], expected, "minAvailable")
+        else:
+            desired = expected - _budget_count(spec["maxUnavailable"], expected, "maxUnavailable")
+        return expected, healthy, max(0, desired)
+
+    async def evict_pod(
+        self, namespace: str, name: str, uid: str, *, dry_run: bool = False
+    ) -> None:
+        """As the API server's eviction subresource: a pod that has ended goes at
+        once; one under a PodDisruptionBudget goes only if the budget allows a
+        disruption (else :class:`EvictionRefused`); more than one budget is an
+        error. The pod is then deleted gracefully: marked with a
+        ``deletionTimestamp`` and the DisruptionTarget condition, for its kubelet
+        to stop; a pod bound to no node is deleted at once."""
+        pod = self._pod(namespace, name)
+        ref = _pod_ref(namespace, name)
+        if uid and pod["metadata"].get("uid") != uid:
+            raise Conflict(
+                f"evicting pod {ref} failed: Precondition failed: UID in precondition: {uid}, "
+                f"UID in object meta: {pod['metadata'].get('uid')}",
+                409,
+            )
+        if not pod_terminated(pod) and not pod["metadata"].get("deletionTimestamp"):
+            labels = pod["metadata"].get("labels") or {}
+            budgets = [
+                b
+                for (ns, _), b in self._budgets.items()
+                if ns == namespace
+                and all(labels.get(k) == v for k, v in b["spec"]["selector"]["matchLabels"].items())
+            ]
+            if len(budgets) > 1:
+                raise KubeError(
+                    "This pod has more than one PodDisruptionBudget, which the eviction "
+                    "subresource does not support.",
+                    500,
+                )
+            if budgets:
+                _, healthy, desired = self._budget_counts(budgets[0])
+                if healthy - desired <= 0:
+                    raise EvictionRefused(
+                        f"evicting pod {ref} failed: Cannot evict pod as it would violate the "
+                        f"pod's disruption budget. The disruption budget "
+                        f"{budgets[0]['metadata']['name']} needs {desired} healthy pods and has "
+                        f"{healthy} currently",
+                        429,
+                    )
+        if dry_run:
+            return
+        self.evictions.append((namespace, name))
+        if pod_terminated(pod) or not pod_node(pod):
+            self.delete_pod(namespace, name)
+            return
+        if pod["metadata"].get("deletionTimestamp"):
+            return
+        grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+        grace = grace if isinstance(grace, int) and grace >= 0 else 30
+        pod["metadata"]["deletionTimestamp"] = _rfc3339(time.time() + grace)
+        pod["metadata"]["deletionGracePeriodSeconds"] = grace
+        status = pod.setdefault("status", {})
+        conditions = [
+            c for c in status.get("conditions") or [] if c.get("type") != "DisruptionTarget"
+        ]
+        conditions.append(
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "EvictionByEvictionAPI",
+                "message": "Eviction API: evicting",
+                "lastTransitionTime": _rfc3339(time.time()),
+            }
+        )
+        status["conditions"] = conditions
+        self._changed("MODIFIED", pod)
+
+    async def patch_pod_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        pod = self._pod(namespace, name)
+        held = pod.setdefault("status", {})
+        for key, value in status.items():
+            if value is None:
+                held.pop(key, None)
+            else:
+                held[key] = copy.deepcopy(value)
+        self._changed("MODIFIED", pod)
+
+    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        stored = copy.deepcopy(dict(event))
+        metadata = stored.setdefault("metadata", {})
+        metadata["namespace"] = namespace
+        metadata.setdefault("name", f"event.{secrets.token_hex(8)}")
+        metadata["uid"] = str(uuid.uuid4())
+        self._stamp(stored)
+        self.events.append(stored)
 
     def delete_pod(self, namespace: str, name: str) -> None:
         pod = self._pods.pop((namespace, name), None)

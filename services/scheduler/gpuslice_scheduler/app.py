@@ -53,7 +53,7 @@ class Verbs:
         self.metrics = extender.metrics
 
         async def filter_(body: bytes) -> Any:
-            return await extender.filter(ExtenderArgs.parse(body, "filter"))
+            return await extender.filter_preempting(ExtenderArgs.parse(body, "filter"))
 
         async def prioritize(body: bytes) -> Any:
             return extender.prioritize(ExtenderArgs.parse(body, "prioritize"))
@@ -63,7 +63,7 @@ class Verbs:
             return BOUND
 
         async def preempt(body: bytes) -> Any:
-            return extender.preempt(PreemptionArgs.parse(body))
+            return await extender.preempt(PreemptionArgs.parse(body))
 
         # path -> (verb, handler, reply for an error, HTTP status of an error reply)
         self.verbs: dict[str, tuple[str, Handler, Callable[[str], Any], int]] = {

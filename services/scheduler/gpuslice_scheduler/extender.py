@@ -41,6 +41,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -65,6 +66,7 @@ from gpuslice_common.models import (
     PodGpuRequest,
     PodRef,
 )
+from gpuslice_common.nominations import Nominations
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.requests import RequestError, parse_pod
 from gpuslice_scheduler.engine import (
@@ -80,7 +82,8 @@ from gpuslice_scheduler.fragmentation import MixLearner, WorkloadMix
 from gpuslice_scheduler.hamivendor import EncodingError, vendor_annotations
 from gpuslice_scheduler.holders import MAX_NODES, Freed, HolderCheck
 from gpuslice_scheduler.metrics import Metrics
-from gpuslice_scheduler.requested import pod_request
+from gpuslice_scheduler.preemption import Preemptor
+from gpuslice_scheduler.requested import ResourceError, pod_request
 from gpuslice_scheduler.view import ClusterView
 from gpuslice_scheduler.wire import BindingArgs, ExtenderArgs, PreemptionArgs, filter_error
 
@@ -151,6 +154,18 @@ class Extender:
         self.holders: HolderCheck | None = None
         if settings.free_ended_holders and settings.kube_api == "cluster":
             self.holders = HolderCheck(ledger, kube, self.metrics, self._announce_freed)
+        self.preemptor: Preemptor | None = None
+        if settings.preemption:
+            self.preemptor = Preemptor(
+                ledger,
+                view,
+                kube,
+                Nominations(ledger),
+                self.metrics,
+                self._send,
+                self._held_request,
+                settings.nomination_ttl.total_seconds(),
+            )
 
     # ------------------------------------------------------------ reading verbs
 
@@ -186,7 +201,7 @@ class Extender:
             self.learner.observe(uid, None, DeviceSelector(), cpu, memory)
         return Demand.of(None, self.settings.requests.default_gpu_policy, cpu=cpu, memory=memory)
 
-    def _node_request(self, pod: dict[str, Any]) -> tuple[float, float]:
+    def _node_request(self, pod: Mapping[str, Any]) -> tuple[float, float]:
         """The pod's CPU (milli) and memory (MiB) request, where nodes' are followed.
 
         While no node's CPU and memory are known (no Node objects yet, or an
@@ -201,6 +216,14 @@ class Extender:
         if not self.view.weighs_resources():
             return 0.0, 0.0
         return float(amount.cpu), amount.memory_mib
+
+    def _held_request(self, pod: Mapping[str, Any]) -> tuple[float, float]:
+        """A bound pod's CPU and memory as its node counts them (0 where unreadable:
+        its going frees nothing that is counted)."""
+        try:
+            return self._node_request(pod)
+        except ResourceError:
+            return 0.0, 0.0
 
     async def close(self) -> None:
         """Stop background work (a mix being warmed up)."""
@@ -281,9 +304,9 @@ class Extender:
             return args.filter_reply(args.node_names, {}, {})
         ev, unknown = self._evaluate(demand, args.node_names)
         if self.holders is not None and not ev.feasible.all():
-            held = self._held(demand, ev)
-            if held:
-                await self._free_held(held, _uid(args.pod), "filter")
+            full = self._held(demand, ev)
+            if full:
+                await self._free_held(full, _uid(args.pod), "filter")
                 ev, unknown = self._evaluate(demand, args.node_names)
         names = self.view.cluster.names
         passed = names[ev.nodes[ev.feasible]].tolist()  # in the order they were sent
@@ -294,6 +317,11 @@ class Extender:
                 passed = [n for n in passed if n not in self.view.rebuilding]
                 failed.update(dict.fromkeys(waiting, REBUILDING))
                 self.metrics.failures.labels("filter", "NodeLedgerRebuilding").inc(len(waiting))
+        if self.preemptor is not None and passed:  # rooms held for preempting pods
+            nominated = self.preemptor.holds(args.pod, demand, passed)
+            if nominated:
+                passed = [n for n in passed if n not in nominated]
+                failed.update(nominated)
         unresolvable = dict.fromkeys(unknown, UNKNOWN_NODE)
         rows = np.flatnonzero(~ev.feasible)
         if rows.size:
@@ -348,6 +376,27 @@ class Extender:
         )
         await self._send(EventType.ALLOC_RELEASED, payload)
 
+    async def filter_preempting(self, args: ExtenderArgs) -> dict[str, Any]:
+        """:meth:`filter`; where a GPU pod fits none of the nodes, GPU preemption
+        (:mod:`gpuslice_scheduler.preemption`) on those that failed for a reason
+        it can cure: the node it nominates shows why the pod waits there."""
+        reply = await self.filter(args)
+        passed = reply["NodeNames"] or (reply["Nodes"] or {}).get("items")
+        if self.preemptor is None or reply["Error"] or passed:
+            return reply
+        failed: dict[str, str] = reply["FailedNodes"]
+        curable = [n for n in args.node_names if n in failed and failed[n] != REBUILDING]
+        if not curable:
+            return reply
+        demand = self._demand(args.pod)  # parsed by filter already: kept
+        if demand is None or demand.request is None:
+            return reply
+        nominated = await self.preemptor.preempt(args.pod, demand, curable)
+        if nominated is not None:
+            node, line = nominated
+            failed[node] = line
+        return reply
+
     def _learn_nodes(self, args: ExtenderArgs) -> None:
         """With the in-memory API (the dev stack, the trace replay), learn the
         nodes of a filter call that carries full Node objects, as a cluster's API
@@ -386,9 +435,19 @@ class Extender:
         ]
         return b"[" + b",".join(parts) + b"]"
 
-    def preempt(self, args: PreemptionArgs) -> dict[str, Any]:
-        """Victims as proposed, in MetaVictims form (gpuslice does not narrow them)."""
-        return {"NodeNameToMetaVictims": args.victims}
+    async def preempt(self, args: PreemptionArgs) -> dict[str, Any]:
+        """kube-scheduler's own victims (found for CPU, memory or other reasons: it
+        cannot see GPUs), in MetaVictims form, kept on the nodes where the pod's
+        GPUs fit once they are gone (all of them for a pod without GPUs, or with
+        preemption off). gpuslice's GPU preemption happens at filter time."""
+        if self.preemptor is None:
+            return {"NodeNameToMetaVictims": args.victims}
+        try:
+            demand = self._demand(args.pod)
+        except RequestError as exc:
+            raise BindError(f"gpuslice: {exc}") from None
+        kept = await self.preemptor.narrow(demand, args.victims)
+        return {"NodeNameToMetaVictims": kept}
 
     # ------------------------------------------------------------ bind
 
@@ -565,6 +624,8 @@ class Extender:
                 ) from None
         self.metrics.placements.labels(chosen.policy or "unknown").inc()
         await self._publish(EventType.ALLOC_BOUND, chosen)
+        if self.preemptor is not None:  # a nominated pod bound: its held room is its own now
+            await self.preemptor.bound(args.pod_uid)
 
     async def _bind_in_turn(self, args: BindingArgs) -> None:
         """Mark the reservation bound once no other pod bound to the node waits for

@@ -65,3 +65,15 @@ class Metrics:
             "Registered nodes left out of the scheduler's copy: their record cannot be read.",
             registry=self.registry,
         )
+        self.preemptions = Counter(
+            "gpuslice_scheduler_preemptions",
+            "GPU preemptions tried at filter time, by outcome (nominated, no_victims, "
+            "refused: a disruption budget stopped it midway, error).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.victims = Counter(
+            "gpuslice_scheduler_preemption_victims",
+            "GPU pods evicted to make room for pods of higher priority.",
+            registry=self.registry,
+        )

@@ -64,6 +64,9 @@ async def running(
     background = [syncing]
     if resources is not None:
         background.append(asyncio.create_task(resources.run(), name="node-resources"))
+    if extender.preemptor is not None:
+        nominations = extender.preemptor.run(settings.sync_interval.total_seconds())
+        background.append(asyncio.create_task(nominations, name="nominations"))
     report = ReportPublisher(
         ledger, view, lambda: extender.learner.mix, settings.requests.default_gpu_policy
     )

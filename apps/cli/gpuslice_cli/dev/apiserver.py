@@ -6,6 +6,13 @@ from a :class:`~gpuslice_common.kube.LocalKubeApi` held by the cluster driver:
 * ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``PATCH`` of the same path
   (a JSON merge patch of ``metadata.annotations`` only),
   ``POST .../pods/{name}/binding``;
+* ``POST .../pods/{name}/eviction`` (``policy/v1`` Eviction: PodDisruptionBudgets
+  honoured, 429 where one allows no disruption; ``dryRun``; a UID precondition),
+  ``PATCH .../pods/{name}/status`` (a merge patch of ``status.nominatedNodeName``
+  only);
+* ``POST`` and ``GET /api/v1/namespaces/{ns}/events`` (core/v1 Events);
+* ``POST`` and ``GET /apis/policy/v1/namespaces/{ns}/poddisruptionbudgets``
+  (``matchLabels`` selectors; the status computed at each read);
 * ``GET /api/v1/namespaces/{name}``, ``GET /api/v1/namespaces/{ns}/resourcequotas``;
 * ``GET /api/v1/namespaces/{ns}/pods`` (``fieldSelector`` for pods that have not
   terminated), ``GET /api/v1/pods`` and its ``watch=true`` stream;
@@ -40,6 +47,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gpuslice_common.kube import (
     RUNNING_PODS,
     Conflict,
+    EvictionRefused,
     KubeError,
     LocalKubeApi,
     NotFound,
@@ -118,6 +126,7 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
     watches = app.state.watches = Watches()
     answers: list[tuple[type[Exception], int, str]] = [
         (Unauthorized, 401, "Unauthorized"),
+        (EvictionRefused, 429, "TooManyRequests"),
         (Conflict, 409, "Conflict"),
         (NotFound, 404, "NotFound"),
         (KubeError, 422, "Invalid"),
@@ -170,6 +179,83 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
             raise KubeError("a Binding with target.name is expected")
         await kube.bind_pod(namespace, name, uid if isinstance(uid, str) else "", node)
         return status(201, "", "")
+
+    @app.post("/api/v1/namespaces/{namespace}/pods/{name}/eviction", status_code=201)
+    async def evict(namespace: str, name: str, request: Request) -> Response:
+        eviction = await body_of(request)
+        metadata = eviction.get("metadata")
+        options = eviction.get("deleteOptions") or {}
+        if eviction.get("kind") != "Eviction" or eviction.get("apiVersion") != "policy/v1":
+            raise KubeError("a policy/v1 Eviction is expected")
+        if not isinstance(metadata, dict) or metadata.get("name") != name:
+            return status(400, "BadRequest", "name in URL does not match name in Eviction object")
+        if metadata.get("namespace") not in (None, namespace):
+            return status(400, "BadRequest", "namespace in URL does not match the Eviction's")
+        if not isinstance(options, dict):
+            raise KubeError("deleteOptions must be an object")
+        preconditions = options.get("preconditions") or {}
+        uid = preconditions.get("uid") if isinstance(preconditions, dict) else None
+        dry = options.get("dryRun") or []
+        if not isinstance(dry, list) or not set(dry) <= {"All"}:
+            raise KubeError("deleteOptions.dryRun may only be [] or [All]")
+        await kube.evict_pod(
+            namespace, name, uid if isinstance(uid, str) else "", dry_run=bool(dry)
+        )
+        return status(201, "", "")
+
+    @app.patch("/api/v1/namespaces/{namespace}/pods/{name}/status")
+    async def patch_status(namespace: str, name: str, request: Request) -> Response:
+        if request.headers.get("content-type") != MERGE_PATCH:
+            return status(415, "UnsupportedMediaType", f"only {MERGE_PATCH} is served here")
+        patch = await body_of(request)
+        fields = patch.get("status")
+        if (
+            set(patch) != {"status"}
+            or not isinstance(fields, dict)
+            or set(fields) != {"nominatedNodeName"}
+        ):
+            raise KubeError("this API server patches status.nominatedNodeName only")
+        if not isinstance(fields["nominatedNodeName"], str | None):
+            raise KubeError("status.nominatedNodeName must be a string or null")
+        await kube.patch_pod_status(namespace, name, fields)
+        return JSONResponse(await kube.get_pod(namespace, name))
+
+    @app.post("/api/v1/namespaces/{namespace}/events", status_code=201)
+    async def create_event(namespace: str, request: Request) -> Response:
+        event = await body_of(request)
+        involved = event.get("involvedObject")
+        metadata = event.get("metadata")
+        if event.get("kind") != "Event" or not isinstance(involved, dict):
+            raise KubeError("an Event with involvedObject is expected")
+        if isinstance(metadata, dict) and metadata.get("namespace") not in (None, namespace):
+            raise KubeError("the Event's namespace does not match the URL's")
+        if involved.get("namespace") not in (None, namespace):
+            raise KubeError("involvedObject.namespace does not match the Event's namespace")
+        for key in ("reason", "message"):
+            if not isinstance(event.get(key), str) or len(event[key]) > 4096:
+                raise KubeError(f"{key} must be a string of at most 4096 characters")
+        if event.get("type") not in ("Normal", "Warning"):
+            raise KubeError("type must be Normal or Warning")
+        await kube.create_event(namespace, event)
+        return JSONResponse(kube.events[-1], status_code=201)
+
+    @app.get("/api/v1/namespaces/{namespace}/events")
+    async def list_events(namespace: str) -> dict[str, Any]:
+        items = [e for e in kube.events if e["metadata"]["namespace"] == namespace]
+        return a_list("EventList", items, kube.resource_version)
+
+    @app.post("/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets", status_code=201)
+    async def create_pdb(namespace: str, request: Request) -> dict[str, Any]:
+        budget = await body_of(request)
+        if budget.get("kind") != "PodDisruptionBudget":
+            raise KubeError("a PodDisruptionBudget is expected")
+        return kube.add_pdb(namespace, budget)
+
+    @app.get("/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets")
+    async def list_pdbs(namespace: str) -> dict[str, Any]:
+        listed = a_list("PodDisruptionBudgetList", kube.list_pdbs(namespace), kube.resource_version)
+        listed["apiVersion"] = "policy/v1"
+        return listed
 
     @app.get("/api/v1/namespaces/{name}")
     async def get_namespace(name: str) -> dict[str, Any]:

@@ -57,7 +57,7 @@ import os
 import re
 import signal
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ import grpc
 import httpx
 
 from gpuslice_cli.dev.kubelet import Plugin
+from gpuslice_cli.dev.priority import admit_priority
 from gpuslice_cli.dev.stack import NATIVE_BUILD, NodeSpec, Stack, StackError
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import ResourceNames
@@ -92,6 +93,9 @@ RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 2.0
 # a replica that refused a connection gets no call for this long
 REPLICA_DOWN_S = 1.0
+# filter's reasons that kube-scheduler's next tries outlast: a node's ledger
+# being rebuilt, pods evicted for this one ending (GPU preemption)
+WAIT_REASONS = ("NodeLedgerRebuilding", "GpuPreemption")
 FIELD_REFS = {
     "metadata.name": lambda pod: pod["metadata"]["name"],
     "metadata.namespace": lambda pod: pod["metadata"]["namespace"],
@@ -114,6 +118,7 @@ class ContainerRun:
     # the device IDs of every other device-plugin resource, by resource
     extended: dict[str, tuple[str, ...]] = field(default_factory=dict)
     log_path: Path | None = None  # its output, kept once it has run
+    pid: int | None = None  # its first process (its process group's), once started
 
     def tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines of its output."""
@@ -425,6 +430,9 @@ class ClusterDriver:
         self, pod: dict[str, Any]
     ) -> tuple[dict[str, Any] | None, str, tuple[str, ...]]:
         """(the admitted pod, "", warnings) or (None, the refusal, ())."""
+        refusal = admit_priority(pod, self.stack.kube.priority_classes)  # before any webhook
+        if refusal:
+            return None, refusal, ()
         review = {
             "apiVersion": "admission.k8s.io/v1",
             "kind": "AdmissionReview",
@@ -491,7 +499,7 @@ class ClusterDriver:
                 **(result.get("FailedAndUnresolvableNodes") or {}),
             }
             why = "; ".join(f"{node}: {reason}" for node, reason in sorted(failed.items()))
-            if any(reason.startswith("NodeLedgerRebuilding") for reason in failed.values()):
+            if any(reason.startswith(WAIT_REASONS) for reason in failed.values()):
                 # kube-scheduler tries an unschedulable pod again as the nodes change
                 raise Retry(f"0/{len(names)} nodes are available: {why}")
             raise Unschedulable(f"0/{len(names)} nodes are available: {why}")
@@ -639,6 +647,7 @@ class ClusterDriver:
                 stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: the container's processes
             )
+            run.pid = proc.pid
             note = ""
             running = self._processes.setdefault(pod_uid, set())
             running.add(proc.pid)
@@ -738,14 +747,15 @@ class ClusterDriver:
             with contextlib.suppress(PodNotFound):  # deleted meanwhile (delete_pod)
                 self.stack.kube.set_phase(meta["namespace"], meta["name"], "Running")
             pairs = list(zip(containers, envs, outcome.containers, strict=True))
-            for (kind, container), env, run in pairs:
-                if kind == "init":
-                    await self.run_container(
-                        container, env, run, self.log_path(pod, run.name), meta["uid"]
-                    )
-                    if run.returncode != 0:
-                        break
-            else:
+
+            async def run_all() -> None:
+                for (kind, container), env, run in pairs:
+                    if kind == "init":
+                        await self.run_container(
+                            container, env, run, self.log_path(pod, run.name), meta["uid"]
+                        )
+                        if run.returncode != 0:
+                            return
                 await asyncio.gather(
                     *(
                         self.run_container(
@@ -755,9 +765,13 @@ class ClusterDriver:
                         if kind == "app"
                     )
                 )
-            ok = all(run.returncode == 0 for run in outcome.containers)
+
+            deleted = await self._stopped_if_deleted(pod, run_all(), outcome.containers)
+            ok = all(run.returncode == 0 for run in outcome.containers) and not deleted
             outcome.phase = "Succeeded" if ok else "Failed"
-            if not ok:
+            if deleted:
+                outcome.reason = deleted
+            elif not ok:
                 failed = [
                     f"{r.name} (exit {r.returncode})"
                     for r in outcome.containers
@@ -782,6 +796,57 @@ class ClusterDriver:
         for pid in list(self._processes.get(pod["metadata"].get("uid", ""), ())):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
+
+    async def _stopped_if_deleted(
+        self, pod: dict[str, Any], work: Coroutine[Any, Any, None], runs: Sequence[ContainerRun]
+    ) -> str:
+        """Run ``work`` (the pod's containers); if the pod is deleted meanwhile (an
+        eviction), stop them as kubelet does: SIGTERM, then SIGKILL after the
+        grace period. Returns why they were stopped, "" when they ran to the end."""
+        running = asyncio.ensure_future(work)
+        deletion = asyncio.ensure_future(self._deletion(pod))
+        try:
+            await asyncio.wait({running, deletion}, return_when=asyncio.FIRST_COMPLETED)
+            if running.done() or deletion.cancelled() or deletion.exception() is not None:
+                await running
+                return ""
+            grace = deletion.result()
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for run in runs:
+                    if run.pid is not None and run.returncode is None:
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(run.pid, sig)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(running), grace)
+                if running.done():
+                    break
+            await running
+            return f"Evicted: the pod was deleted while it ran (grace period {grace:g}s)"
+        finally:
+            deletion.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await deletion
+
+    async def _deletion(self, pod: dict[str, Any]) -> float:
+        """Wait until the pod is being deleted; its grace period in seconds."""
+        kube, meta = self.stack.kube, pod["metadata"]
+        while True:
+            try:
+                held = await kube.get_pod(meta["namespace"], meta["name"])
+            except PodNotFound:
+                return 0.0
+            if held["metadata"].get("uid") != meta["uid"]:
+                return 0.0
+            if held["metadata"].get("deletionTimestamp"):
+                return float(held["metadata"].get("deletionGracePeriodSeconds") or 0)
+            with contextlib.suppress(WatchExpired):
+                async for kind, obj in kube.watch_pods(held["metadata"]["resourceVersion"]):
+                    if obj.get("metadata", {}).get("uid") != meta["uid"]:
+                        continue
+                    if kind == "DELETED":
+                        return 0.0
+                    if obj["metadata"].get("deletionTimestamp"):
+                        return float(obj["metadata"].get("deletionGracePeriodSeconds") or 0)
 
     async def _delete(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]

@@ -65,7 +65,8 @@ accounts {
       { user: scheduler, password: $NATS_SCHEDULER_PASSWORD,
         permissions: { publish: ["gpuslice.events.alloc.reserved", "gpuslice.events.alloc.bound",
                                  "gpuslice.events.alloc.failed",
-                                 "gpuslice.events.alloc.released"],
+                                 "gpuslice.events.alloc.released",
+                                 "gpuslice.events.alloc.preempted"],
                        subscribe: ["_INBOX.>"] } }
       # the inventory: reads inventories, node agents' requests (and
       # answers them in the node's own inbox: never on a subject the

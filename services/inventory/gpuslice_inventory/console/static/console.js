@@ -16,7 +16,7 @@
   const MAX_AUDIT_ROWS = 5000;
   const EVENT_TYPES = [
     'pod.admitted', 'pod.denied', 'alloc.reserved', 'alloc.bound',
-    'alloc.allocated', 'alloc.released', 'alloc.failed',
+    'alloc.allocated', 'alloc.released', 'alloc.failed', 'alloc.preempted',
     'enforce.memory-kill', 'enforce.throttle', 'enforce.compute-kill', 'enforce.ungranted-kill',
   ];
   const STATES = ['reserved', 'bound', 'allocated', 'released', 'denied', 'failed'];
