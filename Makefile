@@ -22,7 +22,7 @@ DOCKER  ?= docker
 help:
 	@echo "make demo   - install, build the interposer, run the whole stack's demo scenario"
 	@echo "make test   - install, lint, type-check, check import contracts, run the tests"
-	@echo "make bench  - run the ledger, extender, interposer, device plugin, webhook, inventory, console and (as root) node-agent enforcement benchmarks (a few minutes)"
+	@echo "make bench  - run the ledger, extender, interposer, device plugin, webhook, inventory, console, bind-turn and (as root) node-agent enforcement benchmarks (a few minutes)"
 	@echo "make bench-packing - replay the openb traces and derived workloads with every policy (minutes)"
 	@echo "make gpu-check - the interposer's GPU kit (needs an NVIDIA GPU and driver)"
 	@echo "make image  - build the image $(IMAGE):$(VERSION) with Docker (IMAGE=..., VERSION=... to change)"
@@ -122,6 +122,7 @@ bench: deps
 	$(BIN)/python bench/inventory_bench.py
 	$(BIN)/python bench/reconcile_bench.py
 	$(BIN)/python bench/console_bench.py
+	$(BIN)/python bench/bind_turn_bench.py
 	$(MAKE) -s -C native fakes progs
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python bench/enforcer_bench.py; \
 	else echo "make: bench/enforcer_bench.py needs root (cgroups, mount namespaces): run it with sudo"; fi
