@@ -317,12 +317,13 @@ async def test_cards_of_a_deleted_pod_the_inventory_has_not_released_pass_filter
     the inventory has released that pod's cards: the API server's word frees them."""
     hog = await stack.add(gpu_pod("hog", gpus=1))
     assert (await stack.bind(hog, "node-c")).json() == {"Error": ""}
+    await stack.ledger.allocate("node-c", 1)  # kubelet admitted it: it runs
     other = await stack.add(gpu_pod("other", gpus=1))
     assert (await stack.bind(other, "node-a")).json() == {"Error": ""}
     waiting = await stack.add(gpu_pod("waiting", mem=1000, cores=10))
     reply = (await stack.post("filter", args(waiting, "node-c"))).json()
     assert reply["NodeNames"] == []  # the hog is alive: its card stays its own
-    assert (await stack.ledger.placement("uid-hog")).state is PlacementState.BOUND  # type: ignore[union-attr]
+    assert (await stack.ledger.placement("uid-hog")).state is PlacementState.ALLOCATED  # type: ignore[union-attr]
 
     stack.kube.delete_pod("team", "hog")
     reply = (await stack.post("filter", args(waiting, "node-c"))).json()
@@ -338,6 +339,7 @@ async def test_cards_of_a_deleted_pod_the_inventory_has_not_released_pass_filter
 
     # bind finds the same where its filter did not run: the pod's card ended
     assert (await stack.bind(waiting, "node-c")).json() == {"Error": ""}
+    await stack.ledger.allocate("node-c", 1)
     stack.kube.set_phase("team", "waiting", "Succeeded")
     late = await stack.add(gpu_pod("late", gpus=1))
     assert (await stack.bind(late, "node-c")).json() == {"Error": ""}

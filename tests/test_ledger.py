@@ -256,15 +256,60 @@ async def test_an_exclusive_bind_waits_while_another_pod_awaits_allocate(
     assert bound.state == PlacementState.BOUND
 
 
-async def test_the_turn_passes_when_the_waiting_pod_is_released(ledger: Ledger) -> None:
+async def test_the_turn_passes_at_once_when_the_waiting_pod_had_no_binding(
+    ledger: Ledger,
+) -> None:
     await ledger.register_node(make_inventory("node-a"), rebuilt=True)
     await ledger.reserve(placement("a", "node-a", [[(0, 100, 1)]]))
     await ledger.reserve(placement("b", "node-a", [[(1, 100, 1)]]))
     await ledger.mark_bound("a", exclusive=True)
     with pytest.raises(NodeBusy):
         await ledger.mark_bound("b", exclusive=True)
-    await ledger.release("a", "deleted before kubelet admitted it")
+    await ledger.release("a", "bind failed", kubelet_may_admit=False)
     assert (await ledger.mark_bound("b", exclusive=True)).state == PlacementState.BOUND
+
+
+async def age_release(ledger: Ledger, node: str, uid: str, ms: int) -> None:
+    """Move a released record's release time ``ms`` into the past."""
+    key = ledger.node_keys(node).pods
+    record = json.loads(await ledger.redis.hget(key, uid))
+    record["times"]["released"] -= ms
+    await ledger.redis.hset(key, uid, json.dumps(record))
+
+
+async def test_a_pod_deleted_before_kubelet_admitted_it_keeps_the_turn_a_while(
+    ledger: Ledger,
+) -> None:
+    """Kubelet, lagging its watch, may still admit a pod just deleted: its ghost
+    holds the node's turn for 30 s, and an Allocate it could be meant by is
+    refused rather than given to the pod bound after it."""
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    await ledger.reserve(placement("a", "node-a", [[(0, 100, 1)]]))
+    await ledger.reserve(placement("b", "node-a", [[(1, 100, 1)]]))
+    await ledger.mark_bound("a", exclusive=True)
+    await ledger.release("a", "deleted")
+    with pytest.raises(NodeBusy, match="taking pod a"):
+        await ledger.mark_bound("b", exclusive=True)
+    await ledger.mark_bound("b")  # as a bind that skipped the turn would
+    assert await ledger.next_allocation("node-a", 1) is None
+    with pytest.raises(AmbiguousAllocation, match="pods b, a"):
+        await ledger.allocate("node-a", 1)
+    await age_release(ledger, "node-a", "a", 31_000)
+    assert (await ledger.allocate("node-a", 1)).placement.pod.uid == "b"
+
+
+async def test_a_ghost_alone_is_never_handed_out_and_lapses(ledger: Ledger) -> None:
+    await ledger.register_node(make_inventory("node-a"), rebuilt=True)
+    await ledger.reserve(placement("a", "node-a", [[(0, 100, 1)]]))
+    await ledger.mark_bound("a", exclusive=True)
+    await ledger.release("a", "deleted")
+    with pytest.raises(NotReserved):
+        await ledger.allocate("node-a", 1)  # kubelet admitting the deleted pod: nothing
+    await age_release(ledger, "node-a", "a", 31_000)
+    await ledger.reserve(placement("b", "node-a", [[(1, 100, 1)]]))
+    assert (await ledger.mark_bound("b", exclusive=True)).state == PlacementState.BOUND
+    assert (await ledger.allocate("node-a", 1)).placement.pod.uid == "b"
+    assert await ledger.redis.zcard(ledger.node_keys("node-a").pending) == 0  # both gone
 
 
 async def test_an_exclusive_bind_ignores_pods_another_vendor_allocates(ledger: Ledger) -> None:
@@ -322,6 +367,7 @@ async def test_allocate_refuses_when_it_could_mean_several_pods(ledger: Ledger) 
     pair = await ledger.allocate("node-a", 2)
     assert pair.placement.pod.uid == "pair"
     await ledger.release("b", "deleted")
+    await age_release(ledger, "node-a", "b", 31_000)  # its ghost lapsed (below)
     assert (await ledger.allocate("node-a", 1, request_id="r2")).placement.pod.uid == "a"
 
 

@@ -24,6 +24,8 @@ async def place(stack: Stack, pod: dict[str, Any], node: str = NODE) -> None:
     reply = (await stack.post("filter", args(pod, node))).json()
     assert reply["NodeNames"] == [node], reply
     assert (await stack.bind(pod, node)).json()["Error"] == ""
+    for container in pod["spec"]["containers"]:  # kubelet admits it: its containers allocated
+        await stack.ledger.allocate(node, int(container["resources"]["limits"]["nvidia.com/gpu"]))
     stack.kube.set_phase("team", pod["metadata"]["name"], "Running")
 
 
@@ -179,3 +181,22 @@ async def test_a_nomination_whose_victims_are_gone_is_kept_while_the_pod_fits_th
     assert answer[1].startswith("GpuPreemption")
     assert await preemptor.nominations.get("uid-high") == before  # the same, not a new one
     assert stack.kube.evictions == [("team", "low-b")]
+
+
+async def test_a_nomination_of_a_pod_deleted_or_replaced_is_no_ones(stack: Stack) -> None:
+    """A preempting pod deleted (a rollout, a Job's retry) leaves its room to
+    no one: the sync drops its nomination, so a replacement does not meet the
+    room as held and evict a second set."""
+    await fill(stack)
+    high = await stack.add(prioritised("high", 1000))
+    (await stack.post("filter", args(high, NODE))).json()
+    preemptor = stack.extender.preemptor
+    assert preemptor is not None
+    nomination = await preemptor.nominations.get("uid-high")
+    assert nomination is not None
+    assert await preemptor._still_waiting(nomination)  # there, not bound: it waits
+    stack.kube.delete_pod("team", "high")
+    assert not await preemptor._still_waiting(nomination)
+    replaced = prioritised("high", 1000, uid="uid-high-2")  # same name, a new UID
+    await stack.add(replaced)
+    assert not await preemptor._still_waiting(nomination)

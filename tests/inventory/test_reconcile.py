@@ -238,3 +238,35 @@ async def test_a_stamp_the_ledger_did_not_answer_counts_as_failed(
         assert (again.stamped, again.waiting, again.failed) == (1, 0, 0)
     finally:
         await ledger.close()
+
+
+async def test_a_pending_pod_kubelet_admitted_is_restored_allocated(
+    ledger: Ledger, redis_url: str
+) -> None:
+    """A pod still pulling its image or running init containers is Pending, yet
+    kubelet allocated its containers: restored as bound it would hold its
+    node's turn (no other GPU pod binds there) until it expired."""
+    await ledger.register_node(make_inventory(NODE, gpus=2), rebuilt=True)
+    pulling = placement("pulling", NODE, [[(0, 1000, 5)]])
+    initialising = placement("initialising", NODE, [[(1, 1000, 5)]])
+    for record in (pulling, initialising):
+        await ledger.reserve(record)
+    kube = LocalKubeApi()
+    started = pod_for(pulling, "Pending")
+    started["status"]["startTime"] = "2026-11-28T10:00:00Z"
+    kube.add_pod(started)
+    init = pod_for(initialising, "Pending")
+    init["status"]["initContainerStatuses"] = [{"name": "fetch", "state": {"running": {}}}]
+    kube.add_pod(init)
+    client: Redis = Redis.from_url(redis_url)
+    await client.flushall()
+    await client.aclose()
+    await ledger.register_node(make_inventory(NODE, gpus=2))
+    result = await reconciler(ledger, kube).run_once()
+    assert result.restored == 2
+    for uid in ("pulling", "initialising"):
+        restored = await ledger.placement(uid)
+        assert restored is not None
+        assert restored.state is PlacementState.ALLOCATED, uid
+    await ledger.reserve(placement("next", NODE, [[(0, 500, 5)]]))
+    assert (await ledger.mark_bound("next", exclusive=True)).state is PlacementState.BOUND

@@ -1017,10 +1017,13 @@ class Ledger:
         if previous.startswith("released:") and other != node and await self._live_on(other, uid):
             await self._free(other, uid, "interrupted release")
 
-    async def _free(self, node: str, uid: str, reason: str) -> list[str]:
+    async def _free(
+        self, node: str, uid: str, reason: str, kubelet_may_admit: bool = True
+    ) -> list[str]:
         """Run the release script for ``uid`` on ``node``."""
         keys = self.node_keys(node).all()
-        return await self._run("release", keys, [uid, reason, self.released_retention_ms])
+        ghost = "1" if kubelet_may_admit else "0"
+        return await self._run("release", keys, [uid, reason, self.released_retention_ms, ghost])
 
     async def _index(self, op: str, uid: str, *args: Any) -> list[str]:
         return await self._run("index", [self.pod_index_key(uid)], [op, *args])
@@ -1124,8 +1127,16 @@ class Ledger:
         )
 
     @_gated
-    async def release(self, pod_uid: str, reason: str = "") -> Release | None:
+    async def release(
+        self, pod_uid: str, reason: str = "", *, kubelet_may_admit: bool = True
+    ) -> Release | None:
         """Give a pod's devices back. Returns None if the ledger never had it.
+
+        A pod released while bound with a container of ours not yet allocated
+        stays a ghost for 30 s (lua/lib.lua): kubelet, lagging its watch, may
+        still admit it, so it keeps the node's turn and an Allocate it could be
+        meant by is refused as ambiguous. ``kubelet_may_admit=False`` where no
+        Binding was made (a bind undone), so none is kept.
 
         The index is marked released first (compare-and-swap on the value read),
         then the node's cards are freed: a reserve that slips in between finds the
@@ -1142,7 +1153,7 @@ class Ledger:
                 break
         else:
             raise LedgerError(f"the index of pod {pod_uid} keeps changing; release not done")
-        reply = await self._free(_index_node(value), pod_uid, reason)
+        reply = await self._free(_index_node(value), pod_uid, reason, kubelet_may_admit)
         if reply[0] == "absent":
             return None
         first = reply[0] == "ok"

@@ -73,6 +73,21 @@ class ReconcileResult:
     waiting: int = 0  # registered nodes left unstamped (restores failed, or too new)
 
 
+def _admitted(pod: Mapping[str, Any]) -> bool:
+    """Whether kubelet has admitted the pod (so allocated its containers): it runs,
+    or kubelet has set its start time or a container's status (a pod still
+    pulling images or running init containers is Pending, yet allocated). Such
+    a pod restored as merely bound would hold its node's turn until it expired."""
+    status = pod.get("status") or {}
+    if pod_phase(pod) == "Running" or not isinstance(status, Mapping):
+        return pod_phase(pod) == "Running"
+    return bool(
+        status.get("startTime")
+        or status.get("containerStatuses")
+        or status.get("initContainerStatuses")
+    )
+
+
 def _record(pod: Mapping[str, Any]) -> Placement | None:
     """The pod's placement annotation, when it has a readable one for itself."""
     metadata = pod.get("metadata")
@@ -201,7 +216,7 @@ class Reconciler:
         if record is None or record.node != pod_node(pod):
             return pod_node(pod), ""
         try:
-            _, new = await self.ledger.restore(record, running=pod_phase(pod) == "Running")
+            _, new = await self.ledger.restore(record, running=_admitted(pod))
         except ReservationConflict as exc:
             log.warning("cannot restore the reservation of pod %s: %s", uid, exc)
             return record.node, "conflict"

@@ -657,7 +657,8 @@ class Extender:
 
     async def _undo(self, args: BindingArgs, chosen: Placement, why: str) -> None:
         try:
-            await self.ledger.release(args.pod_uid, f"bind failed: {why}")
+            # no Binding was made: kubelet cannot be admitting it (no ghost)
+            await self.ledger.release(args.pod_uid, f"bind failed: {why}", kubelet_may_admit=False)
         except LedgerError as exc:  # inventory's reservation TTL frees it later
             log.error("cannot release pod %s after a failed bind: %s", args.pod_uid, exc)
         await self._reread(args.node)

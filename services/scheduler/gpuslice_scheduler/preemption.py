@@ -105,7 +105,7 @@ def _ref(pod: PodRef) -> str:
 class Facts:
     """A GPU pod as the API server describes it, for a victim choice."""
 
-    present: bool  # bound to the node, not being deleted, not ended
+    present: bool  # there (bound, or its bind under way), not being deleted, not ended
     priority: int
     started: str
     node: str
@@ -182,7 +182,9 @@ class Preemptor:
 
     async def run(self, interval: float) -> None:
         """Read the nominations every ``interval`` seconds, forever; drop those whose
-        pod holds a reservation now (it bound, perhaps through another replica)."""
+        pod holds a reservation now (it bound, perhaps through another replica)
+        or is gone, replaced (another UID) or ended: its room is no one's, and
+        a replacement must not meet it as held and evict a second set."""
         failing = False
         while True:
             try:
@@ -190,11 +192,7 @@ class Preemptor:
                 for problem in set(problems) - self._problems:
                     log.warning("left out: %s", problem)
                 self._problems = set(problems)
-                bound = []
-                for n in live:
-                    held = await self.ledger.placement(n.uid)
-                    if held is not None and held.state is not PlacementState.RELEASED:
-                        bound.append(n.uid)
+                bound = [n.uid for n in live if not await self._still_waiting(n)]
                 if bound:
                     await self.nominations.drop(bound)
                 self.live = [n for n in live if n.uid not in bound]
@@ -206,6 +204,14 @@ class Preemptor:
                     log.warning("cannot read the nominations: %s", exc)
                 failing = True
             await asyncio.sleep(interval)
+
+    async def _still_waiting(self, nomination: Nomination) -> bool:
+        """Whether the nominated pod still waits: it holds no reservation yet, and
+        the API server has it (same UID, not being deleted, not ended)."""
+        held = await self.ledger.placement(nomination.uid)
+        if held is not None and held.state is not PlacementState.RELEASED:
+            return False
+        return (await self._fetch(nomination.placement.pod)).present
 
     async def bound(self, uid: str) -> None:
         """The pod bound: its nomination, if this replica knows one, ends."""
@@ -262,10 +268,14 @@ class Preemptor:
     ) -> tuple[str, str] | None:
         existing = await self.nominations.get(uid)
         if existing is not None:
-            if await self._victims_remain(existing) or await self._fits_now(existing, demand):
+            offered = existing.node in nodes  # kube-scheduler's own filters still pass it
+            if offered and (
+                await self._victims_remain(existing) or await self._fits_now(existing, demand)
+            ):
                 return existing.node, _waiting(existing)
             # its victims are gone and still it fits nowhere (the room went to a
-            # pod of higher priority, or the node changed): choose afresh
+            # pod of higher priority, or the node changed), or kube-scheduler no
+            # longer offers its node (CPU taken, a taint): choose afresh
             await self.nominations.drop([uid])
         known = self.view.cluster.node_index
         candidates = [n for n in nodes if n in known][:MAX_NODES]
@@ -436,12 +446,13 @@ class Preemptor:
         node = pod_node(pod)
         present = (
             object_uid(pod) == ref.uid
-            and bool(node)
             and not metadata.get("deletionTimestamp")
             and not pod_terminated(pod)
         )
         if not present:
             return GONE
+        if not node:  # its bind is under way (the ledger holds its cards): it stays, no victim
+            return Facts(True, MAX_PRIORITY, "", "")
         started = metadata.get("creationTimestamp")
         cpu, memory = self.request_of(pod)
         return Facts(

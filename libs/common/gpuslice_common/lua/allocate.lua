@@ -23,9 +23,10 @@ end
 local want = tonumber(ARGV[1])
 local found, found_rec, found_index
 local rivals = {}
+local now = now_ms()
 for _, uid in ipairs(redis.call('ZRANGE', PENDING, 0, -1)) do
   local rec = load_pod(uid)
-  if not rec or rec.state ~= 'bound' then
+  if not waits(rec, now) then
     if not peek then
       redis.call('ZREM', PENDING, uid)
     end
@@ -35,8 +36,8 @@ for _, uid in ipairs(redis.call('ZRANGE', PENDING, 0, -1)) do
     -- another vendor's container is allocated by that vendor's plugin, never here
     local ours = container and (container.vendor == nil or container.vendor == 'nvidia')
     if ours and #container.devices == want then
-      if found then
-        rivals[#rivals + 1] = uid
+      if found or rec.state ~= 'bound' then
+        rivals[#rivals + 1] = uid  -- a ghost may be what kubelet admits: never handed out
       else
         found, found_rec, found_index = uid, rec, index
       end

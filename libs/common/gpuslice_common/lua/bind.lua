@@ -2,7 +2,8 @@
 -- ARGV[1] pod uid, ARGV[2] '1' for one pod at a time: refused while another pod
 -- bound to the node still waits for kubelet to allocate one of NVIDIA's
 -- containers (kubelet's Allocate names no pod: with one such pod, every call is
--- its; with two, a call could be either's)
+-- its; with two, a call could be either's), or was released so lately that
+-- kubelet may still admit it (a ghost, lib.lua)
 -- Returns {'ok', record} | {'absent'} | {'released', record} | {'rebuilding'}
 -- | {'busy', uid of the pod the node is taking}
 local uid = ARGV[1]
@@ -18,9 +19,9 @@ if rec.state == 'released' then
 end
 if rec.state == 'reserved' then
   if ARGV[2] == '1' and awaits_allocate(rec) then
+    local now = now_ms()
     for _, other in ipairs(redis.call('ZRANGE', PENDING, 0, -1)) do
-      local o = other ~= uid and load_pod(other)
-      if o and o.state == 'bound' and awaits_allocate(o) then
+      if other ~= uid and waits(load_pod(other), now) then
         return {'busy', other}
       end
     end

@@ -50,6 +50,24 @@ local function awaits_allocate(rec)
   return false
 end
 
+-- A pod released while kubelet might still be admitting it (bound, a container
+-- of ours not yet allocated: deleted before kubelet got to it, as kubelet
+-- lagging its watch may still admit it) stays in PENDING this long as a ghost:
+-- it holds the node's turn, and an Allocate it could be meant by is ambiguous
+local GHOST_MS = 30000
+
+-- Whether a record in PENDING waits for kubelet's Allocate: bound with a
+-- container of ours left, or such a pod's ghost (released within GHOST_MS)
+local function waits(rec, now)
+  if not rec or not awaits_allocate(rec) then
+    return false
+  end
+  if rec.state == 'bound' then
+    return true
+  end
+  return rec.state == 'released' and (rec.times.released or 0) + GHOST_MS > now
+end
+
 -- Every change to a node's cards or usage bumps its revision and announces the
 -- node's meta key on <p>:changes, so readers that keep a copy re-read only the
 -- nodes that changed.

@@ -1,5 +1,6 @@
 -- Release a pod's devices. Idempotent: a second call reports 'already'.
--- ARGV[1] pod uid, ARGV[2] reason, ARGV[3] ms to keep released records
+-- ARGV[1] pod uid, ARGV[2] reason, ARGV[3] ms to keep released records, ARGV[4]
+-- '0' where kubelet cannot be admitting the pod (no Binding was made): no ghost
 -- Returns {'ok', record, clamped} | {'already', record} | {'absent'}
 local uid = ARGV[1]
 local rec = load_pod(uid)
@@ -31,11 +32,14 @@ for _, f in ipairs(rec.footprint) do
   end
 end
 local now = now_ms()
+local ghost = rec.state == 'bound' and awaits_allocate(rec) and ARGV[4] ~= '0'
 rec.state = 'released'
 rec.times.released = now
 rec.release_reason = ARGV[2]
 local raw = save_pod(uid, rec)
-redis.call('ZREM', PENDING, uid)
+if not ghost then  -- a ghost stays in PENDING (lib.lua), dropped there once it lapses
+  redis.call('ZREM', PENDING, uid)
+end
 redis.call('ZADD', RELEASED, now, uid)
 local old = redis.call('ZRANGEBYSCORE', RELEASED, '-inf', now - tonumber(ARGV[3]), 'LIMIT', 0, 64)
 for _, gone in ipairs(old) do
