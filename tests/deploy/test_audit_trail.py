@@ -39,7 +39,7 @@ OWNERS = {
     EventType.ALLOC_FAILED: {"scheduler", "inventory"},
     EventType.ALLOC_PREEMPTED: {"scheduler"},
     EventType.ALLOC_ALLOCATED: {"inventory"},
-    EventType.ALLOC_RELEASED: {"inventory"},
+    EventType.ALLOC_RELEASED: {"inventory", "scheduler"},  # the scheduler: pods gone per the API
     # node agents report enforcement to the inventory, which records it
     EventType.ENFORCE_MEMORY_KILL: {"inventory"},
     EventType.ENFORCE_THROTTLE: {"inventory"},

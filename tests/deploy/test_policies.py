@@ -605,3 +605,73 @@ def test_the_console_port_is_reachable_from_nowhere_unless_tokens_are_asked_for(
     ]
     # from labelled namespaces only: no address block, no bare namespace selector
     assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"gpuslice.io/console": "true"}}}]
+
+
+# ---------------------------------------------------------------- GPU pods through gpuslice
+
+
+def gpu_pods_policy() -> tuple[Any, list[tuple[str, Any]]]:
+    policy = find("ValidatingAdmissionPolicy", "gpuslice-gpu-pods-through-gpuslice")
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert (rule["operations"], rule["resources"]) == (["CREATE"], ["pods"])
+    binding = find("ValidatingAdmissionPolicyBinding", policy["metadata"]["name"])
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    (condition,) = spec["matchConditions"]
+    checks = [(v["message"], program(v["expression"])) for v in spec["validations"]]
+    return program(condition["expression"]), checks
+
+
+GPU_CONDITION, GPU_CHECKS = gpu_pods_policy()
+
+
+def gpu_pod_refusals(pod: dict[str, Any], namespace_labels: dict[str, str]) -> list[str] | None:
+    """None where the policy does not apply, else the messages it refuses with."""
+    if not run(GPU_CONDITION, object=pod):
+        return None
+    namespace: dict[str, Any] = {"metadata": {"name": "team-a"}}
+    if namespace_labels:
+        namespace["metadata"]["labels"] = namespace_labels
+    return [m for m, check in GPU_CHECKS if not run(check, object=pod, namespaceObject=namespace)]
+
+
+def asking(resource: str = "nvidia.com/gpu", *, init: bool = False) -> dict[str, Any]:
+    container = {"name": "c", "resources": {"limits": {resource: "1"}}}
+    spec: dict[str, Any] = {"containers": [container]}
+    if init:
+        spec = {"containers": [{"name": "main"}], "initContainers": [container]}
+    return {"metadata": {"name": "p", "namespace": "team-a"}, "spec": spec}
+
+
+def test_a_gpu_pod_placed_by_gpuslice_passes() -> None:
+    pod = asking()
+    pod["spec"]["schedulerName"] = "gpuslice-scheduler"
+    assert gpu_pod_refusals(pod, {}) == []
+    assert gpu_pod_refusals(pod, {"team": "a"}) == []
+
+
+def test_gpu_pods_that_would_skip_gpuslice_are_refused() -> None:
+    """Kubelet's Allocate names no pod: a GPU pod gpuslice never placed would
+    take the grant of the pod the node waits for."""
+    for label in ("gpuslice.io/webhook", "hami.io/webhook"):
+        labelled = asking()
+        labelled["metadata"]["labels"] = {label: "ignore", "app": "x"}
+        assert gpu_pod_refusals(labelled, {}) == [
+            "a pod that asks for nvidia.com/gpu must go through gpuslice's webhook; "
+            "remove the label webhook=ignore"
+        ]
+        [why] = gpu_pod_refusals(asking(init=True), {label: "ignore"}) or ["none"]
+        assert "namespace labelled webhook=ignore" in why
+    placed = asking()
+    placed["spec"]["nodeName"] = "gpu-1"
+    [why] = gpu_pod_refusals(placed, {}) or ["none"]
+    assert "cannot set spec.nodeName" in why
+
+
+def test_pods_without_nvidia_gpus_are_not_concerned() -> None:
+    for resource in ("cpu", "nvidia.com/mig-3g.20gb", "nvidia.com/gpumem"):
+        pod = asking(resource)
+        pod["metadata"]["labels"] = {"gpuslice.io/webhook": "ignore"}
+        pod["spec"]["nodeName"] = "gpu-1"
+        assert gpu_pod_refusals(pod, {"gpuslice.io/webhook": "ignore"}) is None
