@@ -35,6 +35,27 @@ from tests.conftest import make_inventory
 from tests.rawhttp import post_huge
 
 
+@contextlib.asynccontextmanager
+async def kubelet_admitting(stack: Stack, node: str) -> AsyncIterator[None]:
+    """A kubelet on ``node`` admitting each one-GPU pod bound there as it comes
+    (its container allocated), so the node's bind turn passes. Stopped by an
+    event, not a cancel: the Redis client may swallow a cancel amid a call."""
+    stop = asyncio.Event()
+
+    async def admit() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(NotReserved):
+                await stack.ledger.allocate(node, 1)
+            await asyncio.sleep(0.01)
+
+    admitting = asyncio.ensure_future(admit())
+    try:
+        yield
+    finally:
+        stop.set()
+        await admitting
+
+
 def gpu_pod(
     name: str,
     *,
@@ -461,18 +482,8 @@ async def test_a_node_being_rebuilt_is_filtered_out_and_a_bind_there_is_retryabl
 async def test_concurrent_binds_never_double_allocate(stack: Stack) -> None:
     # node-c has one 8 GiB card; ten pods of 3 GiB race for it: at most two fit.
     pods = [await stack.add(gpu_pod(f"race{i}", mem=3000, cores=10)) for i in range(10)]
-
-    async def kubelet() -> None:  # admits each pod bound to node-c: the node's turn passes
-        while True:
-            with contextlib.suppress(NotReserved):
-                await stack.ledger.allocate("node-c", 1)
-            await asyncio.sleep(0.01)
-
-    admitting = asyncio.ensure_future(kubelet())
-    try:
+    async with kubelet_admitting(stack, "node-c"):
         replies = await asyncio.gather(*(stack.bind(p, "node-c") for p in pods))
-    finally:
-        admitting.cancel()
     ok = [r.json()["Error"] == "" for r in replies]
     assert sum(ok) == 2
     [card] = await stack.ledger.node_gpus("node-c")

@@ -30,7 +30,7 @@ from gpuslice_scheduler.fragmentation import default_mix
 from gpuslice_scheduler.mig import MigCard, select
 from gpuslice_scheduler.view import ClusterView
 from tests.mig_cards import a100, a100_profiles, mig_node, static
-from tests.test_extender import Stack, args, eventually, gpu_pod
+from tests.test_extender import Stack, args, eventually, gpu_pod, kubelet_admitting
 from tests.test_extender import stack as stack  # the fixture
 
 
@@ -354,7 +354,8 @@ async def test_the_extender_filters_and_binds_mig_pods_and_never_shares_a_slice(
     assert reply["FailedAndUnresolvableNodes"]["node-a"].startswith("CardTypeMismatch")
     # eight pods of one 1g.5gb instance race for the card's seven
     pods = [await stack.add(gpu_pod(f"m{i}", mem=4000, annotations=mig)) for i in range(8)]
-    replies = await asyncio.gather(*(stack.bind(p, "node-m") for p in pods))
+    async with kubelet_admitting(stack, "node-m"):
+        replies = await asyncio.gather(*(stack.bind(p, "node-m") for p in pods))
     assert sum(r.json()["Error"] == "" for r in replies) == 7
     assert await ledger_mask(stack.ledger, "node-m") == 0b0111_1111
     assert await stack.ledger.check_node("node-m") == []

@@ -108,7 +108,7 @@ async def test_http_health_readiness_and_metrics(
             with pytest.raises(grpc.aio.AioRpcError, match="any of pods m1, m2") as refused:
                 await plugin.admit_container(1)  # either pod's: refused, not guessed
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            await plugin_ledger.release("m2", "deleted")
+            await plugin_ledger.release("m2", "bind undone", kubelet_may_admit=False)
             await plugin.admit_container(1)
             text = (await http.get("/metrics")).text
             await plugin.close()  # kubelet stops watching: not ready, once the stream ends

@@ -327,8 +327,11 @@ def test_a_thread_moving_between_devices_charges_each_its_own(
     with Region.open(region_path) as region:
         busy = [device.busy_ns for device in region.devices()[:2]]
     # each device ran 40 x 40 x 5 us = 8 ms of kernels; windows charge what they
-    # span (the fake engine wakes up late after a pause), a little more
-    assert all(6.4e6 < got < 24e6 for got in busy), busy
+    # span (the fake engine wakes up late after a pause, later on a loaded
+    # machine), so more, but alike for the two: a cache that missed a switch
+    # would charge one device the other's kernels and leave it near nothing
+    assert all(got > 6.4e6 for got in busy), busy
+    assert max(busy) < 4 * min(busy), busy
 
 
 def test_a_bursty_process_below_its_share_is_charged_its_launches_not_its_pauses(

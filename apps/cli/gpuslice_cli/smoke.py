@@ -191,10 +191,9 @@ async def run_scenario(settings: CommonSettings, console: Console) -> Outcome:
         for p in winners:
             await announce(bus, EventType.ALLOC_RESERVED, p)
 
-        for p in placed:
-            bound = await ledger.mark_bound(p.pod.uid)
+        for p in placed:  # a node takes one pod at a time from its bind to kubelet's Allocate
+            bound = await ledger.mark_bound(p.pod.uid, exclusive=True)
             await announce(bus, EventType.ALLOC_BOUND, bound)
-        for _ in placed:
             a = await ledger.allocate("gpu-node-1", 1)
             await announce(bus, EventType.ALLOC_ALLOCATED, a.placement)
         states = await ledger.nodes_gpus([n.node for n in NODES])
