@@ -61,7 +61,7 @@ from gpuslice_common.nominations import Nomination, Nominations
 from gpuslice_scheduler.engine import Demand
 from gpuslice_scheduler.metrics import Metrics
 from gpuslice_scheduler.victims import Choice, Holder, NodeRoom, best, choose_on_node
-from gpuslice_scheduler.view import ClusterView
+from gpuslice_scheduler.view import ClusterView, stop_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,7 @@ class Preemptor:
                 if not failing:
                     log.warning("cannot read the nominations: %s", exc)
                 failing = True
+            stop_if_cancelled()  # a cancel the Redis client swallowed amid a call
             await asyncio.sleep(interval)
 
     async def _still_waiting(self, nomination: Nomination) -> bool:

@@ -39,7 +39,7 @@ from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
 from gpuslice_scheduler.fit import CardDemand, model_mask
 from gpuslice_scheduler.fragmentation import WorkloadClass, WorkloadMix, node_fragmentation
 from gpuslice_scheduler.mig import mode_ok
-from gpuslice_scheduler.view import ClusterView
+from gpuslice_scheduler.view import ClusterView, stop_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -447,6 +447,7 @@ class ReportPublisher:
                 if self._failing:
                     log.info("the scheduler report is written again")
                 self._failing = False
+            stop_if_cancelled()  # a cancel the Redis client swallowed amid a write
             await asyncio.sleep(self.interval)
 
     def _failed(self, exc: Exception) -> None:

@@ -42,7 +42,7 @@ from gpuslice_scheduler.resources import NodeResources
 log = logging.getLogger(__name__)
 
 
-def _stop_if_cancelled() -> None:
+def stop_if_cancelled() -> None:
     """Raise CancelledError where this task was asked to stop and something on the
     way swallowed the cancel (the Redis client, amid a call; on Python 3.11, a
     timeout that ended as the cancel came): the task still counts the request."""
@@ -371,11 +371,11 @@ class ClusterView:
                 wait = self.interval
                 if self.listening and not failing:
                     wait = max(0.0, self._resync_due - time.monotonic())
-                _stop_if_cancelled()
+                stop_if_cancelled()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
                         await self._wake.wait()
-                _stop_if_cancelled()
+                stop_if_cancelled()
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
