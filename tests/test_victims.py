@@ -20,7 +20,7 @@ from gpuslice_common.models import (
 )
 from gpuslice_scheduler.cluster import Cluster
 from gpuslice_scheduler.engine import Demand
-from gpuslice_scheduler.victims import Holder, NodeRoom, best, choose_on_node
+from gpuslice_scheduler.victims import Choice, Holder, NodeRoom, best, choose_on_node
 
 MEM = 10_000
 MODEL = "NVIDIA A100-SXM4-80GB"
@@ -92,22 +92,25 @@ def test_the_lowest_victims_on_one_node_go_and_the_pod_takes_their_card() -> Non
         holder("b2", "b", 0, 30, priority=0),
         holder("b3", "b", 1, 60, priority=0),
     ]
-    cluster = Cluster.build(
-        [("a", node_cards("a", 2, pods[:2])), ("b", node_cards("b", 2, pods[2:]))]
-    )
-    demand = whole_card()
-    choices = [
-        choose_on_node(
-            NodeRoom(cluster, n), demand, 10, [p for p in pods if p.placement.node == n], order=i
-        )
-        for i, n in enumerate(("a", "b"))
-    ]
-    chosen = best(choices)
+    chosen = best_of_two_nodes(pods, cards=2)
     # one victim on each node; b's is of lower priority
     assert chosen is not None
     assert chosen.node == "b"
     assert uids(chosen.victims) == ["b3"]
     assert [d.uuid for c in chosen.placement.containers for d in c.devices] == ["GPU-b-1"]
+
+
+def best_of_two_nodes(pods: list[Holder], cards: int) -> Choice | None:
+    """The choice for one whole card between nodes a and b (``cards`` each),
+    whose holders are ``pods``; a pod of priority 10 preempts."""
+    on = {n: [p for p in pods if p.placement.node == n] for n in ("a", "b")}
+    cluster = Cluster.build([(n, node_cards(n, cards, on[n])) for n in on])
+    return best(
+        [
+            choose_on_node(NodeRoom(cluster, n), whole_card(), 10, on[n], order=i)
+            for i, n in enumerate(on)
+        ]
+    )
 
 
 def test_fewest_victims_win_over_lower_priority() -> None:
@@ -116,17 +119,7 @@ def test_fewest_victims_win_over_lower_priority() -> None:
         holder("b1", "b", 0, 50, priority=1),
         holder("b2", "b", 0, 50, priority=1),
     ]
-    cluster = Cluster.build(
-        [("a", node_cards("a", 1, pods[:1])), ("b", node_cards("b", 1, pods[1:]))]
-    )
-    demand = whole_card()
-    choices = [
-        choose_on_node(
-            NodeRoom(cluster, n), demand, 10, [p for p in pods if p.placement.node == n], order=i
-        )
-        for i, n in enumerate(("a", "b"))
-    ]
-    chosen = best(choices)
+    chosen = best_of_two_nodes(pods, cards=1)
     assert chosen is not None
     assert chosen.node == "a"
     assert uids(chosen.victims) == ["a1"]
