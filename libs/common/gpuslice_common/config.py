@@ -360,6 +360,10 @@ class WebhookSettings(CommonSettings):
     # an AdmissionReview holds a pod, and on updates its old copy too; the API
     # server stores objects of at most about 1.5 MiB
     max_request_body: BodyCap = ByteSize(8 * MIB)
+    # DRA mode: HAMi-style GPU requests become a ResourceClaimTemplate the pod
+    # references (gpuslice_common.dra); dra_consumable as the node agents have it
+    dra: bool = False
+    dra_consumable: bool = True
 
     @field_validator("scheduler_name")
     @classmethod
@@ -571,6 +575,16 @@ class DevicePluginSettings(BusSettings):
     proc_root: str = "/proc"
     cgroup_root: str | None = None
     cgroup_v1_freezer_root: str | None = "/sys/fs/cgroup/freezer"
+    # DRA mode (gpuslice_common.dra): the agent publishes the node's cards as a
+    # ResourceSlice pool and serves kubelet's DRA plugin API instead of the device
+    # plugin's. With dra_consumable (the cluster runs DRAConsumableCapacity) several
+    # claims share a card, each taking part of its memory and cores; without, cards
+    # are offered whole.
+    dra: bool = False
+    dra_consumable: bool = True
+    dra_plugins_dir: str = "/var/lib/kubelet/plugins"
+    dra_registry_dir: str = "/var/lib/kubelet/plugins_registry"
+    cdi_dir: str = "/var/run/cdi"
 
 
 S = TypeVar("S", bound=BaseSettings)

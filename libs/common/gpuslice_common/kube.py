@@ -191,8 +191,66 @@ class EvictionRefused(KubeError):
     allows no more disruption of the pod's set."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ObjectRef:
+    """Where an object of any API group lives, for the generic calls of
+    :class:`KubeApi` (``get_object`` ...): ``api`` as in ``apiVersion``
+    (``"resource.k8s.io/v1"``; ``"v1"`` for the core group), the resource's plural,
+    the namespace (None: cluster-scoped) and the name (None: the collection)."""
+
+    api: str
+    plural: str
+    namespace: str | None = None
+    name: str | None = None
+
+    def named(self, name: str) -> ObjectRef:
+        return dataclasses.replace(self, name=name)
+
+    def in_namespace(self, namespace: str | None) -> ObjectRef:
+        return dataclasses.replace(self, namespace=namespace)
+
+    @property
+    def path(self) -> str:
+        """The URL path of the object (or of its collection)."""
+        base = "/api/v1" if self.api == "v1" else f"/apis/{self.api}"
+        if self.namespace is not None:
+            base += f"/namespaces/{self.namespace}"
+        base += f"/{self.plural}"
+        return base if self.name is None else f"{base}/{self.name}"
+
+    def __str__(self) -> str:
+        where = f"{self.namespace}/" if self.namespace is not None else ""
+        return f"{self.plural} {where}{self.name or '*'}"
+
+
 class KubeApi(Protocol):
     """What gpuslice services need from the Kubernetes API server."""
+
+    async def get_object(self, ref: ObjectRef) -> dict[str, Any]:
+        """The object at ``ref`` as the server sends it. Raises :class:`NotFound`."""
+        ...
+
+    async def list_objects(self, ref: ObjectRef, *, label_selector: str = "") -> Listing:
+        """Every object of the collection at ``ref`` (a namespace, or all)."""
+        ...
+
+    async def create_object(self, ref: ObjectRef, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Create ``body`` in the collection at ``ref``; the stored object.
+        Raises :class:`Conflict` when one of that name exists."""
+        ...
+
+    async def replace_object(
+        self, ref: ObjectRef, body: Mapping[str, Any], *, subresource: str = ""
+    ) -> dict[str, Any]:
+        """Replace the object at ``ref`` (PUT; a ``subresource`` such as ``status``
+        replaces that part only); the stored object. Raises :class:`Conflict` when
+        ``body``'s ``metadata.resourceVersion`` is not the stored one, :class:`NotFound`."""
+        ...
+
+    async def delete_object(self, ref: ObjectRef, *, uid: str = "") -> None:
+        """Delete the object at ``ref`` (only the one of ``uid`` when given: a
+        precondition). Raises :class:`NotFound`, :class:`Conflict` (the UID differs)."""
+        ...
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         """The Pod as the server sends it (camelCase keys). Raises :class:`PodNotFound`."""
@@ -307,6 +365,13 @@ def _server_message(body: Any) -> str:
     return ""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Raw:
+    """A body already read, where :func:`_read_body` expects a response."""
+
+    data: bytes
+
+
 def _read_body(response: Any) -> bytes:
     """Read an unparsed response (``_preload_content=False``) and free its connection."""
     try:
@@ -394,6 +459,80 @@ class KubernetesApi:
         api_client = k8s.ApiClient(configuration)
         api_client.user_agent = USER_AGENT
         return cls(api_client, host=str(configuration.host), timeout=timeout)
+
+    async def get_object(self, ref: ObjectRef) -> dict[str, Any]:
+        what = f"reading {ref}"
+        return self._object(await self._generic("GET", ref.path, what, f"{ref} not found"), what)
+
+    async def list_objects(self, ref: ObjectRef, *, label_selector: str = "") -> Listing:
+        what = f"listing {ref.plural}"
+
+        def page(token: str | None) -> Any:
+            query: list[tuple[str, str]] = [("limit", str(PAGE_SIZE))]
+            if token:
+                query.append(("continue", token))
+            if label_selector:
+                query.append(("labelSelector", label_selector))
+            return _Raw(self._request("GET", ref.path, query=query))
+
+        return await self._list(what, page)
+
+    async def create_object(self, ref: ObjectRef, body: Mapping[str, Any]) -> dict[str, Any]:
+        what = f"creating {ref}"
+        raw = await self._generic("POST", ref.path, what, f"{what} failed", body=body)
+        return self._object(raw, what)
+
+    async def replace_object(
+        self, ref: ObjectRef, body: Mapping[str, Any], *, subresource: str = ""
+    ) -> dict[str, Any]:
+        path = ref.path + (f"/{subresource}" if subresource else "")
+        what = f"replacing {ref}" + (f" {subresource}" if subresource else "")
+        raw = await self._generic("PUT", path, what, f"{ref} not found", body=body)
+        return self._object(raw, what)
+
+    async def delete_object(self, ref: ObjectRef, *, uid: str = "") -> None:
+        options: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if uid:
+            options["preconditions"] = {"uid": uid}
+        await self._generic("DELETE", ref.path, f"deleting {ref}", f"{ref} not found", body=options)
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Sequence[tuple[str, str]] = (),
+        body: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """One blocking request to ``path`` with the client's credentials; the raw response."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        params = self._api_client.param_serialize(
+            method,
+            path,
+            query_params=list(query),
+            header_params=headers,
+            body=dict(body) if body is not None else None,
+            auth_settings=["BearerToken"],
+        )
+        response = self._api_client.call_api(*params, _request_timeout=self._timeout)
+        try:
+            data = response.read()  # type: ignore[no-untyped-call]
+        finally:
+            release = getattr(response.response, "release_conn", None)
+            if callable(release):
+                release()
+        if not 200 <= response.status < 300:
+            raise ApiException(http_resp=response)
+        return data if isinstance(data, bytes) else bytes(data or b"")
+
+    async def _generic(
+        self, method: str, path: str, what: str, not_found: str, *, body: Any = None
+    ) -> bytes:
+        return await self._guarded(
+            what, lambda: self._request(method, path, body=body), not_found=not_found
+        )
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         what = f"reading pod {_pod_ref(namespace, name)}"
@@ -1123,6 +1262,8 @@ class LocalKubeApi:
         self._namespaces: dict[str, dict[str, str]] = {}
         self._quotas: dict[tuple[str, str], dict[str, Any]] = {}
         self._budgets: dict[tuple[str, str], dict[str, Any]] = {}  # PodDisruptionBudgets
+        # objects of the generic calls (get_object ...): (api, plural, namespace, name)
+        self._objects: dict[tuple[str, str, str | None, str], dict[str, Any]] = {}
         self.priority_classes: dict[str, dict[str, Any]] = {}  # name -> PriorityClass
         self.events: list[dict[str, Any]] = []  # core/v1 Events, in the order made
         self.evictions: list[tuple[str, str]] = []  # pods evicted (not dry runs), in order
@@ -1485,6 +1626,93 @@ class LocalKubeApi:
         spec["nodeName"] = node
         self.bindings.append((namespace, name, node))
         self._changed("MODIFIED", pod)
+
+    # ------------------------------------------------ objects of any API (generic)
+
+    def _key(self, ref: ObjectRef) -> tuple[str, str, str | None, str]:
+        if not ref.name:
+            raise KubeError(f"{ref}: no object name", 400)
+        return (ref.api, ref.plural, ref.namespace, ref.name)
+
+    async def get_object(self, ref: ObjectRef) -> dict[str, Any]:
+        found = self._objects.get(self._key(ref))
+        if found is None:
+            raise NotFound(f"{ref} not found", 404)
+        return copy.deepcopy(found)
+
+    async def list_objects(self, ref: ObjectRef, *, label_selector: str = "") -> Listing:
+        wanted = dict(part.split("=", 1) for part in label_selector.split(",") if "=" in part)
+        items = Listing()
+        items.resource_version = self.resource_version
+        for (api, plural, namespace, _), obj in sorted(
+            self._objects.items(), key=lambda kv: int(kv[1]["metadata"]["resourceVersion"])
+        ):
+            if (api, plural) != (ref.api, ref.plural):
+                continue
+            if ref.namespace is not None and namespace != ref.namespace:
+                continue
+            labels = obj["metadata"].get("labels") or {}
+            if all(labels.get(k) == v for k, v in wanted.items()):
+                items.append(copy.deepcopy(obj))
+        return items
+
+    async def create_object(self, ref: ObjectRef, body: Mapping[str, Any]) -> dict[str, Any]:
+        stored = copy.deepcopy(dict(body))
+        metadata = stored.setdefault("metadata", {})
+        if not metadata.get("name") and metadata.get("generateName"):
+            metadata["name"] = str(metadata["generateName"]) + secrets.token_hex(3)[:5]
+        name = metadata.get("name")
+        if not isinstance(name, str) or not name:
+            raise KubeError(f"creating {ref}: metadata.name is required", 422)
+        if ref.namespace is not None:
+            metadata["namespace"] = ref.namespace
+        key = self._key(ref.named(name))
+        if key in self._objects:
+            raise Conflict(f"{ref.named(name)} already exists", 409)
+        metadata["uid"] = str(uuid.uuid4())
+        metadata["creationTimestamp"] = _rfc3339(time.time())
+        self._stamp(stored)
+        self._objects[key] = stored
+        return copy.deepcopy(stored)
+
+    async def replace_object(
+        self, ref: ObjectRef, body: Mapping[str, Any], *, subresource: str = ""
+    ) -> dict[str, Any]:
+        key = self._key(ref)
+        held = self._objects.get(key)
+        if held is None:
+            raise NotFound(f"{ref} not found", 404)
+        given = (body.get("metadata") or {}).get("resourceVersion")
+        if given and given != held["metadata"]["resourceVersion"]:
+            raise Conflict(f"{ref}: the object has been modified", 409)
+        new = copy.deepcopy(dict(body))
+        if subresource == "status":
+            stored = copy.deepcopy(held)
+            stored["status"] = new.get("status") or {}
+        elif subresource:
+            raise NotFound(f"{ref}: no subresource {subresource}", 404)
+        else:
+            stored = new
+            stored["status"] = copy.deepcopy(held.get("status") or {})
+            metadata = stored.setdefault("metadata", {})
+            for kept in ("uid", "creationTimestamp", "namespace", "name"):
+                if kept in held["metadata"]:
+                    metadata[kept] = held["metadata"][kept]
+            if not stored["status"]:
+                del stored["status"]
+        self._stamp(stored)
+        self._objects[key] = stored
+        return copy.deepcopy(stored)
+
+    async def delete_object(self, ref: ObjectRef, *, uid: str = "") -> None:
+        key = self._key(ref)
+        held = self._objects.get(key)
+        if held is None:
+            raise NotFound(f"{ref} not found", 404)
+        if uid and held["metadata"].get("uid") != uid:
+            raise Conflict(f"{ref}: the UID in the precondition is not the object's", 409)
+        del self._objects[key]
+        self._version += 1
 
     async def get_namespace(self, name: str) -> dict[str, Any]:
         metadata: dict[str, Any] = {"name": name}

@@ -255,6 +255,9 @@ class NodeInventory(Frozen):
     layers: Annotated[dict[str, CardLayers], Field(max_length=MAX_DEVICES)] = Field(
         default_factory=dict
     )
+    # The node's agent serves kubelet through DRA (gpuslice_common.dra): its cards are
+    # granted by prepared ResourceClaims only, never by the device plugin path.
+    dra: bool = False
 
     @model_validator(mode="after")
     def _unique_devices(self) -> NodeInventory:
@@ -406,6 +409,23 @@ class PodRef(Frozen):
     uid: Annotated[str, Field(min_length=1, max_length=128)]
     namespace: str = "default"
     name: str = ""
+
+
+# A Kubernetes object name (DNS-1123 subdomain), an RFC 1123 label, an object's UID.
+K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+K8S_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+UID_PATTERN = r"^[A-Za-z0-9_-]+$"
+
+
+class ClaimRef(Frozen):
+    """A ResourceClaim (DRA mode) as kubelet names it to the plugin."""
+
+    namespace: Annotated[str, Field(min_length=1, max_length=63, pattern=K8S_LABEL_PATTERN)]
+    name: Annotated[str, Field(min_length=1, max_length=253, pattern=K8S_NAME_PATTERN)]
+    uid: Annotated[str, Field(min_length=1, max_length=128, pattern=UID_PATTERN)]
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name} ({self.uid})"
 
 
 MAX_SCORING_WEIGHT = 10**9
@@ -569,6 +589,8 @@ class Placement(Frozen):
     allocated_at: datetime | None = None
     released_at: datetime | None = None
     release_reason: str = ""
+    # DRA mode: the ResourceClaim whose allocation this records (None: device plugin)
+    claim: Annotated[ClaimRef | None, Field(exclude_if=lambda c: c is None)] = None
 
     @model_validator(mode="after")
     def _has_containers(self) -> Placement:

@@ -13,6 +13,12 @@ container for kubelet's Allocate, idempotent per request id), ``preferred``
 ``placements`` (the state of each pod the ledger places on the node, to find
 pods that ended) and ``failed`` (the agent could not prepare a container the
 ledger handed out: the inventory records ``alloc.failed``).
+
+In DRA mode (:mod:`gpuslice_common.dra`) kubelet names the claim it wants
+prepared: ``prepare`` has the inventory read that ResourceClaim and its pod from
+the API server itself, check that kube-scheduler allocated it on this node's
+cards, record it in the ledger and answer the grants (idempotent per claim);
+``unprepare`` releases what ``prepare`` recorded for the claim.
 """
 
 from __future__ import annotations
@@ -22,7 +28,13 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from gpuslice_common.models import Frozen, Placement, PlacementState
+from gpuslice_common.models import (
+    K8S_LABEL_PATTERN,
+    ClaimRef,
+    Frozen,
+    Placement,
+    PlacementState,
+)
 
 # what kubelet's one Allocate may ask for, and a retry's key for its answer
 MAX_DEVICES = 64
@@ -39,11 +51,14 @@ class Verb(enum.StrEnum):
     PLACEMENTS = "placements"
     FAILED = "failed"
     ENFORCED = "enforced"
+    PREPARE = "prepare"
+    UNPREPARE = "unprepare"
 
 
 class ErrorKind(enum.StrEnum):
     BAD_REQUEST = "bad-request"  # not a valid request (subject, verb or payload)
     NOT_RESERVED = "not-reserved"  # no pod waits for it on this node
+    BAD_CLAIM = "bad-claim"  # DRA: the claim cannot be prepared here; the message says why
     AMBIGUOUS = "ambiguous"  # several pods could be the one kubelet admits: refused
     LEDGER_UNAVAILABLE = "ledger-unavailable"  # Redis unreachable: try again
     REBUILDING = "rebuilding"  # the node's ledger is being rebuilt: try again soon
@@ -110,6 +125,20 @@ class EnforcedRequest(Frozen):
     reason: Reason = ""
 
 
+class PrepareRequest(Frozen):
+    """DRA: prepare this claim kube-scheduler allocated on the node (idempotent)."""
+
+    claim: ClaimRef
+
+
+class UnprepareRequest(Frozen):
+    """DRA: release what :class:`PrepareRequest` recorded for the claim (idempotent);
+    ``pod_uid`` is the pod it was prepared for, as the agent kept it."""
+
+    claim: ClaimRef
+    pod_uid: PodUid | None = None
+
+
 REQUESTS: dict[Verb, type[Frozen]] = {
     Verb.PING: PingRequest,
     Verb.ALLOCATE: AllocateRequest,
@@ -117,6 +146,8 @@ REQUESTS: dict[Verb, type[Frozen]] = {
     Verb.PLACEMENTS: PlacementsRequest,
     Verb.FAILED: FailedRequest,
     Verb.ENFORCED: EnforcedRequest,
+    Verb.PREPARE: PrepareRequest,
+    Verb.UNPREPARE: UnprepareRequest,
 }
 
 
@@ -142,6 +173,39 @@ class AllocationReply(Frozen):
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(g.uuid for g in self.placement.containers[self.container_index].devices)
+
+
+# a claim's request name, or "<request>/<subrequest>" where it was a firstAvailable list
+RequestName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=127,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+    ),
+]
+
+
+class ClaimDevice(Frozen):
+    """One device of the claim's allocation and the container whose grant holds it."""
+
+    request: RequestName
+    pool: Annotated[str, Field(min_length=1, max_length=253)]
+    device: Annotated[str, Field(min_length=1, max_length=63, pattern=K8S_LABEL_PATTERN)]
+    uuid: Annotated[str, Field(min_length=1, max_length=128)]
+    container: Annotated[str, Field(min_length=1, max_length=63, pattern=K8S_LABEL_PATTERN)]
+
+
+class ClaimReply(Frozen):
+    """A prepared claim: the pod's placement as the ledger records it (its containers
+    that use the claim, each with its grants) and which device is whose."""
+
+    kind: Literal["claim"] = "claim"
+    claim: ClaimRef
+    placement: Placement
+    devices: Annotated[tuple[ClaimDevice, ...], Field(min_length=1, max_length=MAX_DEVICES)]
+    # the pod's own telemetry credential; empty where no auth callout runs
+    telemetry_token: Annotated[str, Field(max_length=4096)] = ""
 
 
 class PreferredReply(Frozen):
@@ -170,7 +234,7 @@ class ErrorReply(Frozen):
 
 
 Reply = Annotated[
-    Pong | AllocationReply | PreferredReply | PlacementsReply | Done | ErrorReply,
+    Pong | AllocationReply | ClaimReply | PreferredReply | PlacementsReply | Done | ErrorReply,
     Field(discriminator="kind"),
 ]
 REPLY: TypeAdapter[Reply] = TypeAdapter(Reply)
@@ -203,6 +267,8 @@ __all__ = [
     "REQUESTS",
     "AllocateRequest",
     "AllocationReply",
+    "ClaimDevice",
+    "ClaimReply",
     "Done",
     "ErrorKind",
     "ErrorReply",
@@ -215,7 +281,10 @@ __all__ = [
     "Pong",
     "PreferredReply",
     "PreferredRequest",
+    "PrepareRequest",
     "Reply",
+    "RequestName",
+    "UnprepareRequest",
     "Verb",
     "parse_reply",
 ]

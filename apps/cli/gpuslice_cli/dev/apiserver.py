@@ -17,6 +17,11 @@ from a :class:`~gpuslice_common.kube.LocalKubeApi` held by the cluster driver:
 * ``GET /api/v1/namespaces/{ns}/pods`` (``fieldSelector`` for pods that have not
   terminated), ``GET /api/v1/pods`` and its ``watch=true`` stream;
 * ``GET /api/v1/nodes`` and its ``watch=true`` stream (the nodes the driver added);
+* ``resource.k8s.io/v1`` (DRA): ``GET`` and ``POST`` of the collections of
+  ResourceSlices and DeviceClasses (cluster-scoped) and of ResourceClaims and
+  ResourceClaimTemplates (per namespace, and ``GET /apis/resource.k8s.io/v1/<plural>``
+  across namespaces), ``GET``, ``PUT`` and ``DELETE`` of one (a UID
+  precondition honoured), ``PUT .../resourceclaims/{name}/status``;
 * ``POST /apis/authentication.k8s.io/v1/tokenreviews``: the projected
   ServiceAccount tokens the driver minted (``LocalKubeApi.tokens``) are reviewed
   as the API server reviews them (the inventory's auth callout asks);
@@ -51,6 +56,7 @@ from gpuslice_common.kube import (
     KubeError,
     LocalKubeApi,
     NotFound,
+    ObjectRef,
     WatchEvent,
     WatchExpired,
 )
@@ -108,6 +114,14 @@ def a_list(kind: str, items: list[dict[str, Any]], version: str) -> dict[str, An
         "metadata": {"resourceVersion": version},
         "items": items,
     }
+
+
+DRA_API = "resource.k8s.io/v1"
+DRA_CLUSTER_KINDS = {"resourceslices": "ResourceSlice", "deviceclasses": "DeviceClass"}
+DRA_NAMESPACED_KINDS = {
+    "resourceclaims": "ResourceClaim",
+    "resourceclaimtemplates": "ResourceClaimTemplate",
+}
 
 
 def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
@@ -256,6 +270,93 @@ def create_app(kube: LocalKubeApi, token: str) -> FastAPI:
         listed = a_list("PodDisruptionBudgetList", kube.list_pdbs(namespace), kube.resource_version)
         listed["apiVersion"] = "policy/v1"
         return listed
+
+    def resource_ref(plural: str, namespace: str | None, name: str | None = None) -> ObjectRef:
+        cluster_scoped = plural in DRA_CLUSTER_KINDS
+        if plural not in DRA_CLUSTER_KINDS and plural not in DRA_NAMESPACED_KINDS:
+            raise NotFound(f"the server could not find the requested resource ({plural})")
+        if cluster_scoped == (namespace is not None):
+            raise NotFound(f"{plural} is {'not ' if cluster_scoped else ''}namespaced")
+        return ObjectRef(DRA_API, plural, namespace, name)
+
+    def resource_list(plural: str, items: list[dict[str, Any]], version: str) -> dict[str, Any]:
+        kind = DRA_CLUSTER_KINDS.get(plural) or DRA_NAMESPACED_KINDS[plural]
+        listed = a_list(f"{kind}List", items, version)
+        listed["apiVersion"] = DRA_API
+        return listed
+
+    async def list_resources(
+        plural: str, namespace: str | None, labelSelector: str
+    ) -> dict[str, Any]:
+        ref = resource_ref(plural, namespace) if namespace else None
+        if ref is None:  # every namespace's, or a cluster-scoped kind's
+            resource_ref(plural, None if plural in DRA_CLUSTER_KINDS else "x")
+            ref = ObjectRef(DRA_API, plural)
+        listed = await kube.list_objects(ref, label_selector=labelSelector)
+        return resource_list(plural, listed, listed.resource_version)
+
+    @app.get("/apis/resource.k8s.io/v1/{plural}")
+    async def list_all_resources(plural: str, labelSelector: str = "") -> dict[str, Any]:
+        return await list_resources(plural, None, labelSelector)
+
+    @app.get("/apis/resource.k8s.io/v1/namespaces/{namespace}/{plural}")
+    async def list_namespaced(
+        plural: str, namespace: str, labelSelector: str = ""
+    ) -> dict[str, Any]:
+        return await list_resources(plural, namespace, labelSelector)
+
+    @app.post("/apis/resource.k8s.io/v1/{plural}")
+    async def create_cluster_resource(plural: str, request: Request) -> Response:
+        made = await kube.create_object(resource_ref(plural, None), await body_of(request))
+        return JSONResponse(made, status_code=201)
+
+    @app.post("/apis/resource.k8s.io/v1/namespaces/{namespace}/{plural}")
+    async def create_resource(plural: str, namespace: str, request: Request) -> Response:
+        made = await kube.create_object(resource_ref(plural, namespace), await body_of(request))
+        return JSONResponse(made, status_code=201)
+
+    @app.get("/apis/resource.k8s.io/v1/{plural}/{name}")
+    async def get_cluster_resource(plural: str, name: str) -> dict[str, Any]:
+        return await kube.get_object(resource_ref(plural, None, name))
+
+    @app.get("/apis/resource.k8s.io/v1/namespaces/{namespace}/{plural}/{name}")
+    async def get_resource(plural: str, namespace: str, name: str) -> dict[str, Any]:
+        return await kube.get_object(resource_ref(plural, namespace, name))
+
+    @app.put("/apis/resource.k8s.io/v1/{plural}/{name}")
+    async def replace_cluster_resource(plural: str, name: str, request: Request) -> dict[str, Any]:
+        return await kube.replace_object(resource_ref(plural, None, name), await body_of(request))
+
+    @app.put("/apis/resource.k8s.io/v1/namespaces/{namespace}/{plural}/{name}")
+    async def replace_resource(
+        plural: str, namespace: str, name: str, request: Request
+    ) -> dict[str, Any]:
+        ref = resource_ref(plural, namespace, name)
+        return await kube.replace_object(ref, await body_of(request))
+
+    @app.put("/apis/resource.k8s.io/v1/namespaces/{namespace}/{plural}/{name}/status")
+    async def replace_status(
+        plural: str, namespace: str, name: str, request: Request
+    ) -> dict[str, Any]:
+        ref = resource_ref(plural, namespace, name)
+        return await kube.replace_object(ref, await body_of(request), subresource="status")
+
+    async def delete_resource_at(ref: ObjectRef, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        options = await body_of(request) if raw.strip() else {}
+        uid = (options.get("preconditions") or {}).get("uid") or ""
+        await kube.delete_object(ref, uid=str(uid))
+        return status_body(200, "", "deleted")
+
+    @app.delete("/apis/resource.k8s.io/v1/{plural}/{name}")
+    async def delete_cluster_resource(plural: str, name: str, request: Request) -> dict[str, Any]:
+        return await delete_resource_at(resource_ref(plural, None, name), request)
+
+    @app.delete("/apis/resource.k8s.io/v1/namespaces/{namespace}/{plural}/{name}")
+    async def delete_resource(
+        plural: str, namespace: str, name: str, request: Request
+    ) -> dict[str, Any]:
+        return await delete_resource_at(resource_ref(plural, namespace, name), request)
 
     @app.get("/api/v1/namespaces/{name}")
     async def get_namespace(name: str) -> dict[str, Any]:
