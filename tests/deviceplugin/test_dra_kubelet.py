@@ -50,6 +50,7 @@ class Preparer:
     unprepared: list[ClaimRef] = field(default_factory=list)
     refuse: dict[str, str] = field(default_factory=dict)
     crash: set[str] = field(default_factory=set)
+    malformed: set[str] = field(default_factory=set)  # answers devices kubelet cannot take
 
     def _check(self, claim: ClaimRef) -> None:
         if claim.uid in self.crash:
@@ -60,6 +61,8 @@ class Preparer:
     async def prepare(self, claim: ClaimRef) -> Sequence[PreparedDevice]:
         self.prepared.append(claim)
         self._check(claim)
+        if claim.uid in self.malformed:
+            return [PreparedDevice(request_names=(), pool=NODE, device=7, cdi_ids=())]  # type: ignore[arg-type]
         return [
             PreparedDevice(
                 request_names=("main",),
@@ -250,6 +253,12 @@ async def test_a_crashing_preparer_gives_an_error_answer_and_the_server_goes_on(
     rig.preparer.crash.clear()
     again = await rig.kubelet.prepare(DRIVER, [a])
     assert isinstance(again[a.uid], PreparedClaim)
+    # devices that do not make a protobuf answer are the agent's fault too
+    rig.preparer.malformed.add(b.uid)
+    answers = await rig.kubelet.prepare(DRIVER, [a, b])
+    assert answers[b.uid] == INTERNAL_ERROR
+    assert isinstance(answers[a.uid], PreparedClaim)
+    assert rig.count("gpuslice_dra_claims_total", operation="prepare", outcome="error") == 2
 
 
 async def test_too_many_claims_are_refused_whole(rig: Rig) -> None:
@@ -400,3 +409,71 @@ async def test_stop_is_idempotent_and_removes_the_sockets(rig: Rig, short_dir: P
 async def test_a_second_start_is_refused(rig: Rig) -> None:
     with pytest.raises(RuntimeError, match="already running"):
         await rig.server.start()
+
+
+class BogusRegistration(reg_grpc.RegistrationServicer):
+    """A registration socket kubelet must refuse, which hears why."""
+
+    def __init__(self, info: reg_pb.PluginInfo) -> None:
+        self.info = info
+        self.statuses: list[reg_pb.RegistrationStatus] = []
+        self.told = asyncio.Event()
+
+    async def GetInfo(self, request: reg_pb.InfoRequest, context: object) -> reg_pb.PluginInfo:
+        return self.info
+
+    async def NotifyRegistrationStatus(
+        self, request: reg_pb.RegistrationStatus, context: object
+    ) -> reg_pb.RegistrationStatusResponse:
+        self.statuses.append(request)
+        self.told.set()
+        return reg_pb.RegistrationStatusResponse()
+
+
+@pytest.mark.parametrize(
+    ("info", "problem"),
+    [
+        (
+            reg_pb.PluginInfo(type="CSIPlugin", name="x.io", supported_versions=["v1.DRAPlugin"]),
+            "plugin type 'CSIPlugin'",
+        ),
+        (
+            reg_pb.PluginInfo(type="DRAPlugin", name="x.io", supported_versions=["v9.DRAPlugin"]),
+            "none of the services",
+        ),
+        (reg_pb.PluginInfo(type="DRAPlugin", name="x.io"), "empty list of supported"),
+    ],
+)
+async def test_the_stand_in_kubelet_refuses_what_kubelet_refuses(
+    short_dir: Path, info: reg_pb.PluginInfo, problem: str
+) -> None:
+    registry = short_dir / "plugins_registry"
+    registry.mkdir()
+    bogus = BogusRegistration(info)
+    server = grpc.aio.server()
+    reg_grpc.add_RegistrationServicer_to_server(bogus, server)
+    server.add_insecure_port(f"unix://{registry / 'x.io-reg.sock'}")
+    await server.start()
+    kubelet = DevDraKubelet(registry)
+    await kubelet.start()
+    try:
+        assert problem in await kubelet.refusal()
+        assert kubelet.plugin_for("x.io") is None
+        await asyncio.wait_for(bogus.told.wait(), 10)
+        assert not bogus.statuses[0].plugin_registered
+        assert problem in bogus.statuses[0].error
+    finally:
+        await kubelet.stop()
+        await server.stop(0)
+
+
+async def test_a_symlink_in_place_of_the_driver_directory_is_refused(short_dir: Path) -> None:
+    elsewhere = short_dir / "elsewhere"
+    elsewhere.mkdir()
+    (short_dir / "plugins").mkdir()
+    (short_dir / "plugins" / DRIVER).symlink_to(elsewhere)
+    server = new_server(short_dir, Preparer(), CollectorRegistry())
+    with pytest.raises(SocketError, match="is a symlink"):
+        await server.start()
+    assert list(elsewhere.iterdir()) == []
+    assert not (short_dir / "plugins_registry" / f"{DRIVER}-reg.sock").exists()

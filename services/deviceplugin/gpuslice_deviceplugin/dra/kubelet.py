@@ -82,8 +82,9 @@ def _identity(path: Path) -> _Identity | None:
     return _Identity(st.st_dev, st.st_ino)
 
 
-def _ensure_dir(path: Path) -> None:
-    """``path`` as a real directory, creating what is missing with mode 0750."""
+def _ensure_dir(path: Path, own: bool) -> None:
+    """``path`` as a directory, creating what is missing with mode 0750; the
+    agent's ``own`` directory must not be a symlink (kubelet's may be)."""
     missing: list[Path] = []
     probe = path
     while not probe.exists() and not probe.is_symlink():
@@ -93,20 +94,20 @@ def _ensure_dir(path: Path) -> None:
         with contextlib.suppress(FileExistsError):
             directory.mkdir(mode=0o750)
             os.chmod(directory, 0o750)  # whatever the umask
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
-        raise SocketError(f"{path} is {kind}: refusing to serve a socket in it")
+    if own and path.is_symlink():
+        raise SocketError(f"{path} is a symlink: refusing to serve a socket in it")
+    if not path.is_dir():
+        raise SocketError(f"{path} is not a directory: refusing to serve a socket in it")
 
 
-def _clear_socket_path(path: Path) -> None:
+def _clear_socket_path(path: Path, own_dir: bool) -> None:
     """Make room for a socket at ``path``: a stale socket file is removed, a
     symlink or any other file there is refused."""
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise SocketError(
             f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes: choose a shorter directory"
         )
-    _ensure_dir(path.parent)
+    _ensure_dir(path.parent, own_dir)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -122,23 +123,26 @@ def _clear_socket_path(path: Path) -> None:
 class _Socket:
     """One grpc.aio server on one unix socket, which it made and removes."""
 
-    def __init__(self, path: Path, add: Callable[[grpc.aio.Server], None], what: str) -> None:
+    def __init__(
+        self, path: Path, add: Callable[[grpc.aio.Server], None], what: str, own_dir: bool
+    ) -> None:
         self.path = path
         self.what = what
+        self.own_dir = own_dir
         self._add = add
         self._server: grpc.aio.Server | None = None
         self._identity: _Identity | None = None
 
     async def start(self) -> None:
-        _clear_socket_path(self.path)
+        _clear_socket_path(self.path, self.own_dir)
         server = grpc.aio.server(interceptors=[RefuseUndecodable()])
         self._add(server)
         if server.add_insecure_port(f"unix://{self.path}") == 0:
             raise SocketError(f"cannot listen on {self.path}")
-        await server.start()
         try:
+            await server.start()
             os.chmod(self.path, 0o600)
-        except OSError:
+        except BaseException:
             await server.stop(0)
             raise
         self._server = server
@@ -211,7 +215,7 @@ class _DraServicer(dra_grpc.DRAPluginServicer):
             if isinstance(answer, str):
                 response.claims[uid].error = answer
             else:
-                response.claims[uid].devices.extend(_devices(answer))
+                response.claims[uid].devices.extend(answer)
         return response
 
     async def NodeUnprepareResources(
@@ -235,8 +239,8 @@ class _DraServicer(dra_grpc.DRAPluginServicer):
             log.warning("refused a DRA call: %s", problem)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
-    async def _prepare(self, claim: ClaimRef) -> Sequence[PreparedDevice]:
-        return await self.preparer.prepare(claim)
+    async def _prepare(self, claim: ClaimRef) -> list[dra_pb.Device]:
+        return _devices(await self.preparer.prepare(claim))
 
     async def _unprepare(self, claim: ClaimRef) -> None:
         await self.preparer.unprepare(claim)
@@ -363,11 +367,13 @@ class DraPluginServer:
             self.plugin_socket,
             lambda s: dra_grpc.add_DRAPluginServicer_to_server(self._dra, s),
             f"the DRA plugin {SERVICE}",
+            own_dir=True,
         )
         self._registrar = _Socket(
             self.registration_socket,
             lambda s: reg_grpc.add_RegistrationServicer_to_server(self._registration, s),
             f"the DRA driver {driver}'s registration",
+            own_dir=False,
         )
         self._keeper: asyncio.Task[None] | None = None
 
