@@ -95,8 +95,11 @@ native:
 	@echo "make: building and checking the interposer and the placement engine (native/)"
 	$(MAKE) -C native check
 
-# The kubelet device plugin API's Python modules, from its .proto (committed).
-PROTO := gpuslice_deviceplugin/api/deviceplugin.proto
+# kubelet's device plugin, DRA plugin and plugin registration APIs' Python
+# modules, from their .proto files (committed).
+PROTO := gpuslice_deviceplugin/api/deviceplugin.proto \
+	gpuslice_deviceplugin/dra/api/dra.proto \
+	gpuslice_deviceplugin/dra/api/pluginregistration.proto
 proto: $(STAMP)
 	cd services/deviceplugin && PATH="$(abspath $(BIN)):$$PATH" "$(abspath $(BIN))/python" -m grpc_tools.protoc \
 		-I . --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTO)

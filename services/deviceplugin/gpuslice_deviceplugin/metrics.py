@@ -37,6 +37,7 @@ from gpuslice_deviceplugin.physical import ContainerKey, GpuFigures
 __all__ = [
     "CONTAINER_LABELS",
     "GPU_LABELS",
+    "DraMetrics",
     "EnforcerMetrics",
     "Names",
     "NodeCollector",
@@ -106,6 +107,39 @@ class PluginMetrics:
             "gpuslice_deviceplugin_ambiguous_allocations",
             "Allocate calls refused because more than one bound pod waited for as many "
             "GPUs: kubelet names no pod, and a guess could give one pod another's grant.",
+            registry=registry,
+        )
+
+
+class DraMetrics:
+    """kubelet's DRA plugin calls (:mod:`gpuslice_deviceplugin.dra.kubelet`): claims
+    prepared and unprepared by outcome, how long each took, and kubelet's word on
+    the plugin's registration."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.claims = Counter(
+            "gpuslice_dra_claims",
+            "Claims kubelet asked to prepare or unprepare, by operation (prepare, "
+            "unprepare) and outcome (ok, refused, invalid, error).",
+            ["operation", "outcome"],
+            registry=registry,
+        )
+        self.claim_seconds = Histogram(
+            "gpuslice_dra_claim_seconds",
+            "Time to prepare or unprepare one claim, by operation (prepare, unprepare).",
+            ["operation"],
+            buckets=ALLOCATE_BUCKETS,
+            registry=registry,
+        )
+        self.refused_calls = Counter(
+            "gpuslice_dra_refused_calls",
+            "kubelet DRA plugin calls refused whole for carrying too many claims.",
+            registry=registry,
+        )
+        self.registrations = Counter(
+            "gpuslice_dra_registrations",
+            "kubelet's notifications of the DRA plugin's registration, by outcome (ok, error).",
+            ["outcome"],
             registry=registry,
         )
 
