@@ -140,7 +140,8 @@ async def allocate_on(
         status["reservedFor"] = reserved
         ref = CLAIMS.in_namespace(claim["metadata"]["namespace"]).named(claim["metadata"]["name"])
         try:
-            stored.append(await kube.replace_object(ref, {**claim, "status": status}, subresource="status"))
+            body = {**claim, "status": status}
+            stored.append(await kube.replace_object(ref, body, subresource="status"))
         except Conflict as exc:
             raise DraError(f"claim {claim['metadata']['name']} changed meanwhile: {exc}") from None
     return stored
@@ -178,11 +179,11 @@ def container_cdi_ids(
                 by_pod_claim[str(entry.get("name"))] = claim
     ids: list[str] = []
     for ref in (container.get("resources") or {}).get("claims") or []:
-        claim = by_pod_claim.get(str(ref.get("name")))
-        if claim is None:
+        referenced = by_pod_claim.get(str(ref.get("name")))
+        if referenced is None:
             continue
         wanted = ref.get("request")
-        for request, cdi in prepared.get(claim["metadata"]["uid"], ()):
+        for request, cdi in prepared.get(referenced["metadata"]["uid"], ()):
             if not wanted or request.split("/", 1)[0] == wanted:
                 ids.extend(i for i in cdi if i not in ids)
     return ids
@@ -221,13 +222,13 @@ def container_response(cdi_dir: Path, ids: Sequence[str]) -> pb.ContainerAllocat
                     read_only="ro" in (mount.get("options") or []),
                 )
             )
-        for node in edits.get("deviceNodes") or []:
-            path = str(node.get("path"))
+        for device_node in edits.get("deviceNodes") or []:
+            device_path = str(device_node.get("path"))
             response.devices.append(
                 pb.DeviceSpec(
-                    container_path=path,
-                    host_path=str(node.get("hostPath") or path),
-                    permissions=str(node.get("permissions") or "rw"),
+                    container_path=device_path,
+                    host_path=str(device_node.get("hostPath") or device_path),
+                    permissions=str(device_node.get("permissions") or "rw"),
                 )
             )
     return response

@@ -65,11 +65,14 @@ from typing import Any
 import grpc
 import httpx
 
+from gpuslice_cli.dev import dra
+from gpuslice_cli.dev.drakubelet import PreparedClaim
 from gpuslice_cli.dev.kubelet import Plugin
 from gpuslice_cli.dev.priority import admit_priority
 from gpuslice_cli.dev.stack import NATIVE_BUILD, NodeSpec, Stack, StackError
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import ResourceNames
+from gpuslice_common.dra import DRIVER
 from gpuslice_common.grant import GRANT_DIR
 from gpuslice_common.kube import PodNotFound, WatchEvent, WatchExpired
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PodEnded, PodRef, utcnow
@@ -298,6 +301,9 @@ class ClusterDriver:
         self._down: dict[str, float] = {}
         # steps tried again, by whom: a component down, restarting, its store away
         self.retries: collections.Counter[str] = collections.Counter()
+        # DRA: kube-scheduler allocates claims one pod at a time; each pod's claims
+        self._dra_lock = asyncio.Lock()
+        self._claims: dict[str, list[dict[str, Any]]] = {}
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -467,6 +473,8 @@ class ClusterDriver:
         scheduler = pod["spec"].get("schedulerName") or DEFAULT_SCHEDULER
         if scheduler not in (DEFAULT_SCHEDULER, GPUSLICE_SCHEDULER):
             return "", f"names scheduler {scheduler}, which this stack does not run"
+        if dra.uses_claims(pod):
+            return await self._schedule_claims(pod)
         fit, why = self.resource_fit(pod, names)
         if not fit:
             return "", why
@@ -535,6 +543,74 @@ class ClusterDriver:
             lock.release()
             raise
         return node, ""
+
+    async def _schedule_claims(self, pod: dict[str, Any]) -> tuple[str, str]:
+        """kube-scheduler with DRA: the first DRA node (in order) on which every
+        claim of the pod can be allocated; the claims written back allocated and
+        reserved for the pod, then the pod bound. The extender is not asked: the
+        pod requests none of the resources it manages."""
+        claims = self._claims[pod["metadata"]["uid"]]
+        names = [node.name for node in self.stack.nodes if node.dra]
+        meta = pod["metadata"]
+        async with self._dra_lock:
+            for node in names:
+                try:
+                    allocated = await dra.allocate_on(self.stack.kube, pod, claims, node)
+                except dra.DraError as exc:
+                    raise Unschedulable(str(exc)) from None
+                if allocated is None:
+                    continue
+                self._claims[meta["uid"]] = allocated
+                lock = self._node_locks.setdefault(node, asyncio.Lock())
+                await lock.acquire()
+                try:
+                    await self.stack.kube.bind_pod(
+                        meta["namespace"], meta["name"], meta["uid"], node
+                    )
+                except BaseException:
+                    lock.release()
+                    raise
+                return node, ""
+        raise Unschedulable(
+            f"0/{len(self.stack.nodes)} nodes are available: "
+            f"{len(names)} cannot allocate all of the pod's claims"
+            + (f", {len(self.stack.nodes) - len(names)} serve no DRA driver" if names else "")
+        )
+
+    async def _prepare_claims(self, pod: Mapping[str, Any], node: str) -> dict[str, Any]:
+        """kubelet's NodePrepareResources for the pod's claims: by claim UID, the
+        (request, CDI IDs) of each device. Raises DriverError with the plugin's
+        error, as kubelet reports it on the pod."""
+        claims = self._claims.get(pod["metadata"]["uid"]) or []
+        if not claims:
+            return {}
+        kubelet = self.stack.dra_kubelets.get(node)
+        if kubelet is None:
+            raise DriverError(f"node {node} runs no DRA plugin for the pod's claims")
+        try:
+            answers = await kubelet.prepare(DRIVER, dra.claim_refs(claims))
+        except grpc.aio.AioRpcError as exc:
+            raise DriverError(f"NodePrepareResources on {node} failed: {exc.details()}") from None
+        prepared: dict[str, Any] = {}
+        for uid, answer in answers.items():
+            if not isinstance(answer, PreparedClaim):
+                raise DriverError(f"NodePrepareResources on {node}: {answer}")
+            prepared[uid] = [(d.request_names[0], d.cdi_ids) for d in answer.devices]
+        return prepared
+
+    async def _unprepare_claims(self, pod: Mapping[str, Any], node: str) -> None:
+        claims = self._claims.pop(pod["metadata"]["uid"], None) or []
+        kubelet = self.stack.dra_kubelets.get(node)
+        if claims and kubelet is not None:
+            try:
+                answers = await kubelet.unprepare(DRIVER, dra.claim_refs(claims))
+            except grpc.aio.AioRpcError as exc:
+                log.warning("NodeUnprepareResources on %s failed: %s", node, exc.details())
+            else:
+                for uid, error in answers.items():
+                    if error:
+                        log.warning("claim %s not unprepared on %s: %s", uid, node, error)
+        await dra.release_claims(self.stack.kube, pod)
 
     def resource_fit(self, pod: Mapping[str, Any], names: Sequence[str]) -> tuple[list[str], str]:
         """kube-scheduler's resource fit for the device-plugin resources the
@@ -689,6 +765,12 @@ class ClusterDriver:
         self.stack.kube.add_pod(admitted)
         unlock: list[Callable[[], None]] = []
         try:
+            if dra.uses_claims(admitted):
+                try:
+                    self._claims[meta["uid"]] = await dra.make_claims(self.stack.kube, admitted)
+                except dra.DraError as exc:
+                    outcome.phase, outcome.reason = "Pending", str(exc)
+                    return outcome
             node, why = await self._schedule_retrying(admitted)
             if not node:
                 scheduler = admitted["spec"].get("schedulerName") or DEFAULT_SCHEDULER
@@ -706,6 +788,8 @@ class ClusterDriver:
         finally:
             while unlock:  # when Allocate failed before it was released
                 unlock.pop()()
+            if dra.uses_claims(admitted):
+                await self._unprepare_claims(admitted, outcome.node)
             await self._delete(admitted)
 
     async def _run_on_node(
@@ -722,10 +806,21 @@ class ClusterDriver:
         containers += [("app", c) for c in pod["spec"].get("containers") or []]
         envs: list[dict[str, str]] = []
         held: list[tuple[Plugin, str]] = []
+        prepared = await self._prepare_claims(pod, node)
+        claims = self._claims.get(pod["metadata"]["uid"]) or []
         try:
             for _, container in containers:
                 run = ContainerRun(str(container.get("name")))
                 responses = []
+                ids = dra.container_cdi_ids(pod, container, claims, prepared) if claims else []
+                try:
+                    edits = dra.container_response(self.stack.cdi_dir(node), ids)
+                except dra.DraError as exc:
+                    raise DriverError(f"container {run.name}: {exc}") from None
+                if edits is not None:
+                    responses.append(edits)
+                    visible = edits.envs.get("NVIDIA_VISIBLE_DEVICES", "")
+                    run.devices = tuple(u for u in visible.split(",") if u)
                 for resource, count in sorted(_extended(container).items()):
                     if resource in MANAGED and resource != GPU_RESOURCE:
                         continue  # the extender's to count: no plugin serves it

@@ -56,6 +56,7 @@ import httpx
 import pynvml  # type: ignore[import-untyped]
 
 from gpuslice_cli.dev.apiserver import DevApiServer
+from gpuslice_cli.dev.drakubelet import DevDraKubelet
 from gpuslice_cli.dev.kubelet import DevKubelet, Plugin
 from gpuslice_cli.dev.natsauth import (
     AUTHORIZATION,
@@ -66,7 +67,8 @@ from gpuslice_cli.dev.natsauth import (
 )
 from gpuslice_common.bus import Bus, BusError
 from gpuslice_common.config import CommonSettings
-from gpuslice_common.kube import LocalKubeApi
+from gpuslice_common.dra import API_VERSION, DEVICE_CLASS, DRIVER
+from gpuslice_common.kube import LocalKubeApi, ObjectRef
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.servers import (
     NatsCluster,
@@ -123,6 +125,9 @@ class NodeSpec:
     # static MIG: these instances already on each MIG card (A100-40GB geometry) of a
     # hami-core node with migStrategy mixed, advertised as nvidia.com/mig-<profile>
     static_mig: tuple[str, ...] = ()
+    # DRA mode: the agent publishes a ResourceSlice and serves kubelet's DRA plugin
+    # API (a DevDraKubelet here) instead of the device plugin's
+    dra: bool = False
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -210,6 +215,19 @@ class Child:
         return proc.returncode
 
 
+DEVICE_CLASSES = ObjectRef(API_VERSION, "deviceclasses")
+
+
+def device_class() -> dict[str, object]:
+    """The DeviceClass k8s/dra installs: every device of gpuslice's driver."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "DeviceClass",
+        "metadata": {"name": DEVICE_CLASS},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+    }
+
+
 def write_private(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` whole, in a file only its owner may read
     from the moment it exists (made 0600, not narrowed after: a --workdir that
@@ -268,6 +286,7 @@ class Stack:
     kube: LocalKubeApi = field(default_factory=LocalKubeApi)
     children: dict[str, Child] = field(default_factory=dict)
     kubelets: dict[str, DevKubelet] = field(default_factory=dict)
+    dra_kubelets: dict[str, DevDraKubelet] = field(default_factory=dict)  # DRA nodes'
     plugins: dict[str, Plugin] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     apiserver: DevApiServer | None = None
@@ -618,10 +637,11 @@ class Stack:
                 "GPUSLICE_METRICS_PORT": str(self.ports[name + "-metrics"]),
             }
 
+        dra = {"GPUSLICE_DRA": "true"} if self.nodes and all(n.dra for n in self.nodes) else {}
         self._service(
             "webhook",
             "gpuslice_webhook",
-            {**env, **self._login("webhook"), **listen("webhook")},
+            {**env, **self._login("webhook"), **listen("webhook"), **dra},
             f"{self.webhook_url}/readyz",
         )
         for name, url in zip(self.replicas("scheduler"), self.extender_urls, strict=True):
@@ -662,10 +682,16 @@ class Stack:
         if self.nats_auth is not None:
             self._agent_tokens = AgentTokens(self.kube, self.agent_token_ttl_s)
             self._renewing = asyncio.create_task(self._agent_tokens.renew())
+        if any(node.dra for node in self.nodes):
+            await self.kube.create_object(DEVICE_CLASSES, device_class())
         for node in self.nodes:
             kubelet = DevKubelet(sockets / node.name)
             await kubelet.start()
             self.kubelets[node.name] = kubelet
+            if node.dra:
+                dra_kubelet = DevDraKubelet(sockets / node.name / "plugins_registry")
+                await dra_kubelet.start()
+                self.dra_kubelets[node.name] = dra_kubelet
             self._service(node.name, "gpuslice_deviceplugin", self._plugin_env(env, node, sockets))
             self.children[node.name].start()
         await self._wait_ready()
@@ -727,6 +753,19 @@ class Stack:
             "GPUSLICE_METRICS_PORT": str(self.ports[node.name]),
             "GPUSLICE_INVENTORY_INTERVAL": f"{self.heartbeat_s}s",
             "GPUSLICE_COORDINATE_INTERVAL": "100ms",
+            **(self._dra_env(node, sockets / node.name) if node.dra else {}),
+        }
+
+    def cdi_dir(self, node: str) -> Path:
+        """Where the node's agent writes its CDI specs (DRA mode)."""
+        return self.workdir / node / "cdi"
+
+    def _dra_env(self, node: NodeSpec, kubelet_dir: Path) -> dict[str, str]:
+        return {
+            "GPUSLICE_DRA": "true",
+            "GPUSLICE_DRA_PLUGINS_DIR": str(kubelet_dir / "plugins"),
+            "GPUSLICE_DRA_REGISTRY_DIR": str(kubelet_dir / "plugins_registry"),
+            "GPUSLICE_CDI_DIR": str(self.cdi_dir(node.name)),
         }
 
     async def _wait_ready(self, nodes: list[str] | None = None) -> None:
@@ -743,6 +782,9 @@ class Stack:
                         with contextlib.suppress(httpx.HTTPError):
                             if (await client.get(child.ready_url)).status_code == 200:
                                 break
+                    elif name in self.dra_kubelets:
+                        if self.dra_kubelets[name].plugin_for(DRIVER) is not None:
+                            break
                     else:
                         kubelet = self.kubelets[name]
                         wanted = self.node(name).resources if child is not None else ()
@@ -755,7 +797,7 @@ class Stack:
                         where = (
                             f"; its log ({child.log_path}) ends:\n{child.tail()}"
                             if child is not None
-                            else ": no device plugin registered with its kubelet"
+                            else ": no plugin registered with its kubelet"
                         )
                         raise StackError(
                             f"{name} was not ready within {READY_TIMEOUT_S:.0f}s{where}"
@@ -831,5 +873,7 @@ class Stack:
                 log.warning("%s exited with %s (log: %s)", child.name, code, child.log_path)
         for kubelet in self.kubelets.values():
             await kubelet.stop()
+        for dra_kubelet in self.dra_kubelets.values():
+            await dra_kubelet.stop()
         if self._sockets is not None:
             shutil.rmtree(self._sockets, ignore_errors=True)

@@ -45,6 +45,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from gpuslice_cli.dev.dra import CLAIMS
 from gpuslice_cli.dev.driver import ClusterDriver, DriverError, PodOutcome
 from gpuslice_cli.dev.stack import (
     DEFAULT_NODES,
@@ -200,7 +201,9 @@ async def demo(driver: ClusterDriver, ledger: Ledger, view: View) -> None:
     )
     view.pods += [first, second]
     cards = [
-        {g.uuid for c in p.placement.containers for g in c.devices} if p.placement else set()
+        {g.uuid for c in p.placement.containers for g in c.devices}
+        if p.placement
+        else {u for c in p.containers for u in c.devices}  # DRA: the container's cards
         for p in (first, second)
     ]
     shared = bool(cards[0] & cards[1]) and first.phase == second.phase == "Succeeded"
@@ -245,6 +248,9 @@ async def demo(driver: ClusterDriver, ledger: Ledger, view: View) -> None:
             break
         await asyncio.sleep(0.2)
     step("every device released at the end", left == 0, f"{left} placements still held")
+    if any(node.dra for node in stack.nodes):
+        claims = await stack.kube.list_objects(CLAIMS)
+        step("every claim released at the end", not claims, f"{len(claims)} claims left")
 
 
 async def _watch_events(bus: Bus, view: View) -> Any:
@@ -574,6 +580,11 @@ def up(
     open_console: bool = typer.Option(
         False, "--open", help="open the web console in this machine's browser"
     ),
+    dra: bool = typer.Option(
+        False,
+        "--dra",
+        help="DRA mode: nodes publish ResourceSlices, pods get ResourceClaims (not with MIG)",
+    ),
 ) -> None:
     """Run gpuslice on this machine: NATS, Redis, the four services, simulated nodes
     and a cluster driver that admits, schedules, allocates and runs pods."""
@@ -607,6 +618,11 @@ def up(
         dataclasses.replace(kinds[i], name=s.name, gpus=s.gpus) if i in kinds else s
         for i, s in enumerate(specs)
     )
+    if dra and (mig_nodes or static_mig_nodes):
+        Console(stderr=True).print("[red]error:[/] --dra runs no MIG nodes")
+        raise typer.Exit(2)
+    if dra:
+        specs = tuple(dataclasses.replace(s, dra=True) for s in specs)
     if gpu != "fake":
         count, why = nvidia_gpus()
         if count:
