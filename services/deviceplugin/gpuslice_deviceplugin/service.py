@@ -494,6 +494,8 @@ async def main(settings: DevicePluginSettings) -> None:
     within its deadline)
     """
     config = load_node_config(settings.node_config_file, settings.node_name)
+    if settings.dra and settings.kube_api == "none":
+        check_dra(None)  # refused before anything starts
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
