@@ -136,7 +136,8 @@ def test_capacity_is_the_scaled_one_the_ledger_counts() -> None:
     (obj,) = resource_slices(low, consumable=True, generation=1)
     valid(obj)
     cores = obj["spec"]["devices"][0]["capacity"]["cores"]
-    assert cores["value"] == "50" and cores["requestPolicy"]["validRange"]["max"] == "50"
+    assert cores["value"] == "50"
+    assert cores["requestPolicy"]["validRange"]["max"] == "50"
 
 
 def test_unhealthy_and_mig_cards_are_left_out_with_their_reason() -> None:
@@ -201,12 +202,14 @@ def test_a_long_node_name_makes_a_valid_distinct_slice_name() -> None:
     names = {slice_name(n, i) for n in (long_a, long_b) for i in (0, 1)}
     assert len(names) == 4
     for name in names:
-        assert len(name) <= 253 and DNS_SUBDOMAIN.fullmatch(name), name
+        assert len(name) <= 253, name
+        assert DNS_SUBDOMAIN.fullmatch(name), name
     (obj,) = resource_slices(inventory(card(0), node=long_a), consumable=False, generation=1)
     valid(obj)
     assert obj["spec"]["nodeName"] == obj["spec"]["pool"]["name"] == long_a
     label = obj["metadata"]["labels"][NODE_LABEL]
-    assert len(label) <= 63 and label != long_a
+    assert len(label) <= 63
+    assert label != long_a
     # a node name that ends like another's slice never takes that slice's name
     assert slice_name("a", 1) not in {slice_name("a-1"), slice_name("a-gpu.gpuslice.io")}
 
@@ -278,7 +281,8 @@ async def test_publisher_creates_updates_and_keeps_the_slice_in_step() -> None:
     cards.set(card(0), card(1), card(2))  # healthy again, and a new card
     assert await publisher.sync() is True
     (obj,) = (await slices_of(kube)).values()
-    assert generation(obj) == 3 and len(obj["spec"]["devices"]) == 3
+    assert generation(obj) == 3
+    assert len(obj["spec"]["devices"]) == 3
 
 
 async def test_publisher_deletes_stale_slices_of_its_node_only() -> None:
@@ -313,14 +317,16 @@ async def test_a_restarted_publisher_adopts_slices_equal_to_its_own() -> None:
     assert generation(obj) == 1
     again = SlicePublisher(kube, NODE, cards, consumable=True)
     assert await again.sync() is False
-    assert again.generation == 1 and again.published.is_set()
+    assert again.generation == 1
+    assert again.published.is_set()
     # someone edited the slice: a resync puts it back, at a higher generation
     obj["spec"]["devices"] = []
     await kube.replace_object(RESOURCE.named(obj["metadata"]["name"]), obj)
     repair = SlicePublisher(kube, NODE, cards, consumable=True)
     assert await repair.sync() is True
     (obj,) = (await slices_of(kube)).values()
-    assert generation(obj) == 2 and len(obj["spec"]["devices"]) == 1
+    assert generation(obj) == 2
+    assert len(obj["spec"]["devices"]) == 1
 
 
 class FailingKube(LocalKubeApi):
@@ -354,6 +360,8 @@ async def test_publisher_retries_after_api_failures() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert kube.refused == 3 and publisher.failures == 2
+    assert kube.refused == 3
+    assert publisher.failures == 2
     (obj,) = (await slices_of(kube)).values()
-    assert generation(obj) == 1 and len(obj["spec"]["devices"]) == 1
+    assert generation(obj) == 1
+    assert len(obj["spec"]["devices"]) == 1
