@@ -358,6 +358,14 @@ async def test_answers_for_another_claim_node_or_a_mig_grant_are_refused(
     await refused_with_nothing_written(settings, bus, match)
 
 
+async def test_a_pod_uid_that_makes_no_directory_is_refused(
+    settings: DevicePluginSettings, bus: Bus, stand_in: Inventory
+) -> None:
+    bad = placement().model_copy(update={"pod": POD.model_copy(update={"uid": "../../etc"})})
+    stand_in.answer_prepare(claim_reply(placement=bad))
+    await refused_with_nothing_written(settings, bus, "pod UID")
+
+
 async def test_a_device_not_granted_to_its_container_is_refused(
     settings: DevicePluginSettings, bus: Bus, stand_in: Inventory
 ) -> None:

@@ -48,7 +48,13 @@ from gpuslice_common.models import ClaimRef
 from gpuslice_common.nodeapi import AllocationReply, ClaimReply, NodeRequestError
 from gpuslice_deviceplugin.allocation import answer, grant
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
-from gpuslice_deviceplugin.containers import ContainerOwner, HostDir, write_atomic
+from gpuslice_deviceplugin.containers import (
+    ContainerOwner,
+    HostDir,
+    check_container_name,
+    check_pod_uid,
+    write_atomic,
+)
 from gpuslice_deviceplugin.dra.contract import ClaimError, PreparedDevice
 from gpuslice_deviceplugin.driverlimits import CardSupport
 from gpuslice_deviceplugin.gateway import InventoryGateway
@@ -192,6 +198,12 @@ class Claims:
             raise ClaimError(f"the inventory answered for another claim than {claim}")
         if placement.node != self.node:
             raise ClaimError(f"the inventory placed claim {claim} on node {placement.node!r}")
+        try:  # they name directories and CDI devices
+            check_pod_uid(placement.pod.uid)
+            for container in placement.containers:
+                check_container_name(container.name)
+        except ValueError as exc:
+            raise ClaimError(f"claim {claim}: {exc}") from None
         grants = {c.name: {g.uuid: g for g in c.devices} for c in placement.containers}
         for device in reply.devices:
             held = grants.get(device.container, {})
