@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from gpuslice_common.bus import BusError
-from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.config import ConfigError, DevicePluginSettings
 from gpuslice_common.kube import KubeError
 from gpuslice_common.service import run_service
 from gpuslice_deviceplugin.containers import InstallError
@@ -20,7 +20,7 @@ def run() -> int:
         "gpuslice-deviceplugin",
         DevicePluginSettings,
         main,
-        fatal=(NodeConfigError, InstallError),
+        fatal=(ConfigError, NodeConfigError, InstallError),
         failed=(BusError, KubeError, DiscoveryError, KubeletLinkError, OSError),
         uvloop=False,  # grpc.aio runs on asyncio's own loop
     )

@@ -102,7 +102,8 @@ class NodeAgent:
 
     def inventory(self) -> NodeInventory:
         inventory = self._config.inventory(self.settings.node_name, self._devices)
-        return inventory.model_copy(update={"layers": self.layers()})
+        dra = bool(getattr(self.settings, "dra", False))
+        return inventory.model_copy(update={"layers": self.layers(), "dra": dra})
 
     def layers(self) -> dict[str, CardLayers]:
         """Which layers enforce on each card now."""

@@ -20,10 +20,11 @@ from nats.errors import NoRespondersError
 
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
-from gpuslice_common.models import Frozen
+from gpuslice_common.models import ClaimRef, Frozen
 from gpuslice_common.nodeapi import (
     AllocateRequest,
     AllocationReply,
+    ClaimReply,
     Done,
     EnforcedRequest,
     ErrorKind,
@@ -36,6 +37,8 @@ from gpuslice_common.nodeapi import (
     Pong,
     PreferredReply,
     PreferredRequest,
+    PrepareRequest,
+    UnprepareRequest,
     Verb,
     parse_reply,
 )
@@ -43,7 +46,7 @@ from gpuslice_common.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-R = TypeVar("R", Pong, AllocationReply, PreferredReply, PlacementsReply, Done)
+R = TypeVar("R", Pong, AllocationReply, ClaimReply, PreferredReply, PlacementsReply, Done)
 
 FIRST_RETRY_S = 0.05
 LAST_RETRY_S = 1.0
@@ -88,6 +91,18 @@ class InventoryGateway:
     async def enforced(self, request: EnforcedRequest, deadline: float) -> None:
         """Tell the inventory what the enforcer did, asked again until ``deadline``."""
         await self._request(Verb.ENFORCED, request, Done, deadline)
+
+    async def prepare(self, claim: ClaimRef, deadline: float) -> ClaimReply:
+        """DRA: the inventory checks and records ``claim`` and answers its grants,
+        asked again until ``deadline`` while the inventory or the ledger is away
+        (idempotent per claim)."""
+        return await self._request(Verb.PREPARE, PrepareRequest(claim=claim), ClaimReply, deadline)
+
+    async def unprepare(self, claim: ClaimRef, pod_uid: str | None, deadline: float) -> None:
+        """DRA: release what ``prepare`` recorded for ``claim`` (prepared for the
+        pod ``pod_uid``, where known), asked again until ``deadline``."""
+        request = UnprepareRequest(claim=claim, pod_uid=pod_uid)
+        await self._request(Verb.UNPREPARE, request, Done, deadline)
 
     async def _request(
         self, verb: Verb, request: Frozen, expect: type[R], deadline: float | None

@@ -30,7 +30,7 @@ import grpc
 
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError
-from gpuslice_common.models import PlacementState
+from gpuslice_common.models import PlacementState, PodRef
 from gpuslice_common.nodeapi import AllocationReply, ErrorKind, NodeRequestError
 from gpuslice_deviceplugin.allocation import answer, control_wanted, grant, on_mig
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
@@ -46,6 +46,7 @@ from gpuslice_deviceplugin.replicas import Replicas
 log = logging.getLogger(__name__)
 # how long the inventory's report of a container that could not be prepared may take
 FAILED_REPORT_S = 2.0
+POD_READ_S = 5.0  # how long reading a pod's spec for CUDA_DISABLE_CONTROL may take
 
 # the gRPC status of each kind of error the inventory answers
 STATUS = {
@@ -67,6 +68,19 @@ def refusal(exc: NodeRequestError) -> tuple[grpc.StatusCode, str]:
     if code == grpc.StatusCode.UNAVAILABLE:
         return code, f"ledger unavailable: {exc}"
     return code, str(exc)
+
+
+async def pod_allows_control(kube: KubeApi | None, pod: PodRef, container: str) -> bool:
+    """Whether the preload goes in for ``container``: the pod may opt out
+    (:func:`control_wanted`), a pod that cannot be read may not."""
+    if kube is None:
+        return True
+    try:
+        spec = await asyncio.wait_for(kube.get_pod(pod.namespace, pod.name), POD_READ_S)
+    except (KubeError, TimeoutError) as exc:
+        log.warning("pod %s/%s unreadable (%s); limits stay enforced", pod.namespace, pod.name, exc)
+        return True
+    return control_wanted(spec, container)
 
 
 class DeviceList:
@@ -348,19 +362,8 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         return response
 
     async def _control_wanted(self, allocation: AllocationReply) -> bool:
-        """Whether the preload goes in; the pod may opt out, a pod we cannot read may not."""
-        if self.kube is None:
-            return True
-        pod = allocation.placement.pod
         container = allocation.placement.containers[allocation.container_index].name
-        try:
-            spec = await asyncio.wait_for(self.kube.get_pod(pod.namespace, pod.name), 5.0)
-        except (KubeError, TimeoutError) as exc:
-            log.warning(
-                "pod %s/%s unreadable (%s); limits stay enforced", pod.namespace, pod.name, exc
-            )
-            return True
-        return control_wanted(spec, container)
+        return await pod_allows_control(self.kube, allocation.placement.pod, container)
 
     async def _report_failed(self, allocation: AllocationReply, reason: str) -> None:
         """The inventory records alloc.failed for the container it handed out."""

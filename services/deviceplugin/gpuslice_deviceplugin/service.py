@@ -7,6 +7,14 @@ flags and heartbeat), the GPUs' physical figures (read every health interval),
 the clean-up of container directories, the enforcer (NVML's processes held to
 the grants: :mod:`gpuslice_deviceplugin.enforcer`; it thaws what it froze when
 the agent stops), and an HTTP server for ``/healthz``, ``/readyz`` and ``/metrics``.
+
+In DRA mode (``dra``) kubelet's device plugin for the GPU resource is not
+registered, so no card is granted on both paths: the cards are published as
+ResourceSlices (:mod:`gpuslice_deviceplugin.dra.slices`) and kubelet's DRA plugin
+service prepares claims (:mod:`gpuslice_deviceplugin.dra.claims`) into the same
+container directories, which the enforcer, the driver's limits and telemetry
+hold as they hold the device plugin's. The slices are written through the
+Kubernetes API, so DRA mode needs one (``kube_api`` other than ``none``).
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import contextlib
 import functools
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +32,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gpuslice_common.bus import Bus, BusError
-from gpuslice_common.config import DevicePluginSettings
+from gpuslice_common.config import ConfigError, DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError, KubernetesApi, LocalKubeApi, PodNotFound
 from gpuslice_common.models import PlacementState
 from gpuslice_common.nodeapi import EnforcedRequest, NodeRequestError
@@ -42,6 +50,10 @@ from gpuslice_deviceplugin.agent import NodeAgent
 from gpuslice_deviceplugin.containers import ContainerOwner, HostDir
 from gpuslice_deviceplugin.coordinator import Coordinator, CoordinatorSnapshot
 from gpuslice_deviceplugin.discovery import open_backend
+from gpuslice_deviceplugin.dra.claims import Claims
+from gpuslice_deviceplugin.dra.contract import ClaimPreparer
+from gpuslice_deviceplugin.dra.kubelet import DraPluginServer
+from gpuslice_deviceplugin.dra.slices import SlicePublisher
 from gpuslice_deviceplugin.enforcer import Enforcer, open_sampler
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.kubelet import KubeletLink, LinkTiming
@@ -90,6 +102,7 @@ class Running:
     mig: MigInstances
     static: StaticMig
     kube: KubeApi | None = None
+    dra: DraParts | None = None  # DRA mode's parts; None in device plugin mode
     enforcer: Enforcer | None = None
     hami_registry: CollectorRegistry | None = None  # /metrics/hami; None while off
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -187,8 +200,12 @@ class Running:
 
     async def ready(self) -> bool:
         """Registered, kubelet watching the devices (a plugin that took our resource
-        name over would end that stream), and the inventory answering for its ledger."""
-        if not (self.link.registered.is_set() and self.plugin.watching > 0):
+        name over would end that stream), and the inventory answering for its ledger.
+        In DRA mode: the node's ResourceSlices written, and the inventory answering."""
+        if self.dra is not None:
+            if not self.dra.slices.published.is_set():
+                return False
+        elif not (self.link.registered.is_set() and self.plugin.watching > 0):
             return False
         return await self.inventory_answers()
 
@@ -199,6 +216,62 @@ class Running:
             log.info("not ready: %s", exc)
             return False
         return True
+
+
+@dataclass
+class DraParts:
+    """DRA mode's parts of a running agent."""
+
+    claims: Claims
+    slices: SlicePublisher
+    server: DraPluginServer
+
+    async def serve(self) -> None:
+        """kubelet's DRA plugin service and registration until cancelled."""
+        await self.server.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.server.stop()
+
+
+def check_dra(kube: KubeApi | None) -> KubeApi:
+    """The Kubernetes API DRA mode writes its slices to; ConfigError without one."""
+    if kube is None:
+        raise ConfigError(
+            "invalid configuration: GPUSLICE_KUBE_API: DRA mode (GPUSLICE_DRA) publishes the "
+            "node's ResourceSlices through the Kubernetes API; set it to cluster, not none"
+        )
+    return kube
+
+
+def dra_parts(
+    settings: DevicePluginSettings,
+    kube: KubeApi | None,
+    agent: NodeAgent,
+    gateway: InventoryGateway,
+    host: HostDir,
+    server: Callable[[ClaimPreparer, Path, Path], DraPluginServer] = DraPluginServer,
+) -> DraParts:
+    """The parts DRA mode runs; ConfigError without a Kubernetes API to write slices to."""
+    kube = check_dra(kube)
+    claims = Claims(
+        settings,
+        gateway,
+        host,
+        lambda: agent.config,
+        kube=kube,
+        driver_support=lambda: agent.driver_support,
+    )
+    slices = SlicePublisher(
+        kube,
+        settings.node_name,
+        agent.inventory,
+        consumable=settings.dra_consumable,
+        interval=settings.health_interval.total_seconds(),
+    )
+    plugin = server(claims, Path(settings.dra_plugins_dir), Path(settings.dra_registry_dir))
+    return DraParts(claims, slices, plugin)
 
 
 def _hold_by_driver(agent: NodeAgent, card: str, cgroup: str, memory_bytes: int) -> None:
@@ -251,6 +324,8 @@ async def running(
     config: NodeConfig | None = None,
 ) -> AsyncIterator[Running]:
     """The agent running until the block ends. Raises on bad configuration."""
+    if settings.dra:
+        check_dra(kube)
     if config is None:
         config = load_node_config(settings.node_config_file, settings.node_name)
     host = HostDir(Path(settings.host_dir))
@@ -296,6 +371,7 @@ async def running(
         mig,
         static,
         kube=kube,
+        dra=dra_parts(settings, kube, agent, gateway, host) if settings.dra else None,
     )
     if settings.enforce:
         sampler = await asyncio.to_thread(open_sampler, backend.name)
@@ -323,8 +399,14 @@ async def running(
         )
         await state.read_figures()
         coordinate = settings.coordinate_interval.total_seconds()
-        state.tasks = [
-            asyncio.create_task(link.run(), name="kubelet-link"),
+        if state.dra is None:  # in DRA mode kubelet grants no card through the device plugin
+            state.tasks.append(asyncio.create_task(link.run(), name="kubelet-link"))
+        else:
+            state.tasks += [
+                asyncio.create_task(state.dra.slices.run(), name="resource-slices"),
+                asyncio.create_task(state.dra.serve(), name="dra-plugin"),
+            ]
+        state.tasks += [
             asyncio.create_task(state.advertise_static_mig(), name="static-mig"),
             asyncio.create_task(agent.run(), name="node-agent"),
             asyncio.create_task(
@@ -412,6 +494,8 @@ async def main(settings: DevicePluginSettings) -> None:
     within its deadline)
     """
     config = load_node_config(settings.node_config_file, settings.node_name)
+    if settings.dra and settings.kube_api == "none":
+        check_dra(None)  # refused before anything starts
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
