@@ -157,11 +157,7 @@ def claim_placement(
     (one of them with a result of our driver is refused). Raises
     :class:`ClaimRefused`."""
     ref = _claim_ref(claim, named)
-    status = _obj(claim.get("status"), f"claim {ref}: status")
-    allocation = status.get("allocation")
-    if allocation is None:
-        raise ClaimRefused(f"claim {ref} is not allocated (status.allocation is missing)")
-    allocation = _obj(allocation, f"claim {ref}: status.allocation")
+    status, allocation = _allocated(claim, ref)
     _check_node_selector(allocation.get("nodeSelector"), node, ref)
     results = _results(allocation, node, cards, ref)
     pod_ref = _check_pod(status, pod, node, ref)
@@ -185,6 +181,47 @@ def claim_placement(
         where = ".".join(str(p) for p in err["loc"]) or "placement"
         raise ClaimRefused(f"claim {ref} makes no valid placement: {where}: {err['msg']}") from None
     return PreparedClaim(placement, devices)
+
+
+def reserved_pod(claim: Mapping[str, Any], named: ClaimRef) -> str:
+    """The name of the pod (in the claim's namespace) ``claim`` is reserved for,
+    once the claim is found to be the one named and allocated, with exactly one
+    consumer, a pod. Raises :class:`ClaimRefused`."""
+    ref = _claim_ref(claim, named)
+    status, _ = _allocated(claim, ref)
+    name, _ = _consumer(status, ref)
+    return name
+
+
+def claim_names(pod: Mapping[str, Any]) -> list[str]:
+    """The names of the ResourceClaims the pod's ``spec.resourceClaims`` resolve to
+    (directly, or made from a template as its status says); what cannot be read
+    is left out (:func:`claim_placement` refuses it)."""
+    try:
+        spec = _obj(pod.get("spec"), "pod")
+        made = _made(_obj(pod.get("status"), "pod", required=False), "pod")
+        names = []
+        for entry in _seq(spec.get("resourceClaims"), "pod"):
+            if isinstance(entry, Mapping):
+                direct = entry.get("resourceClaimName")
+                name = entry.get("name")
+                resolved = direct if isinstance(direct, str) else made.get(str(name))
+                if isinstance(resolved, str) and resolved:
+                    names.append(resolved)
+        return names
+    except ClaimRefused:
+        return []
+
+
+def _allocated(
+    claim: Mapping[str, Any], ref: ClaimRef
+) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """The claim's status and its allocation; refused when not allocated."""
+    status = _obj(claim.get("status"), f"claim {ref}: status")
+    allocation = status.get("allocation")
+    if allocation is None:
+        raise ClaimRefused(f"claim {ref} is not allocated (status.allocation is missing)")
+    return status, _obj(allocation, f"claim {ref}: status.allocation")
 
 
 def _claim_ref(claim: Mapping[str, Any], named: ClaimRef) -> ClaimRef:
@@ -317,10 +354,8 @@ def _quantity(value: object, where: str) -> Decimal:
         raise ClaimRefused(f"{where}: {exc}") from None
 
 
-def _check_pod(
-    status: Mapping[str, Any], pod: Mapping[str, Any], node: str, ref: ClaimRef
-) -> PodRef:
-    """The pod the claim is reserved for, checked: the one and only consumer, bound here."""
+def _consumer(status: Mapping[str, Any], ref: ClaimRef) -> tuple[str, str]:
+    """(name, uid) of the claim's one consumer, which must be a pod."""
     where = f"claim {ref}: status.reservedFor"
     consumers = _seq(status.get("reservedFor"), where)
     if len(consumers) != 1:
@@ -333,6 +368,15 @@ def _check_pod(
         )
     uid = _str(consumer.get("uid"), f"{where}[0].uid")
     name = _str(consumer.get("name"), f"{where}[0].name")
+    return name, uid
+
+
+def _check_pod(
+    status: Mapping[str, Any], pod: Mapping[str, Any], node: str, ref: ClaimRef
+) -> PodRef:
+    """The pod the claim is reserved for, checked: the one and only consumer, bound here."""
+    where = f"claim {ref}: status.reservedFor"
+    name, uid = _consumer(status, ref)
     if not isinstance(pod, Mapping):
         raise ClaimRefused(f"pod {ref.namespace}/{name}: the API server sent {_kind(pod)}")
     metadata = _obj(pod.get("metadata"), f"pod {ref.namespace}/{name}: metadata")
@@ -366,15 +410,7 @@ def _pod_claim_names(pod: Mapping[str, Any], claim_name: str, who: str) -> set[s
     claim named ``claim_name``: directly, or made from a template (the pod's
     ``status.resourceClaimStatuses`` says which claim)."""
     spec = _obj(pod.get("spec"), f"{who}: spec")
-    made: dict[str, str] = {}
-    statuses = _obj(pod.get("status"), f"{who}: status", required=False)
-    for i, entry in enumerate(
-        _seq(statuses.get("resourceClaimStatuses"), f"{who}: resourceClaimStatuses")
-    ):
-        entry = _obj(entry, f"{who}: status.resourceClaimStatuses[{i}]")
-        name = entry.get("name")
-        if isinstance(name, str) and isinstance(entry.get("resourceClaimName"), str):
-            made[name] = entry["resourceClaimName"]
+    made = _made(_obj(pod.get("status"), f"{who}: status", required=False), who)
     names: set[str] = set()
     for i, entry in enumerate(_seq(spec.get("resourceClaims"), f"{who}: spec.resourceClaims")):
         entry = _obj(entry, f"{who}: spec.resourceClaims[{i}]")
@@ -384,6 +420,18 @@ def _pod_claim_names(pod: Mapping[str, Any], claim_name: str, who: str) -> set[s
         if resolved == claim_name:
             names.add(name)
     return names
+
+
+def _made(status: Mapping[str, Any], who: str) -> dict[str, str]:
+    """Pod claim name -> the claim made for it from a template (the pod's status)."""
+    made: dict[str, str] = {}
+    where = f"{who}: status.resourceClaimStatuses"
+    for i, entry in enumerate(_seq(status.get("resourceClaimStatuses"), where)):
+        entry = _obj(entry, f"{where}[{i}]")
+        name, claim = entry.get("name"), entry.get("resourceClaimName")
+        if isinstance(name, str) and isinstance(claim, str):
+            made[name] = claim
+    return made
 
 
 def _check_other(other: Mapping[str, Any], ref: ClaimRef, pod: PodRef) -> None:
@@ -477,4 +525,11 @@ def _assign(
     return tuple(assignments), [o for o in owners if o is not None]
 
 
-__all__ = ["POLICY", "ClaimRefused", "PreparedClaim", "claim_placement"]
+__all__ = [
+    "POLICY",
+    "ClaimRefused",
+    "PreparedClaim",
+    "claim_names",
+    "claim_placement",
+    "reserved_pod",
+]
