@@ -10,7 +10,13 @@ One pass reads the ledger, then lists every pod of the cluster, and:
   A restore checks fit: records that claim more than a card holds (an outdated
   annotation) are refused and counted as conflicts, never over-committed;
 * **releases** what the ledger holds for a pod that has terminated (reason
-  ``pod succeeded`` / ``pod failed``) or no longer exists (``pod deleted``).
+  ``pod succeeded`` / ``pod failed``) or no longer exists (``pod deleted``);
+  and a placement a DRA node prepared whose ResourceClaim is gone, was made
+  again under its name (another uid), is no longer allocated or no longer
+  reserved for the pod (``claim deleted`` / ``claim replaced`` / ``claim
+  deallocated`` / ``claim not reserved for the pod``: the claims are listed once
+  a pass, where the ledger holds such a placement). Such a pod carries no
+  placement annotation: it is never restored from one, nor released for lacking it.
   A reservation younger than ``grace`` is left alone: the scheduler may have
   made it after the list was read. A bound pod on another vendor's cards (which
   never expires in the sweep) whose pod is still not on its node after the
@@ -39,7 +45,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from gpuslice_common.kube import KubeApi, object_uid, pod_node, pod_phase, pod_terminated
+from gpuslice_common import dra
+from gpuslice_common.kube import (
+    KubeApi,
+    KubeError,
+    ObjectRef,
+    object_uid,
+    pod_node,
+    pod_phase,
+    pod_terminated,
+)
 from gpuslice_common.ledger import (
     BadRecord,
     Ledger,
@@ -47,7 +62,7 @@ from gpuslice_common.ledger import (
     NodeRebuild,
     ReservationConflict,
 )
-from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
+from gpuslice_common.models import PLACEMENT_ANNOTATION, ClaimRef, Placement, PlacementState
 from gpuslice_inventory.lifecycle import DELETED, TERMINATED
 from gpuslice_inventory.upkeep import EXPIRED, Upkeep
 
@@ -55,6 +70,11 @@ log = logging.getLogger(__name__)
 
 # ledger operations one pass keeps in flight (the ledger's own gate allows 64)
 CONCURRENCY = 32
+CLAIMS = ObjectRef(dra.API_VERSION, "resourceclaims")
+CLAIM_DELETED = "claim deleted"
+CLAIM_REPLACED = "claim replaced"
+CLAIM_DEALLOCATED = "claim deallocated"
+CLAIM_NOT_RESERVED = "claim not reserved for the pod"
 Item = TypeVar("Item")
 R = TypeVar("R")
 
@@ -86,6 +106,27 @@ def _admitted(pod: Mapping[str, Any]) -> bool:
         or status.get("containerStatuses")
         or status.get("initContainerStatuses")
     )
+
+
+def claim_ended(ref: ClaimRef, pod_uid: str, claims: Mapping[tuple[str, str], Any]) -> str:
+    """Why a prepared claim no longer holds its pod's placement ("" while it does):
+    ``claims`` maps (namespace, name) to the claims listed."""
+    claim = claims.get((ref.namespace, ref.name))
+    if not isinstance(claim, Mapping):
+        return CLAIM_DELETED
+    metadata = claim.get("metadata")
+    if not isinstance(metadata, Mapping) or metadata.get("uid") != ref.uid:
+        return CLAIM_REPLACED
+    status = claim.get("status")
+    if not isinstance(status, Mapping) or not isinstance(status.get("allocation"), Mapping):
+        return CLAIM_DEALLOCATED
+    consumers = status.get("reservedFor")
+    if not isinstance(consumers, list) or not any(
+        isinstance(c, Mapping) and c.get("resource") == "pods" and c.get("uid") == pod_uid
+        for c in consumers
+    ):
+        return CLAIM_NOT_RESERVED
+    return ""
 
 
 def _record(pod: Mapping[str, Any]) -> Placement | None:
@@ -137,6 +178,7 @@ class Reconciler:
             and pod_node(pod) not in unreadable
         ]
         to_release: list[tuple[str, str]] = []
+        claims = await self._claims(held)
         for uid, placement in held.items():
             found = pods.get(uid)
             if found is None:
@@ -148,6 +190,12 @@ class Reconciler:
                 to_release.append((uid, TERMINATED[pod_phase(found)]))
             elif self.upkeep.never_bound_here(placement, pod_node(found), listed_at):
                 to_release.append((uid, EXPIRED))
+            elif (
+                placement.claim is not None
+                and claims is not None
+                and (why := claim_ended(placement.claim, uid, claims))
+            ):
+                to_release.append((uid, why))
         # releases before restores: a release the ledger lost (a failover) may
         # hold the room that a restore is to take back
         released: Counter[str] = Counter(
@@ -207,6 +255,29 @@ class Reconciler:
                 if placement.state is not PlacementState.RELEASED:
                     held[placement.pod.uid] = placement
         return held, unreadable
+
+    async def _claims(
+        self, held: Mapping[str, Placement]
+    ) -> dict[tuple[str, str], dict[str, Any]] | None:
+        """Every ResourceClaim by (namespace, name), listed after the ledger was read
+        (a claim prepared by then is in the list unless it went); only where the
+        ledger holds a prepared claim. None when they cannot be listed: no claim
+        is judged this pass."""
+        if not any(p.claim is not None for p in held.values()):
+            return {}
+        try:
+            listed = await self.kube.list_objects(CLAIMS)
+        except KubeError as exc:
+            log.warning("cannot list ResourceClaims; prepared claims are judged next pass: %s", exc)
+            return None
+        claims: dict[tuple[str, str], dict[str, Any]] = {}
+        for claim in listed:
+            metadata = claim.get("metadata")
+            if isinstance(metadata, Mapping):
+                key = (metadata.get("namespace"), metadata.get("name"))
+                if isinstance(key[0], str) and isinstance(key[1], str):
+                    claims[(key[0], key[1])] = claim
+        return claims
 
     async def _restore(self, item: tuple[str, Mapping[str, Any]]) -> tuple[str, str]:
         """Put back one pod's reservation from its annotation: its node, and

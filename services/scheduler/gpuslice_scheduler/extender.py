@@ -93,6 +93,13 @@ SOURCE = "gpuslice-scheduler"
 WARM_KINDS = 64  # kinds of pod evaluated with a new mix before it is put in place
 PARSED = 64  # pods whose parsed request is kept for the verbs that follow
 UNKNOWN_NODE = "CardNotFound: no GPU of this node is registered with gpuslice"
+
+
+def serves_dra(node: str) -> str:
+    """Why a device-plugin GPU pod never goes to ``node``: its cards are DRA's."""
+    return f"NodeServesDra: node {node} serves GPUs through DRA (ResourceClaims)"
+
+
 REBUILDING = (
     "NodeLedgerRebuilding: the node's reservations are being restored from its pods "
     "(Redis lost its data or the node is new); it takes pods again shortly"
@@ -311,6 +318,9 @@ class Extender:
         names = self.view.cluster.names
         passed = names[ev.nodes[ev.feasible]].tolist()  # in the order they were sent
         failed: dict[str, str] = {}
+        dra = [n for n in args.node_names if n in self.view.dra]
+        if dra:  # a card is never granted by both kubelet's Allocate and a claim
+            passed = [n for n in passed if n not in self.view.dra]
         if self.view.rebuilding:
             waiting = [n for n in passed if n in self.view.rebuilding]
             if waiting:
@@ -335,6 +345,11 @@ class Extender:
             for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
                 reason = REASONS.get(Code(code))
                 self.metrics.failures.labels("filter", reason or "unknown").inc(count)
+        if dra:  # no preemption there can help
+            for node in dra:
+                failed.pop(node, None)
+                unresolvable[node] = serves_dra(node)
+            self.metrics.failures.labels("filter", "NodeServesDra").inc(len(dra))
         return args.filter_reply(passed, failed, unresolvable)
 
     def _held(self, demand: Demand, ev: Evaluation) -> list[str]:
