@@ -388,6 +388,7 @@ class Extender:
             containers=record.containers,
             policy=record.policy,
             reason=freed.reason,
+            claim=record.claim,
         )
         await self._send(EventType.ALLOC_RELEASED, payload)
 
