@@ -981,7 +981,6 @@ class Ledger:
             restored = await self.mark_bound(placement.pod.uid, placement.node)
         return restored, new
 
-    @_gated
     async def record_claim(self, placement: Placement) -> Reservation:
         """Record a prepared ResourceClaim (DRA: ``placement.claim``) as allocated at
         once, in one step: the cards must be the node's, healthy, not cordoned and
@@ -997,6 +996,7 @@ class Ledger:
             raise ClaimConflict(placement.pod.uid, placement.claim, held)
         return made
 
+    @_gated
     async def reserve_new(self, placement: Placement, *, restoring: str = "") -> Reservation:
         """:meth:`reserve`, also saying whether this call made the reservation or
         found the pod's live one on the node, and the node's revision it made.
