@@ -109,7 +109,8 @@ class ReservationConflict(LedgerError):
     """A card cannot take the reservation (capacity, health, exclusivity)."""
 
     def __init__(self, node: str, uuid: str, reason: str) -> None:
-        super().__init__(f"cannot reserve {uuid} on {node}: {reason}")
+        where = f"{uuid} on {node}" if uuid else f"on {node}"  # no card: the node refuses
+        super().__init__(f"cannot reserve {where}: {reason}")
         self.node = node
         self.uuid = uuid
         self.reason = reason

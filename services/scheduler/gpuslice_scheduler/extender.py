@@ -95,9 +95,14 @@ PARSED = 64  # pods whose parsed request is kept for the verbs that follow
 UNKNOWN_NODE = "CardNotFound: no GPU of this node is registered with gpuslice"
 
 
-def serves_dra(node: str) -> str:
-    """Why a device-plugin GPU pod never goes to ``node``: its cards are DRA's."""
-    return f"NodeServesDra: node {node} serves GPUs through DRA (ResourceClaims)"
+SERVES_DRA = "NodeServesDra"
+
+
+def serves_dra(node: str, *, named: bool = True) -> str:
+    """Why a device-plugin GPU pod never goes to ``node``: its cards are DRA's
+    (``named``: after the reason's name, as filter reasons are)."""
+    line = f"node {node} serves GPUs through DRA (ResourceClaims)"
+    return f"{SERVES_DRA}: {line}" if named else line
 
 
 REBUILDING = (
@@ -349,7 +354,7 @@ class Extender:
             for node in dra:
                 failed.pop(node, None)
                 unresolvable[node] = serves_dra(node)
-            self.metrics.failures.labels("filter", "NodeServesDra").inc(len(dra))
+            self.metrics.failures.labels("filter", SERVES_DRA).inc(len(dra))
         return args.filter_reply(passed, failed, unresolvable)
 
     def _held(self, demand: Demand, ev: Evaluation) -> list[str]:
@@ -559,6 +564,9 @@ class Extender:
             return await self._reserve_on(args, demand)
 
     async def _reserve_on(self, args: BindingArgs, demand: Demand) -> tuple[Placement, bool]:
+        if args.node in self.view.dra:  # the ledger refuses it too (NodeServesDra)
+            await self._failed(args, SERVES_DRA, serves_dra(args.node, named=False))
+            raise BindError(serves_dra(args.node))
         for attempt in range(2):
             ev, unknown = self._evaluate(demand, [args.node])
             if unknown:
