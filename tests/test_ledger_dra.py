@@ -41,14 +41,15 @@ async def usage(ledger: Ledger, node: str) -> list[tuple[int, int, int]]:
 
 async def test_the_mode_is_stored_at_registration_and_read_back(nodes: Ledger) -> None:
     read = await nodes.read_nodes([DRA, PLUGIN])
-    assert isinstance(read[DRA], NodeCards)
-    assert isinstance(read[PLUGIN], NodeCards)
-    assert (read[DRA].dra, read[PLUGIN].dra) == (True, False)
+    dra, plugin = read[DRA], read[PLUGIN]
+    assert isinstance(dra, NodeCards)
+    assert isinstance(plugin, NodeCards)
+    assert (dra.dra, plugin.dra) == (True, False)
     # the agent's next heartbeat says otherwise: so is the node
     await nodes.register_node(make_inventory(DRA))
-    read = await nodes.read_nodes([DRA])
-    assert isinstance(read[DRA], NodeCards)
-    assert read[DRA].dra is False
+    again = (await nodes.read_nodes([DRA]))[DRA]
+    assert isinstance(again, NodeCards)
+    assert again.dra is False
 
 
 async def test_a_prepared_claim_is_recorded_allocated_with_its_claim(nodes: Ledger) -> None:

@@ -129,5 +129,6 @@ def test_claim_ended_reads_what_the_api_server_sends() -> None:
     assert claim_ended(ref, "p", {(NS, "c"): ok}) == ""
     assert claim_ended(ref, "other-pod", {(NS, "c"): ok}) == CLAIM_NOT_RESERVED
     assert claim_ended(ref, "p", {}) == CLAIM_DELETED
+    bad: Any
     for bad in ({"metadata": []}, {"metadata": {"uid": "u1"}, "status": "x"}, []):
         assert claim_ended(ref, "p", {(NS, "c"): bad}) != ""
