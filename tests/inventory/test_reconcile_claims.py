@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuslice_common.dra import API_VERSION
+from redis.asyncio import Redis
+
+from gpuslice_common.dra import API_VERSION, DRIVER, device_name
 from gpuslice_common.kube import KubeError, Listing, LocalKubeApi, ObjectRef
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import ClaimRef, Placement, PlacementState
+from gpuslice_common.models import ClaimRef, GpuDevice, NodeInventory, Placement, PlacementState
 from gpuslice_inventory.reconcile import (
     CLAIM_DEALLOCATED,
     CLAIM_DELETED,
@@ -132,3 +134,64 @@ def test_claim_ended_reads_what_the_api_server_sends() -> None:
     bad: Any
     for bad in ({"metadata": []}, {"metadata": {"uid": "u1"}, "status": "x"}, []):
         assert claim_ended(ref, "p", {(NS, "c"): bad}) != ""
+
+
+async def test_a_claim_is_the_durable_record_after_redis_lost_everything(
+    ledger: Ledger, redis_url: str
+) -> None:
+    uuids = [f"GPU-{i:08x}-5a1c-4e2b-9d0f-0123456789ab" for i in range(2)]
+    inventory = NodeInventory(
+        node=NODE,
+        devices=tuple(
+            GpuDevice(uuid=u, index=i, model="NVIDIA A100", memory_mib=16384)
+            for i, u in enumerate(uuids)
+        ),
+        dra=True,
+    )
+    await ledger.register_node(inventory, rebuilt=True)
+    kube = LocalKubeApi()
+    ref = await claim_for(kube, "trainer")
+    results = [
+        {
+            "request": "main",
+            "driver": DRIVER,
+            "pool": NODE,
+            "device": device_name(uuids[1]),
+            "consumedCapacity": {"memory": "2Gi", "cores": "20"},
+        }
+    ]
+    await kube.replace_object(
+        CLAIMS.named(ref.name),
+        {
+            "status": {
+                "allocation": {"devices": {"results": results}},
+                "reservedFor": [{"resource": "pods", "name": "trainer", "uid": "trainer"}],
+            }
+        },
+        subresource="status",
+    )
+    pod = dra_pod("trainer", "Pending")  # kubelet may not have prepared it yet
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": ref.name}]
+    pod["spec"]["containers"] = [{"name": "c0", "resources": {"claims": [{"name": "gpu"}]}}]
+    kube.add_pod(pod)
+    client: Redis = Redis.from_url(redis_url)
+    await client.flushall()  # Redis lost its data
+    await client.aclose()
+    await ledger.register_node(inventory)  # the next heartbeat: not yet rebuilt
+    result = await reconciler(ledger, kube).run_once()
+    assert (result.restored, result.stamped, result.conflicts) == (1, 1, 0)
+    restored = await ledger.placement("trainer")
+    assert restored is not None
+    assert (restored.claim, restored.state) == (ref, PlacementState.ALLOCATED)
+    assert [(g.used.memory_mib, g.used.cores) for g in await ledger.node_gpus(NODE)] == [
+        (0, 0),
+        (2048, 20),
+    ]
+    # kubelet's prepare now finds it recorded: the same placement, counted once
+    record = restored.model_copy(update={"state": PlacementState.RESERVED})
+    again = await ledger.record_claim(record)
+    assert not again.created
+    assert again.placement.claim == ref
+    assert await ledger.check_node(NODE) == []
+    second = await reconciler(ledger, kube).run_once()
+    assert (second.restored, second.released) == (0, 0)

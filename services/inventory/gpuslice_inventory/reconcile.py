@@ -15,8 +15,10 @@ One pass reads the ledger, then lists every pod of the cluster, and:
   again under its name (another uid), is no longer allocated or no longer
   reserved for the pod (``claim deleted`` / ``claim replaced`` / ``claim
   deallocated`` / ``claim not reserved for the pod``: the claims are listed once
-  a pass, where the ledger holds such a placement). Such a pod carries no
-  placement annotation: it is never restored from one, nor released for lacking it.
+  a pass, where the ledger holds such a placement or a pod to restore has
+  claims). Such a pod carries no placement annotation: its claim is its durable
+  record, and a pod bound to a node whose gpuslice claim the ledger lost is
+  restored from the claim (checked as a prepare checks it) as allocated.
   A reservation younger than ``grace`` is left alone: the scheduler may have
   made it after the list was read. A bound pod on another vendor's cards (which
   never expires in the sweep) whose pod is still not on its node after the
@@ -45,6 +47,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from pydantic import ValidationError
+
 from gpuslice_common import dra
 from gpuslice_common.kube import (
     KubeApi,
@@ -63,6 +67,7 @@ from gpuslice_common.ledger import (
     ReservationConflict,
 )
 from gpuslice_common.models import PLACEMENT_ANNOTATION, ClaimRef, Placement, PlacementState
+from gpuslice_inventory.claims import ClaimRefused, claim_names, claim_placement
 from gpuslice_inventory.lifecycle import DELETED, TERMINATED
 from gpuslice_inventory.upkeep import EXPIRED, Upkeep
 
@@ -129,6 +134,17 @@ def claim_ended(ref: ClaimRef, pod_uid: str, claims: Mapping[tuple[str, str], An
     return ""
 
 
+def _ours(claim: Mapping[str, Any]) -> bool:
+    """Whether the claim's allocation holds a device of gpuslice's driver."""
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, Mapping) else None
+    devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+    results = devices.get("results") if isinstance(devices, Mapping) else None
+    return isinstance(results, list) and any(
+        isinstance(r, Mapping) and r.get("driver") == dra.DRIVER for r in results
+    )
+
+
 def _record(pod: Mapping[str, Any]) -> Placement | None:
     """The pod's placement annotation, when it has a readable one for itself."""
     metadata = pod.get("metadata")
@@ -157,6 +173,7 @@ class Reconciler:
         self.upkeep = upkeep
         self.grace = grace
         self.last: ReconcileResult | None = None
+        self._listed: dict[tuple[str, str], dict[str, Any]] = {}  # this pass's claims
 
     async def run_once(self) -> ReconcileResult:
         started = time.perf_counter()
@@ -178,7 +195,8 @@ class Reconciler:
             and pod_node(pod) not in unreadable
         ]
         to_release: list[tuple[str, str]] = []
-        claims = await self._claims(held)
+        claims = await self._claims(held, [pod for _, pod in to_restore])
+        self._listed = claims or {}
         for uid, placement in held.items():
             found = pods.get(uid)
             if found is None:
@@ -257,13 +275,15 @@ class Reconciler:
         return held, unreadable
 
     async def _claims(
-        self, held: Mapping[str, Placement]
+        self, held: Mapping[str, Placement], unheld: Sequence[Mapping[str, Any]]
     ) -> dict[tuple[str, str], dict[str, Any]] | None:
         """Every ResourceClaim by (namespace, name), listed after the ledger was read
         (a claim prepared by then is in the list unless it went); only where the
-        ledger holds a prepared claim. None when they cannot be listed: no claim
-        is judged this pass."""
-        if not any(p.claim is not None for p in held.values()):
+        ledger holds a prepared claim or a pod it does not hold has claims. None
+        when they cannot be listed: no claim is judged this pass."""
+        if not any(p.claim is not None for p in held.values()) and not any(
+            claim_names(pod) for pod in unheld
+        ):
             return {}
         try:
             listed = await self.kube.list_objects(CLAIMS)
@@ -284,10 +304,14 @@ class Reconciler:
         restored, conflict, failed or ''."""
         uid, pod = item
         record = _record(pod)
+        running = _admitted(pod)
+        if record is None:
+            # a prepared claim is allocated at once: kubelet never calls Allocate for it
+            record, running = await self._from_claim(pod), True
         if record is None or record.node != pod_node(pod):
             return pod_node(pod), ""
         try:
-            _, new = await self.ledger.restore(record, running=_admitted(pod))
+            _, new = await self.ledger.restore(record, running=running)
         except ReservationConflict as exc:
             log.warning("cannot restore the reservation of pod %s: %s", uid, exc)
             return record.node, "conflict"
@@ -298,6 +322,33 @@ class Reconciler:
             return record.node, ""
         log.debug("restored the reservation of pod %s on %s", uid, record.node)
         return record.node, "restored"
+
+    async def _from_claim(self, pod: Mapping[str, Any]) -> Placement | None:
+        """The placement the pod's gpuslice claim (listed this pass) makes, checked
+        as a prepare checks it; None when it has none or the claim does not hold."""
+        metadata = pod.get("metadata")
+        namespace = metadata.get("namespace") if isinstance(metadata, Mapping) else None
+        if not isinstance(namespace, str):
+            return None
+        for name in claim_names(pod):
+            claim = self._listed.get((namespace, name))
+            if claim is None or not _ours(claim):
+                continue
+            try:
+                ref = ClaimRef(namespace=namespace, name=name, uid=object_uid(claim))
+            except ValidationError:
+                return None
+            node = pod_node(pod)
+            try:
+                cards = await self.ledger.node_gpus(node)
+                return claim_placement(claim, pod, node, cards, ref).placement
+            except ClaimRefused as exc:
+                log.warning("pod %s is not restored from claim %s: %s", object_uid(pod), ref, exc)
+                return None
+            except LedgerError as exc:
+                log.warning("cannot read the cards of node %s: %s", node, exc)
+                return None
+        return None
 
     async def _stamp(self, node: str, status: NodeRebuild) -> str:
         """Stamp ``node`` if it is as the pass found it: same registration, and
