@@ -1342,3 +1342,35 @@ async def test_a_cluster_api_extender_learns_no_nodes_from_requests(redis_url: s
         assert await kube.list_nodes() == []
         assert extender.view.resources is not None
         assert extender.view.resources.free("intruder")[0] == float("inf")
+
+
+async def test_a_device_plugin_pod_never_goes_to_a_dra_node(stack: Stack) -> None:
+    # node-b's agent now serves kubelet through DRA: its cards are claims' only
+    await stack.ledger.register_node(
+        make_inventory("node-b", gpus=4, memory_mib=16384, dra=True), rebuilt=True
+    )
+    for _ in range(500):
+        if "node-b" in stack.extender.view.dra:
+            break
+        await asyncio.sleep(0.01)
+    assert stack.extender.view.dra == {"node-b"}
+    pod = gpu_pod("small", mem=1000, cores=10)
+    reply = (await stack.post("filter", args(pod, "node-a", "node-b", "node-c"))).json()
+    assert reply["NodeNames"] == ["node-a", "node-c"]
+    assert reply["FailedAndUnresolvableNodes"] == {
+        "node-b": "NodeServesDra: node node-b serves GPUs through DRA (ResourceClaims)"
+    }
+    assert reply["FailedNodes"] == {}
+    # a bind there is refused, and nothing is reserved
+    pod = await stack.add(gpu_pod("direct", mem=1000, cores=10))
+    bound = (await stack.bind(pod, "node-b")).json()
+    assert "serves GPUs through DRA" in bound["Error"]
+    assert await stack.ledger.placement("uid-direct") is None
+    # back in device-plugin mode, it takes pods again
+    await stack.ledger.register_node(make_inventory("node-b", gpus=4, memory_mib=16384))
+    for _ in range(500):
+        if not stack.extender.view.dra:
+            break
+        await asyncio.sleep(0.01)
+    reply = (await stack.post("filter", args(gpu_pod("later"), "node-b"))).json()
+    assert reply["NodeNames"] == ["node-b"]

@@ -206,6 +206,11 @@ def test_each_service_has_exactly_the_permissions_it_uses(objects: list[dict[str
     assert rules_of(objects, "gpuslice-inventory") == {
         ("", "pods", "list"),
         ("", "pods", "watch"),
+        # DRA: the claim a node prepares and its pod, read from the API server;
+        # the claims listed by the reconciliation
+        ("", "pods", "get"),
+        ("resource.k8s.io", "resourceclaims", "get"),
+        ("resource.k8s.io", "resourceclaims", "list"),
         # the NATS auth callout reviews node agents' tokens, the web console its viewers'
         ("authentication.k8s.io", "tokenreviews", "create"),
         # and asks what each viewer may list

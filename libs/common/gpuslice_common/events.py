@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from gpuslice_common.models import (
+    ClaimRef,
     ContainerAssignment,
     ContainerGpuRequest,
     Frozen,
@@ -66,7 +67,9 @@ class AllocationEvent(Frozen):
     """Payload of every alloc.* event; which fields are set depends on the step.
 
     ``pod`` is absent only from an ``alloc.failed`` of a kubelet Allocate that
-    found no pending pod: Allocate carries no pod identity.
+    found no pending pod: Allocate carries no pod identity. ``claim`` is the
+    ResourceClaim of a placement made in DRA mode, left out of the JSON for the
+    device plugin's (whose events stay as they were).
     """
 
     pod: PodRef | None
@@ -75,6 +78,7 @@ class AllocationEvent(Frozen):
     container: str | None = None
     policy: str = ""
     reason: str = ""
+    claim: Annotated[ClaimRef | None, Field(exclude_if=lambda c: c is None)] = None
 
 
 class EnforcementEvent(Frozen):

@@ -78,6 +78,7 @@ from gpuslice_common.models import (
     PRINTABLE_PATTERN,
     VENDOR_PATTERN,
     CardLayers,
+    ClaimRef,
     DeviceGrant,
     GpuCapacity,
     GpuDevice,
@@ -108,7 +109,8 @@ class ReservationConflict(LedgerError):
     """A card cannot take the reservation (capacity, health, exclusivity)."""
 
     def __init__(self, node: str, uuid: str, reason: str) -> None:
-        super().__init__(f"cannot reserve {uuid} on {node}: {reason}")
+        where = f"{uuid} on {node}" if uuid else f"on {node}"  # no card: the node refuses
+        super().__init__(f"cannot reserve {where}: {reason}")
         self.node = node
         self.uuid = uuid
         self.reason = reason
@@ -151,6 +153,30 @@ class NodeBusy(LedgerError):
         )
         self.node = node
         self.pending = pending
+
+
+class ServesDra(NotReserved):
+    """The node's agent serves kubelet through DRA (``NodeInventory.dra``): its
+    cards go to prepared ResourceClaims only, never to kubelet's Allocate."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(
+            f"node {node} serves GPUs through DRA: its cards are granted by prepared "
+            "ResourceClaims, never by the device plugin's Allocate"
+        )
+        self.node = node
+
+
+class ClaimConflict(LedgerError):
+    """The pod already holds a placement that is not this claim's: another claim's,
+    or one the device plugin path made."""
+
+    def __init__(self, pod_uid: str, claim: ClaimRef, held: ClaimRef | None) -> None:
+        holds = f"claim {held}" if held is not None else "a placement made without a claim"
+        super().__init__(f"pod {pod_uid} already holds {holds}; claim {claim} not recorded")
+        self.pod_uid = pod_uid
+        self.claim = claim
+        self.held = held
 
 
 class LedgerRebuilding(LedgerError):
@@ -257,6 +283,7 @@ class NodeCards:
     cards: list[StoredCard]
     rev: int
     rebuilt: bool
+    dra: bool = False  # the node's agent serves kubelet through DRA (NodeInventory.dra)
 
 
 class Reservation(NamedTuple):
@@ -293,6 +320,10 @@ class Release:
     placement: Placement
     first: bool  # False when the pod had already been released
     clamped: int = 0  # usage counters that would have gone negative (a ledger defect)
+
+
+# what a placement record holds besides its state and times (lua/reserve.lua)
+RECORD_FIELDS = {"pod", "node", "containers", "policy", "claim"}
 
 
 def _script_source(name: str) -> str:
@@ -680,7 +711,14 @@ class Ledger:
             "memory_scaling": inventory.memory_scaling,
             "core_scaling": inventory.core_scaling,
         }
-        payload = json.dumps({"vendor": inventory.vendor, "devices": devices, "config": config})
+        payload = json.dumps(
+            {
+                "vendor": inventory.vendor,
+                "devices": devices,
+                "config": config,
+                "dra": inventory.dra,
+            }
+        )
         keys = self.node_keys(inventory.node).all()
         outcome = await self._run("register", keys, [payload])
         if outcome[0] == "taken":
@@ -874,7 +912,7 @@ class Ledger:
         for node in nodes:
             keys = self.node_keys(node)
             pipe.hgetall(keys.gpus)
-            pipe.hmget(keys.meta, ["devices", "rev", "rebuilt", "epoch"])
+            pipe.hmget(keys.meta, ["devices", "rev", "rebuilt", "epoch", "dra"])
             metas.append(keys.meta)
         # one server: its epoch in the same round trip; a cluster: one INFO per primary
         single = not isinstance(self.redis, RedisCluster) and bool(nodes)
@@ -885,14 +923,16 @@ class Ledger:
         result: dict[str, NodeCards | BadRecord] = dict(bad)
         for i, node in enumerate(nodes):
             fields = cast(dict[str, str], replies[2 * i])
-            devices, rev, rebuilt, stamp_epoch = replies[2 * i + 1]
+            devices, rev, rebuilt, stamp_epoch, dra = replies[2 * i + 1]
             # stamped in this epoch, as the scripts check it
             trusted = rebuilt is not None and _text(stamp_epoch or "") == epochs[i]
             try:
                 cards = stored_cards(node, devices, fields)
                 if vendor is not None:
                     cards = [c for c in cards if c.vendor == vendor]
-                result[node] = NodeCards(cards, _stored_rev(node, rev), trusted)
+                result[node] = NodeCards(
+                    cards, _stored_rev(node, rev), trusted, _text(dra or "") == "1"
+                )
             except BadRecord as exc:
                 result[node] = exc
         return result
@@ -942,19 +982,34 @@ class Ledger:
             restored = await self.mark_bound(placement.pod.uid, placement.node)
         return restored, new
 
+    async def record_claim(self, placement: Placement) -> Reservation:
+        """Record a prepared ResourceClaim (DRA: ``placement.claim``) as allocated at
+        once, in one step: the cards must be the node's, healthy, not cordoned and
+        have room, and the node must be in DRA mode (else ReservationConflict with
+        reason ``NodeNotDra``). Idempotent: the pod's live placement of the same
+        claim is returned as it is (``created`` False); one of another claim, or
+        made without one, raises :class:`ClaimConflict`."""
+        if placement.claim is None:
+            raise ValueError("record_claim needs a placement with its claim")
+        made = await self.reserve_new(placement, restoring="prepared")
+        held = made.placement.claim
+        if not made.created and (held is None or held.uid != placement.claim.uid):
+            raise ClaimConflict(placement.pod.uid, placement.claim, held)
+        return made
+
     @_gated
     async def reserve_new(self, placement: Placement, *, restoring: str = "") -> Reservation:
         """:meth:`reserve`, also saying whether this call made the reservation or
         found the pod's live one on the node, and the node's revision it made.
-        ``restoring`` is for :meth:`restore` only. Raises LedgerRebuilding on a
-        node not stamped rebuilt."""
+        ``restoring`` is for :meth:`restore` and :meth:`record_claim` only. Raises
+        LedgerRebuilding on a node not stamped rebuilt."""
         uid, node = placement.pod.uid, placement.node
         keys = self.node_keys(node).all()
         footprint = [
             [u, fp.memory_mib, fp.cores, fp.slots, int(fp.exclusive), fp.mig_mask]
             for u, fp in sorted(placement.footprint().items())
         ]
-        record = placement.model_dump(mode="json", include={"pod", "node", "containers", "policy"})
+        record = placement.model_dump(mode="json", include=RECORD_FIELDS)
         args = [uid, json.dumps(record), json.dumps(footprint), restoring]
         reply = ["fallback"]
         if self.fast_reserve:
@@ -1115,6 +1170,8 @@ class Ledger:
         )
         if reply[0] == "rebuilding":
             raise LedgerRebuilding(node)
+        if reply[0] == "dra":
+            raise ServesDra(node)
         if reply[0] == "ambiguous":
             raise AmbiguousAllocation(node, count, json.loads(reply[1]))
         if reply[0] != "ok":
@@ -1571,9 +1628,11 @@ def _gpu_state(node: str, card: StoredCard) -> GpuState:
 
 
 __all__ = [
+    "RECORD_FIELDS",
     "Allocation",
     "AlreadyReserved",
     "BadRecord",
+    "ClaimConflict",
     "Ledger",
     "LedgerError",
     "LedgerRebuilding",
@@ -1585,6 +1644,7 @@ __all__ = [
     "NotReserved",
     "Release",
     "ReservationConflict",
+    "ServesDra",
     "StoredCard",
     "StoredMig",
     "stored_cards",

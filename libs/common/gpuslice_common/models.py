@@ -615,7 +615,7 @@ class Placement(Frozen):
 
     def to_annotation(self) -> str:
         """The durable record written on the pod (:data:`PLACEMENT_ANNOTATION`)."""
-        return self.model_dump_json(include={"pod", "node", "containers", "policy"})
+        return self.model_dump_json(include={"pod", "node", "containers", "policy", "claim"})
 
     @classmethod
     def from_annotation(cls, value: str) -> Placement:

@@ -61,6 +61,7 @@ class ErrorKind(enum.StrEnum):
     BAD_CLAIM = "bad-claim"  # DRA: the claim cannot be prepared here; the message says why
     AMBIGUOUS = "ambiguous"  # several pods could be the one kubelet admits: refused
     LEDGER_UNAVAILABLE = "ledger-unavailable"  # Redis unreachable: try again
+    KUBE_UNAVAILABLE = "kube-unavailable"  # DRA: the API server did not answer: try again
     REBUILDING = "rebuilding"  # the node's ledger is being rebuilt: try again soon
     LEDGER_ERROR = "ledger-error"  # Redis refused the operation
     INTERNAL = "internal"  # the inventory failed otherwise; its log says why
@@ -68,7 +69,11 @@ class ErrorKind(enum.StrEnum):
     @property
     def transient(self) -> bool:
         """Whether asking again (the same request) may succeed."""
-        return self in (ErrorKind.LEDGER_UNAVAILABLE, ErrorKind.REBUILDING)
+        return self in (
+            ErrorKind.LEDGER_UNAVAILABLE,
+            ErrorKind.KUBE_UNAVAILABLE,
+            ErrorKind.REBUILDING,
+        )
 
 
 # ------------------------------------------------------------------ requests

@@ -3,7 +3,9 @@
 Node agents hold no ledger credential; they ask here (:mod:`gpuslice_common.nodeapi`).
 The node a request acts on is the one its subject names, never one its payload
 names: once each node's NATS credential may publish only to its own subjects,
-a node can touch only its own slice of the ledger. Every replica serves in the
+a node can touch only its own slice of the ledger. What a DRA ``prepare`` grants
+is read from the API server, never taken from the node
+(:mod:`gpuslice_inventory.claims`). Every replica serves in the
 inventory's queue group, so each request is answered once.
 
 Every request gets a reply: the verb's, or an error reply with its kind (a
@@ -24,6 +26,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -31,6 +34,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from pydantic import ValidationError
 
+from gpuslice_common import dra
 from gpuslice_common.events import (
     AllocationEvent,
     CloudEvent,
@@ -38,20 +42,25 @@ from gpuslice_common.events import (
     EventType,
     make_event,
 )
+from gpuslice_common.kube import KubeApi, KubeError, NotFound, ObjectRef
 from gpuslice_common.ledger import (
     Allocation,
+    AlreadyReserved,
     AmbiguousAllocation,
+    ClaimConflict,
     Ledger,
     LedgerError,
     LedgerRebuilding,
     LedgerUnavailable,
     NotReserved,
+    ReservationConflict,
 )
-from gpuslice_common.models import Frozen, PodRef
+from gpuslice_common.models import Frozen, Placement, PlacementState, PodRef
 from gpuslice_common.nodeapi import (
     REQUESTS,
     AllocateRequest,
     AllocationReply,
+    ClaimReply,
     Done,
     EnforcedRequest,
     ErrorKind,
@@ -62,10 +71,13 @@ from gpuslice_common.nodeapi import (
     Pong,
     PreferredReply,
     PreferredRequest,
+    PrepareRequest,
+    UnprepareRequest,
     Verb,
 )
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.subjects import Subjects
+from gpuslice_inventory.claims import ClaimRefused, claim_names, claim_placement, reserved_pod
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +117,22 @@ ENFORCE_TYPES = {
 
 MAX_IN_FLIGHT = 512
 PING_TIMEOUT_S = 1.0
+# DRA: how long reading a claim, its pod and the pod's other claims may take, and
+# how many other claims of a pod are read (to refuse a second gpuslice claim)
+KUBE_TIMEOUT_S = 5.0
+MAX_POD_CLAIMS = 16
+CLAIMS = ObjectRef(dra.API_VERSION, "resourceclaims")
+NO_KUBE = "the inventory cannot read claims (no Kubernetes API)"
+UNPREPARED = "claim unprepared"
 
 TokenIssuer = Callable[[str, str], str]
+Releaser = Callable[[str, str], Awaitable[bool]]  # (pod uid, reason): Upkeep.release
 After = list[Callable[[], None]]  # what follows a reply: its events
-Answer = Pong | AllocationReply | PreferredReply | PlacementsReply | Done | ErrorReply
+Answer = Pong | AllocationReply | ClaimReply | PreferredReply | PlacementsReply | Done | ErrorReply
+
+
+class KubeUnavailable(Exception):
+    """The API server did not answer a read the request needs: ask again."""
 
 
 def _refill(budget: tuple[float, float] | None, now: float, burst: int, per_s: float) -> float:
@@ -159,8 +183,15 @@ class NodeGateway:
         *,
         issue_telemetry_token: TokenIssuer | None = None,
         max_in_flight: int = MAX_IN_FLIGHT,
+        kube: KubeApi | None = None,
+        release: Releaser | None = None,
     ) -> None:
+        """``kube`` reads the claims DRA nodes prepare (without it each is refused);
+        ``release`` gives back an unprepared claim's pod and announces it
+        (:meth:`Upkeep.release <gpuslice_inventory.upkeep.Upkeep.release>`)."""
         self.ledger = ledger
+        self.kube = kube
+        self.release = release
         self.subjects = subjects
         self.outbox = outbox
         self.issue_telemetry_token = issue_telemetry_token
@@ -180,6 +211,8 @@ class NodeGateway:
             Verb.PLACEMENTS: self._placements,
             Verb.FAILED: self._failed,
             Verb.ENFORCED: self._enforced,
+            Verb.PREPARE: self._prepare,
+            Verb.UNPREPARE: self._unprepare,
         }
 
     async def start(self, nc: NATS, queue: str) -> Subscription:
@@ -246,6 +279,12 @@ class NodeGateway:
         except BadRequest as exc:
             log.warning("bad %s request from node %s: %s", verb, node, exc)
             answer = ErrorReply(error=ErrorKind.BAD_REQUEST, message=str(exc)[:1024])
+        except ClaimRefused as exc:
+            log.warning("%s for node %s refused: %s", verb, node, exc.reason)
+            answer = ErrorReply(error=ErrorKind.BAD_CLAIM, message=exc.reason[:1024])
+        except KubeUnavailable as exc:
+            log.warning("%s for node %s: %s", verb, node, exc)
+            answer = ErrorReply(error=ErrorKind.KUBE_UNAVAILABLE, message=str(exc)[:1024])
         except LedgerError as exc:
             kind = error_kind(exc)
             if kind != ErrorKind.NOT_RESERVED:
@@ -353,6 +392,127 @@ class NodeGateway:
             container_index=allocation.container_index,
             telemetry_token=token,
         )
+
+    async def _prepare(self, node: str, request: Frozen, after: After) -> Answer:
+        """DRA: read the claim kubelet named and its pod from the API server, check
+        them (:func:`~gpuslice_inventory.claims.claim_placement`), record the pod's
+        placement allocated (idempotent) and answer whose each device is."""
+        assert isinstance(request, PrepareRequest)
+        ref = request.claim
+        if self.kube is None:
+            raise ClaimRefused(NO_KUBE)
+        claim = await self._read(
+            self.kube.get_object(CLAIMS.in_namespace(ref.namespace).named(ref.name)),
+            f"claim {ref.namespace}/{ref.name} does not exist",
+        )
+        pod_name = reserved_pod(claim, ref)
+        pod = await self._read(
+            self.kube.get_pod(ref.namespace, pod_name),
+            f"pod {ref.namespace}/{pod_name}, which claim {ref} is reserved for, does not exist",
+        )
+        others: list[dict[str, Any]] = []
+        for name in dict.fromkeys(n for n in claim_names(pod) if n != ref.name):
+            if len(others) >= MAX_POD_CLAIMS:
+                raise ClaimRefused(
+                    f"pod {ref.namespace}/{pod_name} has more than {MAX_POD_CLAIMS} claims"
+                )
+            with contextlib.suppress(NotFound):  # kubelet cannot prepare it either
+                others.append(
+                    await self._read(
+                        self.kube.get_object(CLAIMS.in_namespace(ref.namespace).named(name)), ""
+                    )
+                )
+        cards = await self.ledger.node_gpus(node)
+        prepared = claim_placement(claim, pod, node, cards, ref, other_claims=others)
+        try:
+            made = await self.ledger.record_claim(prepared.placement)
+        except ClaimConflict as exc:
+            raise ClaimRefused(f"{exc}: gpuslice prepares one ResourceClaim per pod") from None
+        except AlreadyReserved as exc:
+            raise ClaimRefused(f"claim {ref}: {exc}") from None
+        except ReservationConflict as exc:
+            if exc.reason == "NodeNotDra":
+                raise ClaimRefused(
+                    f"node {node} is not in DRA mode: its cards are granted by the device "
+                    "plugin, never by a claim"
+                ) from None
+            raise ClaimRefused(f"claim {ref}: {exc}") from None
+        placement = made.placement
+        token = ""
+        if self.issue_telemetry_token is not None:
+            token = self.issue_telemetry_token(node, placement.pod.uid)
+        if made.created:
+            log.info("prepared claim %s for pod %s on %s", ref, placement.pod.uid, node)
+        # a retried prepare shares the event id: the audit stream keeps it once
+        event_id = str(uuid.uuid5(EVENT_NAMESPACE, f"{node}/claim/{ref.uid}"))
+        after.append(partial(self._publish_claim, placement, event_id))
+        return ClaimReply(
+            claim=ref, placement=placement, devices=prepared.devices, telemetry_token=token
+        )
+
+    async def _unprepare(self, node: str, request: Frozen, after: After) -> Answer:
+        """DRA: release the pod's placement of this claim on this node; nothing held
+        (released already, another claim's, another node's): done all the same."""
+        assert isinstance(request, UnprepareRequest)
+        ref = request.claim
+        held: Placement | None = None
+        if request.pod_uid is not None:
+            held = await self.ledger.placement(request.pod_uid)
+        else:  # the agent lost which pod it was: the node's placement of this claim
+            for placement in await self.ledger.node_placements(node):
+                if placement.claim is not None and placement.claim.uid == ref.uid:
+                    held = placement
+        if (
+            held is None
+            or held.node != node
+            or held.state is PlacementState.RELEASED
+            or held.claim is None
+            or held.claim.uid != ref.uid
+        ):
+            return Done()
+        if self.release is not None:
+            await self.release(held.pod.uid, UNPREPARED)
+        else:
+            await self.ledger.release(held.pod.uid, UNPREPARED, kubelet_may_admit=False)
+        log.info("unprepared claim %s of pod %s on %s", ref, held.pod.uid, node)
+        return Done()
+
+    async def _read(self, call: Awaitable[dict[str, Any]], missing: str) -> dict[str, Any]:
+        """An object from the API server, within KUBE_TIMEOUT_S: ``missing`` refuses
+        the claim when it does not exist ("" passes NotFound on); no answer raises
+        :class:`KubeUnavailable`."""
+        try:
+            return await asyncio.wait_for(call, KUBE_TIMEOUT_S)
+        except NotFound:
+            if not missing:
+                raise
+            raise ClaimRefused(missing) from None
+        except TimeoutError:
+            raise KubeUnavailable(
+                f"the Kubernetes API did not answer within {KUBE_TIMEOUT_S:g} s"
+            ) from None
+        except KubeError as exc:
+            raise KubeUnavailable(f"the Kubernetes API failed: {exc}") from None
+
+    def _publish_claim(self, placement: Placement, event_id: str) -> None:
+        """``alloc.allocated`` of a prepared claim: every container it grants, the claim."""
+        if self.outbox is None:
+            return
+        payload = AllocationEvent(
+            pod=placement.pod,
+            node=placement.node,
+            containers=placement.containers,
+            policy=placement.policy,
+            claim=placement.claim,
+        )
+        event = make_event(
+            EventType.ALLOC_ALLOCATED,
+            payload,
+            source=SOURCE,
+            subject=placement.pod.uid,
+            event_id=event_id,
+        )
+        self.outbox.submit(event)
 
     async def _preferred(self, node: str, request: Frozen, after: After) -> Answer:
         assert isinstance(request, PreferredRequest)

@@ -10,7 +10,15 @@ One pass reads the ledger, then lists every pod of the cluster, and:
   A restore checks fit: records that claim more than a card holds (an outdated
   annotation) are refused and counted as conflicts, never over-committed;
 * **releases** what the ledger holds for a pod that has terminated (reason
-  ``pod succeeded`` / ``pod failed``) or no longer exists (``pod deleted``).
+  ``pod succeeded`` / ``pod failed``) or no longer exists (``pod deleted``);
+  and a placement a DRA node prepared whose ResourceClaim is gone, was made
+  again under its name (another uid), is no longer allocated or no longer
+  reserved for the pod (``claim deleted`` / ``claim replaced`` / ``claim
+  deallocated`` / ``claim not reserved for the pod``: the claims are listed once
+  a pass, where the ledger holds such a placement or a pod to restore has
+  claims). Such a pod carries no placement annotation: its claim is its durable
+  record, and a pod bound to a node whose gpuslice claim the ledger lost is
+  restored from the claim (checked as a prepare checks it) as allocated.
   A reservation younger than ``grace`` is left alone: the scheduler may have
   made it after the list was read. A bound pod on another vendor's cards (which
   never expires in the sweep) whose pod is still not on its node after the
@@ -39,7 +47,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from gpuslice_common.kube import KubeApi, object_uid, pod_node, pod_phase, pod_terminated
+from pydantic import ValidationError
+
+from gpuslice_common import dra
+from gpuslice_common.kube import (
+    KubeApi,
+    KubeError,
+    ObjectRef,
+    object_uid,
+    pod_node,
+    pod_phase,
+    pod_terminated,
+)
 from gpuslice_common.ledger import (
     BadRecord,
     Ledger,
@@ -47,7 +66,8 @@ from gpuslice_common.ledger import (
     NodeRebuild,
     ReservationConflict,
 )
-from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
+from gpuslice_common.models import PLACEMENT_ANNOTATION, ClaimRef, Placement, PlacementState
+from gpuslice_inventory.claims import ClaimRefused, claim_names, claim_placement
 from gpuslice_inventory.lifecycle import DELETED, TERMINATED
 from gpuslice_inventory.upkeep import EXPIRED, Upkeep
 
@@ -55,6 +75,11 @@ log = logging.getLogger(__name__)
 
 # ledger operations one pass keeps in flight (the ledger's own gate allows 64)
 CONCURRENCY = 32
+CLAIMS = ObjectRef(dra.API_VERSION, "resourceclaims")
+CLAIM_DELETED = "claim deleted"
+CLAIM_REPLACED = "claim replaced"
+CLAIM_DEALLOCATED = "claim deallocated"
+CLAIM_NOT_RESERVED = "claim not reserved for the pod"
 Item = TypeVar("Item")
 R = TypeVar("R")
 
@@ -88,6 +113,38 @@ def _admitted(pod: Mapping[str, Any]) -> bool:
     )
 
 
+def claim_ended(ref: ClaimRef, pod_uid: str, claims: Mapping[tuple[str, str], Any]) -> str:
+    """Why a prepared claim no longer holds its pod's placement ("" while it does):
+    ``claims`` maps (namespace, name) to the claims listed."""
+    claim = claims.get((ref.namespace, ref.name))
+    if not isinstance(claim, Mapping):
+        return CLAIM_DELETED
+    metadata = claim.get("metadata")
+    if not isinstance(metadata, Mapping) or metadata.get("uid") != ref.uid:
+        return CLAIM_REPLACED
+    status = claim.get("status")
+    if not isinstance(status, Mapping) or not isinstance(status.get("allocation"), Mapping):
+        return CLAIM_DEALLOCATED
+    consumers = status.get("reservedFor")
+    if not isinstance(consumers, list) or not any(
+        isinstance(c, Mapping) and c.get("resource") == "pods" and c.get("uid") == pod_uid
+        for c in consumers
+    ):
+        return CLAIM_NOT_RESERVED
+    return ""
+
+
+def _ours(claim: Mapping[str, Any]) -> bool:
+    """Whether the claim's allocation holds a device of gpuslice's driver."""
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, Mapping) else None
+    devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+    results = devices.get("results") if isinstance(devices, Mapping) else None
+    return isinstance(results, list) and any(
+        isinstance(r, Mapping) and r.get("driver") == dra.DRIVER for r in results
+    )
+
+
 def _record(pod: Mapping[str, Any]) -> Placement | None:
     """The pod's placement annotation, when it has a readable one for itself."""
     metadata = pod.get("metadata")
@@ -116,6 +173,7 @@ class Reconciler:
         self.upkeep = upkeep
         self.grace = grace
         self.last: ReconcileResult | None = None
+        self._listed: dict[tuple[str, str], dict[str, Any]] = {}  # this pass's claims
 
     async def run_once(self) -> ReconcileResult:
         started = time.perf_counter()
@@ -137,6 +195,8 @@ class Reconciler:
             and pod_node(pod) not in unreadable
         ]
         to_release: list[tuple[str, str]] = []
+        claims = await self._claims(held, [pod for _, pod in to_restore])
+        self._listed = claims or {}
         for uid, placement in held.items():
             found = pods.get(uid)
             if found is None:
@@ -148,6 +208,12 @@ class Reconciler:
                 to_release.append((uid, TERMINATED[pod_phase(found)]))
             elif self.upkeep.never_bound_here(placement, pod_node(found), listed_at):
                 to_release.append((uid, EXPIRED))
+            elif (
+                placement.claim is not None
+                and claims is not None
+                and (why := claim_ended(placement.claim, uid, claims))
+            ):
+                to_release.append((uid, why))
         # releases before restores: a release the ledger lost (a failover) may
         # hold the room that a restore is to take back
         released: Counter[str] = Counter(
@@ -208,15 +274,44 @@ class Reconciler:
                     held[placement.pod.uid] = placement
         return held, unreadable
 
+    async def _claims(
+        self, held: Mapping[str, Placement], unheld: Sequence[Mapping[str, Any]]
+    ) -> dict[tuple[str, str], dict[str, Any]] | None:
+        """Every ResourceClaim by (namespace, name), listed after the ledger was read
+        (a claim prepared by then is in the list unless it went); only where the
+        ledger holds a prepared claim or a pod it does not hold has claims. None
+        when they cannot be listed: no claim is judged this pass."""
+        if not any(p.claim is not None for p in held.values()) and not any(
+            claim_names(pod) for pod in unheld
+        ):
+            return {}
+        try:
+            listed = await self.kube.list_objects(CLAIMS)
+        except KubeError as exc:
+            log.warning("cannot list ResourceClaims; prepared claims are judged next pass: %s", exc)
+            return None
+        claims: dict[tuple[str, str], dict[str, Any]] = {}
+        for claim in listed:
+            metadata = claim.get("metadata")
+            if isinstance(metadata, Mapping):
+                key = (metadata.get("namespace"), metadata.get("name"))
+                if isinstance(key[0], str) and isinstance(key[1], str):
+                    claims[(key[0], key[1])] = claim
+        return claims
+
     async def _restore(self, item: tuple[str, Mapping[str, Any]]) -> tuple[str, str]:
         """Put back one pod's reservation from its annotation: its node, and
         restored, conflict, failed or ''."""
         uid, pod = item
         record = _record(pod)
+        running = _admitted(pod)
+        if record is None:
+            # a prepared claim is allocated at once: kubelet never calls Allocate for it
+            record, running = await self._from_claim(pod), True
         if record is None or record.node != pod_node(pod):
             return pod_node(pod), ""
         try:
-            _, new = await self.ledger.restore(record, running=_admitted(pod))
+            _, new = await self.ledger.restore(record, running=running)
         except ReservationConflict as exc:
             log.warning("cannot restore the reservation of pod %s: %s", uid, exc)
             return record.node, "conflict"
@@ -227,6 +322,33 @@ class Reconciler:
             return record.node, ""
         log.debug("restored the reservation of pod %s on %s", uid, record.node)
         return record.node, "restored"
+
+    async def _from_claim(self, pod: Mapping[str, Any]) -> Placement | None:
+        """The placement the pod's gpuslice claim (listed this pass) makes, checked
+        as a prepare checks it; None when it has none or the claim does not hold."""
+        metadata = pod.get("metadata")
+        namespace = metadata.get("namespace") if isinstance(metadata, Mapping) else None
+        if not isinstance(namespace, str):
+            return None
+        for name in claim_names(pod):
+            claim = self._listed.get((namespace, name))
+            if claim is None or not _ours(claim):
+                continue
+            try:
+                ref = ClaimRef(namespace=namespace, name=name, uid=object_uid(claim))
+            except ValidationError:
+                return None
+            node = pod_node(pod)
+            try:
+                cards = await self.ledger.node_gpus(node)
+                return claim_placement(claim, pod, node, cards, ref).placement
+            except ClaimRefused as exc:
+                log.warning("pod %s is not restored from claim %s: %s", object_uid(pod), ref, exc)
+                return None
+            except LedgerError as exc:
+                log.warning("cannot read the cards of node %s: %s", node, exc)
+                return None
+        return None
 
     async def _stamp(self, node: str, status: NodeRebuild) -> str:
         """Stamp ``node`` if it is as the pass found it: same registration, and

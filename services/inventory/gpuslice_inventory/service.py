@@ -376,7 +376,14 @@ async def running(
         )
         if issue_telemetry_token is None:  # containers get tokens the callout accepts
             issue_telemetry_token = callout.issue_telemetry_token
-    gateway = NodeGateway(ledger, bus.subjects, outbox, issue_telemetry_token=issue_telemetry_token)
+    gateway = NodeGateway(
+        ledger,
+        bus.subjects,
+        outbox,
+        issue_telemetry_token=issue_telemetry_token,
+        kube=kube,
+        release=upkeep.release,
+    )
     state = Running(
         settings, bus, ledger, telemetry, upkeep, lease, cluster, CollectorRegistry(), gateway
     )

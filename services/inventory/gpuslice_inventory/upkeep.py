@@ -148,6 +148,7 @@ class Upkeep:
                 containers=record.containers,
                 policy=record.policy,
                 reason=reason,
+                claim=record.claim,
             )
             event = make_event(
                 EventType.ALLOC_RELEASED,

@@ -93,6 +93,18 @@ SOURCE = "gpuslice-scheduler"
 WARM_KINDS = 64  # kinds of pod evaluated with a new mix before it is put in place
 PARSED = 64  # pods whose parsed request is kept for the verbs that follow
 UNKNOWN_NODE = "CardNotFound: no GPU of this node is registered with gpuslice"
+
+
+SERVES_DRA = "NodeServesDra"
+
+
+def serves_dra(node: str, *, named: bool = True) -> str:
+    """Why a device-plugin GPU pod never goes to ``node``: its cards are DRA's
+    (``named``: after the reason's name, as filter reasons are)."""
+    line = f"node {node} serves GPUs through DRA (ResourceClaims)"
+    return f"{SERVES_DRA}: {line}" if named else line
+
+
 REBUILDING = (
     "NodeLedgerRebuilding: the node's reservations are being restored from its pods "
     "(Redis lost its data or the node is new); it takes pods again shortly"
@@ -311,6 +323,9 @@ class Extender:
         names = self.view.cluster.names
         passed = names[ev.nodes[ev.feasible]].tolist()  # in the order they were sent
         failed: dict[str, str] = {}
+        dra = [n for n in args.node_names if n in self.view.dra]
+        if dra:  # a card is never granted by both kubelet's Allocate and a claim
+            passed = [n for n in passed if n not in self.view.dra]
         if self.view.rebuilding:
             waiting = [n for n in passed if n in self.view.rebuilding]
             if waiting:
@@ -335,6 +350,11 @@ class Extender:
             for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
                 reason = REASONS.get(Code(code))
                 self.metrics.failures.labels("filter", reason or "unknown").inc(count)
+        if dra:  # no preemption there can help
+            for node in dra:
+                failed.pop(node, None)
+                unresolvable[node] = serves_dra(node)
+            self.metrics.failures.labels("filter", SERVES_DRA).inc(len(dra))
         return args.filter_reply(passed, failed, unresolvable)
 
     def _held(self, demand: Demand, ev: Evaluation) -> list[str]:
@@ -373,6 +393,7 @@ class Extender:
             containers=record.containers,
             policy=record.policy,
             reason=freed.reason,
+            claim=record.claim,
         )
         await self._send(EventType.ALLOC_RELEASED, payload)
 
@@ -543,6 +564,9 @@ class Extender:
             return await self._reserve_on(args, demand)
 
     async def _reserve_on(self, args: BindingArgs, demand: Demand) -> tuple[Placement, bool]:
+        if args.node in self.view.dra:  # the ledger refuses it too (NodeServesDra)
+            await self._failed(args, SERVES_DRA, serves_dra(args.node, named=False))
+            raise BindError(serves_dra(args.node))
         for attempt in range(2):
             ev, unknown = self._evaluate(demand, [args.node])
             if unknown:

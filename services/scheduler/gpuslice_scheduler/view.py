@@ -107,6 +107,8 @@ class ClusterView:
         self.synced = False
         # registered nodes not stamped rebuilt yet: the ledger refuses to reserve there
         self.rebuilding: set[str] = set()
+        # nodes whose agent serves kubelet through DRA: no device-plugin pod goes there
+        self.dra: set[str] = set()
         # per node, reservations made here and counted before a read showed them:
         # (the node's revision with the reservation, the placement)
         self._pending: dict[str, list[tuple[int, Placement]]] = {}
@@ -135,6 +137,7 @@ class ClusterView:
             self.revs.pop(node, None)
             self.epochs.pop(node, None)
             self.rebuilding.discard(node)
+            self.dra.discard(node)
             self.skipped.pop(node, None)
             self._pending.pop(node, None)
         if updated or removed or not self.synced:
@@ -158,6 +161,10 @@ class ClusterView:
                     self.rebuilding.discard(node)
                 else:
                     self.rebuilding.add(node)
+                if got.dra:
+                    self.dra.add(node)
+                else:
+                    self.dra.discard(node)
                 if self.skipped.pop(node, None) is not None:
                     log.info("node %s can be read again; it is back in the scheduler's copy", node)
                 updated.append(node)
@@ -171,6 +178,7 @@ class ClusterView:
             log.warning("left out of the scheduler's copy: %s", problem)
         self.skipped[node] = problem.problem
         self.revs[node] = None  # read again next sync
+        self.dra.discard(node)
         self.modes.pop(node, None)
         return self.rows.pop(node, None) is not None
 

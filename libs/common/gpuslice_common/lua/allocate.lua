@@ -6,6 +6,7 @@
 -- only look: the container that would be handed out, nothing changed (kubelet's
 -- GetPreferredAllocation comes before its Allocate)
 -- Returns {'ok', answer JSON {uid, index, record, rivals}} | {'none', pending count}
+-- | {'dra'} (the node serves kubelet through DRA: nothing is allocated here)
 -- | {'rebuilding'} (the pods bound here may not all be back yet: no choice is safe)
 -- | {'ambiguous', JSON list of the pods it could be}: more than one bound pod's next
 -- container asks for that many devices, and kubelet's call names no pod, so
@@ -16,6 +17,9 @@ local peek = ARGV[3] == '1'
 local prior = (not peek) and redis.call('GET', KEYS[6])
 if prior then
   return {'ok', prior}
+end
+if dra_node() then
+  return {'dra'}  -- its cards go to prepared ResourceClaims only
 end
 if not rebuilt() then
   return {'rebuilding'}

@@ -110,6 +110,12 @@ local function rebuilt()
   return stamp[1] ~= false and stamp[2] == epoch()
 end
 
+-- Whether the node's agent serves kubelet through DRA (register.lua): its cards
+-- are then granted by prepared ResourceClaims only, never by kubelet's Allocate.
+local function dra_node()
+  return redis.call('HGET', META, 'dra') == '1'
+end
+
 -- MIG slice masks have at most 16 bits (models.MAX_MIG_SLICES): Lua's bit
 -- operations work on signed 32-bit numbers and never see a sign bit here.
 local MIG_MASK_LIMIT = 65536

@@ -3,7 +3,8 @@
 -- are released. Cards of other vendors on the node are left as they are.
 -- ARGV[1] JSON {vendor, devices = [{uuid, index, model, memory_mib, numa, healthy,
 --               mig, cap_mem, cap_cores, cap_slots, mode, mig_profiles,
---               mig_instances, mig_slices, mig_static, layers}], config = {...}}
+--               mig_instances, mig_slices, mig_static, layers}], config = {...},
+--               dra = whether the agent serves kubelet through DRA}
 --         (the MIG facts as ledger.py's _mig_fields writes them; mig_used, the
 --         slices reservations take, is the reservations' own and kept)
 -- Only the node agent's own vendor (nvidia) is its heartbeat and its config.
@@ -89,6 +90,7 @@ end
 redis.call('HSET', META, 'devices', devices)
 if vendor == 'nvidia' then
   redis.call('HSET', META, 'heartbeat', now, 'config', cjson.encode(inv.config))
+  redis.call('HSET', META, 'dra', inv.dra == true and 1 or 0)
   redis.call('HDEL', META, 'unavailable')
 end
 redis.call('HSETNX', META, 'registered', now)

@@ -7,7 +7,11 @@
 --         run) or 'bound'; allowed before the node is rebuilt, and checked for
 --         capacity and exclusivity only (not health or cordon: the pod holds the
 --         cards already), so two records that claim more than a card holds never
---         both count
+--         both count. Or 'prepared': a ResourceClaim the node's kubelet prepares
+--         (DRA), recorded allocated at once, checked as a new reservation, on a
+--         node in DRA mode only (reason NodeNotDra). A node in DRA mode takes no
+--         other new reservation (reason NodeServesDra): a card is never granted
+--         by both kubelet's Allocate and a claim.
 -- Returns {'ok', record, the node's revision now} | {'exists', record}
 --       | {'fail', uuid, reason} | {'rebuilding'}
 local uid = ARGV[1]
@@ -16,7 +20,12 @@ if existing and existing.state ~= 'released' then
   return {'exists', redis.call('HGET', PODS, uid)}
 end
 
-local restoring = (ARGV[4] or '') ~= ''
+local mode = ARGV[4] or ''
+local restoring = mode == 'allocated' or mode == 'bound'
+local prepared = mode == 'prepared'
+if mode ~= '' and not restoring and not prepared then
+  return {'fail', '', 'InvalidRequest'}
+end
 if not restoring and not rebuilt() then
   return {'rebuilding'}
 end
@@ -24,6 +33,12 @@ end
 local rec, fp = cjson.decode(ARGV[2]), cjson.decode(ARGV[3])
 if type(rec) ~= 'table' or type(rec.containers) ~= 'table' or type(fp) ~= 'table' or #fp == 0 then
   return {'fail', '', 'InvalidRequest'}
+end
+if prepared and (type(rec.claim) ~= 'table' or not dra_node()) then
+  return {'fail', '', type(rec.claim) ~= 'table' and 'InvalidRequest' or 'NodeNotDra'}
+end
+if not restoring and not prepared and dra_node() then
+  return {'fail', '', 'NodeServesDra'}
 end
 local seen = {}
 for _, f in ipairs(fp) do
@@ -118,8 +133,9 @@ rec.state = 'reserved'
 rec.footprint = fp
 rec.allocated_containers = 0
 rec.times = {reserved = now_ms()}
-if ARGV[4] == 'allocated' then
-  -- restored from the pod's own record: its containers already run
+if mode == 'allocated' or prepared then
+  -- restored from the pod's own record (its containers already run), or a
+  -- claim kubelet prepares: kubelet's Allocate never comes for it
   rec.state = 'allocated'
   rec.allocated_containers = #rec.containers
   rec.times.allocated = rec.times.reserved
