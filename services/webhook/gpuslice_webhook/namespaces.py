@@ -59,6 +59,11 @@ class NamespaceCache:
         self._labels: _Cache[dict[str, str]] = _Cache(ttl, clock)
         self._quotas: _Cache[list[dict[str, Any]]] = _Cache(ttl, clock)
 
+    @property
+    def kube(self) -> KubeApi:
+        """The API the cache reads (DRA mode creates claim templates through it)."""
+        return self._kube
+
     async def labels(self, namespace: str) -> dict[str, str]:
         """The namespace's labels. Raises KubeError (NotFound when it does not exist)."""
 

@@ -1,0 +1,310 @@
+"""DRA mode: a pod's HAMi-style GPU request as one ResourceClaimTemplate.
+
+The request :func:`~gpuslice_common.requests.parse_pod` read (after the checks
+and quotas of device-plugin mode) becomes a ``resource.k8s.io/v1``
+ResourceClaimTemplate with one device request per GPU container, named after
+the container, of device class :data:`~gpuslice_common.dra.DEVICE_CLASS`:
+
+* ``count`` cards (``allocationMode: ExactCount``); with several, a
+  ``distinctAttribute`` constraint on the card UUID keeps them distinct cards,
+  as ``nvidia.com/gpu: N`` means (a shared card could otherwise be taken twice);
+  NUMA binding is a ``matchAttribute`` constraint on the NUMA node;
+* with consumable capacity, ``capacity.requests``: ``memory`` in MiB (absent
+  for a whole card: the device's policy gives the whole card by default) and
+  ``cores`` in percent (always, 0 included);
+* CEL selectors over the attributes the node agent publishes under the
+  driver's domain (``uuid``, ``model``, ``mode`` strings): card types as HAMi
+  matches them (a case-insensitive substring of the model), UUIDs exactly.
+
+Memory given as a share of a card (``gpumem-percentage`` below 100) depends on
+the card, which admission does not know; with consumable capacity such a pod is
+refused with a message asking for ``gpumem`` in MiB. Without consumable
+capacity every device is a whole card, so a share is given a whole card (the
+pod is warned).
+
+The template's name is derived from its content, so pods of one shape share
+one template and a template made for an earlier pod is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+
+from gpuslice_common import dra
+from gpuslice_common.config import ResourceNames
+from gpuslice_common.kube import ObjectRef
+from gpuslice_common.models import ContainerGpuRequest, MemoryRequest, PodGpuRequest
+from gpuslice_common.requests import RequestError, parse_quantity
+from gpuslice_webhook.denial import Denied, bad_request
+
+__all__ = [
+    "CLAIM_NAME",
+    "MANAGED_BY",
+    "MODE_LABEL",
+    "TEMPLATES",
+    "ClaimTemplate",
+    "claim_template",
+    "dra_mode",
+    "ours_and_equal",
+    "template_demand",
+]
+
+TEMPLATES: Final = ObjectRef(dra.API_VERSION, "resourceclaimtemplates")
+CLAIMS: Final = ObjectRef(dra.API_VERSION, "resourceclaims")
+# a namespace's label choosing its pods' mode over the webhook's setting
+MODE_LABEL: Final = "gpuslice.io/mode"
+MODE_DRA: Final = "dra"
+MODE_DEVICE_PLUGIN: Final = "device-plugin"
+# the pod's claim made from the template, as its containers name it
+CLAIM_NAME: Final = "gpuslice"
+MANAGED_BY: Final = ("app.kubernetes.io/managed-by", "gpuslice")
+NAME_PREFIX: Final = "gpuslice-"
+ATTRIBUTES: Final = f'device.attributes["{dra.DRIVER}"]'
+# what a name in a selector annotation may hold: printable ASCII without the
+# quote and backslash, so that it is a CEL string literal as it stands
+_LITERAL: Final = re.compile(r"^[ !#-\[\]-~]{1,256}$")
+_DNS_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+MAX_REQUESTS: Final = 32  # resource.k8s.io/v1 DeviceRequestsMaxSize
+
+
+def dra_mode(default: bool, labels: Mapping[str, str]) -> bool:
+    """The mode of a namespace's pods: its ``gpuslice.io/mode`` label, else
+    ``default``. Raises Denied for a label of another value."""
+    value = labels.get(MODE_LABEL)
+    if value is None:
+        return default
+    if value == MODE_DRA:
+        return True
+    if value == MODE_DEVICE_PLUGIN:
+        return False
+    raise Denied(
+        f"the namespace's label {MODE_LABEL}={value!r} is neither {MODE_DRA!r} nor "
+        f"{MODE_DEVICE_PLUGIN!r}; fix the label"
+    )
+
+
+@dataclass(frozen=True)
+class ClaimTemplate:
+    """The template a pod references: its name and the object to create."""
+
+    name: str
+    body: dict[str, Any]
+    warnings: tuple[str, ...]
+
+    @property
+    def devices(self) -> dict[str, Any]:
+        return dict(self.body["spec"]["spec"]["devices"])
+
+
+def claim_template(
+    request: PodGpuRequest, namespace: str, *, consumable: bool, names: ResourceNames
+) -> ClaimTemplate:
+    """The template for ``request`` (every container NVIDIA's). Raises Denied."""
+    gpu = request.containers
+    if len(gpu) > MAX_REQUESTS:
+        raise Denied(
+            f"{len(gpu)} containers ask for GPUs; a ResourceClaim holds at most "
+            f"{MAX_REQUESTS} requests"
+        )
+    selectors = _selectors(request)
+    requests: list[dict[str, Any]] = []
+    constraints: list[dict[str, Any]] = []
+    warnings: list[str] = []
+    for container in gpu:
+        if not _DNS_LABEL.fullmatch(container.name):
+            raise bad_request(
+                f"container {container.name!r}: its name must be a DNS label to name "
+                "its device request"
+            )
+        exactly: dict[str, Any] = {
+            "deviceClassName": dra.DEVICE_CLASS,
+            "allocationMode": "ExactCount",
+            "count": container.count,
+        }
+        if selectors:
+            exactly["selectors"] = [{"cel": {"expression": e}} for e in selectors]
+        if consumable:
+            capacity = _capacity(container, names)
+            if capacity:
+                exactly["capacity"] = {"requests": capacity}
+        elif container.memory.percent != 100 or container.cores < 100:
+            warnings.append(
+                f"container {container.name!r}: the cluster's DRA devices are whole "
+                "cards (no consumable capacity), so it is given whole cards"
+            )
+        requests.append({"name": container.name, "exactly": exactly})
+        if container.count > 1 and consumable:
+            constraints.append(
+                {"requests": [container.name], "distinctAttribute": f"{dra.DRIVER}/uuid"}
+            )
+        if container.count > 1 and request.selector.numa_bind:
+            constraints.append(
+                {"requests": [container.name], "matchAttribute": f"{dra.DRIVER}/numa"}
+            )
+    devices: dict[str, Any] = {"requests": requests}
+    if constraints:
+        devices["constraints"] = constraints
+    digest = hashlib.sha256(orjson.dumps(devices, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    name = NAME_PREFIX + digest[:24]
+    body = {
+        "apiVersion": dra.API_VERSION,
+        "kind": "ResourceClaimTemplate",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {MANAGED_BY[0]: MANAGED_BY[1]},
+        },
+        "spec": {"spec": {"devices": devices}},
+    }
+    return ClaimTemplate(name, body, tuple(warnings))
+
+
+def _capacity(container: ContainerGpuRequest, names: ResourceNames) -> dict[str, str]:
+    capacity: dict[str, str] = {}
+    memory = container.memory
+    if memory.mib is not None:
+        capacity[dra.MEMORY] = f"{memory.mib}Mi"
+    elif memory.percent != 100:
+        raise Denied(
+            f"container {container.name!r} asks for {memory.percent}% of a card's memory "
+            f"({names.memory_percentage}); in DRA mode the memory is given in MiB: set "
+            f"{names.memory} instead"
+        )
+    # always stated, 0 included, so that a request without it is a whole card's
+    capacity[dra.CORES] = str(container.cores)
+    return capacity
+
+
+def _literal(value: str, annotation: str) -> str:
+    if not _LITERAL.fullmatch(value):
+        raise bad_request(
+            f"annotation {annotation}: {value[:64]!r} holds characters a device selector "
+            "cannot match (printable ASCII without quotes and backslashes)"
+        )
+    return f'"{value}"'
+
+
+def _selectors(request: PodGpuRequest) -> list[str]:
+    """CEL expressions a card must satisfy, all of them (HAMi's type and UUID
+    annotations, the vGPU mode)."""
+    selector = request.selector
+    found: list[str] = []
+    model = f"{ATTRIBUTES}.model.lowerAscii()"
+    if selector.include_types:
+        found.append(
+            " || ".join(
+                f"{model}.contains({_literal(t.lower(), 'use-gputype')})"
+                for t in selector.include_types
+            )
+        )
+    if selector.exclude_types:
+        found.extend(
+            f"!{model}.contains({_literal(t.lower(), 'nouse-gputype')})"
+            for t in selector.exclude_types
+        )
+    uuid = f"{ATTRIBUTES}.uuid"
+    if selector.include_uuids:
+        listed = ", ".join(_literal(u, "use-gpuuuid") for u in selector.include_uuids)
+        found.append(f"{uuid} in [{listed}]")
+    if selector.exclude_uuids:
+        listed = ", ".join(_literal(u, "nouse-gpuuuid") for u in selector.exclude_uuids)
+        found.append(f"!({uuid} in [{listed}])")
+    if request.vgpu_mode is not None:
+        found.append(f'{ATTRIBUTES}.mode == "{request.vgpu_mode.value}"')
+    return found
+
+
+def ours_and_equal(found: Mapping[str, Any], template: ClaimTemplate) -> bool:
+    """Is the template of our name in the namespace the one we would create?"""
+    metadata = found.get("metadata")
+    labels = metadata.get("labels") if isinstance(metadata, Mapping) else None
+    if not isinstance(labels, Mapping) or labels.get(MANAGED_BY[0]) != MANAGED_BY[1]:
+        return False
+    spec = found.get("spec")
+    inner = spec.get("spec") if isinstance(spec, Mapping) else None
+    devices = inner.get("devices") if isinstance(inner, Mapping) else None
+    return bool(_normal(devices) == _normal(template.devices))
+
+
+def _normal(value: Any) -> Any:
+    """``value`` with empty lists and maps left out (the API server drops them)."""
+    if isinstance(value, Mapping):
+        return {k: _normal(v) for k, v in value.items() if v not in ({}, [], None)}
+    if isinstance(value, list):
+        return [_normal(v) for v in value]
+    return value
+
+
+def pod_template(pod: Mapping[str, Any]) -> str | None:
+    """The template behind the pod's ``gpuslice`` claim, if it has one."""
+    spec = pod.get("spec")
+    claims = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
+    for claim in claims if isinstance(claims, list) else ():
+        if isinstance(claim, Mapping) and claim.get("name") == CLAIM_NAME:
+            name = claim.get("resourceClaimTemplateName")
+            return name if isinstance(name, str) else None
+    return None
+
+
+def template_demand(
+    pod: Mapping[str, Any], template: Mapping[str, Any]
+) -> list[ContainerGpuRequest]:
+    """The GPU containers of a translated pod, read back from its template (the
+    pod's spec and the template's spec cannot change): count, memory (a whole
+    card where no MiB is requested), cores. Malformed parts count as nothing."""
+    spec = pod.get("spec")
+    kinds: dict[str, tuple[bool, bool]] = {}
+    if isinstance(spec, Mapping):
+        for field in ("initContainers", "containers"):
+            for c in spec.get(field) or ():
+                if isinstance(c, Mapping) and isinstance(c.get("name"), str):
+                    init = field == "initContainers"
+                    kinds[c["name"]] = (init, init and c.get("restartPolicy") == "Always")
+    out: list[ContainerGpuRequest] = []
+    devices = ((template.get("spec") or {}).get("spec") or {}).get("devices") or {}
+    for entry in devices.get("requests") or ():
+        try:
+            name = entry["name"]
+            exactly = entry["exactly"]
+            count = int(exactly.get("count", 1))
+            capacity = (exactly.get("capacity") or {}).get("requests") or {}
+            memory = (
+                MemoryRequest(mib=int(parse_quantity(capacity[dra.MEMORY]) // (1024 * 1024)))
+                if dra.MEMORY in capacity
+                else MemoryRequest(percent=100)
+            )
+            cores = int(parse_quantity(capacity.get(dra.CORES, "100")))
+            init, sidecar = kinds.get(name, (False, False))
+            out.append(
+                ContainerGpuRequest(
+                    name=name, init=init, sidecar=sidecar, count=count, memory=memory, cores=cores
+                )
+            )
+        except (KeyError, TypeError, ValueError, AttributeError, RequestError):
+            continue
+    return out
+
+
+def claimed_classes(objects: Sequence[Mapping[str, Any]]) -> set[str]:
+    """Device classes the ResourceClaims / ResourceClaimTemplates ask for."""
+    classes: set[str] = set()
+    for obj in objects:
+        spec = obj.get("spec")
+        if isinstance(spec, Mapping) and obj.get("kind") == "ResourceClaimTemplate":
+            spec = spec.get("spec")
+        devices = spec.get("devices") if isinstance(spec, Mapping) else None
+        requests = devices.get("requests") if isinstance(devices, Mapping) else None
+        for entry in requests if isinstance(requests, list) else ():
+            if not isinstance(entry, Mapping):
+                continue
+            parts = [entry.get("exactly"), *(entry.get("firstAvailable") or ())]
+            for part in parts:
+                if isinstance(part, Mapping) and isinstance(part.get("deviceClassName"), str):
+                    classes.add(part["deviceClassName"])
+    return classes
