@@ -24,7 +24,14 @@ from gpuslice_common.kube import KubeError, KubernetesApi, LocalKubeApi, ObjectR
 from gpuslice_common.models import DeviceSelector, GpuDevice
 from gpuslice_common.requests import RequestError, parse_pod
 from gpuslice_common.servers import free_port
-from gpuslice_webhook.claims import MODE_LABEL, TEMPLATES, claim_template, template_demand
+from gpuslice_webhook.claims import (
+    MODE_LABEL,
+    TEMPLATES,
+    claim_template,
+    mib_quantity,
+    ours_and_equal,
+    template_demand,
+)
 from gpuslice_webhook.mutation import Denied, Mutator
 from gpuslice_webhook.service import Running, running
 from tests.hami.cases import Case, all_cases, pod_manifest, request_settings
@@ -569,7 +576,7 @@ async def test_hami_s_admission_cases_translate(tmp_path: Path) -> None:
             assert exactly["count"] == c.count, label
             wanted = {"cores": str(c.cores)}
             if c.memory.mib is not None:
-                wanted["memory"] = f"{c.memory.mib}Mi"
+                wanted["memory"] = mib_quantity(c.memory.mib)
             assert exactly["capacity"] == {"requests": wanted}, label
         for spec in [*patched["spec"].get("initContainers", ()), *patched["spec"]["containers"]]:
             resources = spec.get("resources", {})
@@ -591,3 +598,30 @@ def test_the_templates_are_what_kubernetes_1_34_accepts() -> None:
     }
     with pytest.raises(AssertionError):
         valid(wrong)
+
+
+def test_memory_is_written_as_the_api_server_writes_it_back() -> None:
+    assert [mib_quantity(m) for m in (1, 1000, 1024, 1536, 80 * 1024, 1024**2)] == [
+        "1Mi",
+        "1000Mi",
+        "1Gi",
+        "1536Mi",
+        "80Gi",
+        "1Ti",
+    ]
+    manifest = pod(container("main", {GPU: 1, MEM: 2048, CORES: 50}))
+    request = parse_pod(manifest)
+    assert request is not None
+    names = settings().requests.resources
+    template = claim_template(request, NS, consumable=True, names=names)
+    (entry,) = template.devices["requests"]
+    assert entry["exactly"]["capacity"] == {"requests": {"memory": "2Gi", "cores": "50"}}
+    # read back in another spelling of the same amounts, with empty parts dropped:
+    # still ours; another amount is not
+    stored = copy.deepcopy(template.body)
+    (back,) = stored["spec"]["spec"]["devices"]["requests"]
+    back["exactly"]["capacity"]["requests"] = {"memory": "2048Mi", "cores": "50"}
+    back["exactly"]["tolerations"] = []
+    assert ours_and_equal(stored, template)
+    back["exactly"]["capacity"]["requests"]["memory"] = "2049Mi"
+    assert not ours_and_equal(stored, template)

@@ -28,6 +28,8 @@ one template and a template made for an earlier pod is reused.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
@@ -169,7 +171,7 @@ def _capacity(container: ContainerGpuRequest, names: ResourceNames) -> dict[str,
     capacity: dict[str, str] = {}
     memory = container.memory
     if memory.mib is not None:
-        capacity[dra.MEMORY] = f"{memory.mib}Mi"
+        capacity[dra.MEMORY] = mib_quantity(memory.mib)
     elif memory.percent != 100:
         raise Denied(
             f"container {container.name!r} asks for {memory.percent}% of a card's memory "
@@ -179,6 +181,20 @@ def _capacity(container: ContainerGpuRequest, names: ResourceNames) -> dict[str,
     # always stated, 0 included, so that a request without it is a whole card's
     capacity[dra.CORES] = str(container.cores)
     return capacity
+
+
+_BINARY: Final = ("Mi", "Gi", "Ti", "Pi", "Ei")
+
+
+def mib_quantity(mib: int) -> str:
+    """``mib`` MiB as the API server writes the quantity back (its canonical
+    form: the largest binary suffix that keeps the number whole), so that the
+    template read back is the one made: 1024 is ``1Gi``, 1536 ``1536Mi``."""
+    value, suffix = mib, 0
+    while value % 1024 == 0 and suffix < len(_BINARY) - 1:
+        value //= 1024
+        suffix += 1
+    return f"{value}{_BINARY[suffix]}"
 
 
 def _literal(value: str, annotation: str) -> str:
@@ -229,7 +245,7 @@ def ours_and_equal(found: Mapping[str, Any], template: ClaimTemplate) -> bool:
     spec = found.get("spec")
     inner = spec.get("spec") if isinstance(spec, Mapping) else None
     devices = inner.get("devices") if isinstance(inner, Mapping) else None
-    return bool(_normal(devices) == _normal(template.devices))
+    return bool(_quantities(_normal(devices)) == _quantities(_normal(template.devices)))
 
 
 def _normal(value: Any) -> Any:
@@ -239,6 +255,23 @@ def _normal(value: Any) -> Any:
     if isinstance(value, list):
         return [_normal(v) for v in value]
     return value
+
+
+def _quantities(devices: Any) -> Any:
+    """``devices`` with each capacity request read as a number (the API server
+    writes quantities in its canonical form; unreadable ones stay as they are)."""
+    if not isinstance(devices, Mapping):
+        return devices
+    out = copy.deepcopy(dict(devices))
+    for entry in out.get("requests") or ():
+        exactly = entry.get("exactly") if isinstance(entry, dict) else None
+        capacity = exactly.get("capacity") if isinstance(exactly, dict) else None
+        amounts = capacity.get("requests") if isinstance(capacity, dict) else None
+        if isinstance(amounts, dict):
+            for name, amount in amounts.items():
+                with contextlib.suppress(RequestError):
+                    amounts[name] = parse_quantity(amount)
+    return out
 
 
 def pod_template(pod: Mapping[str, Any]) -> str | None:
