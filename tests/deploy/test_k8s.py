@@ -243,12 +243,14 @@ def test_dra_mode_adds_exactly_the_permissions_it_uses(
     group = "resource.k8s.io"
     assert added == {
         # a pod's claim template: created, read back when one of its name is
-        # there, listed to count translated pods' quota; a pod's own claims read
+        # there, listed to count translated pods' quota; a pod's own claims
+        # read; the slices listed for the cards' memory sizes
         "gpuslice-webhook": {
             (group, "resourceclaimtemplates", "create"),
             (group, "resourceclaimtemplates", "get"),
             (group, "resourceclaimtemplates", "list"),
             (group, "resourceclaims", "get"),
+            (group, "resourceslices", "list"),
         },
         "gpuslice-scheduler": set(),
         # the claim a node is asked to prepare and its pod, read by the trusted side

@@ -27,6 +27,8 @@ from gpuslice_common.servers import free_port
 from gpuslice_webhook.claims import (
     MODE_LABEL,
     TEMPLATES,
+    CardSizes,
+    card_sizes,
     claim_template,
     mib_quantity,
     ours_and_equal,
@@ -415,19 +417,110 @@ async def test_pods_with_their_own_claims_only_are_left_alone(tmp_path: Path) ->
         assert await s.templates() == []
 
 
-async def test_a_share_of_a_card_s_memory_is_refused_with_the_fix(tmp_path: Path) -> None:
+GIB = 1024**3
+SLICES = ObjectRef(API_VERSION, "resourceslices")
+
+
+def resource_slice(node: str, *sizes: int, driver: str = DRIVER) -> dict[str, Any]:
+    """A node's slice as the agent publishes it: one device per card, memory in bytes."""
+    devices = [
+        {
+            "name": f"gpu-{node}-{i}",
+            "attributes": {"uuid": {"string": f"GPU-{node}-{i}"}},
+            "capacity": {"memory": {"value": str(size)}, "cores": {"value": "100"}},
+        }
+        for i, size in enumerate(sizes)
+    ]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-{driver}"},
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": devices,
+        },
+    }
+
+
+async def publish(store: LocalKubeApi, *slices: dict[str, Any]) -> None:
+    for obj in slices:
+        await store.create_object(SLICES, obj)
+
+
+async def test_a_share_of_a_card_s_memory_is_sized_per_card(tmp_path: Path) -> None:
     async with stack(tmp_path) as s:
+        # no node publishes gpuslice's devices yet: nothing to size it by
         response = await s.admit(review(pod(container("main", {GPU: 1, MEM_PCT: 50}))))
         assert response["allowed"] is False
         message = response["status"]["message"]
         assert "50% of a card's memory" in message
-        assert f"set {MEM} instead" in message
-        # the whole card is no share: the device's default is all of it
-        sent = review(pod(container("main", {GPU: 1, MEM_PCT: 100})))
-        assert (await s.admit(sent))["allowed"] is True
+        assert f"give the memory in MiB with {MEM}" in message
+    async with stack(tmp_path / "2", kube_cache_ttl=0.001) as s:
+        await publish(
+            s.store,
+            resource_slice("gpu-1", 80 * GIB, 80 * GIB),
+            resource_slice("gpu-2", 24 * GIB),
+            resource_slice("other", 7 * GIB, driver="gpu.example.com"),
+        )
+        sent = review(pod(container("main", {GPU: 2, MEM_PCT: 25, CORES: 10})))
+        response = await s.admit(sent)
+        assert response["allowed"] is True
         (template,) = await s.templates()
-        (entry,) = template["spec"]["spec"]["devices"]["requests"]
-        assert entry["exactly"]["capacity"] == {"requests": {"cores": "100"}}
+        valid(template)
+        patched = applied(sent["request"]["object"], response)
+        valid(patched)
+        assert patched["spec"]["containers"][0]["resources"]["claims"] == [
+            {"name": "gpuslice", "request": "main"}
+        ]
+    devices = template["spec"]["spec"]["devices"]
+    (entry,) = devices["requests"]
+    assert set(entry) == {"name", "firstAvailable"}
+    memory = f'device.capacity["{DRIVER}"].memory'
+    assert entry["firstAvailable"] == [
+        {
+            "name": name,
+            "deviceClassName": DEVICE_CLASS,
+            "allocationMode": "ExactCount",
+            "count": 2,
+            "selectors": [{"cel": {"expression": f'{memory}.compareTo(quantity("{size}")) == 0'}}],
+            "capacity": {"requests": {"memory": share, "cores": "10"}},
+        }
+        for name, size, share in (
+            ("mem-24576mi", 24 * GIB, "6Gi"),
+            ("mem-81920mi", 80 * GIB, "20Gi"),
+        )
+    ]
+    # distinct cards whichever size is chosen
+    assert devices["constraints"] == [{"requests": ["main"], "distinctAttribute": f"{DRIVER}/uuid"}]
+
+
+def test_a_share_reads_back_unpriced_with_its_count_and_cores() -> None:
+    manifest = pod(container("main", {GPU: 2, MEM_PCT: 30, CORES: 20}))
+    mutation = Mutator(settings(dra=True)).mutate(
+        manifest, NS, dra=True, sizes=CardSizes((16 * GIB, 40 * GIB))
+    )
+    assert mutation is not None
+    assert mutation.template is not None
+    (back,) = template_demand(manifest, mutation.template.body)
+    assert (back.count, back.cores, back.memory.mib) == (2, 20, None)
+
+
+def test_card_sizes_are_the_most_widespread_ones() -> None:
+    """A node publishing many sizes of its own cannot push the others out of the
+    eight subrequests a request may hold."""
+    honest = [resource_slice(f"n{i}", 80 * GIB, 40 * GIB) for i in range(3)]
+    liar = resource_slice("liar", *[(i + 1) * GIB + 1 for i in range(20)])
+    odd = [resource_slice(f"m{i}", 48 * GIB) for i in range(2)]  # two nodes beat one
+    broken = resource_slice("n8", 16 * GIB)
+    broken["spec"]["devices"][0]["capacity"]["memory"]["value"] = "lots"
+    found = card_sizes([liar, *honest, *odd, broken])
+    assert len(found.sizes) == 8
+    assert {40 * GIB, 48 * GIB, 80 * GIB} <= set(found.sizes)
+    assert list(found.sizes) == sorted(found.sizes)
+    assert found.left_out == 23 - 8  # the unreadable size is no size
+    assert card_sizes([]) == CardSizes(())
 
 
 async def test_without_consumable_capacity_cards_are_whole(tmp_path: Path) -> None:
@@ -527,9 +620,9 @@ def _hami_cases() -> list[Case]:
 
 async def test_hami_s_admission_cases_translate(tmp_path: Path) -> None:
     """Every HAMi admission case: refused in DRA mode where device-plugin mode
-    refuses it (or where it asks for a share of a card's memory), else
-    translated into a template whose requests say what parse_pod read."""
-    checked = 0
+    refuses it, else translated into a template whose requests say what
+    parse_pod read (a share of a card's memory per card size: 16 and 40 GiB)."""
+    checked = shared = 0
     for index, case in enumerate(_hami_cases()):
         options: dict[str, Any] = dict(case.data.get("webhook") or {})
         requests = request_settings(case.data.get("settings"))
@@ -546,6 +639,7 @@ async def test_hami_s_admission_cases_translate(tmp_path: Path) -> None:
         except RequestError:
             request = None
         async with stack(tmp_path / str(index), requests=requests, **options) as s:
+            await publish(s.store, resource_slice("gpu-1", 16 * GIB, 40 * GIB))
             sent = review(manifest, namespace="default")
             response = await s.admit(sent)
             made = await s.templates("default")
@@ -558,21 +652,25 @@ async def test_hami_s_admission_cases_translate(tmp_path: Path) -> None:
             assert response["allowed"] is True, label
             assert made == [], label
             continue
-        shares = [c for c in request.containers if c.memory.percent not in (None, 100)]
-        if shares:
-            assert response["allowed"] is False, label
-            assert "in DRA mode the memory is given in MiB" in response["status"]["message"]
-            continue
         assert response["allowed"] is True, f"{label}: {response.get('status')}"
         (template,) = made
         valid(template)
         patched = applied(sent["request"]["object"], response)
         valid(patched)
         assert claimed(patched) == template["metadata"]["name"], label
-        entries = {r["name"]: r["exactly"] for r in template["spec"]["spec"]["devices"]["requests"]}
+        entries = {r["name"]: r for r in template["spec"]["spec"]["devices"]["requests"]}
         assert list(entries) == [c.name for c in request.containers], label
         for c in request.containers:
-            exactly = entries[c.name]
+            entry = entries[c.name]
+            if c.memory.percent not in (None, 100):  # a share: priced per card size
+                subrequests = entry["firstAvailable"]
+                shares = [sub["capacity"]["requests"]["memory"] for sub in subrequests]
+                wanted_shares = [mib_quantity(c.memory.on_card(g * 1024)) for g in (16, 40)]
+                assert shares == wanted_shares, label
+                assert {sub["count"] for sub in subrequests} == {c.count}, label
+                shared += 1
+                continue
+            exactly = entry["exactly"]
             assert exactly["count"] == c.count, label
             wanted = {"cores": str(c.cores)}
             if c.memory.mib is not None:
@@ -585,6 +683,7 @@ async def test_hami_s_admission_cases_translate(tmp_path: Path) -> None:
                 assert not left, f"{label}: {spec['name']} keeps {left}"
         checked += 1
     assert checked >= 5
+    assert shared >= 2
 
 
 def test_the_templates_are_what_kubernetes_1_34_accepts() -> None:

@@ -37,8 +37,12 @@ from gpuslice_common.requests import RequestError, asks_for_gpus, pod_ref
 from gpuslice_webhook.claims import (
     CLAIMS,
     MANAGED_BY,
+    SLICES,
     TEMPLATES,
+    CardSizes,
     ClaimTemplate,
+    NeedCardSizes,
+    card_sizes,
     claimed_classes,
     dra_mode,
     ours_and_equal,
@@ -128,7 +132,12 @@ class Admission:
             labels = await self._namespace_labels(namespace)
             if ignored(labels):
                 return "ignored", answer(review)
-            mutation = self.mutator.mutate(pod, namespace, dra=dra_mode(self.settings.dra, labels))
+            dra = dra_mode(self.settings.dra, labels)
+            try:
+                mutation = self.mutator.mutate(pod, namespace, dra=dra)
+            except NeedCardSizes:
+                sizes = await self._card_sizes()
+                mutation = self.mutator.mutate(pod, namespace, dra=dra, sizes=sizes)
             if mutation is None:  # asks for no GPU after all (asks_for_gpus said it does)
                 routed = self.mutator.route(pod) if self.settings.route_cpu_pods else None
                 if routed is None:
@@ -224,6 +233,14 @@ class Admission:
         if self.namespaces is None:
             raise _unavailable(f"cannot {what}: DRA mode needs the Kubernetes API (kube_api)")
         return self.namespaces.kube
+
+    async def _card_sizes(self) -> CardSizes:
+        """The memory sizes of the cards gpuslice's nodes publish (ResourceSlices)."""
+        what = "read the cluster's ResourceSlices (the cards' memory sizes)"
+        self._kube(what)
+        assert self.namespaces is not None
+        slices = await self._within_deadline(self.namespaces.cluster_objects(SLICES), what)
+        return card_sizes(slices)
 
     async def _own_claims(self, pod: Mapping[str, Any], namespace: str) -> None:
         """Refuse a pod asking for GPUs both with NVIDIA's resources and with a

@@ -17,10 +17,12 @@ the container, of device class :data:`~gpuslice_common.dra.DEVICE_CLASS`:
   matches them (a case-insensitive substring of the model), UUIDs exactly.
 
 Memory given as a share of a card (``gpumem-percentage`` below 100) depends on
-the card, which admission does not know; with consumable capacity such a pod is
-refused with a message asking for ``gpumem`` in MiB. Without consumable
-capacity every device is a whole card, so a share is given a whole card (the
-pod is warned).
+the card. With consumable capacity such a container's request is a
+``firstAvailable`` list: one subrequest per memory size of the cards the nodes
+publish (read from the ResourceSlices of gpuslice's driver), each selecting
+cards of exactly that size and asking for the share of it in MiB. Without
+consumable capacity every device is a whole card, so a share is given a whole
+card (the pod is warned).
 
 The template's name is derived from its content, so pods of one shape share
 one template and a template made for an earlier pod is reused.
@@ -50,7 +52,10 @@ __all__ = [
     "MANAGED_BY",
     "MODE_LABEL",
     "TEMPLATES",
+    "CardSizes",
     "ClaimTemplate",
+    "NeedCardSizes",
+    "card_sizes",
     "claim_template",
     "dra_mode",
     "ours_and_equal",
@@ -58,6 +63,7 @@ __all__ = [
 ]
 
 TEMPLATES: Final = ObjectRef(dra.API_VERSION, "resourceclaimtemplates")
+SLICES: Final = ObjectRef(dra.API_VERSION, "resourceslices")
 CLAIMS: Final = ObjectRef(dra.API_VERSION, "resourceclaims")
 # a namespace's label choosing its pods' mode over the webhook's setting
 MODE_LABEL: Final = "gpuslice.io/mode"
@@ -73,6 +79,7 @@ ATTRIBUTES: Final = f'device.attributes["{dra.DRIVER}"]'
 _LITERAL: Final = re.compile(r"^[ !#-\[\]-~]{1,256}$")
 _DNS_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 MAX_REQUESTS: Final = 32  # resource.k8s.io/v1 DeviceRequestsMaxSize
+MIB: Final = 1024 * 1024
 
 
 def dra_mode(default: bool, labels: Mapping[str, str]) -> bool:
@@ -104,10 +111,59 @@ class ClaimTemplate:
         return dict(self.body["spec"]["spec"]["devices"])
 
 
+class NeedCardSizes(Exception):
+    """A container asks for a share of a card's memory: the template needs the
+    memory sizes of the cluster's cards (:func:`card_sizes`)."""
+
+
+@dataclass(frozen=True)
+class CardSizes:
+    """The memory sizes (bytes, ascending) of the cards the nodes publish, the
+    most widespread :data:`MAX_SUBREQUESTS` of them; ``left_out`` sizes are rarer."""
+
+    sizes: tuple[int, ...]
+    left_out: int = 0
+
+
+MAX_SUBREQUESTS: Final = 8  # resource.k8s.io/v1 FirstAvailableDeviceRequestMaxSize
+
+
+def card_sizes(slices: Sequence[Mapping[str, Any]]) -> CardSizes:
+    """The memory sizes of the cards in the ResourceSlices of gpuslice's driver,
+    by the number of nodes that have each, the most widespread first (a node
+    publishing sizes of its own cannot push the others out), then ascending."""
+    nodes: dict[int, set[str]] = {}
+    for obj in slices:
+        spec = obj.get("spec")
+        if not isinstance(spec, Mapping) or spec.get("driver") != dra.DRIVER:
+            continue
+        pool = spec.get("pool")
+        node = pool.get("name") if isinstance(pool, Mapping) else None
+        for device in spec.get("devices") or ():
+            capacity = device.get("capacity") if isinstance(device, Mapping) else None
+            memory = capacity.get(dra.MEMORY) if isinstance(capacity, Mapping) else None
+            value = memory.get("value") if isinstance(memory, Mapping) else None
+            try:
+                size = int(parse_quantity(value))
+            except RequestError:
+                continue
+            if size >= MIB:
+                nodes.setdefault(size, set()).add(str(node))
+    ranked = sorted(nodes, key=lambda size: (-len(nodes[size]), size))
+    kept = ranked[:MAX_SUBREQUESTS]
+    return CardSizes(tuple(sorted(kept)), len(ranked) - len(kept))
+
+
 def claim_template(
-    request: PodGpuRequest, namespace: str, *, consumable: bool, names: ResourceNames
+    request: PodGpuRequest,
+    namespace: str,
+    *,
+    consumable: bool,
+    names: ResourceNames,
+    sizes: CardSizes | None = None,
 ) -> ClaimTemplate:
-    """The template for ``request`` (every container NVIDIA's). Raises Denied."""
+    """The template for ``request`` (every container NVIDIA's). Raises Denied,
+    and NeedCardSizes where a share of a card's memory needs ``sizes``."""
     gpu = request.containers
     if len(gpu) > MAX_REQUESTS:
         raise Denied(
@@ -131,16 +187,20 @@ def claim_template(
         }
         if selectors:
             exactly["selectors"] = [{"cel": {"expression": e}} for e in selectors]
-        if consumable:
-            capacity = _capacity(container, names)
-            if capacity:
-                exactly["capacity"] = {"requests": capacity}
-        elif container.memory.percent != 100 or container.cores < 100:
-            warnings.append(
-                f"container {container.name!r}: the cluster's DRA devices are whole "
-                "cards (no consumable capacity), so it is given whole cards"
-            )
-        requests.append({"name": container.name, "exactly": exactly})
+        share = container.memory.percent not in (None, 100)
+        if consumable and share:
+            entry, notes = _by_card_size(container, exactly, names, sizes)
+            requests.append(entry)
+            warnings.extend(notes)
+        else:
+            if consumable:
+                exactly["capacity"] = {"requests": _capacity(container)}
+            elif share or container.cores < 100:
+                warnings.append(
+                    f"container {container.name!r}: the cluster's DRA devices are whole "
+                    "cards (no consumable capacity), so it is given whole cards"
+                )
+            requests.append({"name": container.name, "exactly": exactly})
         if container.count > 1 and consumable:
             constraints.append(
                 {"requests": [container.name], "distinctAttribute": f"{dra.DRIVER}/uuid"}
@@ -167,20 +227,58 @@ def claim_template(
     return ClaimTemplate(name, body, tuple(warnings))
 
 
-def _capacity(container: ContainerGpuRequest, names: ResourceNames) -> dict[str, str]:
+def _capacity(container: ContainerGpuRequest, mib: int | None = None) -> dict[str, str]:
+    """Capacity requests: memory in MiB (none for a whole card: the device's
+    default is all of it) and cores, always stated (0 included), so that a
+    request without them reads back as a whole card's."""
     capacity: dict[str, str] = {}
-    memory = container.memory
-    if memory.mib is not None:
-        capacity[dra.MEMORY] = mib_quantity(memory.mib)
-    elif memory.percent != 100:
-        raise Denied(
-            f"container {container.name!r} asks for {memory.percent}% of a card's memory "
-            f"({names.memory_percentage}); in DRA mode the memory is given in MiB: set "
-            f"{names.memory} instead"
-        )
-    # always stated, 0 included, so that a request without it is a whole card's
+    mib = container.memory.mib if mib is None else mib
+    if mib is not None:
+        capacity[dra.MEMORY] = mib_quantity(mib)
     capacity[dra.CORES] = str(container.cores)
     return capacity
+
+
+def _by_card_size(
+    container: ContainerGpuRequest,
+    exactly: Mapping[str, Any],
+    names: ResourceNames,
+    sizes: CardSizes | None,
+) -> tuple[dict[str, Any], list[str]]:
+    """A share of a card's memory: one subrequest per card memory size, each
+    for cards of exactly that size and the share of it in MiB (rounded down, as
+    device-plugin mode rounds it), the smallest cards first."""
+    if sizes is None:
+        raise NeedCardSizes
+    percent = container.memory.percent
+    assert percent is not None
+    if not sizes.sizes:
+        raise Denied(
+            f"container {container.name!r} asks for {percent}% of a card's memory "
+            f"({names.memory_percentage}), but no node publishes gpuslice's devices yet "
+            f"to size it by; give the memory in MiB with {names.memory}"
+        )
+    subrequests = []
+    for size in sizes.sizes:
+        mib = container.memory.on_card(size // MIB)
+        selector = (
+            f'device.capacity["{dra.DRIVER}"].{dra.MEMORY}.compareTo(quantity("{size}")) == 0'
+        )
+        sub = {
+            **exactly,
+            "name": f"mem-{size // MIB}mi",
+            "selectors": [*exactly.get("selectors", ()), {"cel": {"expression": selector}}],
+            "capacity": {"requests": _capacity(container, mib)},
+        }
+        subrequests.append(sub)
+    notes = []
+    if sizes.left_out:
+        notes.append(
+            f"container {container.name!r}: its share of a card's memory is sized for "
+            f"the {len(sizes.sizes)} most common card sizes; cards of {sizes.left_out} "
+            "rarer sizes are not used for it"
+        )
+    return {"name": container.name, "firstAvailable": subrequests}, notes
 
 
 _BINARY: Final = ("Mi", "Gi", "Ti", "Pi", "Ei")
@@ -304,14 +402,18 @@ def template_demand(
     for entry in devices.get("requests") or ():
         try:
             name = entry["name"]
-            exactly = entry["exactly"]
+            # a share of a card (firstAvailable): count and cores alike in each
+            # subrequest, the memory priced once placed
+            share = "exactly" not in entry
+            exactly = entry["exactly"] if not share else entry["firstAvailable"][0]
             count = int(exactly.get("count", 1))
             capacity = (exactly.get("capacity") or {}).get("requests") or {}
-            memory = (
-                MemoryRequest(mib=int(parse_quantity(capacity[dra.MEMORY]) // (1024 * 1024)))
-                if dra.MEMORY in capacity
-                else MemoryRequest(percent=100)
-            )
+            if share:
+                memory = MemoryRequest(percent=99)  # unpriced: a share of the card it gets
+            elif dra.MEMORY in capacity:
+                memory = MemoryRequest(mib=int(parse_quantity(capacity[dra.MEMORY]) // MIB))
+            else:
+                memory = MemoryRequest(percent=100)
             cores = int(parse_quantity(capacity.get(dra.CORES, "100")))
             init, sidecar = kinds.get(name, (False, False))
             out.append(

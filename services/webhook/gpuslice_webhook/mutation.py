@@ -37,7 +37,7 @@ from gpuslice_common.models import (
     PodGpuRequest,
 )
 from gpuslice_common.requests import RequestError, has_gpu_request, parse_pod, parse_quantity
-from gpuslice_webhook.claims import CLAIM_NAME, ClaimTemplate, claim_template
+from gpuslice_webhook.claims import CLAIM_NAME, CardSizes, ClaimTemplate, claim_template
 from gpuslice_webhook.denial import Denied, bad_request
 from gpuslice_webhook.patch import Patch
 
@@ -127,13 +127,19 @@ class Mutator:
         self.names = settings.requests.resources
 
     def mutate(
-        self, pod: Mapping[str, Any], namespace: str, *, dra: bool = False
+        self,
+        pod: Mapping[str, Any],
+        namespace: str,
+        *,
+        dra: bool = False,
+        sizes: CardSizes | None = None,
     ) -> Mutation | None:
         """The change for a GPU pod, or None when it asks for no GPU. Raises Denied.
 
         With ``dra`` an NVIDIA request becomes a ResourceClaimTemplate (the
         mutation's ``template``, not created here) that the patch makes the pod
-        reference, in place of its GPU resources."""
+        reference, in place of its GPU resources; a share of a card's memory
+        needs the cluster's card ``sizes`` (NeedCardSizes without them)."""
         request = self._parse(pod, namespace)
         if request is None:
             return None
@@ -153,6 +159,7 @@ class Mutator:
                 namespace,
                 consumable=self.settings.dra_consumable,
                 names=self.names,
+                sizes=sizes,
             )
             warnings.extend(template.warnings)
         patch = Patch()
