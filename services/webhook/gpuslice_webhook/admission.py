@@ -6,9 +6,17 @@ Order of decisions for a pod being created:
    none: ``nvidia.com/gpu: 0``) -> allowed unchanged, as any pod without GPUs;
 2. the pod, then its namespace, is labelled ``gpuslice.io/webhook: ignore`` or
    ``hami.io/webhook: ignore`` -> allowed unchanged;
-3. :class:`~gpuslice_webhook.mutation.Mutator` checks the request and builds the patch;
-4. the namespace's GPU quotas are checked;
-5. ``pod.admitted`` or ``pod.denied`` is handed to the outbox (never awaited) and
+3. :class:`~gpuslice_webhook.mutation.Mutator` checks the request and builds the patch
+   (in DRA mode, ``GPUSLICE_DRA`` or the namespace's ``gpuslice.io/mode`` label,
+   the patch references a ResourceClaimTemplate instead: see
+   :mod:`gpuslice_webhook.claims`);
+4. the namespace's GPU quotas are checked (translated pods count what their
+   templates ask for);
+5. DRA mode: a pod that also has a claim of its own on gpuslice's device class is
+   refused; the template is created in the pod's namespace (not on a dry run),
+   or one of its name found there must be gpuslice's and equal; any failure
+   refuses the pod (503), which is never admitted half-translated;
+6. ``pod.admitted`` or ``pod.denied`` is handed to the outbox (never awaited) and
    the answer goes back.
 
 Ephemeral containers added to a GPU pod (``kubectl debug``) get its GPUs hidden

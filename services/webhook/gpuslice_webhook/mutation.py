@@ -16,6 +16,11 @@ returns the patch that:
   (``NVIDIA_VISIBLE_DEVICES=none``);
 * sets ``spec.schedulerName``.
 
+In DRA mode the first point differs: each GPU container's GPU resources are
+removed and it names its request of the pod's claim ``gpuslice``
+(``resources.claims``), made from the ResourceClaimTemplate the mutation
+carries (:mod:`gpuslice_webhook.claims`); the rest is the same.
+
 Running it on a pod it has already changed gives an empty patch: the variables
 gpuslice sets are accepted when they hold exactly what gpuslice would write, and
 refused otherwise, since a container's own environment overrides what the device
