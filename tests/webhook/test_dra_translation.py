@@ -496,6 +496,19 @@ async def test_a_share_of_a_card_s_memory_is_sized_per_card(tmp_path: Path) -> N
     assert devices["constraints"] == [{"requests": ["main"], "distinctAttribute": f"{DRIVER}/uuid"}]
 
 
+def test_card_policies_dra_cannot_express_are_warned_of() -> None:
+    manifest = pod(
+        container("main", {GPU: 1, MEM: 1000}),
+        annotations={"hami.io/gpu-scheduler-policy": "binpack"},
+    )
+    mutation = Mutator(settings(dra=True)).mutate(manifest, NS, dra=True)
+    assert mutation is not None
+    assert any("without scoring" in w for w in mutation.warnings)
+    plain = Mutator(settings(dra=True)).mutate(pod(container("main", {GPU: 1})), NS, dra=True)
+    assert plain is not None
+    assert not any("without scoring" in w for w in plain.warnings)
+
+
 def test_a_share_reads_back_unpriced_with_its_count_and_cores() -> None:
     manifest = pod(container("main", {GPU: 2, MEM_PCT: 30, CORES: 20}))
     mutation = Mutator(settings(dra=True)).mutate(

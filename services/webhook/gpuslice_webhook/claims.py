@@ -43,7 +43,12 @@ import orjson
 from gpuslice_common import dra
 from gpuslice_common.config import ResourceNames
 from gpuslice_common.kube import ObjectRef
-from gpuslice_common.models import ContainerGpuRequest, MemoryRequest, PodGpuRequest
+from gpuslice_common.models import (
+    ContainerGpuRequest,
+    MemoryRequest,
+    PodGpuRequest,
+    ScoringWeights,
+)
 from gpuslice_common.requests import RequestError, parse_quantity
 from gpuslice_webhook.denial import Denied, bad_request
 
@@ -209,6 +214,11 @@ def claim_template(
             constraints.append(
                 {"requests": [container.name], "matchAttribute": f"{dra.DRIVER}/numa"}
             )
+    if request.gpu_policy is not None or request.scoring_weights != ScoringWeights():
+        warnings.append(
+            "in DRA mode kube-scheduler chooses the cards of a claim without scoring "
+            "them: the pod's GPU scheduling policy and scoring weights have no effect"
+        )
     devices: dict[str, Any] = {"requests": requests}
     if constraints:
         devices["constraints"] = constraints
