@@ -25,11 +25,14 @@ from gpuslice_common.config import (
     SchedulerSettings,
     WebhookSettings,
 )
+from gpuslice_common.dra import DEVICE_CLASS, DRIVER
 from tests.deploy.kustomize import overlay, render
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 KUBERNETES_VERSION = "1.32.0"
+# DRA mode's objects (resource.k8s.io/v1) exist from Kubernetes 1.34
+DRA_KUBERNETES_VERSION = "1.34.0"
 SETTINGS: dict[str, type[Any]] = {
     "gpuslice_webhook": WebhookSettings,
     "gpuslice_scheduler": SchedulerSettings,
@@ -45,6 +48,7 @@ COMBINATIONS = [
     ("without-cert-manager", "redis-cluster"),
     ("without-cert-manager", "cpu-pods", "redis-cluster"),
     ("console-tokenreview", "redis-cluster"),
+    ("dra", "redis-cluster"),
 ]
 
 
@@ -112,12 +116,13 @@ def test_every_object_is_valid_against_the_kubernetes_schemas(
 ) -> None:
     objects = render(builds[build])
     custom = []
+    version = DRA_KUBERNETES_VERSION if "dra" in build.split("+") else KUBERNETES_VERSION
     for obj in objects:
         if obj["apiVersion"].startswith("cert-manager.io/"):
             custom.append(obj["kind"])
             continue
         try:
-            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+            kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             raise AssertionError(f"{obj['kind']} {obj['metadata']['name']}: {exc}") from None
     # cert-manager's, unless gpuslice's own Jobs keep the webhook's certificate
@@ -224,6 +229,83 @@ def test_each_service_has_exactly_the_permissions_it_uses(objects: list[dict[str
         and b["subjects"][0]["name"] == "gpuslice-scheduler"
     }
     assert {"system:kube-scheduler", "system:volume-scheduler"} <= shipped
+
+
+@pytest.mark.parametrize("build", ["dra", "dra+redis-cluster"])
+def test_dra_mode_adds_exactly_the_permissions_it_uses(
+    builds: dict[str, Path], objects: list[dict[str, Any]], build: str
+) -> None:
+    dra = render(builds[build])
+    added = {
+        account: rules_of(dra, account) - rules_of(objects, account)
+        for account in (
+            "gpuslice-webhook",
+            "gpuslice-scheduler",
+            "gpuslice-inventory",
+            "gpuslice-deviceplugin",
+        )
+    }
+    group = "resource.k8s.io"
+    assert added == {
+        # a pod's claim template: created, read back when one of its name is
+        # there, listed to count translated pods' quota; a pod's own claims
+        # read; the slices listed for the cards' memory sizes
+        "gpuslice-webhook": {
+            (group, "resourceclaimtemplates", "create"),
+            (group, "resourceclaimtemplates", "get"),
+            (group, "resourceclaimtemplates", "list"),
+            (group, "resourceclaims", "get"),
+            (group, "resourceslices", "list"),
+        },
+        "gpuslice-scheduler": set(),
+        # the claim a node is asked to prepare and its pod, read by the trusted side
+        "gpuslice-inventory": {(group, "resourceclaims", "get"), ("", "pods", "get")},
+        # its node's slice only (the policy below narrows it to that slice)
+        "gpuslice-deviceplugin": {
+            (group, "resourceslices", verb)
+            for verb in ("create", "update", "delete", "get", "list", "watch")
+        },
+    }
+    # nothing of k8s/'s own roles changes
+    for account in added:
+        assert rules_of(dra, account) >= rules_of(objects, account)
+    # no wildcard anywhere
+    for obj in dra:
+        if obj["kind"] in ("ClusterRole", "Role"):
+            for rule in obj["rules"]:
+                assert "*" not in rule["verbs"], obj
+                assert "*" not in rule["resources"], obj
+
+
+@pytest.mark.parametrize("build", ["dra", "dra+redis-cluster"])
+def test_dra_mode_runs_the_agent_with_kubelet_s_plugin_directories(
+    builds: dict[str, Path], objects: list[dict[str, Any]], build: str
+) -> None:
+    dra = render(builds[build])
+    spec = find(dra, "DaemonSet", "gpuslice-deviceplugin")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["GPUSLICE_DRA"] == "true"
+    paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    # at the host's own paths, where the agent's settings look by default
+    defaults = DevicePluginSettings.model_fields
+    for volume, setting in (
+        ("dra-plugins", "dra_plugins_dir"),
+        ("dra-registry", "dra_registry_dir"),
+        ("cdi", "cdi_dir"),
+    ):
+        assert paths[volume] == mounts[volume] == defaults[setting].default, volume
+    assert env_of(dra, "gpuslice-webhook", "webhook")["GPUSLICE_DRA"] == "true"
+    # everything else of the agent and the webhook as in k8s/
+    base = find(objects, "DaemonSet", "gpuslice-deviceplugin")["spec"]["template"]["spec"]
+    (before,) = base["containers"]
+    assert [e for e in container["env"] if e["name"] != "GPUSLICE_DRA"] == before["env"]
+    assert container["volumeMounts"][: len(before["volumeMounts"])] == before["volumeMounts"]
+    # the device class the webhook's templates name selects the agents' driver
+    device_class = find(dra, "DeviceClass", DEVICE_CLASS)
+    (selector,) = device_class["spec"]["selectors"]
+    assert selector["cel"]["expression"] == f'device.driver == "{DRIVER}"'
 
 
 def test_the_scheduler_follows_nodes_and_pods_cluster_wide(objects: list[dict[str, Any]]) -> None:

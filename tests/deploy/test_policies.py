@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuslice_common.config import RequestSettings
+from gpuslice_common.dra import DRIVER as DRA_DRIVER
 from gpuslice_common.models import PLACEMENT_ANNOTATION
 from gpuslice_common.requests import has_gpu_request
 from tests.deploy.kustomize import overlay, render
@@ -675,3 +676,134 @@ def test_pods_without_nvidia_gpus_are_not_concerned() -> None:
         pod["metadata"]["labels"] = {"gpuslice.io/webhook": "ignore"}
         pod["spec"]["nodeName"] = "gpu-1"
         assert gpu_pod_refusals(pod, {"gpuslice.io/webhook": "ignore"}) is None
+
+
+# ---------------------------------------------------------------- DRA: each agent its own slice
+
+
+def _with_dra() -> list[dict[str, Any]]:
+    return render(ROOT / "overlays" / "dra")
+
+
+DRA_OBJECTS = _with_dra()
+AGENT_SA = "system:serviceaccount:gpuslice:gpuslice-deviceplugin"
+NODE_KEY = "authentication.kubernetes.io/node-name"
+
+
+def slice_policy() -> tuple[Any, Any, list[tuple[str, Any]]]:
+    (policy,) = [
+        o
+        for o in DRA_OBJECTS
+        if o["kind"] == "ValidatingAdmissionPolicy"
+        and o["metadata"]["name"] == "gpuslice-agent-writes-its-own-slice"
+    ]
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["resourceslices"]
+    assert sorted(rule["operations"]) == ["CREATE", "DELETE", "UPDATE"]
+    (binding,) = [
+        o
+        for o in DRA_OBJECTS
+        if o["kind"] == "ValidatingAdmissionPolicyBinding"
+        and o["spec"]["policyName"] == policy["metadata"]["name"]
+    ]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    (condition,) = spec["matchConditions"]
+    (variable,) = spec["variables"]
+    assert variable["name"] == "node"
+    checks = [(v["message"], program(v["expression"])) for v in spec["validations"]]
+    return program(condition["expression"]), program(variable["expression"]), checks
+
+
+SLICE_CONDITION, SLICE_NODE, SLICE_CHECKS = slice_policy()
+
+
+def resource_slice(node: str, *, pool: str | None = None, driver: str = DRA_DRIVER) -> Any:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-gpu"},
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": pool or node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [],
+        },
+    }
+
+
+def slice_refusals(
+    operation: str, new: Any, old: Any, *, user: str = AGENT_SA, node: str | None = "gpu-1"
+) -> list[str] | None:
+    """None where the policy does not apply, else the messages it refuses with."""
+    user_info: dict[str, Any] = {"username": user}
+    if node is not None:
+        user_info["extra"] = {NODE_KEY: [node], "authentication.kubernetes.io/pod-name": ["a"]}
+    request = {"userInfo": user_info, "operation": operation}
+    if not run(SLICE_CONDITION, request=request):
+        return None
+    values = {"request": request, "object": new, "oldObject": old}
+    cel = {k: celpy.json_to_cel(v) for k, v in values.items()}
+    cel["variables"] = celpy.json_to_cel({"node": str(SLICE_NODE.evaluate(cel))})
+    out = []
+    for message, check in SLICE_CHECKS:
+        result = check.evaluate(cel)
+        assert isinstance(result, celpy.celtypes.BoolType), result
+        if not result:
+            out.append(message)
+    return out
+
+
+def test_an_agent_writes_its_own_node_s_slice() -> None:
+    mine = resource_slice("gpu-1")
+    assert slice_refusals("CREATE", mine, None) == []
+    changed = copy.deepcopy(mine)
+    changed["spec"]["pool"]["generation"] = 2
+    assert slice_refusals("UPDATE", changed, mine) == []
+    assert slice_refusals("DELETE", None, mine) == []
+
+
+def test_an_agent_cannot_touch_another_node_s_slice() -> None:
+    theirs = resource_slice("gpu-2")
+    assert slice_refusals("CREATE", theirs, None) == [
+        "a node agent may write only its own node's slice (spec.nodeName and pool named "
+        "after its node, driver gpu.gpuslice.io)"
+    ]
+    assert slice_refusals("DELETE", None, theirs) == [
+        "a node agent may change or delete only its own node's slice"
+    ]
+    # moving another node's slice to itself, or its own away
+    assert len(slice_refusals("UPDATE", resource_slice("gpu-1"), theirs) or []) == 1
+    assert len(slice_refusals("UPDATE", theirs, resource_slice("gpu-1")) or []) == 1
+    # its own node name, another node's pool; another driver's slice
+    assert len(slice_refusals("CREATE", resource_slice("gpu-1", pool="gpu-2"), None) or []) == 1
+    other = resource_slice("gpu-1", driver="gpu.example.com")
+    assert len(slice_refusals("CREATE", other, None) or []) == 1
+    # a slice for all nodes (no spec.nodeName)
+    everywhere = resource_slice("gpu-1")
+    del everywhere["spec"]["nodeName"]
+    everywhere["spec"]["allNodes"] = True
+    assert len(slice_refusals("CREATE", everywhere, None) or []) == 1
+
+
+def test_an_agent_token_not_bound_to_a_node_is_refused() -> None:
+    why = slice_refusals("CREATE", resource_slice("gpu-1"), None, node=None) or []
+    assert "the node agent must write with its pod's token, which names its node" in why
+    why = slice_refusals("CREATE", resource_slice(""), None, node="") or []
+    assert "the node agent must write with its pod's token, which names its node" in why
+
+
+def test_the_slice_policy_leaves_other_accounts_alone() -> None:
+    theirs = resource_slice("gpu-2")
+    assert slice_refusals("CREATE", theirs, None, user="system:node:gpu-1") is None
+    kubelet_sa = "system:serviceaccount:kube-system:some-driver"
+    assert slice_refusals("DELETE", None, theirs, user=kubelet_sa) is None
+    # the account is the one the agent's pods run as
+    (agent,) = [
+        o
+        for o in DRA_OBJECTS
+        if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "gpuslice-deviceplugin"
+    ]
+    account = agent["spec"]["template"]["spec"]["serviceAccountName"]
+    assert f"system:serviceaccount:gpuslice:{account}" == AGENT_SA

@@ -6,9 +6,17 @@ Order of decisions for a pod being created:
    none: ``nvidia.com/gpu: 0``) -> allowed unchanged, as any pod without GPUs;
 2. the pod, then its namespace, is labelled ``gpuslice.io/webhook: ignore`` or
    ``hami.io/webhook: ignore`` -> allowed unchanged;
-3. :class:`~gpuslice_webhook.mutation.Mutator` checks the request and builds the patch;
-4. the namespace's GPU quotas are checked;
-5. ``pod.admitted`` or ``pod.denied`` is handed to the outbox (never awaited) and
+3. :class:`~gpuslice_webhook.mutation.Mutator` checks the request and builds the patch
+   (in DRA mode, ``GPUSLICE_DRA`` or the namespace's ``gpuslice.io/mode`` label,
+   the patch references a ResourceClaimTemplate instead: see
+   :mod:`gpuslice_webhook.claims`);
+4. the namespace's GPU quotas are checked (translated pods count what their
+   templates ask for);
+5. DRA mode: a pod that also has a claim of its own on gpuslice's device class is
+   refused; the template is created in the pod's namespace (not on a dry run),
+   or one of its name found there must be gpuslice's and equal; any failure
+   refuses the pod (503), which is never admitted half-translated;
+6. ``pod.admitted`` or ``pod.denied`` is handed to the outbox (never awaited) and
    the answer goes back.
 
 Ephemeral containers added to a GPU pod (``kubectl debug``) get its GPUs hidden
@@ -29,10 +37,25 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import orjson
 
 from gpuslice_common.config import WebhookSettings
+from gpuslice_common.dra import DEVICE_CLASS
 from gpuslice_common.events import EventError, EventType, PodAdmitted, PodDenied, make_event
-from gpuslice_common.kube import KubeError, NotFound
+from gpuslice_common.kube import Conflict, KubeApi, KubeError, NotFound
 from gpuslice_common.models import PodRef
 from gpuslice_common.requests import RequestError, asks_for_gpus, pod_ref
+from gpuslice_webhook.claims import (
+    CLAIMS,
+    MANAGED_BY,
+    SLICES,
+    TEMPLATES,
+    CardSizes,
+    ClaimTemplate,
+    NeedCardSizes,
+    card_sizes,
+    claimed_classes,
+    dra_mode,
+    ours_and_equal,
+    pod_template,
+)
 from gpuslice_webhook.metrics import Metrics
 from gpuslice_webhook.mutation import Denied, Mutation, Mutator, ignored
 from gpuslice_webhook.namespaces import NamespaceCache
@@ -112,15 +135,26 @@ class Admission:
         metadata = metadata if isinstance(metadata, Mapping) else {}
         namespace = review.namespace or str(metadata.get("namespace") or "default")
         try:
-            if ignored(metadata.get("labels")) or await self._namespace_ignored(namespace):
+            if ignored(metadata.get("labels")):
                 return "ignored", answer(review)
-            mutation = self.mutator.mutate(pod, namespace)
+            labels = await self._namespace_labels(namespace)
+            if ignored(labels):
+                return "ignored", answer(review)
+            dra = dra_mode(self.settings.dra, labels)
+            try:
+                mutation = self.mutator.mutate(pod, namespace, dra=dra)
+            except NeedCardSizes:
+                sizes = await self._card_sizes()
+                mutation = self.mutator.mutate(pod, namespace, dra=dra, sizes=sizes)
             if mutation is None:  # asks for no GPU after all (asks_for_gpus said it does)
                 routed = self.mutator.route(pod) if self.settings.route_cpu_pods else None
                 if routed is None:
                     return "skipped", answer(review)
                 return "routed", answer(review, patch=routed)
             await self._check_quota(namespace, metadata, mutation)
+            if mutation.template is not None:
+                await self._own_claims(pod, namespace)
+                await self._create_template(mutation.template, review.dry_run)
         except Denied as denied:
             reply = answer(review, denial=(denied.code, denied.reason, denied.message))
             if denied.code == UNAVAILABLE:  # not a decision about the pod: no event
@@ -175,11 +209,12 @@ class Admission:
     # ------------------------------------------------------------ the API server
 
     async def _within_deadline(self, read: Awaitable[T], what: str) -> T:
-        """``read`` within the Kubernetes deadline; a failure or a timeout is Denied 503."""
+        """``read`` within the Kubernetes deadline; a failure or a timeout is Denied
+        503 (NotFound and Conflict are the caller's to read)."""
         seconds = self.settings.kube_timeout.total_seconds()
         try:
             return await asyncio.wait_for(read, seconds)
-        except NotFound:
+        except (NotFound, Conflict):
             raise
         except KubeError as exc:
             raise _unavailable(f"cannot {what}: {exc}") from None
@@ -188,15 +223,101 @@ class Admission:
             raise _unavailable(message) from None
 
     async def _namespace_ignored(self, namespace: str) -> bool:
+        return ignored(await self._namespace_labels(namespace))
+
+    async def _namespace_labels(self, namespace: str) -> dict[str, str]:
         if self.namespaces is None:
-            return False
+            return {}
         try:
-            labels = await self._within_deadline(
+            return await self._within_deadline(
                 self.namespaces.labels(namespace), f"read namespace {namespace!r}"
             )
         except NotFound:
-            return False  # the API server refuses the pod itself
-        return ignored(labels)
+            return {}  # the API server refuses the pod itself
+
+    # ------------------------------------------------------------ DRA mode
+
+    def _kube(self, what: str) -> KubeApi:
+        if self.namespaces is None:
+            raise _unavailable(f"cannot {what}: DRA mode needs the Kubernetes API (kube_api)")
+        return self.namespaces.kube
+
+    async def _card_sizes(self) -> CardSizes:
+        """The memory sizes of the cards gpuslice's nodes publish (ResourceSlices)."""
+        what = "read the cluster's ResourceSlices (the cards' memory sizes)"
+        self._kube(what)
+        assert self.namespaces is not None
+        slices = await self._within_deadline(self.namespaces.cluster_objects(SLICES), what)
+        return card_sizes(slices)
+
+    async def _own_claims(self, pod: Mapping[str, Any], namespace: str) -> None:
+        """Refuse a pod asking for GPUs both with NVIDIA's resources and with a
+        claim of its own on gpuslice's device class (two paths to the same cards)."""
+        spec = pod.get("spec")
+        claims = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
+        if not isinstance(claims, list) or not claims:
+            return
+        what = f"read the resource claims of a pod in namespace {namespace!r}"
+        kube = self._kube(what)
+        for claim in claims:
+            if not isinstance(claim, Mapping):
+                continue
+            for field, ref in (
+                ("resourceClaimName", CLAIMS),
+                ("resourceClaimTemplateName", TEMPLATES),
+            ):
+                name = claim.get(field)
+                if not isinstance(name, str) or not name:
+                    continue
+                try:
+                    found = await self._within_deadline(
+                        kube.get_object(ref.in_namespace(namespace).named(name)), what
+                    )
+                except NotFound:
+                    continue  # the claim cannot be made: the pod does not start
+                if DEVICE_CLASS in claimed_classes([found]):
+                    raise Denied(
+                        f"the pod asks for GPUs with {self.settings.requests.resources.gpu} "
+                        f"and with its own resource claim {claim.get('name')!r} "
+                        f"({field} {name!r}) of device class {DEVICE_CLASS!r}; use one or the other"
+                    )
+
+    async def _create_template(self, template: ClaimTemplate, dry_run: bool) -> None:
+        """Create the pod's ResourceClaimTemplate (not on a dry run); one of the
+        same name already there must be ours and equal. Fails closed."""
+        namespace = template.body["metadata"]["namespace"]
+        ref = TEMPLATES.in_namespace(namespace)
+        what = f"create ResourceClaimTemplate {namespace}/{template.name}"
+        kube = self._kube(what)
+        counted = self.metrics.dra_templates
+        if dry_run:
+            counted.labels("dry_run").inc()
+            return
+        try:
+            await self._within_deadline(kube.create_object(ref, template.body), what)
+            counted.labels("created").inc()
+            return
+        except Conflict:
+            pass
+        except Denied:
+            counted.labels("failed").inc()
+            raise
+        try:
+            found = await self._within_deadline(kube.get_object(ref.named(template.name)), what)
+        except NotFound:  # deleted between the two calls
+            counted.labels("failed").inc()
+            raise _unavailable(f"cannot {what}: it was deleted while being created") from None
+        except Denied:
+            counted.labels("failed").inc()
+            raise
+        if not ours_and_equal(found, template):
+            counted.labels("foreign").inc()
+            raise Denied(
+                f"namespace {namespace!r} holds a ResourceClaimTemplate {template.name!r} "
+                "that gpuslice did not make or that differs from the one this pod needs; "
+                "delete it (gpuslice names its templates after their content)"
+            )
+        counted.labels("existing").inc()
 
     async def _check_quota(
         self, namespace: str, metadata: Mapping[str, Any], mutation: Mutation
@@ -211,7 +332,9 @@ class Admission:
             return
         pods = await self._within_deadline(self.namespaces.pods(namespace), what)
         name = metadata.get("name")
-        used = namespace_usage(pods, requests, skip=name if isinstance(name, str) else "")
+        templates = await self._templates(namespace, pods, what)
+        skip = name if isinstance(name, str) else ""
+        used = namespace_usage(pods, requests, skip=skip, templates=templates)
         wanted = request_demand(mutation.request.containers)
         try:
             check(limits, wanted, used, namespace, requests)
@@ -219,6 +342,26 @@ class Admission:
             self._record_quota(namespace, limits, used)
             raise
         self._record_quota(namespace, limits, used, wanted)
+
+    async def _templates(
+        self, namespace: str, pods: Sequence[Mapping[str, Any]], what: str
+    ) -> dict[str, dict[str, Any]]:
+        """gpuslice's ResourceClaimTemplates of the namespace by name, read only
+        when some pod there was translated in DRA mode."""
+        if self.namespaces is None or not any(pod_template(pod) for pod in pods):
+            return {}
+        listing = await self._within_deadline(
+            self.namespaces.kube.list_objects(
+                TEMPLATES.in_namespace(namespace), label_selector="=".join(MANAGED_BY)
+            ),
+            what,
+        )
+        found: dict[str, dict[str, Any]] = {}
+        for obj in listing:
+            metadata = obj.get("metadata")
+            if isinstance(metadata, Mapping) and isinstance(metadata.get("name"), str):
+                found[metadata["name"]] = obj
+        return found
 
     def _record_quota(
         self,

@@ -31,6 +31,8 @@ OUTCOMES = (
     "error",
 )
 
+DRA_RESULTS = ("created", "existing", "dry_run", "foreign", "failed")
+
 
 class Metrics:
     """gpuslice's names on ``registry`` (``/metrics``); while ``hami`` is on, HAMi's
@@ -53,6 +55,18 @@ class Metrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
+        # DRA mode: pods' GPU requests turned into ResourceClaimTemplates, by what
+        # became of the template: created, existing (an equal one of ours was
+        # there), dry_run (nothing created), foreign (another under our name:
+        # refused), failed (the API could not be asked: refused)
+        self.dra_templates = Counter(
+            "gpuslice_webhook_dra_translations",
+            "GPU pods translated into a ResourceClaimTemplate (DRA mode), by result.",
+            ["result"],
+            registry=self.registry,
+        )
+        for result in DRA_RESULTS:
+            self.dra_templates.labels(result)
         self.readings = Readings()
         self.registry.register(self.readings)
         quota_labels = ["namespace", "quota", "resource"]

@@ -16,6 +16,11 @@ returns the patch that:
   (``NVIDIA_VISIBLE_DEVICES=none``);
 * sets ``spec.schedulerName``.
 
+In DRA mode the first point differs: each GPU container's GPU resources are
+removed and it names its request of the pod's claim ``gpuslice``
+(``resources.claims``), made from the ResourceClaimTemplate the mutation
+carries (:mod:`gpuslice_webhook.claims`); the rest is the same.
+
 Running it on a pod it has already changed gives an empty patch: the variables
 gpuslice sets are accepted when they hold exactly what gpuslice would write, and
 refused otherwise, since a container's own environment overrides what the device
@@ -37,6 +42,8 @@ from gpuslice_common.models import (
     PodGpuRequest,
 )
 from gpuslice_common.requests import RequestError, has_gpu_request, parse_pod, parse_quantity
+from gpuslice_webhook.claims import CLAIM_NAME, CardSizes, ClaimTemplate, claim_template
+from gpuslice_webhook.denial import Denied, bad_request
 from gpuslice_webhook.patch import Patch
 
 __all__ = ["IGNORE_LABELS", "Denied", "Mutation", "Mutator", "ignored"]
@@ -78,30 +85,13 @@ FIELD_ENV: Final = (
 CONTAINER_ENV: Final = "GPUSLICE_CONTAINER_NAME"
 
 
-class Denied(Exception):
-    """The pod is refused; ``message`` is what its author reads.
-
-    ``code`` and ``reason`` fill the AdmissionReview's Status: 400 BadRequest for
-    a malformed request, 403 Forbidden for one the policy refuses, 503
-    ServiceUnavailable when what admission needs cannot be read.
-    """
-
-    def __init__(self, message: str, code: int = 403, reason: str = "Forbidden") -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-        self.reason = reason
-
-
-def bad_request(message: str) -> Denied:
-    return Denied(message, 400, "BadRequest")
-
-
 @dataclass(frozen=True)
 class Mutation:
     request: PodGpuRequest
     patch: Patch
     warnings: tuple[str, ...]
+    # DRA mode: the ResourceClaimTemplate the patched pod references
+    template: ClaimTemplate | None = None
 
 
 def ignored(labels: object) -> bool:
@@ -141,8 +131,20 @@ class Mutator:
         self.settings = settings
         self.names = settings.requests.resources
 
-    def mutate(self, pod: Mapping[str, Any], namespace: str) -> Mutation | None:
-        """The change for a GPU pod, or None when it asks for no GPU. Raises Denied."""
+    def mutate(
+        self,
+        pod: Mapping[str, Any],
+        namespace: str,
+        *,
+        dra: bool = False,
+        sizes: CardSizes | None = None,
+    ) -> Mutation | None:
+        """The change for a GPU pod, or None when it asks for no GPU. Raises Denied.
+
+        With ``dra`` an NVIDIA request becomes a ResourceClaimTemplate (the
+        mutation's ``template``, not created here) that the patch makes the pod
+        reference, in place of its GPU resources; a share of a card's memory
+        needs the cluster's card ``sizes`` (NeedCardSizes without them)."""
         request = self._parse(pod, namespace)
         if request is None:
             return None
@@ -154,6 +156,17 @@ class Mutator:
                 f"are placed by {self.settings.scheduler_name}, which reserves their GPUs. "
                 "Remove spec.nodeName and choose nodes with a nodeSelector or node affinity"
             )
+        template = None
+        warnings = list(request.warnings)
+        if dra and request.vendor == NVIDIA:  # another vendor's cards keep their plugin
+            template = claim_template(
+                request,
+                namespace,
+                consumable=self.settings.dra_consumable,
+                names=self.names,
+                sizes=sizes,
+            )
+            warnings.extend(template.warnings)
         patch = Patch()
         for container in self._containers(spec, request):
             env = self._env(container)
@@ -163,10 +176,15 @@ class Mutator:
                 self._hide_gpus(container, env, patch)
                 continue
             self._check_gpu_container(container, env)
-            self._write_resources(container, patch)
+            if template is None:
+                self._write_resources(container, patch)
+            else:
+                self._claim_devices(container, patch)
             self._write_env(container, env, patch)
-        warnings = [*request.warnings, *self._route(spec, patch)]
-        return Mutation(request=request, patch=patch, warnings=tuple(warnings))
+        if template is not None:
+            self._reference(spec, template, patch)
+        warnings.extend(self._route(spec, patch))
+        return Mutation(request=request, patch=patch, warnings=tuple(warnings), template=template)
 
     def route(self, pod: Mapping[str, Any]) -> Patch | None:
         """For a pod that asks for no GPU (``route_cpu_pods``): point it at
@@ -301,6 +319,38 @@ class Mutator:
                 continue
             for key, value in missing.items():
                 patch.put(path, current, key, value)
+
+    def _claim_devices(self, container: _Container, patch: Patch) -> None:
+        """DRA mode: the container's GPU resources leave its limits and requests
+        (no device plugin answers them) and it names its request of the claim."""
+        resources = container.spec.get("resources")
+        assert isinstance(resources, Mapping)  # the container asks for a GPU
+        names = self.names.all()
+        for part in ("limits", "requests"):
+            amounts = resources.get(part)
+            if isinstance(amounts, Mapping):
+                for key in amounts:
+                    if key in names:
+                        patch.remove((*container.path, "resources", part, key))
+        entry = {"name": CLAIM_NAME, "request": container.name}
+        claims = resources.get("claims")
+        if claims is not None and not isinstance(claims, list):
+            raise bad_request(f"{container.label}: resources.claims must be a list")
+        patch.append((*container.path, "resources", "claims"), claims, [entry])
+
+    def _reference(self, spec: Mapping[str, Any], template: ClaimTemplate, patch: Patch) -> None:
+        """DRA mode: the pod's claim made from the template."""
+        claims = spec.get("resourceClaims")
+        if claims is not None and not isinstance(claims, list):
+            raise bad_request("spec.resourceClaims must be a list")
+        for claim in claims or ():
+            if isinstance(claim, Mapping) and claim.get("name") == CLAIM_NAME:
+                raise Denied(
+                    f"the pod has a resource claim named {CLAIM_NAME!r} and asks for GPUs "
+                    f"with {self.names.gpu}: gpuslice gives that claim; rename the pod's own"
+                )
+        entry = {"name": CLAIM_NAME, "resourceClaimTemplateName": template.name}
+        patch.append(("spec", "resourceClaims"), claims, [entry])
 
     def _wanted_env(self, container: _Container) -> list[dict[str, Any]]:
         """The variables gpuslice gives this GPU container, in the order it appends them."""

@@ -1,4 +1,5 @@
-"""Namespace labels and ResourceQuotas, read through the Kubernetes API and kept a while.
+"""Namespace labels and ResourceQuotas (and in DRA mode the cluster's
+ResourceSlices), read through the Kubernetes API and kept a while.
 
 Admission reads them for every GPU pod; keeping each answer for ``ttl`` seconds
 keeps the API server's load and admission's latency low, at the price of a
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
-from gpuslice_common.kube import KubeApi
+from gpuslice_common.kube import KubeApi, ObjectRef
 
 T = TypeVar("T")
 MAX_ENTRIES = 10_000
@@ -58,6 +59,12 @@ class NamespaceCache:
         self._kube = kube
         self._labels: _Cache[dict[str, str]] = _Cache(ttl, clock)
         self._quotas: _Cache[list[dict[str, Any]]] = _Cache(ttl, clock)
+        self._cluster: _Cache[list[dict[str, Any]]] = _Cache(ttl, clock)
+
+    @property
+    def kube(self) -> KubeApi:
+        """The API the cache reads (DRA mode creates claim templates through it)."""
+        return self._kube
 
     async def labels(self, namespace: str) -> dict[str, str]:
         """The namespace's labels. Raises KubeError (NotFound when it does not exist)."""
@@ -75,6 +82,14 @@ class NamespaceCache:
     async def quotas(self, namespace: str) -> list[dict[str, Any]]:
         """The namespace's ResourceQuotas. Raises KubeError."""
         return await self._quotas.get(namespace, lambda: self._kube.list_resource_quotas(namespace))
+
+    async def cluster_objects(self, ref: ObjectRef) -> list[dict[str, Any]]:
+        """Every object of a cluster-scoped collection (DRA mode: ResourceSlices,
+        for the cards' memory sizes). Raises KubeError."""
+        return await self._cluster.get(ref.path, lambda: self._list(ref))
+
+    async def _list(self, ref: ObjectRef) -> list[dict[str, Any]]:
+        return list(await self._kube.list_objects(ref))
 
     async def pods(self, namespace: str) -> list[dict[str, Any]]:
         """The namespace's pods that have not terminated; never cached."""

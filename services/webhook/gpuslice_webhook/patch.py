@@ -1,8 +1,8 @@
 """RFC 6902 JSON Patch operations with RFC 6901 pointers, built one change at a time.
 
-Only ``add`` and ``replace`` are needed: the webhook never removes anything. A
-map or list that does not exist yet is added whole, so the patch never points
-into a missing parent.
+``add`` and ``replace``, and ``remove`` for the GPU resources DRA mode turns
+into a claim. A map or list that does not exist yet is added whole, so the
+patch never points into a missing parent.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ class Patch:
         """Write ``value`` at ``path``: ``replace`` when something is there, else ``add``."""
         op = "replace" if exists else "add"
         self.operations.append({"op": op, "path": pointer(*path), "value": value})
+
+    def remove(self, path: Sequence[str | int]) -> None:
+        """Remove what is at ``path`` (it must exist)."""
+        self.operations.append({"op": "remove", "path": pointer(*path)})
 
     def put(self, parent: Sequence[str | int], current: object, key: str, value: Any) -> None:
         """Set ``key`` in the map at ``parent`` (``current`` is that map, or None when

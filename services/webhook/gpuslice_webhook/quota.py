@@ -11,7 +11,8 @@ Kubernetes' own. A pod's use is its peak:
   time beside the sidecars started before them, then every app container with
   every sidecar), the largest phase counting;
 * a pod already placed counts what its placement annotation says it holds, so
-  requests given as a share of a card are priced by the card they got.
+  requests given as a share of a card are priced by the card they got;
+* a pod translated in DRA mode counts what its ResourceClaimTemplate asks for.
 
 A pod that gives memory as a share of a card cannot be priced before it is
 placed; in a namespace with a memory quota it is refused with a message saying
@@ -35,7 +36,8 @@ from gpuslice_common.models import (
     PodGpuRequest,
 )
 from gpuslice_common.requests import RequestError, parse_pod, parse_quantity
-from gpuslice_webhook.mutation import Denied
+from gpuslice_webhook.claims import pod_template, template_demand
+from gpuslice_webhook.denial import Denied
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +104,22 @@ def placed_demand(annotation: str, uid: str) -> Demand:
     return Demand(sum(f.memory_mib for f in footprint), sum(f.cores for f in footprint))
 
 
-def pod_demand(pod: Mapping[str, Any], settings: RequestSettings) -> Demand:
+def pod_demand(
+    pod: Mapping[str, Any],
+    settings: RequestSettings,
+    templates: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Demand:
     """What an existing pod counts against its namespace's quota (0 if unreadable).
+
+    A pod translated in DRA mode counts what its claim's template (gpuslice's,
+    among ``templates`` by name) asks for: its GPU resources are gone from its spec.
 
     Whether it asks for another vendor's cards (not counted) is read from its spec,
     which cannot change, never from its placement annotation, which its owner may edit.
     """
+    template = pod_template(pod)
+    if template is not None and templates is not None and template in templates:
+        return request_demand(template_demand(pod, templates[template]))
     try:
         request: PodGpuRequest | None = parse_pod(pod, settings)
     except RequestError:
@@ -182,7 +194,11 @@ def check(
 
 
 def namespace_usage(
-    pods: Iterable[Mapping[str, Any]], settings: RequestSettings, *, skip: str = ""
+    pods: Iterable[Mapping[str, Any]],
+    settings: RequestSettings,
+    *,
+    skip: str = "",
+    templates: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Demand:
     """What the namespace's pods hold; ``skip`` names a pod not to count (being replaced)."""
     memory = cores = 0
@@ -190,7 +206,7 @@ def namespace_usage(
         metadata = pod.get("metadata")
         if skip and isinstance(metadata, Mapping) and metadata.get("name") == skip:
             continue
-        demand = pod_demand(pod, settings)
+        demand = pod_demand(pod, settings, templates)
         memory += demand.memory_mib
         cores += demand.cores
     return Demand(memory, cores)
