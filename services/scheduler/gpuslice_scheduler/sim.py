@@ -376,7 +376,7 @@ def replay(
         for c in classes
     ]
     evaluator = Evaluator(cluster, mix, kinds=len(classes) + 1)
-    model = _DraModel(cluster, nodes, classes, seed) if dra else None
+    model = DraPlacement(cluster, nodes, classes, seed) if dra else None
 
     order = arrivals(pods, capacity, inflation, seed)
     target = inflation * capacity
@@ -436,7 +436,7 @@ def _check(policy: str, placement: str) -> None:
         raise TraceError(f"unknown placement {placement!r} (choose from {', '.join(PLACEMENTS)})")
 
 
-class _DraModel:
+class DraPlacement:
     """Node and cards as kube-scheduler's DRA allocator chooses them (:mod:`drafit`)."""
 
     def __init__(
