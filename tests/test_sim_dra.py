@@ -227,3 +227,6 @@ def test_sim_cli_takes_placements(tmp_path: Path) -> None:
     bad = CliRunner().invoke(app, [*args[:5], "--placement", "nowhere"])
     assert bad.exit_code == 2
     assert "unknown placement" in bad.output
+    live = CliRunner().invoke(app, [*args[:5], "--placement", "dra-first-fit", "--via", "http://x"])
+    assert live.exit_code == 2
+    assert "--placement is for offline replays only" in live.output

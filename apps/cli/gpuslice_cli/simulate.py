@@ -97,11 +97,14 @@ def sim(
     if cpu_pods and via is None:
         errors.print("[red]error:[/] --cpu-pods needs --via", soft_wrap=True)
         raise typer.Exit(2)
-    if via is not None and (sharing is not None or cpu_scale != 1.0 or placement != [GPUSLICE]):
+    if via is not None and (sharing is not None or cpu_scale != 1.0):
         errors.print(
-            "[red]error:[/] --sharing, --cpu-scale and --placement are for offline replays only",
+            "[red]error:[/] --sharing and --cpu-scale derive offline replays only",
             soft_wrap=True,
         )
+        raise typer.Exit(2)
+    if via is not None and placement != [GPUSLICE]:
+        errors.print("[red]error:[/] --placement is for offline replays only", soft_wrap=True)
         raise typer.Exit(2)
     if via is not None:
         replay_live(
