@@ -130,7 +130,8 @@ def allocate(
             "device": name,
         }
         if pick.consumed is not None:
-            result["consumedCapacity"] = {k: _quantity(v) for k, v in pick.consumed.items()}
+            if pick.consumed:
+                result["consumedCapacity"] = {k: _quantity(v) for k, v in pick.consumed.items()}
             result["shareID"] = str(uuid.uuid4())
         results.append(result)
     allocation: dict[str, Any] = {"devices": {"results": results}}
