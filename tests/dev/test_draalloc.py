@@ -361,3 +361,18 @@ def test_bad_capacity_in_a_slice_or_an_allocation_is_refused() -> None:
     }
     with pytest.raises(AllocationError, match="negative"):
         allocate(claim(exactly()), NODE, [node_slice(card("gpu-0"))], [held], CLASSES)
+
+
+def test_a_shared_device_without_capacity_gets_a_share_id_only() -> None:
+    bare = {"name": "gpu-0", "allowMultipleAllocations": True}
+    slices = [node_slice(bare)]
+    first = allocated(claim(exactly()), slices=slices)
+    second = allocated(claim(exactly()), *(a for a in [first] if a), slices=slices)
+    for answer in (first, second):
+        assert answer is not None
+        (result,) = answer["devices"]["results"]
+        assert "consumedCapacity" not in result
+        assert result["shareID"]
+    assert first is not None
+    assert second is not None
+    assert first["devices"]["results"][0]["shareID"] != second["devices"]["results"][0]["shareID"]
