@@ -10,7 +10,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: help deps servers browser engine native proto lint test demo bench bench-packing gpu-check image push docker-check clean
+.PHONY: help deps servers browser engine native proto lint test demo bench bench-packing bench-dra-packing gpu-check image push docker-check clean
 
 # The image every service runs (k8s/ installs it); the tag is pyproject's
 # version. Only the command line changes them (make image VERSION=0.2.0-rc1),
@@ -24,6 +24,7 @@ help:
 	@echo "make test   - install, lint, type-check, check import contracts, run the tests"
 	@echo "make bench  - run the ledger, extender, interposer, device plugin, webhook, inventory, console, bind-turn and (as root) node-agent enforcement benchmarks (a few minutes)"
 	@echo "make bench-packing - replay the openb traces and derived workloads with every policy (minutes)"
+	@echo "make bench-dra-packing - replay the openb traces with DRA's placement beside gpuslice's (minutes)"
 	@echo "make gpu-check - the interposer's GPU kit (needs an NVIDIA GPU and driver)"
 	@echo "make image  - build the image $(IMAGE):$(VERSION) with Docker (IMAGE=..., VERSION=... to change)"
 	@echo "make push   - build the image and push it to its registry (docker login first)"
@@ -135,6 +136,9 @@ gpu-check:
 
 bench-packing: deps
 	$(BIN)/python bench/packing_bench.py --traces $(TRACES)
+
+bench-dra-packing: deps
+	$(BIN)/python bench/dra_packing_bench.py --traces $(TRACES)
 
 # Docker present and its daemon answering, or a clear error saying which.
 docker-check:

@@ -18,6 +18,9 @@ from rich.table import Table
 from gpuslice_cli.table import show as show_table
 from gpuslice_common.ledger import LedgerError
 from gpuslice_scheduler.sim import (
+    DRA_FIRST_FIT,
+    GPUSLICE,
+    PLACEMENTS,
     POLICIES,
     SPLIT_COUNT,
     Derivation,
@@ -33,6 +36,11 @@ from gpuslice_scheduler.sim import (
 from gpuslice_scheduler.via import replay_via
 
 POLICY_HELP = f"placement policy, repeatable: {', '.join(POLICIES)}"
+PLACEMENT_HELP = (
+    f"who places the pods, repeatable: {', '.join(PLACEMENTS)} (gpuslice: the engine chooses"
+    " node and cards; dra-first-fit: DRA without the extender, kube-scheduler's node scores and"
+    " first-fit cards; dra+extender: the engine's best node, first-fit cards)"
+)
 console = Console()
 errors = Console(stderr=True)
 
@@ -45,6 +53,7 @@ def sim(
         ..., "--pods", help="pod list CSV (cpu_milli, memory_mib, num_gpu, gpu_milli[, gpu_spec])"
     ),
     policy: list[str] = typer.Option(["fragmentation"], "--policy", help=POLICY_HELP),
+    placement: list[str] = typer.Option([GPUSLICE], "--placement", help=PLACEMENT_HELP),
     seed: int = typer.Option(42, "--seed", help="seed of the inflation draw and the shuffle"),
     seeds: str | None = typer.Option(
         None, "--seeds", help="several seeds, e.g. 42-51 (overrides --seed)"
@@ -94,6 +103,9 @@ def sim(
             soft_wrap=True,
         )
         raise typer.Exit(2)
+    if via is not None and placement != [GPUSLICE]:
+        errors.print("[red]error:[/] --placement is for offline replays only", soft_wrap=True)
+        raise typer.Exit(2)
     if via is not None:
         replay_live(
             via,
@@ -114,7 +126,8 @@ def sim(
         )
         seed_list = parse_seeds(seeds) if seeds is not None else [seed]
         show = console.is_terminal and not as_json
-        total = len(policy) * len(seed_list)
+        runs = {p: 1 if p == DRA_FIRST_FIT else len(policy) for p in dict.fromkeys(placement)}
+        total = sum(runs.values()) * len(seed_list)
         with Progress(
             TextColumn("replaying {task.description}"),
             BarColumn(),
@@ -135,6 +148,7 @@ def sim(
                 jobs=jobs,
                 derivation=derivation,
                 progress=lambda done: bar.update(task, completed=done),
+                placements=placement,
             )
         if plot is not None:
             draw(results, plot, inflation)
@@ -179,7 +193,7 @@ def draw(results: Sequence[RunResult], path: Path, inflation: float) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     by_policy: dict[str, list[list[float]]] = {}
     for r in results:
-        by_policy.setdefault(r.policy, []).append(r.curve)
+        by_policy.setdefault(r.label, []).append(r.curve)
     for name, curves in by_policy.items():
         length = min(len(c) for c in curves)
         mean = [sum(c[i] for c in curves) / len(curves) for i in range(length)]

@@ -19,6 +19,15 @@ kube-scheduler would require. Placement uses :class:`engine.Evaluator`, as the
 extender does: scores of a node depend only on that node, so each pod class's
 evaluation is kept and only the nodes changed since it was last seen are
 evaluated again.
+
+``placement`` says who places the pods. ``gpuslice`` (the default): the engine
+chooses node and cards, as the extender does in device-plugin mode. In DRA mode
+kube-scheduler's allocator chooses the cards (:mod:`gpuslice_scheduler.drafit`):
+``dra-first-fit`` is DRA without the extender (kube-scheduler's own node scores,
+cards first fit in device order); ``dra+extender`` has the extender choose the
+node by the engine's score among the nodes where the claim fits, the cards still
+first fit there. DRA has no count of pods per card: the DRA placements run with
+no such limit (``split_count`` is not applied).
 """
 
 from __future__ import annotations
@@ -43,9 +52,10 @@ from gpuslice_common.models import (
     PodGpuRequest,
     PodRef,
 )
-from gpuslice_scheduler.cluster import Cluster, Ints, Row
+from gpuslice_scheduler import drafit
+from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints, Row
 from gpuslice_scheduler.engine import Demand, Evaluator
-from gpuslice_scheduler.fit import CardDemand
+from gpuslice_scheduler.fit import CardDemand, model_mask
 from gpuslice_scheduler.fragmentation import SIZE_EXPONENT, WorkloadClass, WorkloadMix
 
 # Device memory per model in MiB; requests are percentages, so only the ratio matters.
@@ -71,6 +81,13 @@ POLICIES: dict[str, SimPolicy] = {
     "spread": SimPolicy(GpuPolicy.SPREAD, NodePolicy.SPREAD),
     "hami-default": SimPolicy(GpuPolicy.SPREAD, NodePolicy.BINPACK),
 }
+
+
+GPUSLICE = "gpuslice"
+DRA_FIRST_FIT = "dra-first-fit"
+DRA_EXTENDER = "dra+extender"
+PLACEMENTS = (GPUSLICE, DRA_FIRST_FIT, DRA_EXTENDER)
+NO_SLOT_LIMIT = 100  # every pod takes at least 1 % of a card's memory
 
 
 class TraceError(ValueError):
@@ -310,6 +327,16 @@ class RunResult:
     arrived_pods: int
     curve: list[float] = field(default_factory=list)
     wall_seconds: float = 0.0
+    placement: str = GPUSLICE
+
+    @property
+    def label(self) -> str:
+        """The policy for gpuslice's placement; the DRA model (and the extender's policy)."""
+        if self.placement == GPUSLICE:
+            return self.policy
+        if self.placement == DRA_FIRST_FIT:
+            return DRA_FIRST_FIT
+        return f"{self.placement}/{self.policy}"
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -325,12 +352,13 @@ def replay(
     inflation: float = 1.3,
     split_count: int = SPLIT_COUNT,
     progress: Callable[[float], None] | None = None,
+    placement: str = GPUSLICE,
 ) -> RunResult:
     """Schedule the trace once; ``progress`` gets the arrived share (0-1) as it goes."""
-    if policy not in POLICIES:
-        raise TraceError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    _check(policy, placement)
     started = time.perf_counter()
-    cluster = build_cluster(nodes, split_count)
+    dra = placement != GPUSLICE
+    cluster = build_cluster(nodes, max(split_count, NO_SLOT_LIMIT) if dra else split_count)
     capacity = 1000 * cluster.card_count
     if capacity == 0:
         raise TraceError("the cluster has no GPU")
@@ -348,6 +376,7 @@ def replay(
         for c in classes
     ]
     evaluator = Evaluator(cluster, mix, kinds=len(classes) + 1)
+    model = DraPlacement(cluster, nodes, classes, seed) if dra else None
 
     order = arrivals(pods, capacity, inflation, seed)
     target = inflation * capacity
@@ -357,10 +386,17 @@ def replay(
     next_mark, marks = 1, math.floor(inflation * 100 + 1e-9)  # one point per whole 1 %
     for count, index in enumerate(order, start=1):
         pod = pods[index]
-        ev = evaluator.evaluate(demands[class_of[pod]])
-        best = int(np.argmax(ev.score))
-        if np.isfinite(ev.score[best]):
-            cards = ev.chosen[0][best] if ev.chosen else np.zeros(0, dtype=np.int64)
+        kind = class_of[pod]
+        if model is None:
+            ev = evaluator.evaluate(demands[kind])
+            best = int(np.argmax(ev.score))
+            found = bool(np.isfinite(ev.score[best]))
+            cards = ev.chosen[0][best] if found and ev.chosen else np.zeros(0, dtype=np.int64)
+        else:
+            score = evaluator.evaluate(demands[kind]).score if placement == DRA_EXTENDER else None
+            best, cards = model.place(kind, score)
+            found = best >= 0
+        if found:
             _take(cluster, pod, cards, best)
             allocated += pod.gpu_demand
             scheduled += 1
@@ -389,7 +425,60 @@ def replay(
         arrived_pods=scheduled + failed,
         curve=[round(v, 3) for v in curve],
         wall_seconds=round(time.perf_counter() - started, 3),
+        placement=placement,
     )
+
+
+def _check(policy: str, placement: str) -> None:
+    if policy not in POLICIES:
+        raise TraceError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    if placement not in PLACEMENTS:
+        raise TraceError(f"unknown placement {placement!r} (choose from {', '.join(PLACEMENTS)})")
+
+
+class DraPlacement:
+    """Node and cards as kube-scheduler's DRA allocator chooses them (:mod:`drafit`)."""
+
+    def __init__(
+        self, cluster: Cluster, nodes: Sequence[TraceNode], classes: Sequence[PodClass], seed: int
+    ) -> None:
+        self.cluster = cluster
+        self.classes = classes
+        self.cpu_cap = np.asarray([n.cpu_milli for n in nodes], dtype=np.float64)
+        self.mem_cap = np.asarray([n.memory_mib for n in nodes], dtype=np.float64)
+        self.rng = np.random.default_rng([seed, 1])  # its own stream: the arrivals stay the same
+        self.allowed: dict[int, tuple[Bools, Ints, int]] = {}
+
+    def _claim(self, kind: int) -> tuple[Bools, Ints, int]:
+        if kind not in self.allowed:
+            pod = self.classes[kind]
+            share = math.ceil(pod.gpu_milli / 10)
+            selector = DeviceSelector(include_types=pod.gpu_spec)
+            allowed = model_mask(selector, self.cluster.models)[self.cluster.model_id]
+            mem = np.maximum(self.cluster.cap_mem * max(share, 1) // 100, 1)
+            self.allowed[kind] = (allowed, mem, share)
+        return self.allowed[kind]
+
+    def place(self, kind: int, extender_score: Floats | None) -> tuple[int, Ints]:
+        """The node (-1 if none fits) and the cards of a pod of class ``kind``;
+        ``extender_score``: the engine's score per node, None for kube-scheduler's own."""
+        pod, cluster = self.classes[kind], self.cluster
+        if pod.num_gpu:
+            allowed, mem, share = self._claim(kind)
+            fits = drafit.card_fit(cluster, allowed, mem, share, share >= 100)
+        else:
+            fits = np.zeros(0, dtype=np.bool_)
+        feasible = drafit.fitting_nodes(cluster, fits, pod.num_gpu, pod.cpu_milli, pod.memory_mib)
+        if extender_score is None:
+            scores = drafit.kube_scores(
+                cluster, self.cpu_cap, self.mem_cap, pod.cpu_milli, pod.memory_mib
+            )
+            node = drafit.first_fit_node(scores, feasible, self.rng)
+        else:
+            node = drafit.extender_node(extender_score, feasible)
+        if node < 0 or not pod.num_gpu:
+            return node, np.zeros(0, dtype=np.int64)
+        return node, drafit.first_cards(cluster, fits, node, pod.num_gpu)
 
 
 def _take(cluster: Cluster, pod: PodClass, cards: Ints, node: int) -> None:
@@ -429,11 +518,11 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-RunArgs = tuple[Path, Path, str, int, float, int, "Derivation | None"]
+RunArgs = tuple[Path, Path, str, int, float, int, "Derivation | None", str]
 
 
 def _run_one(args: RunArgs, progress: Callable[[float], None] | None = None) -> RunResult:
-    nodes_path, pods_path, policy, seed, inflation, split_count, derivation = args
+    nodes_path, pods_path, policy, seed, inflation, split_count, derivation, placement = args
     pods = load_pods(pods_path)
     return replay(
         load_nodes(nodes_path),
@@ -444,6 +533,7 @@ def _run_one(args: RunArgs, progress: Callable[[float], None] | None = None) -> 
         inflation=inflation,
         split_count=split_count,
         progress=progress,
+        placement=placement,
     )
 
 
@@ -463,22 +553,25 @@ def replay_many(
     jobs: int = 1,
     derivation: Derivation | None = None,
     progress: Callable[[float], None] | None = None,
+    placements: Sequence[str] = (GPUSLICE,),
 ) -> list[RunResult]:
-    """Every (policy, seed) run, in parallel processes when ``jobs`` > 1; the pods
-    derived by ``derivation`` when given.
+    """Every (placement, policy, seed) run, in parallel processes when ``jobs`` > 1;
+    the pods derived by ``derivation`` when given. ``dra-first-fit`` ignores the
+    policy: it runs once per seed.
 
     ``progress`` gets the number of runs done so far (fractional while one runs alone).
     """
-    for policy in policies:
-        if policy not in POLICIES:
-            raise TraceError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    for placement in placements:
+        for policy in policies:
+            _check(policy, placement)
     load_nodes(nodes_path)  # report a bad file or derivation before forking
     pods = load_pods(pods_path)
     if derivation is not None:
         derivation.apply(pods)
     work: list[RunArgs] = [
-        (nodes_path, pods_path, p, s, inflation, split_count, derivation)
-        for p in policies
+        (nodes_path, pods_path, p, s, inflation, split_count, derivation, where)
+        for where in dict.fromkeys(placements)
+        for p in (policies[:1] if where == DRA_FIRST_FIT else policies)
         for s in seeds
     ]
     results: list[RunResult] = []
@@ -498,10 +591,10 @@ def replay_many(
 
 
 def summarise(results: Sequence[RunResult]) -> dict[str, dict[str, float]]:
-    """Per policy, the mean over seeds of the headline numbers."""
+    """Per policy (:attr:`RunResult.label`), the mean over seeds of the headline numbers."""
     by_policy: dict[str, list[RunResult]] = {}
     for r in results:
-        by_policy.setdefault(r.policy, []).append(r)
+        by_policy.setdefault(r.label, []).append(r)
     return {
         policy: {
             "seeds": len(runs),
