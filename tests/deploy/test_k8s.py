@@ -258,8 +258,9 @@ def test_dra_mode_adds_exactly_the_permissions_it_uses(
             (group, "resourceslices", "list"),
         },
         "gpuslice-scheduler": set(),
-        # the claim a node is asked to prepare and its pod, read by the trusted side
-        "gpuslice-inventory": {(group, "resourceclaims", "get"), ("", "pods", "get")},
+        # k8s/'s own role reads claims and pods already: the inventory prepares a
+        # node's claims and reconciles them in either mode
+        "gpuslice-inventory": set(),
         # its node's slice only (the policy below narrows it to that slice)
         "gpuslice-deviceplugin": {
             (group, "resourceslices", verb)
