@@ -75,6 +75,7 @@ from gpuslice_common.config import ResourceNames
 from gpuslice_common.dra import DRIVER
 from gpuslice_common.grant import GRANT_DIR
 from gpuslice_common.kube import PodNotFound, WatchEvent, WatchExpired
+from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PodEnded, PodRef, utcnow
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 
@@ -149,10 +150,10 @@ class PodOutcome:
 
 
 def apply_patch(document: Any, operations: Sequence[Mapping[str, Any]]) -> Any:
-    """Apply the RFC 6902 ``add`` and ``replace`` operations the webhook writes."""
+    """Apply the RFC 6902 ``add``, ``replace`` and ``remove`` operations the webhook writes."""
     for op in operations:
         kind, path, value = op.get("op"), op.get("path"), op.get("value")
-        if kind not in ("add", "replace") or not isinstance(path, str):
+        if kind not in ("add", "replace", "remove") or not isinstance(path, str):
             raise DriverError(f"the webhook sent a patch operation this driver cannot apply: {op}")
         tokens = [t.replace("~1", "/").replace("~0", "~") for t in path.split("/")[1:]]
         if not tokens:
@@ -162,7 +163,12 @@ def apply_patch(document: Any, operations: Sequence[Mapping[str, Any]]) -> Any:
         for token in tokens[:-1]:
             parent = parent[int(token)] if isinstance(parent, list) else parent[token]
         last = tokens[-1]
-        if isinstance(parent, list):
+        if kind == "remove":
+            try:
+                del parent[int(last) if isinstance(parent, list) else last]
+            except (KeyError, IndexError, ValueError):
+                raise DriverError(f"the webhook removes what is not there: {op}") from None
+        elif isinstance(parent, list):
             if last == "-":
                 parent.append(value)
             elif kind == "add":
@@ -304,9 +310,23 @@ class ClusterDriver:
         # DRA: kube-scheduler allocates claims one pod at a time; each pod's claims
         self._dra_lock = asyncio.Lock()
         self._claims: dict[str, list[dict[str, Any]]] = {}
+        self._ledger: Ledger | None = None  # made at the first DRA pod: its placement
+
+    async def _dra_placement(self, pod_uid: str) -> Placement | None:
+        """The ledger's record of a DRA pod, as the inventory made it at prepare
+        (DRA pods carry no placement annotation)."""
+        if self._ledger is None:
+            self._ledger = self.stack.ledger(retries=2)
+        try:
+            return await self._ledger.placement(pod_uid)
+        except LedgerError as exc:
+            log.warning("placement of pod %s unreadable: %s", pod_uid, exc)
+            return None
 
     async def close(self) -> None:
         await self.http.aclose()
+        if self._ledger is not None:
+            await self._ledger.close()
 
     async def _post(
         self, url: str | Sequence[str], body: Any, who: str, ok: tuple[int, ...] = (200,)
@@ -808,6 +828,8 @@ class ClusterDriver:
         held: list[tuple[Plugin, str]] = []
         prepared = await self._prepare_claims(pod, node)
         claims = self._claims.get(pod["metadata"]["uid"]) or []
+        if claims:
+            outcome.placement = await self._dra_placement(pod["metadata"]["uid"])
         try:
             for _, container in containers:
                 run = ContainerRun(str(container.get("name")))

@@ -201,9 +201,7 @@ async def demo(driver: ClusterDriver, ledger: Ledger, view: View) -> None:
     )
     view.pods += [first, second]
     cards = [
-        {g.uuid for c in p.placement.containers for g in c.devices}
-        if p.placement
-        else {u for c in p.containers for u in c.devices}  # DRA: the container's cards
+        {g.uuid for c in p.placement.containers for g in c.devices} if p.placement else set()
         for p in (first, second)
     ]
     shared = bool(cards[0] & cards[1]) and first.phase == second.phase == "Succeeded"
