@@ -47,12 +47,13 @@ def dev_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("shape", [[], ["--ha"]], ids=["single", "ha"])
+@pytest.mark.parametrize("shape", [[], ["--ha"], ["--dra"]], ids=["single", "ha", "dra"])
 def test_the_demo_passes_and_leaves_nothing_running(
     native: Native, tmp_path: Path, shape: list[str]
 ) -> None:
-    """Also in the highly-available shapes: three nats-servers, Redis with its
-    replicas and sentinels, two extenders and two inventories, all stopped."""
+    """Also in the highly-available shapes (three nats-servers, Redis with its
+    replicas and sentinels, two extenders and two inventories, all stopped) and
+    in DRA mode (claims made, allocated, prepared and released, one more step)."""
     workdir = tmp_path / "dev"
     # --open hands the console's address to the browser $BROWSER names
     opened = tmp_path / "opened"
@@ -70,7 +71,9 @@ def test_the_demo_passes_and_leaves_nothing_running(
     assert "demo passed" in result.stdout
     [console] = re.findall(r"console: (http://127\.0\.0\.1:\d+/)", result.stdout)
     assert opened.read_text().split() == [console]
-    assert result.stdout.count("\tok\t") >= 4  # every step of the scenario, piped: plain columns
+    steps = 5 if "--dra" in shape else 4  # every step of the scenario, piped: plain columns
+    assert result.stdout.count("\tok\t") == steps
+    assert "\tFAIL\t" not in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
     assert survivors(workdir) == []
 
