@@ -74,3 +74,40 @@ async def test_dra_mode_without_a_kubernetes_api_is_refused(
     with pytest.raises(ConfigError, match="GPUSLICE_KUBE_API"):
         async with running(settings, bus=bus, kube=None, serve_http=False, timing=FAST):
             pass
+
+
+async def test_a_nodes_configuration_chooses_its_mode(
+    dra_settings: DevicePluginSettings,
+    make_settings: Callable[..., DevicePluginSettings],
+    bus: Bus,
+    tmp_path: Path,
+) -> None:
+    """kubeletApi of the node's entry wins over GPUSLICE_DRA, both ways; other
+    nodes keep the agent's setting."""
+    config = tmp_path / "nodes.yaml"
+    config.write_text(
+        "defaults: {simulate: {count: 2}}\n"
+        f"nodeconfig: [{{name: {NODE}, kubeletApi: device-plugin}}, "
+        "{name: other-node, kubeletApi: dra}]\n"
+    )
+    plugin_mode = dra_settings.model_copy(update={"node_config_file": str(config)})
+    async with running(
+        plugin_mode, bus=bus, kube=LocalKubeApi(), serve_http=False, timing=FAST
+    ) as state:
+        assert state.dra is None
+        assert "kubelet-link" in {t.get_name() for t in state.tasks}
+        assert state.agent.inventory().dra is False
+    config.write_text(f"nodeconfig: [{{name: {NODE}, kubeletApi: dra}}]\n")
+    dra_mode = make_settings(
+        dra=False,
+        kube_api="local",
+        node_config_file=str(config),
+        dra_plugins_dir=dra_settings.dra_plugins_dir,
+        dra_registry_dir=dra_settings.dra_registry_dir,
+        cdi_dir=dra_settings.cdi_dir,
+    )
+    async with running(
+        dra_mode, bus=bus, kube=LocalKubeApi(), serve_http=False, timing=FAST
+    ) as state:
+        assert state.dra is not None
+        assert state.agent.inventory().dra is True

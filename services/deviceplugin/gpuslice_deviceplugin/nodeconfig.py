@@ -19,6 +19,7 @@ The file is YAML or JSON (JSON is YAML) and may be empty::
                # mig: MIG cards of the A100-40GB geometry (operatingMode mig, or migStrategy
                # mixed with instances); instances: static ones on each, e.g. [3g.20gb, 3g.20gb]
       mps: {pipeDirectory: /run/nvidia/mps/nvidia.com/gpu/pipe, shmDirectory: /run/nvidia/mps/shm}
+      kubeletApi: dra          # or device-plugin; unset: the agent's GPUSLICE_DRA decides
     nodeconfig:                # optional: HAMi's per-node list
       - name: gpu-node-1
         devicememoryscaling: 1.5
@@ -215,6 +216,9 @@ class NodeConfig(Frozen):
     context_overhead_mib: Annotated[int, Field(ge=0)] | None = None  # contextOverhead
     simulate: SimulatedGpus = SimulatedGpus()
     mps: MpsDaemon = MpsDaemon()
+    # how kubelet gets this node's cards: the device plugin API or DRA (one node, one
+    # mode; read when the agent starts); None: the agent's setting (GPUSLICE_DRA)
+    kubelet_api: Literal["device-plugin", "dra"] | None = None
 
     @field_validator("operating_mode", mode="before")
     @classmethod
@@ -297,6 +301,7 @@ _NODE_KEYS = {
     "contextoverheadmib": "context_overhead_mib",
     "simulate": "simulate",
     "mps": "mps",
+    "kubeletapi": "kubelet_api",
 }
 # HAMi keys with no meaning here: read and ignored, with a warning, so HAMi's own
 # files load unchanged (GetPreferredAllocation is always offered)

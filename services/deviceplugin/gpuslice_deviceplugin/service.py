@@ -235,6 +235,14 @@ class DraParts:
             await self.server.stop()
 
 
+def node_mode(settings: DevicePluginSettings, config: NodeConfig) -> DevicePluginSettings:
+    """``settings`` with this node's mode: its node configuration's ``kubeletApi``
+    where it sets one, else ``GPUSLICE_DRA``."""
+    if config.kubelet_api is None:
+        return settings
+    return settings.model_copy(update={"dra": config.kubelet_api == "dra"})
+
+
 def check_dra(kube: KubeApi | None) -> KubeApi:
     """The Kubernetes API DRA mode writes its slices to; ConfigError without one."""
     if kube is None:
@@ -324,10 +332,11 @@ async def running(
     config: NodeConfig | None = None,
 ) -> AsyncIterator[Running]:
     """The agent running until the block ends. Raises on bad configuration."""
-    if settings.dra:
-        check_dra(kube)
     if config is None:
         config = load_node_config(settings.node_config_file, settings.node_name)
+    settings = node_mode(settings, config)
+    if settings.dra:
+        check_dra(kube)
     host = HostDir(Path(settings.host_dir))
     await asyncio.to_thread(
         host.install, Path(settings.interposer_library), settings.container_lib_dir
@@ -494,6 +503,7 @@ async def main(settings: DevicePluginSettings) -> None:
     within its deadline)
     """
     config = load_node_config(settings.node_config_file, settings.node_name)
+    settings = node_mode(settings, config)
     if settings.dra and settings.kube_api == "none":
         check_dra(None)  # refused before anything starts
     stop = asyncio.Event()
