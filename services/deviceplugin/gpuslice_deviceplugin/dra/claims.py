@@ -43,6 +43,7 @@ from typing import Any, Final
 
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.dra import CDI_KIND, device_name
+from gpuslice_common.grant import Grant
 from gpuslice_common.kube import KubeApi
 from gpuslice_common.models import ClaimRef
 from gpuslice_common.nodeapi import AllocationReply, ClaimReply, NodeRequestError
@@ -234,9 +235,9 @@ class Claims:
     async def _prepare(self, claim: ClaimRef, reply: ClaimReply) -> list[PreparedDevice]:
         placement = reply.placement
         pod = placement.pod
-        await asyncio.to_thread(self._write_record, Record(claim, pod.uid))
         config = self.config()  # once: the answers and the grants agree if it is reloaded
         support = self.driver_support() if self.driver_support is not None else None
+        grants: list[tuple[ContainerOwner, Grant]] = []
         devices = []
         for index, container in enumerate(placement.containers):
             allocation = AllocationReply(
@@ -261,8 +262,7 @@ class Claims:
                 devices=tuple(g.uuid for g in container.devices),
                 allocated_at=time.time(),
             )
-            limits = grant(allocation, self.settings, config, control=control)
-            await asyncio.to_thread(self.host.prepare_container, owner, limits)
+            grants.append((owner, grant(allocation, self.settings, config, control=control)))
             devices.append(
                 {
                     "name": cdi_name(pod.uid, container.name),
@@ -270,7 +270,7 @@ class Claims:
                 }
             )
         spec = {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": devices}
-        await asyncio.to_thread(self._write_cdi, claim, spec)
+        await asyncio.to_thread(self._write_all, Record(claim, pod.uid), grants, spec)
         log.info(
             "prepared claim %s for pod %s/%s: %s",
             claim,
@@ -293,14 +293,24 @@ class Claims:
             )
         return prepared
 
-    def _write_record(self, record: Record) -> None:
+    def _write_all(
+        self,
+        record: Record,
+        grants: Sequence[tuple[ContainerOwner, Grant]],
+        spec: Mapping[str, Any],
+    ) -> None:
+        """The claim's record first (unprepare names the pod from it), then each
+        container's grant directory, then the CDI spec the runtime reads: in one
+        thread. The record and the spec are not synced to disk: a crash of the
+        agent keeps them (the page cache does), a crash of the host takes the
+        containers too, and without a record unprepare finds the claim by itself."""
         self.records.mkdir(mode=RECORD_DIR_MODE, parents=True, exist_ok=True)
-        write_atomic(self._record_path(record.claim), record.to_json(), RECORD_MODE)
-
-    def _write_cdi(self, claim: ClaimRef, spec: Mapping[str, Any]) -> None:
+        write_atomic(self._record_path(record.claim), record.to_json(), RECORD_MODE, durable=False)
+        for owner, limits in grants:
+            self.host.prepare_container(owner, limits)
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
         data = json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n"
-        write_atomic(cdi_file(self.cdi_dir, claim), data, CDI_MODE)
+        write_atomic(cdi_file(self.cdi_dir, record.claim), data, CDI_MODE, durable=False)
 
     # ------------------------------------------------------------ unprepare
 
