@@ -127,6 +127,7 @@ bench: deps
 	$(BIN)/python bench/reconcile_bench.py
 	$(BIN)/python bench/console_bench.py
 	$(BIN)/python bench/bind_turn_bench.py
+	$(BIN)/python bench/dra_prepare_bench.py
 	$(MAKE) -s -C native fakes progs
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python bench/enforcer_bench.py; \
 	else echo "make: bench/enforcer_bench.py needs root (cgroups, mount namespaces): run it with sudo"; fi
