@@ -9,6 +9,7 @@ answers with the node API's own models.
 from __future__ import annotations
 
 import json
+import re
 import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,7 +23,6 @@ from gpuslice_common.bus import Bus
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.dra import CDI_KIND, device_name
 from gpuslice_common.grant import parse as parse_grant
-from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.models import (
     ClaimRef,
     ContainerAssignment,
@@ -162,10 +162,19 @@ def settings(tmp_path: Path, nats_server: NatsServer, prefix: str) -> DevicePlug
 CONFIG = NodeConfig()
 
 
-def claims(settings: DevicePluginSettings, bus: Bus, kube: LocalKubeApi | None = None) -> Claims:
+def record_tag(settings: DevicePluginSettings) -> str:
+    """The secret suffix of the claim's CDI device names, from the agent's record."""
+    tag = str(
+        json.loads((Path(settings.host_dir) / "dra" / f"{CLAIM.uid}.json").read_text())["tag"]
+    )
+    assert re.fullmatch(r"[0-9a-f]{32}", tag)
+    return tag
+
+
+def claims(settings: DevicePluginSettings, bus: Bus) -> Claims:
     """A new agent's claims (the same directories each time)."""
     host = HostDir(Path(settings.host_dir))
-    return Claims(settings, InventoryGateway(settings, bus), host, lambda: CONFIG, kube=kube)
+    return Claims(settings, InventoryGateway(settings, bus), host, lambda: CONFIG)
 
 
 def read_json(path: Path) -> Any:
@@ -195,8 +204,9 @@ async def test_prepare_writes_what_allocate_gives_each_container(
 ) -> None:
     prepared = await claims(settings, bus).prepare(CLAIM)
     assert stand_in.prepared == [PrepareRequest(claim=CLAIM)]
-    main_id = f"{CDI_KIND}={POD.uid}-main"
-    helper_id = f"{CDI_KIND}={POD.uid}-helper"
+    tag = record_tag(settings)
+    main_id = f"{CDI_KIND}={POD.uid}-main-{tag}"
+    helper_id = f"{CDI_KIND}={POD.uid}-helper-{tag}"
     assert [(d.request_names, d.pool, d.device, d.cdi_ids) for d in prepared] == [
         (("main",), NODE, device_name(GPU0), (main_id,)),
         (("helper",), NODE, device_name(GPU0), (helper_id,)),
@@ -204,16 +214,16 @@ async def test_prepare_writes_what_allocate_gives_each_container(
     ]
     spec_path = cdi_file(Path(settings.cdi_dir), CLAIM)
     assert spec_path.name == f"gpuslice.io-{CLAIM.uid}.json"
-    assert mode_of(spec_path) == 0o644
+    assert mode_of(spec_path) == 0o600  # it carries the telemetry tokens
     spec = read_json(spec_path)
     assert spec["cdiVersion"] == CDI_VERSION
     assert spec["kind"] == CDI_KIND == "gpuslice.io/container"
     by_name = {d["name"]: d["containerEdits"] for d in spec["devices"]}
-    assert sorted(by_name) == sorted([f"{POD.uid}-main", f"{POD.uid}-helper"])
+    assert sorted(by_name) == sorted([f"{POD.uid}-main-{tag}", f"{POD.uid}-helper-{tag}"])
     host = HostDir(Path(settings.host_dir))
     for index, name in enumerate(("main", "helper")):
         edits, grant_text = allocate_answer(settings, index)
-        assert by_name[f"{POD.uid}-{name}"] == edits
+        assert by_name[f"{POD.uid}-{name}-{tag}"] == edits
         directory = host.container_dir(POD.uid, name)
         assert (directory / "grant").read_text() == grant_text
         owner = ContainerOwner.from_json((directory / "owner.json").read_bytes())
@@ -225,7 +235,7 @@ async def test_prepare_writes_what_allocate_gives_each_container(
         )
         assert (directory / "region").exists()
     # what the runtime gets, spelled out for the main container
-    main = by_name[f"{POD.uid}-main"]
+    main = by_name[f"{POD.uid}-main-{tag}"]
     env = dict(e.split("=", 1) for e in main["env"])
     assert env["NVIDIA_VISIBLE_DEVICES"] == GPU0
     assert env["GPUSLICE_POD_UID"] == POD.uid
@@ -259,25 +269,25 @@ async def test_prepare_again_gives_the_same_answer(
     assert len(stand_in.prepared) == 2
 
 
-async def test_a_pod_opting_out_of_control_gets_no_preload(
+async def test_every_container_gets_the_preload(
     settings: DevicePluginSettings, bus: Bus, stand_in: Inventory
 ) -> None:
-    kube = LocalKubeApi()
-    env = [{"name": "CUDA_DISABLE_CONTROL", "value": "true"}]
-    kube.add_pod(
-        {
-            "metadata": {"name": POD.name, "namespace": POD.namespace, "uid": POD.uid},
-            "spec": {"containers": [{"name": "main", "env": env}, {"name": "helper"}]},
-        }
-    )
-    await claims(settings, bus, kube).prepare(CLAIM)
+    """In DRA mode no webhook may have checked the pod (a hand-written claim), and
+    whether a card stays unshared is kube-scheduler's to decide later: the
+    interposer is always preloaded, and the pod's spec (CUDA_DISABLE_CONTROL) is
+    not read at all."""
+    await claims(settings, bus).prepare(CLAIM)
     spec = read_json(cdi_file(Path(settings.cdi_dir), CLAIM))
-    paths = {
-        d["name"]: {m["containerPath"] for m in d["containerEdits"]["mounts"]}
-        for d in spec["devices"]
-    }
-    assert PRELOAD_PATH not in paths[f"{POD.uid}-main"]
-    assert PRELOAD_PATH in paths[f"{POD.uid}-helper"]
+    tag = record_tag(settings)
+    for container in ("main", "helper"):
+        [edits] = [
+            d["containerEdits"]
+            for d in spec["devices"]
+            if d["name"] == f"{POD.uid}-{container}-{tag}"
+        ]
+        assert PRELOAD_PATH in {m["containerPath"] for m in edits["mounts"]}
+        grant_file = HostDir(Path(settings.host_dir)).container_dir(POD.uid, container) / "grant"
+        assert "optional" not in grant_file.read_text()
 
 
 async def test_unprepare_after_a_restart_names_the_pod_and_removes_the_spec(

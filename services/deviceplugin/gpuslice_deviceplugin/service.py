@@ -268,7 +268,6 @@ def dra_parts(
         gateway,
         host,
         lambda: agent.config,
-        kube=kube,
         driver_support=lambda: agent.driver_support,
     )
     slices = SlicePublisher(

@@ -35,6 +35,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +46,6 @@ from typing import Any, Final
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.dra import CDI_KIND, device_name
 from gpuslice_common.grant import Grant
-from gpuslice_common.kube import KubeApi
 from gpuslice_common.models import ClaimRef
 from gpuslice_common.nodeapi import AllocationReply, ClaimReply, NodeRequestError
 from gpuslice_deviceplugin.allocation import answer, grant
@@ -60,30 +61,33 @@ from gpuslice_deviceplugin.dra.contract import ClaimError, PreparedDevice
 from gpuslice_deviceplugin.driverlimits import CardSupport
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.nodeconfig import NodeConfig
-from gpuslice_deviceplugin.plugin import pod_allows_control
 
 log = logging.getLogger(__name__)
 
 CDI_VERSION: Final = "0.6.0"  # device names may start with a digit (0.5.0), a mount's type (0.4.0)
-CDI_MODE: Final = 0o644
+# the runtime (root) reads it; it carries the containers' telemetry tokens
+CDI_MODE: Final = 0o600
 RECORD_DIR: Final = "dra"
 RECORD_MODE: Final = 0o600
 RECORD_DIR_MODE: Final = 0o700
 RECORD_MAX_BYTES: Final = 64 * 1024
+TAG = re.compile(r"^[0-9a-f]{32}$")
 
 
 def cdi_file(cdi_dir: Path, claim: ClaimRef) -> Path:
     return cdi_dir / f"gpuslice.io-{claim.uid}.json"
 
 
-def cdi_name(pod_uid: str, container: str) -> str:
-    """The CDI device (within :data:`CDI_KIND`) of one container of a pod."""
-    return f"{pod_uid}-{container}"
+def cdi_name(pod_uid: str, container: str, tag: str) -> str:
+    """The CDI device (within :data:`CDI_KIND`) of one container of a pod. ``tag``
+    is the claim record's secret: a runtime that takes CDI devices from pod
+    annotations must not let a tenant name a neighbour's (its grant, its region)."""
+    return f"{pod_uid}-{container}-{tag}"
 
 
-def cdi_id(pod_uid: str, container: str) -> str:
+def cdi_id(pod_uid: str, container: str, tag: str) -> str:
     """The fully qualified CDI device name kubelet hands the runtime."""
-    return f"{CDI_KIND}={cdi_name(pod_uid, container)}"
+    return f"{CDI_KIND}={cdi_name(pod_uid, container, tag)}"
 
 
 def container_edits(response: pb.ContainerAllocateResponse) -> dict[str, Any]:
@@ -115,9 +119,14 @@ class Record:
 
     claim: ClaimRef
     pod_uid: str
+    tag: str = ""  # the CDI devices' secret suffix (cdi_name)
 
     def to_json(self) -> bytes:
-        body = {"claim": self.claim.model_dump(mode="json"), "pod_uid": self.pod_uid}
+        body = {
+            "claim": self.claim.model_dump(mode="json"),
+            "pod_uid": self.pod_uid,
+            "tag": self.tag,
+        }
         return json.dumps(body, sort_keys=True).encode() + b"\n"
 
     @classmethod
@@ -131,7 +140,10 @@ class Record:
             raise ValueError(f"unreadable claim record: {exc}") from None
         if not isinstance(pod_uid, str) or not pod_uid:
             raise ValueError("unreadable claim record: pod_uid is not a string")
-        return cls(claim, pod_uid)
+        tag = body.get("tag", "")
+        if not isinstance(tag, str) or not TAG.fullmatch(tag):
+            raise ValueError("unreadable claim record: tag is not a hex string")
+        return cls(claim, pod_uid, tag)
 
 
 class Claims:
@@ -144,14 +156,12 @@ class Claims:
         host: HostDir,
         config: Callable[[], NodeConfig],
         *,
-        kube: KubeApi | None = None,
         driver_support: Callable[[], Mapping[str, CardSupport]] | None = None,
     ) -> None:
         self.settings = settings
         self.gateway = gateway
         self.host = host
         self.config = config
-        self.kube = kube
         self.driver_support = driver_support
         self.cdi_dir = Path(settings.cdi_dir)
         self.records = host.root / RECORD_DIR
@@ -235,6 +245,10 @@ class Claims:
     async def _prepare(self, claim: ClaimRef, reply: ClaimReply) -> list[PreparedDevice]:
         placement = reply.placement
         pod = placement.pod
+        held = await asyncio.to_thread(self._read_record, claim)
+        # the same tag when kubelet asks again for the same pod: the same answer
+        tag = held.tag if held is not None and held.pod_uid == pod.uid and held.tag else ""
+        record = Record(claim, pod.uid, tag or secrets.token_hex(16))
         config = self.config()  # once: the answers and the grants agree if it is reloaded
         support = self.driver_support() if self.driver_support is not None else None
         grants: list[tuple[ContainerOwner, Grant]] = []
@@ -245,7 +259,10 @@ class Claims:
                 container_index=index,
                 telemetry_token=reply.telemetry_token,
             )
-            control = await pod_allows_control(self.kube, pod, container.name)
+            # Always under the interposer: whether the card stays unshared is
+            # kube-scheduler's to decide later, and the pod's own spec (which no
+            # webhook may have checked: a hand-written claim) decides nothing.
+            control = True
             response = answer(
                 allocation,
                 self.settings,
@@ -265,12 +282,12 @@ class Claims:
             grants.append((owner, grant(allocation, self.settings, config, control=control)))
             devices.append(
                 {
-                    "name": cdi_name(pod.uid, container.name),
+                    "name": cdi_name(pod.uid, container.name, record.tag),
                     "containerEdits": container_edits(response),
                 }
             )
         spec = {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": devices}
-        await asyncio.to_thread(self._write_all, Record(claim, pod.uid), grants, spec)
+        await asyncio.to_thread(self._write_all, record, grants, spec)
         log.info(
             "prepared claim %s for pod %s/%s: %s",
             claim,
@@ -288,7 +305,7 @@ class Claims:
                     request_names=(device.request,),
                     pool=device.pool,
                     device=device.device,
-                    cdi_ids=(cdi_id(pod.uid, device.container),) if first else (),
+                    cdi_ids=(cdi_id(pod.uid, device.container, record.tag),) if first else (),
                 )
             )
         return prepared
