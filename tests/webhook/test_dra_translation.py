@@ -686,12 +686,9 @@ async def test_hami_s_admission_cases_translate(tmp_path: Path) -> None:
                 wanted["memory"] = mib_quantity(c.memory.mib)
             assert exactly["capacity"] == {"requests": wanted}, label
         names = requests.resources
+        specs = [*patched["spec"].get("initContainers", ()), *patched["spec"]["containers"]]
         for c in request.containers:  # each keeps its request, stated in full
-            (spec,) = [
-                s
-                for s in [*patched["spec"].get("initContainers", ()), *patched["spec"]["containers"]]
-                if s["name"] == c.name
-            ]
+            (spec,) = [s for s in specs if s["name"] == c.name]
             limits = spec["resources"]["limits"]
             assert str(limits[names.gpu]) == str(c.count), label
             assert str(limits[names.cores]) == str(c.cores), label
