@@ -1374,3 +1374,95 @@ async def test_a_device_plugin_pod_never_goes_to_a_dra_node(stack: Stack) -> Non
         await asyncio.sleep(0.01)
     reply = (await stack.post("filter", args(gpu_pod("later"), "node-b"))).json()
     assert reply["NodeNames"] == ["node-b"]
+
+
+# ---------------------------------------------------------------- DRA pods
+
+
+def claiming(pod: dict[str, Any]) -> dict[str, Any]:
+    """``pod`` as the webhook translates it in DRA mode: its HAMi resources kept,
+    its claim ``gpuslice`` made from a template."""
+    pod["spec"]["resourceClaims"] = [
+        {"name": "gpuslice", "resourceClaimTemplateName": "gpuslice-0123"}
+    ]
+    pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpuslice", "request": "main"}]
+    return pod
+
+
+async def dra_nodes(stack: Stack, *nodes: str) -> None:
+    """``nodes`` (of the fixture's) serve their GPUs through DRA from now on."""
+    sizes = {"node-a": 2, "node-b": 4}
+    for node in nodes:
+        await stack.ledger.register_node(
+            make_inventory(node, gpus=sizes[node], memory_mib=16384, dra=True), rebuilt=True
+        )
+    for _ in range(500):
+        if stack.extender.view.dra == set(nodes):
+            break
+        await asyncio.sleep(0.01)
+    assert stack.extender.view.dra == set(nodes)
+
+
+async def test_a_dra_pod_passes_dra_nodes_whatever_the_ledger_holds(stack: Stack) -> None:
+    await dra_nodes(stack, "node-a", "node-b")
+    # four cards: more than node-a has, by the ledger; kube-scheduler's DRA
+    # plugin is the judge of device fit, so node-a passes all the same
+    pod = claiming(gpu_pod("wide", gpus=4, mem=1000))
+    reply = (await stack.post("filter", args(pod, "node-a", "node-b", "node-c", "node-x"))).json()
+    assert reply["Error"] == ""
+    assert reply["NodeNames"] == ["node-a", "node-b"]
+    assert reply["FailedNodes"] == {}
+    assert reply["FailedAndUnresolvableNodes"] == {
+        "node-c": "NodeServesDevicePlugin: node node-c serves GPUs through the device plugin",
+        "node-x": UNKNOWN_NODE,
+    }
+    # a device-plugin pod as before: DRA nodes refuse it, the others take it
+    plain = gpu_pod("plain", mem=1000)
+    reply = (await stack.post("filter", args(plain, "node-a", "node-b", "node-c"))).json()
+    assert reply["NodeNames"] == ["node-c"]
+    assert set(reply["FailedAndUnresolvableNodes"]) == {"node-a", "node-b"}
+    assert all(v.startswith("NodeServesDra") for v in reply["FailedAndUnresolvableNodes"].values())
+
+
+async def test_a_dra_pod_is_scored_as_the_same_request_by_the_engine(stack: Stack) -> None:
+    await dra_nodes(stack, "node-a", "node-b")
+    small = gpu_pod("small", mem=3000, cores=20)
+    plugin = (await stack.post("prioritize", args(small, "node-a", "node-b"))).json()
+    dra = claiming(gpu_pod("small", mem=3000, cores=20))
+    scored = (await stack.post("prioritize", args(dra, "node-a", "node-b", "node-c"))).json()
+    assert scored[:2] == plugin
+    assert max(s["Score"] for s in scored) == 10
+    assert scored[2] == {"Host": "node-c", "Score": 0}  # not a DRA node
+    # where the ledger says it does not fit (node-a has two cards), 0
+    wide = claiming(gpu_pod("wide", gpus=4, mem=1000))
+    scored = (await stack.post("prioritize", args(wide, "node-a", "node-b"))).json()
+    assert scored == [{"Host": "node-a", "Score": 0}, {"Host": "node-b", "Score": 10}]
+
+
+async def test_a_dra_pod_s_bind_is_a_binding_alone(stack: Stack) -> None:
+    await dra_nodes(stack, "node-a", "node-b")
+    before = await stack.ledger.revisions(["node-a", "node-b", "node-c"])
+    pod = await stack.add(claiming(gpu_pod("claims", mem=4000, cores=25)))
+    assert (await stack.bind(pod, "node-b")).json() == {"Error": ""}
+    stored = await stack.kube.get_pod("team", "claims")
+    assert stored["spec"]["nodeName"] == "node-b"
+    assert PLACEMENT_ANNOTATION not in stored["metadata"]["annotations"]
+    assert await stack.ledger.placement("uid-claims") is None
+    assert await stack.ledger.revisions(["node-a", "node-b", "node-c"]) == before
+    assert (await stack.bind(pod, "node-b")).json() == {"Error": ""}  # again: done
+    assert "bound to node-b" in (await stack.bind(pod, "node-a")).json()["Error"]
+    # never on a device-plugin node: refused, nothing reserved
+    other = await stack.add(claiming(gpu_pod("elsewhere", mem=4000)))
+    refused = (await stack.bind(other, "node-c")).json()
+    assert "serves GPUs through the device plugin" in refused["Error"]
+    assert "nodeName" not in (await stack.kube.get_pod("team", "elsewhere"))["spec"]
+    assert await stack.ledger.placement("uid-elsewhere") is None
+    assert await stack.ledger.revisions(["node-a", "node-b", "node-c"]) == before
+    failed = [e for e in await stack.wait_events(1) if e == EventType.ALLOC_FAILED]
+    assert failed == [EventType.ALLOC_FAILED]
+    # a device-plugin pod keeps its reservation path on the device-plugin node
+    plain = await stack.add(gpu_pod("plain", mem=4000))
+    assert (await stack.bind(plain, "node-c")).json() == {"Error": ""}
+    placed = await stack.ledger.placement("uid-plain")
+    assert placed is not None
+    assert placed.node == "node-c"

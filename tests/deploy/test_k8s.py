@@ -248,12 +248,12 @@ def test_dra_mode_adds_exactly_the_permissions_it_uses(
     group = "resource.k8s.io"
     assert added == {
         # a pod's claim template: created, read back when one of its name is
-        # there, listed to count translated pods' quota; a pod's own claims
-        # read; the slices listed for the cards' memory sizes
+        # there (translated pods keep their GPU resources: quotas count those,
+        # no template is listed); a pod's own claims read; the slices listed
+        # for the cards' memory sizes
         "gpuslice-webhook": {
             (group, "resourceclaimtemplates", "create"),
             (group, "resourceclaimtemplates", "get"),
-            (group, "resourceclaimtemplates", "list"),
             (group, "resourceclaims", "get"),
             (group, "resourceslices", "list"),
         },

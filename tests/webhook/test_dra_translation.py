@@ -32,7 +32,6 @@ from gpuslice_webhook.claims import (
     claim_template,
     mib_quantity,
     ours_and_equal,
-    template_demand,
 )
 from gpuslice_webhook.mutation import Denied, Mutator
 from gpuslice_webhook.service import Running, running
@@ -175,7 +174,12 @@ async def test_a_gpu_pod_becomes_one_template_and_references_it(tmp_path: Path) 
     assert claimed(patched) == name
     spec = patched["spec"]
     (main, logger), (warmup,) = spec["containers"], spec["initContainers"]
-    assert main["resources"] == {"limits": {}, "claims": [{"name": "gpuslice", "request": "main"}]}
+    # the GPU resources stay, stated in full (they route the pod to the extender)
+    assert main["resources"] == {
+        "limits": {GPU: 2, MEM: 4000, CORES: 30},
+        "claims": [{"name": "gpuslice", "request": "main"}],
+    }
+    assert warmup["resources"]["limits"] == {GPU: 1, MEM: 1000, CORES: "0"}
     assert warmup["resources"]["claims"] == [{"name": "gpuslice", "request": "warmup"}]
     assert "resources" not in logger
     # the rest as in device-plugin mode: identity and priority, others hidden, routed
@@ -184,6 +188,20 @@ async def test_a_gpu_pod_becomes_one_template_and_references_it(tmp_path: Path) 
     assert env["CUDA_TASK_PRIORITY"]["value"] == "1"
     assert logger["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]
     assert spec["schedulerName"] == "gpuslice-scheduler"
+
+
+def test_a_translated_pod_translates_to_nothing_more() -> None:
+    """The mutation of a pod it changed is empty: the kept GPU resources and the
+    claim it gave are recognised, not refused as a claim of the pod's own."""
+    manifest = gpu_pod()
+    mutator = Mutator(settings(dra=True))
+    first = mutator.mutate(manifest, NS, dra=True)
+    assert first is not None
+    once = applied(manifest, {"patch": first.patch.encoded()})
+    again = mutator.mutate(once, NS, dra=True)
+    assert again is not None
+    assert again.template == first.template
+    assert not again.patch
 
 
 def test_the_type_selectors_match_as_hami_does() -> None:
@@ -509,17 +527,6 @@ def test_card_policies_dra_cannot_express_are_warned_of() -> None:
     assert not any("without scoring" in w for w in plain.warnings)
 
 
-def test_a_share_reads_back_unpriced_with_its_count_and_cores() -> None:
-    manifest = pod(container("main", {GPU: 2, MEM_PCT: 30, CORES: 20}))
-    mutation = Mutator(settings(dra=True)).mutate(
-        manifest, NS, dra=True, sizes=CardSizes((16 * GIB, 40 * GIB))
-    )
-    assert mutation is not None
-    assert mutation.template is not None
-    (back,) = template_demand(manifest, mutation.template.body)
-    assert (back.count, back.cores, back.memory.mib) == (2, 20, None)
-
-
 def test_card_sizes_are_the_most_widespread_ones() -> None:
     """A node publishing many sizes of its own cannot push the others out of the
     eight subrequests a request may hold."""
@@ -562,7 +569,8 @@ async def test_quotas_still_refuse_and_count_translated_pods(tmp_path: Path) -> 
         assert response["allowed"] is False
         assert "exceeded quota: gpu" in response["status"]["message"]
         assert await s.templates() == []
-        # a translated pod counts what its template asks: 2 x 4000 MiB
+        # a translated pod counts once, from the resources it keeps: 2 x 4000 MiB
+        # (its template, asking the same, is not counted again)
         sent = review(pod(container("main", {GPU: 2, MEM: 4000}), name="first"))
         response = await s.admit(sent)
         assert response["allowed"] is True
@@ -575,18 +583,6 @@ async def test_quotas_still_refuse_and_count_translated_pods(tmp_path: Path) -> 
         assert response["allowed"] is False
         assert f"used: limits.{MEM}=8000" in response["status"]["message"]
         assert (await s.admit(review(pod(container("main", {MEM: 2000}), name="y"))))["allowed"]
-
-
-def test_a_template_reads_back_as_the_request_it_was_made_from() -> None:
-    manifest = gpu_pod()
-    request = parse_pod(manifest)
-    assert request is not None
-    mutation = Mutator(settings(dra=True)).mutate(manifest, NS, dra=True)
-    assert mutation is not None
-    assert mutation.template is not None
-    patched = copy.deepcopy(manifest)
-    back = template_demand(patched, mutation.template.body)
-    assert back == list(request.containers)
 
 
 async def test_the_namespace_label_chooses_the_mode(tmp_path: Path) -> None:
@@ -689,11 +685,14 @@ async def test_hami_s_admission_cases_translate(tmp_path: Path) -> None:
             if c.memory.mib is not None:
                 wanted["memory"] = mib_quantity(c.memory.mib)
             assert exactly["capacity"] == {"requests": wanted}, label
-        for spec in [*patched["spec"].get("initContainers", ()), *patched["spec"]["containers"]]:
-            resources = spec.get("resources", {})
-            for part in ("limits", "requests"):
-                left = set(resources.get(part, {})) & set(requests.resources.all())
-                assert not left, f"{label}: {spec['name']} keeps {left}"
+        names = requests.resources
+        specs = [*patched["spec"].get("initContainers", ()), *patched["spec"]["containers"]]
+        for c in request.containers:  # each keeps its request, stated in full
+            (spec,) = [s for s in specs if s["name"] == c.name]
+            limits = spec["resources"]["limits"]
+            assert str(limits[names.gpu]) == str(c.count), label
+            assert str(limits[names.cores]) == str(c.cores), label
+            assert {"name": "gpuslice", "request": c.name} in spec["resources"]["claims"], label
         checked += 1
     assert checked >= 5
     assert shared >= 2

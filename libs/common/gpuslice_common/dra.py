@@ -15,7 +15,8 @@ bytes, ``cores`` as percent of the card (100 for a whole one).
 from __future__ import annotations
 
 import re
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
 from gpuslice_common.models import ClaimRef
 
@@ -30,6 +31,8 @@ REGISTRY_DIR: Final = "/var/lib/kubelet/plugins_registry"
 CDI_DIR: Final = "/var/run/cdi"
 # CDI device kind (vendor/class) of the devices the plugin answers
 CDI_KIND: Final = "gpuslice.io/container"
+# the pod's claim the webhook adds (spec.resourceClaims[].name), made from its template
+POD_CLAIM: Final = "gpuslice"
 
 _CARD = re.compile(r"^(gpu|mig)-([0-9a-f][-0-9a-f]{0,57})$")
 
@@ -69,8 +72,19 @@ __all__ = [
     "DRIVER",
     "MEMORY",
     "PLUGINS_DIR",
+    "POD_CLAIM",
     "REGISTRY_DIR",
     "ClaimRef",
     "card_of",
     "device_name",
+    "has_pod_claim",
 ]
+
+
+def has_pod_claim(pod: Mapping[str, Any]) -> bool:
+    """Does the pod hold the claim the webhook adds (:data:`POD_CLAIM`)?"""
+    spec = pod.get("spec")
+    claims = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
+    return isinstance(claims, list) and any(
+        isinstance(c, Mapping) and c.get("name") == POD_CLAIM for c in claims
+    )

@@ -31,6 +31,22 @@ creates the Binding, counting its CPU and memory on the node at once.
 
 With the in-memory API (``kube_api=local``) a filter call teaches the API its
 pod and, when it carries full Node objects, those nodes.
+
+A pod the webhook translated in DRA mode (its claim ``gpuslice`` beside the
+HAMi resources it keeps) is placed on a node by this extender and given its
+cards by kube-scheduler's DRA allocator there, which the inventory checks when
+kubelet prepares the claim:
+
+* filter passes every DRA node (kube-scheduler's DynamicResources plugin
+  decides whether the claim's devices fit: the ledger lags allocations not yet
+  prepared) and fails the others (``NodeServesDevicePlugin``);
+* prioritize scores the DRA nodes as a device-plugin pod of the same request,
+  by the engine over the ledger (0 where it does not fit there);
+* bind only creates the Binding: nothing is reserved and no placement is
+  written (the inventory records the claim when kubelet prepares it, and
+  kubelet names the claim, so no bind turns are needed).
+
+Device-plugin GPU pods never go to DRA nodes, and DRA pods never to others.
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ from typing import Any
 import numpy as np
 
 from gpuslice_common.config import SchedulerSettings
+from gpuslice_common.dra import has_pod_claim
 from gpuslice_common.events import AllocationEvent, EventType, make_event
 from gpuslice_common.kube import KubeApi, KubeError, LocalKubeApi
 from gpuslice_common.ledger import (
@@ -103,6 +120,16 @@ def serves_dra(node: str, *, named: bool = True) -> str:
     (``named``: after the reason's name, as filter reasons are)."""
     line = f"node {node} serves GPUs through DRA (ResourceClaims)"
     return f"{SERVES_DRA}: {line}" if named else line
+
+
+SERVES_DEVICE_PLUGIN = "NodeServesDevicePlugin"
+CLAIM_POLICY = "dra-claim"  # the placements metric's label for a DRA pod's bind
+
+
+def serves_device_plugin(node: str, *, named: bool = True) -> str:
+    """Why a pod claiming its GPUs (DRA) never goes to ``node``."""
+    line = f"node {node} serves GPUs through the device plugin"
+    return f"{SERVES_DEVICE_PLUGIN}: {line}" if named else line
 
 
 REBUILDING = (
@@ -314,6 +341,8 @@ class Extender:
             self.kube.learn(args.pod)
         if demand is None or demand.request is None:  # not a GPU pod: every node passes
             return args.filter_reply(args.node_names, {}, {})
+        if has_pod_claim(args.pod):
+            return self._filter_claiming(args)
         ev, unknown = self._evaluate(demand, args.node_names)
         if self.holders is not None and not ev.feasible.all():
             full = self._held(demand, ev)
@@ -356,6 +385,21 @@ class Extender:
                 unresolvable[node] = serves_dra(node)
             self.metrics.failures.labels("filter", SERVES_DRA).inc(len(dra))
         return args.filter_reply(passed, failed, unresolvable)
+
+    def _filter_claiming(self, args: ExtenderArgs) -> dict[str, Any]:
+        """A DRA pod: its DRA nodes pass, whatever the ledger holds there."""
+        _, unknown = self.view.node_indexes(args.node_names)
+        unresolvable = dict.fromkeys(unknown, UNKNOWN_NODE)
+        passed: list[str] = []
+        for node in args.node_names:
+            if node in self.view.dra:
+                passed.append(node)
+            elif node not in unresolvable:
+                unresolvable[node] = serves_device_plugin(node)
+        others = len(args.node_names) - len(passed) - len(unknown)
+        if others:
+            self.metrics.failures.labels("filter", SERVES_DEVICE_PLUGIN).inc(others)
+        return args.filter_reply(passed, {}, unresolvable)
 
     def _held(self, demand: Demand, ev: Evaluation) -> list[str]:
         """The nodes ``ev`` failed that could take the pod were their cards
@@ -437,6 +481,13 @@ class Extender:
         demand = self._demand(args.pod)
         if demand is None:
             return [{"Host": n, "Score": 0} for n in args.node_names]
+        if demand.request is not None and has_pod_claim(args.pod):
+            # a DRA pod: its DRA nodes ranked among themselves, the others 0
+            nodes = [n for n in args.node_names if n in self.view.dra]
+            ev, _ = self._evaluate(demand, nodes)
+            hosts = self.view.cluster.names[ev.nodes].tolist()
+            known = dict(zip(hosts, normalise(ev.score), strict=True))
+            return [{"Host": n, "Score": known.get(n, 0)} for n in args.node_names]
         ev, unknown = self._evaluate(demand, args.node_names)
         if unknown and demand.request is None:
             # a node with no GPU registered strands none: the best a pod without
@@ -461,7 +512,8 @@ class Extender:
         cannot see GPUs), in MetaVictims form, kept on the nodes where the pod's
         GPUs fit once they are gone (all of them for a pod without GPUs, or with
         preemption off). gpuslice's GPU preemption happens at filter time."""
-        if self.preemptor is None:
+        if self.preemptor is None or has_pod_claim(args.pod):
+            # a DRA pod's device fit is kube-scheduler's own to judge
             return {"NodeNameToMetaVictims": args.victims}
         try:
             demand = self._demand(args.pod)
@@ -481,6 +533,9 @@ class Extender:
             demand = self._demand(pod)
         except RequestError as exc:
             raise BindError(f"gpuslice: {exc}") from None
+        if demand is not None and demand.request is not None and has_pod_claim(pod):
+            await self._bind_claiming(args, pod, bound_to == args.node)
+            return
         if demand is None or demand.request is None:  # no GPU: nothing to reserve
             self._assume(pod, args.node)
             try:
@@ -501,6 +556,32 @@ class Extender:
         except BindError:
             self._forget(pod)
             raise
+
+    async def _bind_claiming(self, args: BindingArgs, pod: dict[str, Any], bound: bool) -> None:
+        """A DRA pod: the Binding alone, on a DRA node. Its cards are the claim's,
+        recorded when kubelet prepares it; nothing is reserved here."""
+        if args.node not in self.view.dra:
+            line = serves_device_plugin(args.node, named=False)
+            await self._failed(args, SERVES_DEVICE_PLUGIN, line)
+            raise BindError(serves_device_plugin(args.node))
+        if bound:
+            return  # bound before: nothing left to do
+        self._assume(pod, args.node)
+        try:
+            await self._create_binding(args)
+        except KubeError as exc:
+            if not await self._bound_here(args):
+                self._forget(pod)
+                await self._failed(args, "BindFailed", str(exc))
+                what = f"{args.pod_namespace}/{args.pod_name}"
+                raise BindError(f"cannot bind {what}: {exc}") from None
+        self.metrics.placements.labels(CLAIM_POLICY).inc()
+        log.info(
+            "bound %s/%s to %s (its GPUs are its DRA claim's)",
+            args.pod_namespace,
+            args.pod_name,
+            args.node,
+        )
 
     def _assume(self, pod: dict[str, Any], node: str) -> None:
         """Count the pod's CPU and memory on ``node`` now, as its GPU usage is."""

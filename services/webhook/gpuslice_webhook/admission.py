@@ -10,8 +10,8 @@ Order of decisions for a pod being created:
    (in DRA mode, ``GPUSLICE_DRA`` or the namespace's ``gpuslice.io/mode`` label,
    the patch references a ResourceClaimTemplate instead: see
    :mod:`gpuslice_webhook.claims`);
-4. the namespace's GPU quotas are checked (translated pods count what their
-   templates ask for);
+4. the namespace's GPU quotas are checked (translated pods keep their GPU
+   resources: they count as in device-plugin mode);
 5. DRA mode: a pod that also has a claim of its own on gpuslice's device class is
    refused; the template is created in the pod's namespace (not on a dry run),
    or one of its name found there must be gpuslice's and equal; any failure
@@ -43,8 +43,8 @@ from gpuslice_common.kube import Conflict, KubeApi, KubeError, NotFound
 from gpuslice_common.models import PodRef
 from gpuslice_common.requests import RequestError, asks_for_gpus, pod_ref
 from gpuslice_webhook.claims import (
+    CLAIM_NAME,
     CLAIMS,
-    MANAGED_BY,
     SLICES,
     TEMPLATES,
     CardSizes,
@@ -54,7 +54,6 @@ from gpuslice_webhook.claims import (
     claimed_classes,
     dra_mode,
     ours_and_equal,
-    pod_template,
 )
 from gpuslice_webhook.metrics import Metrics
 from gpuslice_webhook.mutation import Denied, Mutation, Mutator, ignored
@@ -153,7 +152,7 @@ class Admission:
                 return "routed", answer(review, patch=routed)
             await self._check_quota(namespace, metadata, mutation)
             if mutation.template is not None:
-                await self._own_claims(pod, namespace)
+                await self._own_claims(pod, namespace, mutation.template)
                 await self._create_template(mutation.template, review.dry_run)
         except Denied as denied:
             reply = answer(review, denial=(denied.code, denied.reason, denied.message))
@@ -250,9 +249,12 @@ class Admission:
         slices = await self._within_deadline(self.namespaces.cluster_objects(SLICES), what)
         return card_sizes(slices)
 
-    async def _own_claims(self, pod: Mapping[str, Any], namespace: str) -> None:
+    async def _own_claims(
+        self, pod: Mapping[str, Any], namespace: str, template: ClaimTemplate
+    ) -> None:
         """Refuse a pod asking for GPUs both with NVIDIA's resources and with a
-        claim of its own on gpuslice's device class (two paths to the same cards)."""
+        claim of its own on gpuslice's device class (two paths to the same cards);
+        the claim this translation gives (a pod translated before) is not its own."""
         spec = pod.get("spec")
         claims = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
         if not isinstance(claims, list) or not claims:
@@ -260,7 +262,10 @@ class Admission:
         what = f"read the resource claims of a pod in namespace {namespace!r}"
         kube = self._kube(what)
         for claim in claims:
-            if not isinstance(claim, Mapping):
+            if not isinstance(claim, Mapping) or claim == {
+                "name": CLAIM_NAME,
+                "resourceClaimTemplateName": template.name,
+            }:
                 continue
             for field, ref in (
                 ("resourceClaimName", CLAIMS),
@@ -332,9 +337,8 @@ class Admission:
             return
         pods = await self._within_deadline(self.namespaces.pods(namespace), what)
         name = metadata.get("name")
-        templates = await self._templates(namespace, pods, what)
         skip = name if isinstance(name, str) else ""
-        used = namespace_usage(pods, requests, skip=skip, templates=templates)
+        used = namespace_usage(pods, requests, skip=skip)
         wanted = request_demand(mutation.request.containers)
         try:
             check(limits, wanted, used, namespace, requests)
@@ -342,26 +346,6 @@ class Admission:
             self._record_quota(namespace, limits, used)
             raise
         self._record_quota(namespace, limits, used, wanted)
-
-    async def _templates(
-        self, namespace: str, pods: Sequence[Mapping[str, Any]], what: str
-    ) -> dict[str, dict[str, Any]]:
-        """gpuslice's ResourceClaimTemplates of the namespace by name, read only
-        when some pod there was translated in DRA mode."""
-        if self.namespaces is None or not any(pod_template(pod) for pod in pods):
-            return {}
-        listing = await self._within_deadline(
-            self.namespaces.kube.list_objects(
-                TEMPLATES.in_namespace(namespace), label_selector="=".join(MANAGED_BY)
-            ),
-            what,
-        )
-        found: dict[str, dict[str, Any]] = {}
-        for obj in listing:
-            metadata = obj.get("metadata")
-            if isinstance(metadata, Mapping) and isinstance(metadata.get("name"), str):
-                found[metadata["name"]] = obj
-        return found
 
     def _record_quota(
         self,

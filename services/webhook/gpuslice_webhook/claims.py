@@ -45,7 +45,6 @@ from gpuslice_common.config import ResourceNames
 from gpuslice_common.kube import ObjectRef
 from gpuslice_common.models import (
     ContainerGpuRequest,
-    MemoryRequest,
     PodGpuRequest,
     ScoringWeights,
 )
@@ -64,7 +63,6 @@ __all__ = [
     "claim_template",
     "dra_mode",
     "ours_and_equal",
-    "template_demand",
 ]
 
 TEMPLATES: Final = ObjectRef(dra.API_VERSION, "resourceclaimtemplates")
@@ -75,7 +73,7 @@ MODE_LABEL: Final = "gpuslice.io/mode"
 MODE_DRA: Final = "dra"
 MODE_DEVICE_PLUGIN: Final = "device-plugin"
 # the pod's claim made from the template, as its containers name it
-CLAIM_NAME: Final = "gpuslice"
+CLAIM_NAME: Final = dra.POD_CLAIM
 MANAGED_BY: Final = ("app.kubernetes.io/managed-by", "gpuslice")
 NAME_PREFIX: Final = "gpuslice-"
 ATTRIBUTES: Final = f'device.attributes["{dra.DRIVER}"]'
@@ -379,60 +377,6 @@ def _quantities(devices: Any) -> Any:
             for name, amount in amounts.items():
                 with contextlib.suppress(RequestError):
                     amounts[name] = parse_quantity(amount)
-    return out
-
-
-def pod_template(pod: Mapping[str, Any]) -> str | None:
-    """The template behind the pod's ``gpuslice`` claim, if it has one."""
-    spec = pod.get("spec")
-    claims = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
-    for claim in claims if isinstance(claims, list) else ():
-        if isinstance(claim, Mapping) and claim.get("name") == CLAIM_NAME:
-            name = claim.get("resourceClaimTemplateName")
-            return name if isinstance(name, str) else None
-    return None
-
-
-def template_demand(
-    pod: Mapping[str, Any], template: Mapping[str, Any]
-) -> list[ContainerGpuRequest]:
-    """The GPU containers of a translated pod, read back from its template (the
-    pod's spec and the template's spec cannot change): count, memory (a whole
-    card where no MiB is requested), cores. Malformed parts count as nothing."""
-    spec = pod.get("spec")
-    kinds: dict[str, tuple[bool, bool]] = {}
-    if isinstance(spec, Mapping):
-        for field in ("initContainers", "containers"):
-            for c in spec.get(field) or ():
-                if isinstance(c, Mapping) and isinstance(c.get("name"), str):
-                    init = field == "initContainers"
-                    kinds[c["name"]] = (init, init and c.get("restartPolicy") == "Always")
-    out: list[ContainerGpuRequest] = []
-    devices = ((template.get("spec") or {}).get("spec") or {}).get("devices") or {}
-    for entry in devices.get("requests") or ():
-        try:
-            name = entry["name"]
-            # a share of a card (firstAvailable): count and cores alike in each
-            # subrequest, the memory priced once placed
-            share = "exactly" not in entry
-            exactly = entry["exactly"] if not share else entry["firstAvailable"][0]
-            count = int(exactly.get("count", 1))
-            capacity = (exactly.get("capacity") or {}).get("requests") or {}
-            if share:
-                memory = MemoryRequest(percent=99)  # unpriced: a share of the card it gets
-            elif dra.MEMORY in capacity:
-                memory = MemoryRequest(mib=int(parse_quantity(capacity[dra.MEMORY]) // MIB))
-            else:
-                memory = MemoryRequest(percent=100)
-            cores = int(parse_quantity(capacity.get(dra.CORES, "100")))
-            init, sidecar = kinds.get(name, (False, False))
-            out.append(
-                ContainerGpuRequest(
-                    name=name, init=init, sidecar=sidecar, count=count, memory=memory, cores=cores
-                )
-            )
-        except (KeyError, TypeError, ValueError, AttributeError, RequestError):
-            continue
     return out
 
 

@@ -16,10 +16,26 @@ returns the patch that:
   (``NVIDIA_VISIBLE_DEVICES=none``);
 * sets ``spec.schedulerName``.
 
-In DRA mode the first point differs: each GPU container's GPU resources are
-removed and it names its request of the pod's claim ``gpuslice``
-(``resources.claims``), made from the ResourceClaimTemplate the mutation
-carries (:mod:`gpuslice_webhook.claims`); the rest is the same.
+In DRA mode each GPU container also names its request of the pod's claim
+``gpuslice`` (``resources.claims``), made from the ResourceClaimTemplate the
+mutation carries (:mod:`gpuslice_webhook.claims`); the rest is the same. Its
+GPU resources stay in its limits, stated in full as above: they are what has
+kube-scheduler call gpuslice's extender (``managedResources``), which chooses
+the node by fragmentation, and what namespace quotas count. They are never
+granted twice:
+
+* kube-scheduler's NodeResourcesFit does not count them: every resource an
+  extender manages with ``ignoredByScheduler: true`` becomes its
+  ``ignoredResources`` (``buildExtenders`` in kubernetes
+  ``pkg/scheduler/scheduler.go``; ``fitsRequest`` in
+  ``pkg/scheduler/framework/plugins/noderesources/fit.go`` skips them);
+* kubelet admits the pod on a DRA node, where no device plugin advertises them:
+  ``removeMissingExtendedResources`` (``pkg/kubelet/lifecycle/predicate.go``)
+  drops extended-resource requests missing from the node's allocatable before
+  its fit check, and the device manager allocates only resources a device
+  plugin registered (``isDevicePluginResource`` in
+  ``pkg/kubelet/cm/devicemanager/manager.go``), so its cards come from the
+  claim alone.
 
 Running it on a pod it has already changed gives an empty patch: the variables
 gpuslice sets are accepted when they hold exactly what gpuslice would write, and
@@ -143,7 +159,7 @@ class Mutator:
 
         With ``dra`` an NVIDIA request becomes a ResourceClaimTemplate (the
         mutation's ``template``, not created here) that the patch makes the pod
-        reference, in place of its GPU resources; a share of a card's memory
+        reference, besides its GPU resources; a share of a card's memory
         needs the cluster's card ``sizes`` (NeedCardSizes without them)."""
         request = self._parse(pod, namespace)
         if request is None:
@@ -176,9 +192,8 @@ class Mutator:
                 self._hide_gpus(container, env, patch)
                 continue
             self._check_gpu_container(container, env)
-            if template is None:
-                self._write_resources(container, patch)
-            else:
+            self._write_resources(container, patch)
+            if template is not None:
                 self._claim_devices(container, patch)
             self._write_env(container, env, patch)
         if template is not None:
@@ -321,21 +336,15 @@ class Mutator:
                 patch.put(path, current, key, value)
 
     def _claim_devices(self, container: _Container, patch: Patch) -> None:
-        """DRA mode: the container's GPU resources leave its limits and requests
-        (no device plugin answers them) and it names its request of the claim."""
+        """DRA mode: the container names its request of the pod's claim (once)."""
         resources = container.spec.get("resources")
         assert isinstance(resources, Mapping)  # the container asks for a GPU
-        names = self.names.all()
-        for part in ("limits", "requests"):
-            amounts = resources.get(part)
-            if isinstance(amounts, Mapping):
-                for key in amounts:
-                    if key in names:
-                        patch.remove((*container.path, "resources", part, key))
         entry = {"name": CLAIM_NAME, "request": container.name}
         claims = resources.get("claims")
         if claims is not None and not isinstance(claims, list):
             raise bad_request(f"{container.label}: resources.claims must be a list")
+        if claims and entry in claims:
+            return  # translated before
         patch.append((*container.path, "resources", "claims"), claims, [entry])
 
     def _reference(self, spec: Mapping[str, Any], template: ClaimTemplate, patch: Patch) -> None:
@@ -343,13 +352,15 @@ class Mutator:
         claims = spec.get("resourceClaims")
         if claims is not None and not isinstance(claims, list):
             raise bad_request("spec.resourceClaims must be a list")
+        entry = {"name": CLAIM_NAME, "resourceClaimTemplateName": template.name}
         for claim in claims or ():
+            if claim == entry:
+                return  # translated before
             if isinstance(claim, Mapping) and claim.get("name") == CLAIM_NAME:
                 raise Denied(
                     f"the pod has a resource claim named {CLAIM_NAME!r} and asks for GPUs "
                     f"with {self.names.gpu}: gpuslice gives that claim; rename the pod's own"
                 )
-        entry = {"name": CLAIM_NAME, "resourceClaimTemplateName": template.name}
         patch.append(("spec", "resourceClaims"), claims, [entry])
 
     def _wanted_env(self, container: _Container) -> list[dict[str, Any]]:

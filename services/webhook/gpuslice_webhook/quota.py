@@ -12,7 +12,8 @@ Kubernetes' own. A pod's use is its peak:
   every sidecar), the largest phase counting;
 * a pod already placed counts what its placement annotation says it holds, so
   requests given as a share of a card are priced by the card they got;
-* a pod translated in DRA mode counts what its ResourceClaimTemplate asks for.
+* a pod translated in DRA mode counts as any other: its GPU resources stay in
+  its limits beside its claim (it has no placement annotation: DRA places it).
 
 A pod that gives memory as a share of a card cannot be priced before it is
 placed; in a namespace with a memory quota it is refused with a message saying
@@ -36,7 +37,6 @@ from gpuslice_common.models import (
     PodGpuRequest,
 )
 from gpuslice_common.requests import RequestError, parse_pod, parse_quantity
-from gpuslice_webhook.claims import pod_template, template_demand
 from gpuslice_webhook.denial import Denied
 
 log = logging.getLogger(__name__)
@@ -104,22 +104,12 @@ def placed_demand(annotation: str, uid: str) -> Demand:
     return Demand(sum(f.memory_mib for f in footprint), sum(f.cores for f in footprint))
 
 
-def pod_demand(
-    pod: Mapping[str, Any],
-    settings: RequestSettings,
-    templates: Mapping[str, Mapping[str, Any]] | None = None,
-) -> Demand:
+def pod_demand(pod: Mapping[str, Any], settings: RequestSettings) -> Demand:
     """What an existing pod counts against its namespace's quota (0 if unreadable).
-
-    A pod translated in DRA mode counts what its claim's template (gpuslice's,
-    among ``templates`` by name) asks for: its GPU resources are gone from its spec.
 
     Whether it asks for another vendor's cards (not counted) is read from its spec,
     which cannot change, never from its placement annotation, which its owner may edit.
     """
-    template = pod_template(pod)
-    if template is not None and templates is not None and template in templates:
-        return request_demand(template_demand(pod, templates[template]))
     try:
         request: PodGpuRequest | None = parse_pod(pod, settings)
     except RequestError:
@@ -198,7 +188,6 @@ def namespace_usage(
     settings: RequestSettings,
     *,
     skip: str = "",
-    templates: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Demand:
     """What the namespace's pods hold; ``skip`` names a pod not to count (being replaced)."""
     memory = cores = 0
@@ -206,7 +195,7 @@ def namespace_usage(
         metadata = pod.get("metadata")
         if skip and isinstance(metadata, Mapping) and metadata.get("name") == skip:
             continue
-        demand = pod_demand(pod, settings, templates)
+        demand = pod_demand(pod, settings)
         memory += demand.memory_mib
         cores += demand.cores
     return Demand(memory, cores)

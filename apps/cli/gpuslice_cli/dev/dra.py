@@ -6,7 +6,8 @@ kubelet do with a pod's ResourceClaims, done against the dev API server.
   owned by the pod), the names recorded in the pod's
   ``status.resourceClaimStatuses``; a claim named by ``resourceClaimName`` must
   exist;
-* :func:`allocate_on` is kube-scheduler's DRA allocation on one node
+* :func:`fits_on` is kube-scheduler's DRA filter on one node, :func:`allocate_on`
+  its allocation there
   (:mod:`gpuslice_cli.dev.draalloc`, first fit on consumable capacity, with
   every other claim's allocation on the node counted), written back as the
   claim's ``status.allocation`` with the pod in ``status.reservedFor``;
@@ -104,11 +105,17 @@ async def make_claims(kube: LocalKubeApi, pod: dict[str, Any]) -> list[dict[str,
     return claims
 
 
-async def allocate_on(
-    kube: LocalKubeApi, pod: Mapping[str, Any], claims: Sequence[dict[str, Any]], node: str
-) -> list[dict[str, Any]] | None:
-    """Allocate every one of ``claims`` on ``node`` and reserve them for ``pod``:
-    the claims as stored, or None (nothing written) when they do not all fit."""
+async def fits_on(kube: LocalKubeApi, claims: Sequence[dict[str, Any]], node: str) -> bool:
+    """Can every one of ``claims`` be allocated on ``node`` (DynamicResources'
+    filter)? Nothing is written."""
+    return await _plan(kube, claims, node) is not None
+
+
+async def _plan(
+    kube: LocalKubeApi, claims: Sequence[dict[str, Any]], node: str
+) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
+    """Each claim with its allocation on ``node``, or None when they do not all
+    fit; a claim allocated already fits only on the node of its devices."""
     slices = [
         s for s in await kube.list_objects(SLICES) if (s.get("spec") or {}).get("nodeName") == node
     ]
@@ -121,7 +128,11 @@ async def allocate_on(
     planned: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for claim in claims:
         allocation = (claim.get("status") or {}).get("allocation")
-        if allocation is None:
+        if allocation is not None:
+            results = (allocation.get("devices") or {}).get("results") or []
+            if any(r.get("pool") != node for r in results):
+                return None
+        else:
             try:
                 allocation = allocate(claim, node, slices, taken, classes)
             except AllocationError as exc:
@@ -130,6 +141,17 @@ async def allocate_on(
                 return None
             taken.append(allocation)
         planned.append((claim, allocation))
+    return planned
+
+
+async def allocate_on(
+    kube: LocalKubeApi, pod: Mapping[str, Any], claims: Sequence[dict[str, Any]], node: str
+) -> list[dict[str, Any]] | None:
+    """Allocate every one of ``claims`` on ``node`` and reserve them for ``pod``:
+    the claims as stored, or None (nothing written) when they do not all fit."""
+    planned = await _plan(kube, claims, node)
+    if planned is None:
+        return None
     meta = pod["metadata"]
     stored = []
     for claim, allocation in planned:

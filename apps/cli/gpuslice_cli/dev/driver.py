@@ -221,6 +221,14 @@ def pod_needs(pod: Mapping[str, Any]) -> dict[str, int]:
     return {name: count for name, count in need.items() if name not in MANAGED}
 
 
+def _asks_extender(pod: Mapping[str, Any]) -> bool:
+    """Does the pod ask for a resource the extender manages (kube-scheduler
+    calls an extender only for such pods)?"""
+    spec = pod.get("spec") or {}
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    return any(MANAGED & set(_extended(c)) for c in containers)
+
+
 def merge_responses(
     responses: Sequence[pb.ContainerAllocateResponse],
 ) -> pb.ContainerAllocateResponse:
@@ -513,9 +521,25 @@ class ClusterDriver:
                 self._node_locks[node].release()
                 raise
             return node, ""
+        node = await self._extender_node(pod, fit, len(names))
+        # The node's device plugin answers Allocate with the pods bound to it in
+        # bind order: from this bind until the pod's Allocate calls are done,
+        # no other pod binds to the node (the lock is released in run_pod).
+        lock = self._node_locks.setdefault(node, asyncio.Lock())
+        await lock.acquire()
+        try:
+            await self._extender_bind(pod, node)
+        except BaseException:
+            lock.release()
+            raise
+        return node, ""
+
+    async def _extender_node(self, pod: dict[str, Any], nodes: list[str], total: int) -> str:
+        """The extender's choice among ``nodes``: its filter, then the best of
+        its prioritize (the first sent among equals), as kube-scheduler asks it."""
         replicas = self.stack.extender_urls
         filtered = await self._post(
-            [f"{url}/filter" for url in replicas], {"Pod": pod, "NodeNames": fit}, "the extender"
+            [f"{url}/filter" for url in replicas], {"Pod": pod, "NodeNames": nodes}, "the extender"
         )
         result = filtered.json()
         if result.get("Error"):
@@ -529,8 +553,8 @@ class ClusterDriver:
             why = "; ".join(f"{node}: {reason}" for node, reason in sorted(failed.items()))
             if any(reason.startswith(WAIT_REASONS) for reason in failed.values()):
                 # kube-scheduler tries an unschedulable pod again as the nodes change
-                raise Retry(f"0/{len(names)} nodes are available: {why}")
-            raise Unschedulable(f"0/{len(names)} nodes are available: {why}")
+                raise Retry(f"0/{total} nodes are available: {why}")
+            raise Unschedulable(f"0/{total} nodes are available: {why}")
         body = {"Pod": pod, "NodeNames": passed}
         scored = await self._post(
             [f"{url}/prioritize" for url in replicas], body, "the extender", ok=(200, 400)
@@ -538,7 +562,11 @@ class ClusterDriver:
         if scored.status_code != 200:
             raise Retry(f"prioritize: {scored.text}")
         scores = {entry["Host"]: entry["Score"] for entry in scored.json()}
-        node = max(passed, key=lambda n: (scores.get(n, 0), -passed.index(n)))
+        return max(passed, key=lambda n: (scores.get(n, 0), -passed.index(n)))  # type: ignore[no-any-return]
+
+    async def _extender_bind(self, pod: Mapping[str, Any], node: str) -> None:
+        """The extender's bind of ``pod`` to ``node``; Retry when it failed and
+        the pod is not bound there."""
         meta = pod["metadata"]
         binding = {
             "PodName": meta["name"],
@@ -546,56 +574,63 @@ class ClusterDriver:
             "PodUID": meta["uid"],
             "Node": node,
         }
-        # The node's device plugin answers Allocate with the pods bound to it in
-        # bind order: from this bind until the pod's Allocate calls are done,
-        # no other pod binds to the node (the lock is released in run_pod).
-        lock = self._node_locks.setdefault(node, asyncio.Lock())
-        await lock.acquire()
-        try:
-            bound = (
-                await self._post([f"{url}/bind" for url in replicas], binding, "the extender")
-            ).json()
-            if bound.get("Error"):
-                held = await self.stack.kube.get_pod(meta["namespace"], meta["name"])
-                if held["spec"].get("nodeName") != node:  # not bound before the error
-                    raise Retry(f"bind: {bound['Error']}")
-        except BaseException:
-            lock.release()
-            raise
-        return node, ""
+        urls = [f"{url}/bind" for url in self.stack.extender_urls]
+        bound = (await self._post(urls, binding, "the extender")).json()
+        if bound.get("Error"):
+            held = await self.stack.kube.get_pod(meta["namespace"], meta["name"])
+            if held["spec"].get("nodeName") != node:  # not bound before the error
+                raise Retry(f"bind: {bound['Error']}")
 
     async def _schedule_claims(self, pod: dict[str, Any]) -> tuple[str, str]:
-        """kube-scheduler with DRA: the first DRA node (in order) on which every
-        claim of the pod can be allocated; the claims written back allocated and
-        reserved for the pod, then the pod bound. The extender is not asked: the
-        pod requests none of the resources it manages."""
+        """kube-scheduler with DRA: the DRA nodes (in order) on which every claim
+        of the pod can be allocated; for a pod of gpuslice's scheduler that asks
+        for resources the extender manages (the webhook keeps them beside the
+        claim), the extender's choice among them and its bind, else the first;
+        the claims written back allocated and reserved for the pod there."""
         claims = self._claims[pod["metadata"]["uid"]]
         names = [node.name for node in self.stack.nodes if node.dra]
         meta = pod["metadata"]
+        scheduler = pod["spec"].get("schedulerName") or DEFAULT_SCHEDULER
+        extender = scheduler == GPUSLICE_SCHEDULER and _asks_extender(pod)
         async with self._dra_lock:
-            for node in names:
+            fit = []
+            for name in names:
                 try:
-                    allocated = await dra.allocate_on(self.stack.kube, pod, claims, node)
+                    if await dra.fits_on(self.stack.kube, claims, name):
+                        fit.append(name)
                 except dra.DraError as exc:
                     raise Unschedulable(str(exc)) from None
-                if allocated is None:
-                    continue
-                self._claims[meta["uid"]] = allocated
-                lock = self._node_locks.setdefault(node, asyncio.Lock())
-                await lock.acquire()
-                try:
+            if not fit:
+                raise Unschedulable(
+                    f"0/{len(self.stack.nodes)} nodes are available: "
+                    f"{len(names)} cannot allocate all of the pod's claims"
+                    + (
+                        f", {len(self.stack.nodes) - len(names)} serve no DRA driver"
+                        if names
+                        else ""
+                    )
+                )
+            node = await self._extender_node(pod, fit, len(names)) if extender else fit[0]
+            try:
+                allocated = await dra.allocate_on(self.stack.kube, pod, claims, node)
+            except dra.DraError as exc:
+                raise Unschedulable(str(exc)) from None
+            if allocated is None:  # cannot happen under the lock
+                raise Retry(f"the claims no longer fit on {node}")
+            self._claims[meta["uid"]] = allocated
+            lock = self._node_locks.setdefault(node, asyncio.Lock())
+            await lock.acquire()
+            try:
+                if extender:
+                    await self._extender_bind(pod, node)
+                else:
                     await self.stack.kube.bind_pod(
                         meta["namespace"], meta["name"], meta["uid"], node
                     )
-                except BaseException:
-                    lock.release()
-                    raise
-                return node, ""
-        raise Unschedulable(
-            f"0/{len(self.stack.nodes)} nodes are available: "
-            f"{len(names)} cannot allocate all of the pod's claims"
-            + (f", {len(self.stack.nodes) - len(names)} serve no DRA driver" if names else "")
-        )
+            except BaseException:
+                lock.release()
+                raise
+            return node, ""
 
     async def _prepare_claims(self, pod: Mapping[str, Any], node: str) -> dict[str, Any]:
         """kubelet's NodePrepareResources for the pod's claims: by claim UID, the
@@ -844,8 +879,11 @@ class ClusterDriver:
                     visible = edits.envs.get("NVIDIA_VISIBLE_DEVICES", "")
                     run.devices = tuple(u for u in visible.split(",") if u)
                 for resource, count in sorted(_extended(container).items()):
-                    if resource in MANAGED and resource != GPU_RESOURCE:
-                        continue  # the extender's to count: no plugin serves it
+                    if resource in MANAGED and (resource != GPU_RESOURCE or spec.dra):
+                        # the extender's to count: no plugin serves it (on a DRA
+                        # node not even the GPUs: kubelet's device manager skips
+                        # a resource no device plugin registered)
+                        continue
                     plugin, response = await self._allocate(node, count, resource)
                     held.extend((plugin, device) for device in plugin.last_allocated)
                     responses.append(response)
