@@ -83,10 +83,8 @@ async def test_dra_mode_on_a_node_whose_slices_cannot_be_named_is_refused(
     the admission policy would refuse every other name, so the agent does not start."""
     long = ".".join(["a" * 60] * 4)  # 243 characters, a valid node name
     settings = dra_settings.model_copy(update={"node_name": long})
-    with pytest.raises(ConfigError, match="GPUSLICE_NODE_NAME: node name 'a{60}.*233"):
-        async with running(
-            settings, bus=bus, kube=LocalKubeApi(), serve_http=False, timing=FAST
-        ):
+    with pytest.raises(ConfigError, match=r"GPUSLICE_NODE_NAME: node name 'a{60}.*233"):
+        async with running(settings, bus=bus, kube=LocalKubeApi(), serve_http=False, timing=FAST):
             pass
 
 

@@ -210,7 +210,7 @@ def test_slice_names_are_the_node_s_name_and_a_suffix_the_policy_checks() -> Non
         f"{NODE}-{DRIVER}-999",
     ]
     for index in (-1, MAX_SLICE_INDEX + 1):
-        with pytest.raises(ValueError, match="not in 0..999"):
+        with pytest.raises(ValueError, match=r"not in 0\.\.999"):
             slice_name(NODE, index)
     # a node name that ends like another's slice never takes that slice's name
     assert slice_name("a", 1) not in {slice_name("a-1"), slice_name("a-gpu.gpuslice.io")}
