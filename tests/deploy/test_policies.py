@@ -16,9 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuslice_common.config import RequestSettings
+from gpuslice_common.dra import API_VERSION as DRA_API_VERSION
+from gpuslice_common.dra import DEVICE_CLASS
 from gpuslice_common.dra import DRIVER as DRA_DRIVER
 from gpuslice_common.models import PLACEMENT_ANNOTATION
-from gpuslice_common.requests import has_gpu_request
+from gpuslice_common.requests import has_gpu_request, parse_pod
+from gpuslice_deviceplugin.dra.slices import slice_name
+from gpuslice_webhook.claims import MANAGED_BY, NAME_PREFIX, claim_template
 from tests.deploy.kustomize import overlay, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -719,11 +723,13 @@ def slice_policy() -> tuple[Any, Any, list[tuple[str, Any]]]:
 SLICE_CONDITION, SLICE_NODE, SLICE_CHECKS = slice_policy()
 
 
-def resource_slice(node: str, *, pool: str | None = None, driver: str = DRA_DRIVER) -> Any:
+def resource_slice(
+    node: str, *, pool: str | None = None, driver: str = DRA_DRIVER, name: str | None = None
+) -> Any:
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceSlice",
-        "metadata": {"name": f"{node}-gpu"},
+        "metadata": {"name": name or slice_name(node)},
         "spec": {
             "driver": driver,
             "nodeName": node,
@@ -768,14 +774,17 @@ def test_an_agent_cannot_touch_another_node_s_slice() -> None:
     theirs = resource_slice("gpu-2")
     assert slice_refusals("CREATE", theirs, None) == [
         "a node agent may write only its own node's slice (spec.nodeName and pool named "
-        "after its node, driver gpu.gpuslice.io)"
+        "after its node, driver gpu.gpuslice.io)",
+        "a node agent names its node's slices <node>-gpu.gpuslice.io, then -1, -2 ... "
+        "(at most -999)",
     ]
     assert slice_refusals("DELETE", None, theirs) == [
         "a node agent may change or delete only its own node's slice"
     ]
     # moving another node's slice to itself, or its own away
     assert len(slice_refusals("UPDATE", resource_slice("gpu-1"), theirs) or []) == 1
-    assert len(slice_refusals("UPDATE", theirs, resource_slice("gpu-1")) or []) == 1
+    moved = resource_slice("gpu-2", name=slice_name("gpu-1"))
+    assert len(slice_refusals("UPDATE", moved, resource_slice("gpu-1")) or []) == 1
     # its own node name, another node's pool; another driver's slice
     assert len(slice_refusals("CREATE", resource_slice("gpu-1", pool="gpu-2"), None) or []) == 1
     other = resource_slice("gpu-1", driver="gpu.example.com")
@@ -807,3 +816,438 @@ def test_the_slice_policy_leaves_other_accounts_alone() -> None:
     ]
     account = agent["spec"]["template"]["spec"]["serviceAccountName"]
     assert f"system:serviceaccount:gpuslice:{account}" == AGENT_SA
+
+
+def test_an_agent_names_its_slices_as_it_publishes_them() -> None:
+    """<node>-gpu.gpuslice.io, then -1 ... -999 (slices.slice_name): no other name,
+    so no node takes the name of another node's slice first."""
+    for index in (0, 1, 2, 10, 999):
+        mine = resource_slice("gpu-1", name=slice_name("gpu-1", index))
+        assert slice_refusals("CREATE", mine, None) == [], index
+        assert slice_refusals("UPDATE", mine, mine) == [], index
+    naming = (
+        "a node agent names its node's slices <node>-gpu.gpuslice.io, then -1, -2 ... "
+        "(at most -999)"
+    )
+    for name in (
+        slice_name("gpu-2"),  # another node's, its own nodeName and pool
+        slice_name("gpu-10"),
+        "gpu-1-gpu",
+        "gpu-1",
+        slice_name("gpu-1") + "-0",
+        slice_name("gpu-1") + "-01",
+        slice_name("gpu-1") + "-1000",
+        slice_name("gpu-1") + "-1-2",
+        slice_name("gpu-1") + "-x",
+        slice_name("gpu-1") + "x",
+        slice_name(slice_name("gpu-1", 1)),  # node gpu-1-gpu.gpuslice.io-1's slice
+        "x" + slice_name("gpu-1"),
+    ):
+        assert slice_refusals("CREATE", resource_slice("gpu-1", name=name), None) == [naming], name
+    # its node's stale slices go whatever their name
+    assert slice_refusals("DELETE", None, resource_slice("gpu-1", name="old")) == []
+
+
+# ---------------------------------------------------------------- DRA policies, evaluated whole
+
+WEBHOOK_SA = "system:serviceaccount:gpuslice:gpuslice-webhook"
+CLAIM_CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
+KCM = "system:kube-controller-manager"
+SCHEDULER = "system:kube-scheduler"
+TENANT = "alice"
+HAND_WRITTEN = "gpuslice.io/hand-written-claims"
+
+
+def dra_policy(name: str) -> dict[str, Any]:
+    """A ValidatingAdmissionPolicy of the DRA build, failing closed, bound to deny."""
+    (policy,) = [
+        o
+        for o in DRA_OBJECTS
+        if o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"] == name
+    ]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    (binding,) = [
+        o
+        for o in DRA_OBJECTS
+        if o["kind"] == "ValidatingAdmissionPolicyBinding" and o["spec"]["policyName"] == name
+    ]
+    assert binding["metadata"]["name"] == name
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert "matchResources" not in binding["spec"]  # every namespace
+    return policy
+
+
+def admission(
+    policy: dict[str, Any],
+    operation: str,
+    resource: str,
+    new: Any,
+    old: Any,
+    *,
+    user: str,
+    namespace: dict[str, Any] | None = None,
+) -> list[str] | None:
+    """What the API server does with ``policy`` for one request: None where it
+    does not apply (matchConstraints, matchConditions), else the messages of the
+    validations that refuse, each evaluated with the variables before it."""
+    spec = policy["spec"]
+    rules = spec["matchConstraints"]["resourceRules"]
+    if not any(resource in r["resources"] and operation in r["operations"] for r in rules):
+        return None
+    request = {
+        "operation": operation,
+        "userInfo": {"username": user},
+        "resource": {"group": "resource.k8s.io", "version": "v1", "resource": resource},
+    }
+    values = {"request": request, "object": new, "oldObject": old}
+    if namespace is not None:
+        values["namespaceObject"] = namespace
+    cel = {k: celpy.json_to_cel(v) for k, v in values.items()}
+    for condition in spec.get("matchConditions", []):
+        if not program(condition["expression"]).evaluate(cel):
+            return None
+    variables: dict[Any, Any] = {}
+    for variable in spec.get("variables", []):
+        cel["variables"] = celpy.celtypes.MapType(variables)
+        value = program(variable["expression"]).evaluate(cel)
+        assert not isinstance(value, celpy.CELEvalError), (variable["name"], value)
+        variables[celpy.celtypes.StringType(variable["name"])] = value
+    cel["variables"] = celpy.celtypes.MapType(variables)
+    refused = []
+    for validation in spec["validations"]:
+        result = program(validation["expression"]).evaluate(cel)
+        assert isinstance(result, celpy.celtypes.BoolType), (validation["message"], result)
+        if not result:
+            refused.append(" ".join(validation["message"].split()))
+    return refused
+
+
+# ---------------------------------------------------------------- DRA: claims through the webhook
+
+CLAIM_POLICY = dra_policy("gpuslice-claims-through-the-webhook")
+THROUGH_THE_WEBHOOK = (
+    "gpuslice-claims-through-the-webhook: a claim or claim template of device class "
+    "gpuslice.io is made by gpuslice's webhook"
+)
+WEBHOOK_S_OWN = (
+    "gpuslice-claims-through-the-webhook: claim templates named gpuslice-* or labelled "
+    "app.kubernetes.io/managed-by=gpuslice are gpuslice's webhook's"
+)
+
+
+def namespace_object(labels: dict[str, str] | None = None, *, going: bool = False) -> Any:
+    metadata: dict[str, Any] = {"name": "team-a"}
+    if labels:
+        metadata["labels"] = {"kubernetes.io/metadata.name": "team-a", **labels}
+    if going:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": metadata}
+
+
+def devices(device_class: str = DEVICE_CLASS, *, first_available: bool = False) -> Any:
+    if first_available:
+        request = {
+            "name": "gpu",
+            "firstAvailable": [
+                {"name": "other", "deviceClassName": "gpu.example.com"},
+                {"name": "ours", "deviceClassName": device_class, "count": 8},
+            ],
+        }
+    else:
+        request = {
+            "name": "gpu",
+            "exactly": {
+                "deviceClassName": device_class,
+                "allocationMode": "ExactCount",
+                "count": 8,
+            },
+        }
+    return {"requests": [request]}
+
+
+def claim(name: str = "mine", **kwargs: Any) -> Any:
+    return {
+        "apiVersion": DRA_API_VERSION,
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "team-a"},
+        "spec": {"devices": devices(**kwargs)},
+    }
+
+
+def template(name: str = "mine", labels: dict[str, str] | None = None, **kwargs: Any) -> Any:
+    metadata: dict[str, Any] = {"name": name, "namespace": "team-a"}
+    if labels:
+        metadata["labels"] = labels
+    return {
+        "apiVersion": DRA_API_VERSION,
+        "kind": "ResourceClaimTemplate",
+        "metadata": metadata,
+        "spec": {"spec": {"devices": devices(**kwargs)}},
+    }
+
+
+def webhook_template() -> Any:
+    """A template as the webhook makes it from a pod asking for half a card."""
+    manifest = {
+        "metadata": {"name": "p", "namespace": "team-a"},
+        "spec": {
+            "containers": [
+                {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+            ]
+        },
+    }
+    request = parse_pod(manifest)
+    assert request is not None
+    made = claim_template(
+        request, "team-a", consumable=True, names=RequestSettings().resources
+    ).body
+    assert made["metadata"]["name"].startswith(NAME_PREFIX)
+    assert made["metadata"]["labels"] == {MANAGED_BY[0]: MANAGED_BY[1]}
+    return made
+
+
+def claims_admission(
+    operation: str,
+    new: Any,
+    old: Any = None,
+    *,
+    user: str = TENANT,
+    namespace: Any = None,
+) -> list[str] | None:
+    kind = (new or old)["kind"]
+    resource = {
+        "ResourceClaim": "resourceclaims",
+        "ResourceClaimTemplate": "resourceclaimtemplates",
+    }
+    return admission(
+        CLAIM_POLICY,
+        operation,
+        resource[kind],
+        new,
+        old,
+        user=user,
+        namespace=namespace or namespace_object(),
+    )
+
+
+def firsts(messages: list[str] | None) -> list[str] | None:
+    """Each refusal's first sentence, up to its first comma-free clause."""
+    if messages is None:
+        return None
+    return [m.split(" from a pod")[0].split(" (the namespace")[0] for m in messages]
+
+
+def test_the_claim_policy_matches_claims_and_templates_not_their_status() -> None:
+    rules = CLAIM_POLICY["spec"]["matchConstraints"]["resourceRules"]
+    matched = {(r, op) for rule in rules for r in rule["resources"] for op in rule["operations"]}
+    assert matched == {
+        ("resourceclaims", "CREATE"),
+        ("resourceclaims", "UPDATE"),
+        ("resourceclaimtemplates", "CREATE"),
+        ("resourceclaimtemplates", "UPDATE"),
+        ("resourceclaimtemplates", "DELETE"),
+    }
+    assert all(rule["apiGroups"] == ["resource.k8s.io"] for rule in rules)
+    # kube-scheduler writes a claim's allocation through resourceclaims/status
+    allocated = claim()
+    allocated["status"] = {"allocation": {"devices": {"results": []}}}
+    assert claims_admission("UPDATE", allocated, claim(), user=SCHEDULER) == []
+    assert (
+        admission(
+            CLAIM_POLICY, "UPDATE", "resourceclaims/status", allocated, claim(), user=SCHEDULER
+        )
+        is None
+    )
+    # the webhook's account is the one its pods run as
+    (deployment,) = [
+        o
+        for o in DRA_OBJECTS
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "gpuslice-webhook"
+    ]
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert f"system:serviceaccount:gpuslice:{account}" == WEBHOOK_SA
+
+
+def test_a_tenant_s_own_gpuslice_claim_is_refused() -> None:
+    """The reviewer's attack: a claim for 8 whole cards of class gpuslice.io,
+    written by hand, outside the webhook's quota checks."""
+    for shape in ({}, {"first_available": True}):
+        assert firsts(claims_admission("CREATE", claim(**shape))) == [THROUGH_THE_WEBHOOK]
+        assert firsts(claims_admission("CREATE", template(**shape))) == [THROUGH_THE_WEBHOOK]
+        # not the webhook's to write claims, nor the claim controller's to write templates
+        assert firsts(claims_admission("CREATE", claim(**shape), user=WEBHOOK_SA)) == [
+            THROUGH_THE_WEBHOOK
+        ]
+        assert firsts(claims_admission("CREATE", template(**shape), user=CLAIM_CONTROLLER)) == [
+            THROUGH_THE_WEBHOOK
+        ]
+    # a claim changed to ask for gpuslice's class (the API server refuses a spec
+    # change anyway; the policy does not count on it)
+    other = claim(device_class="gpu.example.com")
+    assert firsts(claims_admission("UPDATE", claim(), other)) == [THROUGH_THE_WEBHOOK]
+    other_template = template(device_class="gpu.example.com")
+    assert firsts(claims_admission("UPDATE", template(), other_template)) == [THROUGH_THE_WEBHOOK]
+
+
+def test_the_claim_controller_and_the_webhook_write_what_pods_ask_through_it() -> None:
+    for user in (CLAIM_CONTROLLER, KCM):  # with and without per-controller credentials
+        assert claims_admission("CREATE", claim(), user=user) == []
+        assert claims_admission("CREATE", claim(first_available=True), user=user) == []
+    made = webhook_template()
+    assert claims_admission("CREATE", made, user=WEBHOOK_SA) == []
+    # the claim the controller makes from it
+    from_template = {
+        "apiVersion": DRA_API_VERSION,
+        "kind": "ResourceClaim",
+        "metadata": {"name": "p-gpu-x1y2z", "namespace": "team-a"},
+        "spec": made["spec"]["spec"],
+    }
+    assert claims_admission("CREATE", from_template, user=CLAIM_CONTROLLER) == []
+    assert firsts(claims_admission("CREATE", from_template)) == [THROUGH_THE_WEBHOOK]
+
+
+def test_updates_that_leave_the_spec_alone_pass() -> None:
+    """kube-scheduler adds its finalizer, the claim controller removes it, a
+    tenant labels its claim: none writes a request."""
+    old = claim()
+    new = copy.deepcopy(old)
+    new["metadata"]["finalizers"] = ["resource.kubernetes.io/delete-protection"]
+    for user in (SCHEDULER, CLAIM_CONTROLLER, TENANT):
+        assert claims_admission("UPDATE", new, old, user=user) == []
+    labelled = copy.deepcopy(old)
+    labelled["metadata"]["labels"] = {"team": "a"}
+    assert claims_admission("UPDATE", labelled, old) == []
+
+
+def test_a_namespace_labelled_by_its_operator_writes_its_own_claims() -> None:
+    allowed = namespace_object({HAND_WRITTEN: "allowed"})
+    for shape in ({}, {"first_available": True}):
+        assert claims_admission("CREATE", claim(**shape), namespace=allowed) == []
+        assert claims_admission("CREATE", template(**shape), namespace=allowed) == []
+    for value in ("true", "Allowed", "yes"):
+        other = namespace_object({HAND_WRITTEN: value})
+        assert firsts(claims_admission("CREATE", claim(), namespace=other)) == [THROUGH_THE_WEBHOOK]
+    unlabelled = namespace_object({"team": "a"})
+    assert firsts(claims_admission("CREATE", claim(), namespace=unlabelled)) == [
+        THROUGH_THE_WEBHOOK
+    ]
+
+
+def test_claims_of_other_classes_are_not_concerned() -> None:
+    for obj in (
+        claim(device_class="gpu.example.com"),
+        claim(device_class="gpu.example.com", first_available=True),
+        template(device_class="gpu.example.com"),
+        template(device_class="gpuslice.io.example"),
+    ):
+        assert claims_admission("CREATE", obj) == [], obj
+    assert claims_admission("DELETE", None, template()) == []
+    bare = claim()
+    bare["spec"] = {}
+    assert claims_admission("CREATE", bare) == []
+    empty_template = template()
+    empty_template["spec"] = {"spec": {}}
+    assert claims_admission("CREATE", empty_template) == []
+
+
+def test_only_the_webhook_writes_or_deletes_gpuslice_s_templates() -> None:
+    """The reviewer's attack: the tenant deletes the template its running pod's
+    quota is counted from (or changes it, or plants one), in any namespace."""
+    made = webhook_template()
+    allowed = namespace_object({HAND_WRITTEN: "allowed"})
+    for namespace in (namespace_object(), allowed):
+        refused = firsts(claims_admission("DELETE", None, made, namespace=namespace))
+        assert refused == [WEBHOOK_S_OWN]
+        assert claims_admission("DELETE", None, made, user=WEBHOOK_SA, namespace=namespace) == []
+        for user in (TENANT, CLAIM_CONTROLLER, KCM):
+            # unlabelled and renamed it is still gpuslice's before the change
+            relabelled = copy.deepcopy(made)
+            del relabelled["metadata"]["labels"]
+            assert WEBHOOK_S_OWN in (
+                firsts(claims_admission("UPDATE", relabelled, made, user=user, namespace=namespace))
+                or []
+            )
+        # planted: by its name or by its label, even asking for no GPU
+        for planted in (
+            template(NAME_PREFIX + "0" * 24, device_class="gpu.example.com"),
+            template("mine", {MANAGED_BY[0]: MANAGED_BY[1]}, device_class="gpu.example.com"),
+        ):
+            assert firsts(claims_admission("CREATE", planted, namespace=namespace)) == [
+                WEBHOOK_S_OWN
+            ]
+            assert claims_admission("CREATE", planted, user=WEBHOOK_SA, namespace=namespace) == []
+    # a name that only looks like it, or another manager's label, is the tenant's
+    assert claims_admission("CREATE", template("my-gpuslice-1", device_class="x")) == []
+    other = template("mine", {MANAGED_BY[0]: "helm"}, device_class="x")
+    assert claims_admission("CREATE", other) == []
+
+
+def test_the_namespace_controller_deletes_gpuslice_s_templates_with_their_namespace() -> None:
+    made = webhook_template()
+    going = namespace_object(going=True)
+    for user in ("system:serviceaccount:kube-system:namespace-controller", KCM, TENANT):
+        assert claims_admission("DELETE", None, made, user=user, namespace=going) == []
+    # but nobody else changes or plants them there
+    assert firsts(claims_admission("CREATE", made, namespace=going)) == [
+        THROUGH_THE_WEBHOOK,
+        WEBHOOK_S_OWN,
+    ]
+
+
+# ---------------------------------------------------------------- DRA: slices only from the agent
+
+AGENT_ONLY = dra_policy("gpuslice-slices-only-from-the-agent")
+AGENT_WRITES = (
+    "gpuslice-slices-only-from-the-agent: only gpuslice's node agent "
+    "(system:serviceaccount:gpuslice:gpuslice-deviceplugin) creates or changes "
+    "ResourceSlices of driver gpu.gpuslice.io"
+)
+WHO_DELETES = (
+    "gpuslice-slices-only-from-the-agent: a ResourceSlice of driver gpu.gpuslice.io is "
+    "deleted by gpuslice's node agent or by the kubelet of the slice's node only"
+)
+
+
+def agent_only(operation: str, new: Any, old: Any, *, user: str) -> list[str] | None:
+    return admission(AGENT_ONLY, operation, "resourceslices", new, old, user=user)
+
+
+def test_a_kubelet_s_credentials_cannot_publish_gpuslice_s_devices() -> None:
+    """The Node authorizer and NodeRestriction let system:node:gpu-1 write a
+    slice naming gpu-1, of any driver."""
+    mine = resource_slice("gpu-1")
+    kubelet = "system:node:gpu-1"
+    assert agent_only("CREATE", mine, None, user=kubelet) == [AGENT_WRITES]
+    assert agent_only("UPDATE", mine, mine, user=kubelet) == [AGENT_WRITES]
+    # moved away from the driver, or into it
+    other = resource_slice("gpu-1", driver="gpu.example.com")
+    assert agent_only("UPDATE", other, mine, user=kubelet) == [AGENT_WRITES]
+    assert agent_only("UPDATE", mine, other, user=kubelet) == [AGENT_WRITES]
+    for user in (TENANT, "system:serviceaccount:kube-system:some-driver", WEBHOOK_SA):
+        assert agent_only("CREATE", mine, None, user=user) == [AGENT_WRITES]
+        assert agent_only("DELETE", None, mine, user=user) == [WHO_DELETES]
+    # another node's kubelet deletes nothing of gpu-1's
+    assert agent_only("DELETE", None, mine, user="system:node:gpu-2") == [WHO_DELETES]
+    assert agent_only("DELETE", None, mine, user="system:node:gpu-1x") == [WHO_DELETES]
+
+
+def test_the_agent_writes_and_the_node_s_kubelet_deletes() -> None:
+    """kubelet deletes its node's slices when it starts and when a driver's
+    plugin goes away: that stays allowed."""
+    mine = resource_slice("gpu-1")
+    assert agent_only("CREATE", mine, None, user=AGENT_SA) == []
+    assert agent_only("UPDATE", mine, mine, user=AGENT_SA) == []
+    assert agent_only("DELETE", None, mine, user=AGENT_SA) == []
+    assert agent_only("DELETE", None, mine, user="system:node:gpu-1") == []
+    # without a node name only the agent deletes it
+    everywhere = resource_slice("gpu-1")
+    del everywhere["spec"]["nodeName"]
+    assert agent_only("DELETE", None, everywhere, user="system:node:gpu-1") == [WHO_DELETES]
+
+
+def test_other_drivers_slices_are_not_concerned() -> None:
+    theirs = resource_slice("gpu-1", driver="gpu.example.com")
+    for user in ("system:node:gpu-1", "system:serviceaccount:kube-system:some-driver", TENANT):
+        assert agent_only("CREATE", theirs, None, user=user) is None
+        assert agent_only("UPDATE", theirs, theirs, user=user) is None
+        assert agent_only("DELETE", None, theirs, user=user) is None

@@ -76,6 +76,18 @@ async def test_dra_mode_without_a_kubernetes_api_is_refused(
             pass
 
 
+async def test_dra_mode_on_a_node_whose_slices_cannot_be_named_is_refused(
+    dra_settings: DevicePluginSettings, bus: Bus
+) -> None:
+    """A node name so long that <node>-gpu.gpuslice.io-999 passes 253 characters:
+    the admission policy would refuse every other name, so the agent does not start."""
+    long = ".".join(["a" * 60] * 4)  # 243 characters, a valid node name
+    settings = dra_settings.model_copy(update={"node_name": long})
+    with pytest.raises(ConfigError, match=r"GPUSLICE_NODE_NAME: node name 'a{60}.*233"):
+        async with running(settings, bus=bus, kube=LocalKubeApi(), serve_http=False, timing=FAST):
+            pass
+
+
 async def test_a_nodes_configuration_chooses_its_mode(
     dra_settings: DevicePluginSettings,
     make_settings: Callable[..., DevicePluginSettings],

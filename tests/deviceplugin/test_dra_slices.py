@@ -4,6 +4,7 @@ schema, and the publisher keeping the API server's slices of the node in step.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -23,10 +24,13 @@ from gpuslice_common.models import (
 )
 from gpuslice_deviceplugin.dra.slices import (
     MAX_DEVICES_PER_SLICE,
+    MAX_NODE_NAME,
+    MAX_SLICE_INDEX,
     NODE_LABEL,
     RESOURCE,
     SlicePublisher,
     binary_quantity,
+    check_node_name,
     decimal_quantity,
     offer,
     resource_slices,
@@ -196,22 +200,47 @@ def test_more_than_128_devices_go_into_several_slices_of_one_pool() -> None:
     assert every == [device_name(c.uuid) for c in cards]
 
 
-def test_a_long_node_name_makes_a_valid_distinct_slice_name() -> None:
-    long_a = ".".join(["a" * 60] * 4)  # 243 characters, a valid node name
-    long_b = long_a[:-1] + "b"
-    names = {slice_name(n, i) for n in (long_a, long_b) for i in (0, 1)}
-    assert len(names) == 4
-    for name in names:
-        assert len(name) <= 253, name
-        assert DNS_SUBDOMAIN.fullmatch(name), name
-    (obj,) = resource_slices(inventory(card(0), node=long_a), consumable=False, generation=1)
-    valid(obj)
-    assert obj["spec"]["nodeName"] == obj["spec"]["pool"]["name"] == long_a
-    label = obj["metadata"]["labels"][NODE_LABEL]
-    assert len(label) <= 63
-    assert label != long_a
+def test_slice_names_are_the_node_s_name_and_a_suffix_the_policy_checks() -> None:
+    """<node>-gpu.gpuslice.io, then -1 ... -999: what the admission policy
+    gpuslice-agent-writes-its-own-slice computes from the agent's node."""
+    assert slice_name(NODE) == f"{NODE}-{DRIVER}"
+    assert [slice_name(NODE, i) for i in (1, 2, 999)] == [
+        f"{NODE}-{DRIVER}-1",
+        f"{NODE}-{DRIVER}-2",
+        f"{NODE}-{DRIVER}-999",
+    ]
+    for index in (-1, MAX_SLICE_INDEX + 1):
+        with pytest.raises(ValueError, match=r"not in 0\.\.999"):
+            slice_name(NODE, index)
     # a node name that ends like another's slice never takes that slice's name
     assert slice_name("a", 1) not in {slice_name("a-1"), slice_name("a-gpu.gpuslice.io")}
+
+
+def test_the_longest_node_name_still_names_every_slice() -> None:
+    longest = ".".join(["a" * 58] * 4)[:MAX_NODE_NAME].rstrip(".")
+    longest += "b" * (MAX_NODE_NAME - len(longest))
+    assert len(longest) == MAX_NODE_NAME == 233
+    check_node_name(longest)
+    name = slice_name(longest, MAX_SLICE_INDEX)
+    assert len(name) == 253
+    assert DNS_SUBDOMAIN.fullmatch(name), name
+    (obj,) = resource_slices(inventory(card(0), node=longest), consumable=False, generation=1)
+    valid(obj)
+    assert obj["spec"]["nodeName"] == obj["spec"]["pool"]["name"] == longest
+    label = obj["metadata"]["labels"][NODE_LABEL]
+    assert len(label) <= 63
+    assert label != longest
+
+
+def test_a_node_name_too_long_for_its_slice_names_is_refused_with_its_length() -> None:
+    too_long = ".".join(["a" * 60] * 4)  # 243 characters, a valid node name
+    with pytest.raises(ValueError, match=r"node name 'a{60}.*' is 243 characters.* 233 "):
+        check_node_name(too_long)
+    with pytest.raises(ValueError, match="is 243 characters"):
+        slice_name(too_long)
+    check_node_name("a" * 233)
+    with pytest.raises(ValueError, match="is 234 characters"):
+        check_node_name("a" * 234)
 
 
 # ------------------------------------------------------------------ the publisher
@@ -365,3 +394,30 @@ async def test_publisher_retries_after_api_failures() -> None:
     (obj,) = (await slices_of(kube)).values()
     assert generation(obj) == 1
     assert len(obj["spec"]["devices"]) == 1
+
+
+async def test_a_slice_squatting_the_node_s_name_is_logged_as_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A slice of another node (or driver) under this node's name: the agent may
+    not delete it; it logs an error naming it, once, and fails each pass."""
+    kube = LocalKubeApi()
+    squat = foreign(slice_name(NODE), "node-b", DRIVER)
+    del squat["metadata"]["labels"]
+    await kube.create_object(RESOURCE, squat)
+    publisher = SlicePublisher(kube, NODE, Cards(card(0)), consumable=True)
+    caplog.set_level(logging.ERROR, logger="gpuslice_deviceplugin.dra.slices")
+    for _ in range(2):
+        with pytest.raises(KubeError, match="already exists"):
+            await publisher.sync()
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    message = record.getMessage()
+    assert f"ResourceSlice {slice_name(NODE)}" in message
+    assert "driver 'gpu.gpuslice.io', node 'node-b', pool 'node-b'" in message
+    assert "until an administrator deletes it" in message
+    assert not publisher.published.is_set()
+    # once it is gone, the node publishes
+    await kube.delete_object(RESOURCE.named(slice_name(NODE)))
+    assert await publisher.sync() is True
+    (obj,) = (await slices_of(kube)).values()
+    assert obj["metadata"]["name"] == slice_name(NODE)

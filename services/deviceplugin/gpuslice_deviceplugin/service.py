@@ -53,7 +53,7 @@ from gpuslice_deviceplugin.discovery import open_backend
 from gpuslice_deviceplugin.dra.claims import Claims
 from gpuslice_deviceplugin.dra.contract import ClaimPreparer
 from gpuslice_deviceplugin.dra.kubelet import DraPluginServer
-from gpuslice_deviceplugin.dra.slices import SlicePublisher
+from gpuslice_deviceplugin.dra.slices import SlicePublisher, check_node_name
 from gpuslice_deviceplugin.enforcer import Enforcer, open_sampler
 from gpuslice_deviceplugin.gateway import InventoryGateway
 from gpuslice_deviceplugin.kubelet import KubeletLink, LinkTiming
@@ -261,8 +261,13 @@ def dra_parts(
     host: HostDir,
     server: Callable[[ClaimPreparer, Path, Path], DraPluginServer] = DraPluginServer,
 ) -> DraParts:
-    """The parts DRA mode runs; ConfigError without a Kubernetes API to write slices to."""
+    """The parts DRA mode runs; ConfigError without a Kubernetes API to write slices
+    to, or for a node name too long to name its slices."""
     kube = check_dra(kube)
+    try:
+        check_node_name(settings.node_name)
+    except ValueError as exc:
+        raise ConfigError(f"invalid configuration: GPUSLICE_NODE_NAME: {exc}") from None
     claims = Claims(
         settings,
         gateway,

@@ -28,7 +28,8 @@ several slices of the pool, each naming the count. Every write of the pool
 carries a higher ``pool.generation``; :class:`SlicePublisher` makes the API
 server's slices of this node match the inventory, retrying with backoff, and
 deletes this node's slices that are no longer wanted. It never touches a slice of
-another node or driver.
+another node or driver; a slice of another's that holds one of this node's names
+(:func:`slice_name`) keeps the node from publishing, and is logged as an error.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gpuslice_common.dra import API_VERSION, CORES, DRIVER, MEMORY, device_name
-from gpuslice_common.kube import KubeApi, KubeError, NotFound, ObjectRef
+from gpuslice_common.kube import Conflict, KubeApi, KubeError, NotFound, ObjectRef
 from gpuslice_common.models import GpuDevice, NodeInventory, VgpuMode
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ NODE_LABEL: Final = "gpuslice.io/node"
 MAX_DEVICES_PER_SLICE: Final = 128  # ResourceSliceSpec.devices: "Must not have more than 128"
 MAX_ATTRIBUTE_LENGTH: Final = 64  # DeviceAttribute.string: "Must not be longer than 64"
 MAX_NAME: Final = 253  # a DNS subdomain
+MAX_SLICE_INDEX: Final = 999  # the policy's bound: -1 ... -999 after the first
+# the longest node name whose every slice name fits
+MAX_NODE_NAME: Final = MAX_NAME - len(f"-{DRIVER}-{MAX_SLICE_INDEX}")
 MIB: Final = 1 << 20
 WHOLE_CARD_CORES: Final = 100
 
@@ -86,14 +90,27 @@ def _digest(text: str, length: int = 12) -> str:
 
 
 def slice_name(node: str, index: int = 0) -> str:
-    """The name of the node's ``index``-th slice: ``<node>-gpu.gpuslice.io`` (then
-    ``...-1``, ``...-2``); a node name too long for it is shortened and a digest of
-    it added, so two nodes never share a name."""
-    suffix = f"-{DRIVER}" + (f"-{index}" if index else "")
-    if len(node) + len(suffix) <= MAX_NAME:
-        return node + suffix
-    room = MAX_NAME - len(suffix) - 13  # "-" and the digest
-    return f"{node[:room].rstrip('-.')}-{_digest(node)}{suffix}"
+    """The name of the node's ``index``-th slice: ``<node>-gpu.gpuslice.io``, then
+    ``...-1``, ``...-2`` up to ``...-999``. The admission policy
+    gpuslice-agent-writes-its-own-slice (k8s/dra) lets an agent create only these
+    names of its own node, so no node takes another's name first. ValueError
+    for a name that does not fit a ResourceSlice's (:func:`check_node_name`)."""
+    if not 0 <= index <= MAX_SLICE_INDEX:
+        raise ValueError(f"slice index {index} of node {node!r} is not in 0..{MAX_SLICE_INDEX}")
+    name = f"{node}-{DRIVER}" + (f"-{index}" if index else "")
+    if len(name) > MAX_NAME:
+        raise ValueError(
+            f"node name {node!r} is {len(node)} characters: its ResourceSlice names "
+            f"(<node>-{DRIVER}-<n>) must fit {MAX_NAME}, so DRA mode needs node names "
+            f"of at most {MAX_NODE_NAME} characters"
+        )
+    return name
+
+
+def check_node_name(node: str) -> None:
+    """ValueError when one of ``node``'s slice names would not fit (a node name
+    longer than :data:`MAX_NODE_NAME`): the agent cannot publish its slices."""
+    slice_name(node, MAX_SLICE_INDEX)
 
 
 def node_label(node: str) -> str:
@@ -258,6 +275,7 @@ class SlicePublisher:
     _written: Any = None  # the content of the last write (or of what was found equal)
     _stale: bool = True  # read the API server's slices back at the next pass
     _told: set[tuple[str, str]] = field(default_factory=set)  # reasons logged
+    _squatted: set[str] = field(default_factory=set)  # names found taken, logged
 
     async def sync(self) -> bool:
         """One pass; True when it wrote. Raises :class:`KubeError` (nothing is
@@ -299,7 +317,7 @@ class SlicePublisher:
                 body["metadata"]["resourceVersion"] = version
                 await self.kube.replace_object(ref, body)
             else:
-                await self.kube.create_object(RESOURCE, body)
+                await self._create(body)
         self.generation = generation
         for name in sorted(set(existing) - {b["metadata"]["name"] for b in wanted}):
             uid = existing[name].get("metadata", {}).get("uid") or ""
@@ -313,6 +331,39 @@ class SlicePublisher:
             sum(len(b["spec"]["devices"]) for b in wanted),
         )
         return True
+
+    async def _create(self, body: dict[str, Any]) -> None:
+        name = body["metadata"]["name"]
+        try:
+            await self.kube.create_object(RESOURCE, body)
+        except Conflict:
+            # a slice of this name that is not this node's (another driver's, or
+            # written before the admission policies): the agent cannot delete it
+            if name not in self._squatted:
+                log.error(
+                    "ResourceSlice %s, the name of node %s's slice, is taken by a slice that "
+                    "is not this node's (%s): node %s's GPUs are not offered through DRA "
+                    "until an administrator deletes it",
+                    name,
+                    self.node,
+                    await self._describe(name),
+                    self.node,
+                )
+                self._squatted.add(name)
+            raise
+        self._squatted.discard(name)
+
+    async def _describe(self, name: str) -> str:
+        """Who a slice of ``name`` says it is, for the log."""
+        try:
+            found = await self.kube.get_object(RESOURCE.named(name))
+        except KubeError as exc:
+            return f"not readable: {exc}"
+        spec = found.get("spec") or {}
+        return (
+            f"driver {spec.get('driver')!r}, node {spec.get('nodeName')!r}, "
+            f"pool {(spec.get('pool') or {}).get('name')!r}"
+        )
 
     async def mine(self) -> list[dict[str, Any]]:
         """This node's slices of this driver as the API server has them."""
@@ -362,12 +413,15 @@ class SlicePublisher:
 __all__ = [
     "KIND",
     "MAX_DEVICES_PER_SLICE",
+    "MAX_NODE_NAME",
+    "MAX_SLICE_INDEX",
     "NODE_LABEL",
     "RESOURCE",
     "Offer",
     "SlicePublisher",
     "binary_quantity",
     "card_device",
+    "check_node_name",
     "decimal_quantity",
     "node_label",
     "offer",
