@@ -1251,3 +1251,42 @@ def test_other_drivers_slices_are_not_concerned() -> None:
         assert agent_only("CREATE", theirs, None, user=user) is None
         assert agent_only("UPDATE", theirs, theirs, user=user) is None
         assert agent_only("DELETE", None, theirs, user=user) is None
+
+
+# ---------------------------------------------------------------- DRA: templates with their request
+
+POD_POLICY = dra_policy("gpuslice-templates-with-their-request")
+
+
+def pod_refusals(pod: dict[str, Any]) -> list[str] | None:
+    policy = copy.deepcopy(POD_POLICY)
+    for rule in policy["spec"]["matchConstraints"]["resourceRules"]:
+        assert rule["apiGroups"] == [""]
+    return admission(policy, "CREATE", "pods", pod, None, user=TENANT)
+
+
+def a_pod(claims: list[dict[str, Any]], **limits: str) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "team-a"},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": dict(limits)}}]},
+    }
+    if claims:
+        pod["spec"]["resourceClaims"] = claims
+    return pod
+
+
+def test_a_pod_naming_gpuslice_s_template_must_ask_for_gpus() -> None:
+    """Without nvidia.com/gpu the webhook never sees the pod: it could use a
+    template made for another pod's request, past the quota."""
+    template = [{"name": "x", "resourceClaimTemplateName": "gpuslice-0123abcd"}]
+    (refusal,) = pod_refusals(a_pod(template)) or ["not applied"]
+    assert refusal.startswith("gpuslice-templates-with-their-request:")
+    assert pod_refusals(a_pod(template, **{"nvidia.com/gpumem": "8000"})) == [refusal]
+    # asking for GPUs: the webhook checks the template is its request's
+    assert pod_refusals(a_pod(template, **{"nvidia.com/gpu": "1"})) == []
+    # other templates, own claims, no claims: not this policy's
+    assert pod_refusals(a_pod([{"name": "x", "resourceClaimTemplateName": "mine"}])) == []
+    assert pod_refusals(a_pod([{"name": "x", "resourceClaimName": "gpuslice-0123"}])) == []
+    assert pod_refusals(a_pod([])) == []
