@@ -988,9 +988,10 @@ class Ledger:
         cards must be the node's and present, and the sums of memory and cores on
         each must fit it (no exclusive card, no split count, health and cordons not
         checked: the pod is bound to the cards already), and the node must be in
-        DRA mode (else ReservationConflict with reason ``NodeNotDra``). Idempotent: the pod's live placement of the same
-        claim is returned as it is (``created`` False); one of another claim, or
-        made without one, raises :class:`ClaimConflict`."""
+        DRA mode (else ReservationConflict with reason ``NodeNotDra``). Idempotent:
+        the pod's live placement of the same claim is returned as it is
+        (``created`` False); one of another claim, or made without one, raises
+        :class:`ClaimConflict`."""
         if placement.claim is None:
             raise ValueError("record_claim needs a placement with its claim")
         made = await self.reserve_new(placement, restoring="prepared")
