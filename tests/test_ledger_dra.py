@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpuslice_cli.status import gather_status, status_document
 from gpuslice_common.ledger import (
     ClaimConflict,
     Ledger,
@@ -14,7 +15,6 @@ from gpuslice_common.ledger import (
     ServesDra,
 )
 from gpuslice_common.models import ClaimRef, Placement, PlacementState
-from gpuslice_cli.status import gather_status, status_document
 from gpuslice_scheduler.view import ClusterView
 from tests.conftest import make_inventory
 from tests.test_ledger import placement
@@ -122,7 +122,6 @@ async def test_a_claim_counts_as_kube_scheduler_counts_it(nodes: Ledger) -> None
     """kube-scheduler sums what claims consume: all cores make no card exclusive, a
     share without cores needs none spare, the split count does not apply; only the
     sums of memory and cores must fit the card."""
-    card = f"GPU-{DRA}-0"
     await nodes.record_claim(claimed("all", DRA, [[(0, 1, 100)]], claim=ref("all")))
     await nodes.record_claim(claimed("none", DRA, [[(0, 1, 0)]], claim=ref("none")))
     await nodes.record_claim(claimed("half1", DRA, [[(1, 1, 50)]], claim=ref("half1")))
