@@ -450,6 +450,7 @@ async def test_an_api_server_that_does_not_answer_is_asked_again(
     assert isinstance(reply, ErrorReply)
     assert reply.error == ErrorKind.KUBE_UNAVAILABLE
     assert reply.error.transient
+    assert reply.message == "the Kubernetes API failed"  # what failed is for the log
     assert await ledger_of_prefix.placement("uid-trainer") is None
     kube.down = False
     assert isinstance(await ask(bus, A, "prepare", prepare(ref)), ClaimReply)

@@ -586,7 +586,10 @@ class NodeGateway:
                 f"the Kubernetes API did not answer within {KUBE_TIMEOUT_S:g} s"
             ) from None
         except KubeError as exc:
-            raise KubeUnavailable(f"the Kubernetes API failed: {exc}") from None
+            # what failed may name an object the node is not shown: the log says it
+            log.warning("a read for a claim failed: %s", exc)
+            status = f" (HTTP {exc.status})" if exc.status is not None else ""
+            raise KubeUnavailable(f"the Kubernetes API failed{status}") from None
 
     def _publish_claim(self, placement: Placement, event_id: str) -> None:
         """``alloc.allocated`` of a prepared claim: every container it grants, the claim."""
