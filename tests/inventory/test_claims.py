@@ -21,7 +21,7 @@ from gpuslice_common.models import (
     PodRef,
     VgpuMode,
 )
-from gpuslice_inventory.claims import ClaimRefused, claim_placement
+from gpuslice_inventory.claims import ClaimRefused, NotOnNode, claim_placement, not_on_node
 
 NODE = "node-a"
 UUIDS = [f"GPU-{i:08x}-5a1c-4e2b-9d0f-0123456789ab" for i in range(3)]
@@ -182,6 +182,19 @@ def test_a_container_naming_no_request_gets_every_device_of_the_claim() -> None:
     assert [g.uuid for g in main.devices] == UUIDS[:2]
 
 
+def test_a_container_may_name_the_subrequest_kube_scheduler_chose() -> None:
+    """resources.claims[].request may name a firstAvailable subrequest
+    ("main/large") as well as its request ("main")."""
+    c = claim(result(DEV[0], "main/mem-16384mi", {"memory": "16Gi", "cores": "10"}))
+    for request in ("main/mem-16384mi", "main"):
+        p = pod(container("main", {"name": "gpu", "request": request}))
+        [main] = prepare(c, p).placement.containers
+        assert [(g.uuid, g.memory_mib) for g in main.devices] == [(UUIDS[0], 16384)]
+    p = pod(container("main", {"name": "gpu", "request": "main/mem-8192mi"}))
+    with pytest.raises(ClaimRefused, match="uses request 'main/mem-8192mi' of claim"):
+        prepare(c, p)
+
+
 def test_a_claim_named_directly_by_the_pod_resolves_without_a_status() -> None:
     p = pod()
     p["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": REF.name}]
@@ -306,6 +319,35 @@ BAD: list[tuple[str, Mutation, str]] = [
 ]
 
 
+# Until the claim is shown to be the node's (the uid named, allocated in its pool and
+# selector, reserved for one pod bound to it), the node is answered one message that
+# repeats what it sent; what was wrong is for the inventory's log only.
+NOT_ON_NODE = {
+    "replaced",
+    "no uid",
+    "not allocated",
+    "no status",
+    "allocation a list",
+    "results not a list",
+    "no results",
+    "only others",
+    "other pool",
+    "selector other node",
+    "selector two nodes",
+    "selector by label",
+    "selector no terms",
+    "no consumer",
+    "two consumers",
+    "not a pod",
+    "api group",
+    "other pod uid",
+    "other pod name",
+    "pod elsewhere",
+    "pod unbound",
+}
+GENERIC = f"claim team/{REF.name} ({REF.uid}) is not allocated on node {NODE}"
+
+
 @pytest.mark.parametrize(("what", "mutate", "reason"), BAD, ids=[b[0] for b in BAD])
 def test_a_bad_claim_is_refused_naming_what_is_wrong(
     what: str, mutate: Mutation, reason: str
@@ -314,7 +356,31 @@ def test_a_bad_claim_is_refused_naming_what_is_wrong(
     mutate(c, p)
     with pytest.raises(ClaimRefused) as refused:
         prepare(c, p)
-    assert reason in refused.value.reason, refused.value.reason
+    assert reason in refused.value.detail, refused.value.detail
+    if what in NOT_ON_NODE:
+        assert isinstance(refused.value, NotOnNode)
+        assert refused.value.reason == GENERIC == not_on_node(REF, NODE)
+    else:
+        assert not isinstance(refused.value, NotOnNode)
+        assert reason in refused.value.reason, refused.value.reason
+
+
+def test_what_is_not_the_node_s_is_answered_without_the_server_s_values() -> None:
+    """A node guessing another node's claim learns nothing: not its uid, pool, pod,
+    where the pod is bound; only what it sent comes back."""
+    c = claim()
+    c["metadata"]["uid"] = "real-uid-of-someone-else"
+    c["status"]["allocation"]["devices"]["results"][0]["pool"] = "node-secret"
+    guess = ClaimRef(namespace="team", name=REF.name, uid="guess")
+    p = pod()
+    p["spec"]["nodeName"] = "node-secret"
+    for named, node in [(guess, NODE), (REF, NODE), (REF, "node-b")]:
+        with pytest.raises(NotOnNode) as refused:
+            prepare(c, p, named=named, node=node)
+        answer = refused.value.reason
+        assert answer == f"claim {named} is not allocated on node {node}"
+        for secret in ("real-uid", "node-secret", POD_UID, "'trainer'"):
+            assert secret not in answer
 
 
 def test_a_device_two_containers_use_is_refused() -> None:
@@ -360,22 +426,31 @@ def test_a_second_gpuslice_claim_of_the_pod_is_refused() -> None:
 def test_the_node_is_the_request_s_whatever_the_claim_says() -> None:
     # the claim's pool, selector and pod are node-a's: a request on node-b is refused
     gpus = [g.model_copy(update={"node": "node-b"}) for g in cards()]
-    with pytest.raises(ClaimRefused, match=r"selects node.*'node-a'.*, not node node-b"):
+    generic = f"claim {REF} is not allocated on node node-b"
+    with pytest.raises(NotOnNode) as refused:
         prepare(claim(), pod(), node="node-b", gpus=gpus)
+    assert refused.value.reason == generic
+    assert "selects node(s) ['node-a'], not node node-b" in refused.value.detail
     c = claim()
     del c["status"]["allocation"]["nodeSelector"]  # a selector is optional: the pool decides
-    with pytest.raises(ClaimRefused, match="is in pool 'node-a', not node-b"):
+    with pytest.raises(NotOnNode) as refused:
         prepare(c, pod(), node="node-b", gpus=gpus)
+    assert refused.value.reason == generic
+    assert "is in pool 'node-a', not node-b" in refused.value.detail
     c["status"]["allocation"]["devices"]["results"][0]["pool"] = "node-b"
     p = pod()
-    with pytest.raises(ClaimRefused, match="is bound to 'node-a', not node node-b"):
+    with pytest.raises(NotOnNode) as refused:
         prepare(c, p, node="node-b", gpus=gpus)
+    assert refused.value.reason == generic
+    assert "is bound to 'node-a', not node node-b" in refused.value.detail
 
 
 def test_the_named_claim_must_be_the_one_sent() -> None:
     other = ClaimRef(namespace="team", name="someone-else", uid=REF.uid)
-    with pytest.raises(ClaimRefused, match="the API server sent"):
+    with pytest.raises(NotOnNode) as refused:
         prepare(claim(), pod(), named=other)
+    assert refused.value.reason == f"claim {other} is not allocated on node {NODE}"
+    assert "the API server sent 'team'/'trainer-gpu-x1'" in refused.value.detail
 
 
 def test_cards_that_are_gone_or_shared_by_mig_are_refused() -> None:

@@ -33,7 +33,7 @@ from gpuslice_common.nodeapi import (
     ErrorReply,
 )
 from gpuslice_common.servers import NatsServer
-from gpuslice_inventory.gateway import NO_KUBE
+from gpuslice_inventory.gateway import NO_KUBE, Budgets
 from gpuslice_inventory.service import Running, running
 from tests.inventory.conftest import settings_for, until
 from tests.inventory.test_gateway import ask
@@ -58,11 +58,17 @@ def inventory_of(node: str, dra: bool = True) -> NodeInventory:
 
 class FlakyKube(LocalKubeApi):
     """The API server as it is, until ``down``: then every read fails as an
-    unreachable one does."""
+    unreachable one does. With a ``gate``, each read waits for it (``waiting``
+    counts those that do)."""
 
     down = False
+    gate: asyncio.Event | None = None
+    waiting = 0
 
     async def get_object(self, ref: ObjectRef) -> dict[str, Any]:
+        if self.gate is not None:
+            self.waiting += 1
+            await self.gate.wait()
         if self.down:
             raise KubeError("connection refused")
         return await super().get_object(ref)
@@ -236,10 +242,107 @@ async def test_a_node_cannot_prepare_another_node_s_claim(
     ref = await make_claim(kube, "trainer", A, [result(A, 0)])
     reply = await ask(bus, B, "prepare", prepare(ref))
     assert isinstance(reply, ErrorReply)
-    assert reply.error == ErrorKind.BAD_CLAIM
-    assert f"is in pool '{A}', not {B}" in reply.message
+    assert (reply.error, reply.message) == (
+        ErrorKind.BAD_CLAIM,
+        f"claim {ref} is not allocated on node {B}",
+    )
     assert await ledger_of_prefix.placement("uid-trainer") is None
     assert await usage(ledger_of_prefix, B) == [(0, 0, 0), (0, 0, 0)]
+
+
+async def test_a_node_learns_nothing_of_other_nodes_claims(
+    inventory: Running, kube: FlakyKube, ledger_of_prefix: Ledger, bus: Bus
+) -> None:
+    """Guessing names and uids: every answer about a claim that is not the node's is
+    the same one, repeating what the node sent; not the claim's uid, pool, pod, nor
+    where the pod is bound, nor whether the claim exists."""
+    ref = await make_claim(kube, "secret-trainer", A, [result(A, 1)])
+    unbound = await make_claim(kube, "elsewhere", A, [result(B, 1)])  # pod bound to A
+    asked = [
+        ref.model_copy(update={"uid": "guess"}),  # the right name, a wrong uid
+        ref,  # the right uid, another node's pool
+        unbound,  # this node's pool, a pod bound elsewhere
+        ClaimRef(namespace=NS, name="no-such-claim", uid="guess"),
+    ]
+    for named in asked:
+        reply = await ask(bus, B, "prepare", prepare(named))
+        assert isinstance(reply, ErrorReply)
+        assert (reply.error, reply.message) == (
+            ErrorKind.BAD_CLAIM,
+            f"claim {named} is not allocated on node {B}",
+        )
+        for secret in (ref.uid, unbound.uid, A, "uid-secret-trainer", "secret-trainer'"):
+            if secret not in str(named):
+                assert secret not in reply.message
+    assert await ledger_of_prefix.node_placements(B) == []
+
+
+async def test_pods_kube_scheduler_placed_by_summing_shares_are_prepared(
+    inventory: Running, kube: FlakyKube, ledger_of_prefix: Ledger, bus: Bus
+) -> None:
+    """kube-scheduler sums consumed capacity: all cores and then no cores fit a card,
+    so do 50 + 50 + 0; memory past the card's is still refused."""
+    first = await make_claim(kube, "greedy", A, [result(A, 1, memory="1Mi", cores="100")])
+    assert isinstance(await ask(bus, A, "prepare", prepare(first)), ClaimReply)
+    second = await make_claim(kube, "quiet", A, [result(A, 1, memory="1Mi", cores="0")])
+    reply = await ask(bus, A, "prepare", prepare(second))
+    assert isinstance(reply, ClaimReply), reply
+    for pod, cores in [("half1", "50"), ("half2", "50"), ("none", "0")]:
+        ref = await make_claim(kube, pod, A, [result(A, 0, memory="1Gi", cores=cores)])
+        reply = await ask(bus, A, "prepare", prepare(ref))
+        assert isinstance(reply, ClaimReply), reply
+    assert await usage(ledger_of_prefix, A) == [(3072, 100, 3), (2, 100, 2)]
+    big = await make_claim(kube, "big", A, [result(A, 0, memory="14Gi", cores="0")])
+    reply = await ask(bus, A, "prepare", prepare(big))
+    assert isinstance(reply, ErrorReply)
+    assert reply.error == ErrorKind.BAD_CLAIM
+    assert "CardInsufficientMemory" in reply.message
+    assert await ledger_of_prefix.placement("uid-big") is None
+    assert await ledger_of_prefix.check_node(A) == []
+
+
+async def test_a_node_asking_past_its_budget_is_told_to_ask_again(
+    inventory: Running, kube: FlakyKube, ledger_of_prefix: Ledger, bus: Bus
+) -> None:
+    ref = await make_claim(kube, "trainer", A, [result(A, 0)])
+    inventory.gateway.claim_budget = Budgets(3, 0.0)  # no refill within the test
+    for _ in range(3):
+        assert isinstance(await ask(bus, A, "prepare", prepare(ref)), ClaimReply)
+    for verb, payload in [("prepare", prepare(ref)), ("unprepare", {"claim": ref.model_dump()})]:
+        reply = await ask(bus, A, verb, payload)
+        assert isinstance(reply, ErrorReply)
+        assert reply.error == ErrorKind.BUSY
+        assert reply.error.transient
+        assert f"node {A} asks to prepare or unprepare claims more than" in reply.message
+    held = await ledger_of_prefix.placement("uid-trainer")
+    assert held is not None
+    assert held.state is PlacementState.ALLOCATED  # the unprepare past the budget did nothing
+    # another node's budget is its own
+    other = await make_claim(kube, "other", B, [result(B, 0)])
+    assert isinstance(await ask(bus, B, "prepare", prepare(other)), ClaimReply)
+    assert inventory.gateway.stats.claims_throttled == 2
+
+
+async def test_a_node_has_so_many_claims_in_flight_at_most(
+    inventory: Running, kube: FlakyKube, ledger_of_prefix: Ledger, bus: Bus
+) -> None:
+    ref = await make_claim(kube, "trainer", A, [result(A, 0)])
+    other = await make_claim(kube, "other", B, [result(B, 0)])
+    inventory.gateway.claims_in_flight = 1
+    kube.gate = asyncio.Event()
+    first = asyncio.create_task(ask(bus, A, "prepare", prepare(ref)))
+    await until(lambda: kube.waiting == 1)
+    reply = await ask(bus, A, "prepare", prepare(ref))
+    assert isinstance(reply, ErrorReply)
+    assert reply.error == ErrorKind.BUSY
+    assert f"node {A} has 1 claims being prepared or unprepared" in reply.message
+    elsewhere = asyncio.create_task(ask(bus, B, "prepare", prepare(other)))
+    await until(lambda: kube.waiting == 2)  # node B's request is not held up by A's
+    kube.gate.set()
+    assert isinstance(await first, ClaimReply)
+    assert isinstance(await elsewhere, ClaimReply)
+    # the place is free again
+    assert isinstance(await ask(bus, A, "prepare", prepare(ref)), ClaimReply)
 
 
 async def test_refusals_name_what_is_wrong_and_write_nothing(
@@ -250,17 +353,20 @@ async def test_refusals_name_what_is_wrong_and_write_nothing(
     assert isinstance(reply, ErrorReply)
     assert (reply.error, reply.message) == (
         ErrorKind.BAD_CLAIM,
-        "claim team/nothing does not exist",
+        f"claim {missing} is not allocated on node {A}",
     )
+    # a claim not shown to be this node's: the same answer, whatever is wrong
     ref = await make_claim(kube, "trainer", A, [result(A, 0)])
     replaced = ref.model_copy(update={"uid": "old-uid"})
-    reply = await ask(bus, A, "prepare", prepare(replaced))
-    assert isinstance(reply, ErrorReply)
-    assert "was replaced" in reply.message
     unreserved = await make_claim(kube, "lonely", A, [result(A, 0)], reserve=False)
-    reply = await ask(bus, A, "prepare", prepare(unreserved))
-    assert isinstance(reply, ErrorReply)
-    assert "names 0 consumers, not exactly one pod" in reply.message
+    for named in (replaced, unreserved):
+        reply = await ask(bus, A, "prepare", prepare(named))
+        assert isinstance(reply, ErrorReply)
+        assert (reply.error, reply.message) == (
+            ErrorKind.BAD_CLAIM,
+            f"claim {named} is not allocated on node {A}",
+        )
+    # the node's own claim: refusals say what is wrong
     too_big = await make_claim(kube, "greedy", A, [result(A, 0, memory="17Gi")])
     reply = await ask(bus, A, "prepare", prepare(too_big))
     assert isinstance(reply, ErrorReply)
@@ -273,9 +379,13 @@ async def test_refusals_name_what_is_wrong_and_write_nothing(
         f"node {PLUGIN} is not in DRA mode: its cards are granted by the device plugin, "
         "never by a claim",
     )
-    for node in (A, PLUGIN):
-        assert await usage(ledger_of_prefix, node) == [(0, 0, 0), (0, 0, 0)]
-        assert await ledger_of_prefix.node_placements(node) == []
+    # nothing of the refused ones is written (the trainer's claim holds: the
+    # inventory's reconciliation may restore its pod meanwhile)
+    for pod in ("lonely", "greedy", "misplaced"):
+        assert await ledger_of_prefix.placement(f"uid-{pod}") is None
+    assert await usage(ledger_of_prefix, PLUGIN) == [(0, 0, 0), (0, 0, 0)]
+    assert await ledger_of_prefix.node_placements(PLUGIN) == []
+    assert all(p.pod.name == "trainer" for p in await ledger_of_prefix.node_placements(A))
 
 
 async def test_a_card_a_device_plugin_pod_holds_whole_takes_no_claim(
@@ -340,6 +450,7 @@ async def test_an_api_server_that_does_not_answer_is_asked_again(
     assert isinstance(reply, ErrorReply)
     assert reply.error == ErrorKind.KUBE_UNAVAILABLE
     assert reply.error.transient
+    assert reply.message == "the Kubernetes API failed"  # what failed is for the log
     assert await ledger_of_prefix.placement("uid-trainer") is None
     kube.down = False
     assert isinstance(await ask(bus, A, "prepare", prepare(ref)), ClaimReply)

@@ -17,8 +17,10 @@ import celpy
 import httpx
 import kubernetes_validate
 import pytest
+from pydantic import ValidationError
 
 from gpuslice_cli.dev.apiserver import DevApiServer
+from gpuslice_common.config import WebhookSettings
 from gpuslice_common.dra import API_VERSION, DEVICE_CLASS, DRIVER
 from gpuslice_common.kube import KubeError, KubernetesApi, LocalKubeApi, ObjectRef
 from gpuslice_common.models import DeviceSelector, GpuDevice
@@ -436,6 +438,7 @@ async def test_pods_with_their_own_claims_only_are_left_alone(tmp_path: Path) ->
 
 
 GIB = 1024**3
+MIB = 1024**2
 SLICES = ObjectRef(API_VERSION, "resourceslices")
 
 
@@ -480,6 +483,7 @@ async def test_a_share_of_a_card_s_memory_is_sized_per_card(tmp_path: Path) -> N
             s.store,
             resource_slice("gpu-1", 80 * GIB, 80 * GIB),
             resource_slice("gpu-2", 24 * GIB),
+            resource_slice("gpu-3", 80 * GIB, 24 * GIB),
             resource_slice("other", 7 * GIB, driver="gpu.example.com"),
         )
         sent = review(pod(container("main", {GPU: 2, MEM_PCT: 25, CORES: 10})))
@@ -528,19 +532,85 @@ def test_card_policies_dra_cannot_express_are_warned_of() -> None:
 
 
 def test_card_sizes_are_the_most_widespread_ones() -> None:
-    """A node publishing many sizes of its own cannot push the others out of the
-    eight subrequests a request may hold."""
+    """A node publishing many sizes of its own adds none: a size counts once two
+    nodes publish it."""
     honest = [resource_slice(f"n{i}", 80 * GIB, 40 * GIB) for i in range(3)]
     liar = resource_slice("liar", *[(i + 1) * GIB + 1 for i in range(20)])
-    odd = [resource_slice(f"m{i}", 48 * GIB) for i in range(2)]  # two nodes beat one
+    odd = [resource_slice(f"m{i}", 48 * GIB) for i in range(2)]  # two nodes are enough
     broken = resource_slice("n8", 16 * GIB)
     broken["spec"]["devices"][0]["capacity"]["memory"]["value"] = "lots"
     found = card_sizes([liar, *honest, *odd, broken])
-    assert len(found.sizes) == 8
-    assert {40 * GIB, 48 * GIB, 80 * GIB} <= set(found.sizes)
-    assert list(found.sizes) == sorted(found.sizes)
-    assert found.left_out == 23 - 8  # the unreadable size is no size
+    assert found == CardSizes((40 * GIB, 48 * GIB, 80 * GIB), left_out=20)
     assert card_sizes([]) == CardSizes(())
+    # one node publishing: its sizes are all there is
+    assert card_sizes([honest[0]]) == CardSizes((40 * GIB, 80 * GIB))
+
+
+def test_one_node_cannot_push_out_the_real_sizes_through_its_own_pool() -> None:
+    legit = [resource_slice(n, 80 * GIB) for n in ("n1", "n2")]
+    legit += [resource_slice(n, 40 * GIB) for n in ("n3", "n4")]
+    evil = resource_slice("evil", *[(2 + i) * MIB for i in range(8)])  # passes the VAP
+    found = card_sizes([*legit, evil])
+    assert found == CardSizes((40 * GIB, 80 * GIB), left_out=8)
+    # as many sizes as fit, each on two nodes: ties keep the larger
+    many = [resource_slice(f"t{n}", (2 + i) * MIB) for i in range(8) for n in range(2)]
+    found = card_sizes([*legit, *many])
+    assert found.sizes == (4 * MIB, 5 * MIB, 6 * MIB, 7 * MIB, 8 * MIB, 9 * MIB, 40 * GIB, 80 * GIB)
+    assert found.left_out == 2
+
+
+def test_a_kubelet_credential_cannot_count_as_many_nodes() -> None:
+    """system:node:evil may write slices of nodeName evil with any pool name
+    (NodeRestriction checks nodeName only): a slice counts for the node it names,
+    and only when its pool is named after that node, as gpuslice's agents publish."""
+    legit = [resource_slice(f"n{i}", 80 * GIB) for i in range(5)]
+    evil = []
+    for p in range(10):
+        fake = resource_slice("evil", *[(2 + i) * MIB for i in range(8)])
+        fake["spec"]["pool"]["name"] = f"fake-{p}"
+        evil.append(fake)
+    bare = resource_slice("n9", 3 * MIB)
+    del bare["spec"]["nodeName"]  # a slice for no node (or all of them)
+    found = card_sizes([*legit, *evil, bare, bare])
+    assert found == CardSizes((80 * GIB,))
+
+
+def test_configured_card_sizes_are_the_list() -> None:
+    published = [resource_slice(f"n{i}", 80 * GIB) for i in range(3)]
+    assert card_sizes(published, (16384, 40960)) == CardSizes((16 * GIB, 40 * GIB))
+    assert card_sizes([], (81920,)) == CardSizes((80 * GIB,))
+
+
+def test_card_sizes_setting_reads_comma_separated_mib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUSLICE_DRA_CARD_MEMORY_MIB", "81920, 40960")
+    assert WebhookSettings().dra_card_memory_mib == (40960, 81920)
+    for bad in ("80Gi", "0", ",".join(str(i) for i in range(1, 10))):
+        monkeypatch.setenv("GPUSLICE_DRA_CARD_MEMORY_MIB", bad)
+        with pytest.raises(ValidationError, match="dra_card_memory_mib"):
+            WebhookSettings()
+
+
+async def test_configured_card_sizes_need_no_slices(tmp_path: Path) -> None:
+    async with stack(tmp_path, dra_card_memory_mib=(16384,)) as s:
+        # a node publishing a size of its own changes nothing
+        await publish(s.store, resource_slice("evil", 3 * MIB))
+        sent = review(pod(container("main", {GPU: 1, MEM_PCT: 50})))
+        response = await s.admit(sent)
+        assert response["allowed"] is True
+        (template,) = await s.templates()
+    (entry,) = template["spec"]["spec"]["devices"]["requests"]
+    assert [
+        (sub["name"], sub["capacity"]["requests"]["memory"]) for sub in entry["firstAvailable"]
+    ] == [("mem-16384mi", "8Gi")]
+
+
+async def test_sizes_one_node_alone_publishes_do_not_size_a_share(tmp_path: Path) -> None:
+    async with stack(tmp_path, kube_cache_ttl=0.001) as s:
+        await publish(s.store, resource_slice("n1", 80 * GIB), resource_slice("n2", 40 * GIB))
+        response = await s.admit(review(pod(container("main", {GPU: 1, MEM_PCT: 50}))))
+        assert response["allowed"] is False
+        message = response["status"]["message"]
+        assert "no card size is published by 2 nodes (set GPUSLICE_DRA_CARD_MEMORY_MIB)" in message
 
 
 async def test_without_consumable_capacity_cards_are_whole(tmp_path: Path) -> None:

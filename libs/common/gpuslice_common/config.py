@@ -23,7 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from gpuslice_common.models import NVIDIA, VENDOR_PATTERN, GpuPolicy, NodePolicy
 
@@ -364,6 +364,29 @@ class WebhookSettings(CommonSettings):
     # references (gpuslice_common.dra); dra_consumable as the node agents have it
     dra: bool = False
     dra_consumable: bool = True
+    # DRA mode: the card memory sizes (MiB) a share of a card's memory
+    # (gpumem-percentage) is sized for, comma-separated, at most 8; unset: the
+    # sizes at least two nodes publish in their ResourceSlices (all nodes, when fewer)
+    dra_card_memory_mib: Annotated[tuple[int, ...], NoDecode] = ()
+
+    @field_validator("dra_card_memory_mib", mode="before")
+    @classmethod
+    def _card_memory(cls, value: object) -> object:
+        if isinstance(value, str):
+            items = [item.strip() for item in value.split(",") if item.strip()]
+            if not all(item.isdigit() for item in items):
+                raise ValueError(f"not comma-separated whole MiB: {value!r}")
+            value = tuple(int(item) for item in items)
+        return value
+
+    @field_validator("dra_card_memory_mib")
+    @classmethod
+    def _card_memory_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(mib < 1 for mib in value):
+            raise ValueError(f"a card has at least 1 MiB: {list(value)}")
+        if len(set(value)) > 8:
+            raise ValueError(f"at most 8 card memory sizes (firstAvailable): {list(value)}")
+        return tuple(sorted(set(value)))
 
     @field_validator("scheduler_name")
     @classmethod

@@ -984,11 +984,14 @@ class Ledger:
 
     async def record_claim(self, placement: Placement) -> Reservation:
         """Record a prepared ResourceClaim (DRA: ``placement.claim``) as allocated at
-        once, in one step: the cards must be the node's, healthy, not cordoned and
-        have room, and the node must be in DRA mode (else ReservationConflict with
-        reason ``NodeNotDra``). Idempotent: the pod's live placement of the same
-        claim is returned as it is (``created`` False); one of another claim, or
-        made without one, raises :class:`ClaimConflict`."""
+        once, in one step, counted as kube-scheduler counts what it allocated: the
+        cards must be the node's and present, and the sums of memory and cores on
+        each must fit it (no exclusive card, no split count, health and cordons not
+        checked: the pod is bound to the cards already), and the node must be in
+        DRA mode (else ReservationConflict with reason ``NodeNotDra``). Idempotent:
+        the pod's live placement of the same claim is returned as it is
+        (``created`` False); one of another claim, or made without one, raises
+        :class:`ClaimConflict`."""
         if placement.claim is None:
             raise ValueError("record_claim needs a placement with its claim")
         made = await self.reserve_new(placement, restoring="prepared")
@@ -1252,11 +1255,14 @@ class Ledger:
         expected: dict[str, list[int]] = {}
         owners: dict[str, str] = {}
         slices: dict[str, int] = {}
+        counted: dict[str, int] = {}  # slots of records checked against the slot count
         for uid, raw in pods.items():
             rec = json.loads(raw)
             if rec["state"] == PlacementState.RELEASED:
                 continue
             for u, mem, cores, slots, excl, *mig in rec["footprint"]:
+                if rec.get("claim") is None:  # a claim's are not: kube-scheduler sums shares
+                    counted[u] = counted.get(u, 0) + slots
                 acc = expected.setdefault(u, [0, 0, 0])
                 acc[0] += mem
                 acc[1] += cores
@@ -1274,8 +1280,9 @@ class Ledger:
             if used != want:
                 problems.append(f"{node}/{u}: usage {used} but reservations sum to {want}")
             caps = [int(gpus.get(f"{u}|{f}", 0)) for f in ("cap_mem", "cap_cores", "cap_slots")]
+            held = [used[0], used[1], counted.get(u, 0)]
             if gpus.get(f"{u}|present") == "1" and any(
-                a > c for a, c in zip(used, caps, strict=True)
+                a > c for a, c in zip(held, caps, strict=True)
             ):
                 problems.append(f"{node}/{u}: usage {used} exceeds capacity {caps}")
             if gpus.get(f"{u}|owner", "") != owners.get(u, ""):

@@ -629,6 +629,9 @@ class Placement(Frozen):
         the sidecars started before it (init containers with restartPolicy
         Always), then the app containers together beside every sidecar. A card
         carries the maximum over those phases.
+
+        A claim's placement (DRA) makes no card exclusive: kube-scheduler only
+        sums what claims consume, a share of all cores included.
         """
         sidecars: dict[str, DeviceFootprint] = {}
         apps: dict[str, DeviceFootprint] = {}
@@ -657,6 +660,8 @@ class Placement(Frozen):
                 mig_mask=base.mig_mask | fp.mig_mask,
             )
         observe(together)
+        if self.claim is not None:
+            return {u: fp.model_copy(update={"exclusive": False}) for u, fp in peak.items()}
         return peak
 
 

@@ -63,6 +63,7 @@ class ErrorKind(enum.StrEnum):
     LEDGER_UNAVAILABLE = "ledger-unavailable"  # Redis unreachable: try again
     KUBE_UNAVAILABLE = "kube-unavailable"  # DRA: the API server did not answer: try again
     REBUILDING = "rebuilding"  # the node's ledger is being rebuilt: try again soon
+    BUSY = "busy"  # the node asks faster than its budget allows: try again later
     LEDGER_ERROR = "ledger-error"  # Redis refused the operation
     INTERNAL = "internal"  # the inventory failed otherwise; its log says why
 
@@ -73,6 +74,7 @@ class ErrorKind(enum.StrEnum):
             ErrorKind.LEDGER_UNAVAILABLE,
             ErrorKind.KUBE_UNAVAILABLE,
             ErrorKind.REBUILDING,
+            ErrorKind.BUSY,
         )
 
 

@@ -55,6 +55,7 @@ STATUS = {
     ErrorKind.AMBIGUOUS: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.LEDGER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.REBUILDING: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.BUSY: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.LEDGER_ERROR: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }

@@ -8,6 +8,14 @@ and the node's cards as the ledger holds them. It fails closed: anything it
 cannot read or that does not add up raises :class:`ClaimRefused` naming the
 field and what is wrong, and nothing is recorded.
 
+A node may ask about any claim, so whether the claim is this node's is settled
+first: the claim exists with the uid kubelet named, is allocated in this node's
+pool (and node selector) and reserved for one pod bound to this node. Until it
+is, every refusal is :class:`NotOnNode`, one message that repeats only what the
+node sent (what was wrong goes to the inventory's log, never to the node): a
+node learns nothing of other nodes' or tenants' claims by guessing names or
+uids. Once the claim is the node's, refusals name what is wrong.
+
 What it checks:
 
 * the claim is the one kubelet named (a claim deleted and made again under the
@@ -31,7 +39,8 @@ What it checks:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -59,11 +68,37 @@ _SHOWN = 80  # characters of a value a reason quotes
 
 
 class ClaimRefused(Exception):
-    """The claim cannot be prepared on this node; ``reason`` says what is wrong."""
+    """The claim cannot be prepared on this node; ``reason`` (the node's answer)
+    says what is wrong, ``detail`` (for the inventory's log) too."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.detail = detail or reason
+
+
+def not_on_node(named: ClaimRef, node: str) -> str:
+    """The one answer to a claim that is not (or cannot be shown to be) the node's."""
+    return f"claim {named} is not allocated on node {node}"
+
+
+class NotOnNode(ClaimRefused):
+    """The claim is not shown to be this node's: the answer names only the claim
+    as the node named it and the node; ``detail`` says why, for the log."""
+
+    def __init__(self, named: ClaimRef, node: str, detail: str) -> None:
+        super().__init__(not_on_node(named, node), detail)
+
+
+@contextmanager
+def _on_node(named: ClaimRef, node: str) -> Iterator[None]:
+    """Refusals within become :class:`NotOnNode`."""
+    try:
+        yield
+    except NotOnNode:
+        raise
+    except ClaimRefused as exc:
+        raise NotOnNode(named, node, exc.detail) from None
 
 
 @dataclass(frozen=True)
@@ -155,12 +190,13 @@ def claim_placement(
     (:meth:`~gpuslice_common.ledger.Ledger.node_gpus`); ``named`` the claim
     kubelet asked for; ``other_claims`` the pod's other ResourceClaims as read
     (one of them with a result of our driver is refused). Raises
-    :class:`ClaimRefused`."""
-    ref = _claim_ref(claim, named)
-    status, allocation = _allocated(claim, ref)
-    _check_node_selector(allocation.get("nodeSelector"), node, ref)
+    :class:`ClaimRefused` (:class:`NotOnNode` while the claim is not shown to
+    be the node's)."""
+    ref = named
+    pod_ref = pod_on_node(claim, pod, node, named)
+    _, allocation, _ = _claim_on_node(claim, node, named)
+    _check_running(pod, pod_ref)
     results = _results(allocation, node, cards, ref)
-    pod_ref = _check_pod(status, pod, node, ref)
     for other in other_claims:
         _check_other(other, ref, pod_ref)
     containers, owners = _assign(pod, ref, pod_ref, results)
@@ -183,14 +219,59 @@ def claim_placement(
     return PreparedClaim(placement, devices)
 
 
-def reserved_pod(claim: Mapping[str, Any], named: ClaimRef) -> str:
+def reserved_pod(claim: Mapping[str, Any], named: ClaimRef, node: str) -> str:
     """The name of the pod (in the claim's namespace) ``claim`` is reserved for,
-    once the claim is found to be the one named and allocated, with exactly one
-    consumer, a pod. Raises :class:`ClaimRefused`."""
-    ref = _claim_ref(claim, named)
-    status, _ = _allocated(claim, ref)
-    name, _ = _consumer(status, ref)
+    once the claim is found to be the one named, allocated on ``node`` (every
+    result of our driver in its pool, the node selector naming it), with exactly
+    one consumer, a pod. Raises :class:`NotOnNode`."""
+    _, _, (name, _) = _claim_on_node(claim, node, named)
     return name
+
+
+def pod_on_node(
+    claim: Mapping[str, Any], pod: Mapping[str, Any], node: str, named: ClaimRef
+) -> PodRef:
+    """The pod ``claim`` is reserved for, once it is found to be allocated on
+    ``node`` (:func:`reserved_pod`) and ``pod`` to be its consumer bound to
+    ``node``: from here on the claim is the node's. Raises :class:`NotOnNode`."""
+    status, _, _ = _claim_on_node(claim, node, named)
+    with _on_node(named, node):
+        return _check_pod(status, pod, node, named)
+
+
+def _claim_on_node(
+    claim: Mapping[str, Any], node: str, named: ClaimRef
+) -> tuple[Mapping[str, Any], Mapping[str, Any], tuple[str, str]]:
+    """The claim's status, allocation and consumer, once the claim is the one
+    named and allocated on ``node``. Raises :class:`NotOnNode`."""
+    with _on_node(named, node):
+        ref = _claim_ref(claim, named)
+        status, allocation = _allocated(claim, ref)
+        _check_node_selector(allocation.get("nodeSelector"), node, ref)
+        _check_pools(allocation, node, ref)
+        consumer = _consumer(status, ref)
+    return status, allocation, consumer
+
+
+def _check_pools(allocation: Mapping[str, Any], node: str, ref: ClaimRef) -> None:
+    """Every result of our driver lies in ``node``'s pool, and there is one."""
+    devices = _obj(allocation.get("devices"), f"claim {ref}: status.allocation.devices")
+    where = f"claim {ref}: status.allocation.devices.results"
+    ours = 0
+    for i, result in enumerate(_seq(devices.get("results"), where)):
+        at = f"{where}[{i}]"
+        result = _obj(result, at)
+        if result.get("driver") != DRIVER:
+            continue
+        ours += 1
+        pool = _str(result.get("pool"), f"{at}.pool")
+        if pool != node:
+            device = result.get("device")
+            raise ClaimRefused(
+                f"{at}: device {_shown(device)} is in pool {_shown(pool)}, not {node}"
+            )
+    if not ours:
+        raise ClaimRefused(f"claim {ref} allocates no device of driver {DRIVER}")
 
 
 def claim_names(pod: Mapping[str, Any]) -> list[str]:
@@ -396,13 +477,19 @@ def _check_pod(
             f"pod {ref.namespace}/{name} is bound to {_shown(spec.get('nodeName'))}, "
             f"not node {node}"
         )
-    phase = _obj(pod.get("status"), "pod status", required=False).get("phase")
-    if phase in TERMINATED_PHASES:
-        raise ClaimRefused(f"pod {ref.namespace}/{name} has ended ({phase})")
     try:
         return PodRef(uid=uid, namespace=ref.namespace, name=name)
     except ValidationError:
         raise ClaimRefused(f"{where}[0].uid is {_shown(uid)}, not a pod uid") from None
+
+
+def _check_running(pod: Mapping[str, Any], pod_ref: PodRef) -> None:
+    status = _obj(
+        pod.get("status"), f"pod {pod_ref.namespace}/{pod_ref.name}: status", required=False
+    )
+    phase = status.get("phase")
+    if phase in TERMINATED_PHASES:
+        raise ClaimRefused(f"pod {pod_ref.namespace}/{pod_ref.name} has ended ({phase})")
 
 
 def _pod_claim_names(pod: Mapping[str, Any], claim_name: str, who: str) -> set[str]:
@@ -484,7 +571,9 @@ def _assign(
                     use.get("request"), f"{at}.resources.claims[{j}].request", required=False
                 )
                 mine = [
-                    k for k, r in enumerate(results) if not request or r.base_request == request
+                    k
+                    for k, r in enumerate(results)
+                    if not request or request in (r.request, r.base_request)
                 ]
                 if not mine:
                     raise ClaimRefused(
@@ -528,8 +617,11 @@ def _assign(
 __all__ = [
     "POLICY",
     "ClaimRefused",
+    "NotOnNode",
     "PreparedClaim",
     "claim_names",
     "claim_placement",
+    "not_on_node",
+    "pod_on_node",
     "reserved_pod",
 ]

@@ -23,10 +23,10 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -77,7 +77,14 @@ from gpuslice_common.nodeapi import (
 )
 from gpuslice_common.outbox import Outbox
 from gpuslice_common.subjects import Subjects
-from gpuslice_inventory.claims import ClaimRefused, claim_names, claim_placement, reserved_pod
+from gpuslice_inventory.claims import (
+    ClaimRefused,
+    NotOnNode,
+    claim_names,
+    claim_placement,
+    pod_on_node,
+    reserved_pod,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +106,12 @@ ENFORCE_PER_S = 5.0
 ENFORCE_POD_BURST = 20
 ENFORCE_POD_PER_S = 1.0
 MAX_BUDGETS = 100_000
+# Claims a node may have prepared or unprepared: a burst (a node's pods starting at
+# once), then so many a second, and so many at a time. Each reads the API server;
+# a node's credential asking more is using the inventory to read it, or to slow it.
+CLAIM_BURST = 100
+CLAIM_PER_S = 10.0
+CLAIMS_IN_FLIGHT = 16
 RECENT_PODLESS = 4096  # ids remembered to keep repeats out of the outbox's queue
 
 
@@ -135,12 +148,46 @@ class KubeUnavailable(Exception):
     """The API server did not answer a read the request needs: ask again."""
 
 
-def _refill(budget: tuple[float, float] | None, now: float, burst: int, per_s: float) -> float:
-    """A token bucket's tokens at ``now``: full when new."""
-    if budget is None:
-        return float(burst)
-    tokens, then = budget
-    return min(float(burst), tokens + (now - then) * per_s)
+K = TypeVar("K", str, tuple[str, str])
+
+
+class Throttled(Exception):
+    """The node asks faster than its budget allows: ask again later."""
+
+
+class Budgets(Generic[K]):
+    """Token buckets by key (a node, a node's pod): each holds up to ``burst``
+    tokens, full when new, refilled at ``per_s`` a second. At most MAX_BUDGETS
+    keys are kept (keys are nodes and their pods: only a defect gets past it)."""
+
+    def __init__(self, burst: int, per_s: float) -> None:
+        self.burst = burst
+        self.per_s = per_s
+        self._buckets: dict[K, tuple[float, float]] = {}
+
+    def __contains__(self, key: K) -> bool:
+        return key in self._buckets
+
+    def tokens(self, key: K, now: float) -> float:
+        """The key's tokens at ``now``."""
+        budget = self._buckets.get(key)
+        if budget is None:
+            return float(self.burst)
+        tokens, then = budget
+        return min(float(self.burst), tokens + (now - then) * self.per_s)
+
+    def keep(self, key: K, tokens: float, now: float) -> None:
+        """Store the key's tokens as counted at ``now``."""
+        if len(self._buckets) >= MAX_BUDGETS and key not in self._buckets:
+            self._buckets.clear()
+        self._buckets[key] = (tokens, now)
+
+    def take(self, key: K, now: float) -> bool:
+        """Take one token; False, taking nothing, when there is none."""
+        tokens = self.tokens(key, now)
+        allowed = tokens >= 1.0
+        self.keep(key, tokens - (1.0 if allowed else 0.0), now)
+        return allowed
 
 
 def error_kind(exc: Exception) -> ErrorKind:
@@ -170,6 +217,7 @@ class GatewayStats:
     foreign_replies: int = 0  # requests whose reply subject is not the node's own inbox
     repeated_failures: int = 0  # pod-less failures not recorded again within their window
     enforce_dropped: int = 0  # enforcement reports past their node's rate, not recorded
+    claims_throttled: int = 0  # prepare/unprepare requests past their node's budget
 
 
 class NodeGateway:
@@ -201,9 +249,15 @@ class NodeGateway:
         self._subscription: Subscription | None = None
         # ids of pod-less failures recorded lately: a repeat is not queued again
         self._recent_podless: collections.OrderedDict[str, None] = collections.OrderedDict()
-        # node -> (enforcement reports it may still have recorded, when that was counted)
-        self._enforce_budget: dict[str, tuple[float, float]] = {}
-        self._enforce_pod_budget: dict[tuple[str, str], tuple[float, float]] = {}
+        # enforcement reports a node, and a pod on it, may still have recorded
+        self._enforce_budget: Budgets[str] = Budgets(ENFORCE_BURST, ENFORCE_PER_S)
+        self._enforce_pod_budget: Budgets[tuple[str, str]] = Budgets(
+            ENFORCE_POD_BURST, ENFORCE_POD_PER_S
+        )
+        # claims a node may still prepare or unprepare, and how many it has in flight
+        self.claim_budget: Budgets[str] = Budgets(CLAIM_BURST, CLAIM_PER_S)
+        self.claims_in_flight = CLAIMS_IN_FLIGHT
+        self._claims_busy: Counter[str] = Counter()
         self._handlers: dict[Verb, Callable[[str, Frozen, After], Awaitable[Answer]]] = {
             Verb.PING: self._ping,
             Verb.ALLOCATE: self._allocate,
@@ -280,8 +334,13 @@ class NodeGateway:
             log.warning("bad %s request from node %s: %s", verb, node, exc)
             answer = ErrorReply(error=ErrorKind.BAD_REQUEST, message=str(exc)[:1024])
         except ClaimRefused as exc:
-            log.warning("%s for node %s refused: %s", verb, node, exc.reason)
+            log.warning("%s for node %s refused: %s", verb, node, exc.detail[:2048])
             answer = ErrorReply(error=ErrorKind.BAD_CLAIM, message=exc.reason[:1024])
+        except Throttled as exc:
+            self.stats.claims_throttled += 1
+            if self.stats.claims_throttled % 1000 == 1:
+                log.warning("%s (%d so far)", exc, self.stats.claims_throttled)
+            answer = ErrorReply(error=ErrorKind.BUSY, message=str(exc)[:1024])
         except KubeUnavailable as exc:
             log.warning("%s for node %s: %s", verb, node, exc)
             answer = ErrorReply(error=ErrorKind.KUBE_UNAVAILABLE, message=str(exc)[:1024])
@@ -398,18 +457,23 @@ class NodeGateway:
         them (:func:`~gpuslice_inventory.claims.claim_placement`), record the pod's
         placement allocated (idempotent) and answer whose each device is."""
         assert isinstance(request, PrepareRequest)
+        with self._claim_turn(node):
+            return await self._prepare_claim(node, request, after)
+
+    async def _prepare_claim(self, node: str, request: PrepareRequest, after: After) -> Answer:
         ref = request.claim
         if self.kube is None:
             raise ClaimRefused(NO_KUBE)
         claim = await self._read(
             self.kube.get_object(CLAIMS.in_namespace(ref.namespace).named(ref.name)),
-            f"claim {ref.namespace}/{ref.name} does not exist",
+            NotOnNode(ref, node, f"claim {ref.namespace}/{ref.name} does not exist"),
         )
-        pod_name = reserved_pod(claim, ref)
+        pod_name = reserved_pod(claim, ref, node)
         pod = await self._read(
             self.kube.get_pod(ref.namespace, pod_name),
-            f"pod {ref.namespace}/{pod_name}, which claim {ref} is reserved for, does not exist",
+            NotOnNode(ref, node, f"pod {ref.namespace}/{pod_name} does not exist"),
         )
+        pod_on_node(claim, pod, node, ref)  # the claim is the node's: the rest is its business
         others: list[dict[str, Any]] = []
         for name in dict.fromkeys(n for n in claim_names(pod) if n != ref.name):
             if len(others) >= MAX_POD_CLAIMS:
@@ -419,7 +483,8 @@ class NodeGateway:
             with contextlib.suppress(NotFound):  # kubelet cannot prepare it either
                 others.append(
                     await self._read(
-                        self.kube.get_object(CLAIMS.in_namespace(ref.namespace).named(name)), ""
+                        self.kube.get_object(CLAIMS.in_namespace(ref.namespace).named(name)),
+                        None,
                     )
                 )
         cards = await self.ledger.node_gpus(node)
@@ -454,6 +519,10 @@ class NodeGateway:
         """DRA: release the pod's placement of this claim on this node; nothing held
         (released already, another claim's, another node's): done all the same."""
         assert isinstance(request, UnprepareRequest)
+        with self._claim_turn(node):
+            return await self._unprepare_claim(node, request)
+
+    async def _unprepare_claim(self, node: str, request: UnprepareRequest) -> Answer:
         ref = request.claim
         held: Placement | None = None
         if request.pod_uid is not None:
@@ -477,22 +546,50 @@ class NodeGateway:
         log.info("unprepared claim %s of pod %s on %s", ref, held.pod.uid, node)
         return Done()
 
-    async def _read(self, call: Awaitable[dict[str, Any]], missing: str) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _claim_turn(self, node: str) -> Iterator[None]:
+        """A prepare or unprepare of ``node``, within its budget: a token of
+        :attr:`claim_budget` and one of :attr:`claims_in_flight` places; past
+        either, :class:`Throttled` (the node asks again later)."""
+        if self._claims_busy[node] >= self.claims_in_flight:
+            raise Throttled(
+                f"node {node} has {self.claims_in_flight} claims being prepared or "
+                "unprepared: ask again later"
+            )
+        if not self.claim_budget.take(node, time.monotonic()):
+            raise Throttled(
+                f"node {node} asks to prepare or unprepare claims more than "
+                f"{self.claim_budget.per_s:g} a second: ask again later"
+            )
+        self._claims_busy[node] += 1
+        try:
+            yield
+        finally:
+            self._claims_busy[node] -= 1
+            if not self._claims_busy[node]:
+                del self._claims_busy[node]
+
+    async def _read(
+        self, call: Awaitable[dict[str, Any]], missing: ClaimRefused | None
+    ) -> dict[str, Any]:
         """An object from the API server, within KUBE_TIMEOUT_S: ``missing`` refuses
-        the claim when it does not exist ("" passes NotFound on); no answer raises
+        the claim when it does not exist (None passes NotFound on); no answer raises
         :class:`KubeUnavailable`."""
         try:
             return await asyncio.wait_for(call, KUBE_TIMEOUT_S)
         except NotFound:
-            if not missing:
+            if missing is None:
                 raise
-            raise ClaimRefused(missing) from None
+            raise missing from None
         except TimeoutError:
             raise KubeUnavailable(
                 f"the Kubernetes API did not answer within {KUBE_TIMEOUT_S:g} s"
             ) from None
         except KubeError as exc:
-            raise KubeUnavailable(f"the Kubernetes API failed: {exc}") from None
+            # what failed may name an object the node is not shown: the log says it
+            log.warning("a read for a claim failed: %s", exc)
+            status = f" (HTTP {exc.status})" if exc.status is not None else ""
+            raise KubeUnavailable(f"the Kubernetes API failed{status}") from None
 
     def _publish_claim(self, placement: Placement, event_id: str) -> None:
         """``alloc.allocated`` of a prepared claim: every container it grants, the claim."""
@@ -584,24 +681,15 @@ class NodeGateway:
         buckets); False, taking nothing, when either is spent."""
         now = time.monotonic()
         pod_key = (node, pod_uid)
-        node_tokens = _refill(self._enforce_budget.get(node), now, ENFORCE_BURST, ENFORCE_PER_S)
-        pod_tokens = _refill(
-            self._enforce_pod_budget.get(pod_key), now, ENFORCE_POD_BURST, ENFORCE_POD_PER_S
-        )
+        node_tokens = self._enforce_budget.tokens(node, now)
+        pod_tokens = self._enforce_pod_budget.tokens(pod_key, now)
         allowed = node_tokens >= 1.0 and pod_tokens >= 1.0
         taken = 1.0 if allowed else 0.0
-        if len(self._enforce_budget) >= MAX_BUDGETS and node not in self._enforce_budget:
-            self._enforce_budget.clear()  # nodes are few: only a defect gets here
-        self._enforce_budget[node] = (node_tokens - taken, now)
+        self._enforce_budget.keep(node, node_tokens - taken, now)
         if allowed or pod_key in self._enforce_pod_budget:
             # a pod's budget is kept once a report of it was recorded: a node naming
             # ever new pods fills the table only as fast as its own budget allows
-            if (
-                len(self._enforce_pod_budget) >= MAX_BUDGETS
-                and pod_key not in self._enforce_pod_budget
-            ):
-                self._enforce_pod_budget.clear()
-            self._enforce_pod_budget[pod_key] = (pod_tokens - taken, now)
+            self._enforce_pod_budget.keep(pod_key, pod_tokens - taken, now)
         return allowed
 
     def _submit(self, event: CloudEvent) -> None:

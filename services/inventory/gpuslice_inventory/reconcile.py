@@ -343,7 +343,9 @@ class Reconciler:
                 cards = await self.ledger.node_gpus(node)
                 return claim_placement(claim, pod, node, cards, ref).placement
             except ClaimRefused as exc:
-                log.warning("pod %s is not restored from claim %s: %s", object_uid(pod), ref, exc)
+                log.warning(
+                    "pod %s is not restored from claim %s: %s", object_uid(pod), ref, exc.detail
+                )
                 return None
             except LedgerError as exc:
                 log.warning("cannot read the cards of node %s: %s", node, exc)

@@ -242,7 +242,11 @@ class Admission:
         return self.namespaces.kube
 
     async def _card_sizes(self) -> CardSizes:
-        """The memory sizes of the cards gpuslice's nodes publish (ResourceSlices)."""
+        """The memory sizes of the cards: configured, or as gpuslice's nodes
+        publish them (ResourceSlices)."""
+        configured = self.settings.dra_card_memory_mib
+        if configured:
+            return card_sizes((), configured)
         what = "read the cluster's ResourceSlices (the cards' memory sizes)"
         self._kube(what)
         assert self.namespaces is not None

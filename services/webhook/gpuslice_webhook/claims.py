@@ -121,28 +121,49 @@ class NeedCardSizes(Exception):
 
 @dataclass(frozen=True)
 class CardSizes:
-    """The memory sizes (bytes, ascending) of the cards the nodes publish, the
-    most widespread :data:`MAX_SUBREQUESTS` of them; ``left_out`` sizes are rarer."""
+    """The memory sizes (bytes, ascending) a share of a card's memory is sized
+    for: the configured ones, or those enough nodes publish, the most widespread
+    :data:`MAX_SUBREQUESTS` of them; ``left_out`` sizes are rarer."""
 
     sizes: tuple[int, ...]
     left_out: int = 0
 
 
 MAX_SUBREQUESTS: Final = 8  # resource.k8s.io/v1 FirstAvailableDeviceRequestMaxSize
+MIN_NODES: Final = 2  # nodes that must publish a size (fewer nodes: all of them)
 
 
-def card_sizes(slices: Sequence[Mapping[str, Any]]) -> CardSizes:
-    """The memory sizes of the cards in the ResourceSlices of gpuslice's driver,
-    by the number of nodes that have each, the most widespread first (a node
-    publishing sizes of its own cannot push the others out), then ascending."""
+def card_sizes(
+    slices: Sequence[Mapping[str, Any]], configured_mib: Sequence[int] = ()
+) -> CardSizes:
+    """The card memory sizes a share of a card's memory is sized for.
+
+    ``configured_mib`` (GPUSLICE_DRA_CARD_MEMORY_MIB), when given, is the list.
+    Otherwise the sizes of the cards in the ResourceSlices of gpuslice's driver
+    that a node publishes for itself (``spec.nodeName`` set and the pool named
+    after it, as gpuslice's agents publish: a kubelet's credential may publish
+    slices of any pool for its node, but not in other nodes' names), counted by
+    the distinct nodes that publish each: a size counts once at least
+    :data:`MIN_NODES` nodes publish it (or all of them, when fewer publish), so
+    one node publishing sizes of its own adds none, and the most widespread
+    :data:`MAX_SUBREQUESTS` are kept, the larger first among as widespread."""
+    if configured_mib:
+        wanted = sorted({mib * MIB for mib in configured_mib})
+        return CardSizes(tuple(wanted[:MAX_SUBREQUESTS]), max(0, len(wanted) - MAX_SUBREQUESTS))
     nodes: dict[int, set[str]] = {}
+    publishing: set[str] = set()
     for obj in slices:
-        spec = obj.get("spec")
+        spec = obj.get("spec") if isinstance(obj, Mapping) else None
         if not isinstance(spec, Mapping) or spec.get("driver") != dra.DRIVER:
             continue
+        node = spec.get("nodeName")
         pool = spec.get("pool")
-        node = pool.get("name") if isinstance(pool, Mapping) else None
-        for device in spec.get("devices") or ():
+        if not isinstance(node, str) or not node:
+            continue
+        if not isinstance(pool, Mapping) or pool.get("name") != node:
+            continue
+        devices = spec.get("devices")
+        for device in devices if isinstance(devices, list) else ():
             capacity = device.get("capacity") if isinstance(device, Mapping) else None
             memory = capacity.get(dra.MEMORY) if isinstance(capacity, Mapping) else None
             value = memory.get("value") if isinstance(memory, Mapping) else None
@@ -151,10 +172,15 @@ def card_sizes(slices: Sequence[Mapping[str, Any]]) -> CardSizes:
             except RequestError:
                 continue
             if size >= MIB:
-                nodes.setdefault(size, set()).add(str(node))
-    ranked = sorted(nodes, key=lambda size: (-len(nodes[size]), size))
+                nodes.setdefault(size, set()).add(node)
+                publishing.add(node)
+    enough = min(MIN_NODES, len(publishing))
+    ranked = sorted(
+        (size for size, by in nodes.items() if len(by) >= enough),
+        key=lambda size: (-len(nodes[size]), -size),
+    )
     kept = ranked[:MAX_SUBREQUESTS]
-    return CardSizes(tuple(sorted(kept)), len(ranked) - len(kept))
+    return CardSizes(tuple(sorted(kept)), len(nodes) - len(kept))
 
 
 def claim_template(
@@ -261,10 +287,15 @@ def _by_card_size(
     percent = container.memory.percent
     assert percent is not None
     if not sizes.sizes:
+        why = (
+            f"no card size is published by {MIN_NODES} nodes (set GPUSLICE_DRA_CARD_MEMORY_MIB)"
+            if sizes.left_out
+            else "no node publishes gpuslice's devices yet"
+        )
         raise Denied(
             f"container {container.name!r} asks for {percent}% of a card's memory "
-            f"({names.memory_percentage}), but no node publishes gpuslice's devices yet "
-            f"to size it by; give the memory in MiB with {names.memory}"
+            f"({names.memory_percentage}), but {why} to size it by; give the memory in MiB "
+            f"with {names.memory}"
         )
     subrequests = []
     for size in sizes.sizes:

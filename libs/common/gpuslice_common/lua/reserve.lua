@@ -9,7 +9,11 @@
 --         cards already), so two records that claim more than a card holds never
 --         both count. Or 'prepared': a ResourceClaim the node's kubelet prepares
 --         (DRA), recorded allocated at once, checked as a new reservation, on a
---         node in DRA mode only (reason NodeNotDra). A node in DRA mode takes no
+--         node in DRA mode only (reason NodeNotDra), with kube-scheduler's
+--         arithmetic: it sums what claims consume, so only the sums of memory and
+--         cores must fit each card (no slot count, no exclusive card, no spare
+--         cores for a share without them; not health or cordon either: the slice
+--         showed the card and the pod is bound to it). A node in DRA mode takes no
 --         other new reservation (reason NodeServesDra): a card is never granted
 --         by both kubelet's Allocate and a claim.
 -- Returns {'ok', record, the node's revision now} | {'exists', record}
@@ -40,6 +44,8 @@ end
 if not restoring and not prepared and dra_node() then
   return {'fail', '', 'NodeServesDra'}
 end
+-- a claim's record, prepared now or restored, counts as kube-scheduler counts it
+local summed = prepared or (restoring and type(rec.claim) == 'table')
 local seen = {}
 for _, f in ipairs(fp) do
   if type(f) ~= 'table' then
@@ -52,6 +58,10 @@ for _, f in ipairs(fp) do
     return {'fail', tostring(u), 'InvalidRequest'}  -- a card listed twice passes each check alone
   end
   seen[u] = mask
+  if summed then
+    excl = 0  -- kube-scheduler makes no card exclusive: its cores are summed only
+    f[5] = 0
+  end
   if gget(u, 'present') ~= '1' then
     return {'fail', u, 'CardNotFound'}
   end
@@ -69,7 +79,7 @@ for _, f in ipairs(fp) do
       return {'fail', u, 'CardMigTopologyInfeasible'}
     end
   end
-  if not restoring then
+  if not restoring and not prepared then
     if gget(u, 'healthy') ~= '1' then
       return {'fail', u, 'CardNotHealth'}
     end
@@ -83,7 +93,7 @@ for _, f in ipairs(fp) do
   end
   local used_slots, used_cores = gnum(u, 'slots'), gnum(u, 'cores')
   local cap_cores = gnum(u, 'cap_cores')
-  if used_slots + slots > gnum(u, 'cap_slots') then
+  if not summed and used_slots + slots > gnum(u, 'cap_slots') then
     return {'fail', u, 'CardTimeSlicingExhausted'}
   end
   if gnum(u, 'mem') + mem > gnum(u, 'cap_mem') then
@@ -95,7 +105,7 @@ for _, f in ipairs(fp) do
   if excl == 1 and used_slots > 0 then
     return {'fail', u, 'ExclusiveDeviceAllocateConflict'}
   end
-  if not restoring and cores == 0 and used_cores >= cap_cores then
+  if not restoring and not prepared and cores == 0 and used_cores >= cap_cores then
     return {'fail', u, 'CardComputeUnitsExhausted'}
   end
 end
