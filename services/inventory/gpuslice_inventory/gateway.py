@@ -109,8 +109,8 @@ MAX_BUDGETS = 100_000
 # Claims a node may have prepared or unprepared: a burst (a node's pods starting at
 # once), then so many a second, and so many at a time. Each reads the API server;
 # a node's credential asking more is using the inventory to read it, or to slow it.
-CLAIM_BURST = 100
-CLAIM_PER_S = 10.0
+CLAIM_BURST = 200
+CLAIM_PER_S = 50.0
 CLAIMS_IN_FLIGHT = 16
 RECENT_PODLESS = 4096  # ids remembered to keep repeats out of the outbox's queue
 
@@ -519,7 +519,7 @@ class NodeGateway:
         """DRA: release the pod's placement of this claim on this node; nothing held
         (released already, another claim's, another node's): done all the same."""
         assert isinstance(request, UnprepareRequest)
-        with self._claim_turn(node):
+        with self._claim_turn(node, spend=False):
             return await self._unprepare_claim(node, request)
 
     async def _unprepare_claim(self, node: str, request: UnprepareRequest) -> Answer:
@@ -547,18 +547,20 @@ class NodeGateway:
         return Done()
 
     @contextlib.contextmanager
-    def _claim_turn(self, node: str) -> Iterator[None]:
-        """A prepare or unprepare of ``node``, within its budget: a token of
-        :attr:`claim_budget` and one of :attr:`claims_in_flight` places; past
-        either, :class:`Throttled` (the node asks again later)."""
+    def _claim_turn(self, node: str, *, spend: bool = True) -> Iterator[None]:
+        """A prepare or unprepare of ``node``, within its budget: one of
+        :attr:`claims_in_flight` places and, for a prepare (``spend``: it reads
+        the API server), a token of :attr:`claim_budget`; past either,
+        :class:`Throttled` (the node asks again later). An unprepare reads no
+        object and only frees room."""
         if self._claims_busy[node] >= self.claims_in_flight:
             raise Throttled(
                 f"node {node} has {self.claims_in_flight} claims being prepared or "
                 "unprepared: ask again later"
             )
-        if not self.claim_budget.take(node, time.monotonic()):
+        if spend and not self.claim_budget.take(node, time.monotonic()):
             raise Throttled(
-                f"node {node} asks to prepare or unprepare claims more than "
+                f"node {node} asks to prepare claims more than "
                 f"{self.claim_budget.per_s:g} a second: ask again later"
             )
         self._claims_busy[node] += 1
