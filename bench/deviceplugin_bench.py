@@ -86,8 +86,11 @@ class Registration(pb_grpc.RegistrationServicer):
         return pb.Empty()
 
 
-def start_inventory(work: Path, redis_url: str, nats_url: str) -> subprocess.Popen[bytes]:
-    """``python -m gpuslice_inventory``, as a cluster runs it (one replica)."""
+def start_inventory(
+    work: Path, redis_url: str, nats_url: str, **settings: str
+) -> subprocess.Popen[bytes]:
+    """``python -m gpuslice_inventory``, as a cluster runs it (one replica);
+    ``settings``: more of its environment (no Kubernetes API unless they say)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
     env.update(
@@ -98,6 +101,7 @@ def start_inventory(work: Path, redis_url: str, nats_url: str) -> subprocess.Pop
         GPUSLICE_LISTEN_PORT=str(port),
         GPUSLICE_LOG_LEVEL="WARNING",
     )
+    env.update(settings)
     with (work / "inventory.log").open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpuslice_inventory"], env=env, stdout=log, stderr=log

@@ -26,9 +26,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -38,8 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import deviceplugin_bench  # bench/ is the script's own directory
 import grpc
-import httpx
 
 from gpuslice_cli.dev.apiserver import DevApiServer
 from gpuslice_cli.dev.drakubelet import DevDraKubelet, PreparedClaim
@@ -48,7 +45,7 @@ from gpuslice_common.dra import API_VERSION, DRIVER, device_name
 from gpuslice_common.kube import LocalKubeApi, ObjectRef
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import ClaimRef, ContainerAssignment, DeviceGrant, Placement, PodRef
-from gpuslice_common.servers import NatsServer, RedisServer, free_port
+from gpuslice_common.servers import NatsServer, RedisServer
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from gpuslice_deviceplugin.kubelet import LinkTiming
@@ -60,52 +57,22 @@ NAMESPACE = "bench"
 CLAIMS = ObjectRef(API_VERSION, "resourceclaims", NAMESPACE)
 
 
-def percentile(samples: list[float], p: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+def start_inventory(work: Path, redis_url: str, nats_url: str, kubeconfig: Path) -> Any:
+    """The inventory reading the API server through ``kubeconfig``."""
+    os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+    return deviceplugin_bench.start_inventory(
+        work,
+        redis_url,
+        nats_url,
+        GPUSLICE_KUBE_API="cluster",
+        KUBECONFIG=str(kubeconfig),
+        GPUSLICE_RECONCILE_GRACE="600s",
+    )
 
 
 def summary(samples_s: list[float]) -> dict[str, float]:
     ms = [s * 1000 for s in samples_s]
-    return {
-        "p50_ms": round(statistics.median(ms), 3),
-        "p99_ms": round(percentile(ms, 99), 3),
-        "max_ms": round(max(ms), 3),
-    }
-
-
-def start_inventory(work: Path, redis_url: str, nats_url: str, kubeconfig: Path) -> Any:
-    """``python -m gpuslice_inventory`` reading the API server through ``kubeconfig``."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
-    env.update(
-        GPUSLICE_NATS_URL=nats_url,
-        GPUSLICE_REDIS_URL=redis_url,
-        GPUSLICE_KUBE_API="cluster",
-        KUBECONFIG=str(kubeconfig),
-        GPUSLICE_LISTEN_HOST="127.0.0.1",
-        GPUSLICE_LISTEN_PORT=str(port),
-        GPUSLICE_LOG_LEVEL="WARNING",
-        GPUSLICE_RECONCILE_GRACE="600s",
-    )
-    env.pop("KUBERNETES_SERVICE_HOST", None)
-    with (work / "inventory.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuslice_inventory"], env=env, stdout=log, stderr=log
-        )
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the inventory exited: {(work / 'inventory.log').read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("the inventory did not get ready")
-        time.sleep(0.1)
+    return {**deviceplugin_bench.summary(samples_s), "max_ms": round(max(ms), 3)}
 
 
 def agent_settings(work: Path, node: str, nats_url: str, *, dra: bool) -> DevicePluginSettings:
