@@ -8,6 +8,7 @@ answers with the node API's own models.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import stat
@@ -392,3 +393,15 @@ async def test_a_device_not_granted_to_its_container_is_refused(
 
 async def test_no_inventory_is_an_error_naming_it(settings: DevicePluginSettings, bus: Bus) -> None:
     await refused_with_nothing_written(settings, bus, "inventory unavailable")
+
+
+async def test_calls_done_leave_no_lock_behind(
+    settings: DevicePluginSettings, bus: Bus, stand_in: Inventory
+) -> None:
+    """Each claim kubelet names gets a lock while it is prepared or unprepared,
+    none after: the agent's memory does not grow with the claims it served."""
+    preparer = claims(settings, bus)
+    await asyncio.gather(preparer.prepare(CLAIM), preparer.prepare(CLAIM))
+    assert preparer._locks == {}
+    await preparer.unprepare(CLAIM)
+    assert preparer._locks == {}

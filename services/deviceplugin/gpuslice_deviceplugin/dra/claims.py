@@ -38,7 +38,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -165,7 +165,9 @@ class Claims:
         self.driver_support = driver_support
         self.cdi_dir = Path(settings.cdi_dir)
         self.records = host.root / RECORD_DIR
-        self._locks: dict[str, asyncio.Lock] = {}
+        # per claim UID: its lock and how many calls hold or wait for it (the
+        # entry goes with the last, so the map stays as small as the calls)
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
 
     @property
     def node(self) -> str:
@@ -174,8 +176,20 @@ class Claims:
     def _deadline(self) -> float:
         return asyncio.get_running_loop().time() + self.settings.allocate_timeout.total_seconds()
 
-    def _lock(self, claim: ClaimRef) -> asyncio.Lock:
-        return self._locks.setdefault(claim.uid, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _lock(self, claim: ClaimRef) -> AsyncIterator[None]:
+        """One prepare or unprepare of ``claim`` at a time."""
+        lock, users = self._locks.get(claim.uid, (asyncio.Lock(), 0))
+        self._locks[claim.uid] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[claim.uid]
+            if users == 1:
+                del self._locks[claim.uid]
+            else:
+                self._locks[claim.uid] = (lock, users - 1)
 
     def _record_path(self, claim: ClaimRef) -> Path:
         return self.records / f"{claim.uid}.json"
