@@ -8,6 +8,7 @@ import pytest
 
 from gpuslice_common.devicetypes import (
     AnnotationFormat,
+    CardSource,
     DeviceConfigError,
     parse_device_config,
 )
@@ -70,12 +71,23 @@ def test_announcements_follow_each_vendors_plugin() -> None:
     assert amd.handshake is None
     assert types["vastai"].announcement is not None
     assert types["vastai"].announcement.cores == 100
-    # vendors whose plugins publish node capacity only: known, not read
-    for vendor in ("cambricon", "metax", "mthreads", "enflame", "kunlun", "awsneuron"):
-        assert not types[vendor].supported
+    # vendors whose cards HAMi derives from node capacity, or reads from the vendor's
+    # own annotation: read from there
+    sources = {v: types[v].source for v in ("cambricon", "mthreads", "metax", "kunlun")}
+    assert set(sources.values()) == {CardSource.CAPACITY}
+    assert types["metax-sgpu"].source is CardSource.METAX
+    assert types["enflame"].source is CardSource.ENFLAME
+    cambricon = types["cambricon"].capacity
+    assert cambricon is not None
+    assert (cambricon.cores_resource, cambricon.memory_unit) == (
+        "cambricon.com/mlu.smlu.vcore",
+        256,
+    )
+    assert not types["awsneuron"].supported
     announced = {t.vendor for t in parse_device_config(HAMI_DEFAULT.read_text()).announced()}
-    assert "cambricon" not in announced
-    assert {"hygon", "xpu", "biren", "amd"} <= announced
+    assert "awsneuron" not in announced
+    assert {"hygon", "xpu", "biren", "amd", "ascend910b3"} <= announced
+    assert {"cambricon", "mthreads", "metax", "metax-sgpu", "enflame", "kunlun"} <= announced
 
 
 def test_unknown_section_is_kept_unsupported_never_nvidia() -> None:

@@ -37,6 +37,10 @@ def test_the_default_config_gives_the_vendors_gpuslice_registers() -> None:
         memory_factor=1,
         device_type="DCU",
         allocate_key="dcu",
+        use_type="hygon.com/use-dcutype",
+        nouse_type="hygon.com/nouse-dcutype",
+        use_uuid=("hygon.com/use-gpuuuid",),
+        nouse_uuid=("hygon.com/nouse-gpuuuid",),
     )
     assert vendors["mr-v100"].memory_factor == 256
     # the words of the annotations HAMi's plugins read at Allocate
@@ -47,9 +51,11 @@ def test_the_default_config_gives_the_vendors_gpuslice_registers() -> None:
     assert keys["biren"] == ("Biren", "Biren")
     assert keys["vastai"] == ("Vastai", "Vastai")
     assert {"amd", "xpu", "biren", "vastai"} <= set(vendors)
-    # unregistered vendors (node capacity only) and Ascend's templates are not read
-    assert not {"cambricon", "mthreads", "metax", "nvidia"} & set(vendors)
-    assert not any(v.startswith("ascend") for v in vendors)
+    assert keys["cambricon"] == ("MLU", "cambricon-mlu")
+    assert keys["mthreads"] == ("Mthreads", "mthreads-vgpu")
+    assert keys["metax-sgpu"] == ("Metax-SGPU", "metax-sgpu")
+    assert keys["ascend910b3"] == ("Ascend910B3", "Ascend910B3")
+    assert "nvidia" not in vendors and "awsneuron" not in vendors
 
 
 def test_a_vendor_container_gets_its_vendor_factor_and_defaults() -> None:

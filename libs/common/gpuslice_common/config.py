@@ -25,7 +25,13 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
-from gpuslice_common.models import NVIDIA, VENDOR_PATTERN, GpuPolicy, NodePolicy
+from gpuslice_common.models import (
+    MAX_DEVICE_MEMORY_MIB,
+    NVIDIA,
+    VENDOR_PATTERN,
+    GpuPolicy,
+    NodePolicy,
+)
 
 ENV_PREFIX = "GPUSLICE_"
 NESTED_DELIMITER = "__"
@@ -97,10 +103,29 @@ class RequestDefaults(BaseModel):
     priority: Annotated[int, Field(ge=0, le=1)] = 1
 
 
+class VendorTemplate(BaseModel):
+    """A virtual-device template a vendor rounds memory up to (Ascend's vNPUs)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_. ]{0,62}[A-Za-z0-9])?$")]
+    memory_mib: Annotated[int, Field(ge=1, le=MAX_DEVICE_MEMORY_MIB)]
+
+
+_ANNOTATION_KEY = (
+    r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+AnnotationName = Annotated[str, Field(pattern=_ANNOTATION_KEY)]
+
+
 class VendorResources(BaseModel):
     """How a pod asks for another vendor's cards (from HAMi's device configuration):
     a count resource, and optionally a memory and a cores resource. Memory a pod asks
-    for, times ``memory_factor``, is MiB."""
+    for, times ``memory_factor``, is MiB. ``rules`` names the vendor's own rules
+    (``gpuslice_common.devicetypes.Rules``); ``default_cores`` are the cores of a
+    container that names none; ``max_cores`` the cores of a whole card in the
+    vendor's unit. ``use_type`` … ``nouse_uuid`` are the pod annotations that
+    choose its cards."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -113,6 +138,16 @@ class VendorResources(BaseModel):
     # (hami.io/<allocate_key>-devices-to-allocate): what the vendor's plugin reads
     device_type: Annotated[str, Field(pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")]
     allocate_key: Annotated[str, Field(pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,40}[A-Za-z0-9])?$")]
+    rules: Annotated[str, Field(pattern=r"^[a-z][-a-z]{0,31}$")] = "hami"
+    default_cores: Annotated[int, Field(ge=0, le=100)] = 100
+    max_cores: Annotated[int, Field(ge=1, le=100)] = 100
+    templates: Annotated[tuple[VendorTemplate, ...], Field(max_length=64)] = ()
+    memory_allocatable_mib: Annotated[int, Field(ge=1, le=MAX_DEVICE_MEMORY_MIB)] | None = None
+    memory_capacity_mib: Annotated[int, Field(ge=1, le=MAX_DEVICE_MEMORY_MIB)] | None = None
+    use_type: AnnotationName | None = None
+    nouse_type: AnnotationName | None = None
+    use_uuid: Annotated[tuple[AnnotationName, ...], Field(max_length=4)] = ()
+    nouse_uuid: Annotated[tuple[AnnotationName, ...], Field(max_length=4)] = ()
 
     @field_validator("count", "memory", "cores")
     @classmethod

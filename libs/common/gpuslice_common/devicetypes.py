@@ -28,7 +28,12 @@ from typing import Any, TypeVar
 
 import yaml
 
-from gpuslice_common.config import CommonSettings, RequestSettings, VendorResources
+from gpuslice_common.config import (
+    CommonSettings,
+    RequestSettings,
+    VendorResources,
+    VendorTemplate,
+)
 from gpuslice_common.models import (
     MAX_DEVICE_MEMORY_MIB,
     MAX_SCALING,
@@ -89,6 +94,77 @@ class Announcement:
     allocate: str | None = None
 
 
+class Rules(enum.StrEnum):
+    """How a vendor's pods are read and what its device plugin reads at bind.
+
+    ``hami``: HAMi's common form (count, memory, cores; the
+    ``hami.io/<word>-devices-to-allocate`` encoding). The others add the
+    vendor's own rules and annotations (see :mod:`gpuslice_common.vendorrules`).
+    """
+
+    HAMI = "hami"
+    ASCEND = "ascend"
+    CAMBRICON = "cambricon"
+    MTHREADS = "mthreads"
+    METAX_GPU = "metax-gpu"
+    METAX_SGPU = "metax-sgpu"
+    ENFLAME = "enflame"
+    KUNLUN = "kunlun"
+
+
+class CardSource(enum.StrEnum):
+    """Where a vendor's cards are read from on the node object.
+
+    ``register``: HAMi's register and handshake annotations (:class:`Announcement`).
+    ``capacity``: the node's capacity of the vendor's resources, cards derived as
+    HAMi's scheduler derives them (:class:`CapacityCards`). ``metax``: Metax's
+    own ``metax-tech.com/node-gpu-devices``. ``enflame``: Enflame's own
+    ``enflame.com/gcu-drs-capacity``.
+    """
+
+    REGISTER = "register"
+    CAPACITY = "capacity"
+    METAX = "metax"
+    ENFLAME = "enflame"
+
+
+@dataclass(frozen=True)
+class CapacityCards:
+    """How HAMi's scheduler makes a vendor's cards from its node capacity.
+
+    With ``cores_resource``, the node has ``capacity[cores_resource] /
+    cores_per_card`` cards (rounded up), each with ``capacity[memory_resource] *
+    memory_unit * cores_per_card / capacity[cores_resource]`` MiB; without, one
+    card per unit of the count resource, each of ``memory_mib``. Card ``i`` is
+    ``<node>-<word>-<i>``, of model ``model``.
+    """
+
+    word: str
+    model: str
+    cores_per_card: int = 100
+    cores_resource: str | None = None
+    memory_resource: str | None = None
+    memory_unit: int = 1
+    memory_mib: int = 0
+    split_count: int = 100
+    numa_halves: bool = False  # the upper half of the cards is on NUMA node 1
+
+
+@dataclass(frozen=True)
+class Selectors:
+    """The pod annotations that choose a vendor's cards by type or by UUID (HAMi's
+    keys, per vendor); ``gpuslice.io/use-gputype`` and the like apply too."""
+
+    use_type: str | None = None
+    nouse_type: str | None = None
+    use_uuid: tuple[str, ...] = ()
+    nouse_uuid: tuple[str, ...] = ()
+
+
+def _uuid_keys(use: str, nouse: str) -> Selectors:
+    return Selectors(use_uuid=(use,), nouse_uuid=(nouse,))
+
+
 @dataclass(frozen=True)
 class Template:
     """A virtual-device template of an Ascend chip: memory MiB and AI cores."""
@@ -129,8 +205,20 @@ class DeviceType:
     memory_capacity_mib: int | None = None
     ai_cores: int | None = None
     templates: tuple[Template, ...] = ()
+    memory_allocatable_mib: int | None = None
     announcement: Announcement | None = None
     supported: bool = True
+    rules: Rules = Rules.HAMI
+    source: CardSource = CardSource.REGISTER
+    capacity: CapacityCards | None = None
+    selectors: Selectors = Selectors()
+
+    @property
+    def readable(self) -> bool:
+        """Whether gpuslice knows where to read this type's cards."""
+        if self.source is CardSource.REGISTER:
+            return self.announcement is not None
+        return self.source is not CardSource.CAPACITY or self.capacity is not None
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -154,8 +242,8 @@ class DeviceConfig:
         return {t.vendor: t for t in self.types}
 
     def announced(self) -> tuple[DeviceType, ...]:
-        """The types whose cards are read from node annotations."""
-        return tuple(t for t in self.types if t.supported and t.announcement is not None)
+        """The types whose cards gpuslice reads from node objects."""
+        return tuple(t for t in self.types if t.supported and t.readable)
 
 
 # ---------------------------------------------------------------- field readers
@@ -345,7 +433,8 @@ def _simple(
     section: str,
     common_word: str,
     memory_factor: int,
-    announcement: Announcement | None,
+    announcement: Announcement,
+    selectors: Selectors,
     factor_key: bool = False,
 ) -> Any:
     def read(s: _Section) -> list[DeviceType]:
@@ -361,12 +450,72 @@ def _simple(
                 memory_resource=s.resource("resourceMemoryName"),
                 core_resource=s.resource("resourceCoreName"),
                 memory_factor=factor,
+                default_cores=100,
                 announcement=announcement,
-                supported=announcement is not None,
+                selectors=selectors,
             )
         ]
 
     return read
+
+
+def _cambricon(s: _Section) -> list[DeviceType]:
+    memory = s.resource("resourceMemoryName") or "cambricon.com/mlu.smlu.vmemory"
+    cores = s.resource("resourceCoreName") or "cambricon.com/mlu.smlu.vcore"
+    return [
+        DeviceType(
+            section="cambricon",
+            vendor="cambricon",
+            common_word="MLU",
+            count_resource=s.resource("resourceCountName") or "cambricon.com/vmlu",
+            memory_resource=memory,
+            core_resource=cores,
+            memory_factor=256,
+            default_cores=100,
+            rules=Rules.CAMBRICON,
+            source=CardSource.CAPACITY,
+            capacity=CapacityCards(
+                word="cambricon-mlu",
+                model="MLU",
+                cores_resource=cores,
+                memory_resource=memory,
+                memory_unit=256,
+            ),
+            selectors=Selectors(
+                "cambricon.com/use-mlutype",
+                "cambricon.com/nouse-mlutype",
+                ("cambricon.com/use-gpuuuid",),
+                ("cambricon.com/nouse-gpuuuid",),
+            ),
+        )
+    ]
+
+
+def _mthreads(s: _Section) -> list[DeviceType]:
+    memory = s.resource("resourceMemoryName") or "mthreads.com/sgpu-memory"
+    cores = s.resource("resourceCoreName") or "mthreads.com/sgpu-core"
+    return [
+        DeviceType(
+            section="mthreads",
+            vendor="mthreads",
+            common_word="Mthreads",
+            count_resource=s.resource("resourceCountName") or "mthreads.com/vgpu",
+            memory_resource=memory,
+            core_resource=cores,
+            memory_factor=512,
+            rules=Rules.MTHREADS,
+            source=CardSource.CAPACITY,
+            capacity=CapacityCards(
+                word="mthreads",
+                model="Mthreads",
+                cores_per_card=16,
+                cores_resource=cores,
+                memory_resource=memory,
+                memory_unit=512,
+            ),
+            selectors=_uuid_keys("mthreads.ai/use-gpuuuid", "mthreads.ai/nouse-gpuuuid"),
+        )
+    ]
 
 
 def _metax(s: _Section) -> list[DeviceType]:
@@ -376,33 +525,42 @@ def _metax(s: _Section) -> list[DeviceType]:
         vendor="metax",
         common_word="Metax-GPU",
         count_resource=s.resource("resourceCountName") or "metax-tech.com/gpu",
-        supported=False,
+        default_cores=100,
+        rules=Rules.METAX_GPU,
+        source=CardSource.CAPACITY,
+        capacity=CapacityCards(word="metax", model="Metax-GPU", memory_mib=65536, split_count=1),
     )
     shared = DeviceType(
         section="metax",
         vendor="metax-sgpu",
         common_word="Metax-SGPU",
-        count_resource=s.resource("resourceVCountName"),
-        memory_resource=s.resource("resourceVMemoryName"),
-        core_resource=s.resource("resourceVCoreName"),
+        count_resource=s.resource("resourceVCountName") or "metax-tech.com/sgpu",
+        memory_resource=s.resource("resourceVMemoryName") or "metax-tech.com/vmemory",
+        core_resource=s.resource("resourceVCoreName") or "metax-tech.com/vcore",
         memory_factor=1024,
-        supported=False,
+        default_cores=100,
+        rules=Rules.METAX_SGPU,
+        source=CardSource.METAX,
+        selectors=_uuid_keys("metax-tech.com/use-gpuuuid", "metax-tech.com/nouse-gpuuuid"),
     )
-    return [whole] + ([shared] if shared.count_resource else [])
+    return [whole, shared]
 
 
 def _enflame(s: _Section) -> list[DeviceType]:
-    s.resource("resourceNameVGCU")
+    s.resource("resourceNameGCU")
     s.resource("resourceNameVGCUPercentage")
+    legacy = s.resource("resourceNameVGCU")
     return [
         DeviceType(
             section="enflame",
             vendor="enflame",
             common_word="Enflame",
-            count_resource=s.resource("resourceNameDRSGCU") or "enflame.com/drs-gcu",
+            count_resource=s.resource("resourceNameDRSGCU") or legacy or "enflame.com/drs-gcu",
             memory_resource=s.resource("resourceNameGCUMemory") or "enflame.com/gcu-memory",
             core_resource=s.resource("resourceNameGCUCore") or "enflame.com/gcu-core",
-            supported=False,
+            rules=Rules.ENFLAME,
+            source=CardSource.ENFLAME,
+            selectors=_uuid_keys("enflame.com/use-gpuuuid", "enflame.com/nouse-gpuuuid"),
         )
     ]
 
@@ -414,7 +572,16 @@ def _kunlun(s: _Section) -> list[DeviceType]:
             vendor="kunlun",
             common_word="kunlun",
             count_resource=s.resource("resourceCountName") or "kunlunxin.com/xpu",
-            supported=False,
+            default_cores=100,
+            rules=Rules.KUNLUN,
+            source=CardSource.CAPACITY,
+            capacity=CapacityCards(
+                word="kunlun", model="kunlun", memory_mib=98304, split_count=1, numa_halves=True
+            ),
+            selectors=Selectors(
+                use_uuid=("baidu.com/use-gpuuuid", "hami.io/use-xpu-uuid"),
+                nouse_uuid=("baidu.com/nouse-gpuuuid", "hami.io/no-use-xpu-uuid"),
+            ),
         )
     ]
     vcount = s.resource("resourceVCountName")
@@ -426,12 +593,14 @@ def _kunlun(s: _Section) -> list[DeviceType]:
                 common_word="XPU",
                 count_resource=vcount,
                 memory_resource=s.resource("resourceVMemoryName"),
+                default_cores=100,
                 announcement=Announcement(
                     "hami.io/node-register-xpu",
                     "hami.io/node-handshake-xpu",
                     AnnotationFormat.JSON,
                     allocate="xpu",
                 ),
+                selectors=_uuid_keys("hami.io/use-xpu-uuid", "hami.io/no-use-xpu-uuid"),
             )
         )
     return types
@@ -450,7 +619,9 @@ def _awsneuron(s: _Section) -> list[DeviceType]:
     ]
 
 
-def _count_only(section: str, common_word: str, announcement: Announcement) -> Any:
+def _count_only(
+    section: str, common_word: str, announcement: Announcement, selectors: Selectors
+) -> Any:
     def read(s: _Section) -> list[DeviceType]:
         return [
             DeviceType(
@@ -458,7 +629,9 @@ def _count_only(section: str, common_word: str, announcement: Announcement) -> A
                 vendor=section,
                 common_word=common_word,
                 count_resource=s.resource("resourceCountName", required=True),
+                default_cores=100,
                 announcement=announcement,
+                selectors=selectors,
             )
         ]
 
@@ -483,6 +656,8 @@ def _iluvatars(path: str, raw: Any, warnings: list[str]) -> list[DeviceType]:
                 memory_resource=s.resource("resourceMemoryName"),
                 core_resource=s.resource("resourceCoreName"),
                 memory_factor=256,
+                default_cores=100,
+                selectors=_uuid_keys(f"hami.io/use-{word}-uuid", f"hami.io/no-use-{word}-uuid"),
                 announcement=Announcement(
                     f"hami.io/node-{word}-register",
                     f"hami.io/node-handshake-{word}",
@@ -504,7 +679,12 @@ def _vnpus(s: _Section, warnings: list[str]) -> list[DeviceType]:
         c.flag("superPod")
         c.number("aiCPU", 0, 0, 1024)
         capacity = c.number("memoryCapacity", 0, 0, MAX_DEVICE_MEMORY_MIB)
-        c.number("memoryAllocatable", 0, 0, MAX_DEVICE_MEMORY_MIB)
+        allocatable = c.number("memoryAllocatable", 0, 0, MAX_DEVICE_MEMORY_MIB)
+        if capacity and allocatable > capacity:
+            raise DeviceConfigError(
+                f"device config: {c.where('memoryAllocatable')} is {allocatable}, above "
+                f"memoryCapacity {capacity}"
+            )
         templates = []
         for j, tpl in enumerate(c.items("templates", MAX_TEMPLATES)):
             t = _Section(
@@ -534,8 +714,12 @@ def _vnpus(s: _Section, warnings: list[str]) -> list[DeviceType]:
                 core_resource=c.resource("resourceCoreName"),
                 memory_factor=c.number("memoryFactor", 1, 1, MAX_MEMORY_FACTOR),
                 memory_capacity_mib=capacity or None,
+                memory_allocatable_mib=allocatable or None,
                 ai_cores=c.number("aiCore", 0, 0, 1024) or None,
-                templates=tuple(templates),
+                # HAMi rounds a request up to the smallest template that holds it
+                templates=tuple(sorted(templates, key=lambda t: t.memory_mib)),
+                rules=Rules.ASCEND,
+                selectors=_uuid_keys(f"hami.io/use-{word}-uuid", f"hami.io/no-use-{word}-uuid"),
                 announcement=Announcement(
                     f"hami.io/node-register-{word}",
                     f"hami.io/node-handshake-{word}",
@@ -548,7 +732,7 @@ def _vnpus(s: _Section, warnings: list[str]) -> list[DeviceType]:
 
 _SECTIONS: dict[str, tuple[frozenset[str], Any]] = {
     "nvidia": (_NVIDIA_KEYS, _nvidia),
-    "cambricon": (_COUNT_MEM_CORE, _simple("cambricon", "MLU", 256, None)),
+    "cambricon": (_COUNT_MEM_CORE, _cambricon),
     "hygon": (
         _COUNT_MEM_CORE | {"memoryFactor"},
         _simple(
@@ -561,10 +745,16 @@ _SECTIONS: dict[str, tuple[frozenset[str], Any]] = {
                 AnnotationFormat.COLON,
                 allocate="dcu",
             ),
+            Selectors(
+                "hygon.com/use-dcutype",
+                "hygon.com/nouse-dcutype",
+                ("hygon.com/use-gpuuuid",),
+                ("hygon.com/nouse-gpuuuid",),
+            ),
             factor_key=True,
         ),
     ),
-    "mthreads": (_COUNT_MEM_CORE, _simple("mthreads", "Mthreads", 512, None)),
+    "mthreads": (_COUNT_MEM_CORE, _mthreads),
     "amd": (
         _COUNT_MEM_CORE,
         _simple(
@@ -572,6 +762,12 @@ _SECTIONS: dict[str, tuple[frozenset[str], Any]] = {
             "AMD",
             1,
             Announcement("hami.io/node-amd-register", None, AnnotationFormat.JSON, allocate="amd"),
+            Selectors(
+                "amd.com/use-gputype",
+                "amd.com/nouse-gputype",
+                ("amd.com/use-gpu-uuid",),
+                ("amd.com/nouse-gpu-uuid",),
+            ),
         ),
     ),
     "metax": (
@@ -612,6 +808,12 @@ _SECTIONS: dict[str, tuple[frozenset[str], Any]] = {
             Announcement(
                 "hami.io/node-va-register", "hami.io/node-handshake-va", AnnotationFormat.JSON, 100
             ),
+            Selectors(
+                "vastaitech.com/use-va",
+                "vastaitech.com/nouse-va",
+                ("vastaitech.com/use-gpuuuid",),
+                ("vastaitech.com/nouse-gpuuuid",),
+            ),
         ),
     ),
     "biren": (
@@ -624,6 +826,12 @@ _SECTIONS: dict[str, tuple[frozenset[str], Any]] = {
                 "hami.io/node-handshake-biren",
                 AnnotationFormat.JSON,
                 100,
+            ),
+            Selectors(
+                "birentech.com/use-biren",
+                "birentech.com/nouse-biren",
+                ("birentech.com/use-gpuuuid",),
+                ("birentech.com/nouse-gpuuuid",),
             ),
         ),
     ),
@@ -726,23 +934,49 @@ def load_device_config(path: str) -> DeviceConfig:
     return config
 
 
+# the word of the pod annotations each family's plugin reads at Allocate (HAMi's)
+_ALLOCATE_WORDS: dict[Rules, str] = {
+    Rules.CAMBRICON: "cambricon-mlu",
+    Rules.MTHREADS: "mthreads-vgpu",
+    Rules.METAX_GPU: "metax-gpu",
+    Rules.METAX_SGPU: "metax-sgpu",
+    Rules.ENFLAME: "enflame-vgpu",
+    Rules.KUNLUN: "kunlun",
+}
+
+
+def vendor_resources(t: DeviceType) -> VendorResources:
+    """How pods ask for the cards of type ``t`` (a vendor other than NVIDIA)."""
+    assert t.count_resource is not None
+    word = _ALLOCATE_WORDS.get(t.rules) or (t.announcement and t.announcement.allocate)
+    return VendorResources(
+        vendor=t.vendor,
+        count=t.count_resource,
+        memory=t.memory_resource,
+        cores=t.core_resource,
+        memory_factor=t.memory_factor,
+        device_type=t.common_word,
+        allocate_key=word or t.common_word,
+        rules=t.rules.value,
+        default_cores=t.default_cores,
+        max_cores=t.capacity.cores_per_card if t.capacity and t.capacity.cores_resource else 100,
+        templates=tuple(VendorTemplate(name=x.name, memory_mib=x.memory_mib) for x in t.templates),
+        memory_allocatable_mib=t.memory_allocatable_mib,
+        memory_capacity_mib=t.memory_capacity_mib,
+        use_type=t.selectors.use_type,
+        nouse_type=t.selectors.nouse_type,
+        use_uuid=t.selectors.use_uuid,
+        nouse_uuid=t.selectors.nouse_uuid,
+    )
+
+
 def vendor_requests(config: DeviceConfig) -> tuple[VendorResources, ...]:
-    """The resources pods use to ask for the cards gpuslice registers from node
-    annotations (other than NVIDIA's, which keep :class:`ResourceNames`, and
-    Ascend's, whose memory HAMi rounds up to templates gpuslice does not apply)."""
+    """The resources pods use to ask for the cards gpuslice reads from node objects
+    (other than NVIDIA's, which keep :class:`ResourceNames`)."""
     return tuple(
-        VendorResources(
-            vendor=t.vendor,
-            count=t.count_resource,
-            memory=t.memory_resource,
-            cores=t.core_resource,
-            memory_factor=t.memory_factor,
-            device_type=t.common_word,
-            allocate_key=(t.announcement.allocate if t.announcement else None) or t.common_word,
-        )
+        vendor_resources(t)
         for t in config.announced()
-        # Ascend (vnpus) rounds memory up to its templates: not placed yet
-        if t.vendor != NVIDIA and t.count_resource is not None and t.section != "vnpus"
+        if t.vendor != NVIDIA and t.count_resource is not None
     )
 
 
@@ -775,13 +1009,18 @@ def read_vendors(settings: S) -> S:
 __all__ = [
     "AnnotationFormat",
     "Announcement",
+    "CapacityCards",
+    "CardSource",
     "DeviceConfig",
     "DeviceConfigError",
     "DeviceType",
+    "Rules",
+    "Selectors",
     "Template",
     "load_device_config",
     "parse_device_config",
     "read_vendors",
     "vendor_requests",
+    "vendor_resources",
     "with_vendors",
 ]

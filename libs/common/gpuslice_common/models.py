@@ -350,6 +350,21 @@ class MemoryRequest(Frozen):
         return max(card_memory_mib * self.percent // 100, 1)
 
 
+MAX_DRS_SLICES = 1024
+
+
+class DrsDemand(Frozen):
+    """What a container asks of an Enflame card shared by DRS profiles: a profile of
+    ``size`` slices (``enflame.com/drs-gcu``), or else the smallest profile with at
+    least ``memory`` (``enflame.com/gcu-memory``: GB, or MiB when above twice the
+    largest profile's GB, as HAMi reads it) and ``cores`` percent. The profile is
+    chosen on the node, whose profiles the card's model lists."""
+
+    size: Annotated[int, Field(ge=1, le=MAX_DRS_SLICES)] | None = None
+    memory: Annotated[int, Field(ge=0, le=MAX_DEVICE_MEMORY_MIB)] = 0
+    cores: Annotated[int, Field(ge=0, le=100)] = 0
+
+
 class ContainerGpuRequest(Frozen):
     """What one container asks for, per GPU, after defaults are applied."""
 
@@ -363,6 +378,9 @@ class ContainerGpuRequest(Frozen):
     # whose cards: another vendor's only from its own resources (left out of the
     # JSON for NVIDIA, whose records stay as they were)
     vendor: Annotated[Vendor, Field(exclude_if=_is_nvidia)] = NVIDIA
+    # Enflame DRS: the profile asked for, chosen per node (memory and cores are then
+    # the profile's); None for every other card
+    drs: Annotated[DrsDemand | None, Field(exclude_if=lambda d: d is None)] = None
 
     @property
     def exclusive(self) -> bool:

@@ -69,6 +69,7 @@ from typing import Any, Final, Literal, TypeVar
 
 from pydantic import ValidationError
 
+from gpuslice_common import vendorrequests
 from gpuslice_common.config import RequestSettings, ResourceNames, VendorResources
 from gpuslice_common.models import (
     MAX_SCORING_WEIGHT,
@@ -83,6 +84,7 @@ from gpuslice_common.models import (
     ScoringWeights,
     VgpuMode,
 )
+from gpuslice_common.requesterrors import QuantityTooLarge, RequestError
 
 __all__ = [
     "ANNOTATIONS",
@@ -108,16 +110,6 @@ MAX_GPU_COUNT: Final = 64
 # (and kept, per node, for every kind of pod the scheduler has seen) separately
 MAX_POD_GPU_COUNT: Final = 64
 MAX_GPU_MEMORY_MIB: Final = 2**31
-
-
-class RequestError(ValueError):
-    """A pod's GPU request is malformed or out of range; the message says where and why."""
-
-
-class QuantityTooLarge(RequestError):
-    """A well-formed, positive quantity too large for :func:`parse_quantity` to work
-    with (above 1e30, or a positive exponent beyond 64): it reads as more than any
-    bound a caller sets."""
 
 
 # ---------------------------------------------------------------- annotation keys
@@ -483,52 +475,23 @@ def _vendor_of(
     return asked[0][2] if asked else None
 
 
-def _build_vendor_container(
-    name: str, init: bool, sidecar: bool, vendor: VendorResources, amounts: Mapping[str, int]
-) -> ContainerGpuRequest | None:
-    """Another vendor's request, as HAMi reads it: the count is required; memory
-    (times the memory factor) unset or 0 is the whole card; cores unset are 100."""
-    label = f"container {name!r}"
-    count = amounts.get(vendor.count)
-    shares = [r for r in (vendor.memory, vendor.cores) if r is not None and r in amounts]
-    if not count:
-        if shares:
-            why = "is 0" if count == 0 else "is not set"
-            raise RequestError(f"{label}: {vendor.count} {why} but {_set_together(shares)}")
-        return None
-    units = amounts.get(vendor.memory) if vendor.memory is not None else None
-    memory = (
-        MemoryRequest(mib=units * vendor.memory_factor) if units else MemoryRequest(percent=100)
-    )
-    cores = amounts.get(vendor.cores) if vendor.cores is not None else None
-    return ContainerGpuRequest(
-        name=name,
-        init=init,
-        sidecar=sidecar,
-        count=count,
-        memory=memory,
-        cores=100 if cores is None else cores,
-        vendor=vendor.vendor,
-    )
-
-
 def _vendor_amounts(
     container: Mapping[Any, Any], label: str, vendor: VendorResources
-) -> dict[str, int]:
+) -> tuple[dict[str, int], frozenset[str]]:
+    """The vendor's resources the container sets, and those written with a unit."""
     resources = _mapping(container.get("resources"), f"{label}: resources")
     limits = _mapping(resources.get("limits"), f"{label}: resources.limits")
     requests = _mapping(resources.get("requests"), f"{label}: resources.requests")
-    bounds = [(vendor.count, MAX_GPU_COUNT)]
-    if vendor.memory is not None:
-        bounds.append((vendor.memory, MAX_GPU_MEMORY_MIB // vendor.memory_factor))
-    if vendor.cores is not None:
-        bounds.append((vendor.cores, 100))
     found: dict[str, int] = {}
-    for resource, high in bounds:
+    with_unit: set[str] = set()
+    for resource, high in vendorrequests.bounds(vendor):
         value = _amount(label, resource, limits, requests, 0, high)
         if value is not None:
             found[resource] = value
-    return found
+            raw = limits.get(resource, requests.get(resource))
+            if isinstance(raw, str) and any(ch.isalpha() for ch in raw):
+                with_unit.add(resource)
+    return found, frozenset(with_unit)
 
 
 def _parse_named_container(
@@ -539,8 +502,8 @@ def _parse_named_container(
     vendor = _vendor_of(container, label, settings)
     try:
         if vendor is not None:
-            amounts = _vendor_amounts(container, label, vendor)
-            return _build_vendor_container(name, init, sidecar, vendor, amounts), []
+            amounts, with_unit = _vendor_amounts(container, label, vendor)
+            return vendorrequests.build(name, init, sidecar, vendor, amounts, with_unit)
         amounts = _amounts(container, label, settings.resources)
         return _build_container(name, init, sidecar, amounts, settings)
     except ValidationError as exc:
@@ -722,6 +685,58 @@ def _first_error(exc: ValidationError) -> str:
     return str(errors[0]["msg"]) if errors else str(exc)
 
 
+_NO_CARD: Final = "(no card is on every list)"  # never a card's UUID: it has spaces
+
+
+def _keys(key: str | None) -> tuple[str, ...]:
+    return (key,) if key else ()
+
+
+def _pod_vendor(
+    containers: Sequence[ContainerGpuRequest], settings: RequestSettings
+) -> VendorResources | None:
+    vendor = containers[0].vendor
+    return next((v for v in settings.vendors if v.vendor == vendor), None)
+
+
+def _selector(
+    annotations: Mapping[str, str], vendor: VendorResources | None, numa_bind: bool
+) -> DeviceSelector:
+    """The pod's card selector: NVIDIA's annotations, or the vendor's own (HAMi's keys
+    for that vendor); gpuslice's ``gpuslice.io/...`` keys apply to every vendor and win."""
+    if vendor is None:
+        keys = ANNOTATIONS
+        return DeviceSelector(
+            include_types=_name_list(annotations, keys.use_gpu_type),
+            exclude_types=_name_list(annotations, keys.nouse_gpu_type),
+            include_uuids=_name_list(annotations, keys.use_gpu_uuid),
+            exclude_uuids=_name_list(annotations, keys.nouse_gpu_uuid),
+            numa_bind=numa_bind,
+        )
+
+    def names(own: Sequence[str], generic: AnnotationKey, include: bool) -> tuple[str, ...]:
+        ours = _name_list(annotations, AnnotationKey(generic.gpuslice, generic.gpuslice))
+        if ours:
+            return ours
+        lists = [
+            found for key in own if (found := _name_list(annotations, AnnotationKey(key, key)))
+        ]
+        if not lists:
+            return ()
+        if not include:  # each list excludes its cards
+            return tuple(dict.fromkeys(n for found in lists for n in found))
+        common = tuple(n for n in lists[0] if all(n in found for found in lists[1:]))
+        return common or (_NO_CARD,)  # two lists that share no card leave none
+
+    return DeviceSelector(
+        include_types=names(_keys(vendor.use_type), ANNOTATIONS.use_gpu_type, True),
+        exclude_types=names(_keys(vendor.nouse_type), ANNOTATIONS.nouse_gpu_type, False),
+        include_uuids=names(vendor.use_uuid, ANNOTATIONS.use_gpu_uuid, True),
+        exclude_uuids=names(vendor.nouse_uuid, ANNOTATIONS.nouse_gpu_uuid, False),
+        numa_bind=numa_bind,
+    )
+
+
 def parse_pod(
     pod: Mapping[str, Any], settings: RequestSettings = DEFAULT_SETTINGS
 ) -> PodGpuRequest | None:
@@ -766,13 +781,10 @@ def parse_pod(
     metadata = _mapping(pod.get("metadata"), "metadata")
     annotations = _annotations(metadata)
     gpu_policy, policy_numa, policy_warnings = _gpu_policy(annotations)
-    selector = DeviceSelector(
-        include_types=_name_list(annotations, ANNOTATIONS.use_gpu_type),
-        exclude_types=_name_list(annotations, ANNOTATIONS.nouse_gpu_type),
-        include_uuids=_name_list(annotations, ANNOTATIONS.use_gpu_uuid),
-        exclude_uuids=_name_list(annotations, ANNOTATIONS.nouse_gpu_uuid),
-        numa_bind=_numa_bind(annotations) or policy_numa,
-    )
+    vendor = _pod_vendor(containers, settings)
+    if vendor is not None:
+        vendorrequests.check_pod(vendor, containers, annotations)
+    selector = _selector(annotations, vendor, _numa_bind(annotations) or policy_numa)
     try:
         return PodGpuRequest(
             pod=pod_ref(metadata),
