@@ -10,9 +10,10 @@ or the smallest profile with at least the memory and cores it asks for
 its share of the card's compute (``ceil(slices * 100 / largest slices)`` percent)
 are what the container holds.
 
-A card's profiles travel with it as its model, ``DRS <name>=<id> ...``
-(:func:`model_of`, :func:`profiles_of`), so that the scheduler chooses the
-profile on the node the card is on and the bind writes its name and ID.
+A card's profiles and its device minor number travel with it as its model,
+``DRS minor=<minor> <name>=<id> ...`` (:func:`model_of`, :func:`profiles_of`,
+:func:`minor_of`), so that the scheduler chooses the profile on the node the
+card is on and the bind writes the profile's name and ID and the card's minor.
 """
 
 from __future__ import annotations
@@ -87,10 +88,17 @@ def cores(p: Profile, profiles: tuple[Profile, ...]) -> int:
     return math.ceil(p.size * 100 / largest(profiles).size)
 
 
-def model_of(profiles: tuple[Profile, ...]) -> str:
-    """The model a card with these profiles is registered with; raises ProfileError
-    when it would be longer than a model may be."""
-    model = " ".join([PREFIX, *(f"{p.name}={p.id}" for p in profiles)])
+_MINOR: Final = re.compile(r"^[0-9]{1,6}$")
+
+
+def model_of(profiles: tuple[Profile, ...], minor: str) -> str:
+    """The model a card of device minor ``minor`` with these profiles is registered
+    with; raises ProfileError for a minor that is not a number, or a model longer
+    than a model may be."""
+    if not _MINOR.fullmatch(minor):
+        raise ProfileError(f"minor {minor[:16]!r} is not a device number")
+    words = [PREFIX, f"minor={minor}", *(f"{p.name}={p.id}" for p in profiles)]
+    model = " ".join(words)
     if len(model) > MAX_NAME_LENGTH:
         raise ProfileError(f"its profiles do not fit in {MAX_NAME_LENGTH} characters")
     return model
@@ -99,11 +107,11 @@ def model_of(profiles: tuple[Profile, ...]) -> str:
 def profiles_of(model: str) -> tuple[Profile, ...] | None:
     """The profiles a card's model lists (None: not a DRS card's model, or unreadable)."""
     words = model.split(" ")
-    if len(words) < 2 or words[0] != PREFIX:
+    if len(words) < 3 or words[0] != PREFIX or minor_of(model) is None:
         return None
     found = []
     try:
-        for word in words[1:]:
+        for word in words[2:]:
             name, sep, profile_id = word.partition("=")
             if not sep:
                 return None
@@ -111,6 +119,15 @@ def profiles_of(model: str) -> tuple[Profile, ...] | None:
         return table(found)
     except ProfileError:
         return None
+
+
+def minor_of(model: str) -> str | None:
+    """The device minor number a DRS card's model names (None: none)."""
+    words = model.split(" ")
+    if len(words) < 2 or words[0] != PREFIX or not words[1].startswith("minor="):
+        return None
+    minor = words[1].removeprefix("minor=")
+    return minor if _MINOR.fullmatch(minor) else None
 
 
 def choose(profiles: tuple[Profile, ...], demand: DrsDemand) -> Profile | None:
@@ -147,6 +164,7 @@ __all__ = [
     "cores",
     "granted",
     "largest",
+    "minor_of",
     "model_of",
     "profile",
     "profiles_of",
