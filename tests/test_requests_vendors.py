@@ -55,7 +55,8 @@ def test_the_default_config_gives_the_vendors_gpuslice_registers() -> None:
     assert keys["mthreads"] == ("Mthreads", "mthreads-vgpu")
     assert keys["metax-sgpu"] == ("Metax-SGPU", "metax-sgpu")
     assert keys["ascend910b3"] == ("Ascend910B3", "Ascend910B3")
-    assert "nvidia" not in vendors and "awsneuron" not in vendors
+    assert "nvidia" not in vendors
+    assert "awsneuron" not in vendors
 
 
 def test_a_vendor_container_gets_its_vendor_factor_and_defaults() -> None:

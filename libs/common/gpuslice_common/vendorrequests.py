@@ -53,7 +53,7 @@ from gpuslice_common.requesterrors import RequestError
 MAX_COUNT: Final = 64
 MAX_MIB: Final = 2**31
 MTHREADS_MEMORY_UNITS: Final = (2, 4, 8, 16, 32, 64, 96)
-MTHREADS_WHOLE_UNITS: Final = 96  # HAMi's webhook: a whole card is 96 units (48 GiB)
+MTHREADS_WHOLE_UNITS: Final = 96  # HAMi's webhook writes a whole card as 96 units (48 GiB)
 KUNLUN_COUNTS: Final = (1, 2, 4, 8)
 ONE_CONTAINER: Final = frozenset({"mthreads", "kunlun", "enflame", "cambricon", "metax-gpu"})
 WHOLE: Final = frozenset({"metax-gpu", "kunlun"})
@@ -186,7 +186,6 @@ def _ascend_memory(
 def _mthreads(
     label: str, vendor: VendorResources, count: int, units: int | None, cores: int | None
 ) -> tuple[MemoryRequest, int, list[str]]:
-    whole_mib = MTHREADS_WHOLE_UNITS * vendor.memory_factor
     if count > 1 or not units:
         notes = []
         if count > 1 and (units or cores):
@@ -194,7 +193,7 @@ def _mthreads(
                 f"{label}: {vendor.count} {count} takes whole cards; its memory and cores "
                 "are set to the whole card's, as HAMi's webhook does"
             )
-        return MemoryRequest(mib=whole_mib), vendor.max_cores, notes
+        return MemoryRequest(percent=100), vendor.max_cores, notes
     if units not in MTHREADS_MEMORY_UNITS:
         allowed = ", ".join(str(u) for u in MTHREADS_MEMORY_UNITS)
         raise RequestError(

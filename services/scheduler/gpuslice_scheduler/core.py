@@ -308,9 +308,11 @@ def evaluate(
     mix: WorkloadMix | None,
     vgpu_mode: VgpuMode | None = None,
     weights: ScoringWeights = _EVEN,
+    kinds: Bools | None = None,
 ) -> Answer:
     """Run ``gs_evaluate``: ``request_containers`` None for a pod that asks for no GPU;
-    ``weights`` weigh HAMi's card score (binpack and spread)."""
+    ``weights`` weigh HAMi's card score (binpack and spread); ``kinds``, when given,
+    the kinds of card (per model entry) the pod may use besides its selector's."""
     lib = _library()
     nodes = np.ascontiguousarray(nodes, dtype=np.int64)
     n = int(nodes.size)
@@ -331,6 +333,9 @@ def evaluate(
     demand.mem_weight = weights.memory
     vendor = containers[0].vendor if containers else NVIDIA  # one per pod: parse_pod
     types, uuids = _selector_masks(cluster, selector, vgpu_mode, vendor)
+    if kinds is not None:
+        allowed = kinds if types is None else kinds & types.astype(np.bool_)
+        types = allowed.astype(np.uint8)
     if types is not None:
         demand.type_ok = _pointer("uint8_t[]", types, keep)
     if uuids is not None:

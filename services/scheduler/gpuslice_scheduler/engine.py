@@ -55,7 +55,7 @@ from gpuslice_common.models import (
     PodGpuRequest,
     ScoringWeights,
 )
-from gpuslice_scheduler import core, mig
+from gpuslice_scheduler import core, mig, vendorfit
 from gpuslice_scheduler.cluster import Bools, Cluster, Floats, Ints
 from gpuslice_scheduler.fit import REASONS, Code, Codes, model_mask
 from gpuslice_scheduler.fragmentation import WorkloadMix
@@ -145,7 +145,49 @@ def evaluate(
 
     The work is done by the compiled core (:mod:`gpuslice_scheduler.core`); here
     only the lines that explain failed nodes are written, once per distinct reason.
+    Vendors' rules the core does not know are applied around it
+    (:mod:`gpuslice_scheduler.vendorfit`).
     """
+    request = demand.request
+    if vendorfit.wants_drs(request):
+        assert request is not None
+        evaluation = _unfit(nodes, request)
+        for rows, part in vendorfit.drs_parts(
+            cluster, demand, nodes, lambda d, n, k: _evaluate(cluster, d, n, mix, k)
+        ):
+            if isinstance(part, str):
+                evaluation.code[rows] = Code.TYPE_MISMATCH
+                for row in rows.tolist():
+                    evaluation.detail[row] = part
+            else:
+                _write(evaluation, rows, part)
+        return evaluation
+    evaluation = _evaluate(cluster, demand, nodes, mix, None)
+    if request is not None and request.vendor == vendorfit.KUNLUN:
+        vendorfit.kunlun_topology(cluster, request, evaluation)
+    return evaluation
+
+
+def _unfit(nodes: Ints, request: PodGpuRequest) -> Evaluation:
+    """An evaluation where no node fits yet (rows follow ``nodes``)."""
+    n = int(nodes.size)
+    return Evaluation(
+        nodes,
+        np.zeros(n, dtype=np.bool_),
+        np.full(n, -np.inf),
+        np.full(n, int(Code.NOT_FOUND), dtype=np.int8),
+        [""] * n,
+        [np.full((n, c.count), NO_CARD, dtype=np.int64) for c in request.containers],
+    )
+
+
+def _evaluate(
+    cluster: Cluster,
+    demand: Demand,
+    nodes: Ints,
+    mix: WorkloadMix | None,
+    kinds: Bools | None,
+) -> Evaluation:
     request = demand.request
     if request is not None and demand.gpu_policy is GpuPolicy.FRAGMENTATION and mix is None:
         raise ValueError("the fragmentation policy needs a workload mix")
@@ -161,6 +203,7 @@ def evaluate(
         mix,
         request.vgpu_mode if request is not None else None,
         request.scoring_weights if request is not None else _EVEN,
+        kinds,
     )
     containers = request.containers if request is not None else ()
     detail = _details(answer, containers)
@@ -279,6 +322,13 @@ def placement(cluster: Cluster, demand: Demand, evaluation: Evaluation, row: int
         raise ValueError("no placement: the node does not fit the pod")
     request = demand.request
     node = int(evaluation.nodes[row])
+    if vendorfit.wants_drs(request):
+        table = vendorfit.node_table(cluster, node, request.vendor)
+        if table is None:
+            raise ValueError("no placement: the node's DRS cards changed since the evaluation")
+        request, why = vendorfit.resolve(request, table)
+        if why:
+            raise ValueError(f"no placement: {why}")
     mig_grants = None
     if cluster.node_mig[node] and any(int(c[row][0]) in cluster.mig for c in evaluation.chosen):
         # the answer the evaluation had: the same cluster, the same rules
