@@ -9,7 +9,7 @@ import pytest
 
 from gpuslice_common.config import RequestSettings, VendorResources
 from gpuslice_common.devicetypes import DeviceConfigError, with_vendors
-from gpuslice_common.models import MemoryRequest
+from gpuslice_common.models import DrsDemand, MemoryRequest
 from gpuslice_common.requests import RequestError, asks_for_gpus, has_gpu_request, parse_pod
 
 CONFIG = Path(__file__).parent / "data" / "hami-device-config.yaml"
@@ -156,3 +156,193 @@ def test_a_device_config_that_renames_nvidias_resources_onto_a_vendor_is_refused
     with pytest.raises(DeviceConfigError, match=r"nvidia\.com/gpu is both nvidia.s and hygon.s"):
         with_vendors(RequestSettings(), str(path))
     assert with_vendors(RequestSettings(), "") == RequestSettings()
+
+
+def one(limits: dict[str, Any], annotations: dict[str, str] | None = None) -> Any:
+    spec = pod(limits)
+    if annotations is not None:
+        spec["metadata"]["annotations"] = annotations
+    request = parse_pod(spec, SETTINGS)
+    assert request is not None
+    [container] = request.containers
+    return container
+
+
+def test_ascend_memory_is_rounded_up_to_its_vnpu_templates() -> None:
+    # HAMi's documented pod: 16000 MiB of a 910B3 is its 16 GiB template
+    c = one({"huawei.com/Ascend910B3": 1, "huawei.com/Ascend910B3-memory": 16000})
+    assert (c.vendor, c.count, c.memory, c.cores) == (
+        "ascend910b3",
+        1,
+        MemoryRequest(mib=16384),
+        0,
+    )
+    assert one({"huawei.com/Ascend910B3": 1, "huawei.com/Ascend910B3-memory": 16385}).memory == (
+        MemoryRequest(mib=32768)
+    )
+    # above every template, within the card: the whole card's allocatable memory
+    c = one({"huawei.com/Ascend310P": 1, "huawei.com/Ascend310P-memory": 20000})
+    assert c.memory == MemoryRequest(mib=21527)
+    # no memory: the whole card; several cards are whole cards
+    assert one({"huawei.com/Ascend910B3": 2}).memory == MemoryRequest(mib=65536)
+    c = one({"huawei.com/Ascend910B3": 2, "huawei.com/Ascend910B3-memory": 65536})
+    assert (c.count, c.memory) == (2, MemoryRequest(mib=65536))
+
+
+@pytest.mark.parametrize(
+    ("limits", "annotations", "message"),
+    [
+        (
+            {"huawei.com/Ascend910B3": 1, "huawei.com/Ascend910B3-memory": 70000},
+            {},
+            "huawei.com/Ascend910B3-memory 70000 is more than a card holds (memoryCapacity 65536",
+        ),
+        (
+            {"huawei.com/Ascend910B3": 2, "huawei.com/Ascend910B3-memory": 16000},
+            {},
+            "several cards are whole cards only",
+        ),
+        (
+            {"huawei.com/Ascend910B3": 1, "huawei.com/Ascend910B3-core": 5},
+            {},
+            "huawei.com/Ascend910B3-core needs HAMi's hami-core vNPU mode",
+        ),
+        (
+            {"huawei.com/Ascend910B3": 1},
+            {"huawei.com/vnpu-mode": "hami-core"},
+            "hami-core vNPUs are not placed by gpuslice",
+        ),
+        (
+            {"cambricon.com/vmlu": 2, "cambricon.com/mlu.smlu.vmemory": 8},
+            {},
+            "a container gets one MLU",
+        ),
+        (
+            {"mthreads.com/vgpu": 1, "mthreads.com/sgpu-memory": 3},
+            {},
+            "mthreads.com/sgpu-memory 3 is not a Moore Threads sGPU size; "
+            "valid values are 2, 4, 8, 16, 32, 64, 96",
+        ),
+        (
+            {"mthreads.com/vgpu": 1, "mthreads.com/sgpu-memory": 4, "mthreads.com/sgpu-core": 17},
+            {},
+            "mthreads.com/sgpu-core must be between 0 and 16",
+        ),
+        ({"kunlunxin.com/xpu": 3}, {}, "kunlunxin.com/xpu must be 1, 2, 4 or 8"),
+        ({"enflame.com/drs-gcu": 0}, {}, "enflame.com/drs-gcu must be greater than 0"),
+        ({"enflame.com/gcu-core": 101}, {}, "enflame.com/gcu-core must be between 0 and 100"),
+        ({"enflame.com/gcu-core": 0}, {}, "enflame.com/gcu-core must be in 1..100"),
+        (
+            {"metax-tech.com/sgpu": 1},
+            {"metax-tech.com/sgpu-qos-policy": "greedy"},
+            "metax-tech.com/sgpu-qos-policy must be one of best-effort, fixed-share, burst-share",
+        ),
+        (
+            {"metax-tech.com/sgpu": 1},
+            {"metax-tech.com/sgpu-app-class": "online"},
+            "the online class is not placed by gpuslice",
+        ),
+    ],
+)
+def test_each_vendors_own_rules_refuse_what_its_plugin_cannot_serve(
+    limits: dict[str, Any], annotations: dict[str, str], message: str
+) -> None:
+    spec = pod(limits)
+    spec["metadata"]["annotations"] = annotations
+    with pytest.raises(RequestError) as err:
+        parse_pod(spec, SETTINGS)
+    assert message in str(err.value)
+
+
+def test_cambricon_moore_threads_metax_and_kunlun_read_as_hami_reads_them() -> None:
+    # HAMi's documented Cambricon pod: memory in 256 MiB units, cores as given
+    c = one(
+        {
+            "cambricon.com/vmlu": 1,
+            "cambricon.com/mlu.smlu.vmemory": 8000,
+            "cambricon.com/mlu.smlu.vcore": 50,
+        }
+    )
+    assert (c.vendor, c.memory, c.cores) == ("cambricon", MemoryRequest(mib=8000 * 256), 50)
+    # cores unset: the card alone (HAMi's 100)
+    assert one({"cambricon.com/vmlu": 1}).cores == 100
+    # Moore Threads: 512 MiB units, cores in sixteenths, unset 0
+    c = one({"mthreads.com/vgpu": 1, "mthreads.com/sgpu-memory": 32, "mthreads.com/sgpu-core": 8})
+    assert (c.memory, c.cores) == (MemoryRequest(mib=16384), 8)
+    assert one({"mthreads.com/vgpu": 1, "mthreads.com/sgpu-memory": 4}).cores == 0
+    # several cards, or no memory: whole cards (all 16 cores)
+    c = one({"mthreads.com/vgpu": 2})
+    assert (c.count, c.memory, c.cores) == (2, MemoryRequest(percent=100), 16)
+    # Metax sGPU: GiB, or bytes with a unit
+    c = one({"metax-tech.com/sgpu": 1, "metax-tech.com/vcore": 60, "metax-tech.com/vmemory": 4})
+    assert (c.vendor, c.memory, c.cores) == ("metax-sgpu", MemoryRequest(mib=4096), 60)
+    assert one({"metax-tech.com/sgpu": 1, "metax-tech.com/vmemory": "2Gi"}).memory == (
+        MemoryRequest(mib=2048)
+    )
+    assert one({"metax-tech.com/sgpu": 1}).cores == 100
+    # whole Metax GPUs and Kunlun XPUs
+    c = one({"metax-tech.com/gpu": 1})
+    assert (c.vendor, c.memory, c.cores) == ("metax", MemoryRequest(percent=100), 100)
+    c = one({"kunlunxin.com/xpu": 4})
+    assert (c.vendor, c.count, c.exclusive) == ("kunlun", 4, True)
+
+
+def test_enflame_asks_for_a_drs_profile_one_card_per_container() -> None:
+    c = one({"enflame.com/drs-gcu": 3})
+    assert (c.vendor, c.count, c.drs) == ("enflame", 1, DrsDemand(size=3))
+    c = one({"enflame.com/gcu-memory": 20480, "enflame.com/gcu-core": 40})
+    assert c.drs == DrsDemand(memory=20480, cores=40)
+    # the JSON of a request without DRS is as before
+    assert "drs" not in one({"hygon.com/dcunum": 1}).model_dump()
+
+
+def test_one_container_per_pod_where_the_vendors_plugin_reads_one_choice() -> None:
+    for limits in (
+        {"mthreads.com/vgpu": 1},
+        {"kunlunxin.com/xpu": 1},
+        {"enflame.com/drs-gcu": 1},
+        {"cambricon.com/vmlu": 1},
+        {"metax-tech.com/gpu": 1},
+    ):
+        with pytest.raises(RequestError, match="its device plugin reads one choice of cards"):
+            parse_pod(pod(limits, limits), SETTINGS)
+    # Metax sGPU and HAMi's own encoding name each container's cards
+    request = parse_pod(pod({"metax-tech.com/sgpu": 1}, {"metax-tech.com/sgpu": 1}), SETTINGS)
+    assert request is not None
+    assert len(request.containers) == 2
+
+
+def test_a_vendor_pod_reads_its_vendors_card_selectors_never_nvidias() -> None:
+    spec = pod({"cambricon.com/vmlu": 1})
+    spec["metadata"]["annotations"] = {
+        "cambricon.com/use-gpuuuid": "n1-cambricon-mlu-0, n1-cambricon-mlu-1",
+        "cambricon.com/nouse-mlutype": "MLU370",
+        "nvidia.com/use-gpuuuid": "GPU-x",
+    }
+    request = parse_pod(spec, SETTINGS)
+    assert request is not None
+    selector = request.selector
+    assert selector.include_uuids == ("n1-cambricon-mlu-0", "n1-cambricon-mlu-1")
+    assert selector.exclude_types == ("MLU370",)
+    # gpuslice's own key applies to every vendor and wins
+    spec["metadata"]["annotations"]["gpuslice.io/use-gpuuuid"] = "n1-cambricon-mlu-2"
+    request = parse_pod(spec, SETTINGS)
+    assert request is not None
+    assert request.selector.include_uuids == ("n1-cambricon-mlu-2",)
+    # whole Kunlun XPUs: both of HAMi's keys must name a card
+    spec = pod({"kunlunxin.com/xpu": 1})
+    spec["metadata"]["annotations"] = {
+        "baidu.com/use-gpuuuid": "a,b",
+        "hami.io/use-xpu-uuid": "b,c",
+        "hami.io/no-use-xpu-uuid": "d",
+        "baidu.com/nouse-gpuuuid": "e",
+    }
+    request = parse_pod(spec, SETTINGS)
+    assert request is not None
+    assert request.selector.include_uuids == ("b",)
+    assert set(request.selector.exclude_uuids) == {"d", "e"}
+    spec["metadata"]["annotations"]["hami.io/use-xpu-uuid"] = "c"
+    request = parse_pod(spec, SETTINGS)
+    assert request is not None
+    assert request.selector.include_uuids  # lists sharing no card leave none: never empty
+    assert not {"a", "b", "c"} & set(request.selector.include_uuids)
