@@ -155,7 +155,7 @@ async def test_a_vendor_pod_fits_only_where_its_vendors_cards_are(stack: Stack) 
     assert reply["NodeNames"] == []
     assert reply["FailedAndUnresolvableNodes"]["mixed"] == (
         "AllocatedCardsInsufficientRequest: container 'main' needs 3 card(s), 2 of 4 fit "
-        "(2 CardTypeMismatch)"
+        "(2 CardTypeMismatch) [hygon: hygon.com/dcunum, hygon.com/dcumem, hygon.com/dcucores]"
     )
     # an NVIDIA pod asking for two cards fits on "gpu" only: the DCUs are not NVIDIA's
     reply = await stack.filter(pod("cuda", {"nvidia.com/gpu": "2"}), "mixed", "gpu")

@@ -372,8 +372,9 @@ class Extender:
             nodes = ev.nodes[rows]
             never = self._ceiling.never_fit(demand, nodes)  # current: _evaluate
             detail = ev.detail
+            note = self._vendor_note(demand.request)
             for part, into in ((~never, failed), (never, unresolvable)):
-                lines = [detail[r] for r in rows[part].tolist()]
+                lines = [detail[r] + note for r in rows[part].tolist()]
                 into.update(zip(names[nodes[part]].tolist(), lines, strict=True))
             codes, counts = np.unique(ev.code[rows], return_counts=True)
             for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
@@ -385,6 +386,16 @@ class Extender:
                 unresolvable[node] = serves_dra(node)
             self.metrics.failures.labels("filter", SERVES_DRA).inc(len(dra))
         return args.filter_reply(passed, failed, unresolvable)
+
+    def _vendor_note(self, request: PodGpuRequest) -> str:
+        """For another vendor's pod, what a failed node's line adds: the vendor's
+        resources the pod asks through, so that its owner sees which request failed."""
+        vendor = next(
+            (v for v in self.settings.requests.vendors if v.vendor == request.vendor), None
+        )
+        if vendor is None:
+            return ""
+        return f" [{vendor.vendor}: {', '.join(vendor.all())}]"
 
     def _filter_claiming(self, args: ExtenderArgs) -> dict[str, Any]:
         """A DRA pod: its DRA nodes pass, whatever the ledger holds there."""
