@@ -1,6 +1,7 @@
 """Other vendors' pods through the live extender: a real Redis ledger and NATS bus,
-nodes registered from HAMi vendor plugins' annotations held by a local API server,
-and the annotations HAMi's plugins read at Allocate written at bind."""
+nodes registered from HAMi vendor plugins' annotations held by a local API server
+(and, for vendors whose cards HAMi derives otherwise, registered as such in the
+ledger), and the annotations each vendor's plugin reads at Allocate written at bind."""
 
 from __future__ import annotations
 
@@ -16,18 +17,52 @@ from typing import Any
 import httpx
 import pytest
 
+from gpuslice_common import drs
 from gpuslice_common.bus import Bus
 from gpuslice_common.config import SchedulerSettings, load
 from gpuslice_common.devicetypes import parse_device_config, read_vendors
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
-from gpuslice_common.models import PLACEMENT_ANNOTATION, Placement, PlacementState
+from gpuslice_common.models import (
+    PLACEMENT_ANNOTATION,
+    GpuDevice,
+    NodeInventory,
+    Placement,
+    PlacementState,
+)
 from gpuslice_common.servers import NatsServer, free_port
 from gpuslice_inventory.vendorsync import VendorSync
 from gpuslice_scheduler.service import running
 from tests.conftest import make_inventory
 
 CONFIG = Path(__file__).parent / "data" / "hami-device-config.yaml"
+# an Enflame card's DRS profiles: 1, 2 and 4 slices of 4
+DRS_TABLE = drs.table(
+    [drs.profile("1g.8gb", "10"), drs.profile("2g.16gb", "11"), drs.profile("4g.32gb", "12")]
+)
+
+
+def accel_cards() -> list[NodeInventory]:
+    """Node "accel": eight whole Kunlun XPUs and one Enflame DRS card (device index 3,
+    minor 6), as the inventory registers cards HAMi derives from node capacity and
+    from Enflame's own annotation."""
+    kunlun = tuple(
+        GpuDevice(
+            uuid=f"accel-kunlun-{i}", index=i, model="kunlun", memory_mib=98304, vendor="kunlun"
+        )
+        for i in range(8)
+    )
+    enflame = GpuDevice(
+        uuid="accel-enflame-drs-3",
+        index=3,
+        model=drs.model_of(DRS_TABLE, "6"),
+        memory_mib=32768,
+        vendor="enflame",
+    )
+    return [
+        NodeInventory(node="accel", devices=kunlun, split_count=1, vendor="kunlun"),
+        NodeInventory(node="accel", devices=(enflame,), split_count=4, vendor="enflame"),
+    ]
 
 
 def vendor_node(name: str) -> dict[str, Any]:
@@ -132,6 +167,10 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
         types = parse_device_config(CONFIG.read_text()).announced()
         result = await VendorSync(ledger, kube, types).run_once()
         assert result.registered["hygon"] == 1
+        await ledger.register_node(make_inventory("accel", gpus=0), rebuilt=True)
+        for inventory in accel_cards():
+            await ledger.register_node(inventory)
+        kube.add_node({"metadata": {"name": "accel"}})
         bus = await Bus.connect(settings, "test")
         try:
             await bus.ensure_audit_stream(timedelta(hours=1))
@@ -202,6 +241,56 @@ async def test_bind_writes_what_hamis_vendor_plugins_read(stack: Stack) -> None:
     assert gpu.used.memory_mib == 0
 
 
+async def test_bind_writes_the_card_indexes_kunlun_s_plugin_reads(stack: Stack) -> None:
+    spec = pod("xpus", {"kunlunxin.com/xpu": "2"})
+    assert await stack.bind(spec, "accel") == {"Error": ""}
+    placed = await stack.ledger.placement("uid-xpus")
+    assert placed is not None
+    [main] = placed.containers
+    indexes = {
+        c.device.uuid: c.device.index
+        for c in await stack.ledger.node_gpus("accel", vendor="kunlun")
+    }
+    annotations = (await stack.kube.get_pod("team", "xpus"))["metadata"]["annotations"]
+    # two joined XPUs, named by their device indexes as the ledger holds them
+    assert annotations["BAIDU_COM_DEVICE_IDX"] == ",".join(
+        str(indexes[g.uuid]) for g in main.devices
+    )
+    assert annotations["BAIDU_COM_DEVICE_IDX"] == "0,1"
+    cards = "".join(f"{g.uuid},kunlun,{g.memory_mib},{g.cores}:" for g in main.devices)
+    assert annotations["hami.io/kunlun-allocated"] == f";{cards};;"
+    assert "hami.io/kunlun-devices-to-allocate" not in annotations
+    assert annotations["hami.io/vgpu-node"] == "accel"
+
+
+async def test_bind_writes_the_drs_profile_enflame_s_plugin_reads(stack: Stack) -> None:
+    spec = pod("gcu", {"enflame.com/drs-gcu": "2"})
+    before = datetime.now(UTC).timestamp()
+    assert await stack.bind(spec, "accel") == {"Error": ""}
+    placed = await stack.ledger.placement("uid-gcu")
+    assert placed is not None
+    [main] = placed.containers
+    [grant] = main.devices
+    # the profile of two slices: 16 GB, half the card's compute
+    assert (grant.uuid, grant.memory_mib, grant.cores) == ("accel-enflame-drs-3", 16384, 50)
+    annotations = (await stack.kube.get_pod("team", "gcu"))["metadata"]["annotations"]
+    assert annotations["hami.io/enflame-vgpu-devices-allocated"] == (
+        ";accel-enflame-drs-3,Enflame,16384,50:;;"
+    )
+    assert annotations["assigned-containers"] == (
+        '{"main":{"allocated":false,"request":2,"profileID":"11","profileName":"2g.16gb"}}'
+    )
+    # the card's device index and minor, from its record in the scheduler's copy
+    assert annotations["enflame.com/gcu-assigned-index"] == "3"
+    assert annotations["enflame.com/gcu-assigned-id"] == "3"
+    assert annotations["enflame.com/gcu-assigned-minor"] == "6"
+    assert annotations["enflame.com/gcu-request-size"] == "2"
+    assert annotations["enflame.com/gcu-assigned"] == "false"
+    assigned_ns = int(annotations["enflame.com/gcu-assigned-time"])
+    assert before <= assigned_ns / 1e9 <= before + 60
+    assert int(annotations["hami.io/bind-time"]) == assigned_ns // 1_000_000_000
+
+
 async def test_an_nvidia_pod_gets_no_hami_vendor_annotations(stack: Stack) -> None:
     spec = pod("cuda", {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}, init=False)
     assert await stack.bind(spec, "mixed") == {"Error": ""}
@@ -215,7 +304,11 @@ async def test_an_nvidia_pod_gets_no_hami_vendor_annotations(stack: Stack) -> No
 def test_a_card_name_that_would_break_hamis_encoding_is_refused() -> None:
     from gpuslice_common.config import VendorResources
     from gpuslice_common.models import ContainerAssignment, DeviceGrant, PodRef
-    from gpuslice_scheduler.hamivendor import EncodingError, encode_devices, vendor_annotations
+    from gpuslice_scheduler.vendorannotations import (
+        EncodingError,
+        encode_devices,
+        vendor_annotations,
+    )
 
     hygon = VendorResources(
         vendor="hygon", count="hygon.com/dcunum", device_type="DCU", allocate_key="dcu"
@@ -231,9 +324,14 @@ def test_a_card_name_that_would_break_hamis_encoding_is_refused() -> None:
     for bad in ("DCU,a", "DCU:a", "DCU;a", ""):
         with pytest.raises(EncodingError, match="cannot be written for HAMi"):
             encode_devices(spec, placed(bad or "-"), hygon)
+        with pytest.raises(EncodingError, match="cannot be written for HAMi"):
+            vendor_annotations(spec, placed(bad or "-"), (hygon,), {}, 0)
     with pytest.raises(EncodingError, match="'gone' is not in the pod's spec"):
         encode_devices(spec, placed("DCU-a", "gone"), hygon)
-    assert vendor_annotations(spec, placed("DCU-a"), (), 0) == {}
+    # a pod on the cards of a vendor the scheduler no longer reads is not bound
+    # without what its plugin needs
+    with pytest.raises(EncodingError, match="vendor hygon is not in the scheduler's device"):
+        vendor_annotations(spec, placed("DCU-a"), (), {}, 0)
 
 
 @pytest.mark.parametrize("service", ["gpuslice_webhook", "gpuslice_scheduler"])

@@ -9,6 +9,8 @@ from typing import Any
 
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger, NodeCards
+from gpuslice_common.models import GpuDevice, NodeInventory
+from gpuslice_scheduler.cluster import CardFacts
 from gpuslice_scheduler.engine import Demand, Evaluator
 from gpuslice_scheduler.resources import NodeResources
 from gpuslice_scheduler.view import ClusterView
@@ -184,3 +186,23 @@ async def test_a_whole_rebuild_of_the_copy_keeps_free_cpu(ledger: Ledger) -> Non
     cluster = view.cluster
     free = {name: cluster.node_cpu_free[i] for name, i in cluster.node_index.items()}
     assert free == {NODE: 7000.0, "node-b": 4000.0}
+
+
+async def test_each_card_s_index_and_model_follow_the_ledger(ledger: Ledger) -> None:
+    """A bind reads a granted card's index and model in the copy (vendorannotations)."""
+    view = await synced_view(ledger)
+    assert view.card_facts(NODE) == {
+        f"GPU-{NODE}-0": CardFacts(0, "NVIDIA A100-SXM4-80GB"),
+        f"GPU-{NODE}-1": CardFacts(1, "NVIDIA A100-SXM4-80GB"),
+    }
+    # another vendor's cards on the node, whose indexes are not their places
+    xpus = tuple(
+        GpuDevice(uuid=f"XPU-{i}", index=i, model="P800", memory_mib=1024, vendor="xpu")
+        for i in (6, 2)
+    )
+    await ledger.register_node(NodeInventory(node=NODE, devices=xpus, vendor="xpu"))
+    await view.sync()
+    facts = view.card_facts(NODE)
+    assert (facts["XPU-6"], facts["XPU-2"]) == (CardFacts(6, "P800"), CardFacts(2, "P800"))
+    assert len(facts) == 4
+    assert view.card_facts("elsewhere") == {}

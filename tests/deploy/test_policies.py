@@ -358,16 +358,16 @@ def test_writing_the_placement_of_a_waiting_pod_is_allowed() -> None:
 
 def test_writing_what_hami_s_vendor_plugins_read_at_bind_is_allowed() -> None:
     """A pod on another vendor's cards gets, beside its placement, the annotations
-    HAMi's vendor plugins read at Allocate (gpuslice_scheduler.hamivendor)."""
-    from gpuslice_scheduler import hamivendor
+    HAMi's vendor plugins read at Allocate (gpuslice_scheduler.vendorannotations)."""
+    from gpuslice_scheduler import vendorannotations
 
     old = waiting_pod()
     new = copy.deepcopy(old)
     new["metadata"]["annotations"] |= {
         PLACEMENT_ANNOTATION: "{}",
-        hamivendor.NODE: "n1",
-        hamivendor.BIND_TIME: "1700000000",
-        hamivendor.BIND_PHASE: hamivendor.ALLOCATING,
+        vendorannotations.NODE: "n1",
+        vendorannotations.BIND_TIME: "1700000000",
+        vendorannotations.BIND_PHASE: vendorannotations.ALLOCATING,
         "hami.io/dcu-devices-to-allocate": "DCU-0,DCU,1000,10:;",
         "hami.io/dcu-devices-allocated": "DCU-0,DCU,1000,10:;",
     }
@@ -376,10 +376,46 @@ def test_writing_what_hami_s_vendor_plugins_read_at_bind_is_allowed() -> None:
         "hami.io/mutex.lock",
         "hami.io/dcu-devices-to-allocate-x",
         "x.io/a-devices-allocated",
+        "hami.io/xpu-allocated",
+        "huawei.com/vnpu-mode",
+        "enflame.com/gcu-assigned-x",
     ):
         other = copy.deepcopy(new)
         other["metadata"]["annotations"][key] = "1"
         assert any("no annotation but" in m for m in refusals(old, other)), key
+
+
+def every_family_s_annotations() -> dict[str, dict[str, str]]:
+    """Per vendor family, what bind writes for a pod on one card of that family."""
+    from gpuslice_common import drs
+    from gpuslice_common.devicetypes import Rules, parse_device_config, vendor_requests
+    from gpuslice_common.models import ContainerAssignment, DeviceGrant, Placement, PodRef
+    from gpuslice_scheduler.cluster import CardFacts
+    from gpuslice_scheduler.vendorannotations import vendor_annotations
+
+    config = ROOT / "tests" / "data" / "hami-device-config.yaml"
+    vendors = {Rules(v.rules): v for v in vendor_requests(parse_device_config(config.read_text()))}
+    table = drs.table([drs.profile("1g.8gb", "1"), drs.profile("2g.16gb", "2")])
+    cards = {"card-0": CardFacts(0, drs.model_of(table, "0"))}
+    spec = {"spec": {"containers": [{"name": "c"}]}}
+    out = {}
+    for rules, vendor in vendors.items():
+        grant = DeviceGrant(uuid="card-0", memory_mib=8192, cores=50)
+        container = ContainerAssignment(name="c", devices=(grant,), vendor=vendor.vendor)
+        placement = Placement(pod=PodRef(uid="u"), node="n1", containers=(container,))
+        out[rules.value] = vendor_annotations(spec, placement, (vendor,), cards, 10**18)
+    assert set(out) == {r.value for r in Rules}
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(every_family_s_annotations()))
+def test_what_bind_writes_for_every_vendor_family_is_allowed(family: str) -> None:
+    written = every_family_s_annotations()[family]
+    old = waiting_pod()
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"] |= {PLACEMENT_ANNOTATION: "{}"} | written
+    assert refusals(old, new) == []
+    assert len(written) > 3  # the common three and the family's own
 
 
 @pytest.mark.parametrize(

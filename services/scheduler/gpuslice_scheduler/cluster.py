@@ -33,6 +33,18 @@ from gpuslice_scheduler.mig import HAMI_CORE, CardMode, MigCard
 # One card: uuid, model, numa (-1 unknown), cap_mem, cap_cores, cap_slots, used mem,
 # cores, slots, owned, healthy, present, cordoned
 Row = tuple[str, str, int, int, int, int, int, int, int, bool, bool, bool, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class CardFacts:
+    """What a bind reads of a card beside its grant: its index on the node and its
+    model (another vendor's plugin is told which card by index, Enflame's also by
+    the DRS profile its model lists)."""
+
+    index: int
+    model: str
+
+
 Ints = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
 Floats = npt.NDArray[np.float64]

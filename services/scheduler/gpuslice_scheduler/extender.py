@@ -96,11 +96,11 @@ from gpuslice_scheduler.engine import (
 )
 from gpuslice_scheduler.fit import REASONS, CardDemand, Code
 from gpuslice_scheduler.fragmentation import MixLearner, WorkloadMix
-from gpuslice_scheduler.hamivendor import EncodingError, vendor_annotations
 from gpuslice_scheduler.holders import MAX_NODES, Freed, HolderCheck
 from gpuslice_scheduler.metrics import Metrics
 from gpuslice_scheduler.preemption import Preemptor
 from gpuslice_scheduler.requested import ResourceError, pod_request
+from gpuslice_scheduler.vendorannotations import EncodingError, vendor_annotations
 from gpuslice_scheduler.view import ClusterView
 from gpuslice_scheduler.wire import BindingArgs, ExtenderArgs, PreemptionArgs, filter_error
 
@@ -723,7 +723,8 @@ class Extender:
         try:
             # other vendors' plugins read HAMi's annotations at Allocate
             vendors = self.settings.requests.vendors
-            annotations = vendor_annotations(pod, chosen, vendors, int(time.time()))
+            cards = self.view.card_facts(chosen.node)
+            annotations = vendor_annotations(pod, chosen, vendors, cards, time.time_ns())
             annotations[PLACEMENT_ANNOTATION] = chosen.to_annotation()
             await self.kube.patch_pod_annotations(args.pod_namespace, args.pod_name, annotations)
             if chosen.state is PlacementState.RESERVED:

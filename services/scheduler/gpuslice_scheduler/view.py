@@ -35,7 +35,7 @@ import numpy as np
 
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError, NodeCards, StoredCard
 from gpuslice_common.models import NVIDIA, Placement, VgpuMode
-from gpuslice_scheduler.cluster import Cluster, Ints, Row
+from gpuslice_scheduler.cluster import CardFacts, Cluster, Ints, Row
 from gpuslice_scheduler.mig import HAMI_CORE, CardMode, MigCard
 from gpuslice_scheduler.resources import NodeResources
 
@@ -100,6 +100,7 @@ class ClusterView:
         self._resync_due = 0.0
         self.rows: dict[str, list[Row]] = {}
         self.modes: dict[str, list[CardMode]] = {}  # per node, each card's mode (rows' order)
+        self.indexes: dict[str, list[int]] = {}  # per node, each card's index (rows' order)
         self.revs: dict[str, int | None] = {}
         self.epochs: dict[str, str] = {}  # the epoch each node was last read in
         self.skipped: dict[str, str] = {}  # node -> why its record cannot be read
@@ -134,6 +135,7 @@ class ClusterView:
         for node in gone:
             removed |= self.rows.pop(node, None) is not None
             self.modes.pop(node, None)
+            self.indexes.pop(node, None)
             self.revs.pop(node, None)
             self.epochs.pop(node, None)
             self.rebuilding.discard(node)
@@ -155,6 +157,7 @@ class ClusterView:
             if isinstance(got, NodeCards):
                 self.rows[node] = [_row(card) for card in got.cards]
                 self.modes[node] = [_mode(card) for card in got.cards]
+                self.indexes[node] = [card.index for card in got.cards]
                 self.revs[node] = got.rev
                 self._settle({node: got.rev})
                 if got.rebuilt:
@@ -180,6 +183,7 @@ class ClusterView:
         self.revs[node] = None  # read again next sync
         self.dra.discard(node)
         self.modes.pop(node, None)
+        self.indexes.pop(node, None)
         return self.rows.pop(node, None) is not None
 
     def _rebuild(self, changed: Sequence[str], removed: bool) -> None:
@@ -251,6 +255,11 @@ class ClusterView:
     def weighs_resources(self) -> bool:
         """Whether any node of the copy has a known free CPU and memory."""
         return bool(np.isfinite(self.cluster.node_cpu_free).any())
+
+    def card_facts(self, node: str) -> dict[str, CardFacts]:
+        """Each card of ``node`` in the copy, by UUID ({} for a node not in it)."""
+        rows, indexes = self.rows.get(node, ()), self.indexes.get(node, ())
+        return {r[0]: CardFacts(i, r[1]) for r, i in zip(rows, indexes, strict=True)}
 
     def node_indexes(self, names: Sequence[str]) -> tuple[Ints, list[str]]:
         """Indexes of the known nodes among ``names`` (in order), and the unknown names."""
