@@ -519,10 +519,13 @@ def test_only_the_scheduler_names_a_pod_s_node_for_hami_s_vendor_plugins() -> No
     guard = program(condition["expression"])
     assert not run(guard, request={"userInfo": {"username": SCHEDULER_SA}})
     assert run(guard, request={"userInfo": {"username": "system:serviceaccount:team-a:default"}})
-    (check,) = [program(v["expression"]) for v in spec["validations"]]
+    checks = [program(v["expression"]) for v in spec["validations"]]
 
     def allowed(operation: str, new: dict[str, Any], old: dict[str, Any] | None) -> bool:
-        return run(check, request={"operation": operation}, object=new, oldObject=old)
+        return all(
+            run(check, request={"operation": operation}, object=new, oldObject=old)
+            for check in checks
+        )
 
     decoy = waiting_pod()
     decoy["spec"]["nodeName"] = "n1"
@@ -547,6 +550,44 @@ def test_only_the_scheduler_names_a_pod_s_node_for_hami_s_vendor_plugins() -> No
     phase["metadata"]["labels"]["app"] = "other"
     assert allowed("UPDATE", phase, forged)
     assert allowed("UPDATE", bare, decoy)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "mthreads.com/predicate-node",
+        "enflame.com/gcu-assigned",
+        "CAMBRICON_DSMLU_PROFILE",
+        "BAIDU_COM_DEVICE_IDX",
+        "hami.io/metax-sgpu-devices-to-allocate",
+        "huawei.com/Ascend910B3",
+    ],
+)
+def test_only_the_scheduler_adds_what_vendor_plugins_read_at_allocate(key: str) -> None:
+    """A decoy pod carrying what a vendor's plugin reads at Allocate (Moore Threads'
+    predicate node, Enflame's assignment, ...) could be taken for the pod being
+    admitted: it may neither be created with them nor have them added. The plugins
+    rewrite some as they allocate: changing one already there passes."""
+    policy = find("ValidatingAdmissionPolicy", "gpuslice-hami-node-by-the-scheduler-only")
+    checks = [program(v["expression"]) for v in policy["spec"]["validations"]]
+
+    def allowed(operation: str, new: dict[str, Any], old: dict[str, Any] | None) -> bool:
+        return all(
+            run(check, request={"operation": operation}, object=new, oldObject=old)
+            for check in checks
+        )
+
+    decoy = waiting_pod()
+    decoy["spec"]["nodeName"] = "n1"
+    forged = copy.deepcopy(decoy)
+    forged["metadata"]["annotations"][key] = "n1"
+    assert not allowed("CREATE", forged, None)
+    assert not allowed("UPDATE", forged, decoy)  # added
+    rewritten = copy.deepcopy(forged)
+    rewritten["metadata"]["annotations"][key] = "true"
+    assert allowed("UPDATE", rewritten, forged)  # a plugin rewriting it
+    assert allowed("UPDATE", decoy, forged)  # or removing it
+    assert allowed("CREATE", decoy, None)
 
 
 # ---------------------------------------------------------------- network
