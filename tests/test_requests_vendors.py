@@ -189,6 +189,42 @@ def test_ascend_memory_is_rounded_up_to_its_vnpu_templates() -> None:
     assert (c.count, c.memory) == (2, MemoryRequest(mib=65536))
 
 
+def test_moore_threads_whole_cards_read_the_same_as_hamis_webhook_writes_them() -> None:
+    whole = MemoryRequest(percent=100)
+    for limits in (
+        {"mthreads.com/vgpu": 1},
+        {"mthreads.com/vgpu": 1, "mthreads.com/sgpu-memory": 96, "mthreads.com/sgpu-core": 16},
+    ):
+        request = parse_pod(pod(limits), SETTINGS)
+        assert request is not None
+        [c] = request.containers
+        assert (c.count, c.memory, c.cores) == (1, whole, 16)
+    # two cards as the webhook states them: the count's total, no warning
+    written = {
+        "mthreads.com/vgpu": 2,
+        "mthreads.com/sgpu-memory": 192,
+        "mthreads.com/sgpu-core": 32,
+    }
+    request = parse_pod(pod(written), SETTINGS)
+    assert request is not None
+    assert request.warnings == ()
+    assert (request.containers[0].memory, request.containers[0].cores) == (whole, 16)
+    # an sGPU of a card's memory and fewer cores stays an sGPU
+    request = parse_pod(
+        pod({"mthreads.com/vgpu": 1, "mthreads.com/sgpu-memory": 96, "mthreads.com/sgpu-core": 8}),
+        SETTINGS,
+    )
+    assert request is not None
+    assert request.containers[0].memory == MemoryRequest(mib=96 * 512)
+    other = {"mthreads.com/vgpu": 2, "mthreads.com/sgpu-core": 8}
+    request = parse_pod(pod(other), SETTINGS)
+    assert request is not None
+    assert request.warnings == (
+        "container 'c0': mthreads.com/vgpu 2 takes whole cards; its memory and cores are "
+        "set to the whole card's, as HAMi's webhook does",
+    )
+
+
 @pytest.mark.parametrize(
     ("limits", "annotations", "message"),
     [
@@ -346,3 +382,33 @@ def test_a_vendor_pod_reads_its_vendors_card_selectors_never_nvidias() -> None:
     assert request is not None
     assert request.selector.include_uuids  # lists sharing no card leave none: never empty
     assert not {"a", "b", "c"} & set(request.selector.include_uuids)
+
+
+@pytest.mark.parametrize(
+    ("limits", "annotations", "message"),
+    [
+        (
+            {"mthreads.com/vgpu": 1, "mthreads.com/sgpu-memory": 8, "mthreads.com/sgpu-core": 17},
+            {},
+            "container 'c0': mthreads.com/sgpu-core must be between 0 and 16, got 17",
+        ),
+        (
+            {"mthreads.com/vgpu": 2, "mthreads.com/sgpu-core": 33},
+            {},
+            "container 'c0': mthreads.com/sgpu-core must be between 0 and 32, got 33",
+        ),
+        (
+            {"mthreads.com/vgpu": 2},
+            {"mthreads.com/request-gpu-num": "4"},
+            "annotation mthreads.com/request-gpu-num says '4' but the pod asks for 2",
+        ),
+    ],
+)
+def test_moore_threads_cores_and_card_count_beyond_the_request_are_refused(
+    limits: dict[str, Any], annotations: dict[str, str], message: str
+) -> None:
+    asked = pod(limits)
+    asked["metadata"]["annotations"] = annotations
+    with pytest.raises(RequestError) as err:
+        parse_pod(asked, SETTINGS)
+    assert message in str(err.value)

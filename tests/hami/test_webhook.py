@@ -38,7 +38,7 @@ def _check_quota(case: Case, request: PodGpuRequest, settings: RequestSettings) 
     }
     limits = quota.gpu_limits([{"metadata": {"name": "gpu"}, "spec": {"hard": hard}}], settings)
     used = quota.Demand(spec.get("used_memory", 0), spec.get("used_cores", 0))
-    quota.check(limits, quota.request_demand(request.containers), used, "default", settings)
+    quota.check(limits, quota.request_demand(request.containers), used, "default")
 
 
 def _admit(case: Case) -> tuple[dict[str, Any] | None, str | None]:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import jsonpatch
 import pytest
 
 from gpuslice_common.config import RequestSettings
+from gpuslice_common.devicetypes import with_vendors
 from gpuslice_common.models import ContainerGpuRequest, MemoryRequest
 from gpuslice_webhook.mutation import Denied
 from gpuslice_webhook.patch import Patch, escape, pointer
 from gpuslice_webhook.quota import Demand, QuotaLimit, check, gpu_limits, request_demand
 
 SETTINGS = RequestSettings()
+VENDORS = with_vendors(
+    SETTINGS, str(Path(__file__).parents[1] / "data" / "hami-device-config.yaml")
+)
 
 
 def request(
@@ -92,18 +97,50 @@ def test_gpu_limits_follow_configured_resource_names() -> None:
     assert [limit.key for limit in gpu_limits(quotas, settings)] == ["limits.example.com/vram"]
 
 
+def test_gpu_limits_read_every_vendors_keys_in_their_units() -> None:
+    quotas = [
+        quota(
+            "v",
+            {
+                "limits.cambricon.com/mlu.smlu.vmemory": "40",
+                "limits.mthreads.com/sgpu-core": "32",
+                "limits.cambricon.com/vmlu": "4",  # a count: not a GPU quota key
+            },
+        )
+    ]
+    assert gpu_limits(quotas, VENDORS) == [
+        QuotaLimit("v", "limits.cambricon.com/mlu.smlu.vmemory", "memory", 40, "cambricon", 256),
+        QuotaLimit("v", "limits.mthreads.com/sgpu-core", "cores", 32, "mthreads"),
+    ]
+
+
+def test_a_vendor_memory_limit_compares_mib_and_reports_units_rounded_up() -> None:
+    limit = QuotaLimit("q", "limits.cambricon.com/mlu.smlu.vmemory", "memory", 4, "cambricon", 256)
+    used = Demand(257, vendor="cambricon")  # 1.004 units: shown as 2
+    check([limit], Demand(767, vendor="cambricon"), used, "ns")  # 1024 MiB: fits
+    with pytest.raises(Denied) as refused:
+        check([limit], Demand(768, vendor="cambricon"), used, "ns")
+    assert refused.value.message == (
+        "exceeded quota: q, requested: limits.cambricon.com/mlu.smlu.vmemory=3, used: "
+        "limits.cambricon.com/mlu.smlu.vmemory=2, limited: limits.cambricon.com/mlu.smlu.vmemory=4"
+    )
+    # another vendor's pod is not held to it, nor an NVIDIA pod
+    check([limit], Demand(10**6, vendor="hygon"), used, "ns")
+    check([limit], Demand(10**6), used, "ns")
+
+
 def test_check_allows_exactly_the_limit_and_refuses_one_more() -> None:
     limits = [QuotaLimit("q", "limits.nvidia.com/gpucores", "cores", 100)]
-    check(limits, Demand(0, 40), Demand(0, 60), "ns", SETTINGS)
+    check(limits, Demand(0, 40), Demand(0, 60), "ns")
     with pytest.raises(Denied, match=r"requested: limits.nvidia.com/gpucores=41, used: "):
-        check(limits, Demand(0, 41), Demand(0, 60), "ns", SETTINGS)
+        check(limits, Demand(0, 41), Demand(0, 60), "ns")
 
 
 def test_a_pod_already_over_is_refused_only_for_what_it_asks() -> None:
     limits = [QuotaLimit("q", "limits.nvidia.com/gpumem", "memory", 100)]
-    check(limits, Demand(0, 50), Demand(500, 0), "ns", SETTINGS)  # asks no memory
+    check(limits, Demand(0, 50), Demand(500, 0), "ns")  # asks no memory
     with pytest.raises(Denied):
-        check(limits, Demand(1, 0), Demand(500, 0), "ns", SETTINGS)
+        check(limits, Demand(1, 0), Demand(500, 0), "ns")
 
 
 # ---------------------------------------------------------------- JSON Patch

@@ -18,8 +18,10 @@ the rules that concern the whole pod. Each family of
   profile names one card).
 * ``mthreads``: cores are sixteenths of a card (``sgpu-core`` 0-16, unset 0);
   memory (units of 512 MiB) must be one of 2, 4, 8, 16, 32, 64, 96; a count above
-  1, or no memory, is whole cards (16 cores and 96 units each, as HAMi's webhook
-  sets them).
+  1, no memory, or 96 units with 16 cores is whole cards. HAMi's webhook writes
+  whole cards into the limits as the count's total (16 cores and 96 units a
+  card, so ``sgpu-core`` may be up to 16 per card) and, above one card, the count
+  into ``mthreads.com/request-gpu-num``, which must not say otherwise.
 * ``metax-gpu``: whole cards, by count.
 * ``metax-sgpu``: memory in GiB (``vmemory: 4``), or bytes when written with a
   unit (``4Gi``); cores unset are 100. QoS (``metax-tech.com/sgpu-qos-policy``:
@@ -54,6 +56,8 @@ MAX_COUNT: Final = 64
 MAX_MIB: Final = 2**31
 MTHREADS_MEMORY_UNITS: Final = (2, 4, 8, 16, 32, 64, 96)
 MTHREADS_WHOLE_UNITS: Final = 96  # HAMi's webhook writes a whole card as 96 units (48 GiB)
+# the pod annotation HAMi's webhook writes for a count above 1 (Moore Threads' plugin reads it)
+MTHREADS_GPU_NUM: Final = "mthreads.com/request-gpu-num"
 KUNLUN_COUNTS: Final = (1, 2, 4, 8)
 ONE_CONTAINER: Final = frozenset({"mthreads", "kunlun", "enflame", "cambricon", "metax-gpu"})
 WHOLE: Final = frozenset({"metax-gpu", "kunlun"})
@@ -77,7 +81,9 @@ def bounds(vendor: VendorResources) -> list[tuple[str, int]]:
             high = MAX_MIB // vendor.memory_factor
         found.append((vendor.memory, high))
     if vendor.cores is not None:
-        found.append((vendor.cores, vendor.max_cores))
+        # Moore Threads: whole cards are stated as the count's total (checked in build)
+        per_card = MAX_COUNT if vendor.rules == "mthreads" else 1
+        found.append((vendor.cores, vendor.max_cores * per_card))
     return found
 
 
@@ -186,9 +192,15 @@ def _ascend_memory(
 def _mthreads(
     label: str, vendor: VendorResources, count: int, units: int | None, cores: int | None
 ) -> tuple[MemoryRequest, int, list[str]]:
-    if count > 1 or not units:
+    high = vendor.max_cores * count  # HAMi's webhook states whole cards as the count's total
+    if cores is not None and cores > high:
+        raise RequestError(f"{label}: {vendor.cores} must be between 0 and {high}, got {cores}")
+    # what HAMi's webhook writes for one whole card reads as one whole card again
+    whole = units == MTHREADS_WHOLE_UNITS and cores == vendor.max_cores
+    if count > 1 or not units or whole:
         notes = []
-        if count > 1 and (units or cores):
+        other_units = units is not None and units != count * MTHREADS_WHOLE_UNITS
+        if count > 1 and (other_units or (cores is not None and cores != high)):
             notes.append(
                 f"{label}: {vendor.count} {count} takes whole cards; its memory and cores "
                 "are set to the whole card's, as HAMi's webhook does"
@@ -250,6 +262,14 @@ def check_pod(
             f"containers {a!r} and {b!r} both ask for {vendor.vendor} cards; its device "
             "plugin reads one choice of cards per pod, so one container may ask for them"
         )
+    if vendor.rules == "mthreads":
+        stated = annotations.get(MTHREADS_GPU_NUM)
+        count = containers[0].count if containers else 0
+        if stated is not None and stated.strip() != str(count):
+            raise RequestError(
+                f"annotation {MTHREADS_GPU_NUM} says {stated[:32]!r} but the pod asks for "
+                f"{count} Moore Threads card(s); gpuslice writes it from the count: remove it"
+            )
     if vendor.rules == "ascend":
         mode = annotations.get(ASCEND_MODE, "").strip()
         if mode == "hami-core":
@@ -284,7 +304,9 @@ __all__ = [
     "KUNLUN_COUNTS",
     "METAX_APP_CLASS",
     "METAX_QOS",
+    "MTHREADS_GPU_NUM",
     "MTHREADS_MEMORY_UNITS",
+    "MTHREADS_WHOLE_UNITS",
     "bounds",
     "build",
     "check_pod",

@@ -345,7 +345,7 @@ class Admission:
         used = namespace_usage(pods, requests, skip=skip)
         wanted = request_demand(mutation.request.containers)
         try:
-            check(limits, wanted, used, namespace, requests)
+            check(limits, wanted, used.get(wanted.vendor, Demand()), namespace)
         except Denied:
             self._record_quota(namespace, limits, used)
             raise
@@ -355,14 +355,18 @@ class Admission:
         self,
         namespace: str,
         limits: Sequence[QuotaLimit],
-        used: Demand,
+        used: Mapping[str, Demand],
         added: Demand | None = None,
     ) -> None:
-        """The namespace's use of each GPU quota, this pod counted when it is admitted."""
+        """The namespace's use of each GPU quota (in the key's unit), this pod
+        counted when it is admitted."""
         for limit in limits:
-            amount = used.amount(limit.resource)
-            if added is not None:
-                amount += added.amount(limit.resource)
+            held = [used.get(limit.vendor, Demand())]
+            if added is not None and added.vendor == limit.vendor:
+                held.append(added)
+            amount = limit.amount(
+                Demand(sum(d.memory_mib for d in held), sum(d.cores for d in held))
+            )
             self.metrics.quota(namespace, limit.quota, limit.key, amount, limit.hard)
 
     # ------------------------------------------------------------ events

@@ -72,14 +72,15 @@ class Metrics:
         quota_labels = ["namespace", "quota", "resource"]
         self.quota_used = Gauge(
             "gpuslice_quota_used",
-            "GPU use of a namespace against a ResourceQuota (memory MiB, cores percent of "
-            "a card), as of the last pod checked there.",
+            "GPU use of a namespace against a ResourceQuota, in the key's unit (NVIDIA's "
+            "memory MiB, cores percent of a card), as of the last pod checked there.",
             quota_labels,
             registry=self.registry,
         )
         self.quota_limit = Gauge(
             "gpuslice_quota_limit",
-            "GPU limit of a namespace's ResourceQuota (memory MiB, cores percent of a card).",
+            "GPU limit of a namespace's ResourceQuota, in the key's unit (NVIDIA's memory "
+            "MiB, cores percent of a card).",
             quota_labels,
             registry=self.registry,
         )

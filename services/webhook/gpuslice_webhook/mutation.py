@@ -16,6 +16,14 @@ returns the patch that:
   (``NVIDIA_VISIBLE_DEVICES=none``);
 * sets ``spec.schedulerName``.
 
+A pod asking for another vendor's cards is routed the same way; its vendor
+containers get what HAMi's webhook writes for that vendor
+(:mod:`gpuslice_webhook.vendors`), and a vendor resource stated in a
+container's requests alone is stated in its limits too: the API server
+refuses an extended resource requested without a limit (requests must equal
+limits), and fills requests from limits by itself, key by key, so only that
+direction is ever missing (HAMi's Enflame webhook copies both ways).
+
 In DRA mode each GPU container also names its request of the pod's claim
 ``gpuslice`` (``resources.claims``), made from the ResourceClaimTemplate the
 mutation carries (:mod:`gpuslice_webhook.claims`); the rest is the same. Its
@@ -45,11 +53,11 @@ plugin gives it and would lift its limits.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpuslice_common.config import WebhookSettings
+from gpuslice_common.config import VendorResources, WebhookSettings
 from gpuslice_common.models import (
     DRIVER_LIMIT_ENV,
     DRIVER_REQUEST_ENV,
@@ -58,6 +66,7 @@ from gpuslice_common.models import (
     PodGpuRequest,
 )
 from gpuslice_common.requests import RequestError, has_gpu_request, parse_pod, parse_quantity
+from gpuslice_webhook import vendors
 from gpuslice_webhook.claims import CLAIM_NAME, CardSizes, ClaimTemplate, claim_template
 from gpuslice_webhook.denial import Denied, bad_request
 from gpuslice_webhook.patch import Patch
@@ -146,6 +155,7 @@ class Mutator:
     def __init__(self, settings: WebhookSettings) -> None:
         self.settings = settings
         self.names = settings.requests.resources
+        self.vendors = {v.vendor: v for v in settings.requests.vendors}
 
     def mutate(
         self,
@@ -184,11 +194,13 @@ class Mutator:
             )
             warnings.extend(template.warnings)
         patch = Patch()
+        vendor = self.vendors.get(request.vendor)
         for container in self._containers(spec, request):
             env = self._env(container)
             if container.request is None or container.request.vendor != NVIDIA:
-                # NVIDIA's cards are hidden from another vendor's container too (its
-                # vendor's device plugin reads its own resources as they are)
+                if container.request is not None and vendor is not None:
+                    self._write_vendor_resources(container, vendor, patch)
+                # NVIDIA's cards are hidden from another vendor's container too
                 self._hide_gpus(container, env, patch)
                 continue
             self._check_gpu_container(container, env)
@@ -198,6 +210,8 @@ class Mutator:
             self._write_env(container, env, patch)
         if template is not None:
             self._reference(spec, template, patch)
+        if vendor is not None:
+            self._annotate(pod, vendor, request, patch)
         warnings.extend(self._route(spec, patch))
         return Mutation(request=request, patch=patch, warnings=tuple(warnings), template=template)
 
@@ -309,31 +323,86 @@ class Mutator:
         request = container.request
         assert request is not None
         names = self.names
-        resources = container.spec.get("resources")
-        assert isinstance(resources, Mapping)  # the container asks for a GPU
         explicit: dict[str, str] = {names.gpu: str(request.count), names.cores: str(request.cores)}
         if request.memory.mib is not None:
             explicit[names.memory] = str(request.memory.mib)
         else:
             explicit[names.memory_percentage] = str(request.memory.percent)
+        memory = (names.memory, names.memory_percentage)
+        self._state(
+            container, explicit, names.all(), patch, lambda have, key: _unset(have, key, memory)
+        )
+
+    def _write_vendor_resources(
+        self, container: _Container, vendor: VendorResources, patch: Patch
+    ) -> None:
+        """State in limits (and in requests when they list the vendor's resources)
+        what HAMi's webhook states for ``vendor``, and what requests alone state."""
+        request = container.request
+        assert request is not None
+        resources = container.spec.get("resources")
+        assert isinstance(resources, Mapping)  # the container asks for the vendor's cards
+        limits, requests = resources.get("limits"), resources.get("requests")
+        limited = limits if isinstance(limits, Mapping) else {}
+        wanted: dict[str, Any] = {}
+        if isinstance(requests, Mapping):  # read by parse_pod: quantities, as written
+            stated = [n for n in vendor.all() if n in requests and n not in limited]
+            wanted = {n: str(requests[n]) for n in stated}
+        wanted.update((k, str(v)) for k, v in vendors.container_limits(vendor, request).items())
+
+        def differs(have: Mapping[str, Any], key: str) -> bool:
+            return key not in have or parse_quantity(have[key]) != parse_quantity(wanted[key])
+
+        self._state(container, wanted, vendor.all(), patch, differs)
+
+    def _state(
+        self,
+        container: _Container,
+        values: Mapping[str, Any],
+        names: Collection[str],
+        patch: Patch,
+        needed: Callable[[Mapping[str, Any], str], bool],
+    ) -> None:
+        """Write each of ``values`` where ``needed(current, key)`` says so, into the
+        container's limits and into its requests when they list any of ``names``
+        (else the API server fills them from the limits, key by key)."""
+        resources = container.spec.get("resources")
+        assert isinstance(resources, Mapping)  # the container asks for cards
         for part in ("limits", "requests"):
             current = resources.get(part)
             if part == "requests" and not (
-                isinstance(current, Mapping) and any(n in current for n in names.all())
+                isinstance(current, Mapping) and any(n in current for n in names)
             ):
                 continue
             have = current if isinstance(current, Mapping) else {}
-            missing = {
-                key: value
-                for key, value in explicit.items()
-                if _unset(have, key, (names.memory, names.memory_percentage))
-            }
+            missing = {key: value for key, value in values.items() if needed(have, key)}
             path = (*container.path, "resources", part)
+            if not missing:
+                continue
             if not isinstance(current, Mapping):
                 patch.set(path, missing, exists=current is not None)
                 continue
             for key, value in missing.items():
                 patch.put(path, current, key, value)
+
+    def _annotate(
+        self, pod: Mapping[str, Any], vendor: VendorResources, request: PodGpuRequest, patch: Patch
+    ) -> None:
+        """Set the pod annotations ``vendor``'s plugin reads, where they differ."""
+        metadata = pod.get("metadata")
+        current = metadata.get("annotations") if isinstance(metadata, Mapping) else None
+        have: Mapping[str, Any] = current if isinstance(current, Mapping) else {}
+        wanted = vendors.pod_annotations(vendor, request, have)
+        missing = {key: value for key, value in wanted.items() if have.get(key) != value}
+        if not missing:
+            return
+        if not isinstance(metadata, Mapping):
+            patch.set(("metadata",), {"annotations": missing}, exists=metadata is not None)
+        elif not isinstance(current, Mapping):
+            patch.set(("metadata", "annotations"), missing, exists=current is not None)
+        else:
+            for key, value in missing.items():
+                patch.put(("metadata", "annotations"), current, key, value)
 
     def _claim_devices(self, container: _Container, patch: Patch) -> None:
         """DRA mode: the container names its request of the pod's claim (once)."""

@@ -3,8 +3,15 @@
 Kubernetes' own quota controller does not count ``limits.nvidia.com/gpumem`` or
 ``limits.nvidia.com/gpucores`` (it counts extended resources only under
 ``requests.``, per container), so gpuslice counts the ``limits.<resource>`` keys
-of the configured memory and cores resources; ``requests.`` keys stay
-Kubernetes' own. A pod's use is its peak:
+of the configured memory and cores resources, NVIDIA's and every other
+vendor's, as HAMi's scheduler does (its ``FitQuota``); ``requests.`` keys stay
+Kubernetes' own. A vendor's keys count only the pods asking for that vendor's
+cards (read from the pod's spec, which cannot change): NVIDIA's keys count
+NVIDIA pods alone, ``limits.cambricon.com/mlu.smlu.vmemory`` Cambricon pods
+alone. A memory key counts in its resource's unit, MiB divided by the vendor's
+memory factor (rounded up); a pod fits while the MiB held and asked for stay
+within the limit times the factor. A cores key counts in the vendor's unit
+(percent of a card; Moore Threads' sixteenths). A pod's use is its peak:
 
 * memory: MiB per card times the card count, cores: percent per card times the
   count, summed over the containers that run together (init containers one at a
@@ -16,13 +23,18 @@ Kubernetes' own. A pod's use is its peak:
   its limits beside its claim (it has no placement annotation: DRA places it).
 
 A pod that gives memory as a share of a card cannot be priced before it is
-placed; in a namespace with a memory quota it is refused with a message saying
-to state the memory in MiB. Pods that have terminated do not count.
+placed; in a namespace with a memory quota of its vendor it is refused with a
+message saying to state the memory with the memory resource. An Enflame pod's
+memory and cores are those of the DRS profile it gets on its node: it counts
+from its placement once placed and, before, is refused in a namespace with an
+Enflame memory or cores quota (counting it as nothing would let it past either).
+Pods that have terminated do not count.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -47,15 +59,16 @@ PREFIX: Final = "limits."
 
 @dataclass(frozen=True)
 class Demand:
-    """GPU memory (MiB) and cores (percent of a card) a pod holds at its peak."""
+    """GPU memory (MiB) and cores (the vendor's unit) a pod holds at its peak, of
+    ``vendor``'s cards."""
 
     memory_mib: int = 0
     cores: int = 0
     # containers whose memory is a share of a card, unknown until placed
     unpriced: tuple[ContainerGpuRequest, ...] = ()
-
-    def amount(self, resource: Resource) -> int:
-        return self.memory_mib if resource == "memory" else self.cores
+    vendor: str = NVIDIA
+    # Enflame containers: memory and cores are the DRS profile's, known once placed
+    profiled: tuple[ContainerGpuRequest, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,18 +77,36 @@ class QuotaLimit:
     key: str  # e.g. "limits.nvidia.com/gpumem"
     resource: Resource
     hard: int
+    vendor: str = NVIDIA  # whose pods it counts
+    factor: int = 1  # MiB per unit of a memory resource
+
+    def amount(self, demand: Demand) -> int:
+        """``demand`` in this key's unit: memory rounded up to whole units."""
+        if self.resource == "cores":
+            return demand.cores
+        return -(-demand.memory_mib // self.factor)
+
+    def exceeded_by(self, used: Demand, wanted: Demand) -> bool:
+        """Would ``used`` and ``wanted`` together pass the limit?"""
+        if self.resource == "cores":
+            return used.cores + wanted.cores > self.hard
+        return used.memory_mib + wanted.memory_mib > self.hard * self.factor
 
 
 def request_demand(containers: Iterable[ContainerGpuRequest]) -> Demand:
-    """The peak of a pod's requests (see the module's text for the phases)."""
+    """The peak of a pod's requests (see the module's text for the phases); its
+    containers ask for one vendor's cards (``parse_pod`` keeps them so)."""
     memory = {"sidecars": 0, "apps": 0, "peak": 0}
     cores = {"sidecars": 0, "apps": 0, "peak": 0}
     unpriced: list[ContainerGpuRequest] = []
+    profiled: list[ContainerGpuRequest] = []
+    vendor = NVIDIA
     for container in containers:
-        if container.vendor != NVIDIA:
-            continue  # NVIDIA's resources are the ones quotas name
+        vendor = container.vendor
         mib = container.memory.mib
-        if mib is None:
+        if container.drs is not None:
+            profiled.append(container)
+        elif mib is None:
             unpriced.append(container)
         for totals, amount in (
             (memory, (mib or 0) * container.count),
@@ -90,49 +121,56 @@ def request_demand(containers: Iterable[ContainerGpuRequest]) -> Demand:
                 totals["apps"] += amount
     for totals in (memory, cores):
         totals["peak"] = max(totals["peak"], totals["sidecars"] + totals["apps"])
-    return Demand(memory["peak"], cores["peak"], tuple(unpriced))
+    return Demand(memory["peak"], cores["peak"], tuple(unpriced), vendor, tuple(profiled))
 
 
-def placed_demand(annotation: str, uid: str) -> Demand:
-    """What the pod ``uid`` holds, from its placement annotation. Raises ValueError,
-    also for a record of another pod (one written into the pod when it was created:
-    the API server gives the UID, so the scheduler never placed a pod of that UID)."""
+def placed_demand(annotation: str, uid: str, vendor: str = NVIDIA) -> Demand:
+    """What the pod ``uid`` holds, from its placement annotation, counted as
+    ``vendor``'s. Raises ValueError, also for a record of another pod (one written
+    into the pod when it was created: the API server gives the UID, so the
+    scheduler never placed a pod of that UID)."""
     placement = Placement.from_annotation(annotation)
     if placement.pod.uid != uid:
         raise ValueError(f"the placement is pod {placement.pod.uid[:64]!r}'s")
     footprint = placement.footprint().values()
-    return Demand(sum(f.memory_mib for f in footprint), sum(f.cores for f in footprint))
+    memory, cores = sum(f.memory_mib for f in footprint), sum(f.cores for f in footprint)
+    return Demand(memory, cores, vendor=vendor)
 
 
 def pod_demand(pod: Mapping[str, Any], settings: RequestSettings) -> Demand:
-    """What an existing pod counts against its namespace's quota (0 if unreadable).
+    """What an existing pod counts against its namespace's quotas (0 if unreadable).
 
-    Whether it asks for another vendor's cards (not counted) is read from its spec,
-    which cannot change, never from its placement annotation, which its owner may edit.
+    Whose cards it asks for is read from its spec, which cannot change, never
+    from its placement annotation, which its owner may edit; a spec that cannot
+    be read counts its placement as NVIDIA's.
     """
     try:
         request: PodGpuRequest | None = parse_pod(pod, settings)
     except RequestError:
         request = None
-    if request is not None and request.vendor != NVIDIA:
-        return Demand()  # another vendor's cards: NVIDIA's quotas do not count them
+    vendor = NVIDIA if request is None else request.vendor
     metadata = pod.get("metadata")
     annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
     placement = annotations.get(PLACEMENT_ANNOTATION) if isinstance(annotations, Mapping) else None
     if isinstance(placement, str):
         try:
-            return placed_demand(placement, object_uid(pod))
+            return placed_demand(placement, object_uid(pod), vendor)
         except ValueError as exc:
             log.debug("placement annotation not used (%s); counting the pod's requests", exc)
     return Demand() if request is None else request_demand(request.containers)
 
 
 def gpu_limits(quotas: Sequence[Mapping[str, Any]], settings: RequestSettings) -> list[QuotaLimit]:
-    """The GPU memory and cores limits among a namespace's ResourceQuotas."""
-    resources: dict[str, Resource] = {
-        settings.resources.memory: "memory",
-        settings.resources.cores: "cores",
+    """The memory and cores limits of every vendor among a namespace's ResourceQuotas."""
+    resources: dict[str, tuple[Resource, str, int]] = {
+        settings.resources.memory: ("memory", NVIDIA, 1),
+        settings.resources.cores: ("cores", NVIDIA, 1),
     }
+    for vendor in settings.vendors:
+        if vendor.memory is not None:
+            resources[vendor.memory] = ("memory", vendor.vendor, vendor.memory_factor)
+        if vendor.cores is not None:
+            resources[vendor.cores] = ("cores", vendor.vendor, 1)
     found: list[QuotaLimit] = []
     for quota in quotas:
         metadata = quota.get("metadata")
@@ -144,39 +182,48 @@ def gpu_limits(quotas: Sequence[Mapping[str, Any]], settings: RequestSettings) -
         for key, value in hard.items():
             if not str(key).startswith(PREFIX):
                 continue
-            resource = resources.get(str(key)[len(PREFIX) :])
-            if resource is None:
+            named = resources.get(str(key)[len(PREFIX) :])
+            if named is None:
                 continue
+            resource, owner, factor = named
             try:
                 amount = parse_quantity(value)
             except RequestError as exc:
                 log.warning("ResourceQuota %s: ignoring %s (%s)", name, key, exc)
                 continue
-            found.append(QuotaLimit(name, str(key), resource, int(amount)))
+            found.append(QuotaLimit(name, str(key), resource, int(amount), owner, factor))
     return found
 
 
-def check(
-    limits: Sequence[QuotaLimit],
-    wanted: Demand,
-    used: Demand,
-    namespace: str,
-    settings: RequestSettings,
-) -> None:
-    """Raise Denied when the pod does not fit every limit."""
-    memory_limits = [limit for limit in limits if limit.resource == "memory"]
+def check(limits: Sequence[QuotaLimit], wanted: Demand, used: Demand, namespace: str) -> None:
+    """Raise Denied when the pod does not fit every limit of its vendor; ``used``
+    is what the namespace's pods of that vendor hold."""
+    own = [limit for limit in limits if limit.vendor == wanted.vendor]
+    if own and wanted.profiled:
+        container, limit = wanted.profiled[0], own[0]
+        raise Denied(
+            f"namespace {namespace!r} limits {limit.key} (ResourceQuota {limit.quota!r}); "
+            f"container {container.name!r} asks for an Enflame DRS profile, whose memory "
+            "and cores are known only once the pod is placed, so it cannot be counted "
+            "against that limit: run Enflame pods in a namespace without one"
+        )
+    memory_limits = [limit for limit in own if limit.resource == "memory"]
     if memory_limits and wanted.unpriced:
         container = wanted.unpriced[0]
         limit = memory_limits[0]
+        resource = limit.key[len(PREFIX) :]
+        what = "GPU" if limit.vendor == NVIDIA else limit.vendor
+        unit = " in MiB" if limit.vendor == NVIDIA else ""
         raise Denied(
-            f"namespace {namespace!r} limits GPU memory ({limit.key} in ResourceQuota "
-            f"{limit.quota!r}), so GPU memory must be given in MiB with "
-            f"{settings.resources.memory}; container {container.name!r} asks for "
-            f"{container.memory.percent}% of a card"
+            f"namespace {namespace!r} limits {what} memory ({limit.key} in ResourceQuota "
+            f"{limit.quota!r}), so {what} memory must be given{unit} with {resource}; "
+            f"container {container.name!r} asks for {container.memory.percent}% of a card, "
+            "whose memory is known only once it is placed"
         )
-    for limit in limits:
-        want, have = wanted.amount(limit.resource), used.amount(limit.resource)
-        if want and have + want > limit.hard:
+    for limit in own:
+        want = limit.amount(wanted)
+        if want and limit.exceeded_by(used, wanted):
+            have = limit.amount(used)
             raise Denied(
                 f"exceeded quota: {limit.quota}, requested: {limit.key}={want}, "
                 f"used: {limit.key}={have}, limited: {limit.key}={limit.hard}"
@@ -188,14 +235,16 @@ def namespace_usage(
     settings: RequestSettings,
     *,
     skip: str = "",
-) -> Demand:
-    """What the namespace's pods hold; ``skip`` names a pod not to count (being replaced)."""
-    memory = cores = 0
+) -> dict[str, Demand]:
+    """What the namespace's pods hold, per vendor; ``skip`` names a pod not to count
+    (being replaced)."""
+    memory: defaultdict[str, int] = defaultdict(int)
+    cores: defaultdict[str, int] = defaultdict(int)
     for pod in pods:
         metadata = pod.get("metadata")
         if skip and isinstance(metadata, Mapping) and metadata.get("name") == skip:
             continue
         demand = pod_demand(pod, settings)
-        memory += demand.memory_mib
-        cores += demand.cores
-    return Demand(memory, cores)
+        memory[demand.vendor] += demand.memory_mib
+        cores[demand.vendor] += demand.cores
+    return {v: Demand(memory[v], cores[v], vendor=v) for v in memory.keys() | cores.keys()}
