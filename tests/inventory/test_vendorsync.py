@@ -266,3 +266,241 @@ async def test_a_bad_device_config_stops_the_start_naming_the_file(
     missing = str(tmp_path / "absent.yaml")
     with pytest.raises(DeviceConfigError, match=r"absent\.yaml: No such file"):
         load_device_config(missing)
+
+
+# ---------------------------------------------------- cards from capacity, Metax, Enflame
+
+MX_KEY = "metax-tech.com/node-gpu-devices"
+EF_KEY = "enflame.com/gcu-drs-capacity"
+PROFILES = {"1g.6gb": "0", "3g.20gb": "1", "6g.40gb": "2"}
+
+
+def mx_cards(*uuids: str, compute: int = 50) -> str:
+    return json.dumps(
+        [
+            {
+                "uuid": u,
+                "model": "C500",
+                "totalDevCount": 16,
+                "totalCompute": compute,
+                "totalVRam": 65536,
+                "healthy": True,
+            }
+            for u in uuids
+        ]
+    )
+
+
+def accel_node(
+    name: str,
+    capacity: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A node with cards of every source that is not a register annotation."""
+    default_capacity = {
+        "cambricon.com/mlu.smlu.vcore": "200",
+        "cambricon.com/mlu.smlu.vmemory": "256",
+        "mthreads.com/sgpu-core": "16",
+        "mthreads.com/sgpu-memory": "64",
+        "metax-tech.com/gpu": "1",
+        "kunlunxin.com/xpu": "2",
+    }
+    default_annotations = {
+        MX_KEY: mx_cards("MX-a", "MX-b"),
+        EF_KEY: json.dumps(
+            {"devices": [{"index": "0", "minor": "3", "capacity": 6}], "profiles": PROFILES}
+        ),
+    }
+    return {
+        "metadata": {
+            "name": name,
+            "annotations": default_annotations if annotations is None else annotations,
+        },
+        "status": {"capacity": default_capacity if capacity is None else capacity},
+    }
+
+
+async def cards_of(ledger: Ledger, node: str, vendor: str) -> list[tuple[Any, ...]]:
+    """What the ledger holds of a vendor's cards: uuid, model, memory, cores, slots, numa."""
+    return [
+        (
+            c.device.uuid,
+            c.device.model,
+            c.capacity.memory_mib,
+            c.capacity.cores,
+            c.capacity.slots,
+            c.device.numa,
+        )
+        for c in await ledger.node_gpus(node, vendor=vendor)
+    ]
+
+
+async def test_cards_from_capacity_and_vendor_annotations_are_registered(
+    ledger: Ledger, sync_parts: tuple[VendorSync, LocalKubeApi, Clock]
+) -> None:
+    sync, kube, _ = sync_parts
+    await ledger.register_node(make_inventory("acc-1", gpus=1), rebuilt=True)
+    kube.add_node(accel_node("acc-1"))
+    result = await sync.run_once()
+    assert dict(result.registered) == {
+        "cambricon": 1,
+        "mthreads": 1,
+        "metax": 1,
+        "metax-sgpu": 1,
+        "enflame": 1,
+        "kunlun": 1,
+    }
+    assert result.failed == 0
+    assert await cards_of(ledger, "acc-1", "cambricon") == [
+        ("acc-1-cambricon-mlu-0", "MLU", 32768, 100, 100, 0),
+        ("acc-1-cambricon-mlu-1", "MLU", 32768, 100, 100, 0),
+    ]
+    # a Moore Threads card is 16 cores, all of them schedulable
+    assert await cards_of(ledger, "acc-1", "mthreads") == [
+        ("acc-1-mthreads-0", "Mthreads", 32768, 16, 100, 0)
+    ]
+    assert await cards_of(ledger, "acc-1", "metax") == [
+        ("acc-1-metax-0", "Metax-GPU", 65536, 100, 1, 0)
+    ]
+    assert await cards_of(ledger, "acc-1", "kunlun") == [
+        ("acc-1-kunlun-0", "kunlun", 98304, 100, 1, 0),
+        ("acc-1-kunlun-1", "kunlun", 98304, 100, 1, 1),  # the upper half, NUMA node 1
+    ]
+    # a shared Metax card's cores are its totalCompute
+    assert await cards_of(ledger, "acc-1", "metax-sgpu") == [
+        ("MX-a", "C500", 65536, 50, 16, 0),
+        ("MX-b", "C500", 65536, 50, 16, 0),
+    ]
+    assert await cards_of(ledger, "acc-1", "enflame") == [
+        ("acc-1-enflame-drs-0", "DRS minor=3 1g.6gb=0 3g.20gb=1 6g.40gb=2", 40960, 100, 6, 0)
+    ]
+    assert await uuids(ledger, "acc-1", "nvidia") == ["GPU-acc-1-0"]
+    # read again as they are: nothing written
+    again = await sync.run_once()
+    assert (dict(again.registered), again.unchanged) == ({}, 6)
+
+
+async def test_capacity_dropping_to_zero_or_going_withdraws_the_cards(
+    ledger: Ledger, sync_parts: tuple[VendorSync, LocalKubeApi, Clock]
+) -> None:
+    sync, kube, _ = sync_parts
+    kube.add_node(accel_node("acc-1"))
+    await sync.run_once()
+    node = accel_node("acc-1")
+    node["status"]["capacity"]["mthreads.com/sgpu-core"] = "0"  # the plugin has no cards
+    del node["status"]["capacity"]["kunlunxin.com/xpu"]  # no sign of Kunlun left
+    kube.add_node(node)
+    result = await sync.run_once()
+    assert dict(result.withdrawn) == {"mthreads": 1, "kunlun": 1}
+    assert await uuids(ledger, "acc-1", "mthreads") == []
+    assert await uuids(ledger, "acc-1", "kunlun") == []
+    assert await uuids(ledger, "acc-1", "cambricon") == [
+        "acc-1-cambricon-mlu-0",
+        "acc-1-cambricon-mlu-1",
+    ]
+    # fewer cores: fewer cards, each with its share of the memory
+    node["status"]["capacity"]["cambricon.com/mlu.smlu.vcore"] = "100"
+    kube.add_node(node)
+    await sync.run_once()
+    assert await cards_of(ledger, "acc-1", "cambricon") == [
+        ("acc-1-cambricon-mlu-0", "MLU", 65536, 100, 100, 0)
+    ]
+
+
+async def test_a_removed_vendor_annotation_withdraws_the_cards(
+    ledger: Ledger, sync_parts: tuple[VendorSync, LocalKubeApi, Clock]
+) -> None:
+    sync, kube, _ = sync_parts
+    kube.add_node(accel_node("acc-1"))
+    await sync.run_once()
+    kube.add_node(accel_node("acc-1", annotations={}))
+    result = await sync.run_once()
+    assert dict(result.withdrawn) == {"metax-sgpu": 1, "enflame": 1}
+    assert await uuids(ledger, "acc-1", "metax-sgpu") == []
+    assert await uuids(ledger, "acc-1", "enflame") == []
+    assert await uuids(ledger, "acc-1", "metax") == ["acc-1-metax-0"]
+    # Metax's plugin lists no cards: gone too
+    kube.add_node(accel_node("acc-1", annotations={MX_KEY: "[]"}))
+    assert dict((await sync.run_once()).withdrawn) == {}
+    kube.add_node(accel_node("acc-1"))
+    await sync.run_once()
+    kube.add_node(accel_node("acc-1", annotations={MX_KEY: "[]", EF_KEY: "{}"}))
+    assert dict((await sync.run_once()).withdrawn) == {"metax-sgpu": 1, "enflame": 1}
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "GPU-acc-1-0",  # the node agent's NVIDIA card
+        "acc-1-metax-0",  # the node's whole Metax GPU
+        "acc-1-enflame-drs-0",  # its Enflame card
+        "DCU-a",  # a Hygon card its register annotation lists
+    ],
+)
+async def test_a_metax_card_under_another_cards_uuid_leaves_the_others(
+    ledger: Ledger,
+    sync_parts: tuple[VendorSync, LocalKubeApi, Clock],
+    caplog: pytest.LogCaptureFixture,
+    forged: str,
+) -> None:
+    sync, kube, clock = sync_parts
+    await ledger.register_node(make_inventory("acc-1", gpus=1), rebuilt=True)
+    node = accel_node("acc-1")
+    node["metadata"]["annotations"].update(dcu_node("acc-1", clock.now)["metadata"]["annotations"])
+    kube.add_node(node)
+    await sync.run_once()
+    before = {
+        v: await cards_of(ledger, "acc-1", v)
+        for v in ("nvidia", "metax", "enflame", "hygon", "cambricon")
+    }
+    assert all(before.values())
+    node["metadata"]["annotations"][MX_KEY] = mx_cards("MX-a", forged)
+    kube.add_node(node)
+    with caplog.at_level(logging.WARNING, logger="gpuslice_inventory.vendorsync"):
+        result = await sync.run_once()
+        again = await sync.run_once()
+    assert (result.failed, again.failed) == (1, 1)
+    # the ledger refused Metax's cards only: they stay as they were
+    assert await uuids(ledger, "acc-1", "metax-sgpu") == ["MX-a", "MX-b"]
+    after = {v: await cards_of(ledger, "acc-1", v) for v in before}
+    assert after == before
+    # logged once, naming the node, the vendor and the card
+    refusals = [r.getMessage() for r in caplog.records if "ledger refused" in r.getMessage()]
+    assert len(refusals) == 1
+    assert refusals[0].startswith("node acc-1: metax-sgpu: the ledger refused the cards: ")
+    assert forged in refusals[0]
+
+
+async def test_a_bad_vendor_stops_neither_the_pass_nor_other_nodes(
+    ledger: Ledger,
+    sync_parts: tuple[VendorSync, LocalKubeApi, Clock],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sync, kube, _ = sync_parts
+    long_name = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
+    kube.add_node(accel_node(long_name))  # every card uuid too long
+    hostile = accel_node(
+        "acc-0",
+        capacity={"cambricon.com/mlu.smlu.vcore": "1e9", "kunlunxin.com/xpu": "-1"},
+        annotations={MX_KEY: "[" * 50000, EF_KEY: json.dumps({"devices": "all"})},
+    )
+    kube.add_node(hostile)
+    kube.add_node(accel_node("acc-2"))
+    with caplog.at_level(logging.WARNING, logger="gpuslice_inventory.vendorsync"):
+        result = await sync.run_once()
+        await sync.run_once()
+    assert result.refused["cambricon"] == 2
+    assert result.refused["metax-sgpu"] == 1  # the long name's Metax cards name their own
+    assert dict(result.registered)["metax-sgpu"] == 2
+    assert await uuids(ledger, "acc-2", "kunlun") == ["acc-2-kunlun-0", "acc-2-kunlun-1"]
+    assert await uuids(ledger, long_name, "metax-sgpu") == ["MX-a", "MX-b"]
+    assert await uuids(ledger, long_name, "kunlun") == []
+    assert await uuids(ledger, "acc-0", None) == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert (
+        "node acc-0: cambricon cambricon.com/mlu.smlu.vcore: the capacity is '1e9', "
+        "not a whole number; its cards are not scheduled"
+    ) in messages
+    assert len([m for m in messages if m.startswith("node acc-0: kunlun ")]) == 1
+    assert any(m.startswith(f"node acc-0: metax-sgpu {MX_KEY}: it is not JSON") for m in messages)
+    assert any(m.startswith(f"node {long_name}: enflame {EF_KEY}: card 0 uuid") for m in messages)

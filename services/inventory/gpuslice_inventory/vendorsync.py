@@ -1,12 +1,16 @@
 """Registering other vendors' cards from node objects (:mod:`.vendornodes`).
 
 In the replica holding the lease, every ``vendor_interval``: list the nodes,
-read each announced vendor's cards, and register them in the ledger as that
-vendor's cards of the node (the node agent's NVIDIA cards are left as they
-are). A vendor whose plugin stopped, withdrew its cards, or whose annotation is
-refused has its cards withdrawn: cards still in use stay (not present) until
-their pods end, as for any card that disappears. A node deleted, or whose
-annotations are gone, loses its vendor cards the same way.
+read each readable vendor's cards (from HAMi's register annotations, the node's
+capacity, or Metax's and Enflame's own annotations), and register them in the
+ledger as that vendor's cards of the node (the node agent's NVIDIA cards and
+the node's other vendors are left as they are). A vendor whose plugin stopped,
+withdrew its cards, or whose annotation or capacity is refused has its cards
+withdrawn: cards still in use stay (not present) until their pods end, as for
+any card that disappears. A node deleted, or with no sign of the vendor left,
+loses its vendor cards the same way. A registration the ledger refuses (a card
+under the UUID of another vendor's card on the node) leaves that vendor's cards
+out and the others in.
 
 NVIDIA's register annotation is not read: gpuslice's own node agent reports
 NVIDIA cards. A problem is logged once when it appears or changes.
@@ -60,7 +64,7 @@ class VendorSync:
     ) -> None:
         self.ledger = ledger
         self.kube = kube
-        self.types = tuple(t for t in types if t.vendor != NVIDIA and t.announcement)
+        self.types = tuple(t for t in types if t.vendor != NVIDIA and t.readable)
         self.report_timeout = report_timeout
         self.clock = clock
         self.problems: dict[tuple[str, str], str] = {}  # (node, vendor) -> last logged
@@ -78,23 +82,34 @@ class VendorSync:
         for reading in readings:
             key = (reading.node, reading.vendor)
             seen.add(key)
-            self._note(key, reading.message if reading.state != "live" else "")
+            problem = ""
+            if reading.state != "live":
+                problem = f"{reading.message}; its cards are not scheduled"
             if reading.state == "refused":
                 result.refused[reading.vendor] += 1
             if reading.state == "live":
                 inventory = reading.inventory()
                 if held.get(key) == _facts_of(inventory):
                     result.unchanged += 1  # no write: the scheduler has nothing to re-read
-                elif await self._register(inventory, result):
+                elif failure := await self._register(inventory, result):
+                    problem = failure
+                else:
                     result.registered[reading.vendor] += 1
-            elif key in held and await self._register(reading.inventory(), result):
-                result.withdrawn[reading.vendor] += 1
+            elif key in held:
+                if failure := await self._register(reading.inventory(), result):
+                    problem = failure
+                else:
+                    result.withdrawn[reading.vendor] += 1
+            self._note(key, problem)
         for node, vendor in sorted(set(held) - seen):
-            self._note((node, vendor), "")
-            log.info("node %s no longer announces %s cards: withdrawn", node, vendor)
             empty = NodeInventory(node=node, devices=(), vendor=vendor)
-            if await self._register(empty, result):
-                result.withdrawn[vendor] += 1
+            if failure := await self._register(empty, result):
+                self._note((node, vendor), failure)
+                continue
+            log.info("node %s no longer announces %s cards: withdrawn", node, vendor)
+            result.withdrawn[vendor] += 1
+        for key in set(self.problems) - seen - set(held):
+            del self.problems[key]  # a node or vendor gone: nothing left to say of it
         return result
 
     async def _held(self) -> dict[tuple[str, str], frozenset[Facts]]:
@@ -112,16 +127,17 @@ class VendorSync:
                     held.setdefault((node, c.vendor), set()).add(facts)
         return {key: frozenset(cards) for key, cards in held.items()}
 
-    async def _register(self, inventory: NodeInventory, result: SyncResult) -> bool:
+    async def _register(self, inventory: NodeInventory, result: SyncResult) -> str:
+        """Why the ledger refused the registration ("": it did not)."""
         try:
             await self.ledger.register_node(inventory)
         except LedgerError as exc:
             result.failed += 1
-            log.warning(
-                "cannot register %s cards of node %s: %s", inventory.vendor, inventory.node, exc
+            return (
+                f"node {inventory.node}: {inventory.vendor}: the ledger refused the cards: "
+                f"{exc}; those it held stay as they were"
             )
-            return False
-        return True
+        return ""
 
     def _note(self, key: tuple[str, str], message: str) -> None:
         if not message:
@@ -129,7 +145,7 @@ class VendorSync:
                 log.info("node %s: %s cards read again", *key)
             return
         if self.problems.get(key) != message:
-            log.warning("%s; its cards are not scheduled", message)
+            log.warning("%s", message)
         self.problems[key] = message
 
 
