@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import GpuDevice, NodeInventory
 from gpuslice_common.servers import NatsServer, RedisServer
+from gpuslice_inventory.vendornodes import core_scaling
 from tests.kubeapi import FakeApiServer, fake_api_server
 from tests.native.probe import (
     Native,
@@ -116,6 +117,38 @@ def make_inventory(
         for i in range(gpus)
     )
     return NodeInventory(node=node, devices=devices, split_count=split_count, **kwargs)  # type: ignore[arg-type]
+
+
+def make_vendor_inventory(
+    node: str,
+    vendor: str,
+    model: str,
+    cards: int = 2,
+    memory_mib: int = 49152,
+    cores: int = 100,
+    split_count: int = 10,
+) -> NodeInventory:
+    """``cards`` of another vendor than NVIDIA, as the inventory registers those it
+    reads from node objects: ``cores`` a card (Moore Threads' 16, say) held as the
+    inventory holds them, through the node's core scaling."""
+    devices = tuple(
+        GpuDevice(
+            uuid=f"{vendor.upper()}-{node}-{i}",
+            index=i,
+            model=model,
+            memory_mib=memory_mib,
+            numa=0,
+            vendor=vendor,
+        )
+        for i in range(cards)
+    )
+    return NodeInventory(
+        node=node,
+        devices=devices,
+        split_count=split_count,
+        core_scaling=core_scaling(cores),
+        vendor=vendor,
+    )
 
 
 @pytest.fixture(scope="session")

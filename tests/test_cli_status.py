@@ -25,6 +25,7 @@ from gpuslice_cli.status import (
     CardStatus,
     NodeStatus,
     gather_status,
+    pod_count,
     table_columns,
     table_rows,
     without_password,
@@ -42,10 +43,11 @@ from gpuslice_common.models import (
 from gpuslice_common.servers import free_port
 from gpuslice_common.subjects import Subjects
 from gpuslice_inventory.telemetry import TelemetryStore
-from tests.conftest import make_inventory
+from tests.conftest import make_inventory, make_vendor_inventory
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "NVIDIA A100-SXM4-80GB"
+NV = "nvidia"
 MIB = 1024 * 1024
 
 
@@ -119,17 +121,51 @@ async def test_table_shows_allocations_pod_counts_and_health(
     assert result.exit_code == 0, result.output
     # no telemetry yet: "-" in the used column
     assert cells(result.stdout) == [
-        ["node", "gpu", "model", "memory MiB", "used", "cores", "slots", "pods", "health"],
-        ["node-a", "0", MODEL, "8000 / 24000", "-", "60 / 100", "3 / 10", "2", "healthy"],
-        ["node-a", "1", MODEL, "2000 / 24000", "-", "0 / 100", "1 / 10", "1", "healthy"],
-        ["node-a", "total", "2 GPUs", "10000 / 48000", "-", "60 / 200", "4 / 20", "2", "2 healthy"],
-        ["node-b", "0", MODEL, "8000 / 16384", "-", "100 / 100", "1 / 4", "1", "cordoned"],
-        ["node-b", "total", "1 GPU", "8000 / 16384", "-", "100 / 100", "1 / 4", "1", "1 cordoned"],
-        ["node-c", "0", "Tesla T4", "0 / 15360", "-", "0 / 100", "0 / 10", "0", "healthy"],
-        ["node-c", "1", "Tesla T4", "0 / 15360", "-", "0 / 100", "0 / 10", "0", "unhealthy"],
+        [
+            "node",
+            "gpu",
+            "vendor",
+            "model",
+            "memory MiB",
+            "used",
+            "cores",
+            "slots",
+            "pods",
+            "health",
+        ],
+        ["node-a", "0", NV, MODEL, "8000 / 24000", "-", "60 / 100", "3 / 10", "2", "healthy"],
+        ["node-a", "1", NV, MODEL, "2000 / 24000", "-", "0 / 100", "1 / 10", "1", "healthy"],
+        [
+            "node-a",
+            "total",
+            NV,
+            "2 GPUs",
+            "10000 / 48000",
+            "-",
+            "60 / 200",
+            "4 / 20",
+            "2",
+            "2 healthy",
+        ],
+        ["node-b", "0", NV, MODEL, "8000 / 16384", "-", "100 / 100", "1 / 4", "1", "cordoned"],
+        [
+            "node-b",
+            "total",
+            NV,
+            "1 GPU",
+            "8000 / 16384",
+            "-",
+            "100 / 100",
+            "1 / 4",
+            "1",
+            "1 cordoned",
+        ],
+        ["node-c", "0", NV, "Tesla T4", "0 / 15360", "-", "0 / 100", "0 / 10", "0", "healthy"],
+        ["node-c", "1", NV, "Tesla T4", "0 / 15360", "-", "0 / 100", "0 / 10", "0", "unhealthy"],
         [
             "node-c",
             "total",
+            NV,
             "2 GPUs",
             "0 / 30720",
             "-",
@@ -160,6 +196,7 @@ async def test_json_document(cluster: Ledger, redis_url: str) -> None:
         return {
             "index": index,
             "uuid": f"GPU-node-a-{index}",
+            "vendor": "nvidia",
             "model": MODEL,
             "memory_physical_mib": 16000,
             "memory_total_mib": 24000,
@@ -176,6 +213,16 @@ async def test_json_document(cluster: Ledger, redis_url: str) -> None:
             **values,
         }
 
+    totals = {
+        "gpus": 2,
+        "memory_total_mib": 48000,
+        "memory_allocated_mib": 10000,
+        "cores_capacity": 200,
+        "cores_allocated": 60,
+        "slots_total": 20,
+        "slots_used": 4,
+        "pod_count": 2,
+    }
     assert json.loads(result.stdout) == {
         "version": 1,
         "skipped": {},
@@ -200,16 +247,8 @@ async def test_json_document(cluster: Ledger, redis_url: str) -> None:
                         pods=[pod("pod-1", "reserved", 2000, 0)],
                     ),
                 ],
-                "totals": {
-                    "gpus": 2,
-                    "memory_total_mib": 48000,
-                    "memory_allocated_mib": 10000,
-                    "cores_capacity": 200,
-                    "cores_allocated": 60,
-                    "slots_total": 20,
-                    "slots_used": 4,
-                    "pod_count": 2,
-                },
+                "totals": totals,
+                "vendors": {"nvidia": totals},
             }
         ],
     }
@@ -230,7 +269,7 @@ async def test_released_pods_leave_the_table(cluster: Ledger, redis_url: str) ->
     await cluster.release("pod-1")
     result = await cli(redis_url, "status", "--node", "node-a")
     assert result.exit_code == 0, result.output
-    assert [row[3:4] + row[5:8] for row in cells(result.stdout)[1:]] == [
+    assert [row[4:5] + row[6:9] for row in cells(result.stdout)[1:]] == [
         ["3000 / 24000", "20 / 100", "1 / 10", "1"],
         ["0 / 24000", "0 / 100", "0 / 10", "0"],
         ["3000 / 48000", "20 / 200", "1 / 20", "1"],
@@ -240,12 +279,12 @@ async def test_released_pods_leave_the_table(cluster: Ledger, redis_url: str) ->
 async def test_usage_adds_a_used_column_only_when_given(cluster: Ledger) -> None:
     nodes = await gather_status(cluster, "node-a")
     assert "used" not in table_columns()
-    assert all(len(row) == 8 for row in table_rows(nodes))
+    assert all(len(row) == 9 for row in table_rows(nodes))
     usage = {"GPU-node-a-0": (3 * 1024 * 1024 * 1024, 42.0)}
-    assert table_columns(usage)[4] == "used"
+    assert table_columns(usage)[5] == "used"
     rows = table_rows(nodes, usage)
-    assert [row[4] for row in rows] == ["3072 MiB 42%", "-", "3072 MiB 42%"]
-    assert [row[:4] + row[5:] for row in rows] == table_rows(nodes)
+    assert [row[5] for row in rows] == ["3072 MiB 42%", "-", "3072 MiB 42%"]
+    assert [row[:5] + row[6:] for row in rows] == table_rows(nodes)
 
 
 async def test_table_and_json_show_what_telemetry_says_cards_use(
@@ -270,7 +309,7 @@ async def test_table_and_json_show_what_telemetry_says_cards_use(
     assert await store.flush() == 2
     table = await cli(redis_url, "status", "--node", "node-a")
     assert table.exit_code == 0, table.output
-    assert [row[4] for row in cells(table.stdout)] == ["used", "4000 MiB 42%", "-", "4000 MiB 42%"]
+    assert [row[5] for row in cells(table.stdout)] == ["used", "4000 MiB 42%", "-", "4000 MiB 42%"]
     document = await cli(redis_url, "status", "--json", "--node", "node-a")
     gpus = json.loads(document.stdout)["nodes"][0]["gpus"]
     assert [(g["used_bytes"], g["sm_percent"]) for g in gpus] == [(4000 * MIB, 42.0), (None, None)]
@@ -282,7 +321,7 @@ def test_health_prefers_the_worst_state() -> None:
     assert CardStatus(**{**base.__dict__, "cordoned": True}).health == "cordoned"
     assert CardStatus(**{**base.__dict__, "cordoned": True, "healthy": False}).health == "unhealthy"
     assert CardStatus(**{**base.__dict__, "present": False}).health == "missing"
-    assert NodeStatus("n", (base,)).pod_uids == ()
+    assert pod_count(NodeStatus("n", (base,)).gpus) == 0
 
 
 async def test_unknown_node_is_a_one_line_error(cluster: Ledger, redis_url: str) -> None:
@@ -362,11 +401,11 @@ async def test_pods_option_lists_each_pod_on_each_card_with_its_grant(
     assert result.exit_code == 0, result.output
     # pod-1's two containers on card 0: 4000 + 1000 MiB, 30 + 10 cores; pod-3 is released
     assert cells(result.stdout, "pods by card") == [
-        ["node", "gpu", "pod", "state", "memory MiB", "cores"],
-        ["node-a", "0", "ns/name-pod-1", "reserved", "5000", "40"],
-        ["node-a", "0", "ns/name-pod-2", "bound", "3000", "20"],
-        ["node-a", "1", "ns/name-pod-1", "reserved", "2000", "0"],
-        ["node-b", "0", "ns/name-pod-4", "reserved", "8000", "100"],
+        ["node", "gpu", "vendor", "pod", "state", "memory MiB", "cores"],
+        ["node-a", "0", NV, "ns/name-pod-1", "reserved", "5000", "40"],
+        ["node-a", "0", NV, "ns/name-pod-2", "bound", "3000", "20"],
+        ["node-a", "1", NV, "ns/name-pod-1", "reserved", "2000", "0"],
+        ["node-b", "0", NV, "ns/name-pod-4", "reserved", "8000", "100"],
     ]
     plain = await cli(redis_url, "status")
     assert "# pods by card" not in plain.stdout
@@ -511,3 +550,101 @@ async def test_enforcement_layers_per_card(ledger: Ledger, redis_url: str) -> No
         "interposer": "enforcing",
     }
     assert nodes["node-b"]["gpus"][0]["layers"] is None
+
+
+# ---------------------------------------------------------------- other vendors
+
+
+async def test_every_vendor_s_cards_are_shown_with_their_vendor_model_memory_and_cores(
+    ledger: Ledger, redis_url: str
+) -> None:
+    """A node with NVIDIA's, Moore Threads' (16 cores a card) and Hygon's cards,
+    and a node with Hygon's alone, as the inventory registers them from the
+    vendors' node objects: each card with its vendor, and totals per vendor,
+    since cores add up only within a vendor's units."""
+    await ledger.register_node(make_inventory("node-v", gpus=1), rebuilt=True)
+    await ledger.register_node(
+        make_vendor_inventory("node-v", "mthreads", "MTT S4000", memory_mib=49152, cores=16)
+    )
+    await ledger.register_node(
+        make_vendor_inventory("node-v", "hygon", "DCU-Z100", cards=1, memory_mib=32768)
+    )
+    await ledger.register_node(
+        make_vendor_inventory("node-w", "hygon", "DCU-Z100", cards=1, memory_mib=32768)
+    )
+    mt = Placement(
+        pod=PodRef(uid="mt-1", namespace="ns", name="mt-pod"),
+        node="node-v",
+        containers=(
+            ContainerAssignment(
+                name="c0",
+                vendor="mthreads",
+                devices=(DeviceGrant(uuid="MTHREADS-node-v-0", memory_mib=8192, cores=4),),
+            ),
+        ),
+    )
+    await ledger.reserve(mt)
+
+    MT, S4000, HY, Z100 = "mthreads", "MTT S4000", "hygon", "DCU-Z100"
+    V, W = "node-v", "node-w"
+    result = await cli(redis_url, "status", "--pods")
+    assert result.exit_code == 0, result.output
+    assert cells(result.stdout)[1:] == [
+        [V, "0", NV, MODEL, "0 / 16384", "-", "0 / 100", "0 / 10", "0", "healthy"],
+        [V, "total", NV, "1 GPU", "0 / 16384", "-", "0 / 100", "0 / 10", "0", "1 healthy"],
+        [V, "0", HY, Z100, "0 / 32768", "-", "0 / 100", "0 / 10", "0", "healthy"],
+        [V, "total", HY, "1 GPU", "0 / 32768", "-", "0 / 100", "0 / 10", "0", "1 healthy"],
+        [V, "0", MT, S4000, "8192 / 49152", "-", "4 / 16", "1 / 10", "1", "healthy"],
+        [V, "1", MT, S4000, "0 / 49152", "-", "0 / 16", "0 / 10", "0", "healthy"],
+        [V, "total", MT, "2 GPUs", "8192 / 98304", "-", "4 / 32", "1 / 20", "1", "2 healthy"],
+        [W, "0", HY, Z100, "0 / 32768", "-", "0 / 100", "0 / 10", "0", "healthy"],
+        [W, "total", HY, "1 GPU", "0 / 32768", "-", "0 / 100", "0 / 10", "0", "1 healthy"],
+    ]  # fmt: skip
+    assert cells(result.stdout, "pods by card")[1:] == [
+        ["node-v", "0", "mthreads", "ns/mt-pod", "reserved", "8192", "4"],
+    ]
+    # gpuslice's enforcement layers are NVIDIA's cards' only
+    assert [row[:2] for row in cells(result.stdout, "enforcement layers")[1:]] == [["node-v", "0"]]
+
+    document = await cli(redis_url, "status", "--json")
+    assert document.exit_code == 0, document.output
+    nodes = {n["node"]: n for n in json.loads(document.stdout)["nodes"]}
+    shown = [
+        (g["vendor"], g["index"], g["model"], g["memory_total_mib"], g["cores_capacity"])
+        for g in nodes["node-v"]["gpus"]
+    ]
+    assert shown == [
+        (NV, 0, MODEL, 16384, 100),
+        ("hygon", 0, "DCU-Z100", 32768, 100),
+        ("mthreads", 0, "MTT S4000", 49152, 16),
+        ("mthreads", 1, "MTT S4000", 49152, 16),
+    ]
+    mt_card = nodes["node-v"]["gpus"][2]
+    assert (mt_card["cores_allocated"], mt_card["pods"][0]["cores"]) == (4, 4)
+    vendors = nodes["node-v"]["vendors"]
+    assert list(vendors) == [NV, "hygon", "mthreads"]
+    assert vendors["mthreads"] == {
+        "gpus": 2,
+        "memory_total_mib": 98304,
+        "memory_allocated_mib": 8192,
+        "cores_capacity": 32,
+        "cores_allocated": 4,
+        "slots_total": 20,
+        "slots_used": 1,
+        "pod_count": 1,
+    }
+    assert nodes["node-v"]["totals"]["gpus"] == 4
+    assert nodes["node-v"]["totals"]["pod_count"] == 1
+    assert list(nodes["node-w"]["vendors"]) == ["hygon"]
+
+
+async def test_a_node_whose_cards_are_all_gone_keeps_its_total_row(
+    ledger: Ledger, redis_url: str
+) -> None:
+    await ledger.register_node(make_vendor_inventory("node-x", "hygon", "DCU-Z100", cards=1))
+    await ledger.register_node(NodeInventory(node="node-x", devices=(), vendor="hygon"))
+    result = await cli(redis_url, "status")
+    assert result.exit_code == 0, result.output
+    assert cells(result.stdout)[1:] == [
+        ["node-x", "total", "-", "0 GPUs", "0 / 0", "-", "0 / 0", "0 / 0", "0", ""],
+    ]

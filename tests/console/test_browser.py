@@ -26,7 +26,14 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 from gpuslice_cli.dev.driver import ClusterDriver, PodOutcome
 from gpuslice_cli.dev.stack import Stack
 from gpuslice_common.ledger import Ledger
-from tests.conftest import Native
+from gpuslice_common.models import (
+    ContainerAssignment,
+    DeviceGrant,
+    NodeInventory,
+    Placement,
+    PodRef,
+)
+from tests.conftest import Native, make_vendor_inventory
 from tests.console.workload import (
     DESKTOP,
     PHONE,
@@ -232,6 +239,57 @@ async def test_a_denied_pod_shows_its_reason(console: Console, page: Page) -> No
     await expect(page.get_by_test_id("pod-reason")).to_contain_text(DENIED_REASON)
     await expect(page.get_by_test_id("pod-state")).to_have_text("denied")
     await expect(page.get_by_test_id("story-event").first).to_have_attribute("data-type", "denied")
+
+
+async def test_another_vendor_s_cards_show_their_vendor_model_memory_and_cores(
+    console: Console, page: Page
+) -> None:
+    """Moore Threads' cards (16 cores a card) on a stack node, as the inventory
+    registers them from the vendor's node object, one holding a pod: each tile
+    names its vendor and shows its cores in its units; the cluster's figures
+    per vendor. Withdrawn again at the end, for the other views' tests."""
+    node = console.stack.nodes[0].name
+    ledger = console.ledger
+    vendor = make_vendor_inventory(node, "mthreads", "MTT S4000", memory_mib=49152, cores=16)
+    await ledger.register_node(vendor)
+    uuid = f"MTHREADS-{node}-1"
+    grant = DeviceGrant(uuid=uuid, memory_mib=8192, cores=4)
+    held = Placement(
+        pod=PodRef(uid="mt-browser", namespace="team-v", name="mt-pod"),
+        node=node,
+        containers=(ContainerAssignment(name="main", vendor="mthreads", devices=(grant,)),),
+    )
+    await ledger.reserve(held)
+    try:
+        await show(page, console, "#/cluster")
+        tile = page.get_by_test_id(f"card-{uuid}")
+        await expect(tile).to_contain_text("MTT S4000")
+        await expect(tile.get_by_test_id(f"vendor-{uuid}")).to_have_text("mthreads")
+        await expect(tile.get_by_test_id(f"cores-{uuid}")).to_have_text("4 / 16")
+        # its limits are its plugin's, not gpuslice's layers'
+        await expect(tile.get_by_test_id(f"layers-{uuid}")).to_have_text(
+            "Enforced by the vendor's device plugin"
+        )
+        await expect(tile).to_contain_text("8 GiB / 48 GiB")
+        await expect(tile.get_by_test_id("pod-link-team-v-mt-pod")).to_be_visible()
+        await expect(tile).to_contain_text("8 GiB \u00b7 4/16 cores")  # the pod's share
+        gpu = (await ledger.node_gpus(node))[0].device.uuid
+        await expect(page.get_by_test_id(f"vendor-{gpu}")).to_have_text("nvidia")
+        await expect(page.get_by_test_id(f"cores-{gpu}")).to_have_text(re.compile(r"^\d+ / 100$"))
+        await expect(page.get_by_test_id("summary-vendor-mthreads")).to_have_text(
+            "mthreads 2 cards \u00b7 8 GiB of 96 GiB \u00b7 4 of 32 cores"
+        )
+        # the pod's own page: its card's vendor and the cores granted of the card's
+        await tile.get_by_test_id("pod-link-team-v-mt-pod").click()
+        held_card = page.get_by_test_id(f"pod-card-main-{uuid}")
+        await expect(held_card).to_contain_text("mthreads")
+        await expect(held_card.get_by_test_id(f"pod-cores-main-{uuid}")).to_have_text("4/16 cores")
+        await show(page, console, "#/cluster")
+    finally:
+        await ledger.release(held.pod.uid)
+        await ledger.register_node(NodeInventory(node=node, devices=(), vendor="mthreads"))
+    await expect(page.get_by_test_id(f"card-{uuid}")).to_have_count(0)
+    await expect(page.get_by_test_id("summary-vendors")).to_have_count(0)
 
 
 async def test_the_audit_view_filters_and_follows_without_a_reload(

@@ -184,11 +184,16 @@ def _json6902(obj: dict[str, Any], operation: dict[str, Any]) -> None:
     op, path = operation["op"], operation["path"]
     keys = [k.replace("~1", "/").replace("~0", "~") for k in path.split("/")[1:]]
     parent: Any = obj
-    for key in keys[:-1]:
-        parent = parent[int(key)] if isinstance(parent, list) else parent[key]
+    try:
+        for key in keys[:-1]:
+            parent = parent[int(key)] if isinstance(parent, list) else parent[key]
+    except (KeyError, IndexError):
+        raise ValueError(f"no {path} to {op}") from None
     last = keys[-1]
     if isinstance(parent, list):
         index = len(parent) if last == "-" else int(last)
+        if index > len(parent) or (op != "add" and index == len(parent)):
+            raise ValueError(f"no {path} to {op}")
         if op == "add":
             parent.insert(index, copy.deepcopy(operation["value"]))
         elif op == "remove":

@@ -3,6 +3,7 @@ Kubernetes schemas, and wired the way the services read their settings."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,11 +22,14 @@ from gpuslice_common.config import (
     CommonSettings,
     DevicePluginSettings,
     InventorySettings,
+    RequestSettings,
     ResourceNames,
     SchedulerSettings,
     WebhookSettings,
 )
+from gpuslice_common.devicetypes import parse_device_config, with_vendors
 from gpuslice_common.dra import DEVICE_CLASS, DRIVER
+from gpuslice_common.models import NVIDIA
 from tests.deploy.kustomize import overlay, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,6 +53,10 @@ COMBINATIONS = [
     ("without-cert-manager", "cpu-pods", "redis-cluster"),
     ("console-tokenreview", "redis-cluster"),
     ("dra", "redis-cluster"),
+    ("vendors", "redis-cluster"),
+    ("without-cert-manager", "console-tokenreview", "vendors"),
+    # k8s/vendors' layout for k8s/cpu-pods, listed after it
+    ("cpu-pods", "vendors/cpu-pods", "redis-cluster"),
 ]
 
 
@@ -864,6 +872,185 @@ def test_the_cpu_pods_component_sends_every_pod_to_the_extender(
     assert routed == base  # everything else as k8s/ has it
 
 
+# ---------------------------------------------------------------- other vendors
+
+HAMI_DEVICE_CONFIG = ROOT / "tests" / "data" / "hami-device-config.yaml"
+# the builds with k8s/vendors, and the build each adds it to
+VENDOR_BUILDS = {
+    "vendors": "k8s",
+    "vendors+redis-cluster": "redis-cluster",
+    "cpu-pods+vendors/cpu-pods+redis-cluster": "cpu-pods+redis-cluster",
+}
+VENDOR_SERVICES = [
+    ("gpuslice-webhook", "webhook"),
+    ("gpuslice-scheduler", "extender"),
+    ("gpuslice-inventory", "inventory"),
+]
+
+
+def vendor_resources() -> list[str]:
+    """Every resource the webhook and the extender must know: NVIDIA's, then
+    each count, memory and cores resource of the vendors gpuslice reads from
+    the device configuration k8s/vendors ships, in its order."""
+    config = parse_device_config(HAMI_DEVICE_CONFIG.read_text())
+    others = [n for t in config.announced() if t.vendor != NVIDIA for n in t.resources]
+    assert len(others) > 40  # every vendor of HAMi's chart
+    return [*ResourceNames().all(), *others]
+
+
+def listed_names(expression: str) -> list[str]:
+    """The resource names a k8s/vendors condition lists: the list literal it
+    begins with (``[...].exists(n, ...)``), read as JSON."""
+    literal, sep, _ = expression.removeprefix("!(").lstrip().partition("].exists(n,")
+    assert sep, expression[:80]
+    names = json.loads(literal + "]")
+    assert isinstance(names, list)
+    return names
+
+
+def container_of(objects: list[dict[str, Any]], deployment: str, name: str) -> dict[str, Any]:
+    spec = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+    (found,) = [c for c in spec["containers"] if c["name"] == name]
+    return found
+
+
+@pytest.mark.parametrize("build", sorted(VENDOR_BUILDS))
+def test_the_vendors_component_ships_hami_s_device_configuration(
+    builds: dict[str, Path], build: str, tmp_path: Path
+) -> None:
+    objects = render(builds[build])
+    config = find(objects, "ConfigMap", "gpuslice-device-config")
+    assert config["metadata"]["namespace"] == "gpuslice"
+    (text,) = config["data"].values()
+    assert list(config["data"]) == ["device-config.yaml"]
+    # HAMi's chart defaults, as the tests' own copy, without its comments
+    shipped = parse_device_config(text)
+    assert shipped == parse_device_config(HAMI_DEVICE_CONFIG.read_text())
+    assert shipped.warnings == ()
+    assert not text.startswith("#")
+    # as the webhook and the extender read it: every vendor's requests
+    (tmp_path / "device-config.yaml").write_text(text)
+    requests = with_vendors(RequestSettings(), str(tmp_path / "device-config.yaml"))
+    names = [n for v in requests.vendors for n in v.all()]
+    assert [*requests.resources.all(), *names] == vendor_resources()
+
+
+@pytest.mark.parametrize("build", sorted(VENDOR_BUILDS))
+def test_the_vendors_component_mounts_the_configuration_where_each_service_reads_it(
+    builds: dict[str, Path], build: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = render(builds[build])
+    before = render(builds[VENDOR_BUILDS[build]])
+    for deployment, name in VENDOR_SERVICES:
+        container = container_of(objects, deployment, name)
+        spec = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+        path = env_of(objects, deployment, name)["GPUSLICE_DEVICE_CONFIG"]
+        (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert mount["readOnly"] is True, deployment
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        config = find(objects, "ConfigMap", volume["configMap"]["name"])
+        assert path.removeprefix(mount["mountPath"] + "/") in config["data"], deployment
+        # the setting the service reads
+        settings = settings_of(objects, deployment, monkeypatch, name)
+        assert settings.device_config == path, deployment
+        # and nothing of the build's own is lost
+        old = container_of(before, deployment, name)
+        old_spec = find(before, "Deployment", deployment)["spec"]["template"]["spec"]
+        assert container["env"] == [*old["env"], {"name": "GPUSLICE_DEVICE_CONFIG", "value": path}]
+        assert container["volumeMounts"] == [*old.get("volumeMounts", []), mount], deployment
+        assert spec["volumes"] == [*old_spec.get("volumes", []), volume], deployment
+        rest = {k: v for k, v in container.items() if k not in ("env", "volumeMounts")}
+        assert rest == {k: v for k, v in old.items() if k not in ("env", "volumeMounts")}
+    # the node agents read no device configuration: HAMi's vendor plugins announce those cards
+    agent = find(objects, "DaemonSet", "gpuslice-deviceplugin")
+    assert agent == find(before, "DaemonSet", "gpuslice-deviceplugin")
+
+
+@pytest.mark.parametrize("build", sorted(VENDOR_BUILDS))
+def test_the_vendors_component_adds_exactly_the_permissions_it_uses(
+    builds: dict[str, Path], build: str
+) -> None:
+    objects = render(builds[build])
+    before = render(builds[VENDOR_BUILDS[build]])
+    accounts = ("gpuslice-webhook", "gpuslice-scheduler", "gpuslice-inventory")
+    added = {
+        a: rules_of(objects, a) - rules_of(before, a) for a in (*accounts, "gpuslice-deviceplugin")
+    }
+    # the inventory lists the nodes (VendorSync: kube.list_nodes), no watch
+    assert added == {
+        "gpuslice-webhook": set(),
+        "gpuslice-scheduler": set(),
+        "gpuslice-inventory": {("", "nodes", "list")},
+        "gpuslice-deviceplugin": set(),
+    }
+    for account in accounts:
+        assert rules_of(objects, account) >= rules_of(before, account)
+
+
+@pytest.mark.parametrize("build", sorted(VENDOR_BUILDS))
+def test_the_webhook_and_the_extender_know_every_vendor_resource(
+    builds: dict[str, Path], build: str
+) -> None:
+    """The lists k8s/vendors writes are the device configuration's resources,
+    NVIDIA's first: a vendor added to or renamed in the configuration without
+    them fails here."""
+    objects = render(builds[build])
+    before = render(builds[VENDOR_BUILDS[build]])
+    wanted = vendor_resources()
+    hooks = find(objects, "MutatingWebhookConfiguration", "gpuslice")["webhooks"]
+    old_hooks = find(before, "MutatingWebhookConfiguration", "gpuslice")["webhooks"]
+    assert len(hooks) == len(old_hooks)
+    for hook, old in zip(hooks, old_hooks, strict=True):
+        (condition,) = hook["matchConditions"]
+        assert listed_names(condition["expression"]) == wanted, hook["name"]
+        (old_condition,) = old["matchConditions"]
+        assert condition["name"] == old_condition["name"]
+        # the rest of each entry as the build has it
+        assert {**hook, "matchConditions": None} == {**old, "matchConditions": None}
+
+    config = yaml.safe_load(find(objects, "ConfigMap", "gpuslice-scheduler")["data"]["config.yaml"])
+    old_config = yaml.safe_load(
+        find(before, "ConfigMap", "gpuslice-scheduler")["data"]["config.yaml"]
+    )
+    (extender,) = config["extenders"]
+    (old_extender,) = old_config["extenders"]
+    if "managedResources" in old_extender:  # k8s/: the extender manages them
+        managed = extender.pop("managedResources")
+        assert [r["name"] for r in managed] == wanted
+        assert all(r["ignoredByScheduler"] is True for r in managed)
+        old_extender.pop("managedResources")
+    else:  # with k8s/cpu-pods: sent every pod, kube-scheduler ignores the resources
+        assert "managedResources" not in extender
+        (profile,) = config["profiles"]
+        (fit,) = profile["pluginConfig"]
+        assert fit["name"] == "NodeResourcesFit"
+        assert fit["args"]["ignoredResources"] == wanted
+        fit["args"]["ignoredResources"] = None
+        (old_fit,) = old_config["profiles"][0]["pluginConfig"]
+        old_fit["args"]["ignoredResources"] = None
+    assert config == old_config  # everything else as the build has it
+
+
+@pytest.mark.parametrize(
+    "components",
+    [
+        ("vendors", "cpu-pods"),
+        ("cpu-pods", "vendors"),
+        ("vendors/cpu-pods",),
+        ("vendors", "vendors/cpu-pods"),
+        ("vendors/cpu-pods", "cpu-pods"),
+    ],
+)
+def test_k8s_vendors_and_cpu_pods_combine_one_way_only(
+    tmp_path: Path, components: tuple[str, ...]
+) -> None:
+    """Both rewrite the webhook condition and the scheduler configuration:
+    another combination than cpu-pods then vendors/cpu-pods fails the build
+    (their test steps) rather than lose one's change."""
+    with pytest.raises(ValueError, match=r"^(test failed at|no) /"):
+        render(overlay(tmp_path, K8S, *components))
+
+
 # ---------------------------------------------------------------- install without hand work
 
 
@@ -1062,10 +1249,14 @@ def test_no_build_carries_a_secret(builds: dict[str, Path], build: str) -> None:
 
 
 def settings_of(
-    objects: list[dict[str, Any]], deployment: str, monkeypatch: pytest.MonkeyPatch
+    objects: list[dict[str, Any]],
+    deployment: str,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str | None = None,
 ) -> Any:
-    """The settings the Deployment's (one) service starts with."""
-    (container,) = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+    """The settings the Deployment's service (its one container, or ``name``) starts with."""
+    containers = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+    (container,) = [c for c in containers if name is None or c["name"] == name]
     with monkeypatch.context() as patched:
         for key in [k for k in os.environ if k.startswith("GPUSLICE_")]:
             patched.delenv(key)

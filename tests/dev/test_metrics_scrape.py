@@ -27,7 +27,7 @@ from tests.dev.test_stack import gpu_pod
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s/grafana-dashboard.json"
 CONTAINER_LABELS = {"node", "namespace", "pod", "pod_uid", "container", "uuid"}
-GPU_LABELS = {"node", "uuid", "index", "model"}
+GPU_LABELS = {"node", "uuid", "index", "model", "vendor"}
 # PromQL words that look like series names
 PROMQL = {
     "by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",

@@ -50,7 +50,7 @@ from gpuslice_common.servers import NatsServer, RedisServer, free_port
 from gpuslice_inventory.console.auth import Viewer
 from gpuslice_inventory.console.hub import MIN_REFRESH_S
 from gpuslice_inventory.service import Running, running
-from tests.conftest import make_inventory
+from tests.conftest import make_inventory, make_vendor_inventory
 from tests.inventory.conftest import announce, rebuilt, settings_for, until
 from tests.kubeapi import FakeApiServer, Stream
 from tests.test_report import sample
@@ -264,6 +264,94 @@ async def test_snapshot_counts_cards_placements_telemetry_and_the_report(
     idle = gpu1["cards"][1]
     assert idle["pods"] == []
     assert idle["measured"] == {"memory_mib": None, "sm_percent": None}
+
+
+async def test_each_vendor_s_cards_show_their_vendor_model_memory_and_cores(
+    console: Console, bus: Bus
+) -> None:
+    """NVIDIA's cards and Moore Threads' (16 cores a card) on one node, Hygon's
+    alone on another, as the inventory registers them from the vendors' node
+    objects: each card with its vendor, model, memory and cores, NVIDIA's
+    first; the cluster's figures per vendor, whose cores add up in its units."""
+    await register(console, bus, ("gpu-1", 1))
+    ledger = console.state.ledger
+    await ledger.register_node(
+        make_vendor_inventory("gpu-1", "mthreads", "MTT S4000", memory_mib=49152, cores=16)
+    )
+    await ledger.register_node(
+        make_vendor_inventory("dcu-1", "hygon", "DCU-Z100", cards=1, memory_mib=32768)
+    )
+    grant = DeviceGrant(uuid="MTHREADS-gpu-1-1", memory_mib=8192, cores=4)
+    mt = Placement(
+        pod=TRAIN,
+        node="gpu-1",
+        containers=(ContainerAssignment(name="main", vendor="mthreads", devices=(grant,)),),
+    )
+    await ledger.reserve(mt)
+
+    async def shown() -> bool:
+        snap = await console.json("/api/v1/cluster")
+        return snap["cluster"]["cards"] == 4 and snap["cluster"]["pods"] == 1
+
+    await until(shown, timeout=WAIT_S)
+    snap = await console.json("/api/v1/cluster")
+    nodes = {n["name"]: n for n in snap["nodes"]}
+    cards = [
+        (c["vendor"], c["index"], c["model"], c["memory_mib"], c["cores"], c["used"]["cores"])
+        for c in nodes["gpu-1"]["cards"]
+    ]
+    assert cards == [
+        ("nvidia", 0, "NVIDIA A100-SXM4-80GB", 16384, 100, 0),
+        ("mthreads", 0, "MTT S4000", 49152, 16, 0),
+        ("mthreads", 1, "MTT S4000", 49152, 16, 4),
+    ]
+    held = nodes["gpu-1"]["cards"][2]
+    assert [(p["name"], p["memory_mib"], p["cores"]) for p in held["pods"]] == [
+        ("train-1", 8192, 4)
+    ]
+    # the pod's own page: its card's vendor, and the cores granted of the card's
+    doc = await console.json(f"/api/v1/pods/{TRAIN.namespace}/{TRAIN.name}")
+    [container] = doc["containers"]
+    [card] = container["cards"]
+    assert (card["vendor"], card["model"], card["cores"], card["card_cores"]) == (
+        "mthreads",
+        "MTT S4000",
+        4,
+        16,
+    )
+    (dcu,) = nodes["dcu-1"]["cards"]
+    assert (dcu["vendor"], dcu["model"], dcu["memory_mib"], dcu["cores"]) == (
+        "hygon",
+        "DCU-Z100",
+        32768,
+        100,
+    )
+    assert snap["cluster"]["vendors"] == [
+        {
+            "vendor": "nvidia",
+            "cards": 1,
+            "memory_mib": 16384,
+            "used_memory_mib": 0,
+            "cores": 100,
+            "used_cores": 0,
+        },
+        {
+            "vendor": "hygon",
+            "cards": 1,
+            "memory_mib": 32768,
+            "used_memory_mib": 0,
+            "cores": 100,
+            "used_cores": 0,
+        },
+        {
+            "vendor": "mthreads",
+            "cards": 2,
+            "memory_mib": 2 * 49152,
+            "used_memory_mib": 8192,
+            "cores": 32,
+            "used_cores": 4,
+        },
+    ]
 
 
 async def test_a_namespaced_viewer_sees_other_tenants_only_as_sums(
@@ -601,8 +689,10 @@ async def test_pod_document_with_cards_usage_and_story(console: Console, bus: Bu
             "uuid": "GPU-gpu-1-0",
             "index": 0,
             "model": "NVIDIA A100-SXM4-80GB",
+            "vendor": "nvidia",
             "memory_mib": 4096,
             "cores": 25,
+            "card_cores": 100,
             "mig": None,
         }
     ]

@@ -30,7 +30,7 @@ from gpuslice_common.models import (
 from gpuslice_common.servers import NatsServer
 from gpuslice_inventory.lease import Lease
 from gpuslice_inventory.service import Running, running
-from tests.conftest import make_inventory
+from tests.conftest import make_inventory, make_vendor_inventory
 from tests.inventory.conftest import announce, settings_for, until
 from tests.rawhttp import post_huge
 from tests.test_ledger import placement
@@ -333,7 +333,9 @@ async def test_metrics_and_readiness_over_http(
             dead = await client.get("/healthz")
             assert dead.status_code == 503
             assert dead.json() == {"status": "failed", "stopped": ["metrics"]}
-    labels = 'index="1",model="NVIDIA A100-SXM4-80GB",node="gpu-1",uuid="GPU-gpu-1-1"'
+    labels = (
+        'index="1",model="NVIDIA A100-SXM4-80GB",node="gpu-1",uuid="GPU-gpu-1-1",vendor="nvidia"'
+    )
     assert f"gpuslice_gpu_memory_allocated_mib{{{labels}}} 3000.0" in text
     assert f"gpuslice_gpu_cores_allocated_percent{{{labels}}} 25.0" in text
     assert f"gpuslice_gpu_memory_capacity_mib{{{labels}}} 40960.0" in text
@@ -378,6 +380,66 @@ async def test_the_metrics_job_skips_an_unreadable_node_and_counts_it(
     assert "metrics failed" not in caplog.text
     assert "Traceback" not in caplog.text
     assert not any(r.exc_info for r in caplog.records)
+
+
+async def test_each_card_s_series_carry_its_vendor(
+    nats_server: NatsServer, redis_url: str, prefix: str, bus: Bus
+) -> None:
+    """NVIDIA's cards and another vendor's on one node, in the real ledger: every
+    per-card series names the card's vendor, with the cores the card has in its
+    vendor's units (Moore Threads: 16); HAMi's per-card names stay NVIDIA's."""
+    config = settings_for(nats_server, redis_url, prefix)
+    async with running(config, bus, serve_http=False) as state:
+        await announce(bus, make_inventory("gpu-1", gpus=1, memory_mib=40960))
+        await until(lambda: state.work.registrations == 1)
+        vendor = make_vendor_inventory("gpu-1", "mthreads", "MTT S4000", cards=1, cores=16)
+        await state.ledger.register_node(vendor)
+        grant = DeviceGrant(uuid="MTHREADS-gpu-1-0", memory_mib=8192, cores=4)
+        mt = Placement(
+            pod=PodRef(uid="mt-1", namespace="ns", name="mt-pod"),
+            node="gpu-1",
+            containers=(ContainerAssignment(name="c0", vendor="mthreads", devices=(grant,)),),
+        )
+        await state.ledger.reserve(mt)
+        await until(lambda: state.lease.held)
+        await state.cluster.refresh()
+        families = {
+            f.name: f
+            for f in text_string_to_metric_families(generate_latest(state.registry).decode())
+        }
+        hami_registry = state.hami_registry
+        assert hami_registry is not None
+        hami = generate_latest(hami_registry).decode()
+
+    def series(name: str) -> dict[tuple[str, str, str, str], float]:
+        """(vendor, index, model, uuid) -> value, for the node's cards."""
+        return {
+            (s.labels["vendor"], s.labels["index"], s.labels["model"], s.labels["uuid"]): s.value
+            for s in families[name].samples
+            if s.labels["node"] == "gpu-1"
+        }
+
+    nvidia = ("nvidia", "0", "NVIDIA A100-SXM4-80GB", "GPU-gpu-1-0")
+    mthreads = ("mthreads", "0", "MTT S4000", "MTHREADS-gpu-1-0")
+    assert series("gpuslice_gpu_cores_capacity_percent") == {nvidia: 100, mthreads: 16}
+    assert series("gpuslice_gpu_cores_allocated_percent") == {nvidia: 0, mthreads: 4}
+    assert series("gpuslice_gpu_memory_capacity_mib") == {nvidia: 40960, mthreads: 49152}
+    assert series("gpuslice_gpu_memory_allocated_mib") == {nvidia: 0, mthreads: 8192}
+    assert series("gpuslice_gpu_slots_used") == {nvidia: 0, mthreads: 1}
+    assert series("gpuslice_gpu_healthy") == {nvidia: 1, mthreads: 1}
+    # every per-card series has the one label set
+    for family in families.values():
+        if family.name.startswith("gpuslice_gpu_"):
+            assert {frozenset(s.labels) for s in family.samples} == {
+                frozenset({"node", "uuid", "index", "model", "vendor"})
+            }, family.name
+    cards = {
+        f.name: {s.labels["deviceuuid"] for s in f.samples}
+        for f in text_string_to_metric_families(hami)
+        if f.name.startswith(("GPUDevice", "nodeGPU"))
+    }
+    assert cards
+    assert all(uuids == {"GPU-gpu-1-0"} for uuids in cards.values()), cards
 
 
 # ---------------------------------------------------------------- reconciliation

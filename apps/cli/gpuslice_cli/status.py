@@ -1,5 +1,10 @@
 """``gpuslice status``: what the ledger holds, node by node and card by card.
 
+Every vendor's cards are shown, each with its vendor: NVIDIA's first, then the
+others by vendor name; a node's totals are per vendor, since vendors count
+cores in their own units (percent of a card for most, sixteenths of a card for
+Moore Threads, AI cores for Ascend).
+
 Gathering (:func:`gather_status`, async, plain dataclasses) is kept apart from
 rendering (:func:`table_rows`, :func:`status_table`, :func:`status_document`), so
 each is tested on its own. What the cards actually use comes from the
@@ -23,7 +28,7 @@ from rich.table import Table
 from gpuslice_cli.table import printable, show
 from gpuslice_common.config import CommonSettings, ConfigError, load, without_password
 from gpuslice_common.ledger import BadRecord, Ledger, LedgerError
-from gpuslice_common.models import CardLayers, GpuState, Placement
+from gpuslice_common.models import NVIDIA, CardLayers, GpuState, Placement, vendor_order
 from gpuslice_common.occupancy import card_grants
 from gpuslice_inventory.telemetry import TelemetryStore
 
@@ -91,7 +96,7 @@ class CardStatus:
     memory_physical_mib: int  # the card's own memory, before memory scaling
     memory_total_mib: int  # schedulable memory: capacity after scaling
     memory_allocated_mib: int
-    cores_capacity: int
+    cores_capacity: int  # in the vendor's units: percent of a card for NVIDIA's
     cores_allocated: int
     slots_total: int  # the node's split count
     slots_used: int
@@ -101,6 +106,7 @@ class CardStatus:
     present: bool  # False: gone from the node's inventory but still holding pods
     exclusive_owner: str | None
     layers: CardLayers | None = None  # which layers enforce; None: the node reports none
+    vendor: str = NVIDIA
 
     @property
     def health(self) -> str:
@@ -118,11 +124,6 @@ class NodeStatus:
     node: str
     gpus: tuple[CardStatus, ...]
     problem: str = ""  # why the node's record cannot be read (then no gpus); "" when it can
-
-    @property
-    def pod_uids(self) -> tuple[str, ...]:
-        """Distinct live pods on the node."""
-        return tuple(sorted({p.uid for g in self.gpus for p in g.pods}))
 
 
 class UnknownNode(LookupError):
@@ -160,11 +161,13 @@ def card_status(gpu: GpuState, placements: Sequence[Placement]) -> CardStatus:
         present=gpu.present,
         exclusive_owner=gpu.used.exclusive_owner,
         layers=gpu.layers,
+        vendor=gpu.device.vendor,
     )
 
 
 async def gather_status(ledger: Ledger, node: str | None = None) -> list[NodeStatus]:
-    """Every node (or just ``node``) with its cards, sorted by name and card index.
+    """Every node (or just ``node``) with its cards of every vendor, sorted by
+    name, then NVIDIA's cards and the other vendors' by vendor name, each by index.
 
     Raises UnknownNode when ``node`` is not registered, LedgerError when Redis fails.
     """
@@ -174,7 +177,7 @@ async def gather_status(ledger: Ledger, node: str | None = None) -> list[NodeSta
     names = [node] if node is not None else known
     if not names:
         return []
-    gpus = await ledger.read_gpus(names)
+    gpus = await ledger.read_gpus(names, vendor=None)
     placements = await asyncio.gather(*(_placements(ledger, n) for n in names))
     result = []
     for name, pods in zip(names, placements, strict=True):
@@ -184,9 +187,22 @@ async def gather_status(ledger: Ledger, node: str | None = None) -> list[NodeSta
             assert isinstance(problem, BadRecord)
             result.append(NodeStatus(node=name, gpus=(), problem=problem.problem))
             continue
-        ordered = sorted(cards, key=lambda g: g.device.index)
+        ordered = sorted(cards, key=lambda g: (*vendor_order(g.device.vendor), g.device.index))
         result.append(NodeStatus(node=name, gpus=tuple(card_status(g, pods) for g in ordered)))
     return result
+
+
+def by_vendor(cards: Sequence[CardStatus]) -> dict[str, list[CardStatus]]:
+    """A node's cards grouped by vendor, in :func:`vendor_order`."""
+    groups: dict[str, list[CardStatus]] = {}
+    for card in sorted(cards, key=lambda c: (*vendor_order(c.vendor), c.index)):
+        groups.setdefault(card.vendor, []).append(card)
+    return groups
+
+
+def pod_count(cards: Sequence[CardStatus]) -> int:
+    """Distinct live pods on ``cards``."""
+    return len({p.uid for c in cards for p in c.pods})
 
 
 async def _placements(ledger: Ledger, node: str) -> list[Placement] | BadRecord:
@@ -208,10 +224,13 @@ def skipped(nodes: Sequence[NodeStatus]) -> dict[str, str]:
 # ---------------------------------------------------------------- rendering
 
 
+USED_COLUMN = 5  # where the "used" column goes, after "memory MiB"
+
+
 def table_columns(usage: Usage | None = None) -> list[str]:
-    columns = ["node", "gpu", "model", "memory MiB", "cores", "slots", "pods", "health"]
+    columns = ["node", "gpu", "vendor", "model", "memory MiB", "cores", "slots", "pods", "health"]
     if usage is not None:
-        columns.insert(4, "used")
+        columns.insert(USED_COLUMN, "used")
     return columns
 
 
@@ -233,7 +252,7 @@ def _health_summary(cards: Sequence[CardStatus]) -> str:
 
 
 def table_rows(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> list[list[str]]:
-    """The table's cells: per node its cards, then one ``total`` row.
+    """The table's cells: per node and vendor its cards, then one ``total`` row.
 
     With ``usage`` (uuid -> (used bytes, SM percent)) a ``used`` column follows
     ``memory MiB``: "-" for a card without telemetry; the total row sums the
@@ -241,35 +260,38 @@ def table_rows(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> list[
     """
     rows: list[list[str]] = []
     for node in readable(nodes):
-        for card in node.gpus:
-            row = [
+        # a node without cards still gets its total row
+        for vendor, cards in (by_vendor(node.gpus) or {"-": []}).items():
+            for card in cards:
+                row = [
+                    node.node,
+                    str(card.index),
+                    vendor,
+                    card.model,
+                    f"{card.memory_allocated_mib} / {card.memory_total_mib}",
+                    f"{card.cores_allocated} / {card.cores_capacity}",
+                    f"{card.slots_used} / {card.slots_total}",
+                    str(len(card.pods)),
+                    card.health,
+                ]
+                if usage is not None:
+                    row.insert(USED_COLUMN, _used_cell([card], usage))
+                rows.append(row)
+            total = [
                 node.node,
-                str(card.index),
-                card.model,
-                f"{card.memory_allocated_mib} / {card.memory_total_mib}",
-                f"{card.cores_allocated} / {card.cores_capacity}",
-                f"{card.slots_used} / {card.slots_total}",
-                str(len(card.pods)),
-                card.health,
+                "total",
+                vendor,
+                f"{len(cards)} GPU" + ("" if len(cards) == 1 else "s"),
+                f"{sum(c.memory_allocated_mib for c in cards)} / "
+                f"{sum(c.memory_total_mib for c in cards)}",
+                f"{sum(c.cores_allocated for c in cards)} / {sum(c.cores_capacity for c in cards)}",
+                f"{sum(c.slots_used for c in cards)} / {sum(c.slots_total for c in cards)}",
+                str(pod_count(cards)),
+                _health_summary(cards),
             ]
             if usage is not None:
-                row.insert(4, _used_cell([card], usage))
-            rows.append(row)
-        cards = node.gpus
-        total = [
-            node.node,
-            "total",
-            f"{len(cards)} GPU" + ("" if len(cards) == 1 else "s"),
-            f"{sum(c.memory_allocated_mib for c in cards)} / "
-            f"{sum(c.memory_total_mib for c in cards)}",
-            f"{sum(c.cores_allocated for c in cards)} / {sum(c.cores_capacity for c in cards)}",
-            f"{sum(c.slots_used for c in cards)} / {sum(c.slots_total for c in cards)}",
-            str(len(node.pod_uids)),
-            _health_summary(cards),
-        ]
-        if usage is not None:
-            total.insert(4, _used_cell(cards, usage))
-        rows.append(total)
+                total.insert(USED_COLUMN, _used_cell(cards, usage))
+            rows.append(total)
     return rows
 
 
@@ -288,7 +310,7 @@ def status_table(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> Tab
     return table
 
 
-POD_COLUMNS = ("node", "gpu", "pod", "state", "memory MiB", "cores")
+POD_COLUMNS = ("node", "gpu", "vendor", "pod", "state", "memory MiB", "cores")
 
 
 def pod_rows(nodes: Sequence[NodeStatus]) -> list[list[str]]:
@@ -297,6 +319,7 @@ def pod_rows(nodes: Sequence[NodeStatus]) -> list[list[str]]:
         [
             node.node,
             str(card.index),
+            card.vendor,
             f"{pod.namespace}/{pod.name}",
             pod.state,
             str(pod.memory_mib),
@@ -332,10 +355,14 @@ UNREPORTED = "-"  # the node's agent does not report its layers
 
 
 def layer_rows(nodes: Sequence[NodeStatus]) -> list[list[str]]:
-    """One row per card: which enforcement layers hold its containers to their grants."""
+    """One row per NVIDIA card: which enforcement layers hold its containers to
+    their grants (gpuslice's node agent and interposer; other vendors' cards are
+    held to theirs by their own device plugins)."""
     rows = []
     for node in readable(nodes):
         for card in node.gpus:
+            if card.vendor != NVIDIA:
+                continue
             layers = card.layers
             if layers is None:
                 rows.append([node.node, str(card.index), *[UNREPORTED] * 4, ""])
@@ -376,6 +403,7 @@ def _card_document(card: CardStatus, usage: Usage | None) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "index": card.index,
         "uuid": card.uuid,
+        "vendor": card.vendor,
         "model": card.model,
         "memory_physical_mib": card.memory_physical_mib,
         "memory_total_mib": card.memory_total_mib,
@@ -410,6 +438,19 @@ def _card_document(card: CardStatus, usage: Usage | None) -> dict[str, Any]:
     return doc
 
 
+def _totals(cards: Sequence[CardStatus]) -> dict[str, int]:
+    return {
+        "gpus": len(cards),
+        "memory_total_mib": sum(c.memory_total_mib for c in cards),
+        "memory_allocated_mib": sum(c.memory_allocated_mib for c in cards),
+        "cores_capacity": sum(c.cores_capacity for c in cards),
+        "cores_allocated": sum(c.cores_allocated for c in cards),
+        "slots_total": sum(c.slots_total for c in cards),
+        "slots_used": sum(c.slots_used for c in cards),
+        "pod_count": pod_count(cards),
+    }
+
+
 def status_document(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> dict[str, Any]:
     """The ``--json`` document (see the command's help for its keys)."""
     return {
@@ -419,15 +460,9 @@ def status_document(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> 
             {
                 "node": node.node,
                 "gpus": [_card_document(card, usage) for card in node.gpus],
-                "totals": {
-                    "gpus": len(node.gpus),
-                    "memory_total_mib": sum(c.memory_total_mib for c in node.gpus),
-                    "memory_allocated_mib": sum(c.memory_allocated_mib for c in node.gpus),
-                    "cores_capacity": sum(c.cores_capacity for c in node.gpus),
-                    "cores_allocated": sum(c.cores_allocated for c in node.gpus),
-                    "slots_total": sum(c.slots_total for c in node.gpus),
-                    "slots_used": sum(c.slots_used for c in node.gpus),
-                    "pod_count": len(node.pod_uids),
+                "totals": _totals(node.gpus),
+                "vendors": {
+                    vendor: _totals(cards) for vendor, cards in by_vendor(node.gpus).items()
                 },
             }
             for node in readable(nodes)
@@ -473,17 +508,20 @@ def status(
 ) -> None:
     """Show nodes and GPUs as the ledger holds them.
 
-    Per card: memory allocated / schedulable total in MiB (after memory scaling),
-    what its containers use now by their interposers' telemetry (memory and SM
-    percent; "-" without fresh samples), compute cores allocated / capacity
-    (percent of a card, after core scaling), slots used / split count, the
-    number of live pods on the card (a pod counts once on every card it uses)
-    and its health (healthy, cordoned, unhealthy, or
-    missing from the node's inventory). A bold row per node gives its totals.
+    Every vendor's cards, NVIDIA's first, then the others by vendor. Per card:
+    its vendor and model, memory allocated / schedulable total in MiB (after
+    memory scaling), what its containers use now by their interposers'
+    telemetry (memory and SM percent; "-" without fresh samples), compute
+    cores allocated / capacity (in the vendor's units, after core scaling:
+    percent of a card for NVIDIA and most vendors, 16 a card for Moore
+    Threads, AI cores for Ascend), slots used / split count, the number of
+    live pods on the card (a pod counts once on every card it uses) and its
+    health (healthy, cordoned, unhealthy, or missing from the node's
+    inventory). A bold row per node and vendor gives its totals.
     A node whose record in the ledger cannot be read (a value no gpuslice
     writes) is left out, with a warning on stderr saying why. --pods adds a
     table of the pods on each card with the memory (MiB) and cores they were
-    granted there. A second table says per card which enforcement layers hold
+    granted there. A second table says per NVIDIA card which enforcement layers hold
     its containers to their grants: the driver's per-cgroup memory limits, the
     node agent's memory and compute checks, the interposer ("enforcing" or
     "missing"; "-" where the node's agent does not report them), with the
@@ -496,7 +534,7 @@ def status(
 
     --json prints {"version": 1, "skipped": {...}, "nodes": [...]} instead;
     "skipped" maps each node left out to why; each node is
-    {"node", "gpus", "totals"}, each gpu is {"index", "uuid", "model",
+    {"node", "gpus", "totals", "vendors"}, each gpu is {"index", "uuid", "vendor", "model",
     "memory_physical_mib", "memory_total_mib", "memory_allocated_mib",
     "cores_capacity", "cores_allocated", "slots_total", "slots_used", "health",
     "healthy", "cordoned", "present", "exclusive_owner", "layers", "pod_count",
@@ -506,7 +544,9 @@ def status(
     pod {"uid", "namespace", "name", "state", "memory_mib", "cores"} sorted by uid, and totals
     {"gpus", "memory_total_mib", "memory_allocated_mib", "cores_capacity",
     "cores_allocated", "slots_total", "slots_used", "pod_count"} (pods counted once
-    per node). Nodes are sorted by name, cards by index.
+    per node) over all the node's cards; "vendors" maps each vendor to the same
+    totals over its cards (cores add up within a vendor's units only). Nodes
+    are sorted by name, cards as in the table.
 
     Exit 1 when Redis cannot be read or --node is unknown, 2 on bad settings.
     """

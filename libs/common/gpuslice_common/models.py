@@ -50,6 +50,11 @@ def _is_nvidia(vendor: str) -> bool:
     return vendor == NVIDIA
 
 
+def vendor_order(vendor: str) -> tuple[bool, str]:
+    """How operators' views list vendors: NVIDIA's cards first, then the others by name."""
+    return vendor != NVIDIA, vendor
+
+
 class Frozen(BaseModel):
     """Base for value objects: immutable, and unknown fields are an error."""
 

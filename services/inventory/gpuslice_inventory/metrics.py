@@ -1,7 +1,7 @@
 """Prometheus metrics of the inventory (names and labels listed in docs/architecture.md).
 
-Cluster state (per GPU, per container, pods by state) is read from the ledger
-and the telemetry store every ``metrics_interval`` by :meth:`ClusterMetrics.refresh`
+Cluster state (per card of every vendor, per container, pods by state) is read
+from the ledger and the telemetry store every ``metrics_interval`` by :meth:`ClusterMetrics.refresh`
 and served from that snapshot, so a scrape never waits on Redis. Counters of the
 inventory's own work are read from its parts' stats at scrape time. A node whose
 record in the ledger cannot be read is left out of the snapshot, logged once
@@ -9,7 +9,10 @@ and counted in ``gpuslice_ledger_unreadable_nodes``; the other nodes are not.
 With ``hami_metrics`` on, the same read makes HAMi's scheduler names too
 (:class:`HamiFamilies`), kept in a snapshot of their own that :class:`HamiMetrics`
 exports on ``/metrics/hami``: they are camelCase, which Prometheus's naming rules
-flag, so ``/metrics`` holds only gpuslice's names.
+flag, so ``/metrics`` holds only gpuslice's names. HAMi's per-card names are
+NVIDIA's cards' (their ``devicetype`` is ``NVIDIA-<model>``); gpuslice's carry a
+``vendor`` label, and their cores are in the vendor's units (percent of a card
+for NVIDIA and most vendors, 16 a card for Moore Threads, AI cores for Ascend).
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gpuslice_common.ledger import BadRecord, Ledger
-from gpuslice_common.models import GpuState, Placement, PlacementState
+from gpuslice_common.models import NVIDIA, GpuState, Placement, PlacementState
 from gpuslice_inventory.telemetry import TelemetryStore
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
-GPU_LABELS = ("node", "uuid", "index", "model")
+# a card's: its index is per vendor (a node's NVIDIA card 0 and Hygon card 0)
+GPU_LABELS = ("node", "uuid", "index", "model", "vendor")
 # the device plugin's per-container label set: pod namespace and name beside the UID
 CONTAINER_LABELS = ("node", "namespace", "pod", "pod_uid", "container", "uuid")
 # HAMi's scheduler metrics (its label names; memory in bytes, cores in percent of a card)
@@ -107,12 +111,14 @@ class ClusterMetrics(Collector):
             ),
             "cores_capacity": _gauge(
                 "gpuslice_gpu_cores_capacity_percent",
-                "Schedulable compute of a GPU (after core scaling), percent of the card.",
+                "Schedulable compute of a GPU (after core scaling), percent of the card"
+                " (other vendors: in their units, 16 a card for Moore Threads).",
                 GPU_LABELS,
             ),
             "cores_allocated": _gauge(
                 "gpuslice_gpu_cores_allocated_percent",
-                "Compute of a GPU reserved for pods, percent of the card.",
+                "Compute of a GPU reserved for pods, percent of the card"
+                " (other vendors: in their units, 16 a card for Moore Threads).",
                 GPU_LABELS,
             ),
             "sm_used": _gauge(
@@ -161,7 +167,7 @@ class ClusterMetrics(Collector):
         )
         hami = HamiFamilies() if self.hami else None
         nodes = await self.ledger.nodes()
-        all_cards = await self.ledger.read_gpus(nodes)
+        all_cards = await self.ledger.read_gpus(nodes, vendor=None)  # every vendor's
         all_liveness = await self.ledger.read_liveness(nodes)
         now = await self.ledger.now()  # heartbeats carry Redis's time
         skipped: dict[str, str] = {}
@@ -180,8 +186,9 @@ class ClusterMetrics(Collector):
                 continue
             usage = await self.telemetry.gpu_usage(node) if self.telemetry else {}
             for card in cards:
-                labels = [node, card.device.uuid, str(card.device.index), card.device.model]
-                if hami is not None:
+                device = card.device
+                labels = [node, device.uuid, str(device.index), device.model, device.vendor]
+                if hami is not None and device.vendor == NVIDIA:
                     hami.card(node, card)
                 real = usage.get(card.device.uuid)
                 values = {

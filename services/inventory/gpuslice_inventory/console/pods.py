@@ -185,8 +185,11 @@ def pod_document(builder: SnapshotBuilder, summary: PodSummary) -> dict[str, Any
                         "uuid": d.uuid,
                         "index": card.index if card else None,
                         "model": card.model if card else None,
+                        "vendor": card.vendor if card else None,
                         "memory_mib": d.memory_mib,
+                        # granted, and the card's own, in its vendor's units
                         "cores": d.cores,
+                        "card_cores": card.cap_cores if card else None,
                         "mig": d.mig.model_dump(mode="json") if d.mig else None,
                     }
                 )

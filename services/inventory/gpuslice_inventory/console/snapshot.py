@@ -8,6 +8,11 @@ everything is re-read every ``resync`` seconds, since a failover may keep
 revisions and change the data. Telemetry, liveness and the report are read
 once per tick (``full``). The document's ``version`` grows only when its
 content changes.
+
+Every vendor's cards are in it, each with its vendor; a node lists NVIDIA's
+first, then the others by vendor. Vendors count cores in their own units
+(percent of a card for most, 16 a card for Moore Threads, AI cores for
+Ascend), so the cluster's figures are given per vendor too (``vendors``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import orjson
 
 from gpuslice_common.ledger import BadRecord, Ledger, NodeCards, NodeLiveness, StoredCard
-from gpuslice_common.models import Placement, PlacementState, utcnow
+from gpuslice_common.models import Placement, PlacementState, utcnow, vendor_order
 from gpuslice_common.occupancy import card_grants
 from gpuslice_common.reports import SchedulerReport, read_report
 from gpuslice_inventory.telemetry import ContainerUsage, TelemetryStore
@@ -207,6 +212,20 @@ class SnapshotBuilder:
         measured = [c["measured"]["memory_mib"] for c in cards if c["measured"]["memory_mib"]]
         any_usage = any(c["measured"]["memory_mib"] is not None for c in cards)
         pods = {p["uid"] for c in cards for p in c["pods"]}
+        by_vendor: dict[str, list[dict[str, Any]]] = {}
+        for card in cards:
+            by_vendor.setdefault(card["vendor"], []).append(card)
+        vendors = [
+            {
+                "vendor": vendor,
+                "cards": len(group),
+                "memory_mib": sum(c["memory_mib"] for c in group),
+                "used_memory_mib": sum(c["used"]["memory_mib"] for c in group),
+                "cores": sum(c["cores"] for c in group),
+                "used_cores": sum(c["used"]["cores"] for c in group),
+            }
+            for vendor, group in sorted(by_vendor.items(), key=lambda v: vendor_order(v[0]))
+        ]
         cluster = {
             "nodes": sum(1 for n in nodes if not n.get("problem")),
             "cards": len(cards),
@@ -218,6 +237,8 @@ class SnapshotBuilder:
             "pods": len(pods),
             "fragmentation": report.cluster.fragmentation if report else None,
             "fits": [k.model_dump(mode="json") for k in report.kinds] if report else [],
+            # the same per vendor, whose cores add up in its own units only
+            "vendors": vendors,
         }
         return {
             "problem": self.problem,
@@ -242,7 +263,10 @@ class SnapshotBuilder:
             "rebuilt": entry.rebuilt,
             "fragmentation": share.fragmentation if share else None,
             "free_share": share.free_share if share else None,
-            "cards": [self._card_doc(card, held, usage.get(card.uuid)) for card in entry.cards],
+            "cards": [
+                self._card_doc(card, held, usage.get(card.uuid))
+                for card in sorted(entry.cards, key=lambda c: (*vendor_order(c.vendor), c.index))
+            ],
         }
         if entry.problem:
             doc["problem"] = entry.problem

@@ -567,6 +567,19 @@
     return h('section', { class: 'legend', 'aria-label': 'Legend' }, h('ul', null, items, bars));
   }
 
+  /** Each card's allocated share of its own cores, averaged over the cards. */
+  function cardsCoreFraction(snap) {
+    const nodes = Array.isArray(snap.nodes) ? snap.nodes : [];
+    const shares = [];
+    for (const node of nodes) {
+      for (const card of Array.isArray(node.cards) ? node.cards : []) {
+        const cap = num(card.cores);
+        if (cap) shares.push((num((card.used || {}).cores) || 0) / cap);
+      }
+    }
+    return shares.length ? shares.reduce((a, b) => a + b, 0) / shares.length : 0;
+  }
+
   function tile(title, value, detail, testid) {
     return h('div', { class: 'tile', testid },
       h('h3', { class: 'tile-title' }, title),
@@ -574,10 +587,26 @@
       detail ? h('p', { class: 'tile-detail' }, detail) : null);
   }
 
+  /** The cluster's cards per vendor, each vendor's cores in its own units. */
+  function vendorsTile(vendors) {
+    return h('div', { class: 'tile tile-vendors', testid: 'summary-vendors' },
+      h('h3', { class: 'tile-title' }, 'Vendors'),
+      h('ul', { class: 'vendor-list' }, vendors.map((v) => h('li', { testid: `summary-vendor-${v.vendor}` },
+        h('span', { class: 'vendor-name' }, String(v.vendor ?? '')), ' ',
+        `${fmtCount(v.cards)} card${v.cards === 1 ? '' : 's'} · ${fmtMiB(v.used_memory_mib)} of ${fmtMiB(v.memory_mib)} · `
+          + `${fmtCount(v.used_cores)} of ${fmtCount(v.cores)} cores`))));
+  }
+
   function summary(snap) {
     const c = snap.cluster || {};
+    const vendors = (Array.isArray(c.vendors) ? c.vendors : []).filter((v) => v && typeof v === 'object');
     const memFraction = num(c.memory_mib) ? (num(c.used_memory_mib) || 0) / c.memory_mib : 0;
-    const coreFraction = num(c.cores) ? (num(c.used_cores) || 0) / c.cores : 0;
+    // one vendor: its cores; several: each card's share of its own cores, averaged
+    // (a Moore Threads card has 16, an NVIDIA card 100)
+    const oneUnit = vendors.length <= 1;
+    const coreFraction = oneUnit
+      ? (num(c.cores) ? (num(c.used_cores) || 0) / c.cores : 0)
+      : cardsCoreFraction(snap);
     const fits = Array.isArray(c.fits) ? c.fits : [];
     const fitsEl = h('div', { class: 'tile tile-fits', testid: 'fits' },
       h('h3', { class: 'tile-title' }, 'Still fits'),
@@ -596,8 +625,8 @@
       ],
     });
     const coreBar = bar({
-      label: 'Cluster cores allocated', now: Math.round(num(c.used_cores) || 0), max: Math.round(num(c.cores) || 0),
-      valueText: `${fmtCount(c.used_cores)} of ${fmtCount(c.cores)} core percent allocated`,
+      label: 'Cluster cores allocated', now: Math.round(coreFraction * 100), max: 100,
+      valueText: `${fmtFraction(coreFraction)} of the cards' cores allocated`,
       parts: [{ cls: 'alloc', fraction: coreFraction }],
     });
     const frag = num(c.fragmentation);
@@ -614,23 +643,32 @@
           h('h3', { class: 'tile-title' }, 'Cores'),
           h('p', { class: 'tile-value' }, `${fmtFraction(coreFraction)} `, h('span', { class: 'of' }, 'allocated')),
           coreBar,
-          h('p', { class: 'tile-detail' }, `${fmtCount(c.used_cores)} of ${fmtCount(c.cores)} core-percent`)),
+          h('p', { class: 'tile-detail' }, oneUnit
+            ? `${fmtCount(c.used_cores)} of ${fmtCount(c.cores)} cores`
+            : 'of each card\'s cores, averaged over the cards')),
         tile('Pods', fmtCount(c.pods), 'holding GPU shares', 'summary-pods'),
         h('div', { class: `tile ${frag !== null && frag >= FRAGMENTED ? 'tile-warn' : ''}` },
           h('h3', { class: 'tile-title' }, 'Fragmentation'),
           h('p', { class: 'tile-value', testid: 'cluster-fragmentation' }, fmtFraction(frag)),
           h('p', { class: 'tile-detail' }, frag === null ? 'no free share, or no scheduler report' : 'of the free share is in fragments')),
-        fitsEl));
+        fitsEl,
+        // with other vendors' cards: each vendor's, a row of its own
+        vendors.some((v) => v.vendor !== 'nvidia') ? vendorsTile(vendors) : null));
+  }
+
+  /** Cores of a card as its vendor counts them (percent of a card for most, 16 a card for Moore Threads). */
+  function fmtCores(cores, capacity) {
+    return num(capacity) === null ? `${fmtCount(cores)} cores` : `${fmtCount(cores)}/${fmtCount(capacity)} cores`;
   }
 
   function cardPods(card) {
     const pods = Array.isArray(card.pods) ? card.pods : [];
     const items = pods.map((pod) => h('li', null,
       podLink(pod.namespace, pod.name),
-      h('span', { class: 'pod-share' }, ` ${fmtMiB(pod.memory_mib)} · ${fmtPercent(pod.cores)}`)));
+      h('span', { class: 'pod-share' }, ` ${fmtMiB(pod.memory_mib)} · ${fmtCores(pod.cores, card.cores)}`)));
     if (card.others && num(card.others.pods)) {
       items.push(h('li', { class: 'muted' },
-        `+ ${fmtCount(card.others.pods)} pod${card.others.pods === 1 ? '' : 's'} in other namespaces (${fmtMiB(card.others.memory_mib)} · ${fmtPercent(card.others.cores)})`));
+        `+ ${fmtCount(card.others.pods)} pod${card.others.pods === 1 ? '' : 's'} in other namespaces (${fmtMiB(card.others.memory_mib)} · ${fmtCores(card.others.cores, card.cores)})`));
     }
     if (!items.length) return h('p', { class: 'card-empty muted' }, 'No pods');
     return h('ul', { class: 'card-pods', 'aria-label': `Pods on card ${card.index}` }, items);
@@ -673,8 +711,9 @@
           h('span', { class: 'card-model' }, String(card.model ?? ''))),
         h('div', { class: 'badges' }, badges)),
       h('p', { class: 'card-meta' },
-        h('span', null, String(card.mode ?? '')),
-        card.vendor && card.vendor !== 'nvidia' ? h('span', null, ` · ${card.vendor}`) : null,
+        h('span', { class: 'card-vendor', testid: `vendor-${card.uuid}` }, String(card.vendor ?? '')),
+        // how gpuslice shares NVIDIA's cards; other vendors' are shared by their plugins
+        isNvidia(card) ? [' · ', h('span', null, String(card.mode ?? ''))] : null,
         ' · ', h('span', null, `${fmtCount(used.slots)}/${fmtCount(card.slots)} slots`),
         ' · ', h('code', { class: 'uuid', title: card.uuid }, String(card.uuid ?? ''))),
       cardLayers(card),
@@ -683,17 +722,25 @@
           h('span', { class: 'metric-value' }, `${fmtMiB(memUsed)} / ${fmtMiB(memCap)}`)),
         memBar,
         h('p', { class: 'metric-sub' }, memMeasured === null ? 'no telemetry' : `${fmtMiB(memMeasured)} measured`)),
+      // cores in the vendor's units: percent of a card for most, 16 a card for Moore Threads
       h('div', { class: 'metric' },
         h('div', { class: 'metric-head' }, h('span', { class: 'metric-name' }, 'Cores'),
-          h('span', { class: 'metric-value' }, `${fmtPercent(coreCap ? (coreUsed / coreCap) * 100 : 0)} allocated`)),
+          h('span', { class: 'metric-value', testid: `cores-${card.uuid}` }, `${fmtCount(coreUsed)} / ${fmtCount(coreCap)}`)),
         coreBar,
         h('p', { class: 'metric-sub' }, sm === null ? 'no telemetry' : `SM ${fmtPercent(sm)} busy`)),
       cardPods(card));
   }
 
+  function isNvidia(card) {
+    return !card.vendor || card.vendor === 'nvidia';
+  }
+
   // Which enforcement layers hold the card's containers to their grants, as its node reports.
   const LAYER_NAMES = [['driver', 'driver'], ['agent_memory', 'agent memory'], ['agent_compute', 'agent compute'], ['interposer', 'interposer']];
   function cardLayers(card) {
+    if (!isNvidia(card)) {
+      return h('p', { class: 'card-layers', testid: `layers-${card.uuid}` }, 'Enforced by the vendor\'s device plugin');
+    }
     const layers = card.layers;
     if (!layers || typeof layers !== 'object') {
       return h('p', { class: 'card-layers', testid: `layers-${card.uuid}` }, 'Enforcement layers: not reported');
@@ -894,8 +941,9 @@
             h('h4', { class: 'card-title' }, h('span', { class: 'card-index' }, `#${card.index}`), ' ', h('span', { class: 'card-model' }, String(card.model ?? ''))),
             card.mig ? h('div', { class: 'badges' }, badge(`MIG ${card.mig.profile ?? ''}`, 'info')) : null),
           h('p', { class: 'card-meta' },
+            card.vendor ? [h('span', null, String(card.vendor)), ' · '] : null,
             h('span', null, `limit ${fmtMiB(card.memory_mib)}`), ' · ',
-            h('span', null, `${fmtPercent(card.cores)} cores`), ' · ',
+            h('span', { testid: `pod-cores-${container.name}-${card.uuid}` }, fmtCores(card.cores, card.card_cores)), ' · ',
             h('code', { class: 'uuid', title: card.uuid }, String(card.uuid ?? ''))),
           usageBlock(container, card, usage));
       })) : h('p', { class: 'muted' }, 'No cards assigned'));
