@@ -107,7 +107,7 @@ proto: $(STAMP)
 
 # the tests in two worker processes (a file's tests stay together, sharing its servers)
 test: deps browser lint native
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 3 --dist loadfile
 
 demo: deps
 	@echo "make: building the interposer, the fake CUDA driver and NVML, the probe"
