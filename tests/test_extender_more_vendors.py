@@ -68,53 +68,59 @@ ENFLAME_CAPACITY = {
     "profiles": {"1g.6gb": "0", "3g.20gb": "1", "6g.40gb": "2"},
 }
 
-NODES = [
-    ascend_node(),
-    # Cambricon's dynamic-smlu plugin: 2 MLUs of 100 cores and 192 x 256 MiB each
-    node(
-        "mlu",
-        {},
-        {
-            "cambricon.com/vmlu": "200",
-            "cambricon.com/mlu.smlu.vcore": "200",
-            "cambricon.com/mlu.smlu.vmemory": "384",
-        },
-    ),
-    # Moore Threads: 2 cards of 16 cores and 96 x 512 MiB each
-    node(
-        "mt",
-        {},
-        {
-            "mthreads.com/vgpu": "200",
-            "mthreads.com/sgpu-core": "32",
-            "mthreads.com/sgpu-memory": "192",
-        },
-    ),
-    node(
-        "metax",
-        {
-            "metax-tech.com/node-gpu-devices": json.dumps(
-                [
-                    {
-                        "uuid": f"MXC-{i}",
-                        "model": "MXC500",
-                        "totalDevCount": 16,
-                        "totalCompute": 100,
-                        "totalVRam": 65536,
-                        "healthy": True,
-                        "qosPolicy": "best-effort",
-                    }
-                    for i in range(2)
-                ]
-            )
-        },
-        {"metax-tech.com/sgpu": "32"},
-    ),
-    node("metax-whole", {}, {"metax-tech.com/gpu": "2"}),
-    node("gcu", {"enflame.com/gcu-drs-capacity": json.dumps(ENFLAME_CAPACITY)}, {}),
-    node("xpu", {}, {"kunlunxin.com/xpu": "8"}),
-]
-NAMES = [n["metadata"]["name"] for n in NODES]
+
+def nodes() -> list[dict[str, Any]]:
+    """The nodes, made when a test runs: a handshake dated at import would be stale
+    by the time a test of a long session runs."""
+    return [
+        ascend_node(),
+        # Cambricon's dynamic-smlu plugin: 2 MLUs of 100 cores and 192 x 256 MiB each
+        node(
+            "mlu",
+            {},
+            {
+                "cambricon.com/vmlu": "200",
+                "cambricon.com/mlu.smlu.vcore": "200",
+                "cambricon.com/mlu.smlu.vmemory": "384",
+            },
+        ),
+        # Moore Threads: 2 cards of 16 cores and 96 x 512 MiB each
+        node(
+            "mt",
+            {},
+            {
+                "mthreads.com/vgpu": "200",
+                "mthreads.com/sgpu-core": "32",
+                "mthreads.com/sgpu-memory": "192",
+            },
+        ),
+        node(
+            "metax",
+            {
+                "metax-tech.com/node-gpu-devices": json.dumps(
+                    [
+                        {
+                            "uuid": f"MXC-{i}",
+                            "model": "MXC500",
+                            "totalDevCount": 16,
+                            "totalCompute": 100,
+                            "totalVRam": 65536,
+                            "healthy": True,
+                            "qosPolicy": "best-effort",
+                        }
+                        for i in range(2)
+                    ]
+                )
+            },
+            {"metax-tech.com/sgpu": "32"},
+        ),
+        node("metax-whole", {}, {"metax-tech.com/gpu": "2"}),
+        node("gcu", {"enflame.com/gcu-drs-capacity": json.dumps(ENFLAME_CAPACITY)}, {}),
+        node("xpu", {}, {"kunlunxin.com/xpu": "8"}),
+    ]
+
+
+NAMES = [n["metadata"]["name"] for n in nodes()]
 
 
 def pod(
@@ -153,7 +159,7 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
     ledger = Ledger.from_url(redis_url)
     try:
         kube = LocalKubeApi()
-        for spec in NODES:
+        for spec in nodes():
             kube.add_node(spec)
         types = parse_device_config(CONFIG.read_text()).announced()
         result = await VendorSync(ledger, kube, types).run_once()

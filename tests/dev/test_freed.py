@@ -27,7 +27,9 @@ from tests.dev.conftest import everything_released
 
 A100 = {"nvidia.com/use-gputype": "A100"}  # gpu-node-1's two cards, nowhere else
 PARK_S = 300.0  # kube-scheduler's podMaxInUnschedulablePodsDuration
-REUSE_S = 5.0  # the property: the waiting pod binds within this of the deletion
+# the property: the waiting pod binds long before kube-scheduler's parking would
+# let it (its 300 s); seconds on an idle machine, a minute is room for a loaded one
+REUSE_S = 60.0
 WAIT_S = 60.0  # generous bounds for everything else (a loaded machine)
 
 

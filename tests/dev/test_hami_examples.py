@@ -169,7 +169,7 @@ def test_hamis_example_pods_give_hamis_outcomes(native: Native, tmp_path: Path) 
     assert result.returncode == 1, said  # the UUID-to-use pod cannot run
     assert "Traceback" not in said
     lines = [line.split("\t") for line in result.stdout.splitlines()]
-    models = {row[0]: row[2] for row in lines if len(row) == 9 and row[1].isdigit()}
+    models = {row[0]: row[3] for row in lines if len(row) == 10 and row[1].isdigit()}
     assert models == {
         "gpu-node-1": "NVIDIA A100-SXM4-80GB",
         "gpu-node-2": "Tesla T4",
