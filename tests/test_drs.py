@@ -68,3 +68,18 @@ def test_a_table_is_bounded() -> None:
         drs.model_of(drs.table(many[:16]), "0")
     with pytest.raises(drs.ProfileError, match="is not a device number"):
         drs.model_of(TABLE, "0; rm")
+
+
+def test_a_table_whose_grants_cannot_be_told_apart_is_refused() -> None:
+    # of 200 slices, one slice and two are both 1 % of the card: a grant of 6 GB
+    # and 1 % would read back at bind as the first, whichever the pod was given
+    one, two, whole = (
+        drs.profile("1g.6gb", "a"),
+        drs.profile("2g.6gb", "b"),
+        drs.profile("200g.48gb", "c"),
+    )
+    with pytest.raises(drs.ProfileError, match=r"1g\.6gb and 2g\.6gb are both 6 GB and 1 %"):
+        drs.table([whole, two, one])
+    # the same sizes with distinct memory are granted apart
+    table = drs.table([whole, drs.profile("2g.12gb", "b"), one])
+    assert drs.granted(table, 12 * 1024, 1) == table[1]

@@ -1470,3 +1470,46 @@ def test_a_pod_naming_gpuslice_s_template_must_ask_for_gpus() -> None:
     assert pod_refusals(a_pod([{"name": "x", "resourceClaimTemplateName": "mine"}])) == []
     assert pod_refusals(a_pod([{"name": "x", "resourceClaimName": "gpuslice-0123"}])) == []
     assert pod_refusals(a_pod([])) == []
+
+
+def vendor_gpu_pods_policies() -> list[tuple[Any, list[tuple[str, Any]]]]:
+    found = []
+    for objects in (_with_vendors("vendors"), _with_vendors("cpu-pods", "vendors/cpu-pods")):
+        (policy,) = [
+            o
+            for o in objects
+            if o["kind"] == "ValidatingAdmissionPolicy"
+            and o["metadata"]["name"] == "gpuslice-gpu-pods-through-gpuslice"
+        ]
+        spec = policy["spec"]
+        (condition,) = spec["matchConditions"]
+        checks = [(v["message"], program(v["expression"])) for v in spec["validations"]]
+        found.append((program(condition["expression"]), checks))
+    return found
+
+
+VENDOR_GPU_POLICIES = vendor_gpu_pods_policies()
+
+
+@pytest.mark.parametrize("name", ["nvidia.com/gpu", *VENDOR_NAMES])
+def test_with_vendors_pods_naming_a_vendor_resource_must_go_through_gpuslice(name: str) -> None:
+    """A vendor's plugin, like NVIDIA's, would give a pod gpuslice never placed
+    the cards of the pod the node waits for (HAMi's plugins), or cards the
+    ledger counts as free (the vendors' own)."""
+    for condition, checks in VENDOR_GPU_POLICIES:
+        for init in (False, True):
+            placed = asking(name, init=init)
+            placed["spec"]["nodeName"] = "node-1"
+            placed["metadata"]["labels"] = {"gpuslice.io/webhook": "ignore"}
+            assert run(condition, object=placed), name
+            namespace = {"metadata": {"name": "team-a"}}
+            refused = [m for m, c in checks if not run(c, object=placed, namespaceObject=namespace)]
+            assert refused == [
+                "a pod that asks for GPUs or other accelerators must go through gpuslice's "
+                "webhook; remove the label webhook=ignore",
+                "a pod that asks for GPUs or other accelerators cannot set spec.nodeName, which "
+                "skips scheduling; choose nodes with a nodeSelector or node affinity",
+            ]
+        plain = asking("cpu")
+        plain["spec"]["nodeName"] = "node-1"
+        assert not run(condition, object=plain)

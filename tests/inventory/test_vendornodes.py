@@ -641,6 +641,11 @@ def test_enflame_without_the_annotation_is_no_sign_and_no_cards_is_gone() -> Non
         ([{"index": "0", "capacity": 6}], {"1g.6gb": 0}, "a profile's name and ID are text"),
         ([{"index": "0", "capacity": 6}], {"1g.6gb": "a:b"}, "ID 'a:b' is not a short word"),
         (
+            [{"index": "0", "capacity": 200}],
+            {"1g.6gb": "0", "2g.6gb": "1", "200g.48gb": "2"},
+            "1g.6gb and 2g.6gb are both 6 GB and 1 %",
+        ),
+        (
             [{"index": "0", "capacity": 1}],
             {f"1g.{n}gb": str(n) for n in range(1, 18)},
             "17 profiles, above 16",

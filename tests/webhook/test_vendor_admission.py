@@ -393,3 +393,33 @@ async def test_enflame_pods_count_once_placed_and_are_refused_before_under_their
     assert f'gpuslice_quota_used{{namespace="{NS}",quota="gcu",resource="{GCU_MEM}"}} 20480.0' in (
         scraped
     )
+
+
+async def test_a_pod_whose_annotations_its_owner_broke_still_counts_as_it_asks(
+    webhook: tuple[Admit, httpx.AsyncClient], kube: LocalKubeApi
+) -> None:
+    """Annotations change after admission (the webhook sees CREATE only); what a
+    pod holds is in its spec. One its owner made unreadable counts all the same,
+    against its vendor's quota: neither as nothing nor as NVIDIA's."""
+    admit, _ = webhook
+    key = f"limits.{MLU_MEM}"
+    kube.add_resource_quota(NS, quota("mlu", **{key: "40"}))  # 40 x 256 MiB
+    kube.add_resource_quota(NS, quota("gpu", **{f"limits.{MEM}": "20000"}))
+    placed = running_pod(
+        "placed",
+        {MLU: 1, MLU_MEM: 4},
+        (DeviceGrant(uuid="m-1", memory_mib=5120, cores=0),),
+        "cambricon",
+    )
+    waiting = running_pod("waiting", {MLU: 1, MLU_MEM: 10})
+    waiting["status"] = {"phase": "Pending"}
+    for found in (placed, waiting):
+        found["metadata"].setdefault("annotations", {})["hami.io/gpu-scheduler-policy"] = "none"
+    kube.add_pod(placed)
+    kube.add_pod(waiting)
+    # 20 units placed + 10 waiting: 10 of the 40 left
+    over = await admit(review(one({MLU: 1, MLU_MEM: 11})))
+    assert over["allowed"] is False
+    assert over["status"]["message"] == exceeded("mlu", key, 11, 30, 40)
+    # and the placed one is not NVIDIA's: NVIDIA's quota is whole
+    assert (await admit(review(one({MEM: "20000"}))))["allowed"] is True

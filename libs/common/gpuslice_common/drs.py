@@ -69,14 +69,26 @@ def profile(name: str, profile_id: str) -> Profile:
 
 def table(profiles: list[Profile]) -> tuple[Profile, ...]:
     """``profiles`` sorted as HAMi tries them (slices, then memory); raises ProfileError
-    for none, too many, or one name or size twice."""
+    for none, too many, one name twice, or two a grant cannot tell apart (the same
+    memory and share of the card: the bind reads the profile back from the grant,
+    :func:`granted`)."""
     if not profiles:
         raise ProfileError("it lists no profiles")
     if len(profiles) > MAX_PROFILES:
         raise ProfileError(f"it lists {len(profiles)} profiles, above {MAX_PROFILES}")
     if len({p.name for p in profiles}) != len(profiles):
         raise ProfileError("a profile is listed twice")
-    return tuple(sorted(profiles))
+    found = tuple(sorted(profiles))
+    grants: dict[tuple[int, int], Profile] = {}
+    for p in found:
+        share = cores(p, found)
+        same = grants.setdefault((p.memory_gb, share), p)
+        if same is not p:
+            raise ProfileError(
+                f"profiles {same.name} and {p.name} are both {p.memory_gb} GB and {share} % "
+                "of the card: a grant of one cannot be told from the other"
+            )
+    return found
 
 
 def largest(profiles: tuple[Profile, ...]) -> Profile:

@@ -46,7 +46,6 @@ from gpuslice_common.models import (
     PLACEMENT_ANNOTATION,
     ContainerGpuRequest,
     Placement,
-    PodGpuRequest,
 )
 from gpuslice_common.requests import RequestError, parse_pod, parse_quantity
 from gpuslice_webhook.denial import Denied
@@ -140,17 +139,18 @@ def placed_demand(annotation: str, uid: str, vendor: str = NVIDIA) -> Demand:
 def pod_demand(pod: Mapping[str, Any], settings: RequestSettings) -> Demand:
     """What an existing pod counts against its namespace's quotas (0 if unreadable).
 
-    Whose cards it asks for is read from its spec, which cannot change, never
-    from its placement annotation, which its owner may edit; a spec that cannot
-    be read counts its placement as NVIDIA's.
+    Whose cards it asks for, and how many, is read from its spec, which cannot
+    change, never from its annotations, which its owner may edit after admission
+    (one made unreadable would count the pod as nothing, or its placement as
+    NVIDIA's); a spec that cannot be read counts its placement as NVIDIA's.
     """
+    metadata = pod.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
     try:
-        request: PodGpuRequest | None = parse_pod(pod, settings)
+        request = parse_pod(_without_annotations(pod), settings)
     except RequestError:
         request = None
     vendor = NVIDIA if request is None else request.vendor
-    metadata = pod.get("metadata")
-    annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
     placement = annotations.get(PLACEMENT_ANNOTATION) if isinstance(annotations, Mapping) else None
     if isinstance(placement, str):
         try:
@@ -158,6 +158,13 @@ def pod_demand(pod: Mapping[str, Any], settings: RequestSettings) -> Demand:
         except ValueError as exc:
             log.debug("placement annotation not used (%s); counting the pod's requests", exc)
     return Demand() if request is None else request_demand(request.containers)
+
+
+def _without_annotations(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    metadata = pod.get("metadata")
+    if not isinstance(metadata, Mapping):
+        return pod
+    return {**pod, "metadata": {k: v for k, v in metadata.items() if k != "annotations"}}
 
 
 def gpu_limits(quotas: Sequence[Mapping[str, Any]], settings: RequestSettings) -> list[QuotaLimit]:
