@@ -60,13 +60,19 @@ def model_tables(cluster: Cluster) -> list[Table | None]:
 
 
 def node_table(cluster: Cluster, node: int, vendor: str) -> Table | None:
-    """The DRS profiles of ``vendor``'s cards on ``node`` (the first such card's)."""
+    """The DRS profiles of ``vendor``'s cards on ``node``: the first present card's
+    (a withdrawn card still in use may list an older table), else the first card's."""
     tables = model_tables(cluster)
+    found: Table | None = None
     for card in range(int(cluster.node_start[node]), int(cluster.node_start[node + 1])):
         kind = int(cluster.model_id[card])
-        if cluster.model_vendor[kind] == vendor and tables[kind] is not None:
-            return tables[kind]
-    return None
+        table = tables[kind]
+        if cluster.model_vendor[kind] != vendor or table is None:
+            continue
+        if cluster.present[card]:
+            return table
+        found = found or table
+    return found
 
 
 def resolve(request: PodGpuRequest, table: Table) -> tuple[PodGpuRequest, str]:
