@@ -821,9 +821,10 @@ def test_sim_bad_trace_file(trace: tuple[Path, Path], tmp_path: Path) -> None:
     result = gpuslice("sim", "--nodes", str(trace[0]), "--pods", str(bad), columns=60)
     assert_one_line_error(result, f"{name}:3", "'gpu_milli' = 1500")
 
+    # A missing file: the one line says where the openb traces come from.
     missing = odd / "missing.csv"
     result = gpuslice("sim", "--nodes", str(missing), "--pods", str(trace[1]), "--json")
-    assert_one_line_error(result, "cannot read", str(missing))
+    assert_one_line_error(result, "cannot read", str(missing), sim.TRACE_SOURCE, "make traces")
 
     binary = tmp_path / "binary.csv"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
