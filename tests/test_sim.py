@@ -832,6 +832,13 @@ def test_sim_bad_trace_file(trace: tuple[Path, Path], tmp_path: Path) -> None:
     assert_one_line_error(result, str(binary))
 
 
+def test_sim_help_says_where_the_traces_come_from() -> None:
+    result = gpuslice("sim", "--help", columns=300)
+    assert result.returncode == 0, result.stderr
+    assert sim.TRACE_SOURCE in result.stdout
+    assert "make traces" in result.stdout
+
+
 def test_sim_unknown_policy_and_bad_seeds(trace: tuple[Path, Path]) -> None:
     result = gpuslice("sim", *trace_args(trace), "--policy", "nope[bold]", "--json")
     assert_one_line_error(result, "unknown policy 'nope[bold]'", "choose from", "fragmentation")
