@@ -190,7 +190,12 @@ def report(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--traces", type=Path, default=HERE.parent.parent / "shared/traces/openb")
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        default=HERE / "traces" / "openb",
+        help="the openb traces (make traces)",
+    )
     parser.add_argument("--pods", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--large", type=int, default=5000, help="nodes; 0 skips")

@@ -37,7 +37,12 @@ HERE = Path(__file__).resolve().parent
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--traces", type=Path, default=HERE.parent.parent / "shared/traces/openb")
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        default=HERE / "traces" / "openb",
+        help="the openb traces (make traces)",
+    )
     parser.add_argument("--seeds", default="42-51")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--policy", action="append", choices=list(POLICIES))

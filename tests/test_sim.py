@@ -821,14 +821,22 @@ def test_sim_bad_trace_file(trace: tuple[Path, Path], tmp_path: Path) -> None:
     result = gpuslice("sim", "--nodes", str(trace[0]), "--pods", str(bad), columns=60)
     assert_one_line_error(result, f"{name}:3", "'gpu_milli' = 1500")
 
+    # A missing file: the one line says where the openb traces come from.
     missing = odd / "missing.csv"
     result = gpuslice("sim", "--nodes", str(missing), "--pods", str(trace[1]), "--json")
-    assert_one_line_error(result, "cannot read", str(missing))
+    assert_one_line_error(result, "cannot read", str(missing), sim.TRACE_SOURCE, "make traces")
 
     binary = tmp_path / "binary.csv"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
     result = gpuslice("sim", "--nodes", str(binary), "--pods", str(trace[1]), "--json")
     assert_one_line_error(result, str(binary))
+
+
+def test_sim_help_says_where_the_traces_come_from() -> None:
+    result = gpuslice("sim", "--help", columns=300)
+    assert result.returncode == 0, result.stderr
+    assert sim.TRACE_SOURCE in result.stdout
+    assert "make traces" in result.stdout
 
 
 def test_sim_unknown_policy_and_bad_seeds(trace: tuple[Path, Path]) -> None:

@@ -89,7 +89,7 @@ async def scrape_until(stack: Stack, ready: Any, timeout: float = 60) -> Scraped
 async def test_every_service_is_scraped_and_the_dashboard_reads_only_exported_series(
     up: tuple[Stack, ClusterDriver, Bus, Ledger],
 ) -> None:
-    assert shutil.which("promtool"), "promtool is missing: `make servers` installs it"
+    assert shutil.which("promtool"), "promtool is missing: `make promtool` installs it"
     stack, driver, _, _ = up
     stack.kube.add_resource_quota(
         "team",

@@ -23,6 +23,7 @@ from gpuslice_scheduler.sim import (
     PLACEMENTS,
     POLICIES,
     SPLIT_COUNT,
+    TRACE_SOURCE,
     Derivation,
     RunResult,
     TraceError,
@@ -47,7 +48,9 @@ errors = Console(stderr=True)
 
 def sim(
     nodes: Path = typer.Option(
-        ..., "--nodes", help="node list CSV (sn, cpu_milli, memory_mib, gpu, model)"
+        ...,
+        "--nodes",
+        help=f"node list CSV (sn, cpu_milli, memory_mib, gpu, model), e.g. openb's: {TRACE_SOURCE}",
     ),
     pods: Path = typer.Option(
         ..., "--pods", help="pod list CSV (cpu_milli, memory_mib, num_gpu, gpu_milli[, gpu_spec])"
@@ -93,7 +96,10 @@ def sim(
         help="with --via: send pods without GPUs through the extender too, not first-fit",
     ),
 ) -> None:
-    """Replay a trace (FGD's published method) and report milli-GPU allocation."""
+    """Replay a trace (FGD's published method) and report milli-GPU allocation.
+
+    The openb traces are Alibaba's public GPU cluster trace: `make traces` fetches them.
+    """
     if cpu_pods and via is None:
         errors.print("[red]error:[/] --cpu-pods needs --via", soft_wrap=True)
         raise typer.Exit(2)

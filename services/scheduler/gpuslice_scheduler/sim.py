@@ -1,5 +1,9 @@
 """Trace replay: the Alibaba openb traces scheduled by the placement engine.
 
+The traces are the CSV files of Alibaba's public GPU cluster trace
+``cluster-trace-gpu-v2023`` (:data:`TRACE_SOURCE`), kept out of the repository:
+``make traces`` fetches them into ``bench/traces/openb``.
+
 The published method (FGD paper and its simulator):
 
 1. load every pod of the trace;
@@ -88,6 +92,8 @@ DRA_FIRST_FIT = "dra-first-fit"
 DRA_EXTENDER = "dra+extender"
 PLACEMENTS = (GPUSLICE, DRA_FIRST_FIT, DRA_EXTENDER)
 NO_SLOT_LIMIT = 100  # every pod takes at least 1 % of a card's memory
+# Where the openb traces come from: Alibaba's public GPU cluster trace.
+TRACE_SOURCE = "https://github.com/alibaba/clusterdata/tree/master/cluster-trace-gpu-v2023/csv"
 
 
 class TraceError(ValueError):
@@ -152,6 +158,12 @@ def _int(row: dict[str, str], key: str, where: str, lo: int, hi: int) -> int:
 def _rows(path: Path, required: Sequence[str]) -> Iterable[tuple[str, dict[str, str]]]:
     try:
         handle = path.open(newline="")
+    except FileNotFoundError as exc:
+        raise TraceError(
+            f"cannot read {path}: {exc.strerror} (the openb traces are Alibaba's"
+            f" cluster-trace-gpu-v2023, {TRACE_SOURCE}; `make traces` fetches them"
+            " into bench/traces/openb)"
+        ) from None
     except OSError as exc:
         raise TraceError(f"cannot read {path}: {exc.strerror}") from None
     with handle:
