@@ -125,4 +125,4 @@ def smoke(
 
 
 if __name__ == "__main__":
-    app()
+    app(prog_name="gpuslice")  # as messages name it, not "python -m gpuslice_cli.main"
