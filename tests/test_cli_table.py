@@ -20,7 +20,6 @@ from gpuslice_cli.dev.up import (
     View,
     failures,
     foreign_output_to,
-    nats_url_with_login,
     pods_table,
 )
 from gpuslice_cli.table import plain_lines, shorten, show
@@ -89,11 +88,6 @@ def test_failures_name_each_pod_and_show_the_end_of_a_failed_containers_output(
         "pod ns/greedy: Denied: exceeded quota",
     ]
     assert failures([fine]) == []
-
-
-def test_the_login_goes_into_every_nats_url() -> None:
-    assert nats_url_with_login("nats://h:1", "auditor", "pw") == "nats://auditor:pw@h:1"
-    assert nats_url_with_login("nats://a:1,nats://b:2", "u", "p") == "nats://u:p@a:1,nats://u:p@b:2"
 
 
 def test_what_libraries_write_goes_to_the_log_and_only_our_own_messages_out(

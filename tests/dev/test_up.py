@@ -8,13 +8,15 @@ import json
 import os
 import pty
 import re
-import shlex
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.request import urlopen
 
@@ -41,6 +43,15 @@ def survivors(workdir: Path) -> list[str]:
     return found
 
 
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """An empty directory for a run's TMPDIR, short (the stack's Unix sockets
+    are made under it), removed after the test."""
+    where = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
 def dev_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
     env["PYTHONFAULTHANDLER"] = "1"
@@ -49,26 +60,37 @@ def dev_env() -> dict[str, str]:
 
 @pytest.mark.parametrize("shape", [[], ["--ha"], ["--dra"]], ids=["single", "ha", "dra"])
 def test_the_demo_passes_and_leaves_nothing_running(
-    native: Native, tmp_path: Path, shape: list[str]
+    native: Native, tmp_path: Path, scratch: Path, shape: list[str]
 ) -> None:
     """Also in the highly-available shapes (three nats-servers, Redis with its
     replicas and sentinels, two extenders and two inventories, all stopped) and
     in DRA mode (claims made, allocated, prepared and released, one more step)."""
-    workdir = tmp_path / "dev"
+    # the run's own directory (no --workdir) is removed at the end; --keep keeps it
+    keep = ["--keep"] if "--dra" in shape else []
     # --open hands the console's address to the browser $BROWSER names
     opened = tmp_path / "opened"
     browser = tmp_path / "browser"
     browser.write_text(f'#!/bin/sh\necho "$1" >> {opened}\n')
     browser.chmod(0o755)
     result = subprocess.run(
-        [GPUSLICE, "dev", "up", "--demo", "--plain", "--open", *shape, "--workdir", str(workdir)],
-        env=dev_env() | {"BROWSER": f"{browser} %s"},
+        [GPUSLICE, "dev", "up", "--demo", "--plain", "--open", *shape, *keep],
+        env=dev_env() | {"BROWSER": f"{browser} %s", "TMPDIR": str(scratch)},
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo passed" in result.stdout
+    workdir = logs_under(result.stdout)
+    assert workdir.parent == scratch
+    if keep:
+        assert result.stdout.splitlines()[-1] == (
+            f"gpuslice dev: logs kept in {workdir}; remove them with:  rm -r {workdir}"
+        )
+        assert (workdir / "gpuslice-dev.log").is_file()
+    else:
+        assert "logs kept in" not in result.stdout
+        assert list(scratch.iterdir()) == []  # nothing left behind unannounced
     [console] = re.findall(r"console: (http://127\.0\.0\.1:\d+/)", result.stdout)
     assert opened.read_text().split() == [console]
     steps = 5 if "--dra" in shape else 4  # every step of the scenario, piped: plain columns
@@ -76,6 +98,12 @@ def test_the_demo_passes_and_leaves_nothing_running(
     assert "\tFAIL\t" not in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
     assert survivors(workdir) == []
+
+
+def logs_under(said: str) -> Path:
+    """The stack's directory, as ``gpuslice dev up`` names it at the start."""
+    [where] = re.findall(r"^gpuslice dev: logs under (\S+)", said, re.MULTILINE)
+    return Path(where)
 
 
 def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path) -> None:
@@ -101,12 +129,16 @@ def test_ctrl_c_stops_every_process_of_the_stack(native: Native, tmp_path: Path)
         assert len(survivors(workdir)) >= 6  # nats, redis, four services, two nodes
         # it says where the servers are and how to read the audit as the auditor
         env_file = workdir / "gpuslice.env"
-        assert str(env_file) in said
-        assert "NATS at nats://auditor:" in said
+        assert "NATS at nats://127.0.0.1:" in said
+        assert f"(user auditor, its password in {env_file})" in said
         assert "Redis at redis://" in said
-        # the export line it prints, pasted, reaches the stack as the env file does
-        exported = exports(said)
-        assert exported == env_variables(env_file)
+        # no secret on the terminal: the password is in the file only this user reads
+        exported = env_variables(env_file)
+        assert len(exported["GPUSLICE_NATS_PASSWORD"]) >= 16
+        assert exported["GPUSLICE_NATS_PASSWORD"] not in said
+        assert env_file.stat().st_mode & 0o777 == 0o600
+        # the line it prints, run in a shell, loads the variables that reach the stack
+        assert loaded(said) == exported
         audit = audit_tail(exported)
         assert audit.returncode == 0, audit.stdout + audit.stderr
         status = subprocess.run(
@@ -157,10 +189,15 @@ def env_variables(env_file: Path) -> dict[str, str]:
     return variables
 
 
-def exports(said: str) -> dict[str, str]:
-    """The variables of the ``export`` line ``gpuslice dev up`` printed."""
-    [line] = [line for line in said.splitlines() if line.startswith("export ")]
-    return dict(word.partition("=")[::2] for word in shlex.split(line)[1:])
+def loaded(said: str) -> dict[str, str]:
+    """The GPUSLICE_ variables a shell has after the ``set -a; . <file>; set +a``
+    line ``gpuslice dev up`` printed."""
+    [line] = [line for line in said.splitlines() if line.startswith("set -a; . ")]
+    shell = subprocess.run(
+        ["sh", "-c", f"{line}\nenv"], env={}, capture_output=True, text=True, check=True
+    )
+    variables = dict(entry.partition("=")[::2] for entry in shell.stdout.splitlines())
+    return {k: v for k, v in variables.items() if k.startswith("GPUSLICE_")}
 
 
 def audit_tail(variables: dict[str, str], login: bool = True) -> subprocess.CompletedProcess[str]:
@@ -265,6 +302,12 @@ spec:
   - {name: main, image: cuda, command: [probe, init],
      resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpucores: 200}}}
 ---
+metadata: {name: not-installed}
+spec:
+  containers:
+  - {name: main, image: cuda, command: [gpuslice-no-such-command, -L],
+     resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 1000}}}
+---
 metadata: {name: failing}
 spec:
   containers:
@@ -279,18 +322,17 @@ GRPC_DEBUG_LINE = "Log level DEBUG is not suitable for production"
 
 
 def test_pods_that_do_not_run_are_reported_with_why_and_fail_the_run(
-    native: Native, tmp_path: Path
+    native: Native, tmp_path: Path, scratch: Path
 ) -> None:
     """A pod for another scheduler stays Pending and the run goes on; a denied
     pod and a failed one are named with why, the failed one with the end of
     its output and where the whole is; the exit is non-zero. gRPC's own log
     lines (made plentiful here) stay out of the output, in the stack's log."""
-    workdir = tmp_path / "dev"
     pods = tmp_path / "pods.yaml"
     pods.write_text(POD_FILE)
     result = subprocess.run(
-        [GPUSLICE, "dev", "up", "--gpu", "fake", "--workdir", str(workdir), str(pods)],
-        env=dev_env() | {"GRPC_VERBOSITY": "debug"},
+        [GPUSLICE, "dev", "up", "--gpu", "fake", str(pods)],
+        env=dev_env() | {"GRPC_VERBOSITY": "debug", "TMPDIR": str(scratch)},
         capture_output=True,
         text=True,
         timeout=240,
@@ -298,7 +340,18 @@ def test_pods_that_do_not_run_are_reported_with_why_and_fail_the_run(
     said = result.stdout + result.stderr
     assert result.returncode == 1, said
     assert "Traceback" not in said
+    # after a failure the run's directory stays for its logs, and the end says so
+    workdir = logs_under(result.stdout)
+    assert workdir.parent == scratch
+    assert result.stdout.splitlines()[-1] == (
+        f"gpuslice dev: logs kept in {workdir}; remove them with:  rm -r {workdir}"
+    )
     rows = {line.split("\t")[0]: line.split("\t") for line in result.stdout.splitlines()}
+    # a command that is not installed fails its pod alone, as a shell says it
+    assert rows["default/not-installed"][1] == "Failed"
+    assert rows["default/not-installed"][4] == (
+        "containers failed: main (exit 127: command not found: gpuslice-no-such-command)"
+    )
     assert rows["default/hami-pod"][1:] == [
         "Pending",
         "-",
@@ -319,12 +372,16 @@ def test_pods_that_do_not_run_are_reported_with_why_and_fail_the_run(
     said_where = f"  container main exited 3; its output ({failing_log}) ends:"
     at = lines.index(said_where)
     assert lines[at + 1 : at + 21] == [f"    line {i}" for i in range(11, 31)]
-    assert "3 of 4 pods did not succeed" in result.stdout
+    assert "4 of 5 pods did not succeed" in result.stdout
     # every container that ran kept its output
     assert [p.parent.name.rsplit("-", 1)[0] for p in sorted(workdir.glob("pods/*/*/*.log"))] == [
         "failing",
         "fine",
+        "not-installed",
     ]
+    [missing_log] = (workdir / "pods" / "default").glob("not-installed-*/main.log")
+    assert missing_log.read_text() == "command not found: gpuslice-no-such-command\n"
+    assert "  container main exited 127; its output" in result.stdout
     assert ABSL_LINE.search(said) is None, said
     assert GRPC_DEBUG_LINE in (workdir / "gpuslice-dev.log").read_text()
     assert survivors(workdir) == []

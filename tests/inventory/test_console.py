@@ -22,7 +22,7 @@ import pytest
 from pydantic import ValidationError
 
 from gpuslice_common.bus import Bus
-from gpuslice_common.config import InventorySettings
+from gpuslice_common.config import ConfigError, InventorySettings, load
 from gpuslice_common.events import (
     AllocationEvent,
     CloudEvent,
@@ -969,11 +969,19 @@ async def _pods_on_card(snapshot: Any, count: int) -> bool:
     return bool(nodes) and len(nodes[0]["cards"][0]["pods"]) == count
 
 
-def test_no_authentication_only_on_loopback() -> None:
-    with pytest.raises(ValidationError, match="console_host"):
+def test_no_authentication_only_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal names the variables a user sets, not the settings' fields."""
+    with pytest.raises(ValidationError, match="GPUSLICE_CONSOLE_HOST"):
         InventorySettings(console_host="0.0.0.0", console_auth="none")
-    with pytest.raises(ValidationError, match="console_host"):
-        InventorySettings(console_host="10.0.0.5")
+    monkeypatch.setenv("GPUSLICE_CONSOLE_HOST", "10.0.0.5")
+    with pytest.raises(ConfigError) as refused:
+        load(InventorySettings)
+    said = str(refused.value)
+    assert "GPUSLICE_CONSOLE_HOST must be a loopback address, not '10.0.0.5'" in said
+    assert "GPUSLICE_CONSOLE_AUTH=tokenreview" in said
+    assert "console_host" not in said
+    assert "console_auth" not in said
+    monkeypatch.delenv("GPUSLICE_CONSOLE_HOST")
     for fine in (
         {"console_host": "0.0.0.0", "console_auth": "tokenreview"},
         {"console_host": "0.0.0.0", "console_port": 0},

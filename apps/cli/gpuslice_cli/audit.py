@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from gpuslice_cli.status import cli_settings, fail
-from gpuslice_cli.table import printable, show
+from gpuslice_cli.table import closed_pipe, printable, show
 from gpuslice_common.auditstream import (
     AuditStreamMissing,
     EventFilter,
@@ -44,7 +43,9 @@ from gpuslice_common.config import CommonSettings, without_password
 from gpuslice_common.events import AllocationEvent, CloudEvent, PodAdmitted, PodDenied
 from gpuslice_common.models import PodRef
 
-audit = typer.Typer(help="Read the audit stream of allocation events.", no_args_is_help=True)
+audit = typer.Typer(
+    help="Read the audit stream of allocation events.", no_args_is_help=True, rich_markup_mode=None
+)
 
 SINCE_HELP = (
     "how far back: a duration (30s, 15m, 1h, 7d) or an RFC 3339 time "
@@ -174,11 +175,9 @@ async def _connect(settings: CommonSettings) -> Bus:
 async def _read(settings: CommonSettings, start: datetime, wanted: EventFilter) -> list[CloudEvent]:
     bus = await _connect(settings)
     try:
-        return [
-            e
-            async for e in audit_events(bus, start, subject=wanted.subject(bus), on_malformed=_warn)
-            if wanted.matches(e)
-        ]
+        events = audit_events(bus, start, subject=wanted.subject(bus), on_malformed=_warn)
+        async with contextlib.aclosing(events):  # its consumer gone before the bus drains
+            return [e async for e in events if wanted.matches(e)]
     finally:
         await bus.close()
 
@@ -202,16 +201,20 @@ async def _follow(
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     async def show() -> None:
-        async for event in audit_events(
+        events = audit_events(
             bus,
             start,
             subject=wanted.subject(bus),
             follow=True,
             on_malformed=_warn,
             on_ready=lambda: print_line(follow_line(COLUMNS)),
-        ):
-            if wanted.matches(event):
-                print_line(follow_line(event_row(event)))
+        )
+        # closed when it ends (Ctrl-C, a closed pipe): its consumer is gone
+        # before the bus drains, which would otherwise wait on its messages
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if wanted.matches(event):
+                    print_line(follow_line(event_row(event)))
 
     try:
         reader = asyncio.create_task(show())
@@ -300,31 +303,33 @@ def export(
     settings = cli_settings(nats_url=nats_url)
     out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
 
-    async def write() -> int:
+    async def write() -> int | None:
+        """How many events were written; None when the reader went away."""
         count = 0
         bus = await _connect(settings)
         try:
-            async for event in audit_events(
-                bus, start, subject=wanted.subject(bus), on_malformed=_warn
-            ):
-                if not wanted.matches(event):
-                    continue
-                if out is not None:
-                    out.write(event.to_json() + b"\n")
-                else:
-                    sys.stdout.write(event.to_json().decode() + "\n")
-                count += 1
+            events = audit_events(bus, start, subject=wanted.subject(bus), on_malformed=_warn)
+            async with contextlib.aclosing(events):  # its consumer gone before the bus drains
+                async for event in events:
+                    if not wanted.matches(event):
+                        continue
+                    if out is not None:
+                        out.write(event.to_json() + b"\n")
+                    else:
+                        sys.stdout.write(event.to_json().decode() + "\n")
+                    count += 1
+                sys.stdout.flush()
+        except BrokenPipeError:  # the reader (head -1) has what it wanted
+            return None
         finally:
             await bus.close()
         return count
 
     def run() -> None:
-        try:
-            count = asyncio.run(write())
-            sys.stdout.flush()
-        except BrokenPipeError:  # the reader (head, a closed pipe) went away: stop quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(1) from None
+        count = asyncio.run(write())
+        if count is None:
+            closed_pipe()
+            return
         Console(stderr=True, highlight=False).print(
             f"exported {count} event{'s' if count != 1 else ''} since {format_time(start)}",
             soft_wrap=True,

@@ -46,6 +46,7 @@ from gpuslice_common.nkeys import KeyPair, NkeyError, Role
 install = typer.Typer(
     help="Install steps the cluster's Jobs run (k8s/): secrets, the webhook's certificate.",
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 
 NAMESPACE = "gpuslice"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 import gpuslice_common
 from gpuslice_cli.audit import audit
@@ -16,13 +18,60 @@ from gpuslice_cli.install import install
 from gpuslice_cli.simulate import sim
 from gpuslice_cli.smoke import run_scenario
 from gpuslice_cli.status import status
+from gpuslice_cli.table import closed_pipe
 from gpuslice_common.bus import BusError
 from gpuslice_common.config import CommonSettings, ConfigError, load
 from gpuslice_common.ledger import LedgerError
 from gpuslice_common.servers import NatsServer, RedisServer, ServerError
 
-app = typer.Typer(help="GPU sharing for Kubernetes.", no_args_is_help=True, add_completion=False)
-dev = typer.Typer(help="Run gpuslice on this machine, without a cluster.", no_args_is_help=True)
+
+class PlainErrors(TyperGroup):
+    """The ``gpuslice`` group: a bad command line is one line on stderr
+    (``error: ...``, exit 2), like every other error of this command, not a
+    boxed panel; stdout closed by its reader ends a command quietly, exit 0."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except typer.TyperException as exc:  # click's UsageError and the like
+            one_line(exc)
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except typer.TyperException as exc:
+            one_line(exc)
+        except BrokenPipeError:
+            closed_pipe()
+            raise typer.Exit(0) from None
+
+
+def one_line(exc: typer.TyperException) -> NoReturn:
+    """Say what is wrong (with the command line, mostly) in one line, and exit
+    with the exception's code (2 for a usage error)."""
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and exc.format_message() == ctx.get_help():  # no_args_is_help
+        typer.echo(exc.format_message(), err=True)
+        raise typer.Exit(exc.exit_code)
+    where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+    message = " ".join(exc.format_message().split())
+    typer.echo(f"error: {message}{where}", err=True)
+    raise typer.Exit(exc.exit_code)
+
+
+# plain help (no rich panels): a flag is shown without a value
+app = typer.Typer(
+    help="GPU sharing for Kubernetes.",
+    no_args_is_help=True,
+    add_completion=False,
+    cls=PlainErrors,
+    rich_markup_mode=None,
+)
+dev = typer.Typer(
+    help="Run gpuslice on this machine, without a cluster.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 app.add_typer(dev, name="dev")
 dev.command("up")(up)
 dev.command("driver")(driver)
@@ -76,4 +125,4 @@ def smoke(
 
 
 if __name__ == "__main__":
-    app()
+    app(prog_name="gpuslice")  # as messages name it, not "python -m gpuslice_cli.main"

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from gpuslice_cli.table import show as show_table
+from gpuslice_common.config import without_password
 from gpuslice_common.ledger import LedgerError
 from gpuslice_scheduler.sim import (
     DRA_FIRST_FIT,
@@ -251,4 +252,5 @@ def replay_live(
     except (TraceError, LedgerError, httpx.HTTPError) as exc:
         errors.print(f"[red]error:[/] {escape(str(exc) or type(exc).__name__)}", soft_wrap=True)
         raise typer.Exit(2) from None
-    print(json.dumps({"trace": trace_name(pods), "via": url, "seed": seed, **result.as_dict()}))
+    via = without_password(url)  # a login in the URL stays off the output
+    print(json.dumps({"trace": trace_name(pods), "via": via, "seed": seed, **result.as_dict()}))

@@ -8,7 +8,10 @@ every cell whole, so ``cut``, ``awk`` and ``grep`` read it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
 
 from rich.console import Console
 from rich.table import Table
@@ -21,6 +24,16 @@ ELLIPSIS = "…"
 # bidi controls that show text in another order than it is.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 REPLACEMENT = "\ufffd"
+
+
+def closed_pipe() -> None:
+    """The reader of stdout went away (``| head -1``): a normal end for a
+    command that writes lines. What is still buffered goes nowhere, quietly
+    (not as a BrokenPipeError when Python flushes stdout at exit)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def printable(text: str) -> str:

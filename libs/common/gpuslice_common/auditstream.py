@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -24,7 +24,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from gpuslice_common.bus import Bus, BusError
+from gpuslice_common.bus import Bus, BusError, nats_reason
 from gpuslice_common.config import parse_duration
 from gpuslice_common.events import (
     AllocationEvent,
@@ -136,7 +136,7 @@ async def audit_events(
     timeout: float = 5.0,
     on_malformed: Callable[[str], None] | None = None,
     on_ready: Callable[[], None] | None = None,
-) -> AsyncIterator[CloudEvent]:
+) -> AsyncGenerator[CloudEvent, None]:
     """Events the audit stream stored from ``since`` on (a time, or a stream
     sequence number), in stream order, each once.
 
@@ -156,7 +156,7 @@ async def audit_events(
     except NotFoundError:
         raise AuditStreamMissing(name, bus.subjects.prefix) from None
     except (NatsError, TimeoutError) as exc:
-        raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+        raise BusError(f"cannot read audit stream {name}: {nats_reason(exc)}") from None
     if not follow and info.state.messages == 0:
         return
     if isinstance(since, datetime):
@@ -172,7 +172,7 @@ async def audit_events(
     except NotFoundError:
         raise AuditStreamMissing(name, bus.subjects.prefix) from None
     except (NatsError, TimeoutError) as exc:
-        raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+        raise BusError(f"cannot read audit stream {name}: {nats_reason(exc)}") from None
     seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # the latest ids shown
     try:
         if on_ready is not None:
@@ -208,7 +208,7 @@ async def audit_events(
                 seen.popitem(last=False)
             yield event
     except (NatsError, TimeoutError) as exc:
-        raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+        raise BusError(f"cannot read audit stream {name}: {nats_reason(exc)}") from None
     finally:
         with contextlib.suppress(NatsError, TimeoutError):
             await sub.unsubscribe()

@@ -24,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
-from nats.errors import MaxPayloadError
+from nats.errors import MaxPayloadError, NoServersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import (
     ConsumerConfig,
@@ -75,6 +75,21 @@ class BusError(Exception):
 class EventRefused(BusError):
     """This very event can never be published (an invalid payload, larger than
     NATS takes): sending it again cannot help."""
+
+
+def nats_reason(exc: BaseException) -> str:
+    """What went wrong talking to NATS, in words for a message: the client's own
+    text without its ``nats:`` prefix, never a repr such as ``NoServersError()``."""
+    if isinstance(exc, NoServersError):
+        return "no server answered there"
+    text = str(exc).strip()
+    while text.startswith("nats:"):
+        text = text.removeprefix("nats:").strip()
+    if text:
+        return text
+    if isinstance(exc, TimeoutError | NatsTimeoutError):
+        return "timed out"
+    return type(exc).__name__
 
 
 def _read_token(path: str) -> str:
@@ -175,9 +190,8 @@ class Bus:
         try:
             nc = await nats.connect(servers, **options)
         except (TimeoutError, OSError, NatsError) as exc:
-            raise BusError(
-                f"cannot connect to NATS at {without_password(settings.nats_url)}: {exc!r}"
-            ) from None
+            where = without_password(settings.nats_url)
+            raise BusError(f"cannot connect to NATS at {where}: {nats_reason(exc)}") from None
         nc.options["max_reconnect_attempts"] = -1
         return cls(nc, Subjects(settings.subject_prefix), source=f"/gpuslice/{name}", stats=stats)
 
@@ -234,7 +248,9 @@ class Bus:
                 raise EventRefused(
                     f"NATS does not let {self.source} publish {event.type.value} to {subject}"
                 ) from None
-            raise BusError(f"audit stream did not store {event.type.value}: {exc!r}") from None
+            raise BusError(
+                f"audit stream did not store {event.type.value}: {nats_reason(exc)}"
+            ) from None
         self.stats.denied_subjects.discard(subject)
         self.stats.published += 1
         return int(ack.seq)
@@ -280,7 +296,7 @@ class Bus:
         try:
             await flush_client(self.nc, timeout)
         except (TimeoutError, NatsError) as exc:
-            raise BusError(f"NATS did not confirm within {timeout}s: {exc!r}") from None
+            raise BusError(f"NATS did not confirm within {timeout}s: {nats_reason(exc)}") from None
 
     # ------------------------------------------------------------ subscribing
 
@@ -368,9 +384,9 @@ class Bus:
             try:
                 return await self.js.add_stream(wanted)
             except (TimeoutError, NatsError) as exc:
-                raise BusError(f"cannot create audit stream {name}: {exc!r}") from None
+                raise BusError(f"cannot create audit stream {name}: {nats_reason(exc)}") from None
         except (TimeoutError, NatsError) as exc:
-            raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+            raise BusError(f"cannot read audit stream {name}: {nats_reason(exc)}") from None
         have = info.config
         problems = _unfit_for_audit(have)
         if problems:
@@ -392,7 +408,7 @@ class Bus:
             try:
                 return await self.js.update_stream(updated)
             except (TimeoutError, NatsError) as exc:
-                raise BusError(f"cannot update audit stream {name}: {exc!r}") from None
+                raise BusError(f"cannot update audit stream {name}: {nats_reason(exc)}") from None
         return info
 
     async def check_audit_stream(self) -> StreamInfo:
@@ -407,7 +423,7 @@ class Bus:
                 " and the admin credential (the gpuslice-audit-init Job in Kubernetes)"
             ) from None
         except (TimeoutError, NatsError) as exc:
-            raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+            raise BusError(f"cannot read audit stream {name}: {nats_reason(exc)}") from None
         problems = _unfit_for_audit(info.config)
         if set(info.config.subjects or []) != {self.subjects.events_all}:
             problems.append(f"it captures {info.config.subjects}, not {self.subjects.events_all}")
@@ -446,7 +462,7 @@ class Bus:
         except NotFoundError:
             raise BusError(f"audit stream {name} does not exist") from None
         except (NatsError, TimeoutError) as exc:
-            raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+            raise BusError(f"cannot read audit stream {name}: {nats_reason(exc)}") from None
         try:
             # Everything pushed to this client so far plus what the server still
             # holds: the messages on their way count too, so none is missed.
@@ -466,7 +482,7 @@ class Bus:
                 except EventError as exc:
                     self._malformed(msg.subject, str(exc))
         except (NatsError, TimeoutError) as exc:
-            raise BusError(f"cannot read audit stream {name}: {exc!r}") from None
+            raise BusError(f"cannot read audit stream {name}: {nats_reason(exc)}") from None
         finally:
             await sub.unsubscribe()
         return events

@@ -557,9 +557,10 @@ class InventorySettings(CommonSettings):
     def _console_closed_unless_loopback(self) -> InventorySettings:
         if self.console_port and self.console_auth == "none" and not _loopback(self.console_host):
             raise ValueError(
-                f"console_auth none serves every tenant's pods to whoever reaches the port: "
-                f"console_host must be a loopback address, not {self.console_host!r} "
-                f"(or set console_auth tokenreview)"
+                f"GPUSLICE_CONSOLE_AUTH none serves every tenant's pods to whoever reaches"
+                f" the port: GPUSLICE_CONSOLE_HOST must be a loopback address, not"
+                f" {self.console_host!r} (or set GPUSLICE_CONSOLE_AUTH=tokenreview,"
+                f" or GPUSLICE_CONSOLE_PORT=0 for no console)"
             )
         return self
 

@@ -123,10 +123,22 @@ class ContainerRun:
     extended: dict[str, tuple[str, ...]] = field(default_factory=dict)
     log_path: Path | None = None  # its output, kept once it has run
     pid: int | None = None  # its first process (its process group's), once started
+    error: str = ""  # why it could not start (its command not installed), as a runtime says
 
     def tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines of its output."""
         return "\n".join(self.output.splitlines()[-lines:])
+
+
+def start_failure(argv: Sequence[str], exc: Exception) -> tuple[int, str]:
+    """The exit code and reason of a container whose command cannot start, as
+    a shell says them: 127 when it is not there, 126 when it cannot be run."""
+    if not argv:  # no image here to take an entrypoint from
+        return 127, "no command to run (this stack runs commands, not images)"
+    if isinstance(exc, FileNotFoundError):
+        return 127, f"command not found: {argv[0]}"
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return 126, f"cannot run {argv[0]}: {reason}"
 
 
 @dataclass
@@ -763,21 +775,27 @@ class ClusterDriver:
         pod_uid: str = "",
     ) -> None:
         argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
-        if not argv:
-            raise DriverError(f"container {run.name} has no command to run")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         run.log_path = log_path
         # Output goes to a file, not a pipe: a background process of the
         # container holding a pipe open would keep its end waiting.
         with log_path.open("w+b") as output:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                env=env,
-                stdout=output,
-                stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL,
-                start_new_session=True,  # its own process group: the container's processes
-            )
+            try:
+                if not argv:
+                    raise ValueError("no command")
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    env=env,
+                    stdout=output,
+                    stderr=asyncio.subprocess.STDOUT,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    start_new_session=True,  # its own process group: the container's processes
+                )
+            except (OSError, ValueError) as exc:  # this container fails, with why; the run goes on
+                run.returncode, run.error = start_failure(argv, exc)
+                run.output = run.error + "\n"
+                output.write(run.output.encode())
+                return
             run.pid = proc.pid
             note = ""
             running = self._processes.setdefault(pod_uid, set())
@@ -928,7 +946,7 @@ class ClusterDriver:
                 outcome.reason = deleted
             elif not ok:
                 failed = [
-                    f"{r.name} (exit {r.returncode})"
+                    f"{r.name} (exit {r.returncode}{': ' + r.error if r.error else ''})"
                     for r in outcome.containers
                     if r.returncode not in (0, None)  # None: not run after a failed init
                 ]

@@ -12,10 +12,15 @@ why, with the end of a failed container's output and where the whole is kept.
 Without ``--demo`` or pod files, the stack stays up until Ctrl-C. Ctrl-C
 always stops every child process.
 
-At the start it prints where its NATS and Redis are and an ``export`` line
-that lets ``gpuslice status`` and ``gpuslice audit tail`` reach them. What
+At the start it prints where its NATS and Redis are and how to load its
+``gpuslice.env`` (``set -a; . <dir>/gpuslice.env; set +a``), which lets
+``gpuslice status`` and ``gpuslice audit tail`` reach them: the NATS password
+is in that file (readable by this user only), never on the terminal. What
 libraries write on their own (gRPC's core, Python loggers) goes to
-``gpuslice-dev.log`` in the stack's directory, not into the view.
+``gpuslice-dev.log`` in the stack's directory, not into the view. That
+directory, made for the run unless ``--workdir`` names one, is removed at the
+end when all went well and ``--keep`` was not given; otherwise the last line
+says where it is and how to remove it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import faulthandler
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -58,7 +64,7 @@ from gpuslice_cli.dev.stack import (
 from gpuslice_cli.status import gather_status, gather_usage, status_table
 from gpuslice_cli.table import make_printable, printable, shorten, show
 from gpuslice_common.bus import Bus, BusError
-from gpuslice_common.config import CommonSettings, ConfigError, load
+from gpuslice_common.config import CommonSettings, ConfigError, load, without_password
 from gpuslice_common.events import CloudEvent
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import PlacementState
@@ -342,23 +348,15 @@ def client_variables(stack: Stack) -> dict[str, str]:
     return variables
 
 
-def nats_url_with_login(url: str, user: str, password: str) -> str:
-    """``url`` (one or more comma-separated servers) with the login in each."""
-    return ",".join(
-        f"{scheme}://{user}:{password}@{rest}" if rest else server
-        for server in url.split(",")
-        for scheme, _, rest in [server.partition("://")]
-    )
-
-
 def where(stack: Stack, console: Console) -> None:
-    """Where the servers and the web console are (with the auditor's login where
-    NATS has users), and the variables that let gpuslice status and audit reach them."""
+    """Where the servers and the web console are, and how to load the variables
+    that let gpuslice status and audit reach them. No secret reaches the
+    terminal (its scrollback, a recording, a shared screen): the auditor's NATS
+    password stays in the env file, which only this user can read."""
     variables = client_variables(stack)
-    nats = variables.get("GPUSLICE_NATS_URL", "")
-    user, password = variables.get("GPUSLICE_NATS_USER"), variables.get("GPUSLICE_NATS_PASSWORD")
-    if user and password:
-        nats = nats_url_with_login(nats, user, password)
+    nats = without_password(variables.get("GPUSLICE_NATS_URL", ""))
+    user = variables.get("GPUSLICE_NATS_USER")
+    login = f" (user {user}, its password in {stack.env_file})" if user else ""
     if stack.redis_sentinels:
         redis = (
             f"Redis through the sentinels at {stack.redis_sentinels}"
@@ -366,29 +364,17 @@ def where(stack: Stack, console: Console) -> None:
         )
         more = "; two replicas each of the extender and the inventory"
     else:
-        redis, more = f"Redis at {variables.get('GPUSLICE_REDIS_URL', '')}", ""
-    say = f"gpuslice dev: NATS at {nats}, {redis}{more}"
-    console.print(say, soft_wrap=True, markup=False, highlight=False)
+        redis = f"Redis at {without_password(variables.get('GPUSLICE_REDIS_URL', ''))}"
+        more = ""
+    say = [f"gpuslice dev: NATS at {nats}{login}, {redis}{more}"]
     if stack.console_url is not None:
-        console.print(
-            f"gpuslice dev: console: {stack.console_url}",
-            soft_wrap=True,
-            markup=False,
-            highlight=False,
-        )
-    exports = " ".join(f"{name}={shlex.quote(value)}" for name, value in variables.items())
-    console.print(
-        "gpuslice dev: for gpuslice status and gpuslice audit tail, paste:",
-        markup=False,
-        highlight=False,
-    )
-    console.print(f"export {exports}", soft_wrap=True, markup=False, highlight=False)
-    console.print(
-        f"gpuslice dev: (or:  set -a; . {stack.env_file}; set +a)",
-        soft_wrap=True,
-        markup=False,
-        highlight=False,
-    )
+        say.append(f"gpuslice dev: console: {stack.console_url}")
+    say += [
+        "gpuslice dev: for gpuslice status and gpuslice audit tail, load its settings with:",
+        f"set -a; . {shlex.quote(str(stack.env_file))}; set +a",
+    ]
+    for line in say:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 async def _tick(display: Live | None, view: View) -> None:
@@ -397,13 +383,28 @@ async def _tick(display: Live | None, view: View) -> None:
         await asyncio.sleep(0.25)
 
 
+def yaml_problem(path: Path, exc: yaml.YAMLError) -> str:
+    """A YAML error in one line, naming the file and the line and column it
+    points at (PyYAML's own text names ``<unicode string>`` over several lines)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else f"{path}"
+        what = " ".join(part for part in (exc.context, exc.problem) if part)
+        return f"{where}: {' '.join(what.split()) or 'not valid YAML'}"
+    if isinstance(exc, yaml.reader.ReaderError):  # not text: bad UTF-8, a control character
+        return f"{path}, byte {exc.position}: {exc.reason}"
+    return f"{path}: {' '.join(str(exc).split())}"
+
+
 def load_pods(paths: Sequence[Path]) -> list[dict[str, Any]]:
     pods: list[dict[str, Any]] = []
     for path in paths:
         try:
-            documents = list(yaml.safe_load_all(path.read_text()))
-        except (OSError, yaml.YAMLError) as exc:
-            raise DriverError(f"cannot read pods from {path}: {exc}") from None
+            documents = list(yaml.safe_load_all(path.read_bytes()))
+        except OSError as exc:
+            raise DriverError(f"cannot read pods from {path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise DriverError(f"cannot read pods from {yaml_problem(path, exc)}") from None
         for doc in documents:
             if doc is None:
                 continue
@@ -488,17 +489,63 @@ def _run(
     pods: Sequence[Path] | None,
     plain: bool,
     open_console: bool = False,
+    temporary: bool = False,
+    keep: bool = False,
 ) -> None:
-    """Run the stack with its work and print the summary; exit as the outcome says."""
+    """Run the stack with its work and print the summary; exit as the outcome
+    says. A ``temporary`` directory (made for this run) is removed at the end
+    when the run went well and ``keep`` is not asked; otherwise it is kept (its
+    logs say why a run failed) and the last line says where and how to remove it."""
     console = Console()
     errors = Console(stderr=True)
     try:
         work = _work(demo_, pods)
         stack.workdir.mkdir(parents=True, exist_ok=True)
     except (DriverError, OSError) as exc:
-        errors.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        if temporary:  # nothing in it yet
+            shutil.rmtree(stack.workdir, ignore_errors=True)
+        errors.print(f"[red]error:[/] {escape(printable(str(exc)))}", soft_wrap=True)
         raise typer.Exit(2) from None
-    console.print(f"gpuslice dev: logs under {stack.workdir}", soft_wrap=True, highlight=False)
+    note = (
+        " (removed at the end if all goes well; --keep keeps it)" if temporary and not keep else ""
+    )
+    console.print(
+        f"gpuslice dev: logs under {stack.workdir}{note}", soft_wrap=True, highlight=False
+    )
+    went_well = False
+    try:
+        _outcome(stack, work, console, errors, plain, open_console)
+        went_well = True
+    finally:
+        if temporary:
+            leave(stack.workdir, console, remove=went_well and not keep)
+
+
+def leave(workdir: Path, console: Console, remove: bool) -> None:
+    """Remove the run's own directory, or say where it stays and how to remove it."""
+    if remove:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if not workdir.exists():
+            return
+    quoted = shlex.quote(str(workdir))
+    console.print(
+        f"gpuslice dev: logs kept in {workdir}; remove them with:  rm -r {quoted}",
+        soft_wrap=True,
+        markup=False,
+        highlight=False,
+    )
+
+
+def _outcome(
+    stack: Stack,
+    work: Callable[..., Any] | None,
+    console: Console,
+    errors: Console,
+    plain: bool,
+    open_console: bool,
+) -> None:
+    """Run the stack, print the summary; typer.Exit(1) when a pod or a demo step
+    failed, typer.Exit(2) when the stack could not run."""
     try:
         with foreign_output_to(stack.workdir / FOREIGN_LOG):
             live = not plain and console.is_terminal
@@ -507,7 +554,7 @@ def _run(
         console.print("stopped: every process of the stack has been shut down")
         return
     except (StackError, DriverError, ServerError, BusError, LedgerError, OSError) as exc:
-        errors.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        errors.print(f"[red]error:[/] {escape(printable(str(exc)))}", soft_wrap=True)
         raise typer.Exit(2) from None
     if view.status is not None:
         show(console, view.status)
@@ -531,6 +578,7 @@ def _run(
         raise typer.Exit(1)
 
 
+KEEP_HELP = "keep the run's directory (logs, each container's output) when all went well"
 DEMO_HELP = "run the scripted scenario and exit"
 PODS_HELP = "pod YAML files to run, in order"
 PLAIN_HELP = "no live display, only the summary"
@@ -561,7 +609,10 @@ def up(
         None, help="use this NATS, without users, instead of starting one with the cluster's"
     ),
     redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
-    workdir: Path | None = typer.Option(None, help="logs and state (default: a new temp dir)"),
+    workdir: Path | None = typer.Option(
+        None, help="logs and state, kept (default: a new temp dir, removed at a good end)"
+    ),
+    keep: bool = typer.Option(False, "--keep", help=KEEP_HELP),
     plain: bool = typer.Option(False, "--plain", help=PLAIN_HELP),
     gpu: str = typer.Option(
         "auto",
@@ -630,7 +681,7 @@ def up(
             raise typer.Exit(2)
     where = workdir or Path(tempfile.mkdtemp(prefix="gpuslice-dev-"))
     stack = Stack(where, specs, nats_url=nats_url, redis_url=redis_url, ha=ha)
-    _run(stack, demo_, pods, plain, open_console)
+    _run(stack, demo_, pods, plain, open_console, temporary=workdir is None, keep=keep)
 
 
 def driver(
@@ -649,7 +700,10 @@ def driver(
     ),
     demo_: bool = typer.Option(False, "--demo", help=DEMO_HELP),
     pods: list[Path] = typer.Argument(None, help=PODS_HELP),
-    workdir: Path | None = typer.Option(None, help="state (default: a new temp dir)"),
+    workdir: Path | None = typer.Option(
+        None, help="state, kept (default: a new temp dir, removed at a good end)"
+    ),
+    keep: bool = typer.Option(False, "--keep", help=KEEP_HELP),
     plain: bool = typer.Option(False, "--plain", help=PLAIN_HELP),
 ) -> None:
     """The cluster driver alone, for services that run elsewhere (compose.yaml): it
@@ -683,4 +737,4 @@ def driver(
         prefix=settings.ledger_prefix,
         attached=attached,
     )
-    _run(stack, demo_, pods, plain)
+    _run(stack, demo_, pods, plain, temporary=workdir is None, keep=keep)

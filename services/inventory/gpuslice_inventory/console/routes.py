@@ -447,4 +447,4 @@ async def _export_lines(
             log.warning("console: an audit export stopped early: %s", exc.message)
         finally:
             with contextlib.suppress(Exception):
-                await events.aclose()  # type: ignore[attr-defined]
+                await events.aclose()
