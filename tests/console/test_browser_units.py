@@ -20,7 +20,10 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 
 from gpuslice_cli.dev.driver import ClusterDriver
 from gpuslice_cli.dev.stack import Stack
+from gpuslice_common.bus import Bus
+from gpuslice_common.events import AllocationEvent, EventType, make_event
 from gpuslice_common.ledger import Ledger
+from gpuslice_common.models import ContainerAssignment, DeviceGrant, PodRef
 from tests.conftest import Native
 from tests.console.workload import DESKTOP, WAIT_MS, Gate, card_of, chromium, gpu_pod, on_its_card
 from tests.dev.conftest import stack_up
@@ -148,3 +151,31 @@ async def test_memory_and_cores_read_as_the_pod_asked(console: Console, page: Pa
         outcomes = await asyncio.wait_for(asyncio.gather(*running), WAIT_MS / 1000)
     for outcome in outcomes:
         assert outcome.phase == "Succeeded", (outcome.ref, outcome.reason)
+
+
+async def test_an_audit_line_gives_each_vendors_cores_in_its_own_units(
+    console: Console, page: Page
+) -> None:
+    """A reservation of 4 of a Moore Threads card's 16 cores is "4 cores", not
+    "4% cores"; an NVIDIA grant of no cores is "no core limit", not "0%"."""
+    pod = PodRef(uid="uid-vendors", namespace="team-h", name="two-vendors")
+    containers = (
+        ContainerAssignment(
+            name="mt",
+            vendor="mthreads",
+            devices=(DeviceGrant(uuid="MTHREADS-n-0", memory_mib=8192, cores=4),),
+        ),
+        ContainerAssignment(
+            name="nv", devices=(DeviceGrant(uuid="GPU-n-0", memory_mib=1536, cores=0),)
+        ),
+    )
+    reserved = AllocationEvent(pod=pod, node="n", containers=containers, policy="binpack")
+    bus = await Bus.connect(console.stack.bus_settings("scheduler"), "units")
+    try:
+        await bus.publish_acked(make_event(EventType.ALLOC_RESERVED, reserved, source="/test"))
+    finally:
+        await bus.close()
+    await show(page, console, "#/audit?namespace=team-h")
+    row = page.get_by_test_id("audit-event").filter(has_text="two-vendors")
+    await expect(row).to_contain_text("mt → card …EADS-n-0 (8192 MiB, 4 cores)")
+    await expect(row).to_contain_text("nv → card …GPU-n-0 (1536 MiB, no core limit)")

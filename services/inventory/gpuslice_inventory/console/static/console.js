@@ -1070,6 +1070,19 @@
     return badge(t, kind);
   }
 
+  /**
+   * Cores an event names, in the units they were asked in: percent of a card
+   * for NVIDIA's (whose records leave the vendor out) and most vendors' is
+   * not every vendor's (16 a card for Moore Threads, AI cores for Ascend), so
+   * another vendor's are a count; none is no core limit.
+   */
+  function fmtEventCores(cores, vendor) {
+    const n = num(cores);
+    if (n === 0) return 'no core limit';
+    if (vendor && vendor !== 'nvidia') return `${fmtCount(n)} cores`;
+    return `${fmtPercent(n)} cores`;
+  }
+
   function eventDetail(e) {
     const d = e.data && typeof e.data === 'object' ? e.data : {};
     const parts = [];
@@ -1079,11 +1092,11 @@
       for (const c of d.containers) {
         if (!c || typeof c !== 'object') continue;
         if (Array.isArray(c.devices)) {
-          const cards = c.devices.map((g) => `card …${String(g.uuid ?? '').slice(-8)} (${fmtAskedMiB(num(g.memory_mib))}, ${num(g.cores) === 0 ? 'no core limit' : `${fmtPercent(num(g.cores))} cores`}${g.mig && g.mig.profile ? `, MIG ${g.mig.profile}` : ''})`);
+          const cards = c.devices.map((g) => `card …${String(g.uuid ?? '').slice(-8)} (${fmtAskedMiB(num(g.memory_mib))}, ${fmtEventCores(g.cores, c.vendor)}${g.mig && g.mig.profile ? `, MIG ${g.mig.profile}` : ''})`);
           parts.push(`${c.name} → ${cards.join(', ')}`);
         } else if (c.memory) {
           const mem = c.memory.mib ? fmtAskedMiB(num(c.memory.mib)) : c.memory.percent ? `${c.memory.percent}% memory` : '';
-          parts.push(`${c.name} asks ${c.count ?? 1} × ${mem}, ${num(c.cores) ? `${fmtPercent(c.cores)} cores` : 'no core limit'}`);
+          parts.push(`${c.name} asks ${c.count ?? 1} × ${mem}, ${fmtEventCores(c.cores ?? 0, c.vendor)}`);
         }
       }
     }
