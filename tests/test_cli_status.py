@@ -399,12 +399,13 @@ async def test_pods_option_lists_each_pod_on_each_card_with_its_grant(
 ) -> None:
     result = await cli(redis_url, "status", "--pods")
     assert result.exit_code == 0, result.output
-    # pod-1's two containers on card 0: 4000 + 1000 MiB, 30 + 10 cores; pod-3 is released
+    # pod-1's two containers on card 0: 4000 + 1000 MiB, 30 + 10 cores; pod-3 is
+    # released; pod-1 asked no cores on card 1: no limit, not "0"
     assert cells(result.stdout, "pods by card") == [
         ["node", "gpu", "vendor", "pod", "state", "memory MiB", "cores"],
         ["node-a", "0", NV, "ns/name-pod-1", "reserved", "5000", "40"],
         ["node-a", "0", NV, "ns/name-pod-2", "bound", "3000", "20"],
-        ["node-a", "1", NV, "ns/name-pod-1", "reserved", "2000", "0"],
+        ["node-a", "1", NV, "ns/name-pod-1", "reserved", "2000", "no limit"],
         ["node-b", "0", NV, "ns/name-pod-4", "reserved", "8000", "100"],
     ]
     plain = await cli(redis_url, "status")

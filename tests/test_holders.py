@@ -36,6 +36,13 @@ def pod(name: str, uid: str, phase: str = "Running", **metadata: Any) -> dict[st
     }
 
 
+def oom_killed(found: dict[str, Any]) -> dict[str, Any]:
+    """``found`` with its container ``main`` ended by the kernel's OOM killer."""
+    terminated = {"exitCode": 137, "reason": "OOMKilled"}
+    found["status"]["containerStatuses"] = [{"name": "main", "state": {"terminated": terminated}}]
+    return found
+
+
 def path(name: str) -> str:
     return f"/api/v1/namespaces/team/pods/{name}"
 
@@ -80,7 +87,7 @@ async def test_only_pods_the_api_server_says_are_gone_or_terminal_are_freed(
         "gone": None,  # no route: 404
         "replaced": (200, pod("replaced", "uid-of-a-new-pod")),
         "succeeded": (200, pod("succeeded", "uid-succeeded", "Succeeded")),
-        "failed": (200, pod("failed", "uid-failed", "Failed")),
+        "failed": (200, oom_killed(pod("failed", "uid-failed", "Failed"))),
         "running": (200, pod("running", "uid-running")),
         "terminating": (
             200,
@@ -113,7 +120,10 @@ async def test_only_pods_the_api_server_says_are_gone_or_terminal_are_freed(
     assert await state(ledger, "gone") == (PlacementState.RELEASED, "pod deleted")
     assert await state(ledger, "replaced") == (PlacementState.RELEASED, "pod deleted")
     assert await state(ledger, "succeeded") == (PlacementState.RELEASED, "pod succeeded")
-    assert await state(ledger, "failed") == (PlacementState.RELEASED, "pod failed")
+    assert await state(ledger, "failed") == (
+        PlacementState.RELEASED,
+        "pod failed: container main exited 137 (OOMKilled)",
+    )
     for name in ("running", "terminating", "broken", "forbidden", "waiting"):
         assert (await state(ledger, name))[0] is PlacementState.RESERVED, name
     asked = {r.path for r in server.requests if r.method == "GET"}

@@ -200,7 +200,7 @@ async def test_the_grid_shows_every_card_and_the_running_pod_on_its_card(
     await expect(link).to_have_count(1)
     held = page.get_by_test_id(f"card-{console.grower_card}")
     await expect(held.get_by_test_id("pod-link-team-a-grower")).to_be_visible()
-    await expect(held).to_contain_text("3.9 GiB")  # its 4000 MiB share
+    await expect(held).to_contain_text("4000 MiB")  # its share, as asked (not "3.9 GiB")
     await link.click()
     await expect(page).to_have_url(f"{console.url}#/pods/team-a/grower")
     await expect(page.get_by_role("heading", level=1)).to_have_text("team-a/grower")
@@ -223,7 +223,7 @@ async def test_a_pods_memory_bar_moves_when_its_process_allocates(
     after = await value_now(page, bar)
     assert before + 1000 <= after <= 4000
     await expect(located).to_have_attribute(
-        "aria-valuetext", re.compile(r"^\d(\.\d)? GiB of 3\.9 GiB used, peak \d(\.\d)? GiB$")
+        "aria-valuetext", re.compile(r"^\d(\.\d)? GiB of 4000 MiB used, peak \d(\.\d)? GiB$")
     )
     # the page was not reloaded: the stream brought it
     await expect(page.get_by_test_id(f"pod-card-main-{console.grower_card}")).to_contain_text("GiB")
@@ -272,7 +272,7 @@ async def test_another_vendor_s_cards_show_their_vendor_model_memory_and_cores(
         )
         await expect(tile).to_contain_text("8 GiB / 48 GiB")
         await expect(tile.get_by_test_id("pod-link-team-v-mt-pod")).to_be_visible()
-        await expect(tile).to_contain_text("8 GiB \u00b7 4/16 cores")  # the pod's share
+        await expect(tile).to_contain_text("8192 MiB \u00b7 4/16 cores")  # the pod's share
         gpu = (await ledger.node_gpus(node))[0].device.uuid
         await expect(page.get_by_test_id(f"vendor-{gpu}")).to_have_text("nvidia")
         await expect(page.get_by_test_id(f"cores-{gpu}")).to_have_text(re.compile(r"^\d+ / 100$"))

@@ -182,7 +182,7 @@ async def test_the_leader_releases_pods_as_the_watch_reports_them_ending(
             kube.add_pod(bound_pod(uid))
         await until(lambda: state.watcher is not None and state.watcher.stats.events >= 3)
         kube.delete_pod("ns", "deleted")
-        kube.set_phase("ns", "failed", "Failed")
+        kube.set_phase("ns", "failed", "Failed", {"main": 137})  # why it failed, kept
         await until(lambda: released_reason(led, "failed"))
         await until(lambda: released_reason(led, "deleted"))
         assert await released_reason(led, "running") is None
@@ -195,7 +195,10 @@ async def test_the_leader_releases_pods_as_the_watch_reports_them_ending(
         and isinstance(p := e.payload(), AllocationEvent)
         and p.pod is not None
     )
-    assert reasons == [("deleted", "pod deleted"), ("failed", "pod failed")]
+    assert reasons == [
+        ("deleted", "pod deleted"),
+        ("failed", "pod failed: container main exited 137 (Error)"),
+    ]
 
 
 async def test_the_running_inventory_releases_a_deleted_pod_where_watch_lists_are_refused(

@@ -311,10 +311,12 @@ def status_table(nodes: Sequence[NodeStatus], usage: Usage | None = None) -> Tab
 
 
 POD_COLUMNS = ("node", "gpu", "vendor", "pod", "state", "memory MiB", "cores")
+NO_CORE_LIMIT = "no limit"  # cores 0: none asked, the card's compute unlimited (HAMi's gpucores 0)
 
 
 def pod_rows(nodes: Sequence[NodeStatus]) -> list[list[str]]:
-    """One row per pod and card it uses: what it was granted there."""
+    """One row per pod and card it uses: what it was granted there (cores
+    :data:`NO_CORE_LIMIT` where its containers asked for none, not 0)."""
     return [
         [
             node.node,
@@ -323,7 +325,7 @@ def pod_rows(nodes: Sequence[NodeStatus]) -> list[list[str]]:
             f"{pod.namespace}/{pod.name}",
             pod.state,
             str(pod.memory_mib),
-            str(pod.cores),
+            str(pod.cores) if pod.cores else NO_CORE_LIMIT,
         ]
         for node in readable(nodes)
         for card in node.gpus
@@ -521,7 +523,8 @@ def status(
     A node whose record in the ledger cannot be read (a value no gpuslice
     writes) is left out, with a warning on stderr saying why. --pods adds a
     table of the pods on each card with the memory (MiB) and cores they were
-    granted there. A second table says per NVIDIA card which enforcement layers hold
+    granted there ("no limit" where a pod asked for no cores: its compute is
+    not limited). A second table says per NVIDIA card which enforcement layers hold
     its containers to their grants: the driver's per-cgroup memory limits, the
     node agent's memory and compute checks, the interposer ("enforcing" or
     "missing"; "-" where the node's agent does not report them), with the

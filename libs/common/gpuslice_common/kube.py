@@ -143,6 +143,67 @@ def pod_terminated(pod: Mapping[str, Any]) -> bool:
     return pod_phase(pod) in TERMINATED_PHASES
 
 
+MAX_END_TEXT = 120  # of one reason or message a pod's status gives
+MAX_END_CONTAINERS = 4  # failed containers named in one end reason
+
+
+def _shown(text: str) -> str:
+    """A status text as one printable line, cut at :data:`MAX_END_TEXT`: what the
+    kubelet writes is the node's word, read as untrusted."""
+    line = "".join(c if c.isprintable() else " " for c in text).strip()
+    return line if len(line) <= MAX_END_TEXT else f"{line[: MAX_END_TEXT - 1]}\u2026"
+
+
+def _exit_code(terminated: Mapping[str, Any]) -> int | None:
+    code = terminated.get("exitCode")
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def pod_failure(pod: Mapping[str, Any]) -> str:
+    """Why a pod failed, as its status tells (what ``kubectl describe`` shows):
+    the pod's reason and message (``Evicted: The node was low on memory``),
+    then each container that ended with a non-zero exit code, with its own
+    reason (``container main exited 137 (OOMKilled)``); "" when the status says
+    nothing. Every text is one printable line of bounded length."""
+    status = _part(pod, "status")
+    parts = []
+    said = ": ".join(_shown(t) for t in (_text(status, "reason"), _text(status, "message")) if t)
+    if said:
+        parts.append(said)
+    failed = []
+    for key in ("initContainerStatuses", "containerStatuses"):
+        listed = status.get(key)
+        for container in listed if isinstance(listed, list) else []:
+            if not isinstance(container, Mapping):
+                continue
+            ended = _part(_part(container, "state"), "terminated")
+            code = _exit_code(ended)
+            if code is None or code == 0:
+                continue
+            why = _text(ended, "reason")
+            name = _shown(_text(container, "name")) or "?"
+            failed.append(f"container {name} exited {code}" + (f" ({_shown(why)})" if why else ""))
+    if len(failed) > MAX_END_CONTAINERS:
+        more = len(failed) - MAX_END_CONTAINERS
+        failed = [*failed[:MAX_END_CONTAINERS], f"{more} more"]
+    if failed:
+        parts.append(", ".join(failed))
+    return "; ".join(parts)
+
+
+def pod_end_reason(pod: Mapping[str, Any]) -> str | None:
+    """The release reason of a pod that has ended (``pod succeeded``, ``pod
+    failed: <why>`` with :func:`pod_failure`'s words when its status gives
+    them), or None while it runs."""
+    phase = pod_phase(pod)
+    if phase == "Succeeded":
+        return "pod succeeded"
+    if phase != "Failed":
+        return None
+    why = pod_failure(pod)
+    return f"pod failed: {why}" if why else "pod failed"
+
+
 def pod_node(pod: Mapping[str, Any]) -> str:
     """The node the pod is bound to (``spec.nodeName``); "" while it is not bound."""
     return _text(_part(pod, "spec"), "nodeName")
@@ -1570,10 +1631,32 @@ class LocalKubeApi:
             raise PodNotFound(f"pod {_pod_ref(namespace, name)} not found", 404)
         self._changed("DELETED", pod)
 
-    def set_phase(self, namespace: str, name: str, phase: str) -> None:
-        """Set the pod's ``status.phase``, as its kubelet would report it."""
+    def set_phase(
+        self,
+        namespace: str,
+        name: str,
+        phase: str,
+        exits: Mapping[str, int] | None = None,
+    ) -> None:
+        """Set the pod's ``status.phase``, as its kubelet would report it; with
+        ``exits`` (container name -> exit code) each container's terminated
+        state too (reason ``Completed`` for 0, ``Error`` otherwise, as kubelet's)."""
         pod = self._pod(namespace, name)
-        pod.setdefault("status", {})["phase"] = phase
+        status = pod.setdefault("status", {})
+        status["phase"] = phase
+        if exits:
+            status["containerStatuses"] = [
+                {
+                    "name": container,
+                    "state": {
+                        "terminated": {
+                            "exitCode": code,
+                            "reason": "Completed" if code == 0 else "Error",
+                        }
+                    },
+                }
+                for container, code in exits.items()
+            ]
         self._changed("MODIFIED", pod)
 
     def pods(self) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from gpuslice_common.kube import (
     KubeError,
     WatchExpired,
     object_uid,
-    pod_phase,
+    pod_end_reason,
     resource_version,
 )
 from gpuslice_common.ledger import LedgerError
@@ -38,7 +38,8 @@ from gpuslice_inventory.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 
-# release reasons
+# release reasons (a pod the API server reports Failed gets its status's why:
+# :func:`~gpuslice_common.kube.pod_end_reason`)
 TERMINATED = {"Succeeded": "pod succeeded", "Failed": "pod failed"}
 DELETED = "pod deleted"
 ENDED = {**TERMINATED, "Deleted": DELETED}
@@ -52,7 +53,7 @@ def end_reason(kind: str, pod: Mapping[str, Any]) -> str | None:
     if kind == "DELETED":
         return DELETED
     if kind in ("ADDED", "MODIFIED"):
-        return TERMINATED.get(pod_phase(pod))
+        return pod_end_reason(pod)
     return None
 
 

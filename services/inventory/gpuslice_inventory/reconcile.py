@@ -55,6 +55,7 @@ from gpuslice_common.kube import (
     KubeError,
     ObjectRef,
     object_uid,
+    pod_end_reason,
     pod_node,
     pod_phase,
     pod_terminated,
@@ -68,7 +69,7 @@ from gpuslice_common.ledger import (
 )
 from gpuslice_common.models import PLACEMENT_ANNOTATION, ClaimRef, Placement, PlacementState
 from gpuslice_inventory.claims import ClaimRefused, claim_names, claim_placement
-from gpuslice_inventory.lifecycle import DELETED, TERMINATED
+from gpuslice_inventory.lifecycle import DELETED
 from gpuslice_inventory.upkeep import EXPIRED, Upkeep
 
 log = logging.getLogger(__name__)
@@ -204,8 +205,8 @@ class Reconciler:
                 if listed_at - since < self.grace:
                     continue
                 to_release.append((uid, DELETED))
-            elif pod_phase(found) in TERMINATED:
-                to_release.append((uid, TERMINATED[pod_phase(found)]))
+            elif (ended := pod_end_reason(found)) is not None:
+                to_release.append((uid, ended))
             elif self.upkeep.never_bound_here(placement, pod_node(found), listed_at):
                 to_release.append((uid, EXPIRED))
             elif (

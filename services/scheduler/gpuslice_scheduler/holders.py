@@ -36,7 +36,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from gpuslice_common.kube import KubeApi, KubeError, PodNotFound, object_uid, pod_phase
+from gpuslice_common.kube import KubeApi, KubeError, PodNotFound, object_uid, pod_end_reason
 from gpuslice_common.ledger import Ledger, LedgerError
 from gpuslice_common.models import Placement, PlacementState
 from gpuslice_scheduler.metrics import Metrics
@@ -48,9 +48,9 @@ MAX_CHECKS = 16  # pods one call asks the API server about
 BUDGET_S = 1.0  # all of one call's reads; a read not answered by then frees nothing
 REMEMBERED = 1024  # pods known gone or terminal
 
-# release reasons: the inventory's words for the same ends
+# release reasons: the inventory's words for the same ends (a terminal pod's:
+# :func:`~gpuslice_common.kube.pod_end_reason`)
 DELETED = "pod deleted"
-TERMINAL = {"Succeeded": "pod succeeded", "Failed": "pod failed"}
 
 # a check's answers (the label of gpuslice_scheduler_holder_checks_total)
 GONE, ENDED, ALIVE, ERROR = "gone", "terminal", "alive", "error"
@@ -149,7 +149,7 @@ class HolderCheck:
             return ""
         if object_uid(found) != pod.uid:  # the name was taken again: the holder is gone
             return self._ended_as(pod.uid, DELETED, GONE)
-        reason = TERMINAL.get(pod_phase(found))
+        reason = pod_end_reason(found)
         if reason is not None:
             return self._ended_as(pod.uid, reason, ENDED)
         self.metrics.holder_checks.labels(ALIVE).inc()

@@ -951,8 +951,14 @@ class ClusterDriver:
                     if r.returncode not in (0, None)  # None: not run after a failed init
                 ]
                 outcome.reason = f"containers failed: {', '.join(failed)}"
+            # each container's end, as kubelet reports it (a signal's as 128 + its number)
+            exits = {
+                r.name: r.returncode if r.returncode >= 0 else 128 - r.returncode
+                for r in outcome.containers
+                if r.returncode is not None
+            }
             try:
-                self.stack.kube.set_phase(meta["namespace"], meta["name"], outcome.phase)
+                self.stack.kube.set_phase(meta["namespace"], meta["name"], outcome.phase, exits)
             except PodNotFound:
                 outcome.phase, outcome.reason = "Deleted", "deleted while it ran"
         finally:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuslice_common.events import EventType
+from pydantic import ValidationError
+
+from gpuslice_common.events import EventError, EventType, PodAdmitted, parse_event
 from gpuslice_common.models import Placement, PlacementState
 from gpuslice_inventory.console.auditfeed import AuditFeed, FeedEvent, real_uid
 from gpuslice_inventory.console.snapshot import SnapshotBuilder, iso
@@ -167,11 +169,36 @@ def find_pod(
     return max(pool, key=lambda s: s.since)
 
 
+def asked(events: list[FeedEvent]) -> dict[str, dict[str, Any]]:
+    """What each container asked for per card, by the newest admission of the
+    pod the feed holds: memory in the units asked (``memory_mib``, or
+    ``memory_percent`` of the card) and cores, so that the page shows a
+    request as it was made, not only the MiB it came to; {} without one."""
+    admission = next((f for f in reversed(events) if f.type is EventType.POD_ADMITTED), None)
+    if admission is None:
+        return {}
+    try:
+        payload = parse_event(admission.line).payload()
+    except (EventError, ValidationError):  # the feed holds what parsed; kept to be safe
+        return {}
+    if not isinstance(payload, PodAdmitted):
+        return {}
+    return {
+        c.name: {
+            "memory_mib": c.memory.mib,
+            "memory_percent": c.memory.percent,
+            "cores": c.cores,
+        }
+        for c in payload.containers
+    }
+
+
 def pod_document(builder: SnapshotBuilder, summary: PodSummary) -> dict[str, Any]:
     """The pod document of the API (``GET /api/v1/pods/{namespace}/{name}``)."""
     p = summary.placement
     containers: list[dict[str, Any]] = []
     policy = p.policy if p is not None else None
+    requests = asked(summary.events)
     if p is not None:
         usage = (
             builder.pod_usage(p.node, p.pod.uid) if p.state is not PlacementState.RELEASED else []
@@ -196,6 +223,7 @@ def pod_document(builder: SnapshotBuilder, summary: PodSummary) -> dict[str, Any
             containers.append(
                 {
                     "name": c.name,
+                    "asked": requests.get(c.name),  # None: the feed holds no admission
                     "cards": cards,
                     "usage": [
                         {

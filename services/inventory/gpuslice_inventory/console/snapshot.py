@@ -66,6 +66,14 @@ def sane_usage(usage: ContainerUsage) -> bool:
     return isinstance(sm, int | float) and 0.0 <= sm <= 100.0 and 0 <= usage.at_ms <= 2**53
 
 
+def allocated(cards: Iterable[dict[str, Any]]) -> bool:
+    """Whether anything is allocated on ``cards`` (card documents): where
+    nothing is, there is nothing to fragment, and the scheduler's measure (the
+    free share its learned pod kinds cannot use, whole free cards included) is
+    not shown as fragmentation."""
+    return any(any(card["used"].values()) for card in cards)
+
+
 @dataclass
 class NodeEntry:
     """One registered node as last read."""
@@ -235,7 +243,9 @@ class SnapshotBuilder:
             "cores": sum(c["cores"] for c in cards),
             "used_cores": sum(c["used"]["cores"] for c in cards),
             "pods": len(pods),
-            "fragmentation": report.cluster.fragmentation if report else None,
+            "fragmentation": (
+                report.cluster.fragmentation if report and allocated(cards) else None
+            ),
             "fits": [k.model_dump(mode="json") for k in report.kinds] if report else [],
             # the same per vendor, whose cores add up in its own units only
             "vendors": vendors,
@@ -257,16 +267,17 @@ class SnapshotBuilder:
         usage: dict[str, list[ContainerUsage]] = {}
         for u in self.usage.get(name, []):
             usage.setdefault(u.uuid, []).append(u)
+        cards = [
+            self._card_doc(card, held, usage.get(card.uuid))
+            for card in sorted(entry.cards, key=lambda c: (*vendor_order(c.vendor), c.index))
+        ]
         doc: dict[str, Any] = {
             "name": name,
             "live": live,
             "rebuilt": entry.rebuilt,
-            "fragmentation": share.fragmentation if share else None,
+            "fragmentation": share.fragmentation if share and allocated(cards) else None,
             "free_share": share.free_share if share else None,
-            "cards": [
-                self._card_doc(card, held, usage.get(card.uuid))
-                for card in sorted(entry.cards, key=lambda c: (*vendor_order(c.vendor), c.index))
-            ],
+            "cards": cards,
         }
         if entry.problem:
             doc["problem"] = entry.problem

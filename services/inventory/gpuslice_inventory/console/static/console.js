@@ -45,6 +45,16 @@
     return `${Math.round(mib)} MiB`;
   }
 
+  /**
+   * Memory a pod asked for (or was granted from what it asked), in the MiB it
+   * is asked in: 4000 MiB stays "4000 MiB", never "3.9 GiB". A grant that is
+   * not a whole MiB (a limit in bytes) is shown as a size.
+   */
+  function fmtAskedMiB(mib) {
+    if (mib === null || mib === undefined || !Number.isFinite(mib)) return '—';
+    return Number.isInteger(mib) ? `${mib} MiB` : fmtMiB(mib);
+  }
+
   function fmtBytes(bytes) {
     if (bytes === null || bytes === undefined || !Number.isFinite(bytes)) return '—';
     if (Math.abs(bytes) < 1024) return `${bytes} B`;
@@ -650,10 +660,32 @@
         h('div', { class: `tile ${frag !== null && frag >= FRAGMENTED ? 'tile-warn' : ''}` },
           h('h3', { class: 'tile-title' }, 'Fragmentation'),
           h('p', { class: 'tile-value', testid: 'cluster-fragmentation' }, fmtFraction(frag)),
-          h('p', { class: 'tile-detail' }, frag === null ? 'no free share, or no scheduler report' : 'of the free share is in fragments')),
+          h('p', { class: 'tile-detail', testid: 'cluster-fragmentation-detail' }, fragmentationNote(frag, snap.report_at, allNodeCards(snap)))),
         fitsEl,
         // with other vendors' cards: each vendor's, a row of its own
         vendors.some((v) => v.vendor !== 'nvidia') ? vendorsTile(vendors) : null));
+  }
+
+  function allNodeCards(snap) {
+    const nodes = Array.isArray(snap.nodes) ? snap.nodes : [];
+    return nodes.flatMap((node) => (Array.isArray(node.cards) ? node.cards : []));
+  }
+
+  /** Whether any of these cards has anything allocated (memory, cores or slots). */
+  function anyAllocated(cards) {
+    return cards.some((card) => card && card.used && typeof card.used === 'object'
+      && Object.values(card.used).some((v) => num(v)));
+  }
+
+  /**
+   * What a fragmentation figure means, or why there is none: with nothing
+   * allocated there is nothing to fragment (the server gives no figure then).
+   */
+  function fragmentationNote(frag, reportAt, cards) {
+    if (frag !== null) return 'of the free share is in fragments';
+    if (!reportAt) return 'no scheduler report';
+    if (!cards.length) return 'no cards';
+    return anyAllocated(cards) ? 'no free share' : 'nothing allocated: nothing to fragment';
   }
 
   /** Cores of a card as its vendor counts them (percent of a card for most, 16 a card for Moore Threads). */
@@ -661,14 +693,23 @@
     return num(capacity) === null ? `${fmtCount(cores)} cores` : `${fmtCount(cores)}/${fmtCount(capacity)} cores`;
   }
 
+  /**
+   * The cores one container was granted: none asked is no core limit (as
+   * HAMi's gpucores 0: the container may use the whole card's compute), not
+   * "0 cores".
+   */
+  function fmtGrantCores(cores, capacity) {
+    return num(cores) === 0 ? 'no core limit' : fmtCores(cores, capacity);
+  }
+
   function cardPods(card) {
     const pods = Array.isArray(card.pods) ? card.pods : [];
     const items = pods.map((pod) => h('li', null,
       podLink(pod.namespace, pod.name),
-      h('span', { class: 'pod-share' }, ` ${fmtMiB(pod.memory_mib)} · ${fmtCores(pod.cores, card.cores)}`)));
+      h('span', { class: 'pod-share' }, ` ${fmtAskedMiB(pod.memory_mib)} · ${fmtGrantCores(pod.cores, card.cores)}`)));
     if (card.others && num(card.others.pods)) {
       items.push(h('li', { class: 'muted' },
-        `+ ${fmtCount(card.others.pods)} pod${card.others.pods === 1 ? '' : 's'} in other namespaces (${fmtMiB(card.others.memory_mib)} · ${fmtCores(card.others.cores, card.cores)})`));
+        `+ ${fmtCount(card.others.pods)} pod${card.others.pods === 1 ? '' : 's'} in other namespaces (${fmtAskedMiB(card.others.memory_mib)} · ${fmtCores(card.others.cores, card.cores)})`));
     }
     if (!items.length) return h('p', { class: 'card-empty muted' }, 'No pods');
     return h('ul', { class: 'card-pods', 'aria-label': `Pods on card ${card.index}` }, items);
@@ -768,7 +809,8 @@
         h('div', { class: 'badges' }, badges),
         h('p', { class: 'node-stats' },
           h('span', null, `${cards.length} card${cards.length === 1 ? '' : 's'}`),
-          ' · ', h('span', null, `fragmentation ${fmtFraction(frag)}`),
+          ' · ', h('span', { testid: `fragmentation-${node.name}` }, frag === null && !anyAllocated(cards)
+            ? 'nothing allocated' : `fragmentation ${fmtFraction(frag)}`),
           num(node.free_share) !== null ? [' · ', h('span', null, `${trimZeros((node.free_share / 1000).toFixed(2))} GPU free`)] : null)),
       cards.length
         ? h('div', { class: 'cards' }, cards.map((card) => cardTile(node, card)))
@@ -898,13 +940,14 @@
   function usageBlock(container, card, usage) {
     const limitBytes = usage && num(usage.limit_bytes) ? usage.limit_bytes : (num(card.memory_mib) || 0) * 1048576;
     const limitMiB = limitBytes / 1048576;
+    const limitText = fmtAskedMiB(limitMiB); // the limit asked, in its MiB
     const used = usage ? num(usage.used_bytes) : null;
     const peak = usage ? num(usage.peak_bytes) : null;
     const usedMiB = used === null ? null : Math.round((used / 1048576) * 10) / 10;
     const fraction = used !== null && limitBytes ? used / limitBytes : 0;
     const valueText = used === null
       ? 'no telemetry yet'
-      : `${fmtBytes(used)} of ${fmtBytes(limitBytes)} used${peak !== null ? `, peak ${fmtBytes(peak)}` : ''}`;
+      : `${fmtBytes(used)} of ${limitText} used${peak !== null ? `, peak ${fmtBytes(peak)}` : ''}`;
     const memBar = bar({
       label: `Memory used by ${container.name} on card ${card.index}`,
       testid: `mem-bar-${container.name}-${card.uuid}`,
@@ -921,11 +964,19 @@
         h('dt', null, 'Denied allocations'), h('dd', null, usage ? fmtCount(num(usage.denied_allocations)) : '—')));
     return h('div', { class: 'usage' },
       h('div', { class: 'metric-head' }, h('span', { class: 'metric-name' }, 'Memory'),
-        h('span', { class: 'metric-value' }, used === null ? `limit ${fmtBytes(limitBytes)}` : `${fmtBytes(used)} / ${fmtBytes(limitBytes)}`)),
+        h('span', { class: 'metric-value' }, used === null ? `limit ${limitText}` : `${fmtBytes(used)} / ${limitText}`)),
       memBar,
       h('p', { class: 'metric-sub' }, used === null ? 'no telemetry yet' : valueText,
         usage && usage.at ? [' · as of ', timeEl(usage.at)] : null),
       stats);
+  }
+
+  /** A card's memory limit as the container asked for it: a share of the card, or MiB. */
+  function limitAsked(asked, card) {
+    const percent = asked && typeof asked === 'object' ? num(asked.memory_percent) : null;
+    return percent === null
+      ? `limit ${fmtAskedMiB(card.memory_mib)}`
+      : `limit ${percent}% of the card (${fmtAskedMiB(card.memory_mib)})`;
   }
 
   function containerSection(container) {
@@ -942,8 +993,8 @@
             card.mig ? h('div', { class: 'badges' }, badge(`MIG ${card.mig.profile ?? ''}`, 'info')) : null),
           h('p', { class: 'card-meta' },
             card.vendor ? [h('span', null, String(card.vendor)), ' · '] : null,
-            h('span', null, `limit ${fmtMiB(card.memory_mib)}`), ' · ',
-            h('span', { testid: `pod-cores-${container.name}-${card.uuid}` }, fmtCores(card.cores, card.card_cores)), ' · ',
+            h('span', { testid: `pod-memory-${container.name}-${card.uuid}` }, limitAsked(container.asked, card)), ' · ',
+            h('span', { testid: `pod-cores-${container.name}-${card.uuid}` }, fmtGrantCores(card.cores, card.card_cores)), ' · ',
             h('code', { class: 'uuid', title: card.uuid }, String(card.uuid ?? ''))),
           usageBlock(container, card, usage));
       })) : h('p', { class: 'muted' }, 'No cards assigned'));
@@ -1019,6 +1070,19 @@
     return badge(t, kind);
   }
 
+  /**
+   * Cores an event names, in the units they were asked in: percent of a card
+   * for NVIDIA's (whose records leave the vendor out) and most vendors' is
+   * not every vendor's (16 a card for Moore Threads, AI cores for Ascend), so
+   * another vendor's are a count; none is no core limit.
+   */
+  function fmtEventCores(cores, vendor) {
+    const n = num(cores);
+    if (n === 0) return 'no core limit';
+    if (vendor && vendor !== 'nvidia') return `${fmtCount(n)} cores`;
+    return `${fmtPercent(n)} cores`;
+  }
+
   function eventDetail(e) {
     const d = e.data && typeof e.data === 'object' ? e.data : {};
     const parts = [];
@@ -1028,11 +1092,11 @@
       for (const c of d.containers) {
         if (!c || typeof c !== 'object') continue;
         if (Array.isArray(c.devices)) {
-          const cards = c.devices.map((g) => `card …${String(g.uuid ?? '').slice(-8)} (${fmtMiB(num(g.memory_mib))}, ${fmtPercent(num(g.cores))} cores${g.mig && g.mig.profile ? `, MIG ${g.mig.profile}` : ''})`);
+          const cards = c.devices.map((g) => `card …${String(g.uuid ?? '').slice(-8)} (${fmtAskedMiB(num(g.memory_mib))}, ${fmtEventCores(g.cores, c.vendor)}${g.mig && g.mig.profile ? `, MIG ${g.mig.profile}` : ''})`);
           parts.push(`${c.name} → ${cards.join(', ')}`);
         } else if (c.memory) {
-          const mem = c.memory.mib ? fmtMiB(c.memory.mib) : c.memory.percent ? `${c.memory.percent}% memory` : '';
-          parts.push(`${c.name} asks ${c.count ?? 1} × ${mem}${num(c.cores) ? `, ${fmtPercent(c.cores)} cores` : ''}`);
+          const mem = c.memory.mib ? fmtAskedMiB(num(c.memory.mib)) : c.memory.percent ? `${c.memory.percent}% memory` : '';
+          parts.push(`${c.name} asks ${c.count ?? 1} × ${mem}, ${fmtEventCores(c.cores ?? 0, c.vendor)}`);
         }
       }
     }
