@@ -24,7 +24,6 @@ from gpuslice_scheduler.sim import (
     PLACEMENTS,
     POLICIES,
     SPLIT_COUNT,
-    TRACE_SOURCE,
     Derivation,
     RunResult,
     TraceError,
@@ -51,7 +50,7 @@ def sim(
     nodes: Path = typer.Option(
         ...,
         "--nodes",
-        help=f"node list CSV (sn, cpu_milli, memory_mib, gpu, model), e.g. openb's: {TRACE_SOURCE}",
+        help="node list CSV (sn, cpu_milli, memory_mib, gpu, model), e.g. openb's (see above)",
     ),
     pods: Path = typer.Option(
         ..., "--pods", help="pod list CSV (cpu_milli, memory_mib, num_gpu, gpu_milli[, gpu_spec])"
@@ -99,7 +98,10 @@ def sim(
 ) -> None:
     """Replay a trace (FGD's published method) and report milli-GPU allocation.
 
-    The openb traces are Alibaba's public GPU cluster trace: `make traces` fetches them.
+    \b
+    The openb traces are Alibaba's public GPU cluster trace, published at
+    https://github.com/alibaba/clusterdata/tree/master/cluster-trace-gpu-v2023/csv
+    (`make traces` fetches them into bench/traces/openb).
     """
     if cpu_pods and via is None:
         errors.print("[red]error:[/] --cpu-pods needs --via", soft_wrap=True)
