@@ -1001,6 +1001,8 @@ async def test_a_huge_body_gets_413_without_the_extender_holding_it(
         "GPUSLICE_KUBE_API": "local",
         "GPUSLICE_LISTEN_HOST": "127.0.0.1",
         "GPUSLICE_LISTEN_PORT": str(port),
+        "GPUSLICE_METRICS_HOST": "127.0.0.1",
+        "GPUSLICE_METRICS_PORT": str(free_port()),
     }
     log = tmp_path / "extender.log"
     body = 256 * 1024 * 1024
