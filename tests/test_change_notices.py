@@ -9,12 +9,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
+from gpuslice_common.config import CommonSettings
 from gpuslice_common.ledger import Ledger
+from gpuslice_common.servers import RedisSentinelGroup
 from gpuslice_scheduler.view import ClusterView
 from tests.conftest import make_inventory
 
@@ -158,3 +161,30 @@ async def test_a_reader_that_dies_is_never_reported_as_listening(
     finally:
         await base.close()
     assert "following the ledger's change notices failed" in caplog.text
+
+
+async def test_notices_through_the_sentinels_skip_any_bytes_too(tmp_path: Path) -> None:
+    """The notices' own connection asks the sentinels for the primary, as the
+    ledger's do."""
+    with RedisSentinelGroup(tmp_path / "redis", replicas=1) as group:
+        settings = CommonSettings(redis_url=group.url, redis_sentinels=group.sentinels)
+        ledger = Ledger.from_settings(settings)
+        primary = group.primary()
+        assert primary is not None
+        seen: list[str] = []
+        ready = asyncio.Event()
+
+        async def follow() -> None:
+            async for node in ledger.watch_changes(poll=0.05, on_subscribed=ready.set):
+                seen.append(node)
+
+        try:
+            async with task_of(follow()) as task:
+                await asyncio.wait_for(ready.wait(), 10)
+                await publish_all(primary.url, ledger.changes_channel, hostile(ledger))
+                await ledger.register_node(make_inventory("node-a", gpus=1), rebuilt=True)
+                await until(lambda: seen == ["node-a"] or task.done())
+                assert not task.done()
+        finally:
+            await ledger.close()
+        assert ledger.refused_notices == len(hostile(ledger))
