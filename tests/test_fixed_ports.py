@@ -20,6 +20,9 @@ from gpuslice_common.config import (
     SchedulerSettings,
     WebhookSettings,
 )
+from gpuslice_common.servers import free_port
+from gpuslice_common.service import http_server, plain_http
+from tests.conftest import FIXED_SERVICE_PORTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES: dict[str, type[Any]] = {
@@ -112,3 +115,19 @@ def test_every_service_a_test_or_bench_starts_gets_each_of_its_ports(path: Path)
     services = started(tree)
     missing = {s: sorted(PORTS[s] - named(tree)) for s in services if PORTS[s] - named(tree)}
     assert missing == {}, f"{path.name} starts services on fixed ports: {missing}"
+
+
+async def test_a_service_served_in_a_test_on_its_default_port_fails_the_test() -> None:
+    """The autouse guard (tests/conftest.py): nothing is bound, the start fails."""
+    assert {9090, 9091, 9092, 9400, 8888, 8443, 8090} <= FIXED_SERVICE_PORTS
+    for port in (
+        SchedulerSettings().metrics_port,
+        DevicePluginSettings.model_fields["metrics_port"].default,
+    ):
+        endpoint = plain_http(lambda *_: None, "127.0.0.1", port)
+        with pytest.raises(AssertionError, match=f"fixed port {port}: give it free_port"):
+            async with http_server(endpoint, "metrics", max_body=0, handle_signals=False):
+                pass
+    free = plain_http(lambda *_: None, "127.0.0.1", free_port())
+    async with http_server(free, "metrics", max_body=0, handle_signals=False) as (server, _):
+        assert server.started
