@@ -99,6 +99,7 @@ def start_inventory(
         GPUSLICE_KUBE_API="none",
         GPUSLICE_LISTEN_HOST="127.0.0.1",
         GPUSLICE_LISTEN_PORT=str(port),
+        GPUSLICE_CONSOLE_PORT="0",  # no console: the bench measures the node path
         GPUSLICE_LOG_LEVEL="WARNING",
     )
     env.update(settings)

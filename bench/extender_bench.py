@@ -114,6 +114,8 @@ def extenders(count: int) -> Iterator[tuple[str, list[subprocess.Popen[bytes]], 
                     "GPUSLICE_KUBE_API": "local",
                     "GPUSLICE_LISTEN_HOST": "127.0.0.1",
                     "GPUSLICE_LISTEN_PORT": str(port),
+                    "GPUSLICE_METRICS_HOST": "127.0.0.1",
+                    "GPUSLICE_METRICS_PORT": str(free_port()),  # each replica its own
                     "GPUSLICE_LOG_LEVEL": "WARNING",
                 }
                 command = [sys.executable, "-m", "gpuslice_scheduler"]

@@ -200,6 +200,8 @@ def main() -> None:
             "GPUSLICE_KUBE_API": "none",
             "GPUSLICE_LISTEN_HOST": "127.0.0.1",
             "GPUSLICE_LISTEN_PORT": str(port),
+            "GPUSLICE_METRICS_HOST": "127.0.0.1",
+            "GPUSLICE_METRICS_PORT": str(free_port()),
             "GPUSLICE_TLS_CERT_FILE": str(cert_file),
             "GPUSLICE_TLS_KEY_FILE": str(key_file),
             "GPUSLICE_LOG_LEVEL": "WARNING",

@@ -13,6 +13,10 @@ The interposer under the fake driver (tests/native/probe.py):
   check=True, preload_after=())``: runs build/probe to completion, a ProbeResult;
 * ``spawn_probe(...)``: the same in the background, a ProbeProcess (a
   subprocess.Popen) for tests that kill or race processes; killed at the test's end.
+
+No test serves HTTP in-process on a service's fixed default port (9092, 9400, ...):
+the autouse ``no_fixed_service_ports`` fails the start, naming the port (processes
+a test starts are checked by tests/test_fixed_ports.py).
 """
 
 from __future__ import annotations
@@ -22,8 +26,16 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import uvicorn
 from redis.asyncio import Redis
 
+from gpuslice_common import service
+from gpuslice_common.config import (
+    DevicePluginSettings,
+    InventorySettings,
+    SchedulerSettings,
+    WebhookSettings,
+)
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import GpuDevice, NodeInventory
 from gpuslice_common.servers import NatsServer, RedisServer
@@ -36,6 +48,31 @@ from tests.native.probe import (
     asan_runtime,
     ensure_built,
 )
+
+# every port a service binds when its settings leave it at the default
+FIXED_SERVICE_PORTS = frozenset(
+    field.default
+    for settings in (WebhookSettings, SchedulerSettings, InventorySettings, DevicePluginSettings)
+    for name, field in settings.model_fields.items()
+    if name.endswith("_port") and isinstance(field.default, int) and field.default > 0
+)
+
+
+@pytest.fixture(autouse=True)
+def no_fixed_service_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refuse to serve on a fixed default port: anything else holding it (another
+    run, a Prometheus on :9090) would make the test fail by chance."""
+    serve = service._serve
+
+    async def guarded(server: uvicorn.Server) -> None:
+        port = server.config.port
+        if port in FIXED_SERVICE_PORTS:
+            raise AssertionError(
+                f"a test serves HTTP on the fixed port {port}: give it free_port()"
+            )
+        await serve(server)
+
+    monkeypatch.setattr(service, "_serve", guarded)
 
 
 @pytest.fixture(scope="session")

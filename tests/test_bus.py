@@ -341,3 +341,43 @@ async def test_the_connect_error_names_the_servers_without_the_password() -> Non
     assert "hunter2secret" not in str(raised.value)
     assert "pw2secret" not in str(raised.value)
     assert f"nats://auditor@127.0.0.1:{port}" in str(raised.value)
+
+
+ANY_BYTES = [
+    b"\xff\xfe",
+    b"",
+    b"not json {",
+    b"[1, 2]",
+    b'"a string"',
+    b"null",
+    b"[" * 100_000,
+    b'{"node": "\xc3\x28"}',
+    b'{"node": ' + b"9" * 100_000 + b"}",
+]
+
+
+async def test_any_bytes_on_a_subscribed_subject_are_dropped_and_the_next_message_served(
+    bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    got: list[NodeInventory] = []
+    events, on_event = collector()
+
+    async def handler(subject: str, inv: NodeInventory) -> None:
+        got.append(inv)
+
+    await bus.subscribe(bus.subjects.inventory_all, NodeInventory, handler)
+    await bus.subscribe_events(bus.subjects.events_all, on_event)
+    huge = b"x" * (bus.nc.max_payload - 64)
+    for payload in [*ANY_BYTES, huge]:
+        await bus.nc.publish(bus.subjects.inventory("node-a"), payload)
+        await bus.nc.publish(bus.subjects.event(EventType.POD_DENIED), payload)
+    inv = make_inventory("node-a")
+    await bus.publish_model(bus.subjects.inventory("node-a"), inv)
+    good = make_event(EventType.POD_DENIED, sample_payload(EventType.POD_DENIED), source="/t")
+    await bus.publish(good)
+    await wait_for(lambda: len(got) == 1 and len(events) == 1)
+    assert got == [inv]
+    assert events == [good]
+    assert bus.stats.malformed == 2 * (len(ANY_BYTES) + 1)
+    assert bus.stats.handler_errors == 0
+    assert not any(r.exc_info for r in caplog.records)

@@ -574,6 +574,19 @@ async def eventually(condition: Any, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def test_bytes_that_name_no_node_on_the_changes_channel_are_counted_in_metrics(
+    stack: Stack,
+) -> None:
+    view = stack.extender.view
+    await eventually(lambda: view.listening)
+    for data in (b"\xff\xfe", b"", b"gpuslice:{Not_A_Node}:meta"):
+        await stack.ledger.redis.publish(stack.ledger.changes_channel, data)
+    await eventually(lambda: view.ledger.refused_notices == 3)
+    text = (await stack.http.get(f"{stack.url}/metrics")).text
+    assert "gpuslice_scheduler_refused_change_notices 3.0" in text
+    assert view.listening
+
+
 async def test_an_unreadable_node_is_skipped_named_and_the_rest_stays_in_sync(
     stack: Stack, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1001,6 +1014,8 @@ async def test_a_huge_body_gets_413_without_the_extender_holding_it(
         "GPUSLICE_KUBE_API": "local",
         "GPUSLICE_LISTEN_HOST": "127.0.0.1",
         "GPUSLICE_LISTEN_PORT": str(port),
+        "GPUSLICE_METRICS_HOST": "127.0.0.1",
+        "GPUSLICE_METRICS_PORT": str(free_port()),
     }
     log = tmp_path / "extender.log"
     body = 256 * 1024 * 1024

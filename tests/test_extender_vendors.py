@@ -343,6 +343,9 @@ async def test_a_bad_device_config_stops_the_service_at_start(service: str, tmp_
         "GPUSLICE_DEVICE_CONFIG": str(bad),
         "GPUSLICE_KUBE_API": "none" if service == "gpuslice_webhook" else "local",
         "GPUSLICE_NATS_URL": "nats://127.0.0.1:1",  # never reached
+        # never bound either, but a start that got that far must not take fixed ones
+        "GPUSLICE_LISTEN_PORT": str(free_port()),
+        "GPUSLICE_METRICS_PORT": str(free_port()),
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", service, env=env, stderr=asyncio.subprocess.PIPE

@@ -91,6 +91,9 @@ def make_settings(
             "health_interval": "100ms",
             "inventory_interval": "10s",
             "coordinate_interval": "100ms",
+            # served unless a test says serve_http=False: never on the fixed 9400
+            "listen_host": "127.0.0.1",
+            "metrics_port": free_port(),
         }
         values.update(overrides)
         return DevicePluginSettings(**values)

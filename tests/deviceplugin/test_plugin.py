@@ -21,6 +21,7 @@ from gpuslice_common.grant import parse as parse_grant
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import NodeInventory, PlacementState
+from gpuslice_common.nodeapi import MAX_DEVICES
 from gpuslice_common.region import Region
 from gpuslice_common.servers import NatsServer
 from gpuslice_deviceplugin.allocation import without_credentials
@@ -641,3 +642,63 @@ async def test_the_agent_publishes_nothing_but_its_inventory_and_asks_only_its_o
     assert any(s.startswith(own[1]) for s in requests)
     assert own[0] in requests
     assert all(s == own[0] or s.startswith(own[1]) for s in requests), requests
+
+
+def preferred_request(size: int, available: list[str]) -> pb.PreferredAllocationRequest:
+    return pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(
+                available_deviceIDs=available, allocation_size=size
+            )
+        ]
+    )
+
+
+@pytest.mark.parametrize("size", [0, -1, MAX_DEVICES + 1, 2**31 - 1])
+async def test_an_absurd_allocation_size_is_invalid_argument_in_one_line(
+    agent: Running, kubelet: DevKubelet, caplog: pytest.LogCaptureFixture, size: int
+) -> None:
+    plugin = await registered(kubelet)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await plugin.stub.GetPreferredAllocation(preferred_request(size, plugin.free()))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == f"allocation_size {size} is not between 1 and {MAX_DEVICES}"
+    refusals = [r for r in caplog.records if "allocation_size" in r.getMessage()]
+    assert len(refusals) == 1
+    assert not any(r.exc_info for r in caplog.records)
+    assert "Traceback" not in caplog.text
+    # the plugin still answers a sound call
+    reply = await plugin.stub.GetPreferredAllocation(preferred_request(1, plugin.free()))
+    assert len(reply.container_responses[0].deviceIDs) == 1
+
+
+async def test_more_devices_than_a_container_takes_is_invalid_argument_in_one_line(
+    agent: Running,
+    kubelet: DevKubelet,
+    node_config: Path,
+    caplog: pytest.LogCaptureFixture,
+    plugin_ledger: Ledger,
+) -> None:
+    """65 replicas the node advertises, all known: refused before the inventory is
+    asked (which takes at most 64), not an UNKNOWN with a traceback."""
+    plugin = await registered(kubelet)
+    write(node_config, SIMULATED.replace("deviceSplitCount: 4", "deviceSplitCount: 40"))
+    devices = await plugin.list_after(1, timeout=5)
+    assert len(devices) == 80
+    await bind(plugin_ledger, placement("waiting", [[(uuids(agent)[0], 100, 5)]]))
+    ids = [d.ID for d in devices][: MAX_DEVICES + 1]
+    caplog.set_level(logging.DEBUG)
+    allocate = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await plugin.stub.Allocate(allocate)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == f"65 device IDs; a container takes at most {MAX_DEVICES}"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await plugin.stub.GetPreferredAllocation(preferred_request(MAX_DEVICES + 1, ids))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not any(r.exc_info for r in caplog.records)
+    assert "Traceback" not in caplog.text
+    record = await plugin_ledger.placement("waiting")
+    assert record is not None
+    assert record.state == PlacementState.BOUND  # nothing was handed out

@@ -199,6 +199,7 @@ async def test_a_busy_metrics_port_is_a_clear_error(
 
 def test_bad_settings_and_config_end_the_process_with_a_message(tmp_path: Path) -> None:
     base = {k: v for k, v in os.environ.items() if not k.startswith("GPUSLICE_")}
+    base["GPUSLICE_METRICS_PORT"] = str(free_port())  # never bound: the start fails first
     missing = subprocess.run(
         [sys.executable, "-m", "gpuslice_deviceplugin"],
         env=base,

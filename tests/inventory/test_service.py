@@ -59,6 +59,51 @@ async def test_inventories_register_nodes(
         await led.close()
 
 
+ANY_BYTES = [
+    b"\xff\xfe",
+    b"",
+    b"not json {",
+    b"[1, 2]",
+    b"null",
+    b"[" * 100_000,
+    b'{"node": "\xc3\x28"}',
+    b"x" * 500_000,
+]
+
+
+async def test_any_bytes_on_every_subject_the_inventory_follows_are_counted_and_skipped(
+    nats_server: NatsServer,
+    redis_url: str,
+    prefix: str,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Inventories, ended pods and telemetry: each message of bytes no gpuslice
+    sends is counted and dropped without a traceback, and the good one after
+    them is still taken."""
+    config = settings_for(nats_server, redis_url, prefix)
+    subjects = [
+        f"{prefix}.inventory.gpu-1",
+        f"{prefix}.pods.ended",
+        f"{prefix}.telemetry.gpu-1.uid-1",
+    ]
+    async with running(config, bus, serve_http=False) as state:
+        for payload in ANY_BYTES:
+            for subject in subjects:
+                await bus.nc.publish(subject, payload)
+        await bus.publish_model(f"{prefix}.inventory.gpu-1", make_inventory("gpu-1"))
+        await bus.flush()
+        await until(lambda: state.work.registrations == 1)
+        await until(lambda: state.telemetry.stats.malformed == len(ANY_BYTES))
+        await until(lambda: state.bus.stats.malformed == len(ANY_BYTES))
+        assert sum(state.work.refused.values()) == len(ANY_BYTES)
+        text = generate_latest(state.registry).decode()
+    assert f"gpuslice_inventory_bus_messages_malformed_total {float(len(ANY_BYTES))}" in text
+    assert "gpuslice_inventory_change_notices_refused_total 0.0" in text
+    assert "Traceback" not in caplog.text
+    assert not any(r.exc_info for r in caplog.records)
+
+
 async def test_inventories_out_of_bounds_or_on_another_subject_are_refused_in_one_line(
     nats_server: NatsServer,
     redis_url: str,

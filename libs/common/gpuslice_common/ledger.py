@@ -47,7 +47,7 @@ from datetime import UTC, datetime, timedelta
 from importlib import resources
 from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
@@ -361,6 +361,7 @@ def _text(value: Any) -> str:
 
 
 RedisClient = Redis | RedisCluster
+MAX_NOTICE_BYTES = 1024  # a meta key: the prefix and a node name (253) in its tag
 
 
 class _PrimaryConnection(SentinelManagedConnection):
@@ -475,6 +476,7 @@ class Ledger:
         self.claim_lease_ms = int(claim_lease.total_seconds() * 1000)
         self._gate = asyncio.Semaphore(max_in_flight)
         self._sentinel: Sentinel | None = None  # closed with the ledger
+        self.refused_notices = 0  # change notices skipped: they named no node
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(_script_source(name))
             for name in (
@@ -617,11 +619,40 @@ class Ledger:
         return f"{self.prefix}:changes"
 
     def node_of_meta_key(self, key: str) -> str | None:
-        """The node whose meta key ``key`` is, or None for anything else."""
+        """The node whose meta key ``key`` is, or None for anything else (a token
+        that is not a node's: no gpuslice script writes it)."""
         head, tail = f"{self.prefix}:{{", "}:meta"
         if not key.startswith(head) or not key.endswith(tail) or len(key) <= len(head + tail):
             return None
-        return node_from_token(key[len(head) : -len(tail)])
+        token = key[len(head) : -len(tail)]
+        node = node_from_token(token)
+        try:
+            return node if node_token(node) == token else None
+        except ValueError:
+            return None
+
+    def _notice_node(self, data: object) -> str | None:
+        """The node a change notice announces; None, logged and counted in
+        :attr:`refused_notices`, for bytes no gpuslice script publishes (not
+        UTF-8, too long, empty, not a meta key of this ledger)."""
+        raw = data if isinstance(data, bytes) else str(data).encode("utf-8", "backslashreplace")
+        node = None
+        if len(raw) <= MAX_NOTICE_BYTES:
+            with contextlib.suppress(UnicodeDecodeError):
+                node = self.node_of_meta_key(raw.decode("utf-8"))
+        if node is None:
+            self.refused_notices += 1
+            count = self.refused_notices
+            if count in (1, 10, 100) or count % 1000 == 0:
+                log.warning(
+                    "skipped a change notice on %s that names no node's meta key "
+                    "(%d bytes: %r); %d skipped since start",
+                    self.changes_channel,
+                    len(raw),
+                    raw[:80],
+                    count,
+                )
+        return node
 
     async def watch_changes(
         self, poll: float = 1.0, on_subscribed: Callable[[], None] | None = None
@@ -630,11 +661,18 @@ class Ledger:
 
         Not on Redis Cluster (raises NotImplementedError). A dropped connection
         raises LedgerUnavailable: changes in between are lost, so re-read
-        everything (revisions) after subscribing again.
+        everything (revisions) after subscribing again. Anyone who may publish
+        on the channel can send any bytes: what names no node is skipped
+        (:meth:`_notice_node`), and the notices are read as bytes, on a
+        connection of their own, so no bytes can stop the reading (decoded by the
+        client, a byte that is not UTF-8 raised amid its parse).
         """
         if isinstance(self.redis, RedisCluster):
             raise NotImplementedError("change notices are not followed on Redis Cluster")
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pool = self.redis.connection_pool
+        kwargs = {**pool.connection_kwargs, "decode_responses": False}
+        raw = Redis.from_pool(ConnectionPool(connection_class=pool.connection_class, **kwargs))
+        pubsub = raw.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(self.changes_channel)
             if on_subscribed is not None:
@@ -643,7 +681,7 @@ class Ledger:
                 message = await pubsub.get_message(timeout=poll)
                 if message is None or message.get("type") != "message":
                     continue
-                node = self.node_of_meta_key(_text(message["data"]))
+                node = self._notice_node(message["data"])
                 if node is not None:
                     yield node
         except (RedisError, OSError) as exc:
@@ -651,6 +689,8 @@ class Ledger:
         finally:
             with contextlib.suppress(RedisError, OSError):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
+            with contextlib.suppress(RedisError, OSError):
+                await raw.aclose()
 
     @property
     def nodes_key(self) -> str:

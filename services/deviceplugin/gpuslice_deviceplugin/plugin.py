@@ -31,7 +31,7 @@ import grpc
 from gpuslice_common.config import DevicePluginSettings
 from gpuslice_common.kube import KubeApi, KubeError
 from gpuslice_common.models import PlacementState, PodRef
-from gpuslice_common.nodeapi import AllocationReply, ErrorKind, NodeRequestError
+from gpuslice_common.nodeapi import MAX_DEVICES, AllocationReply, ErrorKind, NodeRequestError
 from gpuslice_deviceplugin.allocation import answer, control_wanted, grant, on_mig
 from gpuslice_deviceplugin.api import deviceplugin_pb2 as pb
 from gpuslice_deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -188,10 +188,9 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
         out = []
         for wanted in request.container_requests:
             size = wanted.allocation_size
-            if size < 1:
-                await self._refuse(
-                    context, grpc.StatusCode.INVALID_ARGUMENT, "allocation_size must be at least 1"
-                )
+            if not 1 <= size <= MAX_DEVICES:
+                problem = f"allocation_size {size} is not between 1 and {MAX_DEVICES}"
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
             chosen: list[str] = []
             try:
                 chosen = list(await self.gateway.preferred(size))
@@ -270,6 +269,8 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
     def _check_ids(self, ids: list[str]) -> str:
         if not ids:
             return "the container request names no device IDs"
+        if len(ids) > MAX_DEVICES:
+            return f"{len(ids)} device IDs; a container takes at most {MAX_DEVICES}"
         if len(set(ids)) != len(ids):
             return f"device IDs repeat: {', '.join(ids)}"
         unknown = [i for i in ids if self.devices.replicas.uuid_of(i) is None]
@@ -380,6 +381,8 @@ class DevicePlugin(pb_grpc.DevicePluginServicer):
     async def _refuse(
         context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, message: str
     ) -> NoReturn:
+        if code == grpc.StatusCode.INVALID_ARGUMENT:  # kubelet's call, not ours, is at fault
+            log.warning("refused a kubelet call: %s", message)
         await context.abort(code, message)
         raise AssertionError("unreachable: abort raises")
 

@@ -395,6 +395,10 @@ WORK_METRICS = {
     "telemetry_dropped": "Well-formed telemetry samples not stored, by reason: too many "
     "waiting (full, containers, flush-failed), or not the placement's (not-placed, "
     "foreign-container, foreign-device).",
+    "change_notices_refused": "Messages on the ledger's changes channel skipped: they named "
+    "no node (bytes no gpuslice publishes).",
+    "bus_messages_malformed": "Messages on subscribed NATS subjects dropped before any handler: "
+    "not the message the subject carries.",
     "callout_nodes_accepted": "NATS connections of node agents let in by the auth callout.",
     "callout_containers_accepted": "NATS connections of GPU containers let in by the auth callout.",
     "callout_refusals": "NATS connections refused by the auth callout, by reason.",

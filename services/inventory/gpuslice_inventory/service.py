@@ -223,6 +223,8 @@ class Running:
             ),
             "node_failures_repeated": self.gateway.stats.repeated_failures,
             "node_enforce_reports_dropped": self.gateway.stats.enforce_dropped,
+            "change_notices_refused": self.ledger.refused_notices,
+            "bus_messages_malformed": self.bus.stats.malformed,
         }
         if self.callout is not None:
             c = self.callout.stats

@@ -177,6 +177,7 @@ def render_metrics(extender: Extender) -> bytes:
     metrics = extender.metrics
     metrics.nodes.set(extender.view.cluster.node_count)
     metrics.skipped_nodes.set(len(extender.view.skipped))
+    metrics.refused_notices.set(extender.view.ledger.refused_notices)
     return generate_latest(metrics.registry)
 
 

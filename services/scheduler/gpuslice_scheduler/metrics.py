@@ -65,6 +65,12 @@ class Metrics:
             "Registered nodes left out of the scheduler's copy: their record cannot be read.",
             registry=self.registry,
         )
+        self.refused_notices = Gauge(
+            "gpuslice_scheduler_refused_change_notices",
+            "Messages on the ledger's changes channel skipped since start: they named no "
+            "node (bytes no gpuslice publishes).",
+            registry=self.registry,
+        )
         self.preemptions = Counter(
             "gpuslice_scheduler_preemptions",
             "GPU preemptions tried at filter time, by outcome (nominated, no_victims, "

@@ -334,21 +334,29 @@ class ClusterView:
             self._resync_due = 0.0  # changes before the subscription: read everything again
             self._wake.set()
 
-        while True:
-            try:
-                async for node in self.ledger.watch_changes(on_subscribed=subscribed):
-                    self._dirty.add(node)
-                    self._wake.set()
-                    heard = self._heard.pop(node, None)
-                    if heard is not None:
-                        heard.set()
-            except NotImplementedError:  # Redis Cluster: polling only
-                return
-            except LedgerError as exc:
-                if self.listening:
-                    log.warning("%s; polling the ledger until they resume", exc)
-                self.listening = False
-                await asyncio.sleep(self.interval)
+        try:
+            while True:
+                try:
+                    async for node in self.ledger.watch_changes(on_subscribed=subscribed):
+                        self._dirty.add(node)
+                        self._wake.set()
+                        heard = self._heard.pop(node, None)
+                        if heard is not None:
+                            heard.set()
+                except NotImplementedError:  # Redis Cluster: polling only
+                    return
+                except Exception as exc:  # lost, or a fault of ours: polled until back
+                    stop_if_cancelled()
+                    if self.listening:
+                        if isinstance(exc, LedgerError):
+                            log.warning("%s; polling the ledger until they resume", exc)
+                        else:
+                            log.exception("following the ledger's change notices failed")
+                    self.listening = False
+                    self._wake.set()  # polling starts now, not after a resync's wait
+                    await asyncio.sleep(self.interval)
+        finally:
+            self.listening = False  # however it ends, nothing follows the notices
 
     async def run(self) -> None:
         """Keep the copy fresh forever; a Redis outage is logged and retried, never fatal.

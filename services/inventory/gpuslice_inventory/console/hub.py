@@ -164,6 +164,10 @@ class Hub:
                 check_cancelled()  # the Redis client may turn a cancellation into an error
                 log.debug("console: %s", exc)
                 await asyncio.sleep(min(self.tick, RETRY_S))
+            except Exception:  # a fault of ours: the notices are followed again
+                check_cancelled()
+                log.exception("console: following the ledger's change notices failed")
+                await asyncio.sleep(min(self.tick, RETRY_S))
 
     def _subscribed(self) -> None:
         """Change notices (again): what changed before them is read in full now."""
