@@ -138,21 +138,17 @@ class HistoryStore:
                 break
             del self.series[key]
 
-    def document(self, key: Key | None) -> dict[str, Any] | None:
-        """The JSON answer for ``key`` (None: the cluster's); None when unknown."""
+    def document(self, key: Key | None) -> dict[str, Any]:
+        """The JSON answer for ``key`` (None: the cluster's); no points for a
+        series not (or no longer) kept: a pod denied or gone has no hour to show."""
         now = self.clock()
-        if key is None:
-            series, fields = self.cluster, CLUSTER_FIELDS
-        else:
-            found = self.series.get(key)
-            if found is None:
-                return None
-            series, fields = found, USAGE_FIELDS
+        found = self.cluster if key is None else self.series.get(key)
+        fields = CLUSTER_FIELDS if key is None else USAGE_FIELDS
         return {
-            "step_s": series.step,
-            "span_s": series.step * series.points,
+            "step_s": self.step,
+            "span_s": self.step * self.points,
             "fields": ["at_ms", *fields],
-            "points": series.read(now),
+            "points": [] if found is None else found.read(now),
         }
 
     # ------------------------------------------------------------ from the snapshot

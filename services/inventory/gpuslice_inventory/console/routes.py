@@ -333,8 +333,9 @@ def create_console_app(
     async def history(request: Request) -> Response:
         """The last hour of the cluster (no parameter), of a card (``node`` and
         ``card``, its UUID) or of a pod (``namespace`` and ``name``; 404 to a
-        viewer who may not see its namespace, as for the pod itself). A card's
-        totals are in every viewer's snapshot: its history is too."""
+        viewer who may not see its namespace, as for the pod itself); no points
+        for what has none kept. A card's totals are in every viewer's snapshot:
+        its history is too."""
         viewer = await authenticate(request)
         await ready()
         node, card = _text(request, "node"), _text(request, "card")
@@ -345,20 +346,15 @@ def create_console_app(
                 raise ConsoleError(400, "namespace and name: both or neither")
             if node is not None or card is not None:
                 raise ConsoleError(400, "node and card: not with namespace and name")
-            unknown = f"no history of pod {namespace}/{name}"
-            if not await authenticator.may_see(viewer, namespace):
-                raise ConsoleError(404, unknown)  # the same answer: no oracle of what exists
+            if not await authenticator.may_see(viewer, namespace):  # as for the pod itself
+                raise ConsoleError(404, f"no pod {namespace}/{name} is known")
             doc = store.document(("pod", namespace, name))
         elif node is not None or card is not None:
             if node is None or card is None:
                 raise ConsoleError(400, "node and card: both or neither")
-            unknown = f"no history of card {card} on {node}"
             doc = store.document(("card", node, card))
         else:
-            unknown = "no history"
             doc = store.document(None)
-        if doc is None:
-            raise ConsoleError(404, unknown)
         return _json(orjson.dumps(doc))
 
     @app.api_route("/api/v1/audit", methods=["GET", "HEAD"])
