@@ -272,6 +272,7 @@ async def test_a_cards_page_and_the_cluster_show_their_last_hour(
     assert await wait_chart_at_least(page, "history-card-memory", "limit_mib", 4000) > 4000
     assert await wait_chart_at_least(page, "history-card-memory", "measured_mib", 256) >= 256
     await expect(page.get_by_test_id("chart-card-compute")).to_have_attribute("role", "img")
+    assert await page.evaluate(ACCESSIBILITY) == []  # the card's page passes the checks too
 
     await show(page, console, "#/cluster")
     allocated = await wait_chart_at_least(page, "history-cluster-allocation", "memory", 0.1)
