@@ -17,7 +17,9 @@ memory can be read from ``/proc``. Loads a cluster as it would run:
   audit events, as the inventory and the extender would publish them.
 
 Then phases of equal length, each with a fresh viewer process that holds the
-pages' event streams open (httpx, reading every byte): 1 and ``--viewers``
+pages' event streams open (httpx, reading every byte; the cluster and pod
+pages also ask for their last hour, ``/api/v1/history``, as console.js does):
+1 and ``--viewers``
 viewers of the cluster view, ``--viewers`` viewers of the pod view of
 ``bench/watched``, ``--viewers`` followers of the audit view; before and after
 each, a phase with no viewer (the baseline, measured in the same run: on a
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import platform
@@ -185,6 +188,19 @@ def loadavg() -> float:
 
 
 Frame = tuple[float, int, str, int]  # (received at, bytes, event name or "", newest trickle)
+Fetch = tuple[float, int]  # a page's history request: (answered at, bytes)
+HISTORY_MIN_S = 5.0  # as console.js: a page asks for its last hour at most this often
+HISTORY_EVERY_S = 30.0  # and at least this often
+
+
+def history_path(query: dict[str, str]) -> str | None:
+    """The history a page of ``query``'s view asks for, as console.js does (none
+    for the audit view)."""
+    if query.get("view") == "cluster":
+        return "/api/v1/history"
+    if query.get("view") == "pod":
+        return f"/api/v1/history?namespace={query['namespace']}&name={query['name']}"
+    return None
 
 
 def viewers_main(
@@ -193,14 +209,55 @@ def viewers_main(
     count: int,
     ready: Queue[tuple[int, list[str]]],
     stop: MpEvent,
-    out: Queue[tuple[list[list[Frame]], list[str], float]],
+    out: Queue[tuple[list[list[Frame]], list[list[Fetch]], list[str], float]],
 ) -> None:
-    """In the child: hold ``count`` event streams open until ``stop``; put every
-    frame each received, the errors, and this process's CPU seconds."""
+    """In the child: hold ``count`` event streams open until ``stop``, each
+    asking for its page's history as console.js does (on opening, after an
+    event at most every ``HISTORY_MIN_S``, and every ``HISTORY_EVERY_S``); put
+    every frame and history answer each received, the errors, and this
+    process's CPU seconds."""
     frames: list[list[Frame]] = [[] for _ in range(count)]
+    fetches: list[list[Fetch]] = [[] for _ in range(count)]
     errors: list[str] = []
+    path = history_path(query)
 
-    async def view(client: httpx.AsyncClient, mine: list[Frame], connected: asyncio.Event) -> None:
+    async def fetch(client: httpx.AsyncClient, got: list[Fetch]) -> None:
+        assert path is not None
+        answer = await client.get(path)
+        if answer.status_code != 200:
+            errors.append(f"history answered {answer.status_code}")
+        got.append((time.monotonic(), len(answer.content)))
+
+    async def history(client: httpx.AsyncClient, got: list[Fetch], wanted: asyncio.Event) -> None:
+        """One page's history requests: on opening, then when ``wanted`` (set by
+        an event), at most every HISTORY_MIN_S, and every HISTORY_EVERY_S."""
+        while True:
+            asked = time.monotonic()
+            await fetch(client, got)
+            wanted.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wanted.wait(), HISTORY_EVERY_S)
+            await asyncio.sleep(max(0.0, asked + HISTORY_MIN_S - time.monotonic()))
+
+    async def view(
+        client: httpx.AsyncClient, mine: list[Frame], got: list[Fetch], connected: asyncio.Event
+    ) -> None:
+        wanted = asyncio.Event()
+        asking = None if path is None else asyncio.create_task(history(client, got, wanted))
+        try:
+            await stream(client, mine, connected, wanted)
+        finally:
+            if asking is not None:
+                asking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asking
+
+    async def stream(
+        client: httpx.AsyncClient,
+        mine: list[Frame],
+        connected: asyncio.Event,
+        wanted: asyncio.Event,
+    ) -> None:
         async with client.stream("GET", "/api/v1/stream", params=query) as answer:
             if answer.status_code != 200:
                 raise RuntimeError(f"stream answered {answer.status_code}")
@@ -219,6 +276,7 @@ def viewers_main(
                         mine.append((now, len(frame) + 2, "", -1))
                         continue
                     name = frame[7 : frame.index(b"\n")].decode() if b"\n" in frame else "?"
+                    wanted.set()
                     found = [int(m) for m in TRICKLE.findall(frame)]
                     mine.append((now, len(frame) + 2, name, max(found, default=-1)))
 
@@ -228,7 +286,8 @@ def viewers_main(
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
             connected = [asyncio.Event() for _ in range(count)]
             tasks = [
-                asyncio.create_task(view(client, frames[i], connected[i])) for i in range(count)
+                asyncio.create_task(view(client, frames[i], fetches[i], connected[i]))
+                for i in range(count)
             ]
             waiting = [asyncio.create_task(c.wait()) for c in connected]
             done, _ = await asyncio.wait(waiting, timeout=120)
@@ -244,7 +303,7 @@ def viewers_main(
                     errors.append(f"{type(ended).__name__}: {ended}")
 
     uvloop.run(run())
-    out.put((frames, errors, cpu_seconds(os.getpid())))
+    out.put((frames, fetches, errors, cpu_seconds(os.getpid())))
 
 
 # ------------------------------------------------------------ the load
@@ -337,6 +396,8 @@ class Result:
     commands: float  # per s
     bytes_per_s: float
     events_per_viewer: float
+    history_per_viewer: float  # history requests each page made in the window
+    history_bytes_per_s: float
     latency_all_p50: float | None
     last_p50: float | None
     last_max: float | None
@@ -377,7 +438,7 @@ class Bench:
         proc: BaseProcess | None = None
         connected, errors = 0, list[str]()
         ready: Queue[tuple[int, list[str]]] = ctx.Queue()
-        out: Queue[tuple[list[list[Frame]], list[str], float]] = ctx.Queue()
+        out: Queue[tuple[list[list[Frame]], list[list[Fetch]], list[str], float]] = ctx.Queue()
         stop = ctx.Event()
         if count:
             proc = ctx.Process(
@@ -393,16 +454,18 @@ class Bench:
         end = await self.sample()
         rss = rss_mib(self.inventory_pid)
         frames: list[list[Frame]] = []
+        fetches: list[list[Fetch]] = []
         viewer_cpu = 0.0
         if proc is not None:
             await asyncio.sleep(self.grace)  # the window's last changes still arrive
             stop.set()
-            frames, more, viewer_cpu = await asyncio.to_thread(out.get, True, 120)
+            frames, fetches, more, viewer_cpu = await asyncio.to_thread(out.get, True, 120)
             errors += more
             await asyncio.to_thread(proc.join, 30)
         elapsed = end.at - start.at
         window = [(k, t) for k, t in self.load.changes if start.at <= t <= end.at]
         in_window = [[f for f in mine if start.at <= f[0] <= end.at] for mine in frames]
+        asked = [[f for f in got if start.at <= f[0] <= end.at] for got in fetches]
         all_lat: list[float] = []
         last: list[float] = []
         missed = 0
@@ -432,6 +495,8 @@ class Bench:
                 if in_window
                 else 0.0
             ),
+            history_per_viewer=statistics.mean(len(got) for got in asked) if asked else 0.0,
+            history_bytes_per_s=sum(f[1] for got in asked for f in got) / elapsed,
             latency_all_p50=statistics.median(all_lat) if all_lat else None,
             last_p50=statistics.median(last) if last else None,
             last_max=max(last) if last else None,
@@ -618,13 +683,19 @@ def report(args: argparse.Namespace, results: list[Result]) -> None:
             f"{r.busy_cpus:.2f} ({r.load[0]:.1f} to {r.load[1]:.1f}) |"
         )
     print()
-    print("| phase | viewers | connected | viewer process CPU s | errors |")
-    print("|---|---|---|---|---|")
+    print(
+        "| phase | viewers | connected | history requests per viewer | history MB/s | "
+        "viewer process CPU s | errors |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         if not r.viewers:
             continue
         shown = "; ".join(sorted(set(r.errors))[:3]) or "none"
-        print(f"| {r.name} | {r.viewers} | {r.connected} | {r.viewer_cpu:.1f} | {shown} |")
+        print(
+            f"| {r.name} | {r.viewers} | {r.connected} | {r.history_per_viewer:.1f} | "
+            f"{r.history_bytes_per_s / 1e6:.3f} | {r.viewer_cpu:.1f} | {shown} |"
+        )
     if args.problems:
         print(f"\nload problems ({len(args.problems)}): {args.problems[:3]}")
     if any(r.errors or r.connected != r.viewers for r in results) or args.problems:

@@ -166,6 +166,22 @@ async def wait_value_at_least(page: Page, testid: str, least: float) -> None:
     )
 
 
+async def wait_chart_at_least(page: Page, table: str, field: str, least: float) -> float:
+    """The newest value of ``field`` in the hidden table of chart ``table``, once
+    it reaches ``least``."""
+    found = await page.wait_for_function(
+        """([table, field, least]) => {
+            const cells = document.querySelectorAll(
+                `[data-testid="${table}"] tbody tr td[data-field="${field}"][data-value]`);
+            const value = cells.length ? Number(cells[cells.length - 1].dataset.value) : NaN;
+            return value >= least ? value : null;
+        }""",
+        arg=[table, field, least],
+        timeout=WAIT_MS,
+    )
+    return float(await found.json_value())
+
+
 # ---------------------------------------------------------------- the views
 
 
@@ -206,7 +222,7 @@ async def test_the_grid_shows_every_card_and_the_running_pod_on_its_card(
     await expect(page.get_by_role("heading", level=1)).to_have_text("team-a/grower")
 
 
-async def test_a_pods_memory_bar_moves_when_its_process_allocates(
+async def test_a_pods_memory_bar_and_chart_move_when_its_process_allocates(
     console: Console, page: Page
 ) -> None:
     bar = f"mem-bar-main-{console.grower_card}"
@@ -217,16 +233,53 @@ async def test_a_pods_memory_bar_moves_when_its_process_allocates(
     await wait_value_at_least(page, bar, 256)  # the first 256 MiB, measured
     before = await value_now(page, bar)
     assert before < 4000
+    # its last hour: allocated and limit its share, measured what the probe holds
+    table = "history-pod-memory"
+    charted = await wait_chart_at_least(page, table, "measured_mib", 256)
+    assert charted < 1000
+    assert await wait_chart_at_least(page, table, "allocated_mib", 4000) == 4000
+    assert await wait_chart_at_least(page, table, "limit_mib", 4000) == 4000
+    assert await wait_chart_at_least(page, "history-pod-compute", "cores", 30) == 30
+    chart = page.get_by_test_id("chart-pod-memory")
+    await expect(chart).to_have_attribute("role", "img")
+    label = re.compile(r"^Memory, last hour: allocated now \S+ \w+, lowest .*; measured now ")
+    await expect(chart).to_have_attribute("aria-label", label)
 
     console.grow.open()  # the probe goes on: 1 GiB more
     await wait_value_at_least(page, bar, before + 1000)
     after = await value_now(page, bar)
     assert before + 1000 <= after <= 4000
+    # the chart follows without a reload, and says so in its label
+    assert await wait_chart_at_least(page, table, "measured_mib", charted + 1000) <= 4000
+    grown = re.compile(r"measured now (1(\.\d)? GiB|1\d{3} MiB)")
+    await expect(chart).to_have_attribute("aria-label", grown)
     await expect(located).to_have_attribute(
         "aria-valuetext", re.compile(r"^\d(\.\d)? GiB of 4000 MiB used, peak \d(\.\d)? GiB$")
     )
     # the page was not reloaded: the stream brought it
     await expect(page.get_by_test_id(f"pod-card-main-{console.grower_card}")).to_contain_text("GiB")
+
+
+async def test_a_cards_page_and_the_cluster_show_their_last_hour(
+    console: Console, page: Page
+) -> None:
+    await show(page, console, "#/cluster")
+    await page.get_by_test_id(f"history-link-{console.grower_card}").click()
+    await expect(page).to_have_url(re.compile(rf"#/cards/[^/]+/{console.grower_card}$"))
+    await expect(page.get_by_test_id(f"card-{console.grower_card}")).to_be_visible()
+    # the grower's 4000 MiB at least are allocated on its card; its memory is the limit
+    assert await wait_chart_at_least(page, "history-card-memory", "allocated_mib", 4000) >= 4000
+    assert await wait_chart_at_least(page, "history-card-memory", "limit_mib", 4000) > 4000
+    assert await wait_chart_at_least(page, "history-card-memory", "measured_mib", 256) >= 256
+    await expect(page.get_by_test_id("chart-card-compute")).to_have_attribute("role", "img")
+    assert await page.evaluate(ACCESSIBILITY) == []  # the card's page passes the checks too
+
+    await show(page, console, "#/cluster")
+    allocated = await wait_chart_at_least(page, "history-cluster-allocation", "memory", 0.1)
+    assert allocated <= 100
+    await expect(page.get_by_test_id("chart-cluster-fragmentation")).to_have_attribute(
+        "aria-label", re.compile(r"^Fragmentation, last hour: fragmentation ")
+    )
 
 
 async def test_a_denied_pod_shows_its_reason(console: Console, page: Page) -> None:
@@ -389,6 +442,8 @@ ACCESSIBILITY = (Path(__file__).parent / "accessibility.js").read_text()
         ("#/pods/team-a/grower", '[data-testid^="mem-bar-"]'),
         ("#/pods/team-c/bad-cores", '[data-testid="pod-reason"]'),
         ("#/audit", '[data-testid="audit-event"]'),
+        ("#/cluster", '[data-testid="chart-cluster-allocation"]'),
+        ("#/pods/team-a/grower", '[data-testid="chart-pod-memory"]'),
     ],
 )
 async def test_every_view_passes_the_basic_accessibility_checks(

@@ -329,6 +329,34 @@ def create_console_app(
             raise ConsoleError(404, unknown)
         return _json(body)
 
+    @app.api_route("/api/v1/history", methods=["GET", "HEAD"])
+    async def history(request: Request) -> Response:
+        """The last hour of the cluster (no parameter), of a card (``node`` and
+        ``card``, its UUID) or of a pod (``namespace`` and ``name``; 404 to a
+        viewer who may not see its namespace, as for the pod itself); no points
+        for what has none kept. A card's totals are in every viewer's snapshot:
+        its history is too."""
+        viewer = await authenticate(request)
+        await ready()
+        node, card = _text(request, "node"), _text(request, "card")
+        namespace, name = _text(request, "namespace"), _text(request, "name")
+        store = hub.builder.history
+        if namespace is not None or name is not None:
+            if namespace is None or name is None:
+                raise ConsoleError(400, "namespace and name: both or neither")
+            if node is not None or card is not None:
+                raise ConsoleError(400, "node and card: not with namespace and name")
+            if not await authenticator.may_see(viewer, namespace):  # as for the pod itself
+                raise ConsoleError(404, f"no pod {namespace}/{name} is known")
+            doc = store.document(("pod", namespace, name))
+        elif node is not None or card is not None:
+            if node is None or card is None:
+                raise ConsoleError(400, "node and card: both or neither")
+            doc = store.document(("card", node, card))
+        else:
+            doc = store.document(None)
+        return _json(orjson.dumps(doc))
+
     @app.api_route("/api/v1/audit", methods=["GET", "HEAD"])
     async def audit(request: Request) -> Response:
         viewer = await authenticate(request)

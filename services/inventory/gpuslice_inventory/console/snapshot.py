@@ -31,6 +31,7 @@ from gpuslice_common.ledger import BadRecord, Ledger, NodeCards, NodeLiveness, S
 from gpuslice_common.models import Placement, PlacementState, utcnow, vendor_order
 from gpuslice_common.occupancy import card_grants
 from gpuslice_common.reports import SchedulerReport, read_report
+from gpuslice_inventory.console.history import HistoryStore
 from gpuslice_inventory.telemetry import ContainerUsage, TelemetryStore
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,11 @@ class SnapshotBuilder:
         *,
         resync: float = RESYNC_S,
         clock: Callable[[], datetime] = utcnow,
+        history: HistoryStore | None = None,
     ) -> None:
         self.ledger = ledger
+        # the last hour of every card, pod and the cluster, sampled at each full refresh
+        self.history = history if history is not None else HistoryStore()
         self.telemetry = telemetry
         self.prefix = prefix
         self.resync = resync
@@ -162,7 +166,10 @@ class SnapshotBuilder:
             self.report = await read_report(self.ledger.redis, self.prefix)
         self.problem = None
         self.read_at = self.clock()
-        return self._compose()
+        composed = self._compose()
+        if full:
+            self.history.record_snapshot(self.document, self.usage)
+        return composed
 
     def failed(self, why: str = "the ledger cannot be read") -> bool:
         """A refresh failed (Redis does not answer, or holds what cannot be

@@ -534,6 +534,169 @@
     return el;
   }
 
+  // ------------------------------------------------------------ history charts
+
+  const SVG_NS = 'http://www.w3.org/2000/svg';
+  const CHART_W = 600;
+  const CHART_H = 160;
+  const HISTORY_MIN_MS = 5000; // a page asks for its history at most this often
+  const HISTORY_EVERY_MS = 30000; // and at least this often (one step): the hour moves on
+
+  function svg(tag, attrs) {
+    const el = document.createElementNS(SVG_NS, tag);
+    for (const [key, value] of Object.entries(attrs || {})) el.setAttribute(key, String(value));
+    return el;
+  }
+
+  /** The values of one field of a history document, by field name: [[ms, value|null], ...]. */
+  function historyValues(doc, value) {
+    const fields = Array.isArray(doc.fields) ? doc.fields : [];
+    const at = (p, name) => {
+      const i = fields.indexOf(name);
+      return i < 0 ? null : num(p[i]);
+    };
+    const points = Array.isArray(doc.points) ? doc.points : [];
+    return points.filter(Array.isArray).map((p) => [num(p[0]), value((name) => at(p, name))]);
+  }
+
+  function summarise(values, fmt) {
+    const known = values.map(([, v]) => v).filter((v) => v !== null);
+    if (!known.length) return 'no data';
+    return `now ${fmt(known[known.length - 1])}, lowest ${fmt(Math.min(...known))}, highest ${fmt(Math.max(...known))}`;
+  }
+
+  /**
+   * A line chart of the last hour as inline SVG: role=img with a label that
+   * sums each series up, a legend, and a visually hidden table of every value.
+   * `series`: [{ name, field, cls, value(at) -> number|null, fmt }]; `max`: the
+   * top of the scale at least (it grows to the highest value).
+   */
+  function historyChart({ id, title, doc, series, max }) {
+    const span = (num(doc.span_s) || 3600) * 1000;
+    const lines = series.map((s) => ({ ...s, values: historyValues(doc, s.value) }));
+    const end = Math.max(Date.now(), ...lines.flatMap((l) => l.values.map(([t]) => t || 0)));
+    const start = end - span;
+    let top = max || 0;
+    for (const l of lines) for (const [, v] of l.values) if (v !== null && v > top) top = v;
+    if (!(top > 0)) top = 1;
+    top *= 1.05; // the highest line stays inside the frame
+    const x = (t) => ((t - start) / span) * CHART_W;
+    const y = (v) => CHART_H - (v / top) * CHART_H;
+    const label = `${title}, last hour: ${lines.map((l) => `${l.name} ${summarise(l.values, l.fmt)}`).join('; ')}`;
+    const chart = svg('svg', { class: 'chart', viewBox: `0 0 ${CHART_W} ${CHART_H}`, preserveAspectRatio: 'none', role: 'img', 'aria-label': label, 'data-testid': `chart-${id}` });
+    for (const frac of [0.25, 0.5, 0.75]) {
+      chart.appendChild(svg('line', { class: 'chart-grid', x1: 0, x2: CHART_W, y1: CHART_H * frac, y2: CHART_H * frac, 'vector-effect': 'non-scaling-stroke' }));
+    }
+    for (const l of lines) {
+      let run = [];
+      const flush = () => {
+        if (run.length === 1) run.push([run[0][0] + 1, run[0][1]]); // one point still shows
+        if (run.length) chart.appendChild(svg('polyline', { class: `chart-line ${l.cls}`, points: run.map(([a, b]) => `${a.toFixed(1)},${b.toFixed(1)}`).join(' '), 'vector-effect': 'non-scaling-stroke' }));
+        run = [];
+      };
+      for (const [t, v] of l.values) {
+        if (v === null || t === null) flush();
+        else run.push([x(t), y(v)]);
+      }
+      flush();
+    }
+    const legend = h('ul', { class: 'chart-legend', 'aria-hidden': 'true' }, lines.map((l) => {
+      const known = l.values.filter(([, v]) => v !== null);
+      const now = known.length ? known[known.length - 1][1] : null;
+      return h('li', null, h('span', { class: `chart-key ${l.cls}` }), `${l.name} ${now === null ? '—' : l.fmt(now)}`);
+    }));
+    const times = lines.length ? lines[0].values.map(([t]) => t) : [];
+    const table = h('table', { class: 'sr-only', testid: `history-${id}` },
+      h('caption', null, `${title}, last hour`),
+      h('thead', null, h('tr', null, h('th', { scope: 'col' }, 'Time'), lines.map((l) => h('th', { scope: 'col' }, l.name)))),
+      h('tbody', null, times.map((t, i) => h('tr', null,
+        h('th', { scope: 'row' }, t === null ? '—' : fmtClock(new Date(t))),
+        lines.map((l) => {
+          const v = l.values[i][1];
+          return h('td', { 'data-field': l.field, 'data-value': v === null ? null : String(v) }, v === null ? '—' : l.fmt(v));
+        })))));
+    return h('figure', { class: 'history-chart', testid: `history-chart-${id}` },
+      h('figcaption', null, h('span', { class: 'metric-name' }, title),
+        lines.length ? h('span', { class: 'muted chart-scale', 'aria-hidden': 'true' }, ` · top ${lines[0].fmt(top / 1.05)}`) : null),
+      chart, legend, table,
+      times.length ? null : h('p', { class: 'muted' }, 'Nothing recorded yet.'));
+  }
+
+  /**
+   * A section of charts over `api/v1/history?<query>`, asked for again by
+   * `refresh()` (at most every HISTORY_MIN_MS, and every HISTORY_EVERY_MS on
+   * its own). `charts(doc)` gives the charts.
+   */
+  function historySection(ctx, { id, query, charts }) {
+    const titleId = `history-title-${id}`;
+    const body = h('div', { class: 'history-charts' }, h('p', { class: 'muted' }, 'Loading the last hour…'));
+    const el = h('section', { class: 'history', testid: `history-${id}-section`, 'aria-labelledby': titleId },
+      h('h2', { id: titleId }, 'Last hour'), body);
+    let last = 0;
+    let timer = null;
+    let inFlight = false;
+    async function load() {
+      if (inFlight || ctx.signal.aborted) return;
+      inFlight = true;
+      last = Date.now();
+      try {
+        const doc = await api(`api/v1/history${query ? `?${query}` : ''}`, { signal: ctx.signal });
+        setChildren(body, charts(doc));
+      } catch (err) {
+        if (err instanceof ApiError && err.status === 404) setChildren(body, h('p', { class: 'muted' }, 'Nothing recorded yet.'));
+        else if (!(err && err.name === 'AbortError')) setChildren(body, h('p', { class: 'muted' }, `The last hour cannot be shown: ${err.message || err}`));
+      } finally {
+        inFlight = false;
+      }
+    }
+    function refresh() {
+      if (timer !== null) return;
+      timer = setTimeout(() => {
+        timer = null;
+        load();
+      }, Math.max(0, last + HISTORY_MIN_MS - Date.now()));
+    }
+    const every = setInterval(refresh, HISTORY_EVERY_MS);
+    ctx.onStop(() => {
+      clearInterval(every);
+      if (timer !== null) clearTimeout(timer);
+    });
+    load();
+    return { el, refresh };
+  }
+
+  /** A card's or a pod's charts: memory (allocated, measured, limit) and compute. */
+  function usageCharts(id, doc) {
+    return [
+      historyChart({ id: `${id}-memory`, title: 'Memory', doc, series: [
+        { name: 'allocated', field: 'allocated_mib', cls: 'alloc', value: (at) => at('allocated_mib'), fmt: fmtMiB },
+        { name: 'measured', field: 'measured_mib', cls: 'measured', value: (at) => at('measured_mib'), fmt: fmtMiB },
+        { name: 'limit', field: 'limit_mib', cls: 'limit', value: (at) => at('limit_mib'), fmt: fmtMiB },
+      ] }),
+      historyChart({ id: `${id}-compute`, title: 'Compute', doc, max: 100, series: [
+        { name: 'cores allocated', field: 'cores', cls: 'alloc', value: (at) => at('cores'), fmt: fmtCount },
+        { name: 'SM busy', field: 'sm_percent', cls: 'measured', value: (at) => at('sm_percent'), fmt: fmtPercent },
+      ] }),
+    ];
+  }
+
+  function share(part, whole) {
+    return part === null || !whole ? null : (part / whole) * 100;
+  }
+
+  /** The cluster's charts: how much is allocated, and how fragmented the free share is. */
+  function clusterCharts(doc) {
+    return [
+      historyChart({ id: 'cluster-allocation', title: 'Allocated', doc, max: 100, series: [
+        { name: 'memory', field: 'memory', cls: 'alloc', value: (at) => share(at('used_memory_mib'), at('memory_mib')), fmt: fmtPercent },
+        { name: 'cores', field: 'cores', cls: 'measured', value: (at) => share(at('used_cores'), at('cores')), fmt: fmtPercent },
+      ] }),
+      historyChart({ id: 'cluster-fragmentation', title: 'Fragmentation', doc, max: 100, series: [
+        { name: 'fragmentation', field: 'fragmentation', cls: 'stranded', value: (at) => (at('fragmentation') === null ? null : at('fragmentation') * 100), fmt: fmtPercent },
+      ] }),
+    ];
+  }
+
   // ------------------------------------------------------------ cluster view
 
   /** How full a card is, for its colour and its text badge. */
@@ -769,7 +932,18 @@
           h('span', { class: 'metric-value', testid: `cores-${card.uuid}` }, `${fmtCount(coreUsed)} / ${fmtCount(coreCap)}`)),
         coreBar,
         h('p', { class: 'metric-sub' }, sm === null ? 'no telemetry' : `SM ${fmtPercent(sm)} busy`)),
-      cardPods(card));
+      cardPods(card),
+      cardHistoryLink(node, card));
+  }
+
+  function cardHref(node, uuid) {
+    return `#/cards/${encodeURIComponent(node)}/${encodeURIComponent(uuid)}`;
+  }
+
+  function cardHistoryLink(node, card) {
+    return h('p', { class: 'card-history-link' },
+      h('a', { href: cardHref(node.name, card.uuid), testid: `history-link-${card.uuid}` },
+        'Last hour', h('span', { class: 'sr-only' }, ` of ${node.name} card ${card.index}`)));
   }
 
   function isNvidia(card) {
@@ -822,7 +996,8 @@
     const stamp = h('p', { class: 'stamp muted', 'aria-live': 'off' }, 'Loading…');
     const content = h('div', { class: 'cluster-content', testid: 'cluster-content' });
     const banner = problemBanner('The cluster view', [content]);
-    ctx.root.append(h('div', { class: 'view-head' }, heading, stamp), banner.el, legend(), content);
+    const history = historySection(ctx, { id: 'cluster', query: '', charts: clusterCharts });
+    ctx.root.append(h('div', { class: 'view-head' }, heading, stamp), banner.el, legend(), content, history.el);
     let version = null;
 
     function render(snap) {
@@ -844,7 +1019,41 @@
 
     api('api/v1/cluster', { signal: ctx.signal }).then(render).catch((err) => ctx.fail(err));
     ctx.onStop(openStream('view=cluster', (name, data) => {
-      if (name === 'cluster') render(data);
+      if (name === 'cluster') {
+        render(data);
+        history.refresh();
+      }
+    }));
+    return heading;
+  }
+
+  /** One card: its tile as the cluster view shows it, and its last hour. */
+  function cardView(ctx, nodeName, uuid) {
+    const heading = h('h1', { tabindex: '-1', class: 'view-title' }, `Card ${uuid} on ${nodeName}`);
+    const content = h('div', { class: 'card-content', testid: 'card-content' }, h('p', { class: 'muted' }, 'Loading…'));
+    const query = new URLSearchParams({ node: nodeName, card: uuid }).toString();
+    const history = historySection(ctx, { id: 'card', query, charts: (doc) => usageCharts('card', doc) });
+    ctx.root.append(h('nav', { class: 'crumbs', 'aria-label': 'Breadcrumb' }, h('a', { href: '#/cluster' }, 'Cluster'), ' / ', h('span', { 'aria-current': 'page' }, `${nodeName} / ${uuid}`)),
+      h('div', { class: 'view-head' }, heading), content, history.el);
+    let version = null;
+
+    function render(snap) {
+      if (!snap || typeof snap !== 'object' || (snap.version === version && version !== null)) return;
+      version = snap.version;
+      ctx.ok();
+      const node = (Array.isArray(snap.nodes) ? snap.nodes : []).find((n) => n && n.name === nodeName);
+      const card = node && Array.isArray(node.cards) ? node.cards.find((c) => c && c.uuid === uuid) : null;
+      preserveFocus(content, () => setChildren(content, card
+        ? h('div', { class: 'cards' }, cardTile(node, card))
+        : h('p', { class: 'empty', testid: 'card-missing' }, `No card ${uuid} is registered on ${nodeName}.`)));
+    }
+
+    api('api/v1/cluster', { signal: ctx.signal }).then(render).catch((err) => ctx.fail(err));
+    ctx.onStop(openStream('view=cluster', (name, data) => {
+      if (name === 'cluster') {
+        render(data);
+        history.refresh();
+      }
     }));
     return heading;
   }
@@ -1013,8 +1222,11 @@
     const heading = h('h1', { tabindex: '-1', class: 'view-title pod-title' },
       h('span', { class: 'ns' }, `${namespace}/`), h('span', null, name));
     const content = h('div', { class: 'pod-content' }, h('p', { class: 'muted' }, 'Loading…'));
+    const history = historySection(ctx, {
+      id: 'pod', query: new URLSearchParams({ namespace, name }).toString(), charts: (doc) => usageCharts('pod', doc),
+    });
     ctx.root.append(h('nav', { class: 'crumbs', 'aria-label': 'Breadcrumb' }, h('a', { href: '#/pods' }, 'Pods'), ' / ', h('span', { 'aria-current': 'page' }, `${namespace}/${name}`)),
-      h('div', { class: 'view-head' }, heading), content);
+      h('div', { class: 'view-head' }, heading), content, history.el);
     let last = null;
 
     function render(doc) {
@@ -1053,7 +1265,10 @@
       });
     const query = new URLSearchParams({ view: 'pod', namespace, name });
     ctx.onStop(openStream(query.toString(), (event, data) => {
-      if (event === 'pod') render(data);
+      if (event === 'pod') {
+        render(data);
+        history.refresh();
+      }
     }));
     return heading;
   }
@@ -1335,6 +1550,7 @@
     if (parts[0] === 'pods' && parts.length === 1) return { name: 'pods' };
     if (parts[0] === 'pods' && parts.length === 3) return { name: 'pod', namespace: parts[1], pod: parts[2] };
     if (parts[0] === 'audit' && parts.length === 1) return { name: 'audit', params };
+    if (parts[0] === 'cards' && parts.length === 3) return { name: 'card', node: parts[1], uuid: parts[2] };
     return { name: 'notfound' };
   }
 
@@ -1365,7 +1581,7 @@
       },
     };
     for (const link of document.querySelectorAll('[data-nav]')) {
-      const active = link.getAttribute('data-nav') === (r.name === 'pod' ? 'pods' : r.name);
+      const active = link.getAttribute('data-nav') === ({ pod: 'pods', card: 'cluster' }[r.name] || r.name);
       if (active) link.setAttribute('aria-current', 'page');
       else link.removeAttribute('aria-current');
     }
@@ -1375,8 +1591,9 @@
     else if (r.name === 'pods') heading = podsView(ctx);
     else if (r.name === 'pod') heading = podView(ctx, r.namespace, r.pod);
     else if (r.name === 'audit') heading = auditView(ctx, r.params);
+    else if (r.name === 'card') heading = cardView(ctx, r.node, r.uuid);
     else heading = notFound(ctx);
-    const titles = { cluster: 'Cluster', pods: 'Pods', pod: r.pod, audit: 'Audit', notfound: 'Not found' };
+    const titles = { cluster: 'Cluster', pods: 'Pods', pod: r.pod, card: r.uuid, audit: 'Audit', notfound: 'Not found' };
     document.title = `${titles[r.name]} · gpuslice console`;
     if (focus && heading) heading.focus({ preventScroll: false });
   }
