@@ -1110,3 +1110,34 @@ async def test_a_bind_in_turn_gives_up_after_its_wait(ledger: Ledger) -> None:
     with pytest.raises(NodeBusy, match="taking pod a"):
         await ledger.mark_bound_in_turn("b", "node-a", 0.1)
     assert (await ledger.placement("b")).state == PlacementState.RESERVED  # type: ignore[union-attr]
+
+
+async def test_bytes_that_are_not_utf8_in_one_record_leave_the_other_nodes_readable(
+    ledger: Ledger,
+) -> None:
+    """No gpuslice writes such bytes, but a record set by hand, or left by a fault,
+    may hold them: the client decodes every reply, so one node's bytes used to fail
+    the reading of every node (and the scheduler's whole copy)."""
+    for node in ("n1", "n2", "n3"):
+        await ledger.register_node(make_inventory(node, gpus=1))
+    raw = ledger.redis.connection_pool.connection_kwargs
+    assert raw.get("decode_responses")  # why one reply fails the round trip
+    card = next(iter(await ledger.redis.hkeys(ledger.node_keys("n2").gpus)))
+    await ledger.redis.hset(ledger.node_keys("n2").gpus, card, b"\xff\xfe")
+    await ledger.redis.hset(ledger.node_keys("n3").meta, "heartbeat", b"\xc3")
+    read = await ledger.read_nodes(["n1", "n2", "n3"])
+    assert isinstance(read["n2"], BadRecord)
+    assert "bytes that are not UTF-8" in read["n2"].problem
+    assert not isinstance(read["n1"], BadRecord)
+    assert not isinstance(read["n3"], BadRecord)
+    assert len(read["n1"].cards) == 1
+    revisions = await ledger.revisions(["n1", "n2", "n3"])
+    assert isinstance(revisions["n1"], int)
+    assert isinstance(revisions["n2"], int)  # its revision is text: only its cards are not
+    liveness = await ledger.read_liveness(["n1", "n2", "n3"])
+    assert isinstance(liveness["n3"], BadRecord)
+    assert not isinstance(liveness["n1"], BadRecord)
+    # the connections are clean after: every later read is the right node's
+    again = await ledger.read_nodes(["n1"])
+    assert again["n1"] == read["n1"]
+    assert await ledger.nodes() == ["n1", "n2", "n3"]

@@ -427,6 +427,35 @@ TURN_POLL_FIRST_S = 0.02  # a bind waiting for its node's turn looks again after
 TURN_POLL_MAX_S = 0.25  # doubling up to this, unless a change notice comes first
 
 
+R = TypeVar("R")
+_NOT_TEXT = "its record holds bytes that are not UTF-8, which gpuslice never writes"
+
+
+def _not_text(node: str) -> BadRecord:
+    return BadRecord(node, _NOT_TEXT)
+
+
+async def _node_by_node(
+    nodes: Sequence[str],
+    read: Callable[[Sequence[str]], Awaitable[dict[str, R]]],
+    bad: Callable[[str], R],
+) -> dict[str, R]:
+    """``read(nodes)`` in one round trip; when a record holds bytes that are not UTF-8
+    (the client decodes every reply, and one such reply fails the whole round
+    trip), node by node instead, the node that cannot be decoded ``bad(node)``: one
+    node's record never stops the reading of the others."""
+    try:
+        return await read(nodes)
+    except UnicodeDecodeError:
+        result: dict[str, R] = {}
+        for node in nodes:
+            try:
+                result.update(await read([node]))
+            except UnicodeDecodeError:
+                result[node] = bad(node)
+        return result
+
+
 def _gated(
     op: Callable[Concatenate[Ledger, P], Coroutine[Any, Any, T]],
 ) -> Callable[Concatenate[Ledger, P], Coroutine[Any, Any, T]]:
@@ -880,6 +909,9 @@ class Ledger:
     @_gated
     async def read_liveness(self, nodes: Sequence[str]) -> dict[str, NodeLiveness | BadRecord]:
         """:meth:`node_liveness`, with a node whose times cannot be read as its BadRecord."""
+        return await _node_by_node(nodes, self._read_liveness, _not_text)
+
+    async def _read_liveness(self, nodes: Sequence[str]) -> dict[str, NodeLiveness | BadRecord]:
         nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
@@ -946,6 +978,11 @@ class Ledger:
         One round trip; for readers that build their own arrays (the scheduler)
         without a model object per card.
         """
+        return await _node_by_node(nodes, lambda some: self._read_nodes(some, vendor), _not_text)
+
+    async def _read_nodes(
+        self, nodes: Sequence[str], vendor: str | None
+    ) -> dict[str, NodeCards | BadRecord]:
         nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
         metas = []
@@ -983,6 +1020,9 @@ class Ledger:
 
         None for a node whose revision cannot be read (:meth:`read_nodes` says why).
         """
+        return await _node_by_node(nodes, self._revisions, lambda _: None)
+
+    async def _revisions(self, nodes: Sequence[str]) -> dict[str, int | None]:
         nodes, bad = _named(nodes)
         pipe = self.redis.pipeline(transaction=False)
         for node in nodes:
