@@ -121,7 +121,7 @@ proto: $(STAMP)
 
 # the tests in two worker processes (a file's tests stay together, sharing its servers)
 test: deps promtool browser lint native
-	$(BIN)/python -m pytest -n 3 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 demo: deps
 	@echo "make: building the interposer, the fake CUDA driver and NVML, the probe"
