@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 import pytest
 
-from gpuslice_common.bus import Bus
-from gpuslice_common.config import SchedulerSettings, load
-from gpuslice_common.devicetypes import parse_device_config, read_vendors
+from gpuslice_common.devicetypes import parse_device_config
 from gpuslice_common.kube import LocalKubeApi
 from gpuslice_common.ledger import Ledger
 from gpuslice_common.models import PlacementState
-from gpuslice_common.servers import NatsServer, free_port
+from gpuslice_common.servers import NatsServer
 from gpuslice_inventory.vendorsync import VendorSync
-from gpuslice_scheduler.service import running
-from tests.test_extender_vendors import CONFIG, Stack
+from tests.test_extender_vendors import CONFIG, Stack, serving, vendor_settings
 
 
 def now() -> str:
@@ -143,19 +139,7 @@ def pod(
 
 @pytest.fixture
 async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIterator[Stack]:
-    settings = read_vendors(
-        load(
-            SchedulerSettings,
-            redis_url=redis_url,
-            nats_url=nats_server.url,
-            subject_prefix=prefix,
-            listen_host="127.0.0.1",
-            listen_port=free_port(),
-            metrics_port=free_port(),
-            sync_interval="50ms",
-            device_config=str(CONFIG),
-        )
-    )
+    settings = vendor_settings(redis_url, nats_server, prefix)
     ledger = Ledger.from_url(redis_url)
     try:
         kube = LocalKubeApi()
@@ -175,13 +159,8 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
         }
         for name in NAMES:  # as the inventory's first reconciliation pass stamps them
             assert await ledger.mark_rebuilt(name)
-        bus = await Bus.connect(settings, "test")
-        try:
-            await bus.ensure_audit_stream(timedelta(hours=1))
-            async with running(settings, kube, bus=bus), httpx.AsyncClient(timeout=5) as http:
-                yield Stack(f"http://127.0.0.1:{settings.listen_port}", http, kube, ledger)
-        finally:
-            await bus.close()
+        async with serving(settings, kube, ledger) as stack:
+            yield stack
     finally:
         await ledger.close()
 

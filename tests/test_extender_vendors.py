@@ -6,6 +6,7 @@ ledger), and the annotations each vendor's plugin reads at Allocate written at b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -139,9 +140,9 @@ class Stack:
         )
 
 
-@pytest.fixture
-async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIterator[Stack]:
-    settings = read_vendors(
+def vendor_settings(redis_url: str, nats_server: NatsServer, prefix: str) -> SchedulerSettings:
+    """An extender's settings reading HAMi's default device configuration."""
+    return read_vendors(
         load(
             SchedulerSettings,
             redis_url=redis_url,
@@ -154,6 +155,25 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
             device_config=str(CONFIG),
         )
     )
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    settings: SchedulerSettings, kube: LocalKubeApi, ledger: Ledger
+) -> AsyncIterator[Stack]:
+    """The live extender over ``ledger`` and ``kube``, with its bus."""
+    bus = await Bus.connect(settings, "test")
+    try:
+        await bus.ensure_audit_stream(timedelta(hours=1))
+        async with running(settings, kube, bus=bus), httpx.AsyncClient(timeout=5) as http:
+            yield Stack(f"http://127.0.0.1:{settings.listen_port}", http, kube, ledger)
+    finally:
+        await bus.close()
+
+
+@pytest.fixture
+async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIterator[Stack]:
+    settings = vendor_settings(redis_url, nats_server, prefix)
     assert {v.vendor for v in settings.requests.vendors} >= {"hygon", "xpu"}
     ledger = Ledger.from_url(redis_url)
     try:
@@ -171,13 +191,8 @@ async def stack(redis_url: str, nats_server: NatsServer, prefix: str) -> AsyncIt
         for inventory in accel_cards():
             await ledger.register_node(inventory)
         kube.add_node({"metadata": {"name": "accel"}})
-        bus = await Bus.connect(settings, "test")
-        try:
-            await bus.ensure_audit_stream(timedelta(hours=1))
-            async with running(settings, kube, bus=bus), httpx.AsyncClient(timeout=5) as http:
-                yield Stack(f"http://127.0.0.1:{settings.listen_port}", http, kube, ledger)
-        finally:
-            await bus.close()
+        async with serving(settings, kube, ledger) as stack:
+            yield stack
     finally:
         await ledger.close()
 

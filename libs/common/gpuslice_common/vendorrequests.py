@@ -87,8 +87,7 @@ def bounds(vendor: VendorResources) -> list[tuple[str, int]]:
     return found
 
 
-def _whole(vendor: VendorResources) -> MemoryRequest:
-    return MemoryRequest(percent=100)
+WHOLE_CARD: Final = MemoryRequest(percent=100)
 
 
 def _refuse_shares(label: str, vendor: VendorResources, amounts: Mapping[str, int]) -> None:
@@ -132,7 +131,7 @@ def build(
             raise RequestError(
                 f"{label}: {vendor.count} must be 1, 2, 4 or 8 (whole XPUs), got {count}"
             )
-        memory, cores = _whole(vendor), 100
+        memory, cores = WHOLE_CARD, 100
     elif rules == "ascend":
         memory = _ascend_memory(label, vendor, units, count)
         if cores:
@@ -154,7 +153,7 @@ def build(
                 f"{label}: {vendor.count} is {count}; a container gets one MLU (HAMi's "
                 "dynamic-smlu profile names one card)"
             )
-        memory = MemoryRequest(mib=units * vendor.memory_factor) if units else _whole(vendor)
+        memory = MemoryRequest(mib=units * vendor.memory_factor) if units else WHOLE_CARD
     request = ContainerGpuRequest(
         name=name,
         init=init,
@@ -172,7 +171,7 @@ def _ascend_memory(
 ) -> MemoryRequest:
     whole = vendor.memory_allocatable_mib
     if not units:
-        return MemoryRequest(mib=whole) if whole else MemoryRequest(percent=100)
+        return MemoryRequest(mib=whole) if whole else WHOLE_CARD
     mib = units * vendor.memory_factor
     trimmed = next((t.memory_mib for t in vendor.templates if mib <= t.memory_mib), None)
     if trimmed is None:
@@ -205,7 +204,7 @@ def _mthreads(
                 f"{label}: {vendor.count} {count} takes whole cards; its memory and cores "
                 "are set to the whole card's, as HAMi's webhook does"
             )
-        return MemoryRequest(percent=100), vendor.max_cores, notes
+        return WHOLE_CARD, vendor.max_cores, notes
     if units not in MTHREADS_MEMORY_UNITS:
         allowed = ", ".join(str(u) for u in MTHREADS_MEMORY_UNITS)
         raise RequestError(
@@ -243,7 +242,7 @@ def _enflame(
         init=init,
         sidecar=sidecar,
         count=1,
-        memory=MemoryRequest(percent=100),  # the profile's, once chosen on a node
+        memory=WHOLE_CARD,  # the profile's, once chosen on a node
         cores=0,
         vendor=vendor.vendor,
         drs=demand,
